@@ -1,0 +1,1 @@
+"""Parallelism: topology and process groups, counted collectives, tensor/pipeline layers, ZeRO."""

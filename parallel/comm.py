@@ -1,0 +1,183 @@
+"""Counted collectives: the only module that calls torch.distributed communication.
+
+Every call adds the bytes this rank sends, by the ring model, to a ``CommStats`` object shared by
+all groups of the process, keyed by operation and by axis (n = group size, S = tensor bytes):
+
+    all_reduce      2 (n-1)/n S        reduce_scatter  (n-1)/n S_in
+    all_gather      (n-1)/n S_out      broadcast       (n-1)/n S
+    p2p             S per send
+
+A group of one rank sends nothing and makes no call. ``async_op=True`` returns a handle with
+``wait()`` so callers can overlap communication with compute.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
+
+
+class CommStats:
+    """Bytes sent and calls made by this process, per (operation, axis).
+
+    Owns plain counters only; it never communicates. Read with ``bytes_by_operation()`` /
+    ``bytes_by_axis()`` / ``snapshot()`` and clear with ``reset()`` (the trainer does both once per
+    iteration).
+    """
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, str], float] = defaultdict(float)
+        self._calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, operation: str, axis: str, nbytes: float) -> None:
+        self._bytes[(operation, axis)] += nbytes
+        self._calls[(operation, axis)] += 1
+
+    def bytes_by_operation(self) -> dict[str, int]:
+        """Bytes sent per operation (every operation listed, 0 when unused)."""
+        totals = dict.fromkeys(OPERATIONS, 0.0)
+        for (operation, _), nbytes in self._bytes.items():
+            totals[operation] += nbytes
+        return {op: int(round(v)) for op, v in totals.items()}
+
+    def bytes_by_axis(self) -> dict[str, int]:
+        totals: dict[str, float] = defaultdict(float)
+        for (_, axis), nbytes in self._bytes.items():
+            totals[axis] += nbytes
+        return {axis: int(round(v)) for axis, v in totals.items()}
+
+    def total_bytes(self) -> int:
+        return int(round(sum(self._bytes.values())))
+
+    def snapshot(self) -> dict:
+        """Bytes and calls keyed by "operation/axis", plus per-operation totals."""
+        return {
+            "by_operation": self.bytes_by_operation(),
+            "by_axis": self.bytes_by_axis(),
+            "bytes": {f"{op}/{axis}": int(round(v)) for (op, axis), v in self._bytes.items()},
+            "calls": {f"{op}/{axis}": n for (op, axis), n in self._calls.items()},
+        }
+
+    def reset(self) -> None:
+        self._bytes.clear()
+        self._calls.clear()
+
+
+@dataclass
+class AxisGroup:
+    """One process group of one axis, as seen from this rank.
+
+    Owns the torch group handle (None for a single-rank group, which needs no communication), its
+    global ranks in group order, and a reference to the process-wide ``CommStats``. It never
+    communicates by itself: pass it to the functions of this module.
+    """
+
+    axis: str
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+    stats: CommStats = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index inside the group."""
+        return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
+
+
+class _Completed:
+    """Handle of an operation that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _ring_fraction(group: AxisGroup) -> float:
+    return (group.size - 1) / group.size
+
+
+def all_reduce(tensor: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce (SUM by default; gloo has no AVG: divide afterwards)."""
+    if group.size == 1:
+        return _Completed() if async_op else None
+    group.stats.add("all_reduce", group.axis, 2 * _ring_fraction(group) * _nbytes(tensor))
+    return dist.all_reduce(tensor, op=op, group=group.group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+                          op=dist.ReduceOp.SUM, async_op: bool = False):
+    """Reduce ``input`` (n equal chunks along dim 0) and leave chunk ``group.rank`` in ``output``."""
+    if input.numel() != output.numel() * group.size:
+        raise ValueError(f"reduce_scatter over {group.axis} (size {group.size}): input has {input.numel()} "
+                         f"elements, output {output.numel()}; input must be exactly size x output")
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return _Completed() if async_op else None
+    group.stats.add("reduce_scatter", group.axis, _ring_fraction(group) * _nbytes(input))
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group.group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False):
+    """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order."""
+    if output.numel() != input.numel() * group.size:
+        raise ValueError(f"all_gather over {group.axis} (size {group.size}): output has {output.numel()} "
+                         f"elements, input {input.numel()}; output must be exactly size x input")
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return _Completed() if async_op else None
+    group.stats.add("all_gather", group.axis, _ring_fraction(group) * _nbytes(output))
+    return dist.all_gather_into_tensor(output, input, group=group.group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False):
+    """Broadcast ``tensor`` from global rank ``src`` to every rank of the group."""
+    if src not in group.ranks:
+        raise ValueError(f"broadcast source rank {src} is not in the {group.axis} group {list(group.ranks)}")
+    if group.size == 1:
+        return _Completed() if async_op else None
+    group.stats.add("broadcast", group.axis, _ring_fraction(group) * _nbytes(tensor))
+    return dist.broadcast(tensor, src=src, group=group.group, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: AxisGroup) -> None:
+    """Blocking send to global rank ``dst``."""
+    group.stats.add("p2p", group.axis, _nbytes(tensor))
+    dist.send(tensor, dst=dst, group=group.group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: AxisGroup) -> None:
+    """Blocking receive from global rank ``src`` into ``tensor`` (its shape must be known in advance)."""
+    dist.recv(tensor, src=src, group=group.group)
+
+
+def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                      group: AxisGroup) -> list:
+    """Post all sends (tensor, dst) and receives (tensor, src) at once; return handles to wait on.
+
+    Posting both directions together is what lets two neighbours exchange without deadlock.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, group=group.group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group.group) for t, peer in recvs]
+    for tensor, _ in sends:
+        group.stats.add("p2p", group.axis, _nbytes(tensor))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def barrier(group: AxisGroup) -> None:
+    """Wait until every rank of the group arrives (sends no counted payload)."""
+    if group.size > 1:
+        dist.barrier(group=group.group)

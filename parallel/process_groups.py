@@ -1,0 +1,118 @@
+"""Torch process groups for one rank, created from a ``Topology``.
+
+``init_distributed()`` starts the default group from the launcher's environment (torchrun sets
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): gloo on CPU, NCCL when a GPU is present.
+``create_process_groups(topology)`` then makes every tp, dp, pp, mp and embedding group (every rank
+creates every group in the same order, as torch requires) and returns this rank's ``ParallelGroups``,
+which is passed explicitly to whatever needs a group: there are no module-level globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import AxisGroup, CommStats
+from parallel.topology import AXES, Topology
+
+
+def default_device() -> torch.device:
+    """This process's compute device: its local GPU when one exists, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 300.0) -> torch.device:
+    """Initialise the default process group from the launcher's environment; return the device.
+
+    Without launcher variables it starts a world of one process (so the main job also runs as a
+    plain ``python -m pretrain``). Safe to call when the group already exists.
+    """
+    device = default_device()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the grid: its coordinates and one ``AxisGroup`` per axis.
+
+    Owns the group handles and the process-wide communication counters (``stats``). It never
+    decides layout (that is ``Topology``) and never communicates by itself (that is ``parallel.comm``).
+    """
+
+    topology: Topology
+    rank: int
+    stats: CommStats
+    tp: AxisGroup
+    dp: AxisGroup
+    pp: AxisGroup
+    mp: AxisGroup
+    embedding: AxisGroup
+    world: AxisGroup
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topology.coords(self.rank)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.topology.pp - 1
+
+
+def create_process_groups(topology: Topology) -> ParallelGroups:
+    """Create all groups of ``topology`` and return the ones this rank belongs to.
+
+    Raises ValueError (before any group is created, so nothing hangs) when the launcher's world size
+    differs from the topology's. Single-rank groups get no torch group: they never communicate.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call parallel.process_groups.init_distributed() first")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if world_size != topology.world_size:
+        raise ValueError(f"the launcher started {world_size} processes but the layout is for {topology.world_size} "
+                         f"(pp {topology.pp} x dp {topology.dp} x tp {topology.tp}): launch {topology.world_size} "
+                         f"processes or change the parallel sizes")
+    topology.warn_if_tp_spans_nodes()
+    stats = CommStats()
+    mine: dict[str, AxisGroup] = {}
+    for axis in AXES:
+        for ranks in topology.groups(axis):
+            handle = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[axis] = AxisGroup(axis, tuple(ranks), handle, stats)
+    world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
+    return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world, **mine)

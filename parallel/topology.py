@@ -1,0 +1,157 @@
+"""The grid of processes: pipeline x data x tensor, as pure rank algebra.
+
+Rank order (megatron-core's default "tp-cp-ep-dp-pp" with cp = ep = 1):
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so tensor-parallel peers are neighbours (same node, fastest link), then data-parallel peers, then
+pipeline stages. The whole grid is ``arange(world).reshape(pp, dp, tp)``; every group is a line or a
+plane of that array. Nothing here touches torch.distributed (see ``parallel.process_groups``).
+
+Axes:
+    tp         ranks holding slices of the same layers (same pp, dp)
+    dp         ranks holding replicas (or ZeRO shards) of the same model slice (same pp, tp)
+    pp         the pipeline stages of one model replica (same dp, tp)
+    mp         model parallel: all tp x pp ranks of one replica (same dp)
+    embedding  the first and last pipeline stage of each (dp, tp) position (tied embedding)
+
+Run ``python -m parallel.topology --world-size 16 --tp 2 --pp 2 --gpus-per-node 8`` to print a grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from dataclasses import dataclass
+
+AXES = ("tp", "dp", "pp", "mp", "embedding")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The layout of ``world_size`` ranks as a pp x dp x tp grid.
+
+    Owns only integers: it never creates process groups and never reads the environment, so any
+    layout (also one far larger than this machine) can be inspected and tested anywhere.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    gpus_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("world size", self.world_size), ("--tensor-model-parallel-size", self.tp),
+                            ("--pipeline-model-parallel-size", self.pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tp > self.world_size:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp} is larger than the world size "
+                             f"{self.world_size}: use at most {self.world_size} or launch more processes")
+        if self.pp > self.world_size:
+            raise ValueError(f"--pipeline-model-parallel-size {self.pp} is larger than the world size "
+                             f"{self.world_size}: use at most {self.world_size} or launch more processes")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} "
+                f"x --pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}: launch a multiple of "
+                f"{self.tp * self.pp} processes or change tp/pp")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world / (tp * pp)."""
+        return self.world_size // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return pp_rank, dp_rank, tp_rank
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """Global rank at grid position (pp, dp, tp)."""
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} coordinate {value} is outside 0..{size - 1}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` as a list of ranks, in a fixed order shared by all ranks."""
+        grid = [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)] for p in range(self.pp)]
+        if axis == "tp":
+            return [grid[p][d] for p in range(self.pp) for d in range(self.dp)]
+        if axis == "dp":
+            return [[grid[p][d][t] for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        if axis == "pp":
+            return [[grid[p][d][t] for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        if axis == "mp":
+            return [[grid[p][d][t] for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+        if axis == "embedding":
+            return [sorted({grid[0][d][t], grid[-1][d][t]}) for d in range(self.dp) for t in range(self.tp)]
+        raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The ranks of the ``axis`` group that contains ``rank``."""
+        for ranks in self.groups(axis):
+            if rank in ranks:
+                return ranks
+        raise ValueError(f"rank {rank} is in no {axis} group")
+
+    def node(self, rank: int) -> int | None:
+        """Index of the node hosting ``rank`` (ranks fill nodes in order), or None if unknown."""
+        return None if self.gpus_per_node is None else rank // self.gpus_per_node
+
+    def tp_groups_spanning_nodes(self) -> list[list[int]]:
+        """Tensor-parallel groups whose ranks sit on more than one node (slow links for every layer)."""
+        if self.gpus_per_node is None:
+            return []
+        return [ranks for ranks in self.groups("tp") if len({self.node(r) for r in ranks}) > 1]
+
+    def warn_if_tp_spans_nodes(self) -> None:
+        """Warn when a tensor-parallel group crosses nodes: every layer would all-reduce over the network."""
+        spanning = self.tp_groups_spanning_nodes()
+        if spanning:
+            warnings.warn(f"{len(spanning)} tensor-parallel group(s) span nodes (e.g. ranks {spanning[0]} with "
+                          f"--gpus-per-node {self.gpus_per_node}): choose --tensor-model-parallel-size dividing "
+                          f"{self.gpus_per_node}", stacklevel=2)
+
+    def describe(self) -> str:
+        """A human-readable table of every group, with node placement when known."""
+        def fmt(ranks: list[int]) -> str:
+            if self.gpus_per_node is None:
+                return str(ranks)
+            return "[" + ", ".join(f"{r}@n{self.node(r)}" for r in ranks) + "]"
+
+        lines = [f"world {self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}"
+                 + (f", {self.gpus_per_node} per node" if self.gpus_per_node else "")]
+        for axis in AXES:
+            lines.append(f"{axis:>9}: " + " ".join(fmt(g) for g in self.groups(axis)))
+        lines.append("    ranks: " + " ".join(f"{r}=(pp{p},dp{d},tp{t})" for r in range(self.world_size)
+                                             for p, d, t in [self.coords(r)]))
+        spanning = self.tp_groups_spanning_nodes()
+        if spanning:
+            lines.append(f"  warning: {len(spanning)} tensor-parallel group(s) span nodes")
+        return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m parallel.topology", description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        topology = Topology(args.world_size, args.tp, args.pp, args.gpus_per_node)
+    except ValueError as error:
+        parser.exit(2, f"error: {error}\n")
+    print(topology.describe())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Counted collectives: values are right and byte counters equal the ring-model formulas."""
+
+import pytest
+import torch
+
+from parallel import comm
+from parallel.process_groups import create_process_groups
+from parallel.topology import Topology
+from tests.world import run_world
+
+
+def _every_collective(rank, world_size):
+    groups = create_process_groups(Topology(world_size))
+    group, stats, n = groups.dp, groups.stats, world_size
+    expected = {}
+    # all_reduce: 2(n-1)/n * S
+    x = torch.full((8 * n,), float(rank + 1))
+    comm.all_reduce(x, group)
+    assert torch.all(x == n * (n + 1) / 2)
+    expected["all_reduce"] = 2 * (n - 1) / n * x.numel() * 4
+    # reduce_scatter: (n-1)/n * S_in, async handle
+    full = torch.arange(4 * n, dtype=torch.float64) + rank
+    shard = torch.empty(4, dtype=torch.float64)
+    comm.reduce_scatter_tensor(shard, full, group, async_op=True).wait()
+    base = torch.arange(4 * n, dtype=torch.float64)[4 * rank:4 * rank + 4]
+    assert torch.equal(shard, n * base + n * (n - 1) / 2)
+    expected["reduce_scatter"] = (n - 1) / n * full.numel() * 8
+    # all_gather: (n-1)/n * S_out
+    mine = torch.full((3,), rank, dtype=torch.bfloat16)
+    gathered = torch.empty(3 * n, dtype=torch.bfloat16)
+    comm.all_gather_into_tensor(gathered, mine, group)
+    assert gathered.tolist() == [float(r) for r in range(n) for _ in range(3)]
+    expected["all_gather"] = (n - 1) / n * gathered.numel() * 2
+    # broadcast: (n-1)/n * S, on every rank (the ring model averages the source's cost)
+    b = torch.full((16,), float(rank), dtype=torch.float32)
+    comm.broadcast(b, src=n - 1, group=group)
+    assert torch.all(b == n - 1)
+    expected["broadcast"] = (n - 1) / n * 16 * 4
+    # p2p ring: S per send
+    expected["p2p"] = 0
+    if n > 1:
+        out, into = torch.full((5,), float(rank)), torch.empty(5)
+        handles = comm.batch_isend_irecv([(out, (rank + 1) % n)], [(into, (rank - 1) % n)], group)
+        for h in handles:
+            h.wait()
+        assert torch.all(into == (rank - 1) % n)
+        if rank == 0:
+            comm.send(torch.ones(7), dst=1, group=group)
+        elif rank == 1:
+            got = torch.zeros(7)
+            comm.recv(got, src=0, group=group)
+            assert torch.all(got == 1)
+        expected["p2p"] = 5 * 4 + (7 * 4 if rank == 0 else 0)
+    comm.barrier(group)
+    measured = stats.bytes_by_operation()
+    calls = stats.snapshot()["calls"]
+    stats.reset()
+    assert stats.total_bytes() == 0
+    return measured, {k: round(v) for k, v in expected.items()}, calls
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_byte_counters_equal_ring_model(world_size):
+    for measured, expected, calls in run_world(world_size, _every_collective):
+        assert measured == expected
+        if world_size == 1:
+            assert calls == {}  # a group of one makes no call
+        else:
+            assert calls["all_reduce/dp"] == 1 and calls["reduce_scatter/dp"] == 1
+
+
+def _groups_of_a_3d_grid(rank, world_size):
+    groups = create_process_groups(Topology(world_size, tp=2, pp=2))
+    result = {}
+    for axis in ("tp", "dp", "pp", "mp", "embedding", "world"):
+        group = getattr(groups, axis)
+        x = torch.tensor([float(rank)])
+        comm.all_reduce(x, group)
+        result[axis] = (list(group.ranks), x.item())
+    by_axis = groups.stats.bytes_by_axis()
+    return (groups.pp_rank, groups.dp_rank, groups.tp_rank), result, by_axis
+
+
+def test_process_groups_of_a_3d_grid():
+    topology = Topology(8, tp=2, pp=2)
+    for rank, (coords, result, by_axis) in enumerate(run_world(8, _groups_of_a_3d_grid)):
+        assert coords == topology.coords(rank)
+        for axis, (ranks, total) in result.items():
+            expected = list(range(8)) if axis == "world" else topology.group_of(axis, rank)
+            assert ranks == expected
+            assert total == sum(expected)
+        assert by_axis["tp"] == 2 * (1 / 2) * 4 and by_axis["mp"] == round(2 * (3 / 4) * 4)
+
+
+def _wrong_world_size(rank, world_size):
+    create_process_groups(Topology(4, tp=2))
+
+
+def test_world_size_mismatch_is_an_error_not_a_hang():
+    from tests.world import WorldError
+
+    with pytest.raises(WorldError, match="launcher started 2 processes but the layout is for 4"):
+        run_world(2, _wrong_world_size, timeout_s=60)
