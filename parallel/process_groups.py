@@ -31,9 +31,13 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """Initialise the default process group from the launcher's environment; return the device.
 
     Without launcher variables it starts a world of one process (so the main job also runs as a
-    plain ``python -m pretrain``). Safe to call when the group already exists.
+    plain ``python -m pretrain``). Unless OMP_NUM_THREADS is set, the CPU cores are divided among the
+    processes of this node. Safe to call when the group already exists.
     """
     device = default_device()
+    if "OMP_NUM_THREADS" not in os.environ:  # oversubscribed intra-op threads spin and crawl
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

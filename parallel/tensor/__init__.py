@@ -1,0 +1,1 @@
+"""Tensor parallelism: layers split across the tensor-parallel group, and their loss."""

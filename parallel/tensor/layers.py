@@ -1,0 +1,149 @@
+"""Tensor-parallel layers (Megatron-style), usable unchanged at tp = 1.
+
+Activations are [sequence, batch, hidden]. With sequence parallelism, the activations outside the
+parallel regions are split along the sequence (dim 0) across the tensor-parallel group; the
+entry/exit collectives become all-gather / reduce-scatter instead of identity / all-reduce.
+
+Parameter attributes read by the optimizer and gradient synchronisation:
+    ``tensor_parallel``    the parameter is a slice of a weight split across tp ranks
+    ``sequence_parallel``  the parameter is replicated across tp but sees only a sequence shard,
+                           so its gradient must be summed over the tp group
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.comm import AxisGroup
+from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
+                                      reduce_from_tensor_parallel, reduce_scatter_dim0,
+                                      reduce_scatter_to_sequence_parallel)
+from parallel.tensor.weight_init import WeightInit
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} {total} is not divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+def _shard_parameter(full: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
+    shard = full.chunk(group.size, dim=dim)[group.rank].contiguous()
+    param = nn.Parameter(shard)
+    param.tensor_parallel = group.size > 1
+    param.partition_dim = dim
+    return param
+
+
+def mark_sequence_parallel(param: nn.Parameter, enabled: bool) -> nn.Parameter:
+    """Flag a replicated parameter whose gradient is partial under sequence parallelism."""
+    param.sequence_parallel = enabled
+    return param
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Y = all_gather(X_shard) A^T + b, saving only X_shard: backward all-gathers it again.
+
+    Keeps the saved input of a column-parallel layer at 1/tp under sequence parallelism (the
+    gathered input is never kept for backward), as the Korthikanti et al. activation formula assumes.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(all_gather_dim0(x_shard, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_shard, weight = ctx.saved_tensors
+        x_full = all_gather_dim0(x_shard, ctx.group)
+        grad_x = reduce_scatter_dim0(grad_out.matmul(weight), ctx.group)
+        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its output dim: each rank computes out/tp columns of Y.
+
+    Owns its weight slice [out/tp, in] and bias slice. Its output stays split (the next layer is
+    row-parallel); it never gathers the full output.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
+                 bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.out_per_rank = _divide(out_features, group.size, f"{init.name}: output features")
+        self.weight = _shard_parameter(init.full((out_features, in_features), dtype), 0, group)
+        self.bias = _shard_parameter(torch.zeros(out_features, dtype=dtype), 0, group) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.group.size > 1:
+            return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its input dim: each rank takes in/tp features of X.
+
+    Owns its weight slice [out, in/tp] and the full (replicated) bias, added once after the partial
+    products are summed. It never sees the full input.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
+                 bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        _divide(in_features, group.size, f"{init.name}: input features")
+        self.weight = _shard_parameter(init.full((out_features, in_features), dtype), 1, group)
+        self.bias = (mark_sequence_parallel(nn.Parameter(torch.zeros(out_features, dtype=dtype)), sequence_parallel)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel(partial, self.group)
+        else:
+            out = reduce_from_tensor_parallel(partial, self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose table is split by vocabulary range across the tensor-parallel group.
+
+    Owns rows [start, end) of the (padded) table. Rows at or beyond ``vocab_size`` (padding) start
+    at zero so that the real rows' numbers do not depend on the padding. Each rank looks up the tokens
+    in its range, zeros the rest, and the partial embeddings are summed over the group. It never holds
+    another rank's rows.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
+                 init: WeightInit, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.group = group
+        rows = _divide(padded_vocab_size, group.size, "padded vocabulary size")
+        self.vocab_start, self.vocab_end = group.rank * rows, (group.rank + 1) * rows
+        full = torch.zeros(padded_vocab_size, hidden_size, dtype=dtype)
+        full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
+        self.weight = _shard_parameter(full, 0, group)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            out = F.embedding(tokens, self.weight)
+        else:
+            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+            local = (tokens - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.group)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, group: AxisGroup,
+                          sequence_parallel: bool = False) -> torch.Tensor:
+    """Logits of this rank's vocabulary range, [s, b, vocab/tp]; the full logits never exist."""
+    if sequence_parallel and group.size > 1:
+        return _SequenceParallelLinear.apply(hidden, weight_shard, None, group)
+    return F.linear(copy_to_tensor_parallel(hidden, group), weight_shard)
