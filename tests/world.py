@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -41,7 +42,7 @@ def _child(rank: int, world_size: int, port: int, collective_timeout_s: float, r
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        results.put((rank, True, pickle.dumps(value)))  # plain bytes: tensors must not travel as shared memory
         dist.destroy_process_group()
     except BaseException:  # report everything, including a gloo timeout, to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -88,4 +89,4 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, collective_t
             why = "stopped after another rank failed" if failures else f"hung for more than {timeout_s:.0f} s"
             parts.insert(0, f"ranks {hung} {why} (a collective that not every rank entered?)")
         raise WorldError("\n".join(parts))
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]

@@ -1,0 +1,194 @@
+"""GPT train/valid/test datasets over indexed data, built by megatron-core.
+
+`--data-path` follows Megatron-LM: `PREFIX`, `PREFIX1 PREFIX2 ...` (blended with equal weights;
+Megatron-LM would weight by size and cap the blend at one epoch) or `W1 PREFIX1 W2 PREFIX2 ...`
+(weighted blend). `--split` such as "969,30,1" divides every prefix's documents into train,
+valid and test ranges. Samples are dicts of `tokens, labels, loss_mask, position_ids`, each of
+`seq_length` elements (plus `dataset_id` in a blend); their order is a deterministic function
+of the seed.
+
+Index caches in `cache_dir`, by megatron-core's protocol:
+- torch.distributed initialised: `build_gpt_datasets` is collective over the world group. Rank 0
+  builds and writes the caches, every rank waits at a barrier and then reads them, so
+  `cache_dir` must be one directory that all ranks see (a shared filesystem across nodes).
+- not initialised (one process): the build holds an `fcntl.flock` on `cache_dir`, so processes
+  sharing the cache never race. megatron-core's blended dataset calls
+  `torch.distributed.get_rank()` unconditionally, so a blend is built inside a temporary
+  one-rank gloo group (in-memory store), destroyed afterwards.
+"""
+
+import contextlib
+import fcntl
+import logging
+import os
+import warnings
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy
+import torch
+from torch.utils.data import Dataset
+
+from data.tokenizer import Tokenizer
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+
+Blend = Tuple[List[str], Optional[List[float]]]
+Splits = Tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def build_gpt_datasets(
+    data_path: List[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Tuple[int, int, int],
+    tokenizer: Tokenizer,
+    cache_dir: str,
+) -> Splits:
+    """Build (train, valid, test): GPTDatasets, or BlendedDatasets for several prefixes, of at
+    least `num_samples` samples each (None for a split weighted 0 in `--split` or asked for 0
+    samples). Validates every flag before megatron-core runs; never orders samples by anything
+    but the seed, the data, the split and the sizes."""
+    if seq_length <= 0:
+        raise ValueError(f"--seq-length {seq_length}: must be positive")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"--seed {seed}: must be in [0, 2**32) (numpy's RandomState range)")
+    if len(num_samples) != 3 or any(count < 0 for count in num_samples):
+        raise ValueError(f"num_samples {num_samples}: expected three non-negative sample counts")
+    blend = parse_data_path(data_path)
+    split_matrix = _parse_split(split)
+    for prefix in blend[0]:
+        _check_indexed_dataset(prefix, tokenizer, split, split_matrix, num_samples)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    # A split asked for no samples is not built at all (megatron-core would still build one
+    # epoch of it), so it may also be empty. Its bounds stay as derived from --split.
+    config.split_matrix = [
+        bounds if count > 0 else None for bounds, count in zip(config.split_matrix, num_samples)
+    ]
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, config)
+    os.makedirs(cache_dir, exist_ok=True)
+    if torch.distributed.is_initialized():
+        return tuple(builder.build())
+    with _cache_lock(cache_dir), _one_rank_group_if(len(blend[0]) > 1):
+        return tuple(builder.build())
+
+
+def parse_data_path(data_path: Sequence[str]) -> Blend:
+    """Megatron's `--data-path` list as (prefixes, weights); weights None for a single prefix,
+    equal weights for unweighted prefixes. Only parses: never touches the files."""
+    numeric = [_is_number(item) for item in data_path]
+    weighted = len(data_path) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2])
+    if not data_path or (any(numeric) and not weighted):
+        raise ValueError(
+            f"--data-path {' '.join(data_path)}: expected PREFIX, PREFIX1 PREFIX2 ... "
+            "or W1 PREFIX1 W2 PREFIX2 ..."
+        )
+    prefixes, weights = get_blend_from_list(list(data_path))
+    if weights is not None and any(weight <= 0 for weight in weights):
+        raise ValueError(f"--data-path {' '.join(data_path)}: weights must be positive")
+    if len(prefixes) == 1:
+        return prefixes, None
+    return prefixes, weights if weights is not None else [1.0] * len(prefixes)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
+    parts = split.split(",")
+    if len(parts) > 3 or not all(_is_number(part) and float(part) >= 0 for part in parts):
+        raise ValueError(
+            f'--split {split}: expected up to three non-negative weights like "969,30,1"'
+        )
+    if sum(float(part) for part in parts) <= 0:
+        raise ValueError(f"--split {split}: at least one weight must be positive")
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def _check_indexed_dataset(
+    prefix: str,
+    tokenizer: Tokenizer,
+    split: str,
+    split_matrix: List[Optional[Tuple[float, float]]],
+    num_samples: Tuple[int, int, int],
+) -> None:
+    """The .bin/.idx pair exists, its dtype holds the tokenizer's ids, and every split asked for
+    samples has documents (megatron-core would loop forever on an empty split)."""
+    for path in (prefix + ".bin", prefix + ".idx"):
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"--data-path {prefix}: no {path} found; run python -m data.preprocess first"
+            )
+    try:
+        dataset = IndexedDataset(prefix)
+    except (AssertionError, OSError, ValueError) as error:
+        raise ValueError(
+            f"--data-path {prefix}: not a megatron indexed dataset ({error}); "
+            "run python -m data.preprocess again"
+        ) from None
+    if numpy.iinfo(dataset.index.dtype).max < tokenizer.vocab_size - 1:
+        raise ValueError(
+            f"--data-path {prefix}: stores {dataset.index.dtype.__name__} tokens, too small for "
+            f"--tokenizer-model {tokenizer.model_path} (vocab size {tokenizer.vocab_size}); "
+            "preprocess the data with this tokenizer"
+        )
+    documents = len(dataset.sequence_lengths)
+    for name, bounds, count in zip(SPLIT_NAMES, split_matrix, num_samples):
+        if bounds is None or count == 0:
+            continue
+        begin, end = (int(round(bound * documents)) for bound in bounds)
+        if end == begin:
+            raise ValueError(
+                f"--split {split}: the {name} split of --data-path {prefix} ({documents} "
+                "documents) is empty; give it a larger weight, 0 to skip it, or more documents"
+            )
+
+
+@contextlib.contextmanager
+def _cache_lock(cache_dir: str) -> Iterator[None]:
+    with open(os.path.join(cache_dir, "gpt_dataset.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@contextlib.contextmanager
+def _one_rank_group_if(needed: bool) -> Iterator[None]:
+    if not needed:
+        yield
+        return
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
