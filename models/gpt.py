@@ -8,6 +8,8 @@ tied output layer and loss). The only parallel decisions here are which layers t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,7 @@ from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     mark_sequence_parallel, vocab_parallel_logits)
 from parallel.tensor.mappings import scatter_to_sequence_parallel
+from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.tensor.weight_init import WeightInit
 
 
@@ -56,9 +59,11 @@ class SelfAttention(nn.Module):
     holds whole heads) and the output projection (row-parallel). It never holds other ranks' heads.
     """
 
-    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool):
+    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
+                 rng: RNGTracker):
         super().__init__()
         h, std = config.hidden_size, config.init_method_std
+        self.rng = rng
         self.heads_per_rank = config.num_attention_heads // tp.size
         self.head_dim = h // config.num_attention_heads
         self.dropout = config.attention_dropout
@@ -68,9 +73,11 @@ class SelfAttention(nn.Module):
                                       .scaled_for_residual(config.num_layers), sequence_parallel=sequence_parallel)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]: the part selective recompute redoes."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]: the part selective recompute redoes.
+        Attention dropout draws from the per-tp-rank stream: each rank holds different heads."""
+        dropout = self.dropout if self.training else 0.0
+        with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, heads_per_rank * 3 * d]
@@ -98,20 +105,31 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)), with dropout on both residual branches."""
+    """x + attn(norm(x)), then + mlp(norm(.)), with dropout on both residual branches.
 
-    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool):
+    Residual dropout draws from the default stream (equal on all tp ranks, whose activations are
+    replicas), or from the per-tp-rank stream under sequence parallelism (each rank holds other tokens).
+    """
+
+    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
+                 rng: RNGTracker | None = None):
         super().__init__()
         self.layer = layer
+        self.rng = rng or model_parallel_tracker(seed, tp.rank)
         self.attention_norm = _norm(config, sequence_parallel)
-        self.attention = SelfAttention(config, layer, tp, seed, sequence_parallel)
+        self.attention = SelfAttention(config, layer, tp, seed, sequence_parallel, self.rng)
         self.mlp_norm = _norm(config, sequence_parallel)
         self.mlp = MLP(config, layer, tp, seed, sequence_parallel)
         self.dropout = _dropout(config.hidden_dropout)
+        self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
+
+    def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        with self.rng.fork() if self.fork_for_dropout else contextlib.nullcontext():
+            return self.dropout(x)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), rotary))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = x + self._residual_dropout(self.attention(self.attention_norm(x), rotary))
+        return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))
 
 
 class GPTModel(nn.Module):
@@ -129,6 +147,7 @@ class GPTModel(nn.Module):
         config.validate(tp.size)
         self.config, self.tp, self.sequence_parallel = config, tp, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
+        self.rng = model_parallel_tracker(seed, tp.rank)
         h, std = config.hidden_size, config.init_method_std
         padded = config.padded_vocab_size(tp.size)
         word_init = WeightInit(seed, "embedding.word.weight", std)
@@ -141,7 +160,7 @@ class GPTModel(nn.Module):
                         WeightInit(seed, "embedding.position.weight", std).full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
         indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
-        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel) for i in indices)
+        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng) for i in indices)
         if post_process:
             self.final_norm = _norm(config, sequence_parallel)
             if not pre_process:

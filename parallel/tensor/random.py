@@ -1,0 +1,83 @@
+"""Named random streams for dropout under tensor parallelism.
+
+Outside tensor-parallel regions (replicated activations) dropout draws from the default generator,
+seeded identically on every rank of a tensor-parallel group, so the replicas stay equal. Inside
+them (split heads, sequence shards) it must differ per rank: ``RNGTracker.fork()`` swaps in a stream
+seeded per tp rank for the duration of a block, then restores the default one. Recomputation saves
+and restores both with ``get_states`` / ``set_states`` so that it redraws exactly the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+TENSOR_PARALLEL_STREAM = "tensor-parallel"
+
+
+def _accelerator_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _default_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if _accelerator_in_use():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_default_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class RNGTracker:
+    """Owns the states of named random streams (CPU, and the current GPU when one is in use).
+
+    It never changes the default generator except inside ``fork``, which always restores it.
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self._states:
+            raise ValueError(f"random stream {name!r} already exists")
+        outside = _default_state()
+        torch.manual_seed(seed)
+        self._states[name] = _default_state()
+        _set_default_state(outside)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TENSOR_PARALLEL_STREAM):
+        """Draw from stream ``name`` inside the block; the default stream is untouched by it."""
+        if name not in self._states:
+            raise KeyError(f"random stream {name!r} was never added")
+        outside = _default_state()
+        _set_default_state(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _default_state()
+            _set_default_state(outside)
+
+    def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A copy of every stream's state, and the default one under ``"default"``."""
+        states = {name: {k: v.clone() for k, v in state.items()} for name, state in self._states.items()}
+        states["default"] = _default_state()
+        return states
+
+    def set_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore what ``get_states`` returned (the default stream included)."""
+        states = dict(states)
+        _set_default_state(states.pop("default"))
+        self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
+
+
+def model_parallel_tracker(seed: int, tp_rank: int) -> RNGTracker:
+    """The tracker a model part uses: a tensor-parallel stream that differs per tp rank."""
+    tracker = RNGTracker()
+    tracker.add(TENSOR_PARALLEL_STREAM, seed + 2718 + tp_rank)
+    return tracker
