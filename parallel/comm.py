@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
 
+# torch >= 2.13 renamed the flat-tensor collectives; the old names still work on older releases
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommStats:
     """Bytes sent and calls made by this process, per (operation, axis).
@@ -106,6 +110,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view (gloo wants output = n x input shape exactly; flat views always qualify)."""
+    if not tensor.is_contiguous():
+        raise ValueError("collectives need contiguous tensors: call .contiguous() first")
+    return tensor.view(-1)
+
+
 def _ring_fraction(group: AxisGroup) -> float:
     return (group.size - 1) / group.size
 
@@ -128,7 +139,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
     group.stats.add("reduce_scatter", group.axis, _ring_fraction(group) * _nbytes(input))
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group.group, async_op=async_op)
+    return _reduce_scatter_flat(_flat(output), _flat(input), op=op, group=group.group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False):
@@ -140,7 +151,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
     group.stats.add("all_gather", group.axis, _ring_fraction(group) * _nbytes(output))
-    return dist.all_gather_into_tensor(output, input, group=group.group, async_op=async_op)
+    return _all_gather_flat(_flat(output), _flat(input), group=group.group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False):

@@ -1,0 +1,130 @@
+"""Flags and YAML -> ``Config``. Precedence: defaults < ``--config FILE.yaml`` < flags.
+
+Flags are generated from the config dataclasses' fields (``hidden_size`` -> ``--hidden-size``);
+a YAML file uses the same names with ``_``. An unknown YAML key or a value of the wrong type is an
+error that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+import yaml
+
+from pretrain.config import Config, all_fields
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, with the flag to change and how."""
+
+
+def _field_type(f: dataclasses.Field) -> tuple[type, bool, bool]:
+    """(base type, optional?, list?) of a field annotation such as ``int | None`` or ``list[str] | None``."""
+    hints = typing.get_type_hints(type("_", (), {"__annotations__": {"x": f.type}}))["x"]
+    args = typing.get_args(hints)
+    optional = type(None) in args
+    if isinstance(hints, types.UnionType) or typing.get_origin(hints) is typing.Union:
+        hints = next(a for a in args if a is not type(None))
+    if typing.get_origin(hints) is list:
+        return typing.get_args(hints)[0], optional, True
+    return hints, optional, False
+
+
+def _flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pretrain", description="3D-parallel GPT pretraining with ZeRO",
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML file with settings (same names as the flags, with _)")
+    for section, group_fields in _sections().items():
+        group = parser.add_argument_group(section)
+        for f in group_fields:
+            base, _, is_list = _field_type(f)
+            kwargs = {"help": f.metadata.get("help", "")}
+            if base is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = base
+                if is_list:
+                    kwargs["nargs"] = "+"
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(_flag_name(f.name), dest=f.name, **kwargs)
+    return parser
+
+
+def _sections() -> dict[str, list[dataclasses.Field]]:
+    sections: dict[str, list[dataclasses.Field]] = {}
+    for section, f in all_fields().values():
+        sections.setdefault(section, []).append(f)
+    return sections
+
+
+def _coerce(name: str, value, f: dataclasses.Field):
+    base, optional, is_list = _field_type(f)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}: null is not allowed for {_flag_name(name)}")
+    try:
+        if is_list:
+            items = value if isinstance(value, list) else str(value).split()
+            return [base(v) for v in items]
+        if base is bool:
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if base is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise TypeError
+        value = base(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {value!r} is not a valid {base.__name__} for {_flag_name(name)}") from None
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{name}: {value!r} is not one of {choices} ({_flag_name(name)})")
+    return value
+
+
+def load_yaml(path: str) -> dict:
+    """Read a flat YAML mapping of settings; unknown keys are an error naming the key."""
+    try:
+        with open(path) as handle:
+            values = yaml.safe_load(handle) or {}
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error.strerror})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path}: not valid YAML ({error})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of setting: value")
+    known = all_fields()
+    unknown = sorted(k for k in values if k not in known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = [k for k in known if k.replace("_", "") == str(key).replace("_", "").replace("-", "")]
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(hints)}; keys are the flag names with _")
+    return values
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Build the Config from ``--config`` YAML and flags. Raises ConfigError with the offending flag."""
+    try:
+        args = vars(build_parser().parse_args(argv))
+    except SystemExit as exit_:
+        if exit_.code in (0, None):
+            raise
+        raise ConfigError("invalid command line (see the message above and --help)") from None
+    values = load_yaml(args.pop("config")) if "config" in args else {}
+    values.update(args)
+    config = Config()
+    known = all_fields()
+    for name, value in values.items():
+        section, f = known[name]
+        setattr(getattr(config, section), name, _coerce(name, value, f))
+    return config

@@ -1,0 +1,101 @@
+"""Per-iteration metrics: gathered from every rank, written by global rank 0 to the console, the
+JSON-lines metrics file (format in DESIGN.md "Metrics file") and wandb."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import torch
+
+from parallel import comm
+from parallel.comm import OPERATIONS
+from parallel.process_groups import ParallelGroups
+
+RANK_FIELDS = ("rank", "parameters", "model_state_bytes", "offloaded_bytes", "saved_activation_bytes",
+               "peak_mem_bytes")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory allocated (GPU) or peak resident set size of this process (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gather_per_rank(groups: ParallelGroups, mine: dict, comm_bytes: dict[str, int]) -> list[dict]:
+    """Every rank's ``RANK_FIELDS`` and comm bytes, in rank order (a collective over the world)."""
+    values = [float(mine[name]) for name in RANK_FIELDS] + [float(comm_bytes[op]) for op in OPERATIONS]
+    local = torch.tensor(values, dtype=torch.float64)
+    everyone = torch.empty(groups.world.size * local.numel(), dtype=torch.float64)
+    comm.all_gather_into_tensor(everyone, local, groups.world)
+    rows = []
+    for row in everyone.view(groups.world.size, -1).tolist():
+        entry = {name: int(row[i]) for i, name in enumerate(RANK_FIELDS)}
+        entry["comm_bytes"] = {op: int(row[len(RANK_FIELDS) + i]) for i, op in enumerate(OPERATIONS)}
+        rows.append(entry)
+    return rows
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_seconds(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class MetricsWriter:
+    """Writes metrics lines (rank 0 only): console, JSON-lines file, and an optional wandb run.
+
+    Owns the open metrics file. Never computes a metric: callers pass measured values.
+    """
+
+    def __init__(self, path: str | None, wandb_run=None, enabled: bool = True):
+        self.enabled, self.wandb_run = enabled, wandb_run
+        self._file = None
+        if enabled and path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", buffering=1)
+
+    def log(self, record: dict, train_iters: int, eta_s: float) -> None:
+        if not self.enabled:
+            return
+        peak = max((r["peak_mem_bytes"] for r in record.get("per_rank", [])), default=0)
+        print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+              f"{record['tflops_per_rank'] * 1000:.2f} GFLOP/s/rank | peak mem {_human_bytes(peak)} | "
+              f"step {record['step_time_s']:.2f} s | ETA {_human_seconds(eta_s)}"
+              + (" | skipped" if record["skipped"] else ""), flush=True)
+        self.write(record)
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` to the metrics file and wandb (no console line)."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
+            for entry in record.get("per_rank", []):
+                flat[f"rank{entry['rank']}/model_state_bytes"] = entry["model_state_bytes"]
+                flat[f"rank{entry['rank']}/comm_bytes"] = sum(entry["comm_bytes"].values())
+                flat[f"rank{entry['rank']}/peak_mem_bytes"] = entry["peak_mem_bytes"]
+            self.wandb_run.log(flat, step=record["iteration"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def print_rank0(enabled: bool, *parts) -> None:
+    if enabled:
+        print(*parts, flush=True, file=sys.stdout)

@@ -1,0 +1,216 @@
+"""The training loop of one rank: global batch -> micro-batches -> backward -> ZeRO step -> metrics."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from data.gpt_dataset import build_gpt_datasets
+from data.sampler import DataParallelSampler, micro_batches
+from data.tokenizer import Tokenizer
+from models.generate import generate
+from models.gpt import GPTModel
+from parallel import comm, zero
+from parallel.process_groups import ParallelGroups, create_process_groups
+from parallel.saved_activations import SavedActivationMeter
+from parallel.topology import Topology
+from parallel.zero import ModelParallelGroups
+from pretrain.config import Config
+from pretrain.lr_schedule import learning_rate
+from pretrain.metrics import MetricsWriter, gather_per_rank, peak_memory_bytes, print_rank0
+from pretrain.wandb_run import start_wandb
+
+
+@dataclass
+class TrainResult:
+    """What a run did, per iteration, as seen by this rank (losses are data-parallel means)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    sample: str | None = None
+    wandb_dir: str | None = None
+
+
+def resolve_data(config: Config) -> tuple[list[str], Tokenizer]:
+    """The --data-path and tokenizer to train on; builds the built-in corpus on first use."""
+    data = config.data
+    if data.data_path is not None:
+        return data.data_path, Tokenizer(data.tokenizer_model)
+    from data.default_corpus import ensure_default_corpus
+
+    prefix, tokenizer_model = ensure_default_corpus(data.data_cache_dir, data.default_corpus_vocab_size,
+                                                    data.default_corpus_max_bytes)
+    return [prefix], Tokenizer(tokenizer_model)
+
+
+def adamw_factory(config: Config):
+    opt = config.optimizer
+
+    def make(param_groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                 weight_decay=opt.weight_decay, foreach=True)
+    return make
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices, none on norms and biases (1-D parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+class Trainer:
+    """One rank's run: owns its model part, ZeRO optimizer, data iterators and metrics writer.
+
+    Never decides layout (``Topology``) or talks to torch.distributed directly (``parallel.comm``).
+    """
+
+    def __init__(self, config: Config, topology: Topology, device: torch.device):
+        self.config, self.device = config, device
+        self.groups: ParallelGroups = create_process_groups(topology)
+        self.is_logger = self.groups.rank == 0
+        train = config.training
+        torch.manual_seed(train.seed)
+        data_path, self.tokenizer = resolve_data(config)
+        self.num_micro_batches = train.global_batch_size // (train.micro_batch_size * topology.dp)
+        eval_samples = train.eval_iters * train.global_batch_size if train.eval_interval else 0
+        self.train_data, self.valid_data, _ = build_gpt_datasets(
+            data_path, config.data.split, config.model.seq_length, train.seed,
+            (train.train_iters * train.global_batch_size, eval_samples, 0), self.tokenizer,
+            os.path.join(config.data.data_cache_dir, "indices"))
+        self.model = GPTModel(config.model, self.groups.tp, seed=train.seed,
+                              sequence_parallel=config.parallel.sequence_parallel).to(device)
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        _, self.optimizer = zero.initialize(
+            self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,
+            param_groups=weight_decay_groups(self.model, config.optimizer.weight_decay),
+            bucket_size=config.zero.zero_bucket_size, clip_grad=config.optimizer.clip_grad,
+            model_parallel=ModelParallelGroups(tp=self.groups.tp, model_parallel=self.groups.mp,
+                                               embedding=self.groups.embedding))
+        self.activation_meter = SavedActivationMeter(self.model)
+        self.consumed_samples = 0
+
+    def _train_batches(self):
+        train = self.config.training
+        sampler = DataParallelSampler(train.train_iters * train.global_batch_size, self.consumed_samples,
+                                      train.micro_batch_size, self.groups.dp_rank, self.groups.topology.dp)
+        return micro_batches(self.train_data, sampler)
+
+    def _forward_loss(self, batch: dict) -> torch.Tensor:
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        per_token = self.model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+        return masked_mean(per_token, batch["loss_mask"])
+
+    def _dp_mean(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64)
+        comm.all_reduce(tensor, self.groups.dp)
+        return tensor.item() / self.groups.dp.size
+
+    def train_step(self, batches) -> tuple[float, zero.StepResult]:
+        """One optimizer step over ``num_micro_batches`` micro-batches; returns the dp-mean loss."""
+        self.optimizer.zero_grad()
+        self.activation_meter.reset()
+        total = 0.0
+        for index in range(self.num_micro_batches):
+            last = index == self.num_micro_batches - 1
+            with self.activation_meter.recording():
+                loss = self._forward_loss(next(batches))
+            with (torch.enable_grad() if last else self.optimizer.no_sync()):
+                (loss / self.num_micro_batches).backward()
+            self.activation_meter.release()
+            total += loss.item()
+        result = self.optimizer.step()
+        return total / self.num_micro_batches, result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        train = self.config.training
+        self.model.eval()
+        sampler = DataParallelSampler(train.eval_iters * train.global_batch_size, 0, train.micro_batch_size,
+                                      self.groups.dp_rank, self.groups.topology.dp)
+        losses = [self._forward_loss(batch).item() for batch in micro_batches(self.valid_data, sampler)]
+        self.model.train()
+        return self._dp_mean(sum(losses) / len(losses))
+
+    def _record(self, iteration: int, loss: float, lr: float, result: zero.StepResult, step_time: float,
+                comm_bytes: dict[str, int]) -> dict:
+        """The metrics line of ``iteration`` (a collective over the world: every rank calls it)."""
+        train = self.config.training
+        tokens = train.global_batch_size * self.config.model.seq_length
+        mine = {"rank": self.groups.rank, "parameters": self.num_parameters,
+                "model_state_bytes": self.optimizer.model_state_bytes(), "offloaded_bytes": 0,
+                "saved_activation_bytes": self.activation_meter.peak_bytes,
+                "peak_mem_bytes": peak_memory_bytes(self.device)}
+        return {
+            "iteration": iteration, "consumed_samples": self.consumed_samples, "loss": loss, "lr": lr,
+            "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
+            "step_time_s": step_time, "tokens_per_s": tokens / step_time,
+            "tflops_per_rank": self.config.model.flops_per_token() * tokens / step_time
+            / self.groups.topology.world_size / 1e12,
+            "per_rank": gather_per_rank(self.groups, mine, comm_bytes),
+        }
+
+    def train(self) -> TrainResult:
+        config, train = self.config, self.config.training
+        wandb_run = start_wandb(config) if self.is_logger else None
+        writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger)
+        result = TrainResult(wandb_dir=wandb_run.dir if wandb_run else None)
+        print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
+                    f"(model {config.model.num_parameters():,}) on {self.groups.topology.describe().splitlines()[0]}, "
+                    f"{self.num_micro_batches} micro-batches of {train.micro_batch_size} per step")
+        batches = self._train_batches()
+        started = time.perf_counter()
+        for iteration in range(1, train.train_iters + 1):
+            self.groups.stats.reset()
+            lr = learning_rate(iteration - 1, config.optimizer, train.train_iters)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            step_start = time.perf_counter()
+            local_loss, step = self.train_step(batches)
+            step_time = time.perf_counter() - step_start
+            self.consumed_samples += train.global_batch_size
+            comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
+            loss = self._dp_mean(local_loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at iteration {iteration}")
+            result.losses.append(loss)
+            result.grad_norms.append(step.grad_norm)
+            evaluated = train.eval_interval and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
+            valid = self.evaluate() if evaluated else None
+            if iteration % config.logging.log_interval == 0 or evaluated or iteration == train.train_iters:
+                record = self._record(iteration, loss, lr, step, step_time, comm_bytes)
+                if valid is not None:
+                    result.valid_losses[iteration] = valid
+                    record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
+                    print_rank0(self.is_logger, f"validation at iter {iteration}: loss {valid:.4f}, "
+                                f"perplexity {record['valid_ppl']:.2f}")
+                elapsed = time.perf_counter() - started
+                writer.log(record, train.train_iters, elapsed / iteration * (train.train_iters - iteration))
+        result.sample = self.sample()
+        writer.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+            print_rank0(self.is_logger, f"wandb run files: {os.path.dirname(wandb_run.dir)}")
+        return result
+
+    def sample(self) -> str | None:
+        """Greedy continuation of --sample-prompt by the trained model (every rank runs it; rank 0 prints)."""
+        logging = self.config.logging
+        if not logging.sample_prompt or logging.sample_tokens < 1:
+            return None
+        prompt = self.tokenizer.encode(logging.sample_prompt)
+        greedy = self.tokenizer.decode(generate(self.model, prompt, logging.sample_tokens))
+        sampled = self.tokenizer.decode(generate(self.model, prompt, logging.sample_tokens, temperature=0.8,
+                                                 top_k=40, seed=self.config.training.seed))
+        print_rank0(self.is_logger, f"--- greedy sample ---\n{logging.sample_prompt}{greedy}\n"
+                    f"--- top-k 40, temperature 0.8 ---\n{logging.sample_prompt}{sampled}\n---")
+        return logging.sample_prompt + greedy

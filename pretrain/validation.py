@@ -1,0 +1,100 @@
+"""Check a Config against the world before any process group exists.
+
+Every rank runs ``validate`` on the same inputs and so raises the same ``ConfigError`` (naming the
+flag and the fix) before anything could hang.
+"""
+
+from __future__ import annotations
+
+import os
+
+from parallel.topology import Topology
+from parallel.zero import AVAILABLE_STAGES
+from pretrain.arguments import ConfigError
+from pretrain.config import Config
+
+
+def _not_yet(condition: bool, what: str) -> None:
+    if condition:
+        raise ConfigError(f"{what} is not available in this build yet: leave it at its default")
+
+
+def validate(config: Config, world_size: int) -> Topology:
+    """Raise ConfigError for any setting that cannot work with ``world_size`` processes; return the layout."""
+    par, train, opt, model = config.parallel, config.training, config.optimizer, config.model
+    try:
+        topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                            par.gpus_per_node)
+        model.validate(topology.tp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if par.sequence_parallel and model.seq_length % topology.tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} divisible by "
+                          f"--tensor-model-parallel-size {topology.tp}")
+    _not_yet(topology.pp > 1, "--pipeline-model-parallel-size > 1")
+    _not_yet(par.virtual_pipeline_size is not None, "--virtual-pipeline-size")
+    if config.zero.zero_stage not in AVAILABLE_STAGES:
+        raise ConfigError(f"--zero-stage {config.zero.zero_stage} is not available in this build yet: "
+                          f"use --zero-stage {AVAILABLE_STAGES[-1]}")
+    if config.zero.zero_bucket_size < 1:
+        raise ConfigError(f"--zero-bucket-size must be >= 1 element, got {config.zero.zero_bucket_size}")
+    _not_yet(config.zero.offload_optimizer != "none", "--offload-optimizer")
+    _not_yet(config.zero.offload_param != "none", "--offload-param")
+    _not_yet(config.recompute.recompute_granularity is not None, "--recompute-granularity")
+    _not_yet(config.recompute.partition_activations, "--partition-activations")
+    _not_yet(train.bf16 or train.fp16, "--bf16 / --fp16 (mixed precision comes with ZeRO stages 1-2)")
+    _not_yet(config.checkpoint.save is not None or config.checkpoint.load is not None, "--save / --load")
+
+    for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+        if getattr(train, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(train, name)}")
+    per_step = train.micro_batch_size * topology.dp
+    if train.global_batch_size % per_step:
+        raise ConfigError(f"--global-batch-size {train.global_batch_size} is not divisible by --micro-batch-size "
+                          f"{train.micro_batch_size} x data-parallel size {topology.dp} = {per_step}: use a "
+                          f"multiple of {per_step}")
+    if train.eval_interval < 0 or (train.eval_interval and train.eval_iters < 1):
+        raise ConfigError("--eval-interval needs --eval-iters >= 1 (or --eval-interval 0 to never evaluate)")
+    if config.logging.log_interval < 1:
+        raise ConfigError(f"--log-interval must be >= 1, got {config.logging.log_interval}")
+    if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"--lr {opt.lr} / --min-lr {opt.min_lr}: need 0 <= min-lr <= lr and lr > 0")
+    if opt.lr_warmup_iters < 0 or opt.clip_grad < 0 or opt.weight_decay < 0:
+        raise ConfigError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
+    _validate_data(config)
+    return topology
+
+
+def _validate_data(config: Config) -> None:
+    data, model = config.data, config.model
+    if data.data_path is None:
+        if data.tokenizer_model is not None:
+            raise ConfigError("--tokenizer-model without --data-path: give the dataset it tokenized, or neither "
+                              "(to use the built-in corpus)")
+        vocab = data.default_corpus_vocab_size
+    else:
+        if data.tokenizer_model is None:
+            raise ConfigError("--data-path needs --tokenizer-model (the sentencepiece model that tokenized it)")
+        from data.gpt_dataset import parse_data_path
+
+        try:
+            prefixes, _ = parse_data_path(data.data_path)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        for prefix in prefixes:
+            for suffix in (".bin", ".idx"):
+                if not os.access(prefix + suffix, os.R_OK):
+                    raise ConfigError(f"--data-path {prefix}: {prefix + suffix} is missing or unreadable; build it "
+                                      f"with python -m data.preprocess --output-prefix {prefix}")
+        from data.tokenizer import Tokenizer
+
+        try:
+            vocab = Tokenizer(data.tokenizer_model).vocab_size
+        except (OSError, ValueError, RuntimeError) as error:
+            raise ConfigError(f"--tokenizer-model {data.tokenizer_model}: {error}") from None
+    if model.vocab_size is None:
+        model.vocab_size = vocab
+    elif vocab > model.vocab_size:
+        raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's vocabulary {vocab}: "
+                          f"use --vocab-size {vocab} or more (or leave it out)")
+

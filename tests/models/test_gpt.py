@@ -1,0 +1,73 @@
+"""The GPT on its own (tp = 1): causality, shapes, parameter count, the loss, sampling."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.config import GPTConfig
+from models.generate import generate
+from models.gpt import GPTModel
+from parallel.comm import AxisGroup, CommStats
+
+
+def _alone() -> AxisGroup:
+    return AxisGroup("tp", (0,), None, CommStats())
+
+
+VARIANTS = [("learned", "LayerNorm"), ("rope", "RMSNorm")]
+
+
+@pytest.mark.parametrize("positions, norm", VARIANTS)
+def test_changing_token_t_changes_no_logit_before_t(positions, norm):
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
+                       position_embedding_type=positions, normalization=norm)
+    model = GPTModel(config, _alone(), seed=0)
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(16).expand(2, 16)
+    before = model(tokens, position_ids)
+    for t in (0, 7, 15):
+        changed = tokens.clone()
+        changed[:, t] = (changed[:, t] + 1) % 200
+        after = model(changed, position_ids)
+        assert torch.equal(before[:t], after[:t])
+        assert not torch.allclose(before[t:], after[t:])
+
+
+@pytest.mark.parametrize("positions, norm", VARIANTS)
+def test_parameter_count_and_loss_at_init(positions, norm):
+    config = GPTConfig(num_layers=3, hidden_size=48, num_attention_heads=4, seq_length=16, vocab_size=300,
+                       position_embedding_type=positions, normalization=norm)
+    model = GPTModel(config, _alone(), seed=0)
+    assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
+    assert config.padded_vocab_size(1) == 384 and config.padded_vocab_size(4) == 512
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss = model(tokens, torch.arange(16).expand(2, 16), labels=labels)
+    logits = model(tokens, torch.arange(16).expand(2, 16))[..., :300]
+    reference = F.cross_entropy(logits.reshape(-1, 300), labels.t().reshape(-1), reduction="none").view(16, 2).t()
+    torch.testing.assert_close(loss, reference)
+    assert abs(loss.mean().item() - math.log(300)) < 0.5  # near-uniform prediction at init
+
+
+def test_initialisation_depends_on_seed_and_name_only():
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=128)
+    whole = dict(GPTModel(config, _alone(), seed=3).named_parameters())
+    last_two = GPTModel(config, _alone(), seed=3, layer_indices=[2, 3], pre_process=False)
+    for name, param in last_two.named_parameters():
+        if name.startswith("layers."):
+            local, rest = name.split(".", 2)[1:]
+            assert torch.equal(param, whole[f"layers.{int(local) + 2}.{rest}"])
+    assert torch.equal(last_two.output_weight, whole["word_embedding.weight"])
+
+
+def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
+    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64)
+    model = GPTModel(config, _alone(), seed=0)
+    greedy = generate(model, [1, 2, 3], 12)
+    assert greedy == generate(model, [1, 2, 3], 12) and len(greedy) == 12
+    assert all(0 <= t < 64 for t in greedy)
+    sampled = generate(model, [1, 2, 3], 12, temperature=1.0, top_k=5, seed=1)
+    assert sampled == generate(model, [1, 2, 3], 12, temperature=1.0, top_k=5, seed=1)
+    assert model.training  # generate restores the mode
