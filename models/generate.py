@@ -1,48 +1,62 @@
-"""Sample text from a (tensor-parallel) GPT: greedy or temperature + top-k."""
+"""Sample text from a GPT: greedy or temperature + top-k, on one model or a whole pipeline.
+
+``generate`` only needs a function from a token list to the next token's full-vocabulary logits
+that returns the same values on every rank; ``single_stage_logits(model)`` makes one for a model that
+is not pipelined (tensor-parallel or not), ``pretrain.stage_runner.StageRunner.next_token_logits`` for
+a pipeline.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from models.gpt import GPTModel
 from parallel import comm
 
+NextTokenLogits = Callable[[list[int]], torch.Tensor]
 
-def full_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of the last position over the whole vocabulary, [b, vocab]; gathered over tp ranks.
 
-    Under sequence parallelism the context is padded on the right to a multiple of tp: causal
-    attention keeps the padding from changing any earlier position."""
-    length = tokens.shape[1]
-    if model.sequence_parallel:
-        tokens = torch.nn.functional.pad(tokens, (0, -length % model.tp.size))
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    shard = model(tokens, positions)[length - 1].contiguous()  # [b, v/tp]
-    gathered = torch.empty((model.tp.size, *shard.shape), dtype=shard.dtype, device=shard.device)
+def gather_vocab_logits(shard: torch.Tensor, model: GPTModel) -> torch.Tensor:
+    """[vocab/tp] logits of one position -> [vocab] over the whole (unpadded) vocabulary, on every tp rank."""
+    shard = shard.float().contiguous()
+    gathered = torch.empty(model.tp.size * shard.numel(), dtype=shard.dtype, device=shard.device)
     comm.all_gather_into_tensor(gathered, shard, model.tp)
-    return torch.cat(gathered.unbind(0), dim=-1)[:, :model.config.vocab_size]
+    return gathered[:model.config.vocab_size]
+
+
+def single_stage_logits(model: GPTModel) -> NextTokenLogits:
+    """Next-token logits of a model holding every layer (pre- and post-process on this rank)."""
+    def logits(tokens: list[int]) -> torch.Tensor:
+        device = next(model.parameters()).device
+        length = len(tokens)
+        pad = -length % model.tp.size if model.sequence_parallel else 0  # causal: padding changes nothing before it
+        ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
+        positions = torch.arange(length + pad, device=device).unsqueeze(0)
+        with torch.no_grad():
+            return gather_vocab_logits(model(ids, positions)[length - 1, 0], model)
+    return logits
+
+
+def context_window(max_positions: int, tp: int, sequence_parallel: bool) -> int:
+    """Longest context to feed: the model's positions, leaving room for sequence-parallel padding."""
+    return max_positions - (max_positions % tp if sequence_parallel else 0)
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens; every tensor-parallel rank returns the same ids.
+def generate(next_token_logits: NextTokenLogits, prompt: list[int], max_new_tokens: int, *, window: int,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> list[int]:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens; every rank returns the same ids.
 
     temperature 0 is greedy; otherwise sample from softmax(logits / temperature) over the top_k
-    tokens (all when 0) with a generator seeded identically on every rank. The context is cut to the
-    model's maximum positions.
+    tokens (all when 0) with a CPU generator seeded identically on every rank. The context is the
+    last ``window`` tokens.
     """
-    was_training = model.training
-    model.eval()
     generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    window = model.config.max_positions
-    if model.sequence_parallel:  # leave room for the padding full_logits adds
-        window -= window % model.tp.size
     ids = list(prompt)
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
-        logits = full_logits(model, context)[0].float()
+        logits = next_token_logits(ids[-window:]).float().cpu()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
@@ -50,7 +64,6 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
             if top_k > 0:
                 cutoff = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
-            next_id = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
+            next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
         ids.append(next_id)
-    model.train(was_training)
     return ids[len(prompt):]

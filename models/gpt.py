@@ -142,12 +142,13 @@ class GPTModel(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, tp: AxisGroup, *, seed: int, layer_indices: list[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False):
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 rng: RNGTracker | None = None):
         super().__init__()
         config.validate(tp.size)
         self.config, self.tp, self.sequence_parallel = config, tp, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.rng = model_parallel_tracker(seed, tp.rank)
+        self.rng = rng or model_parallel_tracker(seed, tp.rank)
         h, std = config.hidden_size, config.init_method_std
         padded = config.padded_vocab_size(tp.size)
         word_init = WeightInit(seed, "embedding.word.weight", std)
@@ -165,6 +166,10 @@ class GPTModel(nn.Module):
             self.final_norm = _norm(config, sequence_parallel)
             if not pre_process:
                 self.output_weight = VocabParallelEmbedding(config.vocab_size, padded, h, tp, word_init).weight
+                self.output_weight.tied_embedding = True  # summed with the first stage's gradient
+                self.output_weight.tied_copy = True  # counted once, on the first stage
+        if pre_process and not post_process:
+            self.word_embedding.weight.tied_embedding = True
 
     def output_layer_weight(self) -> torch.Tensor:
         return self.word_embedding.weight if self.pre_process else self.output_weight

@@ -176,13 +176,15 @@ def recv(tensor: torch.Tensor, src: int, group: AxisGroup) -> None:
 
 
 def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                      group: AxisGroup) -> list:
+                      group: AxisGroup, tag: int = 0) -> list:
     """Post all sends (tensor, dst) and receives (tensor, src) at once; return handles to wait on.
 
-    Posting both directions together is what lets two neighbours exchange without deadlock.
+    Posting both directions together is what lets two neighbours exchange without deadlock. ``tag``
+    separates independent streams between the same two ranks (gloo matches on it; NCCL matches in
+    posting order).
     """
-    ops = [dist.P2POp(dist.isend, t, peer, group=group.group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group=group.group) for t, peer in recvs]
+    ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer in recvs]
     for tensor, _ in sends:
         group.stats.add("p2p", group.axis, _nbytes(tensor))
     return dist.batch_isend_irecv(ops) if ops else []

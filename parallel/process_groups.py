@@ -23,7 +23,8 @@ from parallel.topology import AXES, Topology
 def default_device() -> torch.device:
     """This process's compute device: its local GPU when one exists, else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -43,10 +44,11 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+        # on GPUs, CPU tensors (offloaded states, small metrics) still get a gloo backend
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return device
 
 
@@ -118,5 +120,10 @@ def create_process_groups(topology: Topology) -> ParallelGroups:
             handle = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 mine[axis] = AxisGroup(axis, tuple(ranks), handle, stats)
+        if axis == "embedding" and axis not in mine:  # a middle pipeline stage holds no embedding
+            mine[axis] = AxisGroup(axis, (rank,), None, stats)
+    if dist.get_backend() != "gloo" and mine["pp"].size > 1:
+        # NCCL needs every rank of a group in its first operation; p2p on a fresh group would not be
+        dist.barrier(group=mine["pp"].group)
     world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
     return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world, **mine)

@@ -1,9 +1,9 @@
 """Measure the bytes autograd keeps for backward, with saved-tensor hooks.
 
-Inside ``meter.recording()``, every tensor saved for backward is counted once per storage (views of
-one storage count once; parameters and other tensors alive anyway are excluded). ``peak_bytes``
-is the largest total seen since ``reset()``; call ``release()`` after each backward, when autograd
-has freed what it saved.
+Inside ``meter.recording(key)``, every tensor saved for backward is counted once per storage (views
+of one storage count once; parameters are excluded) under ``key`` (e.g. a micro-batch). ``release(key)``
+drops what that key saved once its backward has run. ``peak_bytes`` is the largest total held at once
+since ``reset()``: with a pipeline schedule several micro-batches are alive together.
 """
 
 from __future__ import annotations
@@ -15,38 +15,44 @@ from torch import nn
 
 
 class SavedActivationMeter:
-    """Counts the storage bytes of tensors saved for backward (activations only).
+    """Counts the storage bytes of tensors saved for backward (activations only), per key.
 
-    Owns the set of storages seen in the current forward and the peak. Never keeps a reference to a
-    saved tensor (only storage addresses and sizes), so it does not change what memory is held.
+    Owns storage addresses and sizes only: it never keeps a reference to a saved tensor, so it does
+    not change what memory is held.
     """
 
     def __init__(self, module: nn.Module | None = None):
         self._excluded = {p.untyped_storage().data_ptr() for p in module.parameters()} if module else set()
-        self._seen: dict[int, int] = {}
+        self._by_key: dict[object, dict[int, int]] = {}
+        self._key: object = None
         self.current_bytes = 0
         self.peak_bytes = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
-        if address not in self._excluded and address not in self._seen:
-            self._seen[address] = storage.nbytes()
+        seen = self._by_key.setdefault(self._key, {})
+        if address not in self._excluded and address not in seen:
+            seen[address] = storage.nbytes()
             self.current_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return tensor
 
     @contextlib.contextmanager
-    def recording(self):
-        """Count what forward passes inside this block save for backward."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
-            yield self
+    def recording(self, key: object = None):
+        """Count what forward passes inside this block save for backward, under ``key``."""
+        previous, self._key = self._key, key
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+                yield self
+        finally:
+            self._key = previous
 
-    def release(self) -> None:
-        """Backward has run: what was saved is gone."""
-        self._seen.clear()
-        self.current_bytes = 0
+    def release(self, key: object = None) -> None:
+        """The backward of ``key`` has run: what it saved is gone."""
+        self.current_bytes -= sum(self._by_key.pop(key, {}).values())
 
     def reset(self) -> None:
-        self.release()
+        self._by_key.clear()
+        self.current_bytes = 0
         self.peak_bytes = 0

@@ -28,8 +28,11 @@ class ParallelConfig:
         default=None, metadata=_flag("model chunks per stage for the interleaved schedule"))
     sequence_parallel: bool = field(
         default=False, metadata=_flag("split norms and dropout along the sequence across tp ranks"))
-    pipeline_schedule: str = field(default="1f1b", metadata=_flag("pipeline schedule",
-                                                                  choices=["gpipe", "1f1b", "interleaved"]))
+    pipeline_schedule: str = field(default="1f1b", metadata=_flag(
+        "gpipe (all forward, then all backward), 1f1b, or interleaved (needs --virtual-pipeline-size)",
+        choices=["gpipe", "1f1b", "interleaved"]))
+    pipeline_layers_per_stage: list[int] | None = field(default=None, metadata=_flag(
+        "explicit layers per pipeline stage, e.g. 3 5 (default: an even split)"))
     gpus_per_node: int | None = field(default=None, metadata=_flag("devices per node, to warn when tp spans nodes"))
     distributed_timeout_s: float = field(
         default=600.0, metadata=_flag("seconds a collective may wait before the run fails (never a silent hang)"))

@@ -1,9 +1,14 @@
 """Per-iteration metrics: gathered from every rank, written by global rank 0 to the console, the
-JSON-lines metrics file (format in DESIGN.md "Metrics file") and wandb."""
+JSON-lines metrics file (format in DESIGN.md "Metrics file") and wandb.
+
+``comm_bytes`` cover the training step (forward, backward, optimizer); the reductions done only
+for logging and evaluation are not part of it. ``peak_mem_bytes`` is the peak since the iteration began.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -18,10 +23,30 @@ RANK_FIELDS = ("rank", "parameters", "model_state_bytes", "offloaded_bytes", "sa
                "peak_mem_bytes")
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: GPU allocator statistics, or the process's resident-set high-water mark."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:  # "5" resets VmHWM (Linux)
+            handle.write("5")
+    except OSError:
+        pass  # no reset available: the peak stays the process's lifetime peak
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak device memory allocated (GPU) or peak resident set size of this process (CPU)."""
+    """Peak device memory allocated (GPU) or peak resident set size of this process (CPU) since the last
+    ``reset_peak_memory``."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -37,6 +62,17 @@ def gather_per_rank(groups: ParallelGroups, mine: dict, comm_bytes: dict[str, in
         entry["comm_bytes"] = {op: int(row[len(RANK_FIELDS) + i]) for i, op in enumerate(OPERATIONS)}
         rows.append(entry)
     return rows
+
+
+def _finite_or_null(value):
+    """JSON has no NaN or infinity: a skipped step's non-finite norm becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def _human_bytes(n: float) -> str:
@@ -81,7 +117,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
         if self.wandb_run is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
             for entry in record.get("per_rank", []):

@@ -12,8 +12,8 @@ import torch
 from data.gpt_dataset import build_gpt_datasets
 from data.sampler import DataParallelSampler, micro_batches
 from data.tokenizer import Tokenizer
-from models.generate import generate
-from models.gpt import GPTModel
+from models.generate import context_window, generate
+from models.stages import build_stage
 from parallel import comm, zero
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
@@ -21,7 +21,8 @@ from parallel.topology import Topology
 from parallel.zero import ModelParallelGroups
 from pretrain.config import Config
 from pretrain.lr_schedule import learning_rate
-from pretrain.metrics import MetricsWriter, gather_per_rank, peak_memory_bytes, print_rank0
+from pretrain.metrics import MetricsWriter, gather_per_rank, peak_memory_bytes, print_rank0, reset_peak_memory
+from pretrain.stage_runner import StageRunner
 from pretrain.wandb_run import start_wandb
 
 
@@ -64,10 +65,6 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-
-
 class Trainer:
     """One rank's run: owns its model part, ZeRO optimizer, data iterators and metrics writer.
 
@@ -79,7 +76,7 @@ class Trainer:
         self.groups: ParallelGroups = create_process_groups(topology)
         self.is_logger = self.groups.rank == 0
         train = config.training
-        torch.manual_seed(train.seed)
+        torch.manual_seed(train.seed + 100 * self.groups.pp_rank)  # dropout: equal over tp and dp, not over stages
         data_path, self.tokenizer = resolve_data(config)
         self.num_micro_batches = train.global_batch_size // (train.micro_batch_size * topology.dp)
         eval_samples = train.eval_iters * train.global_batch_size if train.eval_interval else 0
@@ -87,8 +84,10 @@ class Trainer:
             data_path, config.data.split, config.model.seq_length, train.seed,
             (train.train_iters * train.global_batch_size, eval_samples, 0), self.tokenizer,
             os.path.join(config.data.data_cache_dir, "indices"))
-        self.model = GPTModel(config.model, self.groups.tp, seed=train.seed,
-                              sequence_parallel=config.parallel.sequence_parallel).to(device)
+        self.model = build_stage(config.model, self.groups, seed=train.seed,
+                                 vp=config.parallel.virtual_pipeline_size or 1,
+                                 sequence_parallel=config.parallel.sequence_parallel,
+                                 layers_per_stage=config.parallel.pipeline_layers_per_stage).to(device)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,
@@ -97,18 +96,17 @@ class Trainer:
             model_parallel=ModelParallelGroups(tp=self.groups.tp, model_parallel=self.groups.mp,
                                                embedding=self.groups.embedding))
         self.activation_meter = SavedActivationMeter(self.model)
+        self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
+                                  self.optimizer.no_sync)
         self.consumed_samples = 0
 
-    def _train_batches(self):
-        train = self.config.training
-        sampler = DataParallelSampler(train.train_iters * train.global_batch_size, self.consumed_samples,
-                                      train.micro_batch_size, self.groups.dp_rank, self.groups.topology.dp)
-        return micro_batches(self.train_data, sampler)
-
-    def _forward_loss(self, batch: dict) -> torch.Tensor:
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        per_token = self.model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-        return masked_mean(per_token, batch["loss_mask"])
+    def _batches(self, dataset, total_samples: int, consumed: int):
+        """This rank's micro-batches, or None on a pipeline stage that reads no data."""
+        if not self.runner.reads_data:
+            return None
+        sampler = DataParallelSampler(total_samples, consumed, self.config.training.micro_batch_size,
+                                      self.groups.dp_rank, self.groups.topology.dp)
+        return micro_batches(dataset, sampler)
 
     def _dp_mean(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64)
@@ -116,40 +114,30 @@ class Trainer:
         return tensor.item() / self.groups.dp.size
 
     def train_step(self, batches) -> tuple[float, zero.StepResult]:
-        """One optimizer step over ``num_micro_batches`` micro-batches; returns the dp-mean loss."""
+        """One optimizer step over a global batch; returns this data-parallel rank's loss and the step."""
         self.optimizer.zero_grad()
         self.activation_meter.reset()
-        total = 0.0
-        for index in range(self.num_micro_batches):
-            last = index == self.num_micro_batches - 1
-            with self.activation_meter.recording():
-                loss = self._forward_loss(next(batches))
-            with (torch.enable_grad() if last else self.optimizer.no_sync()):
-                (loss / self.num_micro_batches).backward()
-            self.activation_meter.release()
-            total += loss.item()
-        result = self.optimizer.step()
-        return total / self.num_micro_batches, result
+        loss, self.last_step_stats = self.runner.run(batches)
+        return loss, self.optimizer.step()
 
     @torch.no_grad()
     def evaluate(self) -> float:
         train = self.config.training
         self.model.eval()
-        sampler = DataParallelSampler(train.eval_iters * train.global_batch_size, 0, train.micro_batch_size,
-                                      self.groups.dp_rank, self.groups.topology.dp)
-        losses = [self._forward_loss(batch).item() for batch in micro_batches(self.valid_data, sampler)]
+        batches = self._batches(self.valid_data, train.eval_iters * train.global_batch_size, 0)
+        losses = [self.runner.run(batches, train=False)[0] for _ in range(train.eval_iters)]
         self.model.train()
         return self._dp_mean(sum(losses) / len(losses))
 
     def _record(self, iteration: int, loss: float, lr: float, result: zero.StepResult, step_time: float,
-                comm_bytes: dict[str, int]) -> dict:
+                comm_bytes: dict[str, int], peak_mem: int) -> dict:
         """The metrics line of ``iteration`` (a collective over the world: every rank calls it)."""
         train = self.config.training
         tokens = train.global_batch_size * self.config.model.seq_length
         mine = {"rank": self.groups.rank, "parameters": self.num_parameters,
                 "model_state_bytes": self.optimizer.model_state_bytes(), "offloaded_bytes": 0,
                 "saved_activation_bytes": self.activation_meter.peak_bytes,
-                "peak_mem_bytes": peak_memory_bytes(self.device)}
+                "peak_mem_bytes": peak_mem}
         return {
             "iteration": iteration, "consumed_samples": self.consumed_samples, "loss": loss, "lr": lr,
             "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
@@ -167,18 +155,22 @@ class Trainer:
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
                     f"(model {config.model.num_parameters():,}) on {self.groups.topology.describe().splitlines()[0]}, "
                     f"{self.num_micro_batches} micro-batches of {train.micro_batch_size} per step")
-        batches = self._train_batches()
+        batches = self._batches(self.train_data, train.train_iters * train.global_batch_size, self.consumed_samples)
         started = time.perf_counter()
         for iteration in range(1, train.train_iters + 1):
             self.groups.stats.reset()
+            reset_peak_memory(self.device)
             lr = learning_rate(iteration - 1, config.optimizer, train.train_iters)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             step_start = time.perf_counter()
             local_loss, step = self.train_step(batches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
             step_time = time.perf_counter() - step_start
             self.consumed_samples += train.global_batch_size
             comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
+            peak_mem = peak_memory_bytes(self.device)
             loss = self._dp_mean(local_loss)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at iteration {iteration}")
@@ -187,7 +179,7 @@ class Trainer:
             evaluated = train.eval_interval and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
             valid = self.evaluate() if evaluated else None
             if iteration % config.logging.log_interval == 0 or evaluated or iteration == train.train_iters:
-                record = self._record(iteration, loss, lr, step, step_time, comm_bytes)
+                record = self._record(iteration, loss, lr, step, step_time, comm_bytes, peak_mem)
                 if valid is not None:
                     result.valid_losses[iteration] = valid
                     record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
@@ -203,14 +195,19 @@ class Trainer:
         return result
 
     def sample(self) -> str | None:
-        """Greedy continuation of --sample-prompt by the trained model (every rank runs it; rank 0 prints)."""
-        logging = self.config.logging
+        """Continue --sample-prompt with the trained model (every rank runs it; rank 0 prints)."""
+        logging, model = self.config.logging, self.config.model
         if not logging.sample_prompt or logging.sample_tokens < 1:
             return None
         prompt = self.tokenizer.encode(logging.sample_prompt)
-        greedy = self.tokenizer.decode(generate(self.model, prompt, logging.sample_tokens))
-        sampled = self.tokenizer.decode(generate(self.model, prompt, logging.sample_tokens, temperature=0.8,
-                                                 top_k=40, seed=self.config.training.seed))
+        window = context_window(model.max_positions, self.groups.tp.size, self.runner.sequence_parallel)
+        self.model.eval()
+        greedy = self.tokenizer.decode(generate(self.runner.next_token_logits, prompt, logging.sample_tokens,
+                                                window=window))
+        sampled = self.tokenizer.decode(generate(self.runner.next_token_logits, prompt, logging.sample_tokens,
+                                                 window=window, temperature=0.8, top_k=40,
+                                                 seed=self.config.training.seed))
+        self.model.train()
         print_rank0(self.is_logger, f"--- greedy sample ---\n{logging.sample_prompt}{greedy}\n"
                     f"--- top-k 40, temperature 0.8 ---\n{logging.sample_prompt}{sampled}\n---")
         return logging.sample_prompt + greedy

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from parallel.pipeline.partition import validate_partition
+from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
 from parallel.zero import AVAILABLE_STAGES
 from pretrain.arguments import ConfigError
@@ -31,8 +33,7 @@ def validate(config: Config, world_size: int) -> Topology:
     if par.sequence_parallel and model.seq_length % topology.tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} divisible by "
                           f"--tensor-model-parallel-size {topology.tp}")
-    _not_yet(topology.pp > 1, "--pipeline-model-parallel-size > 1")
-    _not_yet(par.virtual_pipeline_size is not None, "--virtual-pipeline-size")
+    _validate_pipeline(config, topology)
     if config.zero.zero_stage not in AVAILABLE_STAGES:
         raise ConfigError(f"--zero-stage {config.zero.zero_stage} is not available in this build yet: "
                           f"use --zero-stage {AVAILABLE_STAGES[-1]}")
@@ -63,6 +64,22 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
     _validate_data(config)
     return topology
+
+
+def _validate_pipeline(config: Config, topology: Topology) -> None:
+    par, train = config.parallel, config.training
+    vp = par.virtual_pipeline_size or 1
+    if vp < 1:
+        raise ConfigError(f"--virtual-pipeline-size must be >= 1, got {vp}")
+    if vp > 1 and topology.pp == 1:
+        raise ConfigError("--virtual-pipeline-size needs --pipeline-model-parallel-size > 1")
+    try:
+        validate_partition(config.model.num_layers, topology.pp, vp, par.pipeline_layers_per_stage)
+        if train.micro_batch_size >= 1 and train.global_batch_size % (train.micro_batch_size * topology.dp) == 0:
+            micro_batches = train.global_batch_size // (train.micro_batch_size * topology.dp)
+            validate_schedule(par.pipeline_schedule, micro_batches, topology.pp, vp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _validate_data(config: Config) -> None:

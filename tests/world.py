@@ -57,7 +57,7 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, collective_t
     port = _free_port()
     collective_timeout_s = collective_timeout_s or timeout_s
     processes = [context.Process(target=_child, args=(rank, world_size, port, collective_timeout_s, results, fn, args),
-                                 daemon=True) for rank in range(world_size)]
+                                 daemon=False) for rank in range(world_size)]
     for process in processes:
         process.start()
     values: dict[int, object] = {}

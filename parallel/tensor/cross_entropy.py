@@ -41,6 +41,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # turns the saved softmax into the gradient in place (no second [s, b, v/tp] buffer), so this
+        # graph supports one backward only (no retain_graph), as in Megatron
         softmax, local_target, outside = ctx.saved_tensors
         # d loss / d logits = softmax - one_hot(target), the one-hot only on the owning rank
         grad = softmax

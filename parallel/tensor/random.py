@@ -33,22 +33,31 @@ def _set_default_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class RNGTracker:
-    """Owns the states of named random streams (CPU, and the current GPU when one is in use).
+def _seeded_state(seed: int) -> dict[str, torch.Tensor]:
+    """The state of every device in use after ``manual_seed(seed)``, leaving the default stream as it was."""
+    outside = _default_state()
+    torch.manual_seed(seed)
+    state = _default_state()
+    _set_default_state(outside)
+    return state
 
-    It never changes the default generator except inside ``fork``, which always restores it.
+
+class RNGTracker:
+    """Owns the seeds and states of named random streams (CPU, and the current GPU once one is in use).
+
+    A stream created before the GPU was first used gets its GPU state on first use, from its seed. It
+    never changes the default generator except inside ``fork``, which always restores it.
     """
 
     def __init__(self) -> None:
+        self._seeds: dict[str, int] = {}
         self._states: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
             raise ValueError(f"random stream {name!r} already exists")
-        outside = _default_state()
-        torch.manual_seed(seed)
-        self._states[name] = _default_state()
-        _set_default_state(outside)
+        self._seeds[name] = seed
+        self._states[name] = _seeded_state(seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL_STREAM):
@@ -56,6 +65,8 @@ class RNGTracker:
         if name not in self._states:
             raise KeyError(f"random stream {name!r} was never added")
         outside = _default_state()
+        if outside.keys() - self._states[name].keys():  # a device came into use after the stream was made
+            self._states[name] = {**_seeded_state(self._seeds[name]), **self._states[name]}
         _set_default_state(self._states[name])
         try:
             yield
@@ -76,8 +87,8 @@ class RNGTracker:
         self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
 
 
-def model_parallel_tracker(seed: int, tp_rank: int) -> RNGTracker:
-    """The tracker a model part uses: a tensor-parallel stream that differs per tp rank."""
+def model_parallel_tracker(seed: int, tp_rank: int, pp_rank: int = 0) -> RNGTracker:
+    """The tracker a model part uses: a tensor-parallel stream that differs per tp rank and per stage."""
     tracker = RNGTracker()
-    tracker.add(TENSOR_PARALLEL_STREAM, seed + 2718 + tp_rank)
+    tracker.add(TENSOR_PARALLEL_STREAM, seed + 2718 + tp_rank + 100 * pp_rank)
     return tracker

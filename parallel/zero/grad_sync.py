@@ -53,6 +53,10 @@ class BucketedAllReduce:
             return
         buffer, bucket = self._bucket_of[param]
         key = self._key(buffer, bucket)
+        if key in self._handles:
+            raise RuntimeError("a parameter received a second gradient after its bucket was already being "
+                               "reduced: run every backward but the last of an accumulation inside "
+                               "optimizer.no_sync()")
         self._ready[key] = self._ready.get(key, 0) + 1
         if self._ready[key] == len(bucket.params):
             self._launch(buffer, bucket)

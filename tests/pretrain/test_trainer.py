@@ -8,7 +8,7 @@ from pretrain.arguments import parse_config
 from pretrain.validation import validate
 from tests.world import run_world
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3",
         "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "5", "--sample-prompt", ""]
 
@@ -25,15 +25,17 @@ def _train(rank, world_size, layouts, corpus):
         config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
                                       "--data-cache-dir", f"{prefix}-cache"] + extra)
         topology = validate(config, world_size)
-        result = Trainer(config, topology, __import__("torch").device("cpu")).train()
-        results.append((result.losses, result.grad_norms, result.valid_losses))
+        trainer = Trainer(config, topology, __import__("torch").device("cpu"))
+        result = trainer.train()
+        results.append((result.losses, result.grad_norms, result.valid_losses,
+                        trainer.groups.pp_rank, trainer.last_step_stats.max_live_micro_batches))
         dist.barrier()
     return results
 
 
 @pytest.fixture(scope="module")
 def reference(stdlib_corpus):
-    (losses, norms, _), = run_world(1, _train, [[]], stdlib_corpus)[0]
+    (losses, norms, *_), = run_world(1, _train, [[]], stdlib_corpus)[0]
     return losses, norms
 
 
@@ -53,7 +55,7 @@ def test_data_parallel_reproduces_the_single_process_run(reference, stdlib_corpu
     results = run_world(2, _train, [["--zero-stage", "0"], ["--zero-stage", "0", "--zero-bucket-size", "1000"]],
                         stdlib_corpus)
     for rank_results in results:
-        for losses, norms, _ in rank_results:
+        for losses, norms, *_ in rank_results:
             _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
 
 
@@ -92,5 +94,34 @@ def test_tensor_parallel_layouts_reproduce_the_single_process_run(reference, std
     four = run_world(4, _train, [_tp(4), _tp(4, "--sequence-parallel"), _tp(2), _tp(2, "--sequence-parallel")],
                      stdlib_corpus)
     for rank_results in two + four:
-        for losses, norms, _ in rank_results:
+        for losses, norms, *_ in rank_results:
             _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+
+
+def _pp(size, schedule="1f1b", *extra):
+    return ["--pipeline-model-parallel-size", str(size), "--pipeline-schedule", schedule, *extra]
+
+
+def test_pipeline_layouts_reproduce_the_single_process_run(reference, stdlib_corpus):
+    two = run_world(2, _train, [_pp(2, "gpipe"), _pp(2), _pp(2, "interleaved", "--virtual-pipeline-size", "2")],
+                    stdlib_corpus)
+    four = run_world(4, _train, [_pp(4)], stdlib_corpus)
+    for rank_results in two + four:
+        for losses, norms, *_ in rank_results:
+            _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+
+
+def test_3d_grid_on_8_processes_reproduces_the_single_process_run(reference, stdlib_corpus):
+    results = run_world(8, _train, [_pp(2, "1f1b", *_tp(2, "--sequence-parallel"))], stdlib_corpus, timeout_s=300)
+    for rank_results in results:
+        for losses, norms, *_ in rank_results:
+            _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+
+
+def test_live_micro_batches_on_stage_0(stdlib_corpus):
+    """1F1B keeps at most pp micro-batches' activations on the first stage; GPipe keeps all m."""
+    few = ["--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    results = run_world(2, _train, [_pp(2, "gpipe", *few), _pp(2, "1f1b", *few)], stdlib_corpus)
+    (gpipe, one_f_one_b) = [r for r in results if r[0][3] == 0][0]
+    assert gpipe[4] == {0: 8}
+    assert one_f_one_b[4] == {0: 2}

@@ -1,0 +1,138 @@
+"""Pipeline schedules as per-rank action lists, and the executor that runs them.
+
+A schedule is the order in which this rank runs forward (F) and backward (B) of (chunk, micro-batch)
+pairs. Every rank derives its list from the same rule, so for each pair of neighbours the order of
+sends on one side equals the order of receives on the other:
+
+    gpipe        all F in micro-batch order, then all B in micro-batch order (holds all m activations)
+    1f1b         pp - stage - 1 warm-up F, then alternate F/B, then cool-down B (holds at most pp)
+    interleaved  1F1B over vp model chunks per stage: micro-batches go through the stages in groups
+                 of pp, chunk by chunk (Megatron's order); the bubble shrinks by vp
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from parallel.pipeline.p2p import StageExchange
+
+
+@dataclass(frozen=True)
+class Action:
+    """Forward ("F") or backward ("B") of ``micro_batch`` through model chunk ``chunk``."""
+
+    kind: str
+    chunk: int
+    micro_batch: int
+
+
+def _forward_slot(k: int, pp: int, vp: int) -> tuple[int, int]:
+    """(chunk, micro-batch) of this rank's k-th forward in the interleaved order."""
+    group, within = divmod(k, pp * vp)
+    return within // pp, group * pp + within % pp
+
+
+def schedule(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[Action]:
+    """The ordered actions of pipeline stage ``stage`` for one optimizer step."""
+    m = num_micro_batches
+    if kind == "gpipe":
+        return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
+    if kind == "1f1b":
+        forwards = [Action("F", 0, i) for i in range(m)]
+        backwards = [Action("B", 0, i) for i in range(m)]
+        warmup = min(pp - stage - 1, m)
+    elif kind == "interleaved":
+        total = m * vp
+        forwards = [Action("F", *_forward_slot(k, pp, vp)) for k in range(total)]
+        backwards = [Action("B", vp - 1 - c, i) for c, i in (_forward_slot(k, pp, vp) for k in range(total))]
+        warmup = min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
+    else:
+        raise ValueError(f"unknown --pipeline-schedule {kind!r}: choose gpipe, 1f1b or interleaved")
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        order += [f, b]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> None:
+    """Raise ValueError naming the flags for a schedule that cannot run."""
+    if vp > 1 and kind != "interleaved":
+        raise ValueError(f"--virtual-pipeline-size {vp} needs --pipeline-schedule interleaved")
+    if kind == "interleaved" and pp > 1 and num_micro_batches % pp:
+        raise ValueError(f"--pipeline-schedule interleaved needs the micro-batches per step "
+                         f"({num_micro_batches} = --global-batch-size / (--micro-batch-size x dp)) to be a "
+                         f"multiple of --pipeline-model-parallel-size {pp}")
+    if kind == "interleaved" and num_micro_batches < pp:
+        raise ValueError(f"--pipeline-schedule interleaved needs at least {pp} micro-batches per step, got "
+                         f"{num_micro_batches}: raise --global-batch-size")
+
+
+@dataclass
+class StepStats:
+    """What the executor measured in one step: losses (last stage) and activation residency."""
+
+    losses: list[float] = field(default_factory=list)
+    max_live_micro_batches: dict[int, int] = field(default_factory=dict)
+
+
+ForwardStep = Callable[[int, int, torch.Tensor | None], torch.Tensor]
+
+
+class PipelineExecutor:
+    """Runs a list of actions on this stage's model chunks.
+
+    Owns the activations kept between a micro-batch's forward and its backward (input and output of
+    each chunk) and releases them right after the backward. ``forward_step(chunk, micro_batch, input)``
+    runs one chunk (``input`` is None where the chunk reads tokens) and returns the next stage's input,
+    or the micro-batch's scaled loss on the last virtual stage. Never touches the optimizer beyond the
+    ``no_sync`` context that keeps gradient sync off until a chunk's last backward.
+    """
+
+    def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int,
+                 no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.exchange, self.stage, self.pp, self.vp, self.no_sync = exchange, stage, pp, vp, no_sync
+
+    def _first(self, chunk: int) -> bool:
+        return self.stage == 0 and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        return self.stage == self.pp - 1 and chunk == self.vp - 1
+
+    def run(self, actions: list[Action], forward_step: ForwardStep, train: bool = True,
+            after_backward: Callable[[int, int], None] = lambda chunk, micro_batch: None) -> StepStats:
+        stats = StepStats()
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        last_backward = {a.chunk: a.micro_batch for a in actions if a.kind == "B"}
+        for action in actions:
+            key = (action.chunk, action.micro_batch)
+            if action.kind == "F":
+                received = None if self._first(action.chunk) else self.exchange.recv_forward()
+                if received is not None and train:
+                    received.requires_grad_()
+                with contextlib.nullcontext() if train else torch.no_grad():
+                    output = forward_step(action.chunk, action.micro_batch, received)
+                if self._last(action.chunk):
+                    stats.losses.append(output.item())
+                else:
+                    self.exchange.send_forward(output)
+                if train:
+                    saved[key] = (received, output)
+                    live = sum(1 for c, _ in saved if c == action.chunk)
+                    stats.max_live_micro_batches[action.chunk] = max(
+                        stats.max_live_micro_batches.get(action.chunk, 0), live)
+            else:
+                received, output = saved.pop(key)
+                grad = None if self._last(action.chunk) else self.exchange.recv_backward()
+                final = last_backward[action.chunk] == action.micro_batch
+                with contextlib.nullcontext() if final else self.no_sync():
+                    torch.autograd.backward(output, grad)
+                after_backward(action.chunk, action.micro_batch)
+                if not self._first(action.chunk):
+                    self.exchange.send_backward(received.grad)
+        if self.exchange is not None:
+            self.exchange.wait_sends()
+        return stats

@@ -1,0 +1,112 @@
+"""One global batch through this rank's pipeline stage: micro-batches, schedule, loss."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from models.generate import gather_vocab_logits
+from parallel import comm
+from parallel.pipeline.p2p import StageExchange
+from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule
+from parallel.process_groups import ParallelGroups
+from parallel.saved_activations import SavedActivationMeter
+from pretrain.config import Config
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+class StageRunner:
+    """Runs global batches through this rank's model chunks with the configured pipeline schedule.
+
+    Owns the chunks' execution, the exchange with neighbouring stages, and which micro-batches this
+    stage reads (tokens on the first stage, labels on the last, nothing in between). Never steps the
+    optimizer; the loss it returns is the global-batch mean, the same on every rank of the pipeline.
+    """
+
+    def __init__(self, config: Config, groups: ParallelGroups, chunks: nn.ModuleList, device: torch.device,
+                 meter: SavedActivationMeter, no_sync: Callable[[], contextlib.AbstractContextManager]):
+        self.config, self.groups, self.chunks, self.device, self.meter = config, groups, chunks, device, meter
+        par, model, train = config.parallel, config.model, config.training
+        self.pp, self.vp, self.stage = groups.topology.pp, par.virtual_pipeline_size or 1, groups.pp_rank
+        self.kind = par.pipeline_schedule
+        self.num_micro_batches = train.global_batch_size // (train.micro_batch_size * groups.topology.dp)
+        self.sequence_parallel = par.sequence_parallel and groups.tp.size > 1
+        self.dtype = next(chunks.parameters()).dtype
+        self.executor = PipelineExecutor(self._exchange(model.seq_length, train.micro_batch_size), self.stage,
+                                         self.pp, self.vp, no_sync)
+
+    def _exchange(self, seq_length: int, batch: int) -> StageExchange | None:
+        if self.pp == 1:
+            return None
+        local = seq_length // self.groups.tp.size if self.sequence_parallel else seq_length
+        return StageExchange(self.groups.pp, (local, batch, self.config.model.hidden_size), self.dtype, self.device)
+
+    @property
+    def reads_data(self) -> bool:
+        return self.stage in (0, self.pp - 1)
+
+    def run(self, batches: Iterator[dict] | None, train: bool = True) -> tuple[float, StepStats]:
+        """Forward (and backward when ``train``) of one global batch; returns (mean loss, stats)."""
+        loaded: dict[int, dict] = {}
+
+        def micro_batch(index: int) -> dict:
+            while index not in loaded:
+                loaded[len(loaded)] = {k: v.to(self.device) for k, v in next(batches).items()}
+            return loaded[index]
+
+        def forward_step(chunk: int, index: int, received: torch.Tensor | None) -> torch.Tensor:
+            model = self.chunks[chunk]
+            batch = micro_batch(index) if (model.pre_process or model.post_process) else None
+            positions = batch["position_ids"] if batch is not None else self._positions()
+            with self.meter.recording((chunk, index)) if train else contextlib.nullcontext():
+                out = model(batch["tokens"] if model.pre_process else None, positions,
+                            labels=batch["labels"] if model.post_process else None, hidden=received)
+            if model.post_process:
+                return masked_mean(out, batch["loss_mask"]) / self.num_micro_batches
+            return out
+
+        actions = schedule(self.kind, self.num_micro_batches, self.pp, self.stage, self.vp)
+        if not train:
+            actions = [a for a in actions if a.kind == "F"]
+        stats = self.executor.run(actions, forward_step, train=train,
+                                  after_backward=lambda chunk, index: self.meter.release((chunk, index)))
+        return self._loss_from_last_stage(sum(stats.losses)), stats
+
+    def _positions(self) -> torch.Tensor:
+        train, model = self.config.training, self.config.model
+        return torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size, model.seq_length)
+
+    def _loss_from_last_stage(self, loss: float) -> float:
+        value = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        comm.broadcast(value, src=self.groups.pp.ranks[-1], group=self.groups.pp)
+        return value.item()
+
+    @torch.no_grad()
+    def next_token_logits(self, tokens: list[int]) -> torch.Tensor:
+        """Full-vocabulary logits after ``tokens`` (one sequence), identical on every rank of the pipeline."""
+        length = len(tokens)
+        padded = length + (-length % self.groups.tp.size if self.sequence_parallel else 0)
+        ids = torch.tensor([tokens + [0] * (padded - length)], dtype=torch.long, device=self.device)
+        positions = torch.arange(padded, device=self.device).unsqueeze(0)
+        exchange = self._exchange(padded, 1)
+        hidden = None
+        for model in self.chunks:
+            if not model.pre_process:
+                hidden = exchange.recv_forward()
+            out = model(ids if model.pre_process else None, positions, hidden=hidden)
+            if not model.post_process:
+                exchange.send_forward(out)
+        if exchange is not None:
+            exchange.wait_sends()
+        vocab = self.config.model.vocab_size
+        logits = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        if self.stage == self.pp - 1:
+            logits.copy_(gather_vocab_logits(out[length - 1, 0], self.chunks[-1]))
+        comm.broadcast(logits, src=self.groups.pp.ranks[-1], group=self.groups.pp)
+        return logits
