@@ -11,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install --quiet -e '.[dev]'
 fi
 . .venv/bin/activate
-exec python -m launch.torchrun --nproc 4 --config launch/configs/cpu-default.yaml "$@"
+exec python -m launch.torchrun --nproc 8 --config launch/configs/cpu-default.yaml "$@"

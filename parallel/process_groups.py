@@ -52,6 +52,13 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     return device
 
 
+def shutdown_distributed() -> None:
+    """Tear the process groups down (their background threads must not outlive the interpreter)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     import socket
 

@@ -18,11 +18,12 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    from parallel.process_groups import init_distributed
+    from parallel.process_groups import init_distributed, shutdown_distributed
     from pretrain.trainer import Trainer
 
     device = init_distributed(config.parallel.distributed_timeout_s)
     Trainer(config, topology, device).train()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

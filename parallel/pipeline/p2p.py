@@ -9,6 +9,8 @@ neighbour is certain to send, so neighbours never deadlock. The stages form a ri
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from parallel import comm
@@ -32,6 +34,7 @@ class StageExchange:
         self.prev_rank = pp.ranks[(index - 1) % pp.size]
         self.next_rank = pp.ranks[(index + 1) % pp.size]
         self._pending: list[tuple[object, torch.Tensor]] = []
+        self.wait_seconds = 0.0  # time blocked on neighbours: the pipeline bubble plus transfer time
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
@@ -40,8 +43,10 @@ class StageExchange:
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        started = time.perf_counter()
         for handle in comm.batch_isend_irecv([], [(buffer, src)], self.pp, tag=tag):
             handle.wait()
+        self.wait_seconds += time.perf_counter() - started
         return buffer
 
     def send_forward(self, activation: torch.Tensor) -> None:
@@ -58,6 +63,8 @@ class StageExchange:
 
     def wait_sends(self) -> None:
         """Block until every posted send has been delivered (end of a step)."""
+        started = time.perf_counter()
         for handle, _ in self._pending:
             handle.wait()
         self._pending.clear()
+        self.wait_seconds += time.perf_counter() - started

@@ -50,6 +50,12 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--data-path", "/nonexistent/corpus", "--tokenizer-model", "x.model"], 1,
      "--data-path /nonexistent/corpus: /nonexistent/corpus.bin is missing"),
     (["--zero-stage", "1"], 1, "--zero-stage 1 is not available in this build yet"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
+     "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2",
+      "--global-batch-size", "4", "--micro-batch-size", "4", "--num-layers", "4"], 2,
+     "--pipeline-schedule interleaved needs the micro-batches per step (1 = --global-batch-size"),
+    (["--virtual-pipeline-size", "2"], 1, "--virtual-pipeline-size needs --pipeline-model-parallel-size > 1"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "need 0 <= min-lr <= lr"),
 ])
 def test_bad_settings_name_the_flag(flags, world, message):

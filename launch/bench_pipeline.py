@@ -1,0 +1,122 @@
+"""Measure the pipeline bubble: the fraction of a step each stage spends waiting for its neighbours.
+
+    python -m launch.bench_pipeline [--pp 2] [--micro-batches 4 8 16] [--output runs/bench/pipeline.md]
+
+For each schedule (1f1b, and interleaved with --vp chunks) and micro-batch count m, a world of pp
+processes runs forward + backward of a GPT on synthetic tokens (no optimizer); each stage times the
+seconds it is blocked in receives and sends (``StageExchange.wait_seconds``) against the step time.
+The table puts the measured idle fraction beside the ideal one for equal stages:
+(p-1)/(m+p-1) for 1F1B and (p-1)/(v m+p-1) for interleaved. Run pp at most the core count: stages
+sharing a core are not concurrent and the idle time they show is not a bubble.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import contextlib
+
+    import torch
+
+    from models.stages import build_stage
+    from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
+    from parallel.saved_activations import SavedActivationMeter
+    from pretrain.arguments import parse_config
+    from pretrain.stage_runner import StageRunner
+    from pretrain.validation import validate
+
+    flags = ["--num-layers", str(args.layers_per_chunk * args.pp * args.vp), "--hidden-size", str(args.hidden),
+             "--num-attention-heads", "4", "--seq-length", str(args.seq), "--vocab-size", "128",
+             "--default-corpus-vocab-size", "128",
+             "--micro-batch-size", "2", "--global-batch-size", str(2 * args.m),
+             "--pipeline-model-parallel-size", str(args.pp), "--pipeline-schedule", args.schedule]
+    if args.vp > 1:
+        flags += ["--virtual-pipeline-size", str(args.vp)]
+    config = parse_config(flags)
+    topology = validate(config, int(os.environ["WORLD_SIZE"]))  # shape checks; the data is synthetic
+    device = init_distributed()
+    groups = create_process_groups(topology)
+    chunks = build_stage(config.model, groups, seed=0, vp=args.vp)
+    runner = StageRunner(config, groups, chunks, device, SavedActivationMeter(chunks), contextlib.nullcontext)
+
+    def synthetic_batches():
+        generator = torch.Generator().manual_seed(0)
+        while True:
+            tokens = torch.randint(0, 128, (2, args.seq), generator=generator)
+            yield {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(2, args.seq),
+                   "position_ids": torch.arange(args.seq).expand(2, args.seq)}
+
+    batches = synthetic_batches() if runner.reads_data else None
+    idle = []
+    for step in range(args.steps + 1):
+        runner.executor.exchange.wait_seconds = 0.0
+        started = time.perf_counter()
+        runner.run(batches)
+        elapsed = time.perf_counter() - started
+        if step > 0:  # the first step warms up allocators and connections
+            idle.append(runner.executor.exchange.wait_seconds / elapsed)
+        chunks.zero_grad(set_to_none=True)
+    with open(os.path.join(args.worker_output, f"stage{groups.pp_rank}.json"), "w") as handle:
+        json.dump({"stage": groups.pp_rank, "idle": statistics.median(idle)}, handle)
+    shutdown_distributed()
+
+
+def _ideal(schedule: str, pp: int, m: int, vp: int) -> float:
+    chunks = vp if schedule == "interleaved" else 1
+    return (pp - 1) / (chunks * m + pp - 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.bench_pipeline", description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--vp", type=int, default=2, help="model chunks per stage for the interleaved rows")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--layers-per-chunk", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--output", default=os.path.join("runs", "bench", "pipeline.md"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-schedule", dest="schedule", default="1f1b", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-output", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-micro-batches", dest="m", type=int, default=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return
+    rows = ["| schedule | p | v | m | measured idle per stage | mean | ideal |", "|---|---|---|---|---|---|---|"]
+    for m in args.micro_batches:
+        for schedule, vp in (("1f1b", 1), ("interleaved", args.vp)):
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.pp}",
+                       "-m", "launch.bench_pipeline", "--worker", "--worker-schedule", schedule, "--worker-micro-batches", str(m),
+                       "--pp", str(args.pp), "--vp", str(vp), "--layers-per-chunk", str(args.layers_per_chunk),
+                       "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(args.steps)]
+            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.pp)))
+            with tempfile.TemporaryDirectory() as directory:
+                run = subprocess.run(command + ["--worker-output", directory], capture_output=True, text=True, env=env)
+                if run.returncode:
+                    sys.exit(f"benchmark world failed ({schedule}, m={m}):\n{run.stderr[-4000:]}")
+                idle = []
+                for stage in range(args.pp):
+                    with open(os.path.join(directory, f"stage{stage}.json")) as handle:
+                        idle.append(json.load(handle)["idle"])
+            rows.append(f"| {schedule} | {args.pp} | {vp} | {m} | {' / '.join(f'{x:.3f}' for x in idle)} | "
+                        f"{statistics.mean(idle):.3f} | {_ideal(schedule, args.pp, m, vp):.3f} |")
+            print(rows[-1], flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as handle:
+        handle.write("\n".join(rows) + "\n")
+    print(f"table written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
