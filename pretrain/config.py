@@ -94,6 +94,10 @@ class TrainingConfig:
     seed: int = field(default=1234, metadata=_flag("seed of weights, data order and dropout"))
     bf16: bool = field(default=False, metadata=_flag("compute in bfloat16, fp32 master weights"))
     fp16: bool = field(default=False, metadata=_flag("compute in float16 with dynamic loss scaling"))
+    initial_loss_scale: float = field(default=2.0 ** 16, metadata=_flag("fp16: loss scale at the start"))
+    min_loss_scale: float = field(default=1.0, metadata=_flag("fp16: the scale never backs off below this"))
+    loss_scale_window: int = field(default=1000, metadata=_flag("fp16: clean steps before the scale doubles"))
+    hysteresis: int = field(default=2, metadata=_flag("fp16: overflowing steps tolerated before backing off"))
 
 
 @dataclass

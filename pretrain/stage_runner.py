@@ -51,8 +51,10 @@ class StageRunner:
     def reads_data(self) -> bool:
         return self.stage in (0, self.pp - 1)
 
-    def run(self, batches: Iterator[dict] | None, train: bool = True) -> tuple[float, StepStats]:
-        """Forward (and backward when ``train``) of one global batch; returns (mean loss, stats)."""
+    def run(self, batches: Iterator[dict] | None, train: bool = True, loss_scale: float = 1.0
+            ) -> tuple[float, StepStats]:
+        """Forward (and backward when ``train``) of one global batch; returns (mean loss, stats).
+        Backward starts from the loss times ``loss_scale`` (fp16); the returned loss is unscaled."""
         loaded: dict[int, dict] = {}
 
         def micro_batch(index: int) -> dict:
@@ -68,7 +70,7 @@ class StageRunner:
                 out = model(batch["tokens"] if model.pre_process else None, positions,
                             labels=batch["labels"] if model.post_process else None, hidden=received)
             if model.post_process:
-                return masked_mean(out, batch["loss_mask"]) / self.num_micro_batches
+                return masked_mean(out, batch["loss_mask"]) * (loss_scale / self.num_micro_batches)
             return out
 
         actions = schedule(self.kind, self.num_micro_batches, self.pp, self.stage, self.vp)
@@ -76,7 +78,7 @@ class StageRunner:
             actions = [a for a in actions if a.kind == "F"]
         stats = self.executor.run(actions, forward_step, train=train,
                                   after_backward=lambda chunk, index: self.meter.release((chunk, index)))
-        return self._loss_from_last_stage(sum(stats.losses)), stats
+        return self._loss_from_last_stage(sum(stats.losses) / loss_scale), stats
 
     def _positions(self) -> torch.Tensor:
         train, model = self.config.training, self.config.model

@@ -18,7 +18,7 @@ from parallel import comm, zero
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
-from parallel.zero import ModelParallelGroups
+from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_model_state_bytes
 from pretrain.config import Config
 from pretrain.lr_schedule import learning_rate
 from pretrain.metrics import MetricsWriter, gather_per_rank, peak_memory_bytes, print_rank0, reset_peak_memory
@@ -76,6 +76,7 @@ class Trainer:
         self.groups: ParallelGroups = create_process_groups(topology)
         self.is_logger = self.groups.rank == 0
         train = config.training
+        self.dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
         torch.manual_seed(train.seed + 100 * self.groups.pp_rank)  # dropout: equal over tp and dp, not over stages
         data_path, self.tokenizer = resolve_data(config)
         self.num_micro_batches = train.global_batch_size // (train.micro_batch_size * topology.dp)
@@ -87,14 +88,17 @@ class Trainer:
         self.model = build_stage(config.model, self.groups, seed=train.seed,
                                  vp=config.parallel.virtual_pipeline_size or 1,
                                  sequence_parallel=config.parallel.sequence_parallel,
-                                 layers_per_stage=config.parallel.pipeline_layers_per_stage).to(device)
+                                 layers_per_stage=config.parallel.pipeline_layers_per_stage).to(device, self.dtype)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,
             param_groups=weight_decay_groups(self.model, config.optimizer.weight_decay),
             bucket_size=config.zero.zero_bucket_size, clip_grad=config.optimizer.clip_grad,
             model_parallel=ModelParallelGroups(tp=self.groups.tp, model_parallel=self.groups.mp,
-                                               embedding=self.groups.embedding))
+                                               embedding=self.groups.embedding),
+            loss_scaler=DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
+                                          hysteresis=train.hysteresis, min_scale=train.min_loss_scale)
+            if train.fp16 else None)
         self.activation_meter = SavedActivationMeter(self.model)
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)
@@ -117,7 +121,7 @@ class Trainer:
         """One optimizer step over a global batch; returns this data-parallel rank's loss and the step."""
         self.optimizer.zero_grad()
         self.activation_meter.reset()
-        loss, self.last_step_stats = self.runner.run(batches)
+        loss, self.last_step_stats = self.runner.run(batches, loss_scale=self.optimizer.loss_scale)
         return loss, self.optimizer.step()
 
     @torch.no_grad()
@@ -178,8 +182,10 @@ class Trainer:
             result.grad_norms.append(step.grad_norm)
             evaluated = train.eval_interval and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
             valid = self.evaluate() if evaluated else None
-            if iteration % config.logging.log_interval == 0 or evaluated or iteration == train.train_iters:
+            if iteration % config.logging.log_interval == 0 or evaluated or iteration in (1, train.train_iters):
                 record = self._record(iteration, loss, lr, step, step_time, comm_bytes, peak_mem)
+                if iteration == 1:
+                    self._print_model_state_table(record["per_rank"])
                 if valid is not None:
                     result.valid_losses[iteration] = valid
                     record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
@@ -193,6 +199,21 @@ class Trainer:
             wandb_run.finish()
             print_rank0(self.is_logger, f"wandb run files: {os.path.dirname(wandb_run.dir)}")
         return result
+
+    def _print_model_state_table(self, per_rank: list[dict]) -> None:
+        """Per rank: model-state bytes by DESIGN.md's formula beside what the tensors hold (after the
+        first step, when the optimizer states exist)."""
+        if not self.is_logger:
+            return
+        stage, dp = self.config.zero.zero_stage, self.groups.topology.dp
+        width = torch.finfo(self.dtype).bits // 8
+        lines = [f"model-state bytes per rank (ZeRO stage {stage}, dp {dp}, {self.dtype}): expected vs measured"]
+        for entry in per_rank:
+            expected = expected_model_state_bytes(stage, entry["parameters"], dp, width)
+            lines.append(f"  rank {entry['rank']:>3}: {entry['parameters']:>12,} params  expected "
+                         f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} MiB  "
+                         f"({entry['model_state_bytes'] / expected:.3f}x)")
+        print("\n".join(lines), flush=True)
 
     def sample(self) -> str | None:
         """Continue --sample-prompt with the trained model (every rank runs it; rank 0 prints)."""

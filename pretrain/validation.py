@@ -43,7 +43,8 @@ def validate(config: Config, world_size: int) -> Topology:
     _not_yet(config.zero.offload_param != "none", "--offload-param")
     _not_yet(config.recompute.recompute_granularity is not None, "--recompute-granularity")
     _not_yet(config.recompute.partition_activations, "--partition-activations")
-    _not_yet(train.bf16 or train.fp16, "--bf16 / --fp16 (mixed precision comes with ZeRO stages 1-2)")
+    if train.bf16 and train.fp16:
+        raise ConfigError("--bf16 and --fp16 exclude each other: choose one")
     _not_yet(config.checkpoint.save is not None or config.checkpoint.load is not None, "--save / --load")
 
     for name in ("micro_batch_size", "global_batch_size", "train_iters"):

@@ -1,8 +1,9 @@
 """The ZeRO optimizer over the data-parallel group.
 
 ``initialize(module, optimizer_factory, stage=S, group=G, **options)`` returns ``(module, optimizer)``;
-train with ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``optimizer_factory`` takes
-torch-style parameter groups and returns any torch optimizer.
+train with ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` (under fp16, call backward on
+``optimizer.scale_loss(loss)``). ``optimizer_factory`` takes torch-style parameter groups and returns
+any torch optimizer; it only ever sees this rank's fp32 shard.
 """
 
 from __future__ import annotations
@@ -10,18 +11,26 @@ from __future__ import annotations
 from torch import nn
 
 from parallel.comm import AxisGroup
-from parallel.zero.data_parallel import DataParallelOptimizer, ModelParallelGroups, OptimizerFactory, StepResult
+from parallel.zero.grad_sync import ModelParallelGroups
+from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer, expected_model_state_bytes
 
-AVAILABLE_STAGES = (0,)
+AVAILABLE_STAGES = (0, 1, 2)
 
-__all__ = ["initialize", "DataParallelOptimizer", "ModelParallelGroups", "StepResult", "AVAILABLE_STAGES"]
+__all__ = ["initialize", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "DynamicLossScaler",
+           "ConstantLossScaler", "expected_model_state_bytes", "AVAILABLE_STAGES"]
 
 
 def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group: AxisGroup,
-               **options) -> tuple[nn.Module, DataParallelOptimizer]:
-    """Wrap ``module`` for data-parallel training with ZeRO ``stage`` over the data-parallel ``group``."""
+               **options) -> tuple[nn.Module, ZeroOptimizer]:
+    """Wrap ``module`` for data-parallel training with ZeRO ``stage`` over the data-parallel ``group``.
+
+    Options: ``param_groups`` (torch-style groups of the module's parameters, with their optimizer
+    options), ``bucket_size`` (elements per fused collective), ``clip_grad`` (max global norm),
+    ``model_parallel`` (``ModelParallelGroups``), ``loss_scaler`` (``DynamicLossScaler`` for fp16).
+    """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
     if stage not in AVAILABLE_STAGES:
-        raise ValueError(f"--zero-stage {stage} is not available in this build yet: use --zero-stage 0")
-    return module, DataParallelOptimizer(module, optimizer_factory, group, **options)
+        raise ValueError(f"--zero-stage {stage} is not available in this build yet: use --zero-stage 2")
+    return module, ZeroOptimizer(module, optimizer_factory, group, stage=stage, **options)

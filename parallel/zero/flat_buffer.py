@@ -1,15 +1,21 @@
-"""Contiguous storage for a group of parameters and their gradients, cut into buckets and shards.
+"""Contiguous storage for a group of parameters (and their gradients), cut into buckets and shards.
 
-Parameters of one dtype are laid out back to back in one flat tensor (in reverse registration order,
-which is roughly the order backward produces their gradients), padded so the total splits into
-``num_shards`` equal shards. Each parameter's ``.data`` and ``.grad`` become views into the flat
-``data`` and ``grad`` tensors, so one collective can move many gradients at once and the optimizer
-can work on a contiguous shard.
+Parameters of one dtype are laid out back to back in one flat tensor, in reverse registration order
+(roughly the order backward produces their gradients), grouped into buckets of at least
+``bucket_size`` elements. Each bucket is padded to a multiple of ``num_shards`` and split into that
+many equal chunks: data-parallel rank r owns chunk r of every bucket, so one reduce-scatter per
+bucket leaves each rank exactly its part of the gradient, and one all-gather per bucket rebuilds
+the parameters. Parameters whose gradients need a model-parallel reduction first (``deferred``) go
+into buckets of their own at the end.
+
+Each parameter's ``.data`` (and ``.grad`` when the buffer keeps gradients) is a view into the flat
+tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,26 +23,49 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Bucket:
-    """A contiguous element range [start, end) of the buffer and the parameters that lie in it."""
+    """A contiguous, shard-aligned element range [start, end) of the buffer and its parameters."""
 
     index: int
     start: int
     end: int
     params: tuple[nn.Parameter, ...]
+    deferred: bool
+    num_shards: int
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def chunk(self) -> int:
+        """Elements each shard owns in this bucket."""
+        return self.numel // self.num_shards
+
+    def chunk_range(self, shard: int) -> tuple[int, int]:
+        return self.start + shard * self.chunk, self.start + (shard + 1) * self.chunk
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of ``param`` (flat elements [param_start, param_start + length)) that lies in one shard
+    chunk, at ``offset`` of that chunk."""
+
+    param: nn.Parameter
+    bucket: int
+    offset: int
+    param_start: int
+    length: int
+
 
 class FlatParameterBuffer:
-    """Owns the flat parameter and gradient storage of a list of same-dtype parameters.
+    """Owns the flat parameter (and optionally gradient) storage of same-dtype parameters.
 
-    Owns: ``data`` and ``grad`` (flat, padded), each parameter's offset, the bucket ranges. Never
-    communicates and never steps an optimizer; it only lays memory out.
+    Owns: ``data``, ``grad`` (None when gradients are not kept whole), each parameter's offset, the
+    buckets. Never communicates and never steps an optimizer; it only lays memory out.
     """
 
-    def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1):
+    def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1, keep_grad: bool = True,
+                 deferred: Callable[[nn.Parameter], bool] = lambda param: False):
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")
         if bucket_size < 1:
@@ -44,50 +73,58 @@ class FlatParameterBuffer:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"a flat buffer holds one dtype, got {sorted(map(str, dtypes))}")
-        self.dtype, self.device = params[0].dtype, params[0].device
-        self.params = list(reversed(params))
+        self.dtype, self.device, self.num_shards = params[0].dtype, params[0].device, num_shards
+        ordered = list(reversed(params))
         self.offsets: dict[nn.Parameter, int] = {}
-        total = 0
-        for param in self.params:
-            self.offsets[param] = total
-            total += param.numel()
-        self.numel_unpadded = total
-        self.num_shards = num_shards
-        self.numel = -(-total // num_shards) * num_shards
+        self.buckets: list[Bucket] = []
+        end = 0
+        for is_deferred in (False, True):
+            members: list[nn.Parameter] = []
+            for param in (p for p in ordered if deferred(p) == is_deferred):
+                self.offsets[param] = end + sum(p.numel() for p in members)
+                members.append(param)
+                if sum(p.numel() for p in members) >= bucket_size:
+                    end = self._close_bucket(members, end, is_deferred)
+                    members = []
+            if members:
+                end = self._close_bucket(members, end, is_deferred)
+        self.params = [p for bucket in self.buckets for p in bucket.params]
+        self.numel = end
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for param in self.params:
             view = self.data[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
             view.copy_(param.data)
             param.data = view
+        self.grad = torch.zeros_like(self.data) if keep_grad else None
         self.attach_grads()
-        self.buckets = self._cut_buckets(bucket_size)
 
-    def _cut_buckets(self, bucket_size: int) -> list[Bucket]:
-        buckets, members, start = [], [], 0
-        for param in self.params:
-            members.append(param)
-            end = self.offsets[param] + param.numel()
-            if end - start >= bucket_size:
-                buckets.append(Bucket(len(buckets), start, end, tuple(members)))
-                members, start = [], end
-        if members:
-            buckets.append(Bucket(len(buckets), start, self.numel, tuple(members)))
-        else:  # the padding joins the last bucket
-            last = buckets[-1]
-            buckets[-1] = Bucket(last.index, last.start, self.numel, last.params)
-        return buckets
+    def _close_bucket(self, members: list[nn.Parameter], start: int, deferred: bool) -> int:
+        used = sum(p.numel() for p in members)
+        end = start + -(-used // self.num_shards) * self.num_shards
+        self.buckets.append(Bucket(len(self.buckets), start, end, tuple(members), deferred, self.num_shards))
+        return end
+
+    def param_range(self, param: nn.Parameter) -> tuple[int, int]:
+        return self.offsets[param], self.offsets[param] + param.numel()
 
     def grad_view(self, param: nn.Parameter) -> torch.Tensor:
-        offset = self.offsets[param]
-        return self.grad[offset:offset + param.numel()].view_as(param)
+        start, end = self.param_range(param)
+        return self.grad[start:end].view_as(param)
 
     def attach_grads(self) -> None:
-        """Point every ``param.grad`` at its view of the flat gradient (autograd accumulates in place)."""
+        """Point every ``param.grad`` at its view of the flat gradient (autograd accumulates in place);
+        without a kept gradient buffer, clear them instead."""
         for param in self.params:
-            param.grad = self.grad_view(param)
+            param.grad = self.grad_view(param) if self.grad is not None else None
 
-    def shard_range(self, shard: int) -> tuple[int, int]:
-        """Element range [start, end) of shard ``shard`` of the padded buffer."""
-        size = self.numel // self.num_shards
-        return shard * size, (shard + 1) * size
+    def segments(self, shard: int) -> list[Segment]:
+        """How the parameters fall into shard ``shard``'s chunks."""
+        found = []
+        for bucket in self.buckets:
+            low, high = bucket.chunk_range(shard)
+            for param in bucket.params:
+                start, end = self.param_range(param)
+                if start < high and end > low:
+                    first, last = max(start, low), min(end, high)
+                    found.append(Segment(param, bucket.index, first - low, first - start, last - first))
+        return found

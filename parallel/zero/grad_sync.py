@@ -1,15 +1,27 @@
-"""Bucketed gradient synchronisation over the data-parallel group, overlapped with backward.
+"""Bucketed gradient reduction over the data-parallel group, overlapped with backward.
 
-A hook on each parameter counts the gradients that are ready; when every gradient of a bucket has
-arrived (on the last micro-batch of an accumulation), the bucket's collective starts asynchronously
-while backward goes on with earlier layers. ``finish()`` starts any bucket whose parameters received
-no gradient, waits for all, and leaves the data-parallel mean in the gradient buffer.
+A hook on each parameter counts the gradients that are ready; when all of a bucket's gradients have
+arrived, its collective starts asynchronously while backward goes on with earlier layers. Three ways,
+one per ZeRO stage:
+
+    stage 0  all-reduce the bucket of the flat gradient buffer in place (every rank keeps all)
+    stage 1  reduce-scatter the bucket in place: each rank's chunk ends up holding its reduced part
+    stage 2  no flat gradient buffer: the bucket's gradients are copied into a staging buffer and freed,
+             reduce-scattered, and the chunk is added to this rank's gradient shard; this happens on
+             every micro-batch, so no full gradient outlives its bucket
+
+Stages 0 and 1 reduce only on the last micro-batch (backwards before it run inside ``no_sync``).
+Deferred buckets (sequence-parallel and tied-embedding weights) wait for ``finish``: their
+gradients are first summed over the tensor-parallel or embedding group, then reduced like the rest.
+Gradients are pre-divided by the data-parallel size (gloo has no average).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from parallel import comm
@@ -17,62 +29,141 @@ from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import Bucket, FlatParameterBuffer
 
 
-class BucketedAllReduce:
-    """Stage-0 gradient sync: all-reduce each full bucket of the flat gradient buffers.
+@dataclass
+class ModelParallelGroups:
+    """The groups beyond data parallelism that gradients and their norm must see.
 
-    Owns the per-bucket readiness counts and the in-flight handles. Never changes parameter values
-    and never reads gradients outside the buffers it was given.
+    ``tp``: sums gradients of sequence-parallel replicated weights and decides which replicas count
+    in the norm; ``model_parallel``: tp x pp, over which the norm is summed; ``embedding``: first and
+    last pipeline stage, over which the tied embedding's gradient is summed.
     """
 
-    def __init__(self, buffers: list[FlatParameterBuffer], dp: AxisGroup):
-        self.buffers, self.dp = buffers, dp
+    tp: AxisGroup | None = None
+    model_parallel: AxisGroup | None = None
+    embedding: AxisGroup | None = None
+
+
+def needs_model_parallel_reduction(param: nn.Parameter) -> bool:
+    return getattr(param, "sequence_parallel", False) or getattr(param, "tied_embedding", False)
+
+
+def reduce_model_parallel_grad(param: nn.Parameter, grad: torch.Tensor, groups: ModelParallelGroups) -> None:
+    """Sum the partial gradient that tensor/pipeline parallelism leaves in ``grad``, in place."""
+    if getattr(param, "sequence_parallel", False) and groups.tp is not None:
+        comm.all_reduce(grad, groups.tp)
+    if getattr(param, "tied_embedding", False) and groups.embedding is not None:
+        comm.all_reduce(grad, groups.embedding)
+
+
+class GradientSync:
+    """Reduces the gradients of flat buffers over ``dp`` as stage ``stage`` requires.
+
+    Owns the per-bucket readiness counts, the in-flight handles and (stage 2) the gradient shards
+    the reductions accumulate into. Never changes parameter values.
+    """
+
+    def __init__(self, buffers: list[FlatParameterBuffer], dp: AxisGroup, stage: int,
+                 model_parallel: ModelParallelGroups):
+        self.buffers, self.dp, self.stage, self.model_parallel = buffers, dp, stage, model_parallel
         self.enabled = True
-        self._bucket_of: dict[nn.Parameter, tuple[FlatParameterBuffer, Bucket]] = {}
-        for buffer in buffers:
+        self.grad_shards = [torch.zeros(b.numel // dp.size, dtype=b.dtype, device=b.device) for b in buffers] \
+            if stage == 2 else None
+        self._bucket_of: dict[nn.Parameter, tuple[int, Bucket]] = {}
+        for index, buffer in enumerate(buffers):
             for bucket in buffer.buckets:
                 for param in bucket.params:
-                    self._bucket_of[param] = (buffer, bucket)
+                    self._bucket_of[param] = (index, bucket)
         self._ready: dict[tuple[int, int], int] = {}
-        self._handles: dict[tuple[int, int], object] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        self._in_flight: dict[tuple[int, int], tuple[object, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._launched: set[tuple[int, int]] = set()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p, (_, bucket) in self._bucket_of.items() if not bucket.deferred]
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (micro-batches before the last one)."""
-        previous, self.enabled = self.enabled, False
+        """Accumulate gradients locally (micro-batches before the last). Stage 2 reduces anyway."""
+        previous, self.enabled = self.enabled, self.stage == 2
         try:
             yield
         finally:
             self.enabled = previous
 
-    def _key(self, buffer: FlatParameterBuffer, bucket: Bucket) -> tuple[int, int]:
-        return self.buffers.index(buffer), bucket.index
+    def shard_grad(self, buffer_index: int, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient chunk of ``bucket`` (valid after ``finish``)."""
+        if self.stage == 2:
+            offset = sum(b.chunk for b in self.buffers[buffer_index].buckets[:bucket.index])
+            return self.grad_shards[buffer_index][offset:offset + bucket.chunk]
+        low, high = bucket.chunk_range(self.dp.rank) if self.stage == 1 else (bucket.start, bucket.end)
+        return self.buffers[buffer_index].grad[low:high]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.enabled:
             return
-        buffer, bucket = self._bucket_of[param]
-        key = self._key(buffer, bucket)
-        if key in self._handles:
+        index, bucket = self._bucket_of[param]
+        key = (index, bucket.index)
+        if self.stage < 2 and key in self._launched:
             raise RuntimeError("a parameter received a second gradient after its bucket was already being "
                                "reduced: run every backward but the last of an accumulation inside "
                                "optimizer.no_sync()")
         self._ready[key] = self._ready.get(key, 0) + 1
         if self._ready[key] == len(bucket.params):
-            self._launch(buffer, bucket)
+            self._launch(index, bucket)
 
-    def _launch(self, buffer: FlatParameterBuffer, bucket: Bucket) -> None:
+    def _launch(self, index: int, bucket: Bucket) -> None:
+        key = (index, bucket.index)
+        self._ready[key] = 0
+        self._launched.add(key)
+        buffer = self.buffers[index]
+        if self.stage == 2:
+            self._complete(key)  # at most one reduction of a bucket in flight
+            staging = torch.zeros(bucket.numel, dtype=buffer.dtype, device=buffer.device)
+            for param in bucket.params:
+                if param.grad is not None:
+                    start, end = buffer.param_range(param)
+                    staging[start - bucket.start:end - bucket.start].copy_(param.grad.view(-1))
+                    param.grad = None  # the full gradient is released here
+            staging.div_(self.dp.size)
+            received = torch.empty(bucket.chunk, dtype=buffer.dtype, device=buffer.device)
+            handle = comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True)
+            self._in_flight[key] = (handle, staging, received)
+            return
         grads = buffer.grad[bucket.start:bucket.end]
-        grads.div_(self.dp.size)  # gloo has no AVG: pre-divide, then sum
-        self._handles[self._key(buffer, bucket)] = comm.all_reduce(grads, self.dp, async_op=True)
+        grads.div_(self.dp.size)
+        if self.stage == 0:
+            handle = comm.all_reduce(grads, self.dp, async_op=True)
+        else:
+            low, high = bucket.chunk_range(self.dp.rank)
+            handle = comm.reduce_scatter_tensor(buffer.grad[low:high], grads, self.dp, async_op=True)
+        self._in_flight[key] = (handle, None, None)
+
+    def _complete(self, key: tuple[int, int]) -> None:
+        if key not in self._in_flight:
+            return
+        handle, _, received = self._in_flight.pop(key)
+        handle.wait()
+        if received is not None:
+            index, bucket_index = key
+            self.shard_grad(index, self.buffers[index].buckets[bucket_index]).add_(received)
 
     def finish(self) -> None:
-        """Complete the sync of every bucket (in bucket order, the same on every rank)."""
-        for buffer in self.buffers:
+        """Complete the reduction of every bucket, in bucket order (the same on every rank)."""
+        for index, buffer in enumerate(self.buffers):
             for bucket in buffer.buckets:
-                if self._key(buffer, bucket) not in self._handles:
-                    self._launch(buffer, bucket)
-        for handle in self._handles.values():
-            handle.wait()
-        self._handles.clear()
+                key = (index, bucket.index)
+                if bucket.deferred:
+                    for param in bucket.params:
+                        grad = buffer.grad_view(param) if buffer.grad is not None else param.grad
+                        if grad is not None:
+                            reduce_model_parallel_grad(param, grad, self.model_parallel)
+                    self._launch(index, bucket)
+                elif key not in self._launched or self._ready.get(key, 0) > 0:
+                    self._launch(index, bucket)  # parameters without gradients in this step
+        for key in list(self._in_flight):
+            self._complete(key)
         self._ready.clear()
+        self._launched.clear()
+
+    def zero(self) -> None:
+        """Start a new step: clear the gradient shards (stage 2)."""
+        for shard in self.grad_shards or []:
+            shard.zero_()

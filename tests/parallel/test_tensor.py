@@ -11,7 +11,7 @@ from parallel.process_groups import create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.topology import Topology
-from parallel.zero.data_parallel import ModelParallelGroups, reduce_model_parallel_grads
+from parallel.zero.grad_sync import ModelParallelGroups, reduce_model_parallel_grad
 from tests.world import run_world
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
@@ -81,7 +81,8 @@ def _gradients_match_tp1(rank, world_size, tp, sequence_parallel, position_embed
     model = GPTModel(config, groups.tp, seed=3, sequence_parallel=sequence_parallel)
     loss = model(tokens, positions, labels=tokens).mean()
     loss.backward()
-    reduce_model_parallel_grads(list(model.parameters()), ModelParallelGroups(tp=groups.tp))
+    for param in model.parameters():
+        reduce_model_parallel_grad(param, param.grad, ModelParallelGroups(tp=groups.tp))
     worst = 0.0
     ref_grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():

@@ -1,4 +1,4 @@
-"""ZeRO stage 0 (bucketed all-reduce data parallelism) on a plain nn.Module, against one process."""
+"""The ZeRO optimizer on a plain nn.Module: stages 0-2 against one process, bytes, fp16 overflow."""
 
 import pytest
 import torch
@@ -11,9 +11,10 @@ from parallel.topology import Topology
 from tests.world import run_world
 
 
-def _model() -> nn.Module:
+def _model(width: int = 16, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                         nn.Linear(width, 4)).to(dtype)
 
 
 def _data(steps: int, per_step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -23,55 +24,128 @@ def _data(steps: int, per_step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _adam(groups):
-    return torch.optim.AdamW(groups, lr=1e-2)
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+
+
+def _groups(module):
+    params = list(module.parameters())
+    return [{"params": [p for p in params if p.ndim > 1]}, {"params": [p for p in params if p.ndim == 1],
+                                                           "weight_decay": 0.0}]
 
 
 def _train(module, optimizer, data, dp_rank, dp_size, micro_batches):
-    losses = []
     for inputs, targets in data:
         mine = inputs.chunk(dp_size)[dp_rank].chunk(micro_batches), targets.chunk(dp_size)[dp_rank].chunk(micro_batches)
         for index, (x, y) in enumerate(zip(*mine)):
-            loss = nn.functional.mse_loss(module(x), y) / micro_batches
-            if index < micro_batches - 1:
-                with optimizer.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-            losses.append(loss.item())
-        optimizer.step()
+            loss = nn.functional.mse_loss(module(x.to(next(module.parameters()).dtype)).float(), y) / micro_batches
+            with optimizer.no_sync() if index < micro_batches - 1 else torch.enable_grad():
+                optimizer.scale_loss(loss).backward()
+        result = optimizer.step()
         optimizer.zero_grad()
-    return [p.detach().clone() for p in module.parameters()]
+    return [p.detach().clone() for p in module.parameters()], result
 
 
-def _stage0_world(rank, world_size, bucket_size):
+def _alone() -> AxisGroup:
+    return AxisGroup("dp", (0,), None, CommStats())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    module, optimizer = zero.initialize(model := _model(), _adam, stage=0, group=_alone(), param_groups=_groups(model),
+                                        clip_grad=0.5)
+    params, _ = _train(module, optimizer, _data(6, 8), 0, 1, micro_batches=4)
+    return params
+
+
+def _stages_world(rank, world_size, cases):
     groups = create_process_groups(Topology(world_size))
-    module, optimizer = zero.initialize(_model(), _adam, stage=0, group=groups.dp, bucket_size=bucket_size)
-    groups.stats.reset()
-    params = _train(module, optimizer, _data(1, 8), rank, world_size, micro_batches=2)
-    first_step_bytes = groups.stats.bytes_by_operation()
-    calls = groups.stats.snapshot()["calls"].get("all_reduce/dp", 0)
-    params = _train(module, optimizer, _data(5, 8)[1:], rank, world_size, micro_batches=2)
-    return params, first_step_bytes, calls, len(optimizer.buffers[0].buckets)
+    out = []
+    for stage, bucket_size in cases:
+        model = _model()
+        module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=bucket_size,
+                                            param_groups=_groups(model), clip_grad=0.5)
+        micro = 4 // world_size
+        params, _ = _train(module, optimizer, _data(5, 8), rank, world_size, micro_batches=micro)
+        groups.stats.reset()
+        params, _ = _train(module, optimizer, _data(6, 8)[5:], rank, world_size, micro_batches=micro)
+        out.append((params, groups.stats.bytes_by_operation(), optimizer.model_state_bytes(),
+                    sum(p.numel() for p in model.parameters()), micro))
+    return out
 
 
-def test_stage0_matches_one_process_and_sends_2p_bytes():
-    alone = AxisGroup("dp", (0,), None, CommStats())
-    module, optimizer = zero.initialize(_model(), _adam, stage=0, group=alone)
-    _train(module, optimizer, _data(1, 8), 0, 1, micro_batches=4)
-    reference = _train(module, optimizer, _data(5, 8)[1:], 0, 1, micro_batches=4)
-    numel = sum(p.numel() for p in reference)
-    for bucket_size in (50, 10_000):
-        for params, sent, calls, buckets in run_world(2, _stage0_world, bucket_size):
-            for got, want in zip(params, reference):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            # gradients all-reduced once per step (not per micro-batch): 2 P (N-1)/N fp32 elements
-            assert sent["all_reduce"] == 2 * numel * 4 * (1 / 2)
-            assert calls == buckets and (buckets > 1) == (bucket_size == 50)
+def test_stages_0_1_2_reproduce_one_process_with_accumulation(reference):
+    cases = [(0, 50), (1, 50), (2, 50), (1, 10_000), (2, 7)]
+    for world_size in (2, 4):
+        for per_case in run_world(world_size, _stages_world, cases):
+            for (stage, bucket), (params, sent, _, numel, micro) in zip(cases, per_case):
+                for got, want in zip(params, reference):
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"stage {stage} bucket {bucket}")
+                ring = (world_size - 1) / world_size
+                if stage == 0:  # one all-reduce of all gradients per step
+                    assert sent["all_reduce"] == pytest.approx(2 * ring * numel * 4, rel=0.02)
+                elif stage == 1:  # reduce-scatter once, all-gather once: the same bytes as stage 0
+                    assert sent["reduce_scatter"] == sent["all_gather"] == pytest.approx(ring * numel * 4, rel=0.02)
+                else:  # stage 2 reduce-scatters every micro-batch (no full gradient kept between them)
+                    assert sent["reduce_scatter"] == pytest.approx(micro * ring * numel * 4, rel=0.02)
+                    assert sent["all_gather"] == pytest.approx(ring * numel * 4, rel=0.02)
+
+
+def _bf16_bytes(rank, world_size):
+    groups = create_process_groups(Topology(world_size))
+    results = {}
+    for stage in (0, 1, 2):
+        model = _model(width=1024, dtype=torch.bfloat16)
+        module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=100_000)
+        _train(module, optimizer, _data(1, 8), rank, world_size, micro_batches=1)
+        groups.stats.reset()
+        _train(module, optimizer, _data(2, 8)[1:], rank, world_size, micro_batches=1)
+        results[stage] = (optimizer.model_state_bytes(), groups.stats.total_bytes(),
+                          sum(p.numel() for p in model.parameters()))
+    return results
+
+
+def test_bf16_model_state_bytes_follow_the_formulas_and_bytes_sent_equal_stage_0():
+    for world_size in (2, 4):
+        for results in run_world(world_size, _bf16_bytes):
+            numel = results[0][2]
+            formula = {0: 16 * numel, 1: 4 * numel + 12 * numel / world_size, 2: 2 * numel + 14 * numel / world_size}
+            for stage, (measured, sent, _) in results.items():
+                assert abs(measured - formula[stage]) / formula[stage] < 0.10, (world_size, stage, measured)
+                assert abs(sent - results[0][1]) / results[0][1] < 0.05, (world_size, stage, sent)
+
+
+def _fp16_overflow(rank, world_size, hysteresis):
+    groups = create_process_groups(Topology(world_size))
+    model = _model(dtype=torch.float16)
+    scaler = zero.DynamicLossScaler(scale=1024.0, hysteresis=hysteresis)
+    module, optimizer = zero.initialize(model, _adam, stage=2, group=groups.dp, loss_scaler=scaler)
+    before = [p.detach().clone() for p in module.parameters()]
+    if rank == 1:  # only one rank sees the overflow: one inf in the first weight's gradient
+        poison = torch.zeros_like(next(module.parameters()))
+        poison.view(-1)[0] = float("inf")
+        next(module.parameters()).register_hook(lambda grad: grad + poison)
+    results = []
+    for step in range(2):
+        x, y = _data(1, 8)[0]
+        loss = nn.functional.mse_loss(module(x.half()).float(), y)
+        optimizer.scale_loss(loss).backward()
+        result = optimizer.step()
+        optimizer.zero_grad()
+        results.append((result.skipped, result.loss_scale, optimizer.loss_scale))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    return results, unchanged
+
+
+def test_fp16_overflow_on_one_rank_makes_every_rank_skip_and_back_off():
+    for (results, unchanged) in run_world(2, _fp16_overflow, 1):
+        assert results == [(True, 1024.0, 512.0), (True, 512.0, 256.0)]
+        assert unchanged
+    for (results, unchanged) in run_world(2, _fp16_overflow, 2):
+        assert results == [(True, 1024.0, 1024.0), (True, 1024.0, 512.0)]  # hysteresis 2: backs off on the 2nd
 
 
 def test_bad_stage_and_bucket_size_are_refused():
-    alone = AxisGroup("dp", (0,), None, CommStats())
     with pytest.raises(ValueError, match="--zero-stage 5 is unknown"):
-        zero.initialize(_model(), _adam, stage=5, group=alone)
+        zero.initialize(_model(), _adam, stage=5, group=_alone())
     with pytest.raises(ValueError, match="--zero-bucket-size must be >= 1"):
-        zero.initialize(_model(), _adam, stage=0, group=alone, bucket_size=0)
+        zero.initialize(_model(), _adam, stage=1, group=_alone(), bucket_size=0)
