@@ -13,13 +13,11 @@ sharing a core are not concurrent and the idle time they show is not a bubble.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
+
+from launch.bench_world import run_world, write_result, write_table
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -65,8 +63,7 @@ def _worker(args: argparse.Namespace) -> None:
         if step > 0:  # the first step warms up allocators and connections
             idle.append(runner.executor.exchange.wait_seconds / elapsed)
         chunks.zero_grad(set_to_none=True)
-    with open(os.path.join(args.worker_output, f"stage{groups.pp_rank}.json"), "w") as handle:
-        json.dump({"stage": groups.pp_rank, "idle": statistics.median(idle)}, handle)
+    write_result(args.worker_output, groups.rank, {"stage": groups.pp_rank, "idle": statistics.median(idle)})
     shutdown_distributed()
 
 
@@ -96,26 +93,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = ["| schedule | p | v | m | measured idle per stage | mean | ideal |", "|---|---|---|---|---|---|---|"]
     for m in args.micro_batches:
         for schedule, vp in (("1f1b", 1), ("interleaved", args.vp)):
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.pp}",
-                       "-m", "launch.bench_pipeline", "--worker", "--worker-schedule", schedule, "--worker-micro-batches", str(m),
-                       "--pp", str(args.pp), "--vp", str(vp), "--layers-per-chunk", str(args.layers_per_chunk),
-                       "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(args.steps)]
-            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.pp)))
-            with tempfile.TemporaryDirectory() as directory:
-                run = subprocess.run(command + ["--worker-output", directory], capture_output=True, text=True, env=env)
-                if run.returncode:
-                    sys.exit(f"benchmark world failed ({schedule}, m={m}):\n{run.stderr[-4000:]}")
-                idle = []
-                for stage in range(args.pp):
-                    with open(os.path.join(directory, f"stage{stage}.json")) as handle:
-                        idle.append(json.load(handle)["idle"])
+            results = run_world("launch.bench_pipeline", args.pp, [
+                "--worker", "--worker-schedule", schedule, "--worker-micro-batches", str(m), "--pp", str(args.pp),
+                "--vp", str(vp), "--layers-per-chunk", str(args.layers_per_chunk), "--hidden", str(args.hidden),
+                "--seq", str(args.seq), "--steps", str(args.steps)])
+            idle = [r["idle"] for r in sorted(results, key=lambda r: r["stage"])]
             rows.append(f"| {schedule} | {args.pp} | {vp} | {m} | {' / '.join(f'{x:.3f}' for x in idle)} | "
                         f"{statistics.mean(idle):.3f} | {_ideal(schedule, args.pp, m, vp):.3f} |")
             print(rows[-1], flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
-        handle.write("\n".join(rows) + "\n")
-    print(f"table written to {args.output}")
+    write_table(args.output, rows)
 
 
 if __name__ == "__main__":

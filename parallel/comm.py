@@ -131,7 +131,12 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, asy
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                           op=dist.ReduceOp.SUM, async_op: bool = False):
-    """Reduce ``input`` (n equal chunks along dim 0) and leave chunk ``group.rank`` in ``output``."""
+    """Reduce ``input`` (n equal chunks along dim 0) and leave chunk ``group.rank`` in ``output``.
+
+    On gloo, whose reduce-scatter sends as much as a full all-reduce, a SUM runs as a ring of
+    point-to-point steps that sends the ideal (n-1)/n of the input; ``output`` may be a view of
+    ``input``'s own chunk (in place), and ``input`` is left unchanged either way.
+    """
     if input.numel() != output.numel() * group.size:
         raise ValueError(f"reduce_scatter over {group.axis} (size {group.size}): input has {input.numel()} "
                          f"elements, output {output.numel()}; input must be exactly size x output")
@@ -139,7 +144,49 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
     group.stats.add("reduce_scatter", group.axis, _ring_fraction(group) * _nbytes(input))
+    if op == dist.ReduceOp.SUM and dist.get_backend(group.group) == "gloo":
+        ring = _RingReduceScatter(_flat(output), _flat(input), group)
+        return ring if async_op else ring.wait()
     return _reduce_scatter_flat(_flat(output), _flat(input), op=op, group=group.group, async_op=async_op)
+
+
+class _RingReduceScatter:
+    """A sum reduce-scatter as n - 1 ring steps: at step k, rank r passes its partial sum of chunk
+    (r - k - 1) mod n to rank r + 1 and adds what rank r - 1 passed to its own part of the next chunk,
+    so after the last step it holds the full sum of chunk r. The first step is posted at once;
+    ``wait`` runs the rest (every rank waits in the same order, so the steps pair up)."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup):
+        self.output, self.group, n, r = output, group, group.size, group.rank
+        self.chunks = input.view(n, -1)
+        self.next_rank, self.prev_rank = group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
+        self.partial = self.chunks[(r - 1) % n].clone()
+        self.step, self.done = 0, False
+        self._post()
+
+    def _post(self) -> None:
+        self.received = torch.empty_like(self.partial)
+        ops = [dist.P2POp(dist.isend, self.partial, self.next_rank, group=self.group.group),
+               dist.P2POp(dist.irecv, self.received, self.prev_rank, group=self.group.group)]
+        self.handles = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> None:
+        n, r = self.group.size, self.group.rank
+        while not self.done:
+            for handle in self.handles:
+                handle.wait()
+            chunk = (r - self.step - 2) % n
+            self.step += 1
+            if self.step == n - 1:
+                torch.add(self.chunks[chunk], self.received, out=self.output)
+                self.done = True
+            else:
+                self.partial = self.chunks[chunk] + self.received
+                self._post()
+        return None
+
+    def is_completed(self) -> bool:
+        return self.done
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False):

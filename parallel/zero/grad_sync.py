@@ -75,9 +75,23 @@ class GradientSync:
                     self._bucket_of[param] = (index, bucket)
         self._ready: dict[tuple[int, int], int] = {}
         self._in_flight: dict[tuple[int, int], tuple[object, torch.Tensor | None, torch.Tensor | None]] = {}
+        # stage 2: two reusable staging areas per dtype (one filling while the other is reduced)
+        self._staging = self._staging_areas() if stage == 2 else {}
+        self._next_area = 0
+        self._area_user: dict[int, tuple[int, int]] = {}
         self._launched: set[tuple[int, int]] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p, (_, bucket) in self._bucket_of.items() if not bucket.deferred]
+
+    def _staging_areas(self) -> dict[torch.dtype, list[torch.Tensor]]:
+        areas = {}
+        for buffer in self.buffers:
+            largest = max(b.numel for b in buffer.buckets)
+            have = areas.get(buffer.dtype)
+            if have is None or have[0].numel() < largest:
+                areas[buffer.dtype] = [torch.empty(largest + largest // self.dp.size, dtype=buffer.dtype,
+                                                   device=buffer.device) for _ in range(2)]
+        return areas
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -116,16 +130,24 @@ class GradientSync:
         buffer = self.buffers[index]
         if self.stage == 2:
             self._complete(key)  # at most one reduction of a bucket in flight
-            staging = torch.zeros(bucket.numel, dtype=buffer.dtype, device=buffer.device)
+            area_index, self._next_area = self._next_area, 1 - self._next_area
+            if area_index in self._area_user:  # the area is still being reduced for another bucket
+                self._complete(self._area_user.pop(area_index))
+            area = self._staging[buffer.dtype][area_index]
+            staging, received = area[:bucket.numel], area[bucket.numel:bucket.numel + bucket.chunk]
             for param in bucket.params:
+                start, end = buffer.param_range(param)
+                target = staging[start - bucket.start:end - bucket.start]
                 if param.grad is not None:
-                    start, end = buffer.param_range(param)
-                    staging[start - bucket.start:end - bucket.start].copy_(param.grad.view(-1))
+                    target.copy_(param.grad.view(-1))
                     param.grad = None  # the full gradient is released here
+                else:
+                    target.zero_()
+            staging[sum(p.numel() for p in bucket.params):].zero_()  # the bucket's padding
             staging.div_(self.dp.size)
-            received = torch.empty(bucket.chunk, dtype=buffer.dtype, device=buffer.device)
             handle = comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True)
             self._in_flight[key] = (handle, staging, received)
+            self._area_user[area_index] = key
             return
         grads = buffer.grad[bucket.start:bucket.end]
         grads.div_(self.dp.size)
@@ -160,6 +182,7 @@ class GradientSync:
                     self._launch(index, bucket)  # parameters without gradients in this step
         for key in list(self._in_flight):
             self._complete(key)
+        self._area_user.clear()
         self._ready.clear()
         self._launched.clear()
 
