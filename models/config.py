@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def _flag(help_text: str, **extra) -> dict:
+def flag(help_text: str, **extra) -> dict:
+    """Field metadata: the flag's help text (and argparse extras such as choices)."""
     return {"help": help_text, **extra}
 
 
@@ -13,26 +14,26 @@ def _flag(help_text: str, **extra) -> dict:
 class GPTConfig:
     """Shape and options of the GPT. Owns no weights; ``validate(tp)`` checks what tp must divide."""
 
-    num_layers: int = field(default=4, metadata=_flag("transformer blocks"))
-    hidden_size: int = field(default=256, metadata=_flag("model width h"))
-    num_attention_heads: int = field(default=4, metadata=_flag("attention heads a; tp must divide it"))
-    ffn_hidden_size: int | None = field(default=None, metadata=_flag("MLP width (default 4h); tp must divide it"))
-    seq_length: int = field(default=256, metadata=_flag("tokens per sample s"))
+    num_layers: int = field(default=4, metadata=flag("transformer blocks"))
+    hidden_size: int = field(default=256, metadata=flag("model width h"))
+    num_attention_heads: int = field(default=4, metadata=flag("attention heads a; tp must divide it"))
+    ffn_hidden_size: int | None = field(default=None, metadata=flag("MLP width (default 4h); tp must divide it"))
+    seq_length: int = field(default=256, metadata=flag("tokens per sample s"))
     max_position_embeddings: int | None = field(
-        default=None, metadata=_flag("positions the model can take (default seq-length); >= --seq-length"))
+        default=None, metadata=flag("positions the model can take (default seq-length); >= --seq-length"))
     vocab_size: int | None = field(
-        default=None, metadata=_flag("tokenizer vocabulary (default: read from --tokenizer-model)"))
+        default=None, metadata=flag("tokenizer vocabulary (default: read from --tokenizer-model)"))
     make_vocab_size_divisible_by: int = field(
-        default=128, metadata=_flag("the embedding table is padded to a multiple of this x tp"))
+        default=128, metadata=flag("the embedding table is padded to a multiple of this x tp"))
     position_embedding_type: str = field(
-        default="learned", metadata=_flag("learned absolute positions or rotary (rope)", choices=["learned", "rope"]))
-    rotary_base: float = field(default=10000.0, metadata=_flag("rotary embedding base"))
-    normalization: str = field(default="LayerNorm", metadata=_flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
-    layernorm_epsilon: float = field(default=1e-5, metadata=_flag("norm epsilon"))
-    hidden_dropout: float = field(default=0.0, metadata=_flag("dropout on residual branches and embeddings"))
-    attention_dropout: float = field(default=0.0, metadata=_flag("dropout on attention probabilities"))
+        default="learned", metadata=flag("learned absolute positions or rotary (rope)", choices=["learned", "rope"]))
+    rotary_base: float = field(default=10000.0, metadata=flag("rotary embedding base"))
+    normalization: str = field(default="LayerNorm", metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
+    layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon"))
+    hidden_dropout: float = field(default=0.0, metadata=flag("dropout on residual branches and embeddings"))
+    attention_dropout: float = field(default=0.0, metadata=flag("dropout on attention probabilities"))
     init_method_std: float = field(
-        default=0.02, metadata=_flag("std of weight init; residual projections use std/sqrt(2 layers)"))
+        default=0.02, metadata=flag("std of weight init; residual projections use std/sqrt(2 layers)"))
 
     @property
     def ffn_size(self) -> int:

@@ -11,108 +11,104 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from models.config import GPTConfig
-
-
-def _flag(help_text: str, **extra) -> dict:
-    return {"help": help_text, **extra}
+from models.config import GPTConfig, flag
 
 
 @dataclass
 class ParallelConfig:
     """How the world is split: tp x pp model parallelism, the rest data parallelism."""
 
-    tensor_model_parallel_size: int = field(default=1, metadata=_flag("ranks splitting each layer (tp)"))
-    pipeline_model_parallel_size: int = field(default=1, metadata=_flag("pipeline stages (pp)"))
+    tensor_model_parallel_size: int = field(default=1, metadata=flag("ranks splitting each layer (tp)"))
+    pipeline_model_parallel_size: int = field(default=1, metadata=flag("pipeline stages (pp)"))
     virtual_pipeline_size: int | None = field(
-        default=None, metadata=_flag("model chunks per stage for the interleaved schedule"))
+        default=None, metadata=flag("model chunks per stage for the interleaved schedule"))
     sequence_parallel: bool = field(
-        default=False, metadata=_flag("split norms and dropout along the sequence across tp ranks"))
-    pipeline_schedule: str = field(default="1f1b", metadata=_flag(
+        default=False, metadata=flag("split norms and dropout along the sequence across tp ranks"))
+    pipeline_schedule: str = field(default="1f1b", metadata=flag(
         "gpipe (all forward, then all backward), 1f1b, or interleaved (needs --virtual-pipeline-size)",
         choices=["gpipe", "1f1b", "interleaved"]))
-    pipeline_layers_per_stage: list[int] | None = field(default=None, metadata=_flag(
+    pipeline_layers_per_stage: list[int] | None = field(default=None, metadata=flag(
         "explicit layers per pipeline stage, e.g. 3 5 (default: an even split)"))
-    gpus_per_node: int | None = field(default=None, metadata=_flag("devices per node, to warn when tp spans nodes"))
+    gpus_per_node: int | None = field(default=None, metadata=flag("devices per node, to warn when tp spans nodes"))
     distributed_timeout_s: float = field(
-        default=600.0, metadata=_flag("seconds a collective may wait before the run fails (never a silent hang)"))
+        default=600.0, metadata=flag("seconds a collective may wait before the run fails (never a silent hang)"))
 
 
 @dataclass
 class ZeroConfig:
     """The ZeRO optimizer along the data-parallel axis."""
 
-    zero_stage: int = field(default=0, metadata=_flag("0 = data parallel (all-reduce), 1 = shard optimizer "
+    zero_stage: int = field(default=0, metadata=flag("0 = data parallel (all-reduce), 1 = shard optimizer "
                                                       "states, 2 = + gradients, 3 = + parameters",
                                                       choices=[0, 1, 2, 3]))
-    zero_bucket_size: int = field(default=20_000_000, metadata=_flag("elements per fused communication bucket"))
-    offload_optimizer: str = field(default="none", metadata=_flag("where optimizer states live",
+    zero_bucket_size: int = field(default=20_000_000, metadata=flag("elements per fused communication bucket"))
+    offload_optimizer: str = field(default="none", metadata=flag("where optimizer states live",
                                                                   choices=["none", "cpu", "nvme"]))
-    offload_param: str = field(default="none", metadata=_flag("where stage-3 parameter shards live",
+    offload_param: str = field(default="none", metadata=flag("where stage-3 parameter shards live",
                                                               choices=["none", "cpu", "nvme"]))
-    nvme_path: str | None = field(default=None, metadata=_flag("directory for NVMe swap files"))
+    nvme_path: str | None = field(default=None, metadata=flag("directory for NVMe swap files"))
 
 
 @dataclass
 class RecomputeConfig:
     """Activation checkpointing (ZeRO-R)."""
 
-    recompute_granularity: str | None = field(default=None, metadata=_flag(
+    recompute_granularity: str | None = field(default=None, metadata=flag(
         "recompute whole layers (full) or the attention core (selective)", choices=["full", "selective"]))
-    recompute_num_layers: int | None = field(default=None, metadata=_flag("layers per stage to checkpoint"))
+    recompute_num_layers: int | None = field(default=None, metadata=flag("layers per stage to checkpoint"))
     partition_activations: bool = field(
-        default=False, metadata=_flag("keep 1/tp of each checkpointed layer input per tensor-parallel rank"))
+        default=False, metadata=flag("keep 1/tp of each checkpointed layer input per tensor-parallel rank"))
 
 
 @dataclass
 class OptimizerConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float = field(default=6e-4, metadata=_flag("peak learning rate"))
-    min_lr: float = field(default=6e-5, metadata=_flag("learning rate at the end of decay"))
-    lr_warmup_iters: int = field(default=0, metadata=_flag("iterations of linear warm-up from 0"))
-    lr_decay_iters: int | None = field(default=None, metadata=_flag("iteration where decay ends (default: --train-iters)"))
-    lr_decay_style: str = field(default="cosine", metadata=_flag("decay after warm-up",
+    lr: float = field(default=6e-4, metadata=flag("peak learning rate"))
+    min_lr: float = field(default=6e-5, metadata=flag("learning rate at the end of decay"))
+    lr_warmup_iters: int = field(default=0, metadata=flag("iterations of linear warm-up from 0"))
+    lr_decay_iters: int | None = field(default=None, metadata=flag("iteration where decay ends (default: --train-iters)"))
+    lr_decay_style: str = field(default="cosine", metadata=flag("decay after warm-up",
                                                                  choices=["cosine", "linear", "constant"]))
-    weight_decay: float = field(default=0.1, metadata=_flag("AdamW weight decay (never on norms and biases)"))
-    adam_beta1: float = field(default=0.9, metadata=_flag("AdamW beta1"))
-    adam_beta2: float = field(default=0.95, metadata=_flag("AdamW beta2"))
-    adam_eps: float = field(default=1e-8, metadata=_flag("AdamW epsilon"))
-    clip_grad: float = field(default=1.0, metadata=_flag("clip the global gradient norm to this (0 = off)"))
+    weight_decay: float = field(default=0.1, metadata=flag("AdamW weight decay (never on norms and biases)"))
+    adam_beta1: float = field(default=0.9, metadata=flag("AdamW beta1"))
+    adam_beta2: float = field(default=0.95, metadata=flag("AdamW beta2"))
+    adam_eps: float = field(default=1e-8, metadata=flag("AdamW epsilon"))
+    clip_grad: float = field(default=1.0, metadata=flag("clip the global gradient norm to this (0 = off)"))
 
 
 @dataclass
 class TrainingConfig:
     """Batch sizes, length of the run, precision and seed."""
 
-    micro_batch_size: int = field(default=4, metadata=_flag("samples per forward/backward on one rank"))
-    global_batch_size: int = field(default=16, metadata=_flag("samples per optimizer step over all data-parallel "
+    micro_batch_size: int = field(default=4, metadata=flag("samples per forward/backward on one rank"))
+    global_batch_size: int = field(default=16, metadata=flag("samples per optimizer step over all data-parallel "
                                                               "ranks; a multiple of micro-batch x dp"))
-    train_iters: int = field(default=100, metadata=_flag("optimizer steps"))
-    eval_interval: int = field(default=0, metadata=_flag("evaluate every N iterations (0 = never)"))
-    eval_iters: int = field(default=4, metadata=_flag("validation global batches per evaluation"))
-    seed: int = field(default=1234, metadata=_flag("seed of weights, data order and dropout"))
-    bf16: bool = field(default=False, metadata=_flag("compute in bfloat16, fp32 master weights"))
-    fp16: bool = field(default=False, metadata=_flag("compute in float16 with dynamic loss scaling"))
-    initial_loss_scale: float = field(default=2.0 ** 16, metadata=_flag("fp16: loss scale at the start"))
-    min_loss_scale: float = field(default=1.0, metadata=_flag("fp16: the scale never backs off below this"))
-    loss_scale_window: int = field(default=1000, metadata=_flag("fp16: clean steps before the scale doubles"))
-    hysteresis: int = field(default=2, metadata=_flag("fp16: overflowing steps tolerated before backing off"))
+    train_iters: int = field(default=100, metadata=flag("optimizer steps"))
+    eval_interval: int = field(default=0, metadata=flag("evaluate every N iterations (0 = never)"))
+    eval_iters: int = field(default=4, metadata=flag("validation global batches per evaluation"))
+    seed: int = field(default=1234, metadata=flag("seed of weights, data order and dropout"))
+    bf16: bool = field(default=False, metadata=flag("compute in bfloat16, fp32 master weights"))
+    fp16: bool = field(default=False, metadata=flag("compute in float16 with dynamic loss scaling"))
+    initial_loss_scale: float = field(default=2.0 ** 16, metadata=flag("fp16: loss scale at the start"))
+    min_loss_scale: float = field(default=1.0, metadata=flag("fp16: the scale never backs off below this"))
+    loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))
+    hysteresis: int = field(default=2, metadata=flag("fp16: overflowing steps tolerated before backing off"))
 
 
 @dataclass
 class DataConfig:
     """Where tokens come from."""
 
-    data_path: list[str] | None = field(default=None, metadata=_flag(
+    data_path: list[str] | None = field(default=None, metadata=flag(
         "indexed dataset prefix(es), optionally weighted: W1 P1 W2 P2 (default: the built-in stdlib corpus)"))
-    tokenizer_model: str | None = field(default=None, metadata=_flag("sentencepiece .model of the data"))
-    split: str = field(default="969,30,1", metadata=_flag("train,valid,test weights"))
-    data_cache_dir: str = field(default=os.path.join(".cache", "data"), metadata=_flag(
+    tokenizer_model: str | None = field(default=None, metadata=flag("sentencepiece .model of the data"))
+    split: str = field(default="969,30,1", metadata=flag("train,valid,test weights"))
+    data_cache_dir: str = field(default=os.path.join(".cache", "data"), metadata=flag(
         "where the built-in corpus and dataset indices are cached"))
-    default_corpus_vocab_size: int = field(default=4096, metadata=_flag(
+    default_corpus_vocab_size: int = field(default=4096, metadata=flag(
         "vocabulary of the tokenizer trained on the built-in corpus"))
-    default_corpus_max_bytes: int | None = field(default=None, metadata=_flag(
+    default_corpus_max_bytes: int | None = field(default=None, metadata=flag(
         "cap on the built-in corpus size in bytes (default: all of the stdlib)"))
 
 
@@ -120,24 +116,24 @@ class DataConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    save: str | None = field(default=None, metadata=_flag("directory to save checkpoints in"))
-    load: str | None = field(default=None, metadata=_flag("directory to resume from"))
-    save_interval: int = field(default=0, metadata=_flag("save every N iterations (0 = only at the end)"))
+    save: str | None = field(default=None, metadata=flag("directory to save checkpoints in"))
+    load: str | None = field(default=None, metadata=flag("directory to resume from"))
+    save_interval: int = field(default=0, metadata=flag("save every N iterations (0 = only at the end)"))
 
 
 @dataclass
 class LoggingConfig:
     """Console, metrics file, wandb and the text sample at the end."""
 
-    log_interval: int = field(default=10, metadata=_flag("iterations between console/metrics lines"))
-    metrics_file: str | None = field(default=None, metadata=_flag("JSON-lines metrics written by rank 0"))
-    wandb_project: str | None = field(default=None, metadata=_flag("wandb project (offline unless wandb is "
+    log_interval: int = field(default=10, metadata=flag("iterations between console/metrics lines"))
+    metrics_file: str | None = field(default=None, metadata=flag("JSON-lines metrics written by rank 0"))
+    wandb_project: str | None = field(default=None, metadata=flag("wandb project (offline unless wandb is "
                                                                    "configured online); none = no wandb"))
-    wandb_exp_name: str | None = field(default=None, metadata=_flag("wandb run name"))
-    wandb_dir: str = field(default="runs", metadata=_flag("directory for wandb files"))
-    sample_prompt: str | None = field(default="def ", metadata=_flag("text to continue with the trained model "
+    wandb_exp_name: str | None = field(default=None, metadata=flag("wandb run name"))
+    wandb_dir: str = field(default="runs", metadata=flag("directory for wandb files"))
+    sample_prompt: str | None = field(default="def ", metadata=flag("text to continue with the trained model "
                                                                      "at the end (empty = no sample)"))
-    sample_tokens: int = field(default=64, metadata=_flag("tokens to sample at the end"))
+    sample_tokens: int = field(default=64, metadata=flag("tokens to sample at the end"))
 
 
 SECTIONS = {
