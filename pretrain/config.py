@@ -42,6 +42,10 @@ class ZeroConfig:
                                                       "states, 2 = + gradients, 3 = + parameters",
                                                       choices=[0, 1, 2, 3]))
     zero_bucket_size: int = field(default=20_000_000, metadata=flag("elements per fused communication bucket"))
+    zero_persistence_threshold: int = field(default=100_000, metadata=flag(
+        "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
+    zero_prefetch_budget: int = field(default=50_000_000, metadata=flag(
+        "stage 3: elements of gathered parameters allowed alive at once when prefetching the next modules"))
     offload_optimizer: str = field(default="none", metadata=flag("where optimizer states live",
                                                                   choices=["none", "cpu", "nvme"]))
     offload_param: str = field(default="none", metadata=flag("where stage-3 parameter shards live",

@@ -98,7 +98,10 @@ class Trainer:
                                                embedding=self.groups.embedding),
             loss_scaler=DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
                                           hysteresis=train.hysteresis, min_scale=train.min_loss_scale)
-            if train.fp16 else None)
+            if train.fp16 else None,
+            unit_modules=[*self.model, *(block for chunk in self.model for block in chunk.layers)],
+            persistence_threshold=config.zero.zero_persistence_threshold,
+            prefetch_budget=config.zero.zero_prefetch_budget)
         self.activation_meter = SavedActivationMeter(self.model)
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)

@@ -11,7 +11,6 @@ import os
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
-from parallel.zero import AVAILABLE_STAGES
 from pretrain.arguments import ConfigError
 from pretrain.config import Config
 
@@ -34,11 +33,10 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} divisible by "
                           f"--tensor-model-parallel-size {topology.tp}")
     _validate_pipeline(config, topology)
-    if config.zero.zero_stage not in AVAILABLE_STAGES:
-        raise ConfigError(f"--zero-stage {config.zero.zero_stage} is not available in this build yet: "
-                          f"use --zero-stage {AVAILABLE_STAGES[-1]}")
     if config.zero.zero_bucket_size < 1:
         raise ConfigError(f"--zero-bucket-size must be >= 1 element, got {config.zero.zero_bucket_size}")
+    if config.zero.zero_persistence_threshold < 0 or config.zero.zero_prefetch_budget < 0:
+        raise ConfigError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
     _not_yet(config.zero.offload_optimizer != "none", "--offload-optimizer")
     _not_yet(config.zero.offload_param != "none", "--offload-param")
     _not_yet(config.recompute.recompute_granularity is not None, "--recompute-granularity")

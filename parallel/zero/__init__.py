@@ -15,10 +15,8 @@ from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer, expected_model_state_bytes
 
-AVAILABLE_STAGES = (0, 1, 2)
-
 __all__ = ["initialize", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "DynamicLossScaler",
-           "ConstantLossScaler", "expected_model_state_bytes", "AVAILABLE_STAGES"]
+           "ConstantLossScaler", "expected_model_state_bytes"]
 
 
 def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group: AxisGroup,
@@ -27,10 +25,9 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
 
     Options: ``param_groups`` (torch-style groups of the module's parameters, with their optimizer
     options), ``bucket_size`` (elements per fused collective), ``clip_grad`` (max global norm),
-    ``model_parallel`` (``ModelParallelGroups``), ``loss_scaler`` (``DynamicLossScaler`` for fp16).
+    ``model_parallel`` (``ModelParallelGroups``), ``loss_scaler`` (``DynamicLossScaler`` for fp16);
+    stage 3: ``unit_modules`` (the modules gathered as one, e.g. transformer blocks),
+    ``persistence_threshold`` (parameters up to this many elements stay whole), ``prefetch_budget``
+    (elements of gathered parameters allowed alive when prefetching).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
-    if stage not in AVAILABLE_STAGES:
-        raise ValueError(f"--zero-stage {stage} is not available in this build yet: use --zero-stage 2")
     return module, ZeroOptimizer(module, optimizer_factory, group, stage=stage, **options)

@@ -1,4 +1,4 @@
-"""The ZeRO optimizer for stages 0-2: flat buffers, sharded fp32 master weights and optimizer states.
+"""The ZeRO optimizer for stages 0-3: flat buffers or sharded units, fp32 master shards, any optimizer.
 
 Per flat buffer and bucket, this rank owns one chunk (stage 0: the whole bucket). The wrapped torch
 optimizer sees one fp32 "master" tensor per owned chunk: a view of the parameters themselves in fp32
@@ -23,6 +23,7 @@ from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from parallel.zero.stage3 import ShardedParameters
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -57,63 +58,111 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-class ZeroOptimizer:
-    """Data-parallel training with ZeRO stage 0, 1 or 2 over ``dp``.
+@dataclass
+class ShardSlot:
+    """One contiguous piece of this rank's shard: where its compute-precision values live, how to get
+    its reduced gradient, its fp32 master, and which parameter elements it holds (for the norm)."""
 
-    Owns the flat buffers (parameters become views into them), the gradient sync, the master chunks,
-    the wrapped torch optimizer (which only ever sees this rank's chunks) and the loss scaler. Its
-    ``zero_grad`` keeps gradient views attached (never sets them to None). It never changes which
-    parameters a module has, and never communicates outside ``dp`` except for the norm and the
-    overflow decision.
+    data: torch.Tensor
+    grad: Callable[[], torch.Tensor]
+    master: nn.Parameter
+    segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
+
+
+class ZeroOptimizer:
+    """Data-parallel training with ZeRO stage 0, 1, 2 or 3 over ``dp``.
+
+    Owns the flat buffers (parameters become views into them), the stage-3 sharded units, the gradient
+    sync, the master chunks, the wrapped torch optimizer (which only ever sees this rank's chunks) and
+    the loss scaler. Its ``zero_grad`` keeps gradient views attached (never sets them to None). It
+    never changes which parameters a module has, and never communicates outside ``dp`` except for the
+    norm and the overflow decision.
+
+    Stage 3 shards the parameters of ``unit_modules`` (each parameter belongs to the innermost one
+    holding it; the rest to ``module``) above ``persistence_threshold`` elements; smaller ones, and
+    those whose gradients need a tensor/pipeline reduction first, stay whole as in stage 2.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
                  param_groups: list[dict] | None = None, bucket_size: int = 40_000_000, clip_grad: float = 0.0,
-                 model_parallel: ModelParallelGroups | None = None, loss_scaler=None):
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ZeroOptimizer takes stages 0-2, not {stage}")
+                 model_parallel: ModelParallelGroups | None = None, loss_scaler=None,
+                 unit_modules: list[nn.Module] | None = None, persistence_threshold: int = 100_000,
+                 prefetch_budget: int = 0):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
         self.model_parallel = model_parallel or ModelParallelGroups()
         self.loss_scaler = loss_scaler or ConstantLossScaler()
         param_groups = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
         self.params = [p for group in param_groups for p in group["params"]]
-        shards = dp.size if stage > 0 else 1
         self.shard = dp.rank if stage > 0 else 0
+        sharded = (lambda p: p.numel() > persistence_threshold and not needs_model_parallel_reduction(p)) \
+            if stage == 3 else (lambda p: False)
         self.buffers: list[FlatParameterBuffer] = []
+        self.slots: list[ShardSlot] = []
         master_groups = []
+        buffer_groups = []
         for group in param_groups:
-            options = {k: v for k, v in group.items() if k != "params"}
-            masters = []
-            for dtype in sorted({p.dtype for p in group["params"]}, key=str):
-                buffer = FlatParameterBuffer([p for p in group["params"] if p.dtype == dtype], bucket_size, shards,
-                                             keep_grad=stage < 2, deferred=needs_model_parallel_reduction)
+            whole = [p for p in group["params"] if not sharded(p)]
+            for dtype in sorted({p.dtype for p in whole}, key=str):
+                buffer = FlatParameterBuffer([p for p in whole if p.dtype == dtype], bucket_size,
+                                             dp.size if stage > 0 else 1, keep_grad=stage < 2,
+                                             deferred=needs_model_parallel_reduction)
                 self.buffers.append(buffer)
-                masters += [self._master(buffer, bucket) for bucket in buffer.buckets]
-            if masters:
-                master_groups.append({"params": masters, **options})
-        self.masters = [m for group in master_groups for m in group["params"]]
-        self.grad_sync = GradientSync(self.buffers, dp, stage, self.model_parallel)
-        self.optimizer = optimizer_factory(master_groups)
+                buffer_groups.append(len(master_groups))
+            master_groups.append({"params": [], **{k: v for k, v in group.items() if k != "params"}})
         self._broadcast_parameters()
-
-    def _master(self, buffer: FlatParameterBuffer, bucket) -> nn.Parameter:
-        low, high = bucket.chunk_range(self.shard)
-        chunk = buffer.data[low:high]
-        return nn.Parameter(chunk if chunk.dtype == torch.float32 else chunk.detach().float())
-
-    def _broadcast_parameters(self) -> None:
-        """Start every replica from data-parallel rank 0's weights (and masters from them)."""
-        for buffer in self.buffers:
-            comm.broadcast(buffer.data, src=self.dp.ranks[0], group=self.dp)
-        self._each_chunk(lambda master, chunk: master.data.copy_(chunk) if master.data_ptr() != chunk.data_ptr()
-                         else None)
-
-    def _each_chunk(self, fn) -> None:
-        masters = iter(self.masters)
-        for buffer in self.buffers:
+        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), self.model_parallel)
+        for index, (buffer, group_index) in enumerate(zip(self.buffers, buffer_groups)):
+            segments = buffer.segments(self.shard)
             for bucket in buffer.buckets:
                 low, high = bucket.chunk_range(self.shard)
-                fn(next(masters), buffer.data[low:high])
+                self._add_slot(master_groups[group_index], buffer.data[low:high],
+                               lambda i=index, b=bucket: self.grad_sync.shard_grad(i, b),
+                               [(s.param, s.offset, s.length) for s in segments if s.bucket == bucket.index])
+        self.units = None
+        if stage == 3:
+            self.units = ShardedParameters(self._units(module, unit_modules or [], param_groups, sharded), dp,
+                                           prefetch_budget)
+            for unit in self.units.units:
+                low, high = self.shard * unit.chunk, (self.shard + 1) * unit.chunk
+                segments = []
+                for param in unit.params:
+                    start, end = unit.offsets[param], unit.offsets[param] + unit.sizes[param]
+                    if start < high and end > low:
+                        segments.append((param, max(start, low) - low, min(end, high) - max(start, low)))
+                self._add_slot(master_groups[unit.group], self.units.shard(unit),
+                               lambda u=unit: self.units.grad_shard(u), segments)
+        self.masters = [slot.master for slot in self.slots]
+        self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
+
+    def _add_slot(self, group: dict, data: torch.Tensor, grad, segments) -> None:
+        master = nn.Parameter(data if data.dtype == torch.float32 else data.detach().float())
+        group["params"].append(master)
+        self.slots.append(ShardSlot(data, grad, master, segments))
+
+    @staticmethod
+    def _units(module: nn.Module, unit_modules: list[nn.Module], param_groups: list[dict], sharded):
+        """(name, module, params, group) per unit: parameters by innermost unit module, group and dtype."""
+        owners = [module] + [m for m in unit_modules if m is not module]
+        names = {m: name or "model" for name, m in module.named_modules()}
+        owner_of = {}
+        for owner in owners:  # later (inner) owners overwrite outer ones
+            for param in owner.parameters():
+                owner_of[param] = owner
+        units = []
+        for owner in owners:
+            for group_index, group in enumerate(param_groups):
+                mine = [p for p in group["params"] if sharded(p) and owner_of.get(p) is owner]
+                for dtype in sorted({p.dtype for p in mine}, key=str):
+                    units.append((names.get(owner, type(owner).__name__), owner,
+                                  [p for p in mine if p.dtype == dtype], group_index))
+        return units
+
+    def _broadcast_parameters(self) -> None:
+        """Start every replica from data-parallel rank 0's weights."""
+        for buffer in self.buffers:
+            comm.broadcast(buffer.data, src=self.dp.ranks[0], group=self.dp)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -137,15 +186,16 @@ class ZeroOptimizer:
                 buffer.grad.zero_()
             buffer.attach_grads()
         self.grad_sync.zero()
+        if self.units is not None:
+            self.units.zero()
 
     def _master_grads(self) -> list[torch.Tensor]:
         """fp32 gradients of the master chunks, unscaled (views where no conversion is needed)."""
         grads = []
-        for index, buffer in enumerate(self.buffers):
-            for bucket in buffer.buckets:
-                grad = self.grad_sync.shard_grad(index, bucket)
-                grad = grad if grad.dtype == torch.float32 else grad.float()
-                grads.append(grad.div_(self.loss_scale) if self.loss_scale != 1.0 else grad)
+        for slot in self.slots:
+            grad = slot.grad()
+            grad = grad if grad.dtype == torch.float32 else grad.float()
+            grads.append(grad.div_(self.loss_scale) if self.loss_scale != 1.0 else grad)
         return grads
 
     def _global_sum(self, value: torch.Tensor, op=torch.distributed.ReduceOp.SUM, over_dp: bool = True) -> None:
@@ -157,23 +207,19 @@ class ZeroOptimizer:
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over the whole model: each parameter once, wherever its chunks live."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
-        starts, position = {}, 0
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
-                starts[(id(buffer), bucket.index)] = position
-                position += 1
         total = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for buffer in self.buffers:
-            for segment in buffer.segments(self.shard):
-                if counts_once_here(segment.param, tp_rank):
-                    grad = grads[starts[(id(buffer), segment.bucket)]]
-                    total += grad[segment.offset:segment.offset + segment.length].pow(2).sum()
+        for slot, grad in zip(self.slots, grads):
+            for param, offset, length in slot.segments:
+                if counts_once_here(param, tp_rank):
+                    total += grad[offset:offset + length].pow(2).sum()
         self._global_sum(total, over_dp=self.stage > 0)  # stage 0: every dp rank holds the same sum
         return total.sqrt().item()
 
     def step(self) -> StepResult:
         scale = self.loss_scale
         self.grad_sync.finish()
+        if self.units is not None:
+            self.units.finish()
         grads = self._master_grads()
         overflow = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
         if isinstance(self.loss_scaler, DynamicLossScaler):
@@ -191,16 +237,17 @@ class ZeroOptimizer:
         for master, grad in zip(self.masters, grads):
             master.grad = grad.mul_(coefficient) if coefficient != 1.0 else grad
         self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self._each_chunk(lambda master, chunk: chunk.copy_(master.data) if master.data_ptr() != chunk.data_ptr()
-                         else None)
+        for slot in self.slots:
+            slot.master.grad = None
+            if slot.master.data_ptr() != slot.data.data_ptr():
+                slot.data.copy_(slot.master.data)
         if self.stage > 0:
             self._gather_parameters()
         return StepResult(grad_norm=norm, loss_scale=scale)
 
     def _gather_parameters(self) -> None:
-        """Every rank updated its chunks: all-gather each bucket in place."""
+        """Every rank updated its chunks: all-gather each bucket of the whole-kept parameters in place
+        (stage-3 units are gathered when their module next runs)."""
         handles = []
         for buffer in self.buffers:
             for bucket in buffer.buckets:
@@ -210,6 +257,10 @@ class ZeroOptimizer:
         for handle in handles:
             handle.wait()
 
+    def gathered_parameters(self) -> contextlib.AbstractContextManager:
+        """Inside this block every parameter holds its full value (stage 3 gathers them; a no-op before)."""
+        return self.units.gathered() if self.units is not None else contextlib.nullcontext()
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
@@ -218,9 +269,12 @@ class ZeroOptimizer:
         self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def model_state_bytes(self) -> int:
-        """Bytes this rank holds for parameters, gradients, master copies and optimizer states (measured)."""
+        """Bytes this rank holds for parameters, gradients, master copies and optimizer states (measured;
+        stage-3 parameters count as their shards: gathered copies are transient)."""
         tensors = [b.data for b in self.buffers] + [b.grad for b in self.buffers if b.grad is not None]
         tensors += list(self.grad_sync.grad_shards or []) + [m.data for m in self.masters]
+        if self.units is not None:
+            tensors += list(self.units.shards.values()) + list(self.units.grad_shards.values())
         for state in self.optimizer.state.values():
             tensors += [t for t in state.values() if torch.is_tensor(t) and t.numel() > 1]
         return _storage_bytes(tensors) + sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
@@ -237,4 +291,6 @@ def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: 
         return params * (2 * compute_bytes + states)
     if stage == 1:
         return params * (2 * compute_bytes) + params * states / dp
-    return params * compute_bytes + params * (compute_bytes + states) / dp
+    if stage == 2:
+        return params * compute_bytes + params * (compute_bytes + states) / dp
+    return params * (2 * compute_bytes + states) / dp

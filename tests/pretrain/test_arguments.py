@@ -49,7 +49,7 @@ def test_wrong_yaml_type_is_named(tmp_path):
       "--max-position-embeddings", "64"], 2, "--sequence-parallel needs --seq-length 33 divisible"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-model", "x.model"], 1,
      "--data-path /nonexistent/corpus: /nonexistent/corpus.bin is missing"),
-    (["--zero-stage", "3"], 1, "--zero-stage 3 is not available in this build yet"),
+    (["--zero-stage", "3", "--zero-persistence-threshold", "-1"], 1, "--zero-persistence-threshold and"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 exclude each other"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
      "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),

@@ -129,8 +129,9 @@ def test_live_micro_batches_on_stage_0(stdlib_corpus):
 
 
 def _stages(*layout):
-    return [["--train-iters", "20", "--zero-stage", str(stage), "--zero-bucket-size", "20000", *layout]
-            for stage in (0, 1, 2)]
+    return [["--train-iters", "20", "--zero-stage", str(stage), "--zero-bucket-size", "20000",
+             "--zero-persistence-threshold", "0", "--zero-prefetch-budget", "40000", *layout]
+            for stage in (0, 1, 2, 3)]
 
 
 def _assert_stages_match_stage_0(results, rtol=1e-6):
@@ -142,11 +143,11 @@ def _assert_stages_match_stage_0(results, rtol=1e-6):
                 assert abs(c - d) <= rtol * abs(d), f"stage {stage} grad norm at iteration {i + 1}: {c} vs {d}"
 
 
-def test_zero_stages_1_and_2_reproduce_stage_0_with_data_parallelism(stdlib_corpus):
+def test_zero_stages_1_2_3_reproduce_stage_0_with_data_parallelism(stdlib_corpus):
     _assert_stages_match_stage_0(run_world(2, _train, _stages(), stdlib_corpus))
     _assert_stages_match_stage_0(run_world(4, _train, _stages("--micro-batch-size", "1"), stdlib_corpus))
 
 
-def test_zero_stages_1_and_2_reproduce_stage_0_in_the_3d_grid(stdlib_corpus):
+def test_zero_stages_1_2_3_reproduce_stage_0_in_the_3d_grid(stdlib_corpus):
     layout = [*_pp(2), *_tp(2, "--sequence-parallel")]
     _assert_stages_match_stage_0(run_world(8, _train, _stages(*layout), stdlib_corpus, timeout_s=400))

@@ -1,0 +1,253 @@
+"""ZeRO stage 3: parameters stored as shards, gathered per module on demand and freed after use.
+
+Each unit is the large parameters of one module (one dtype, one optimizer group), padded to a multiple
+of the data-parallel size; rank r keeps chunk r. The full parameters live in one flat tensor per unit
+whose storage is resized to zero when freed and back when gathered: the parameters (and the tensors
+autograd saved for backward, which are views of the same storage) see the gathered values again
+without being re-created. Around each unit module:
+
+    before forward      gather (or wait for the prefetched gather)
+    after forward       free, and hook the outputs so that backward gathers again first
+    after its backward  stage the gradients, free them, reduce-scatter into the gradient shard, free
+
+The order in which units are gathered is recorded on the first step, checked identical on every
+data-parallel rank as it happens (a mismatch raises naming both modules instead of hanging), and used
+on later steps to prefetch the next units while the current one computes, within a budget of live
+parameter elements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from parallel import comm
+from parallel.comm import AxisGroup
+
+
+class ParameterUnit:
+    """The sharded parameters of one module: this rank's chunk, the flat full tensor (gathered or
+    freed) and the per-parameter offsets. Never communicates by itself."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], group: int,
+                 dp: AxisGroup):
+        self.index, self.name, self.module, self.params, self.group = index, name, module, params, group
+        self.dtype, self.device = params[0].dtype, params[0].device
+        used = sum(p.numel() for p in params)
+        self.numel = -(-used // dp.size) * dp.size
+        self.chunk = self.numel // dp.size
+        self.offsets, self.sizes, offset = {}, {}, 0
+        for param in params:  # sizes are kept: a freed parameter is empty
+            self.offsets[param], self.sizes[param] = offset, param.numel()
+            offset += param.numel()
+        full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for param in params:
+            full[self.offsets[param]:self.offsets[param] + param.numel()].copy_(param.data.view(-1))
+        comm.broadcast(full, src=dp.ranks[0], group=dp)  # every rank starts from dp rank 0's weights
+        self.initial_chunk = full[dp.rank * self.chunk:(dp.rank + 1) * self.chunk].clone()
+        self.full = full
+        self.views = {param: full[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
+                      for param in params}
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.free()
+        self.handle = None
+        self.ready = 0
+
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        """Drop the full values; the parameters become empty (reading one is an error, not garbage)."""
+        self.full.untyped_storage().resize_(0)
+        for param in self.params:
+            param.data = self._placeholder
+
+    def materialize(self) -> torch.Tensor:
+        """Give the flat tensor its storage back (contents undefined until gathered) and the parameters
+        their views of it."""
+        self.full.untyped_storage().resize_(self.numel * self.full.element_size())
+        for param in self.params:
+            param.data = self.views[param]
+        return self.full.data  # a fresh version counter: writing it never invalidates saved tensors
+
+
+class ShardedParameters:
+    """Owns the units, their shards and gradient shards, and the gather / free / reduce machinery.
+
+    ``shards[dtype]`` and ``grad_shards[dtype]`` hold this rank's chunks of every unit of that dtype
+    back to back. Never steps an optimizer; never keeps a full parameter alive beyond its module's
+    forward or backward (plus prefetched units within ``prefetch_budget`` elements).
+    """
+
+    def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
+                 prefetch_budget: int = 0):
+        self.dp, self.prefetch_budget = dp, prefetch_budget
+        self.units = [ParameterUnit(i, name, module, params, group, dp)
+                      for i, (name, module, params, group) in enumerate(units)]
+        self.shards: dict[torch.dtype, torch.Tensor] = {}
+        self.grad_shards: dict[torch.dtype, torch.Tensor] = {}
+        self.chunk_offset: dict[int, int] = {}
+        for dtype in {u.dtype for u in self.units}:
+            members = [u for u in self.units if u.dtype == dtype]
+            self.shards[dtype] = torch.cat([u.initial_chunk for u in members])
+            self.grad_shards[dtype] = torch.zeros_like(self.shards[dtype])
+            offset = 0
+            for unit in members:
+                self.chunk_offset[unit.index] = offset
+                offset += unit.chunk
+                del unit.initial_chunk
+        self.order: list[int] | None = None  # recorded gather order (after the first step)
+        self._recording: list[int] = []
+        self._position = 0
+        self.live_elements = 0
+        self.max_live_elements = 0
+        self._unit_of = {param: unit for unit in self.units for param in unit.params}
+        self._hooks: list[RemovableHandle] = []
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(self._before_forward(unit)))
+            self._hooks.append(unit.module.register_forward_hook(self._after_forward(unit)))
+            for param in unit.params:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._reductions: dict[int, tuple[object, torch.Tensor]] = {}
+
+    def shard(self, unit: ParameterUnit) -> torch.Tensor:
+        offset = self.chunk_offset[unit.index]
+        return self.shards[unit.dtype][offset:offset + unit.chunk]
+
+    def grad_shard(self, unit: ParameterUnit) -> torch.Tensor:
+        offset = self.chunk_offset[unit.index]
+        return self.grad_shards[unit.dtype][offset:offset + unit.chunk]
+
+    # gathering -------------------------------------------------------------------------------------------
+    def _start_gather(self, unit: ParameterUnit) -> None:
+        if unit.gathered or unit.handle is not None:
+            return
+        full = unit.materialize()
+        unit.handle = comm.all_gather_into_tensor(full, self.shard(unit), self.dp, async_op=True)
+        self.live_elements += unit.numel
+        self.max_live_elements = max(self.max_live_elements, self.live_elements)
+
+    def _check_order(self, unit: ParameterUnit) -> None:
+        """First step: every rank must gather the same unit now, or the collectives would not pair up."""
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=unit.device)
+        everyone = torch.empty(self.dp.size, dtype=torch.int64, device=unit.device)
+        comm.all_gather_into_tensor(everyone, mine, self.dp)
+        if (everyone != unit.index).any():
+            other = next(i for i in everyone.tolist() if i != unit.index)
+            raise RuntimeError(f"ZeRO-3 ranks diverged: this rank gathers {unit.name} while another gathers "
+                               f"{self.units[other].name} (gather number {len(self._recording)}); every "
+                               f"data-parallel rank must run the same modules in the same order")
+
+    def gather(self, unit: ParameterUnit) -> None:
+        """Make ``unit``'s parameters whole (waiting for a prefetch if one is in flight) and prefetch."""
+        if self.order is None:
+            self._check_order(unit)
+            self._recording.append(unit.index)
+        self._start_gather(unit)
+        if self.order is not None and self._position < len(self.order) and self.order[self._position] == unit.index:
+            self._position += 1
+            self._prefetch()  # the next units' gathers run while this one computes
+        if unit.handle is not None:
+            unit.handle.wait()
+            unit.handle = None
+
+    def _prefetch(self) -> None:
+        position, live = self._position, self.live_elements
+        while position < len(self.order):
+            upcoming = self.units[self.order[position]]
+            if not (upcoming.gathered or upcoming.handle is not None):
+                if live + upcoming.numel > self.prefetch_budget:
+                    break
+                self._start_gather(upcoming)
+                live = self.live_elements
+            position += 1
+
+    def release(self, unit: ParameterUnit) -> None:
+        if unit.handle is not None:
+            unit.handle.wait()
+            unit.handle = None
+        if unit.gathered:
+            unit.free()
+            self.live_elements -= unit.numel
+
+    # hooks -------------------------------------------------------------------------------------------------
+    def _before_forward(self, unit: ParameterUnit):
+        def hook(module, args):
+            self.gather(unit)
+        return hook
+
+    def _after_forward(self, unit: ParameterUnit):
+        def hook(module, args, output):
+            self.release(unit)
+            tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output])
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.gather(unit), mode="any")
+            return output
+        return hook
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        unit = self._unit_of[param]
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._reduce(unit)
+
+    def _reduce(self, unit: ParameterUnit) -> None:
+        """All of ``unit``'s gradients are in: reduce-scatter them into its gradient shard, free them."""
+        unit.ready = 0
+        self._complete(unit.index)
+        staging = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        for param in unit.params:
+            if param.grad is not None:
+                offset = unit.offsets[param]
+                staging[offset:offset + unit.sizes[param]].copy_(param.grad.view(-1))
+                param.grad = None
+        staging.div_(self.dp.size)
+        received = torch.empty(unit.chunk, dtype=unit.dtype, device=unit.device)
+        self._reductions[unit.index] = (comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True),
+                                        received, staging)
+        self.release(unit)
+
+    def _complete(self, index: int) -> None:
+        if index in self._reductions:
+            handle, received, _ = self._reductions.pop(index)
+            handle.wait()
+            self.grad_shard(self.units[index]).add_(received)
+
+    def finish(self) -> None:
+        """End of backward: reduce units whose gradients arrived only partly, wait for every reduction,
+        and close the first step's recording."""
+        for unit in self.units:
+            if unit.ready > 0:
+                self._reduce(unit)
+        for index in list(self._reductions):
+            self._complete(index)
+        for unit in self.units:
+            self.release(unit)
+        if self.order is None:
+            self.order = self._recording
+        self._position = 0
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit whole inside the block (to read or export the parameters), freed after."""
+        for unit in self.units:
+            self._start_gather(unit)
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.wait()
+                unit.handle = None
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                self.release(unit)
+
+    def zero(self) -> None:
+        for shard in self.grad_shards.values():
+            shard.zero_()
+        self._position = 0
