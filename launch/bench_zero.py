@@ -1,4 +1,4 @@
-"""ZeRO stages 0/1/2 against torch DDP and torch ZeroRedundancyOptimizer, in one run.
+"""ZeRO stages 0-3 against torch DDP, ZeroRedundancyOptimizer and FSDP2, in one run.
 
     python -m launch.bench_zero [--dp 2 4] [--steps 8] [--output runs/bench/zero.md]
 
@@ -62,8 +62,26 @@ def _worker(args: argparse.Namespace) -> None:
 
     def ours(stage):
         model = GPTModel(config, groups.tp, seed=0)
-        _, optimizer = zero.initialize(model, adamw, stage=stage, group=groups.dp, bucket_size=bucket_elements)
+        _, optimizer = zero.initialize(model, adamw, stage=stage, group=groups.dp, bucket_size=bucket_elements,
+                                       unit_modules=list(model.layers))
         return model, model, optimizer, lambda: optimizer.model_state_bytes()
+
+    def fsdp2():
+        from torch.distributed.fsdp import fully_shard
+
+        model = GPTModel(config, groups.tp, seed=0)
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        optimizer = adamw(model.parameters())
+
+        def state_bytes():
+            local = [p.to_local() for p in model.parameters()]
+            local += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+            local += [t.to_local() if hasattr(t, "to_local") else t for s in optimizer.state.values()
+                      for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+            return _storage_bytes(local)
+        return model, model, optimizer, state_bytes
 
     def torch_ddp(sharded):
         model = GPTModel(config, groups.tp, seed=0)
@@ -79,14 +97,15 @@ def _worker(args: argparse.Namespace) -> None:
         return model, wrapped, optimizer, state_bytes
 
     systems = {"torch DDP": lambda: torch_ddp(False), "torch ZeroRedundancyOptimizer": lambda: torch_ddp(True),
-               "ours stage 0": lambda: ours(0), "ours stage 1": lambda: ours(1), "ours stage 2": lambda: ours(2)}
-    results = {}
-    for name, build in systems.items():
-        model, runner, optimizer, state_bytes = build()
-        positions = torch.arange(args.seq).expand(args.micro_batch, args.seq)
-        times, written, counted, loss = [], [], [], None
-        for step, batch in enumerate(batches):
-            tokens = batch.chunk(groups.dp.size)[groups.dp.rank]
+               "ours stage 0": lambda: ours(0), "ours stage 1": lambda: ours(1), "ours stage 2": lambda: ours(2),
+               "torch FSDP2 (per block)": fsdp2, "ours stage 3": lambda: ours(3)}
+    built = {name: build() for name, build in systems.items()}
+    positions = torch.arange(args.seq).expand(args.micro_batch, args.seq)
+    measured = {name: {"times": [], "written": [], "counted": []} for name in built}
+    # steps of the systems alternate, so a slow spell of the machine hits all of them alike
+    for step, batch in enumerate(batches):
+        tokens = batch.chunk(groups.dp.size)[groups.dp.rank]
+        for name, (model, runner, optimizer, state_bytes) in built.items():
             dist.barrier()
             groups.stats.reset()
             started, start_bytes = time.perf_counter(), _written_bytes()
@@ -94,15 +113,19 @@ def _worker(args: argparse.Namespace) -> None:
             loss.backward()
             optimizer.step()
             elapsed, sent = time.perf_counter() - started, _written_bytes() - start_bytes
-            held = state_bytes()  # parameters, gradients and states all alive, before zero_grad
+            record = measured[name]
+            record["held"] = state_bytes()  # parameters, gradients and states all alive, before zero_grad
+            record["loss"] = loss.item()
             optimizer.zero_grad()
             if step >= 2:  # two warm-up steps: allocations, optimizer states, connections
-                times.append(elapsed)
-                written.append(sent)
-                counted.append(groups.stats.total_bytes())
-        results[name] = {"step_s": statistics.median(times), "state_bytes": held,
-                         "written": statistics.median(written), "counted": statistics.median(counted),
-                         "loss": loss.item(), "params": sum(p.numel() for p in model.parameters())}
+                record["times"].append(elapsed)
+                record["written"].append(sent)
+                record["counted"].append(groups.stats.total_bytes())
+    results = {name: {"step_s": statistics.median(r["times"]), "state_bytes": r["held"],
+                      "written": statistics.median(r["written"]), "counted": statistics.median(r["counted"]),
+                      "loss": r["loss"], "params": sum(p.numel() for p in GPTModel(config, groups.tp, seed=0)
+                                                       .parameters())}
+               for name, r in measured.items()}
     write_result(args.worker_output, groups.rank, results)
     shutdown_distributed()
 
@@ -110,7 +133,7 @@ def _worker(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench_zero", description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=128)

@@ -67,6 +67,8 @@ class ShardSlot:
     grad: Callable[[], torch.Tensor]
     master: nn.Parameter
     segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
+    layout: list[tuple[nn.Parameter, int, torch.Size]]  # every parameter of the whole range: (param, offset, shape)
+    sharded: bool  # the slot is this rank's chunk of a range split over dp (else the whole range)
 
 
 class ZeroOptimizer:
@@ -119,7 +121,8 @@ class ZeroOptimizer:
                 low, high = bucket.chunk_range(self.shard)
                 self._add_slot(master_groups[group_index], buffer.data[low:high],
                                lambda i=index, b=bucket: self.grad_sync.shard_grad(i, b),
-                               [(s.param, s.offset, s.length) for s in segments if s.bucket == bucket.index])
+                               [(s.param, s.offset, s.length) for s in segments if s.bucket == bucket.index],
+                               [(p, buffer.offsets[p] - bucket.start, p.shape) for p in bucket.params])
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(self._units(module, unit_modules or [], param_groups, sharded), dp,
@@ -132,14 +135,15 @@ class ZeroOptimizer:
                     if start < high and end > low:
                         segments.append((param, max(start, low) - low, min(end, high) - max(start, low)))
                 self._add_slot(master_groups[unit.group], self.units.shard(unit),
-                               lambda u=unit: self.units.grad_shard(u), segments)
+                               lambda u=unit: self.units.grad_shard(u), segments,
+                               [(p, unit.offsets[p], unit.views[p].shape) for p in unit.params])
         self.masters = [slot.master for slot in self.slots]
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
 
-    def _add_slot(self, group: dict, data: torch.Tensor, grad, segments) -> None:
+    def _add_slot(self, group: dict, data: torch.Tensor, grad, segments, layout) -> None:
         master = nn.Parameter(data if data.dtype == torch.float32 else data.detach().float())
         group["params"].append(master)
-        self.slots.append(ShardSlot(data, grad, master, segments))
+        self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=self.stage > 0))
 
     @staticmethod
     def _units(module: nn.Module, unit_modules: list[nn.Module], param_groups: list[dict], sharded):
