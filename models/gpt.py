@@ -67,6 +67,7 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = config.num_attention_heads // tp.size
         self.head_dim = h // config.num_attention_heads
         self.dropout = config.attention_dropout
+        self.core_runner = None  # set by activation checkpointing to recompute the core (selective)
         self.qkv = ColumnParallelLinear(h, 3 * h, tp, WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
                                         sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(h, h, tp, WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
@@ -85,7 +86,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).unbind(dim=3)
         if rotary is not None:
             q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
-        context = self.core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        context = self.core_runner(self.core, q, k, v) if self.core_runner else self.core(q, k, v)
         return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim))
 
 
@@ -160,6 +162,7 @@ class GPTModel(nn.Module):
                     self.position_embedding.weight.copy_(
                         WeightInit(seed, "embedding.position.weight", std).full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
+        self.layer_runner = None  # set by activation checkpointing to recompute whole layers (full)
         indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
         self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng) for i in indices)
         if post_process:
@@ -194,8 +197,11 @@ class GPTModel(nn.Module):
         slice [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rotary = rotary_tables(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        for layer in self.layers:
-            x = layer(x, rotary)
+        if self.layer_runner is not None:
+            x = self.layer_runner(x, rotary)
+        else:
+            for layer in self.layers:
+                x = layer(x, rotary)
         if not self.post_process:
             return x
         logits = self.logits(x)

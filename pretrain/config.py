@@ -59,9 +59,15 @@ class RecomputeConfig:
 
     recompute_granularity: str | None = field(default=None, metadata=flag(
         "recompute whole layers (full) or the attention core (selective)", choices=["full", "selective"]))
-    recompute_num_layers: int | None = field(default=None, metadata=flag("layers per stage to checkpoint"))
+    recompute_num_layers: int | None = field(default=None, metadata=flag(
+        "full: layers per checkpoint (uniform) or checkpointed layers per model chunk (block); default all"))
+    recompute_method: str = field(default="uniform", metadata=flag(
+        "full: checkpoint groups of --recompute-num-layers layers (uniform) or only the first ones (block)",
+        choices=["uniform", "block"]))
     partition_activations: bool = field(
         default=False, metadata=flag("keep 1/tp of each checkpointed layer input per tensor-parallel rank"))
+    activations_on_cpu: bool = field(
+        default=False, metadata=flag("keep the checkpointed inputs (or their partitions) in CPU memory"))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from data.tokenizer import Tokenizer
 from models.generate import context_window, generate
 from models.stages import build_stage
 from parallel import comm, zero
+from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
@@ -89,6 +90,10 @@ class Trainer:
                                  vp=config.parallel.virtual_pipeline_size or 1,
                                  sequence_parallel=config.parallel.sequence_parallel,
                                  layers_per_stage=config.parallel.pipeline_layers_per_stage).to(device, self.dtype)
+        recompute = config.recompute
+        apply_recompute(self.model, RecomputePolicy(recompute.recompute_granularity, recompute.recompute_num_layers,
+                                                    recompute.recompute_method, recompute.partition_activations,
+                                                    recompute.activations_on_cpu), self.groups.tp)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,

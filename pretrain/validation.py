@@ -39,8 +39,12 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
     _not_yet(config.zero.offload_optimizer != "none", "--offload-optimizer")
     _not_yet(config.zero.offload_param != "none", "--offload-param")
-    _not_yet(config.recompute.recompute_granularity is not None, "--recompute-granularity")
-    _not_yet(config.recompute.partition_activations, "--partition-activations")
+    recompute = config.recompute
+    if (recompute.partition_activations or recompute.activations_on_cpu) and recompute.recompute_granularity is None:
+        raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
+                          "add --recompute-granularity full or selective")
+    if recompute.recompute_num_layers is not None and recompute.recompute_num_layers < 1:
+        raise ConfigError(f"--recompute-num-layers must be >= 1, got {recompute.recompute_num_layers}")
     if train.bf16 and train.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other: choose one")
     _not_yet(config.checkpoint.save is not None or config.checkpoint.load is not None, "--save / --load")

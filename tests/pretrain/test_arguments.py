@@ -51,6 +51,7 @@ def test_wrong_yaml_type_is_named(tmp_path):
      "--data-path /nonexistent/corpus: /nonexistent/corpus.bin is missing"),
     (["--zero-stage", "3", "--zero-persistence-threshold", "-1"], 1, "--zero-persistence-threshold and"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 exclude each other"),
+    (["--partition-activations"], 1, "add --recompute-granularity full or selective"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
      "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2",

@@ -151,3 +151,15 @@ def test_zero_stages_1_2_3_reproduce_stage_0_with_data_parallelism(stdlib_corpus
 def test_zero_stages_1_2_3_reproduce_stage_0_in_the_3d_grid(stdlib_corpus):
     layout = [*_pp(2), *_tp(2, "--sequence-parallel")]
     _assert_stages_match_stage_0(run_world(8, _train, _stages(*layout), stdlib_corpus, timeout_s=400))
+
+
+def test_recompute_composes_with_every_zero_stage_and_pipelines(stdlib_corpus):
+    zero3 = ["--zero-persistence-threshold", "0"]
+    layouts = [_tp(2), _tp(2, "--zero-stage", "3", *zero3, "--recompute-granularity", "full",
+                       "--partition-activations"),
+               _tp(2, "--zero-stage", "2", "--recompute-granularity", "selective"),
+               _tp(2, "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "block",
+                   "--recompute-num-layers", "1")]
+    _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus))
+    piped = [_pp(2), _pp(2, "1f1b", "--zero-stage", "3", *zero3, "--recompute-granularity", "full")]
+    _assert_stages_match_stage_0(run_world(2, _train, piped, stdlib_corpus))

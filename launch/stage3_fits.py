@@ -1,0 +1,64 @@
+"""Show a GPT that plain data parallelism cannot hold on this machine training at dp 8 with ZeRO-3.
+
+    python -m launch.stage3_fits [--hidden-size 1536 --num-layers 8] [--iters 2]
+
+Prints the model-state bytes that dp 8 needs per machine without sharding (8 replicas of 16 bytes per
+parameter with Adam in fp32: parameters, gradients, two moments) against the machine's memory, then
+trains the same GPT for a few iterations with --zero-stage 3 on 8 processes and reports what the
+ranks measured (model-state bytes, peak resident memory), read from the metrics file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from models.config import GPTConfig
+
+
+def machine_memory_bytes() -> int:
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.stage3_fits", description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=1536)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=8)
+    args = parser.parse_args(argv)
+    config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=16,
+                       seq_length=128, vocab_size=4096)
+    params, memory = config.num_parameters(), machine_memory_bytes()
+    replicas = 16 * params * args.dp
+    print(f"GPT of {params / 1e6:.0f}M parameters; plain data parallelism at dp {args.dp} holds "
+          f"{replicas / 2**30:.1f} GiB of model states on this machine ({memory / 2**30:.1f} GiB): "
+          f"{'does not fit' if replicas > memory else 'fits'}; ZeRO-3 needs {16 * params / 2**30:.1f} GiB in all")
+    with tempfile.TemporaryDirectory() as directory:
+        metrics = os.path.join(directory, "metrics.jsonl")
+        command = [sys.executable, "-m", "launch.torchrun", "--nproc", str(args.dp),
+                   "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+                   "--num-attention-heads", "16", "--seq-length", "128", "--micro-batch-size", "1",
+                   "--global-batch-size", str(args.dp), "--train-iters", str(args.iters), "--zero-stage", "3",
+                   "--log-interval", "1", "--metrics-file", metrics, "--sample-prompt", "",
+                   "--default-corpus-vocab-size", "4096"]
+        subprocess.run(command, check=True)
+        with open(metrics) as handle:
+            last = [json.loads(line) for line in handle][-1]
+    ranks = last["per_rank"]
+    print(f"trained {args.iters} iterations at dp {args.dp} with ZeRO-3, {last['step_time_s']:.1f} s/iteration, "
+          f"loss {last['loss']:.3f}: model states {max(r['model_state_bytes'] for r in ranks) / 2**20:.0f} MiB "
+          f"per rank (16P/N = {16 * params / args.dp / 2**20:.0f} MiB), peak resident "
+          f"{sum(r['peak_mem_bytes'] for r in ranks) / 2**30:.1f} GiB during the last iteration, summed over ranks")
+
+
+if __name__ == "__main__":
+    main()
