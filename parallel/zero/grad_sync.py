@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.buffers import BufferPool, StagingRing
 from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import Bucket, FlatParameterBuffer
 
@@ -63,7 +64,7 @@ class GradientSync:
     """
 
     def __init__(self, buffers: list[FlatParameterBuffer], dp: AxisGroup, stage: int,
-                 model_parallel: ModelParallelGroups):
+                 model_parallel: ModelParallelGroups, pool: BufferPool):
         self.buffers, self.dp, self.stage, self.model_parallel = buffers, dp, stage, model_parallel
         self.enabled = True
         self.grad_shards = [torch.zeros(b.numel // dp.size, dtype=b.dtype, device=b.device) for b in buffers] \
@@ -75,23 +76,15 @@ class GradientSync:
                     self._bucket_of[param] = (index, bucket)
         self._ready: dict[tuple[int, int], int] = {}
         self._in_flight: dict[tuple[int, int], tuple[object, torch.Tensor | None, torch.Tensor | None]] = {}
-        # stage 2: two reusable staging areas per dtype (one filling while the other is reduced)
-        self._staging = self._staging_areas() if stage == 2 else {}
-        self._next_area = 0
-        self._area_user: dict[int, tuple[int, int]] = {}
+        # stage 2: two staging slots per dtype in the buffer pool (one filling while the other is reduced)
+        self._staging: dict[torch.dtype, StagingRing] = {}
+        if stage == 2:
+            for dtype in {b.dtype for b in buffers}:
+                largest = max(k.numel + k.chunk for b in buffers if b.dtype == dtype for k in b.buckets)
+                self._staging[dtype] = StagingRing(pool, f"grad-staging-{dtype}", largest, dtype)
         self._launched: set[tuple[int, int]] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p, (_, bucket) in self._bucket_of.items() if not bucket.deferred]
-
-    def _staging_areas(self) -> dict[torch.dtype, list[torch.Tensor]]:
-        areas = {}
-        for buffer in self.buffers:
-            largest = max(b.numel for b in buffer.buckets)
-            have = areas.get(buffer.dtype)
-            if have is None or have[0].numel() < largest:
-                areas[buffer.dtype] = [torch.empty(largest + largest // self.dp.size, dtype=buffer.dtype,
-                                                   device=buffer.device) for _ in range(2)]
-        return areas
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -130,10 +123,7 @@ class GradientSync:
         buffer = self.buffers[index]
         if self.stage == 2:
             self._complete(key)  # at most one reduction of a bucket in flight
-            area_index, self._next_area = self._next_area, 1 - self._next_area
-            if area_index in self._area_user:  # the area is still being reduced for another bucket
-                self._complete(self._area_user.pop(area_index))
-            area = self._staging[buffer.dtype][area_index]
+            area = self._staging[buffer.dtype].take(bucket.numel + bucket.chunk, lambda: self._complete(key))
             staging, received = area[:bucket.numel], area[bucket.numel:bucket.numel + bucket.chunk]
             for param in bucket.params:
                 start, end = buffer.param_range(param)
@@ -147,7 +137,6 @@ class GradientSync:
             staging.div_(self.dp.size)
             handle = comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True)
             self._in_flight[key] = (handle, staging, received)
-            self._area_user[area_index] = key
             return
         grads = buffer.grad[bucket.start:bucket.end]
         grads.div_(self.dp.size)
@@ -182,7 +171,8 @@ class GradientSync:
                     self._launch(index, bucket)  # parameters without gradients in this step
         for key in list(self._in_flight):
             self._complete(key)
-        self._area_user.clear()
+        for ring in self._staging.values():
+            ring.drain()
         self._ready.clear()
         self._launched.clear()
 

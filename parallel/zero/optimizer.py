@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
@@ -36,6 +37,10 @@ class StepResult:
     grad_norm: float
     skipped: bool = False
     loss_scale: float = 1.0
+
+
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
@@ -114,7 +119,8 @@ class ZeroOptimizer:
                 buffer_groups.append(len(master_groups))
             master_groups.append({"params": [], **{k: v for k, v in group.items() if k != "params"}})
         self._broadcast_parameters()
-        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), self.model_parallel)
+        self.buffer_pool = BufferPool(module_device(module))
+        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), self.model_parallel, self.buffer_pool)
         for index, (buffer, group_index) in enumerate(zip(self.buffers, buffer_groups)):
             segments = buffer.segments(self.shard)
             for bucket in buffer.buckets:
@@ -126,7 +132,7 @@ class ZeroOptimizer:
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(self._units(module, unit_modules or [], param_groups, sharded), dp,
-                                           prefetch_budget)
+                                           self.buffer_pool, prefetch_budget)
             for unit in self.units.units:
                 low, high = self.shard * unit.chunk, (self.shard + 1) * unit.chunk
                 segments = []

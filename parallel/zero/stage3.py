@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallel import comm
+from parallel.buffers import BufferPool, StagingRing
 from parallel.comm import AxisGroup
 
 
@@ -84,7 +85,7 @@ class ShardedParameters:
     """
 
     def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
-                 prefetch_budget: int = 0):
+                 pool: BufferPool, prefetch_budget: int = 0):
         self.dp, self.prefetch_budget = dp, prefetch_budget
         self.units = [ParameterUnit(i, name, module, params, group, dp)
                       for i, (name, module, params, group) in enumerate(units)]
@@ -113,6 +114,9 @@ class ShardedParameters:
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._reductions: dict[int, tuple[object, torch.Tensor]] = {}
+        self._staging = {dtype: StagingRing(pool, f"zero3-staging-{dtype}",
+                                            max(u.numel + u.chunk for u in self.units if u.dtype == dtype), dtype)
+                         for dtype in {u.dtype for u in self.units}}
 
     def shard(self, unit: ParameterUnit) -> torch.Tensor:
         offset = self.chunk_offset[unit.index]
@@ -200,14 +204,15 @@ class ShardedParameters:
         """All of ``unit``'s gradients are in: reduce-scatter them into its gradient shard, free them."""
         unit.ready = 0
         self._complete(unit.index)
-        staging = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        area = self._staging[unit.dtype].take(unit.numel + unit.chunk, lambda: self._complete(unit.index))
+        staging, received = area[:unit.numel], area[unit.numel:]
+        staging.zero_()
         for param in unit.params:
             if param.grad is not None:
                 offset = unit.offsets[param]
                 staging[offset:offset + unit.sizes[param]].copy_(param.grad.view(-1))
                 param.grad = None
         staging.div_(self.dp.size)
-        received = torch.empty(unit.chunk, dtype=unit.dtype, device=unit.device)
         self._reductions[unit.index] = (comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True),
                                         received, staging)
         self.release(unit)
@@ -226,6 +231,8 @@ class ShardedParameters:
                 self._reduce(unit)
         for index in list(self._reductions):
             self._complete(index)
+        for ring in self._staging.values():
+            ring.drain()
         for unit in self.units:
             self.release(unit)
         if self.order is None:

@@ -1,0 +1,64 @@
+"""The ZeRO-R buffer pool: constant arenas, reused slots, no allocation after the first iteration."""
+
+import pytest
+import torch
+
+from models.config import GPTConfig
+from models.gpt import GPTModel
+from parallel import zero
+from parallel.buffers import BufferPool, StagingRing
+from parallel.process_groups import create_process_groups
+from parallel.topology import Topology
+from tests.world import run_world
+
+
+def test_staging_ring_finishes_a_slot_before_reusing_it():
+    pool = BufferPool()
+    ring = StagingRing(pool, "staging", 10, torch.float32, slots=2)
+    finished = []
+    first = ring.take(10, lambda: finished.append("first"))
+    ring.take(4, lambda: finished.append("second"))
+    assert finished == []
+    third = ring.take(6, lambda: finished.append("third"))
+    assert finished == ["first"] and third.data_ptr() == first.data_ptr()
+    ring.drain()
+    assert finished == ["first", "second", "third"]
+    assert pool.allocations == 1 and pool.high_water["staging"] == 14
+    with pytest.raises(ValueError, match="cannot hold 11"):
+        ring.take(11, lambda: None)
+
+
+def _pool_use(rank, world_size):
+    groups = create_process_groups(Topology(world_size))
+    report = {}
+    for stage in (2, 3):
+        for layers in (4, 12):
+            config = GPTConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
+                               vocab_size=128)
+            model = GPTModel(config, groups.tp, seed=0)
+            _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
+                                           group=groups.dp, bucket_size=2_000, unit_modules=list(model.layers),
+                                           persistence_threshold=1000)
+            counts = []
+            for step in range(4):
+                tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+                for _ in range(2):  # two micro-batches: stage 2/3 stage and reduce each time
+                    model(tokens, torch.arange(16).expand(2, 16), labels=tokens).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                counts.append(optimizer.buffer_pool.allocations)
+            report[(stage, layers)] = (counts, dict(optimizer.buffer_pool.high_water))
+    return report
+
+
+def test_no_allocation_after_the_first_iteration_and_high_water_independent_of_depth():
+    """The staging arenas are sized by the bucket size (and the largest single weight or stage-3 unit),
+    never by the depth: 12 layers use no more than the bound that 4 layers already obey."""
+    largest_weight = 64 * 256  # an MLP weight; a block's stage-3 unit is 64 * 64 * 12 = 49,152 elements
+    for report in run_world(2, _pool_use):
+        for (stage, layers), (counts, high_water) in report.items():
+            assert counts == [counts[0]] * 4, (stage, layers, counts)
+            bound = 2 * (2_000 + largest_weight) * 1.5
+            assert high_water["grad-staging-torch.float32"] <= bound, (stage, layers, high_water)
+            if stage == 3:
+                assert high_water["zero3-staging-torch.float32"] == 2 * 49_152 * 1.5, high_water
