@@ -21,8 +21,14 @@ def main(argv: list[str] | None = None) -> None:
     from parallel.process_groups import init_distributed, shutdown_distributed
     from pretrain.trainer import Trainer
 
+    from pretrain.checkpoint import CheckpointError
+
     device = init_distributed(config.parallel.distributed_timeout_s)
-    Trainer(config, topology, device).train()
+    try:
+        Trainer(config, topology, device).train()
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     shutdown_distributed()
 
 

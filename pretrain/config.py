@@ -129,6 +129,7 @@ class CheckpointConfig:
     save: str | None = field(default=None, metadata=flag("directory to save checkpoints in"))
     load: str | None = field(default=None, metadata=flag("directory to resume from"))
     save_interval: int = field(default=0, metadata=flag("save every N iterations (0 = only at the end)"))
+    save_keep_last: int = field(default=0, metadata=flag("keep only the newest K checkpoints (0 = keep all)"))
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_model_state_bytes
+from pretrain import checkpoint
 from pretrain.config import Config
 from pretrain.lr_schedule import learning_rate
 from pretrain.metrics import MetricsWriter, gather_per_rank, peak_memory_bytes, print_rank0, reset_peak_memory
@@ -110,7 +112,15 @@ class Trainer:
         self.activation_meter = SavedActivationMeter(self.model)
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)
-        self.consumed_samples = 0
+        self.consumed_samples, self.start_iteration = 0, 0
+        self.preempted, self._signal_received = False, False
+        for signum in (signal.SIGTERM, signal.SIGUSR1):  # cluster preemption: save, then stop
+            signal.signal(signum, self._on_signal)
+        if config.checkpoint.load:
+            manifest, rng = checkpoint.load(config.checkpoint.load, self.groups, self.optimizer)
+            self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
+            self.model[0].rng.set_states(rng)  # the stage's dropout streams and the default one
+            print_rank0(self.is_logger, f"resumed from {config.checkpoint.load} at iteration {self.start_iteration}")
 
     def _batches(self, dataset, total_samples: int, consumed: int):
         """This rank's micro-batches, or None on a pipeline stage that reads no data."""
@@ -169,7 +179,7 @@ class Trainer:
                     f"{self.num_micro_batches} micro-batches of {train.micro_batch_size} per step")
         batches = self._batches(self.train_data, train.train_iters * train.global_batch_size, self.consumed_samples)
         started = time.perf_counter()
-        for iteration in range(1, train.train_iters + 1):
+        for iteration in range(self.start_iteration + 1, train.train_iters + 1):
             self.groups.stats.reset()
             reset_peak_memory(self.device)
             lr = learning_rate(iteration - 1, config.optimizer, train.train_iters)
@@ -199,14 +209,38 @@ class Trainer:
                     record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
                     print_rank0(self.is_logger, f"validation at iter {iteration}: loss {valid:.4f}, "
                                 f"perplexity {record['valid_ppl']:.2f}")
+                done = iteration - self.start_iteration
                 elapsed = time.perf_counter() - started
-                writer.log(record, train.train_iters, elapsed / iteration * (train.train_iters - iteration))
-        result.sample = self.sample()
+                writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration))
+            if self._should_save(iteration):
+                self.save(iteration)
+            if self.preempted:
+                print_rank0(self.is_logger, f"stopping after iteration {iteration} on a preemption signal")
+                break
+        result.sample = None if self.preempted else self.sample()
         writer.close()
         if wandb_run is not None:
             wandb_run.finish()
             print_rank0(self.is_logger, f"wandb run files: {os.path.dirname(wandb_run.dir)}")
         return result
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal_received = True
+
+    def _should_save(self, iteration: int) -> bool:
+        """Save at --save-interval, at the end, and (agreed by every rank) on a preemption signal."""
+        flag = torch.tensor([1.0 if self._signal_received else 0.0])
+        comm.all_reduce(flag, self.groups.world, op=torch.distributed.ReduceOp.MAX)
+        self.preempted = bool(flag.item())
+        ckpt, last = self.config.checkpoint, iteration == self.config.training.train_iters
+        interval = ckpt.save_interval and iteration % ckpt.save_interval == 0
+        return bool(ckpt.save) and (interval or last or self.preempted)
+
+    def save(self, iteration: int) -> None:
+        path = checkpoint.save(self.config.checkpoint.save, iteration, self.consumed_samples, self.groups,
+                               self.optimizer, self.model[0].rng.get_states(), self.config.to_dict(),
+                               self.config.checkpoint.save_keep_last)
+        print_rank0(self.is_logger, f"saved checkpoint {path}")
 
     def _print_model_state_table(self, per_rank: list[dict]) -> None:
         """Per rank: model-state bytes by DESIGN.md's formula beside what the tensors hold (after the

@@ -47,7 +47,8 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError(f"--recompute-num-layers must be >= 1, got {recompute.recompute_num_layers}")
     if train.bf16 and train.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other: choose one")
-    _not_yet(config.checkpoint.save is not None or config.checkpoint.load is not None, "--save / --load")
+    if config.checkpoint.save_interval < 0 or config.checkpoint.save_keep_last < 0:
+        raise ConfigError("--save-interval and --save-keep-last must be >= 0")
 
     for name in ("micro_batch_size", "global_batch_size", "train_iters"):
         if getattr(train, name) < 1:

@@ -1,0 +1,164 @@
+"""Sharded checkpoints that are never half-written, verified before they are trusted.
+
+Layout of ``--save DIR``::
+
+    DIR/iter_0000020/rank_00003.pt   one file per rank: its parameters (whole buffers, stage-3 shards),
+                                     fp32 masters, optimizer and loss-scaler state, random states
+    DIR/iter_0000020/manifest.json   iteration, consumed samples, layout, config, and every file's
+                                     size and sha256
+    DIR/latest                       the name of the newest complete checkpoint
+
+Each rank writes its file into ``iter_N.tmp`` (fsynced); after every rank has finished, rank 0 hashes
+the files, writes the manifest, renames the directory to ``iter_N`` and only then replaces ``latest``
+atomically, so a crash at any point leaves the previous checkpoint as ``latest`` and loadable. Loading
+reads ``latest``, checks the manifest, the layout and this rank's file's checksum, and uses
+``torch.load(weights_only=True)`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+
+from parallel import comm
+from parallel.process_groups import ParallelGroups
+from parallel.zero.optimizer import ZeroOptimizer
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted or used, with the file that says so."""
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_write(path: str, data: bytes) -> None:
+    with open(path + ".part", "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".part", path)
+
+
+def _fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def layout_of(groups: ParallelGroups, optimizer: ZeroOptimizer) -> dict:
+    topology = groups.topology
+    return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp,
+            "zero_stage": optimizer.stage}
+
+
+def _rank_state(optimizer: ZeroOptimizer, rng: dict) -> dict:
+    return {
+        "buffers": [buffer.data for buffer in optimizer.buffers],
+        "unit_shards": {str(dtype): shard for dtype, shard in (optimizer.units.shards.items() if optimizer.units
+                                                                 else [])},
+        "masters": [master.data for master in optimizer.masters],
+        "optimizer": optimizer.state_dict(),
+        "rng": rng,
+    }
+
+
+def save(directory: str, iteration: int, consumed_samples: int, groups: ParallelGroups, optimizer: ZeroOptimizer,
+         rng: dict, config: dict, keep_last: int = 0) -> str:
+    """Write checkpoint ``iteration`` (a collective over the world); return its final path."""
+    name = f"iter_{iteration:07d}"
+    final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+    if groups.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
+        os.makedirs(staging)
+    comm.barrier(groups.world)
+    path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
+    torch.save(_rank_state(optimizer, rng), path + ".part")
+    with open(path + ".part", "rb+") as handle:
+        os.fsync(handle.fileno())
+    os.replace(path + ".part", path)
+    comm.barrier(groups.world)
+    if groups.rank == 0:
+        files = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
+                         "sha256": _sha256(os.path.join(staging, entry))}
+                 for entry in sorted(os.listdir(staging))}
+        manifest = {"iteration": iteration, "consumed_samples": consumed_samples,
+                    "layout": layout_of(groups, optimizer), "config": config, "files": files}
+        _fsync_write(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
+        _fsync_directory(staging)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        _fsync_write(os.path.join(directory, "latest"), name.encode())
+        _fsync_directory(directory)
+        if keep_last > 0:
+            kept = sorted(entry for entry in os.listdir(directory)
+                          if entry.startswith("iter_") and not entry.endswith(".tmp"))
+            for old in kept[:-keep_last]:
+                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+    comm.barrier(groups.world)
+    return final
+
+
+def read_manifest(directory: str) -> tuple[str, dict]:
+    """The newest complete checkpoint under ``directory`` and its manifest (no rank file is read)."""
+    pointer = os.path.join(directory, "latest")
+    try:
+        with open(pointer) as handle:
+            name = handle.read().strip()
+    except OSError as error:
+        raise CheckpointError(f"--load {directory}: no readable 'latest' pointer ({error.strerror})") from None
+    path = os.path.join(directory, name, "manifest.json")
+    try:
+        with open(path) as handle:
+            manifest = json.load(handle)
+        manifest["files"], manifest["iteration"], manifest["layout"]  # noqa: B018 - required keys
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path}: unreadable manifest ({error}); nothing was loaded") from None
+    return os.path.join(directory, name), manifest
+
+
+def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer) -> tuple[dict, dict]:
+    """Restore this rank's state from the newest checkpoint; return (manifest, random states)."""
+    checkpoint, manifest = read_manifest(directory)
+    expected = layout_of(groups, optimizer)
+    if manifest["layout"] != expected:
+        raise CheckpointError(f"{checkpoint}: saved with layout {manifest['layout']}, this run is {expected}; "
+                              f"resuming in another layout is not available yet: relaunch with the saved sizes")
+    entry = f"rank_{groups.rank:05d}.pt"
+    path = os.path.join(checkpoint, entry)
+    recorded = manifest["files"].get(entry)
+    if recorded is None or not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing from the checkpoint")
+    if os.path.getsize(path) != recorded["bytes"] or _sha256(path) != recorded["sha256"]:
+        raise CheckpointError(f"{path}: size or sha256 differs from the manifest (corrupted or truncated)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a pickle with code in it, or any other unreadable content
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {error}") from None
+    _restore(optimizer, state, path)
+    return manifest, state["rng"]
+
+
+def _restore(optimizer: ZeroOptimizer, state: dict, path: str) -> None:
+    targets = [b.data for b in optimizer.buffers] + [m.data for m in optimizer.masters]
+    sources = list(state["buffers"]) + list(state["masters"])
+    if optimizer.units is not None:
+        targets += list(optimizer.units.shards.values())
+        sources += [state["unit_shards"][str(dtype)] for dtype in optimizer.units.shards]
+    if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
+        raise CheckpointError(f"{path}: its tensors do not match this model's shapes (another model?)")
+    with torch.no_grad():
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+    optimizer.load_state_dict(state["optimizer"])

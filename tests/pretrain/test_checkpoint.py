@@ -1,0 +1,93 @@
+"""Checkpoints: exact resume in the 3D grid for every ZeRO stage, and refusal of damaged files."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from pretrain.checkpoint import CheckpointError, read_manifest
+from tests.pretrain.test_trainer import _pp, _tp, _train
+from tests.world import run_world
+
+GRID = [*_pp(2), *_tp(2, "--sequence-parallel"), "--lr-decay-iters", "20", "--zero-persistence-threshold", "0"]
+
+
+def _runs(stage, directory):
+    stage_flags = ["--zero-stage", str(stage)]
+    return [GRID + stage_flags + ["--train-iters", "20"],
+            GRID + stage_flags + ["--train-iters", "10", "--save", directory],
+            GRID + stage_flags + ["--train-iters", "20", "--load", directory]]
+
+
+def test_ten_then_resume_ten_equals_twenty_straight_for_every_stage(stdlib_corpus, tmp_path):
+    layouts = [run for stage in (0, 1, 2, 3) for run in _runs(stage, str(tmp_path / f"stage{stage}"))]
+    for rank_results in run_world(8, _train, layouts, stdlib_corpus, timeout_s=600):
+        for stage in range(4):
+            straight, first, resumed = rank_results[3 * stage:3 * stage + 3]
+            assert first[0] == straight[0][:10], stage
+            assert resumed[0] == straight[0][10:], stage  # bit for bit: the same floats
+            assert resumed[1] == straight[1][10:], stage
+    checkpoint, manifest = read_manifest(str(tmp_path / "stage3"))
+    assert manifest["iteration"] == 10 and manifest["consumed_samples"] == 80
+    assert manifest["layout"] == {"world_size": 8, "tp": 2, "pp": 2, "dp": 2, "zero_stage": 3}
+    assert sorted(manifest["files"]) == [f"rank_{r:05d}.pt" for r in range(8)]
+
+
+def _load_only(rank, world_size, directory, corpus):
+    from pretrain.arguments import parse_config
+    from pretrain.trainer import Trainer
+    from pretrain.validation import validate
+    from tests.pretrain.test_trainer import TINY
+
+    prefix, tokenizer = corpus
+    config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
+                                  f"{prefix}-cache", "--load", directory])
+    try:
+        Trainer(config, validate(config, world_size), torch.device("cpu"))
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_world(1, _train, [["--train-iters", "2", "--save", directory]], stdlib_corpus)
+    checkpoint, manifest = read_manifest(directory)
+    shard = os.path.join(checkpoint, "rank_00000.pt")
+    assert run_world(1, _load_only, directory, stdlib_corpus) == ["loaded"]
+    original = open(shard, "rb").read()
+
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(damaged))
+    message, = run_world(1, _load_only, directory, stdlib_corpus)
+    assert "rank_00000.pt: size or sha256 differs from the manifest" in message
+
+    open(shard, "wb").write(original[:100])
+    assert "differs from the manifest" in run_world(1, _load_only, directory, stdlib_corpus)[0]
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    torch.save({"evil": Evil()}, shard)
+    manifest_path = os.path.join(checkpoint, "manifest.json")
+    forged = json.load(open(manifest_path))
+    import hashlib
+    forged["files"]["rank_00000.pt"] = {"bytes": os.path.getsize(shard),
+                                        "sha256": hashlib.sha256(open(shard, "rb").read()).hexdigest()}
+    json.dump(forged, open(manifest_path, "w"))
+    assert "refused by torch.load(weights_only=True)" in run_world(1, _load_only, directory, stdlib_corpus)[0]
+
+    open(manifest_path, "w").write("{not json")
+    assert "unreadable manifest" in run_world(1, _load_only, directory, stdlib_corpus)[0]
+
+
+def test_an_unfinished_save_never_becomes_latest(stdlib_corpus, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_world(1, _train, [["--train-iters", "2", "--save", directory]], stdlib_corpus)
+    os.makedirs(os.path.join(directory, "iter_0000004.tmp"))  # a save that died half-way
+    open(os.path.join(directory, "iter_0000004.tmp", "rank_00000.pt"), "wb").write(b"partial")
+    checkpoint, manifest = read_manifest(directory)
+    assert checkpoint.endswith("iter_0000002") and manifest["iteration"] == 2
+    assert run_world(1, _load_only, directory, stdlib_corpus) == ["loaded"]
