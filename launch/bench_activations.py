@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-from launch.bench_world import run_world, write_result, write_table
+from launch.bench_world import add_worker_arguments, run_world, write_result, write_table
 
 POLICIES = ("none", "selective", "full", "full+partitioned")
 
@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--output", default="runs/bench/activations.md")
-    parser.add_argument("--worker", action="store_true", help="internal: run as one rank of the world")
-    parser.add_argument("--worker-output", help="internal: where ranks write their results")
+    add_worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)

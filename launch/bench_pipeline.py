@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from launch.bench_world import run_world, write_result, write_table
+from launch.bench_world import add_worker_arguments, run_world, write_result, write_table
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -82,9 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--output", default=os.path.join("runs", "bench", "pipeline.md"))
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_arguments(parser)
     parser.add_argument("--worker-schedule", dest="schedule", default="1f1b", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-output", help=argparse.SUPPRESS)
     parser.add_argument("--worker-micro-batches", dest="m", type=int, default=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -30,6 +30,12 @@ def run_world(module: str, nproc: int, args: list[str], threads_per_rank: int | 
         return results
 
 
+def add_worker_arguments(parser) -> None:
+    """The flags by which ``run_world`` starts a benchmark module as one rank of its world."""
+    parser.add_argument("--worker", action="store_true", help="internal: run as one rank of the world")
+    parser.add_argument("--worker-output", help="internal: where ranks write their results")
+
+
 def write_result(directory: str, rank: int, result: dict) -> None:
     with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)

@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-from launch.bench_world import run_world, write_result, write_table
+from launch.bench_world import add_worker_arguments, run_world, write_result, write_table
 
 
 def _written_bytes() -> int:
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=2, help="samples per rank per step")
     parser.add_argument("--bucket-mb", type=int, default=25, help="fused bucket size, the same for DDP and ours")
     parser.add_argument("--output", default="runs/bench/zero.md")
-    parser.add_argument("--worker", action="store_true", help="internal: run as one rank of the world")
-    parser.add_argument("--worker-output", help="internal: where ranks write their results")
+    add_worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)

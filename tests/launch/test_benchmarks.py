@@ -1,0 +1,25 @@
+"""The benchmarks run end to end on tiny settings and write their tables (numbers are not judged here)."""
+
+import os
+
+from launch import bench_activations, bench_pipeline, bench_zero
+
+
+def test_zero_benchmark_compares_every_system_on_the_same_losses(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    output = tmp_path / "zero.md"
+    bench_zero.main(["--dp", "2", "--steps", "1", "--layers", "1", "--hidden", "64", "--seq", "16", "--vocab", "256",
+                     "--output", str(output)])
+    rows = [line for line in output.read_text().splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 7
+    assert len({row.split("|")[-2] for row in rows}) == 1  # every system ends on the same loss
+
+
+def test_pipeline_and_activation_benchmarks_write_their_tables(tmp_path):
+    pipeline, activations = tmp_path / "pipeline.md", tmp_path / "activations.md"
+    bench_pipeline.main(["--pp", "2", "--micro-batches", "2", "--steps", "1", "--hidden", "64", "--seq", "16",
+                         "--output", str(pipeline)])
+    bench_activations.main(["--tp", "2", "--layers", "2", "--steps", "1", "--hidden", "64", "--seq", "32",
+                            "--output", str(activations)])
+    assert pipeline.read_text().count("| 2 | ") >= 2
+    assert os.path.getsize(activations) > 0 and "full+partitioned" in activations.read_text()
