@@ -28,14 +28,6 @@ def _written_bytes() -> int:
     return 0
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -45,6 +37,7 @@ def _worker(args: argparse.Namespace) -> None:
     from models.config import GPTConfig
     from models.gpt import GPTModel
     from parallel import zero
+    from parallel.zero.optimizer import storage_bytes
     from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
     from parallel.topology import Topology
 
@@ -80,7 +73,7 @@ def _worker(args: argparse.Namespace) -> None:
             local += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
             local += [t.to_local() if hasattr(t, "to_local") else t for s in optimizer.state.values()
                       for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
-            return _storage_bytes(local)
+            return storage_bytes(local)
         return model, model, optimizer, state_bytes
 
     def torch_ddp(sharded):
@@ -93,7 +86,7 @@ def _worker(args: argparse.Namespace) -> None:
         def state_bytes():
             tensors = [p.data for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
             tensors += [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
-            return _storage_bytes(tensors)
+            return storage_bytes(tensors)
         return model, wrapped, optimizer, state_bytes
 
     systems = {"torch DDP": lambda: torch_ddp(False), "torch ZeroRedundancyOptimizer": lambda: torch_ddp(True),

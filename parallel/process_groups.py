@@ -42,7 +42,7 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         # on GPUs, CPU tensors (offloaded states, small metrics) still get a gloo backend
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
@@ -59,7 +59,8 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback that is free now (for a rendezvous on this machine)."""
     import socket
 
     with socket.socket() as sock:

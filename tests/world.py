@@ -14,21 +14,16 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
+from parallel.process_groups import free_port
+
 
 class WorldError(AssertionError):
     """A rank of a test world failed or hung; the message names the ranks and carries tracebacks."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(rank: int, world_size: int, port: int, collective_timeout_s: float, results, fn, args) -> None:
@@ -54,7 +49,7 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, collective_t
         raise ValueError(f"test worlds have 1 to 8 processes, not {world_size}")
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     collective_timeout_s = collective_timeout_s or timeout_s
     processes = [context.Process(target=_child, args=(rank, world_size, port, collective_timeout_s, results, fn, args),
                                  daemon=False) for rank in range(world_size)]

@@ -54,7 +54,7 @@ def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
     return getattr(param, "tensor_parallel", False) or tp_rank == 0
 
 
-def _storage_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
@@ -287,7 +287,7 @@ class ZeroOptimizer:
             tensors += list(self.units.shards.values()) + list(self.units.grad_shards.values())
         for state in self.optimizer.state.values():
             tensors += [t for t in state.values() if torch.is_tensor(t) and t.numel() > 1]
-        return _storage_bytes(tensors) + sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+        return storage_bytes(tensors) + sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                                              for t in s.values() if torch.is_tensor(t) and t.numel() <= 1)
 
 
