@@ -18,7 +18,7 @@ from models.config import GPTConfig
 from parallel.comm import AxisGroup
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                    mark_sequence_parallel, vocab_parallel_logits)
+                                    mark_sequence_parallel, vocab_parallel_logits, with_init)
 from parallel.tensor.mappings import scatter_to_sequence_parallel
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.tensor.weight_init import WeightInit
@@ -27,6 +27,10 @@ from parallel.tensor.weight_init import WeightInit
 def _norm(config: GPTConfig, sequence_parallel: bool) -> nn.Module:
     cls = nn.LayerNorm if config.normalization == "LayerNorm" else nn.RMSNorm
     norm = cls(config.hidden_size, eps=config.layernorm_epsilon)
+    size = config.hidden_size
+    with_init(norm.weight, lambda: torch.ones(size))
+    if getattr(norm, "bias", None) is not None:
+        with_init(norm.bias, lambda: torch.zeros(size))
     for param in norm.parameters():
         mark_sequence_parallel(param, sequence_parallel)
     return norm
@@ -158,9 +162,10 @@ class GPTModel(nn.Module):
             self.word_embedding = VocabParallelEmbedding(config.vocab_size, padded, h, tp, word_init)
             if config.position_embedding_type == "learned":
                 self.position_embedding = nn.Embedding(config.max_positions, h)
+                positions = WeightInit(seed, "embedding.position.weight", std)
                 with torch.no_grad():
-                    self.position_embedding.weight.copy_(
-                        WeightInit(seed, "embedding.position.weight", std).full((config.max_positions, h)))
+                    self.position_embedding.weight.copy_(positions.full((config.max_positions, h)))
+                with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
         self.layer_runner = None  # set by activation checkpointing to recompute whole layers (full)
         indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -88,10 +89,15 @@ class Trainer:
             data_path, config.data.split, config.model.seq_length, train.seed,
             (train.train_iters * train.global_batch_size, eval_samples, 0), self.tokenizer,
             os.path.join(config.data.data_cache_dir, "indices"))
-        self.model = build_stage(config.model, self.groups, seed=train.seed,
-                                 vp=config.parallel.virtual_pipeline_size or 1,
-                                 sequence_parallel=config.parallel.sequence_parallel,
-                                 layers_per_stage=config.parallel.pipeline_layers_per_stage).to(device, self.dtype)
+        # ZeRO-3 builds the model on the meta device: no rank ever holds it whole; each unit is
+        # materialised from its initialisation recipe and sharded in zero.initialize
+        sharded = config.zero.zero_stage == 3
+        with torch.device("meta") if sharded else contextlib.nullcontext():
+            self.model = build_stage(config.model, self.groups, seed=train.seed,
+                                     vp=config.parallel.virtual_pipeline_size or 1,
+                                     sequence_parallel=config.parallel.sequence_parallel,
+                                     layers_per_stage=config.parallel.pipeline_layers_per_stage)
+        self.model.to(self.dtype) if sharded else self.model.to(device, self.dtype)
         recompute = config.recompute
         apply_recompute(self.model, RecomputePolicy(recompute.recompute_granularity, recompute.recompute_num_layers,
                                                     recompute.recompute_method, recompute.partition_activations,

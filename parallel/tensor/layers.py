@@ -29,11 +29,21 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _shard_parameter(full: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
-    shard = full.chunk(group.size, dim=dim)[group.rank].contiguous()
-    param = nn.Parameter(shard)
+def _shard_parameter(make_full, dim: int, group: AxisGroup) -> nn.Parameter:
+    """This rank's slice of the weight ``make_full()`` builds; ``init_fn`` rebuilds it on demand (a
+    model constructed on the meta device is materialised from it, one ZeRO-3 unit at a time)."""
+    def slice_of_full() -> torch.Tensor:
+        return make_full().chunk(group.size, dim=dim)[group.rank].contiguous()
+
+    param = with_init(nn.Parameter(slice_of_full()), slice_of_full)
     param.tensor_parallel = group.size > 1
     param.partition_dim = dim
+    return param
+
+
+def with_init(param: nn.Parameter, init_fn) -> nn.Parameter:
+    """Attach the recipe of ``param``'s initial value (used when it was built on the meta device)."""
+    param.init_fn = init_fn
     return param
 
 
@@ -78,8 +88,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.out_per_rank = _divide(out_features, group.size, f"{init.name}: output features")
-        self.weight = _shard_parameter(init.full((out_features, in_features), dtype), 0, group)
-        self.bias = _shard_parameter(torch.zeros(out_features, dtype=dtype), 0, group) if bias else None
+        self.weight = _shard_parameter(lambda: init.full((out_features, in_features), dtype), 0, group)
+        self.bias = _shard_parameter(lambda: torch.zeros(out_features, dtype=dtype), 0, group) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.group.size > 1:
@@ -99,9 +109,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         _divide(in_features, group.size, f"{init.name}: input features")
-        self.weight = _shard_parameter(init.full((out_features, in_features), dtype), 1, group)
-        self.bias = (mark_sequence_parallel(nn.Parameter(torch.zeros(out_features, dtype=dtype)), sequence_parallel)
-                     if bias else None)
+        self.weight = _shard_parameter(lambda: init.full((out_features, in_features), dtype), 1, group)
+        self.bias = (mark_sequence_parallel(with_init(nn.Parameter(torch.zeros(out_features, dtype=dtype)),
+                                                      lambda: torch.zeros(out_features, dtype=dtype)),
+                                            sequence_parallel) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
@@ -127,9 +138,11 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         rows = _divide(padded_vocab_size, group.size, "padded vocabulary size")
         self.vocab_start, self.vocab_end = group.rank * rows, (group.rank + 1) * rows
-        full = torch.zeros(padded_vocab_size, hidden_size, dtype=dtype)
-        full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
-        self.weight = _shard_parameter(full, 0, group)
+        def table() -> torch.Tensor:
+            full = torch.zeros(padded_vocab_size, hidden_size, dtype=dtype)
+            full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
+            return full
+        self.weight = _shard_parameter(table, 0, group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

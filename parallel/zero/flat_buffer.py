@@ -21,6 +21,27 @@ import torch
 from torch import nn
 
 
+def initial_value(param: nn.Parameter) -> torch.Tensor:
+    """The values a parameter starts from: its data, or its recipe if it was built on the meta device."""
+    if param.is_meta:
+        if not hasattr(param, "init_fn"):
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} was built on the meta device without "
+                             "an init_fn to materialise it from")
+        return param.init_fn()
+    return param.data
+
+
+def point_at(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param`` use ``view``'s storage. A parameter built on the meta device cannot take data of
+    another device, so its whole tensor is swapped (keeping its identity and attributes)."""
+    if param.is_meta:
+        attributes = dict(param.__dict__)
+        torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+        param.__dict__.update(attributes)
+    else:
+        param.data = view
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A contiguous, shard-aligned element range [start, end) of the buffer and its parameters."""
@@ -65,7 +86,7 @@ class FlatParameterBuffer:
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1, keep_grad: bool = True,
-                 deferred: Callable[[nn.Parameter], bool] = lambda param: False):
+                 deferred: Callable[[nn.Parameter], bool] = lambda param: False, device: torch.device | None = None):
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")
         if bucket_size < 1:
@@ -73,7 +94,7 @@ class FlatParameterBuffer:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"a flat buffer holds one dtype, got {sorted(map(str, dtypes))}")
-        self.dtype, self.device, self.num_shards = params[0].dtype, params[0].device, num_shards
+        self.dtype, self.device, self.num_shards = params[0].dtype, device or params[0].device, num_shards
         ordered = list(reversed(params))
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
@@ -93,8 +114,8 @@ class FlatParameterBuffer:
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for param in self.params:
             view = self.data[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
-            view.copy_(param.data)
-            param.data = view
+            view.copy_(initial_value(param))
+            point_at(param, view)
         self.grad = torch.zeros_like(self.data) if keep_grad else None
         self.attach_grads()
 

@@ -40,7 +40,14 @@ class StepResult:
 
 
 def module_device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
+    """Where the module computes; a module built on the meta device is materialised on this process's
+    default device."""
+    device = next(module.parameters()).device
+    if device.type == "meta":
+        from parallel.process_groups import default_device
+
+        return default_device()
+    return device
 
 
 def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
@@ -103,6 +110,7 @@ class ZeroOptimizer:
         param_groups = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
         self.params = [p for group in param_groups for p in group["params"]]
         self.shard = dp.rank if stage > 0 else 0
+        device = module_device(module)
         sharded = (lambda p: p.numel() > persistence_threshold and not needs_model_parallel_reduction(p)) \
             if stage == 3 else (lambda p: False)
         self.buffers: list[FlatParameterBuffer] = []
@@ -114,12 +122,12 @@ class ZeroOptimizer:
             for dtype in sorted({p.dtype for p in whole}, key=str):
                 buffer = FlatParameterBuffer([p for p in whole if p.dtype == dtype], bucket_size,
                                              dp.size if stage > 0 else 1, keep_grad=stage < 2,
-                                             deferred=needs_model_parallel_reduction)
+                                             deferred=needs_model_parallel_reduction, device=device)
                 self.buffers.append(buffer)
                 buffer_groups.append(len(master_groups))
             master_groups.append({"params": [], **{k: v for k, v in group.items() if k != "params"}})
         self._broadcast_parameters()
-        self.buffer_pool = BufferPool(module_device(module))
+        self.buffer_pool = BufferPool(device)
         self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), self.model_parallel, self.buffer_pool)
         for index, (buffer, group_index) in enumerate(zip(self.buffers, buffer_groups)):
             segments = buffer.segments(self.shard)
@@ -132,7 +140,7 @@ class ZeroOptimizer:
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(self._units(module, unit_modules or [], param_groups, sharded), dp,
-                                           self.buffer_pool, prefetch_budget)
+                                           self.buffer_pool, device, prefetch_budget)
             for unit in self.units.units:
                 low, high = self.shard * unit.chunk, (self.shard + 1) * unit.chunk
                 segments = []

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from parallel import comm
 from parallel.buffers import BufferPool, StagingRing
 from parallel.comm import AxisGroup
+from parallel.zero.flat_buffer import initial_value, point_at
 
 
 class ParameterUnit:
@@ -34,9 +35,9 @@ class ParameterUnit:
     freed) and the per-parameter offsets. Never communicates by itself."""
 
     def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], group: int,
-                 dp: AxisGroup):
+                 dp: AxisGroup, device: torch.device):
         self.index, self.name, self.module, self.params, self.group = index, name, module, params, group
-        self.dtype, self.device = params[0].dtype, params[0].device
+        self.dtype, self.device = params[0].dtype, device
         used = sum(p.numel() for p in params)
         self.numel = -(-used // dp.size) * dp.size
         self.chunk = self.numel // dp.size
@@ -44,18 +45,24 @@ class ParameterUnit:
         for param in params:  # sizes are kept: a freed parameter is empty
             self.offsets[param], self.sizes[param] = offset, param.numel()
             offset += param.numel()
-        full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        for param in params:
-            full[self.offsets[param]:self.offsets[param] + param.numel()].copy_(param.data.view(-1))
-        comm.broadcast(full, src=dp.ranks[0], group=dp)  # every rank starts from dp rank 0's weights
-        self.initial_chunk = full[dp.rank * self.chunk:(dp.rank + 1) * self.chunk].clone()
-        self.full = full
-        self.views = {param: full[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
-                      for param in params}
-        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.free()
         self.handle = None
         self.ready = 0
+
+    def shard_into(self, shard: torch.Tensor, dp: AxisGroup) -> None:
+        """Build the unit's full values (a model on the meta device is materialised here, one unit at a
+        time), keep this rank's chunk in ``shard``, then free the rest."""
+        full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for param in self.params:
+            full[self.offsets[param]:self.offsets[param] + self.sizes[param]].copy_(initial_value(param).reshape(-1))
+        comm.broadcast(full, src=dp.ranks[0], group=dp)  # every rank starts from dp rank 0's weights
+        shard.copy_(full[dp.rank * self.chunk:(dp.rank + 1) * self.chunk])
+        self.full = full
+        self.views = {param: full[self.offsets[param]:self.offsets[param] + self.sizes[param]].view(param.shape)
+                      for param in self.params}
+        for param in self.params:
+            point_at(param, self.views[param])
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.free()
 
     @property
     def gathered(self) -> bool:
@@ -85,22 +92,23 @@ class ShardedParameters:
     """
 
     def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
-                 pool: BufferPool, prefetch_budget: int = 0):
+                 pool: BufferPool, device: torch.device, prefetch_budget: int = 0):
         self.dp, self.prefetch_budget = dp, prefetch_budget
-        self.units = [ParameterUnit(i, name, module, params, group, dp)
+        self.units = [ParameterUnit(i, name, module, params, group, dp, device)
                       for i, (name, module, params, group) in enumerate(units)]
         self.shards: dict[torch.dtype, torch.Tensor] = {}
         self.grad_shards: dict[torch.dtype, torch.Tensor] = {}
         self.chunk_offset: dict[int, int] = {}
         for dtype in {u.dtype for u in self.units}:
             members = [u for u in self.units if u.dtype == dtype]
-            self.shards[dtype] = torch.cat([u.initial_chunk for u in members])
+            self.shards[dtype] = torch.empty(sum(u.chunk for u in members), dtype=dtype, device=device)
             self.grad_shards[dtype] = torch.zeros_like(self.shards[dtype])
             offset = 0
             for unit in members:
                 self.chunk_offset[unit.index] = offset
                 offset += unit.chunk
-                del unit.initial_chunk
+        for unit in self.units:
+            unit.shard_into(self.shard(unit), dp)
         self.order: list[int] | None = None  # recorded gather order (after the first step)
         self._recording: list[int] = []
         self._position = 0

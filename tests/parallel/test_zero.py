@@ -216,3 +216,43 @@ def test_bad_stage_and_bucket_size_are_refused():
         zero.initialize(_model(), _adam, stage=5, group=_alone())
     with pytest.raises(ValueError, match="--zero-bucket-size must be >= 1"):
         zero.initialize(_model(), _adam, stage=1, group=_alone(), bucket_size=0)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmRSS:"))
+
+
+def _construction_peak(rank, world_size, on_meta):
+    from models.config import GPTConfig
+    from models.gpt import GPTModel
+    from pretrain.metrics import peak_memory_bytes, reset_peak_memory
+
+    groups = create_process_groups(Topology(world_size))
+    config = GPTConfig(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=16, vocab_size=512)
+    for device in ("cpu", "meta"):  # load the libraries a first model touches before measuring
+        with torch.device(device):
+            GPTModel(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16),
+                     groups.tp, seed=0)
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    before = _resident_bytes()
+    with torch.device("meta") if on_meta else torch.device("cpu"):
+        model = GPTModel(config, groups.tp, seed=0)
+    _, optimizer = zero.initialize(model, _adam, stage=3, group=groups.dp, unit_modules=list(model.layers))
+    peak = peak_memory_bytes(cpu) - before
+    unit = max(u.numel for u in optimizer.units.units) * 4
+    full = _full_params(model, optimizer)
+    return peak, optimizer.model_state_bytes(), unit, config.num_parameters() * 4, [p.sum().item() for p in full]
+
+
+def test_stage3_builds_the_model_unit_by_unit_without_holding_it_whole(monkeypatch):
+    # large blocks straight from mmap: a freed unit goes back to the system, so resident memory
+    # measures what is alive rather than what glibc keeps for reuse
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    for (meta_peak, states, unit, model_bytes, meta_sums), (eager_peak, _, _, _, eager_sums) in zip(
+            run_world(2, _construction_peak, True), run_world(2, _construction_peak, False)):
+        assert meta_sums == eager_sums  # the same numbers as building it whole
+        assert eager_peak >= model_bytes  # built whole first
+        assert meta_peak <= states + 3 * unit  # built on meta: the shards plus about one unit in flight
+        assert eager_peak - meta_peak >= 0.5 * model_bytes, (eager_peak, meta_peak)
