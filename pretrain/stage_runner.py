@@ -49,7 +49,7 @@ class StageRunner:
 
     @property
     def reads_data(self) -> bool:
-        return self.stage in (0, self.pp - 1)
+        return self.groups.is_first_stage or self.groups.is_last_stage
 
     def run(self, batches: Iterator[dict] | None, train: bool = True, loss_scale: float = 1.0
             ) -> tuple[float, StepStats]:

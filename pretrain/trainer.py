@@ -120,8 +120,9 @@ class Trainer:
                                   self.optimizer.no_sync)
         self.consumed_samples, self.start_iteration = 0, 0
         self.preempted, self._signal_received = False, False
-        for signum in (signal.SIGTERM, signal.SIGUSR1):  # cluster preemption: save, then stop
-            signal.signal(signum, self._on_signal)
+        if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(signum, self._on_signal)
         if config.checkpoint.load:
             manifest, rng = checkpoint.load(config.checkpoint.load, self.groups, self.optimizer)
             self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
@@ -235,12 +236,14 @@ class Trainer:
 
     def _should_save(self, iteration: int) -> bool:
         """Save at --save-interval, at the end, and (agreed by every rank) on a preemption signal."""
+        if not self.config.checkpoint.save:
+            return False  # no signal is caught, nothing to agree on: no collective on the hot path
         flag = torch.tensor([1.0 if self._signal_received else 0.0])
         comm.all_reduce(flag, self.groups.world, op=torch.distributed.ReduceOp.MAX)
         self.preempted = bool(flag.item())
         ckpt, last = self.config.checkpoint, iteration == self.config.training.train_iters
         interval = ckpt.save_interval and iteration % ckpt.save_interval == 0
-        return bool(ckpt.save) and (interval or last or self.preempted)
+        return bool(interval or last or self.preempted)
 
     def save(self, iteration: int) -> None:
         path = checkpoint.save(self.config.checkpoint.save, iteration, self.consumed_samples, self.groups,

@@ -87,7 +87,7 @@ class ColumnParallelLinear(nn.Module):
                  bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.out_per_rank = _divide(out_features, group.size, f"{init.name}: output features")
+        _divide(out_features, group.size, f"{init.name}: output features")
         self.weight = _shard_parameter(lambda: init.full((out_features, in_features), dtype), 0, group)
         self.bias = _shard_parameter(lambda: torch.zeros(out_features, dtype=dtype), 0, group) if bias else None
 

@@ -68,13 +68,11 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Segment:
-    """The part of ``param`` (flat elements [param_start, param_start + length)) that lies in one shard
-    chunk, at ``offset`` of that chunk."""
+    """``length`` elements of ``param`` that lie in one shard chunk, at ``offset`` of that chunk."""
 
     param: nn.Parameter
     bucket: int
     offset: int
-    param_start: int
     length: int
 
 
@@ -147,5 +145,5 @@ class FlatParameterBuffer:
                 start, end = self.param_range(param)
                 if start < high and end > low:
                     first, last = max(start, low), min(end, high)
-                    found.append(Segment(param, bucket.index, first - low, first - start, last - first))
+                    found.append(Segment(param, bucket.index, first - low, last - first))
         return found
