@@ -1,10 +1,15 @@
-"""The ZeRO-R buffer pool: named, pre-allocated contiguous arenas handed out as views.
+"""The ZeRO-R buffer pool: pre-allocated contiguous memory handed out again and again.
 
-Short-lived tensors that would otherwise be allocated again every micro-batch (gradient staging for
-reduce-scatter, its output chunks) take views of an arena sized once from the configuration, so after
-the first iteration none of them allocates: memory does not fragment and their footprint is a
-constant independent of the model's depth. The pool counts arena allocations and records each
-arena's high-water mark (the largest extent handed out).
+Tensors that would otherwise be allocated anew every micro-batch come from the pool:
+
+- arenas (``view``): gradient staging for reduce-scatter and its output chunks take views of a flat
+  arena sized once from the configuration;
+- slots (``slots``): equal-sized buffers taken and given back, for activation checkpoints (kept from
+  a layer's forward to its backward), the gathers that rebuild them, and ZeRO-3's gathered parameters.
+
+After the first iteration none of them allocates: memory does not fragment, and the footprint is set by
+the configuration (bucket size, prefetch budget, micro-batches in flight), not by the model's depth.
+The pool counts its allocations and records each name's high-water mark in elements.
 """
 
 from __future__ import annotations
@@ -20,16 +25,25 @@ class BufferPool:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self._arenas: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._slots: dict[tuple, SlotPool] = {}
         self.high_water: dict[str, int] = {}
+        self.in_use: dict[str, int] = {}  # slot elements taken now, per name
         self.allocations = 0
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """A new buffer owned by the pool (every allocation the pool makes goes through here)."""
+        self.allocations += 1
+        device = torch.device(device or self.device)
+        # host buffers that feed an accelerator are pinned, so copies to and from it can overlap
+        return torch.empty(numel, dtype=dtype, device=device,
+                           pin_memory=device.type == "cpu" and self.device.type != "cpu")
 
     def reserve(self, name: str, numel: int, dtype: torch.dtype) -> None:
         """Make arena ``name`` at least ``numel`` elements (allocates only when it must grow)."""
         key = (name, dtype)
         arena = self._arenas.get(key)
         if arena is None or arena.numel() < numel:
-            self._arenas[key] = torch.empty(numel, dtype=dtype, device=self.device)
-            self.allocations += 1
+            self._arenas[key] = self.allocate(numel, dtype)
 
     def view(self, name: str, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Elements [start, start + numel) of arena ``name``; grows the arena if it is too small."""
@@ -37,8 +51,44 @@ class BufferPool:
         self.high_water[name] = max(self.high_water.get(name, 0), start + numel)
         return self._arenas[(name, dtype)][start:start + numel]
 
+    def slots(self, name: str, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> SlotPool:
+        """The slots of ``numel`` elements under ``name`` (one free list per size, dtype and device)."""
+        device = torch.device(device or self.device)
+        key = (name, numel, dtype, device)
+        if key not in self._slots:
+            self._slots[key] = SlotPool(self, name, numel, dtype, device)
+        return self._slots[key]
+
     def bytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self._arenas.values())
+        return (sum(a.numel() * a.element_size() for a in self._arenas.values())
+                + sum(s.bytes() for s in self._slots.values()))
+
+
+class SlotPool:
+    """A free list of equal buffers of ``numel`` elements. ``take`` reuses a returned buffer and allocates
+    only when every buffer is taken, so the pool holds as many as were ever alive at once; it never frees
+    one. The pool's high-water mark for ``name`` counts the elements taken at the peak, over all sizes."""
+
+    def __init__(self, pool: BufferPool, name: str, numel: int, dtype: torch.dtype, device: torch.device):
+        self.pool, self.name, self.numel, self.dtype, self.device = pool, name, numel, dtype, device
+        self._free: list[torch.Tensor] = []
+        self.count = 0
+
+    def take(self) -> torch.Tensor:
+        if not self._free:
+            self._free.append(self.pool.allocate(self.numel, self.dtype, self.device))
+            self.count += 1
+        in_use = self.pool.in_use
+        in_use[self.name] = in_use.get(self.name, 0) + self.numel
+        self.pool.high_water[self.name] = max(self.pool.high_water.get(self.name, 0), in_use[self.name])
+        return self._free.pop()
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        self.pool.in_use[self.name] -= self.numel
+        self._free.append(buffer)
+
+    def bytes(self) -> int:
+        return self.count * self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
 
 class StagingRing:

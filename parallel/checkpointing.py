@@ -10,7 +10,9 @@ saved before the forward and restored for the recompute, so dropout draws the sa
 through their ``__call__`` both times, so ZeRO-3 gathers their weights again for the recompute. With
 ``partition`` each tensor-parallel rank keeps only 1/tp of a replicated layer input (all-gathered
 before the recompute), optionally on the CPU (``offload``); inputs that are already split (the
-attention core's heads, sequence-parallel shards) are kept whole.
+attention core's heads, sequence-parallel shards) are kept whole. What is kept, and the all-gather
+that rebuilds it, live in slots of the ZeRO-R buffer pool: after the first iteration checkpointing
+allocates nothing, and the slots held are those of the checkpoints alive at once.
 """
 
 from __future__ import annotations
@@ -22,58 +24,86 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
 from parallel.tensor.random import RNGTracker
 
 
-def _keep(x: torch.Tensor, group: AxisGroup | None, offload: bool) -> torch.Tensor:
-    """What is stored of an input: all of it, or this rank's 1/tp of it; on the CPU if offloading."""
-    kept = x.detach()
-    if group is not None and group.size > 1:
-        flat = torch.nn.functional.pad(kept.reshape(-1), (0, -kept.numel() % group.size))
-        kept = flat.chunk(group.size)[group.rank].clone()
-    return kept.to("cpu") if offload else kept
+class CheckpointStore:
+    """Where checkpointed inputs wait for their backward: slots of the buffer pool, holding all of an
+    input or this tensor-parallel rank's 1/tp of it (``partition``), on the CPU when ``offload``.
 
+    Owns nothing but the choice: the slots belong to the pool, each taken in forward and given back when
+    the checkpoint's backward has run. A forward whose backward never runs keeps its slots, so
+    ``checkpoint`` only stores under grad mode.
+    """
 
-def _restore(kept: torch.Tensor, like: tuple, group: AxisGroup | None) -> torch.Tensor:
-    shape, dtype, device = like
-    kept = kept.to(device)
-    if group is not None and group.size > 1:
-        whole = torch.empty(kept.numel() * group.size, dtype=dtype, device=device)
-        comm.all_gather_into_tensor(whole, kept.contiguous(), group)
-        kept = whole[:shape.numel()]
-    return kept.view(shape).requires_grad_()
+    def __init__(self, pool: BufferPool, partition: AxisGroup | None = None, offload: bool = False):
+        self.pool, self.offload = pool, offload
+        self.partition = partition if partition is not None and partition.size > 1 else None
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """Copy what is stored of ``x`` into a slot (all of it, or this rank's padded 1/tp)."""
+        flat, parts = x.detach().reshape(-1), self.partition.size if self.partition else 1
+        length = -(-flat.numel() // parts)
+        piece = flat[self.partition.rank * length:(self.partition.rank + 1) * length] if self.partition else flat
+        slot = self.pool.slots("activation-checkpoints", length, x.dtype,
+                               torch.device("cpu") if self.offload else x.device).take()
+        slot[:piece.numel()].copy_(piece)
+        slot[piece.numel():].zero_()
+        return slot
+
+    def restore(self, kept: torch.Tensor, like: tuple) -> tuple[torch.Tensor, list]:
+        """The whole input again, as a leaf that requires grad, and the slots to give back after backward."""
+        shape, dtype, device = like
+        used = [(self.pool.slots("activation-checkpoints", kept.numel(), dtype, kept.device), kept)]
+        kept_here = kept.to(device, non_blocking=True)
+        if self.partition:
+            whole_slots = self.pool.slots("activation-gathers", kept.numel() * self.partition.size, dtype, device)
+            whole = whole_slots.take()
+            comm.all_gather_into_tensor(whole, kept_here, self.partition)
+            used.append((whole_slots, whole))
+        else:
+            whole = kept_here
+        return whole[:shape.numel()].view(shape).requires_grad_(), used
 
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, tracker, group, offload, count, *args):
+    def forward(ctx, run, tracker, store, count, *args):
         inputs, ctx.rest = args[:count], args[count:]
-        ctx.run, ctx.tracker, ctx.group = run, tracker, group
+        ctx.run, ctx.tracker, ctx.store = run, tracker, store
         ctx.states = tracker.get_states()
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs]
         with torch.no_grad():
             out = run(*inputs, *ctx.rest)
-        ctx.save_for_backward(*(_keep(x, group, offload) for x in inputs))
+        ctx.save_for_backward(*(store.keep(x) for x in inputs))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        inputs = [_restore(kept, like, ctx.group) for kept, like in zip(ctx.saved_tensors, ctx.like)]
+        restored = [ctx.store.restore(kept, like) for kept, like in zip(ctx.saved_tensors, ctx.like)]
+        inputs = [x for x, _ in restored]
         current = ctx.tracker.get_states()
         ctx.tracker.set_states(ctx.states)  # the same dropout masks as the first forward
         with torch.enable_grad():
             out = ctx.run(*inputs, *ctx.rest)
         ctx.tracker.set_states(current)
         torch.autograd.backward(out, grad_out)
-        return (None,) * 5 + tuple(x.grad for x in inputs) + (None,) * len(ctx.rest)
+        for _, used in restored:  # the recompute's graph is gone: its slots can serve the next checkpoint
+            for slots, buffer in used:
+                slots.give_back(buffer)
+        return (None,) * 4 + tuple(x.grad for x in inputs) + (None,) * len(ctx.rest)
 
 
 def checkpoint(run: Callable, inputs: tuple[torch.Tensor, ...], *rest, tracker: RNGTracker,
-               partition: AxisGroup | None = None, offload: bool = False) -> torch.Tensor:
-    """``run(*inputs, *rest)``, keeping only ``inputs`` (or this rank's 1/tp of each) for backward and
-    recomputing the rest in backward. ``rest`` must not need gradients (e.g. rotary tables)."""
-    return _Checkpoint.apply(run, tracker, partition, offload, len(inputs), *inputs, *rest)
+               store: CheckpointStore) -> torch.Tensor:
+    """``run(*inputs, *rest)``, keeping only ``inputs`` (or this rank's 1/tp of each, see ``store``) for
+    backward and recomputing the rest in backward. ``rest`` must not need gradients (e.g. rotary
+    tables). Without grad mode nothing is kept: it is just ``run``."""
+    if not torch.is_grad_enabled():
+        return run(*inputs, *rest)
+    return _Checkpoint.apply(run, tracker, store, len(inputs), *inputs, *rest)
 
 
 @dataclass(frozen=True)
@@ -90,26 +120,30 @@ class RecomputePolicy:
     offload: bool = False
 
 
-def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGroup) -> None:
-    """Install ``policy`` on every model chunk (a ``GPTModel``)."""
+def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGroup,
+                    pool: BufferPool | None = None) -> None:
+    """Install ``policy`` on every model chunk (a ``GPTModel``); checkpoints are kept in ``pool``'s slots
+    (a pool of their own when None)."""
     if policy.granularity is None:
         return
+    pool = pool or BufferPool()
     for chunk in chunks:
         if policy.granularity == "selective":  # q, k, v are already split by heads: nothing to partition
+            store = CheckpointStore(pool, offload=policy.offload)
             for layer in chunk.layers:
-                layer.attention.core_runner = _selective_runner(chunk.rng, policy.offload)
+                layer.attention.core_runner = _selective_runner(chunk.rng, store)
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
-            chunk.layer_runner = _full_runner(chunk, policy, partition)
+            chunk.layer_runner = _full_runner(chunk, policy, CheckpointStore(pool, partition, policy.offload))
 
 
-def _selective_runner(tracker: RNGTracker, offload: bool):
+def _selective_runner(tracker: RNGTracker, store: CheckpointStore):
     def run(core, q, k, v):
-        return checkpoint(core, (q, k, v), tracker=tracker, offload=offload)
+        return checkpoint(core, (q, k, v), tracker=tracker, store=store)
     return run
 
 
-def _full_runner(chunk: nn.Module, policy: RecomputePolicy, partition: AxisGroup | None):
+def _full_runner(chunk: nn.Module, policy: RecomputePolicy, store: CheckpointStore):
     layers = list(chunk.layers)
     n = len(layers) if policy.num_layers is None else max(1, min(policy.num_layers, len(layers)))
     if policy.method == "uniform":  # groups of n consecutive layers, each group one checkpoint
@@ -120,8 +154,7 @@ def _full_runner(chunk: nn.Module, policy: RecomputePolicy, partition: AxisGroup
     def run(x, rotary):
         for span, recompute in spans:
             if recompute:
-                x = checkpoint(_sequence(span), (x,), rotary, tracker=chunk.rng, partition=partition,
-                               offload=policy.offload)
+                x = checkpoint(_sequence(span), (x,), rotary, tracker=chunk.rng, store=store)
             else:
                 x = _sequence(span)(x, rotary)
         return x

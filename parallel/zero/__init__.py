@@ -28,6 +28,7 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
     ``model_parallel`` (``ModelParallelGroups``), ``loss_scaler`` (``DynamicLossScaler`` for fp16);
     stage 3: ``unit_modules`` (the modules gathered as one, e.g. transformer blocks),
     ``persistence_threshold`` (parameters up to this many elements stay whole), ``prefetch_budget``
-    (elements of gathered parameters allowed alive when prefetching).
+    (elements of gathered parameters allowed alive when prefetching); ``buffer_pool`` (a
+    ``parallel.buffers.BufferPool`` shared with activation checkpointing; one of its own otherwise).
     """
     return module, ZeroOptimizer(module, optimizer_factory, group, stage=stage, **options)

@@ -1,10 +1,13 @@
 """ZeRO stage 3: parameters stored as shards, gathered per module on demand and freed after use.
 
 Each unit is the large parameters of one module (one dtype, one optimizer group), padded to a multiple
-of the data-parallel size; rank r keeps chunk r. The full parameters live in one flat tensor per unit
-whose storage is resized to zero when freed and back when gathered: the parameters (and the tensors
-autograd saved for backward, which are views of the same storage) see the gathered values again
-without being re-created. Around each unit module:
+of the data-parallel size; rank r keeps chunk r. A gathered unit's full parameters live in a slot of the
+buffer pool (one free list per unit size), so after the first step gathering allocates nothing and the
+slots held are those alive at once (the current units and the prefetched ones), whatever the depth.
+The parameters' ``.data`` point into the slot while gathered and at an empty tensor while freed.
+Autograd saves a parameter itself for backward, so the gather before a module's backward, which may
+use another slot, is what backward reads. A module must therefore never save a view or a copy of a
+parameter for backward (torch's and our layers do not). Around each unit module:
 
     before forward      gather (or wait for the prefetched gather)
     after forward       free, and hook the outputs so that backward gathers again first
@@ -25,14 +28,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallel import comm
-from parallel.buffers import BufferPool, StagingRing
+from parallel.buffers import BufferPool, SlotPool, StagingRing
 from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import initial_value, point_at
 
 
 class ParameterUnit:
-    """The sharded parameters of one module: this rank's chunk, the flat full tensor (gathered or
-    freed) and the per-parameter offsets. Never communicates by itself."""
+    """The sharded parameters of one module: this rank's chunk, the flat full tensor while gathered (a
+    slot of the buffer pool, or None) and the per-parameter offsets. Never communicates by itself."""
 
     def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], group: int,
                  dp: AxisGroup, device: torch.device):
@@ -41,46 +44,52 @@ class ParameterUnit:
         used = sum(p.numel() for p in params)
         self.numel = -(-used // dp.size) * dp.size
         self.chunk = self.numel // dp.size
-        self.offsets, self.sizes, offset = {}, {}, 0
-        for param in params:  # sizes are kept: a freed parameter is empty
-            self.offsets[param], self.sizes[param] = offset, param.numel()
+        self.offsets, self.shapes, offset = {}, {}, 0
+        for param in params:  # shapes are kept: a freed parameter is empty
+            self.offsets[param], self.shapes[param] = offset, param.shape
             offset += param.numel()
+        self.full: torch.Tensor | None = None
+        self.slots: SlotPool | None = None  # where ``full`` goes back to when freed
         self.handle = None
         self.ready = 0
+
+    def size(self, param: nn.Parameter) -> int:
+        return self.shapes[param].numel()
 
     def shard_into(self, shard: torch.Tensor, dp: AxisGroup) -> None:
         """Build the unit's full values (a model on the meta device is materialised here, one unit at a
         time), keep this rank's chunk in ``shard``, then free the rest."""
         full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for param in self.params:
-            full[self.offsets[param]:self.offsets[param] + self.sizes[param]].copy_(initial_value(param).reshape(-1))
+            full[self.offsets[param]:self.offsets[param] + self.size(param)].copy_(initial_value(param).reshape(-1))
         comm.broadcast(full, src=dp.ranks[0], group=dp)  # every rank starts from dp rank 0's weights
         shard.copy_(full[dp.rank * self.chunk:(dp.rank + 1) * self.chunk])
-        self.full = full
-        self.views = {param: full[self.offsets[param]:self.offsets[param] + self.sizes[param]].view(param.shape)
-                      for param in self.params}
         for param in self.params:
-            point_at(param, self.views[param])
+            point_at(param, full[self.offsets[param]:self.offsets[param] + self.size(param)].view(param.shape))
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.free()
 
     @property
     def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return self.full is not None
+
+    def attach(self, buffer: torch.Tensor, slots: SlotPool | None) -> torch.Tensor:
+        """Make ``buffer`` (``numel`` elements, contents undefined until gathered) the unit's full tensor
+        and give the parameters their views of it. Autograd saves a parameter itself, not its data, so
+        a backward that gathers the unit into another buffer reads the new one."""
+        self.full, self.slots = buffer, slots
+        for param in self.params:
+            param.data = buffer[self.offsets[param]:self.offsets[param] + self.size(param)].view(self.shapes[param])
+        return buffer
 
     def free(self) -> None:
-        """Drop the full values; the parameters become empty (reading one is an error, not garbage)."""
-        self.full.untyped_storage().resize_(0)
+        """Drop the full values (back to their slot); the parameters become empty (reading one is an
+        error, not garbage)."""
         for param in self.params:
             param.data = self._placeholder
-
-    def materialize(self) -> torch.Tensor:
-        """Give the flat tensor its storage back (contents undefined until gathered) and the parameters
-        their views of it."""
-        self.full.untyped_storage().resize_(self.numel * self.full.element_size())
-        for param in self.params:
-            param.data = self.views[param]
-        return self.full.data  # a fresh version counter: writing it never invalidates saved tensors
+        if self.slots is not None:
+            self.slots.give_back(self.full)
+        self.full, self.slots = None, None
 
 
 class ShardedParameters:
@@ -121,6 +130,8 @@ class ShardedParameters:
             self._hooks.append(unit.module.register_forward_hook(self._after_forward(unit)))
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._gather_slots = {unit.index: pool.slots(f"zero3-gather-{unit.dtype}", unit.numel, unit.dtype)
+                              for unit in self.units}
         self._reductions: dict[int, tuple[object, torch.Tensor]] = {}
         self._staging = {dtype: StagingRing(pool, f"zero3-staging-{dtype}",
                                             max(u.numel + u.chunk for u in self.units if u.dtype == dtype), dtype)
@@ -135,10 +146,12 @@ class ShardedParameters:
         return self.grad_shards[unit.dtype][offset:offset + unit.chunk]
 
     # gathering -------------------------------------------------------------------------------------------
-    def _start_gather(self, unit: ParameterUnit) -> None:
+    def _start_gather(self, unit: ParameterUnit, pooled: bool = True) -> None:
         if unit.gathered or unit.handle is not None:
             return
-        full = unit.materialize()
+        slots = self._gather_slots[unit.index] if pooled else None
+        full = unit.attach(slots.take() if pooled else torch.empty(unit.numel, dtype=unit.dtype, device=unit.device),
+                           slots)
         unit.handle = comm.all_gather_into_tensor(full, self.shard(unit), self.dp, async_op=True)
         self.live_elements += unit.numel
         self.max_live_elements = max(self.max_live_elements, self.live_elements)
@@ -218,7 +231,7 @@ class ShardedParameters:
         for param in unit.params:
             if param.grad is not None:
                 offset = unit.offsets[param]
-                staging[offset:offset + unit.sizes[param]].copy_(param.grad.view(-1))
+                staging[offset:offset + unit.size(param)].copy_(param.grad.view(-1))
                 param.grad = None
         staging.div_(self.dp.size)
         self._reductions[unit.index] = (comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True),
@@ -249,9 +262,10 @@ class ShardedParameters:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit whole inside the block (to read or export the parameters), freed after."""
+        """Every unit whole inside the block (to read or export the parameters), freed after. These
+        buffers do not come from the pool, which stays sized for training."""
         for unit in self.units:
-            self._start_gather(unit)
+            self._start_gather(unit, pooled=False)
         for unit in self.units:
             if unit.handle is not None:
                 unit.handle.wait()

@@ -7,6 +7,7 @@ from models.config import GPTConfig
 from models.gpt import GPTModel
 from parallel import zero
 from parallel.buffers import BufferPool, StagingRing
+from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
 from tests.world import run_world
@@ -36,9 +37,12 @@ def _pool_use(rank, world_size):
             config = GPTConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
                                vocab_size=128)
             model = GPTModel(config, groups.tp, seed=0)
+            pool = BufferPool()
+            if stage == 3:  # checkpoints share the pool with the gathers they trigger again in backward
+                apply_recompute(torch.nn.ModuleList([model]), RecomputePolicy("full", 1), groups.tp, pool)
             _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
                                            group=groups.dp, bucket_size=2_000, unit_modules=list(model.layers),
-                                           persistence_threshold=1000)
+                                           persistence_threshold=1000, buffer_pool=pool)
             counts = []
             for step in range(4):
                 tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
@@ -53,12 +57,17 @@ def _pool_use(rank, world_size):
 
 def test_no_allocation_after_the_first_iteration_and_high_water_independent_of_depth():
     """The staging arenas are sized by the bucket size (and the largest single weight or stage-3 unit),
-    never by the depth: 12 layers use no more than the bound that 4 layers already obey."""
+    the stage-3 gather slots by the units alive at once, never by the depth: 12 layers use no more than
+    4 layers. Checkpoint slots hold exactly one layer input per layer and micro-batch in flight."""
     largest_weight = 64 * 256  # an MLP weight; a block's stage-3 unit is 64 * 64 * 12 = 49,152 elements
+    block, embedding = 49_152, 128 * 64 + 16 * 64  # the model's unit: word and position tables (padded to dp)
     for report in run_world(2, _pool_use):
         for (stage, layers), (counts, high_water) in report.items():
             assert counts == [counts[0]] * 4, (stage, layers, counts)
             bound = 2 * (2_000 + largest_weight) * 1.5
             assert high_water["grad-staging-torch.float32"] <= bound, (stage, layers, high_water)
             if stage == 3:
-                assert high_water["zero3-staging-torch.float32"] == 2 * 49_152 * 1.5, high_water
+                assert high_water["zero3-staging-torch.float32"] == 2 * block * 1.5, high_water
+                # the model's unit stays gathered around its blocks; one block at a time without prefetch
+                assert high_water["zero3-gather-torch.float32"] == embedding + block, high_water
+                assert high_water["activation-checkpoints"] == layers * 16 * 2 * 64, high_water

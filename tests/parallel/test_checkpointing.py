@@ -4,6 +4,7 @@ import torch
 
 from models.config import GPTConfig
 from models.gpt import GPTModel
+from parallel.buffers import BufferPool
 from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
 from parallel.saved_activations import SavedActivationMeter
@@ -61,6 +62,14 @@ def _saved_bytes(rank, world_size):
             out = model(None, torch.arange(64).expand(2, 64), hidden=hidden)
         out.sum().backward()
         measured[name] = meter.peak_bytes
+    pool = BufferPool()  # partitioned checkpoints in the pool's slots, over three iterations
+    model = GPTModel(config, tp, seed=0, pre_process=False, post_process=False)
+    apply_recompute(torch.nn.ModuleList([model]), RecomputePolicy("full", 1, partition=True), tp, pool)
+    allocations = []
+    for _ in range(3):
+        model(None, torch.arange(64).expand(2, 64), hidden=torch.randn(64, 2, 64, requires_grad=True)).sum().backward()
+        allocations.append(pool.allocations)
+    measured["pool"] = (allocations, dict(pool.high_water), dict(pool.in_use))
     return measured
 
 
@@ -71,3 +80,7 @@ def test_full_recompute_and_partitioning_cut_saved_activations_on_8_layers_at_tp
         assert measured["none"] / measured["full"] >= 3
         assert measured["full"] / measured["full+partitioned"] >= 1.8
         assert measured["selective"] < measured["none"]
+        allocations, high_water, in_use = measured["pool"]
+        assert allocations == [allocations[0]] * 3  # the slots of iteration 1 serve every later one
+        assert high_water == {"activation-checkpoints": 8 * sbh // 2, "activation-gathers": sbh}
+        assert in_use == {"activation-checkpoints": 0, "activation-gathers": 0}  # all given back

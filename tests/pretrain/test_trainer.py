@@ -81,6 +81,7 @@ def test_metrics_file_evaluation_and_offline_wandb(tmp_path, stdlib_corpus, monk
             params = entry["parameters"]
             assert entry["model_state_bytes"] >= 16 * params  # fp32 params, grads, Adam m and v
             assert entry["saved_activation_bytes"] > 0 and entry["peak_mem_bytes"] > 0
+            assert entry["buffer_pool_bytes"] == 0  # stage 0 all-reduces the gradient buffers in place
             # stage 0 sends 2 P (N-1)/N elements of gradient per step (ring all-reduce), fp32
             assert entry["comm_bytes"]["all_reduce"] == pytest.approx(2 * params * 4 * 0.5, rel=0.01)
     assert results[0][0][2].keys() == {5, 10}
