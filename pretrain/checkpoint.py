@@ -84,7 +84,8 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
         os.makedirs(staging)
     comm.barrier(groups.world)
     path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
-    torch.save(_rank_state(optimizer, rng), path + ".part")
+    with optimizer.states_in_memory():
+        torch.save(_rank_state(optimizer, rng), path + ".part")
     with open(path + ".part", "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(path + ".part", path)
@@ -146,7 +147,8 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer) -> tu
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a pickle with code in it, or any other unreadable content
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {error}") from None
-    _restore(optimizer, state, path)
+    with optimizer.states_in_memory():
+        _restore(optimizer, state, path)
     return manifest, state["rng"]
 
 

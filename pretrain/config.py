@@ -46,8 +46,11 @@ class ZeroConfig:
         "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
     zero_prefetch_budget: int = field(default=50_000_000, metadata=flag(
         "stage 3: elements of gathered parameters allowed alive at once when prefetching the next modules"))
-    offload_optimizer: str = field(default="none", metadata=flag("where optimizer states live",
-                                                                  choices=["none", "cpu", "nvme"]))
+    offload_optimizer: str = field(default="none", metadata=flag(
+        "where the fp32 masters, optimizer states and the step live: with the parameters (none), in CPU "
+        "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3", choices=["none", "cpu", "nvme"]))
+    zero_sub_group_size: int = field(default=100_000_000, metadata=flag(
+        "nvme: parameter elements per optimizer sub-group; at most three sub-groups are in memory at once"))
     offload_param: str = field(default="none", metadata=flag("where stage-3 parameter shards live",
                                                               choices=["none", "cpu", "nvme"]))
     nvme_path: str | None = field(default=None, metadata=flag("directory for NVMe swap files"))

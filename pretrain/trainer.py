@@ -17,6 +17,7 @@ from data.tokenizer import Tokenizer
 from models.generate import context_window, generate
 from models.stages import build_stage
 from parallel import comm, zero
+from parallel.buffers import BufferPool
 from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
@@ -98,10 +99,12 @@ class Trainer:
                                      sequence_parallel=config.parallel.sequence_parallel,
                                      layers_per_stage=config.parallel.pipeline_layers_per_stage)
         self.model.to(self.dtype) if sharded else self.model.to(device, self.dtype)
+        self.buffer_pool = BufferPool(device)  # ZeRO-R: checkpoints, gradient staging and stage-3 gathers
         recompute = config.recompute
         apply_recompute(self.model, RecomputePolicy(recompute.recompute_granularity, recompute.recompute_num_layers,
                                                     recompute.recompute_method, recompute.partition_activations,
-                                                    recompute.activations_on_cpu), self.groups.tp)
+                                                    recompute.activations_on_cpu), self.groups.tp,
+                        self.buffer_pool)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,
@@ -114,7 +117,9 @@ class Trainer:
             if train.fp16 else None,
             unit_modules=[*self.model, *(block for chunk in self.model for block in chunk.layers)],
             persistence_threshold=config.zero.zero_persistence_threshold,
-            prefetch_budget=config.zero.zero_prefetch_budget)
+            prefetch_budget=config.zero.zero_prefetch_budget, buffer_pool=self.buffer_pool,
+            offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
+            sub_group_size=config.zero.zero_sub_group_size)
         self.activation_meter = SavedActivationMeter(self.model)
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)
@@ -164,9 +169,10 @@ class Trainer:
         train = self.config.training
         tokens = train.global_batch_size * self.config.model.seq_length
         mine = {"rank": self.groups.rank, "parameters": self.num_parameters,
-                "model_state_bytes": self.optimizer.model_state_bytes(), "offloaded_bytes": 0,
+                "model_state_bytes": self.optimizer.model_state_bytes(),
+                "offloaded_bytes": self.optimizer.offloaded_bytes(),
                 "saved_activation_bytes": self.activation_meter.peak_bytes,
-                "peak_mem_bytes": peak_mem}
+                "buffer_pool_bytes": self.buffer_pool.bytes(), "peak_mem_bytes": peak_mem}
         return {
             "iteration": iteration, "consumed_samples": self.consumed_samples, "loss": loss, "lr": lr,
             "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
@@ -184,47 +190,51 @@ class Trainer:
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
                     f"(model {config.model.num_parameters():,}) on {self.groups.topology.describe().splitlines()[0]}, "
                     f"{self.num_micro_batches} micro-batches of {train.micro_batch_size} per step")
-        batches = self._batches(self.train_data, train.train_iters * train.global_batch_size, self.consumed_samples)
-        started = time.perf_counter()
-        for iteration in range(self.start_iteration + 1, train.train_iters + 1):
-            self.groups.stats.reset()
-            reset_peak_memory(self.device)
-            lr = learning_rate(iteration - 1, config.optimizer, train.train_iters)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            step_start = time.perf_counter()
-            local_loss, step = self.train_step(batches)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
-            step_time = time.perf_counter() - step_start
-            self.consumed_samples += train.global_batch_size
-            comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
-            peak_mem = peak_memory_bytes(self.device)
-            loss = self._dp_mean(local_loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at iteration {iteration}")
-            result.losses.append(loss)
-            result.grad_norms.append(step.grad_norm)
-            evaluated = train.eval_interval and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
-            valid = self.evaluate() if evaluated else None
-            if iteration % config.logging.log_interval == 0 or evaluated or iteration in (1, train.train_iters):
-                record = self._record(iteration, loss, lr, step, step_time, comm_bytes, peak_mem)
-                if iteration == 1:
-                    self._print_model_state_table(record["per_rank"])
-                if valid is not None:
-                    result.valid_losses[iteration] = valid
-                    record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
-                    print_rank0(self.is_logger, f"validation at iter {iteration}: loss {valid:.4f}, "
-                                f"perplexity {record['valid_ppl']:.2f}")
-                done = iteration - self.start_iteration
-                elapsed = time.perf_counter() - started
-                writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration))
-            if self._should_save(iteration):
-                self.save(iteration)
-            if self.preempted:
-                print_rank0(self.is_logger, f"stopping after iteration {iteration} on a preemption signal")
-                break
-        result.sample = None if self.preempted else self.sample()
+        try:
+            batches = self._batches(self.train_data, train.train_iters * train.global_batch_size, self.consumed_samples)
+            started = time.perf_counter()
+            for iteration in range(self.start_iteration + 1, train.train_iters + 1):
+                self.groups.stats.reset()
+                reset_peak_memory(self.device)
+                lr = learning_rate(iteration - 1, config.optimizer, train.train_iters)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                step_start = time.perf_counter()
+                local_loss, step = self.train_step(batches)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
+                step_time = time.perf_counter() - step_start
+                self.consumed_samples += train.global_batch_size
+                comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
+                peak_mem = peak_memory_bytes(self.device)
+                loss = self._dp_mean(local_loss)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at iteration {iteration}")
+                result.losses.append(loss)
+                result.grad_norms.append(step.grad_norm)
+                last = iteration == train.train_iters
+                evaluated = train.eval_interval and (iteration % train.eval_interval == 0 or last)
+                valid = self.evaluate() if evaluated else None
+                if iteration % config.logging.log_interval == 0 or evaluated or iteration in (1, train.train_iters):
+                    record = self._record(iteration, loss, lr, step, step_time, comm_bytes, peak_mem)
+                    if iteration == 1:
+                        self._print_model_state_table(record["per_rank"])
+                    if valid is not None:
+                        result.valid_losses[iteration] = valid
+                        record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
+                        print_rank0(self.is_logger, f"validation at iter {iteration}: loss {valid:.4f}, "
+                                    f"perplexity {record['valid_ppl']:.2f}")
+                    done = iteration - self.start_iteration
+                    elapsed = time.perf_counter() - started
+                    writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration))
+                if self._should_save(iteration):
+                    self.save(iteration)
+                if self.preempted:
+                    print_rank0(self.is_logger, f"stopping after iteration {iteration} on a preemption signal")
+                    break
+            result.sample = None if self.preempted else self.sample()
+        finally:  # also on an error: swap files are scratch
+            self.optimizer.close()
         writer.close()
         if wandb_run is not None:
             wandb_run.finish()

@@ -11,6 +11,7 @@ import os
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
+from parallel.zero.swap import check_swap_directory
 from pretrain.arguments import ConfigError
 from pretrain.config import Config
 
@@ -37,8 +38,6 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError(f"--zero-bucket-size must be >= 1 element, got {config.zero.zero_bucket_size}")
     if config.zero.zero_persistence_threshold < 0 or config.zero.zero_prefetch_budget < 0:
         raise ConfigError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
-    _not_yet(config.zero.offload_optimizer != "none", "--offload-optimizer")
-    _not_yet(config.zero.offload_param != "none", "--offload-param")
     recompute = config.recompute
     if (recompute.partition_activations or recompute.activations_on_cpu) and recompute.recompute_granularity is None:
         raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
@@ -67,7 +66,29 @@ def validate(config: Config, world_size: int) -> Topology:
     if opt.lr_warmup_iters < 0 or opt.clip_grad < 0 or opt.weight_decay < 0:
         raise ConfigError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
     _validate_data(config)
+    _validate_offload(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology
+
+
+def _validate_offload(config: Config, topology: Topology) -> None:
+    zero, train = config.zero, config.training
+    _not_yet(zero.offload_param != "none", "--offload-param")
+    if zero.offload_optimizer != "none" and zero.zero_stage == 0:
+        raise ConfigError(f"--offload-optimizer {zero.offload_optimizer} needs --zero-stage 1, 2 or 3: stage 0 "
+                          "keeps no optimizer shard to offload")
+    if zero.offload_optimizer != "nvme":
+        if zero.nvme_path is not None:
+            raise ConfigError("--nvme-path is only used with --offload-optimizer nvme: add it or drop --nvme-path")
+        return
+    if zero.zero_sub_group_size < 1:
+        raise ConfigError(f"--zero-sub-group-size must be >= 1 element, got {zero.zero_sub_group_size}")
+    # the processes of this node write Adam's two fp32 moments, and fp32 masters under bf16/fp16
+    bytes_per_param = 8 + (4 if train.bf16 or train.fp16 else 0)
+    local = min(topology.gpus_per_node or topology.world_size, topology.world_size) / topology.world_size
+    try:
+        check_swap_directory(zero.nvme_path, int(bytes_per_param * config.model.num_parameters() * local))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _validate_pipeline(config: Config, topology: Topology) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +26,9 @@ from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from parallel.zero.offload import SwappedOptimizerStates
 from parallel.zero.stage3 import ShardedParameters
+from parallel.zero.swap import SwapSpace
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -101,9 +105,17 @@ class ZeroOptimizer:
                  param_groups: list[dict] | None = None, bucket_size: int = 40_000_000, clip_grad: float = 0.0,
                  model_parallel: ModelParallelGroups | None = None, loss_scaler=None,
                  unit_modules: list[nn.Module] | None = None, persistence_threshold: int = 100_000,
-                 prefetch_budget: int = 0):
+                 prefetch_budget: int = 0, buffer_pool: BufferPool | None = None, offload_optimizer: str = "none",
+                 nvme_path: str | None = None, sub_group_size: int = 100_000_000):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
+        if offload_optimizer not in ("none", "cpu", "nvme"):
+            raise ValueError(f"--offload-optimizer {offload_optimizer} is unknown: choose none, cpu or nvme")
+        if offload_optimizer != "none" and stage == 0:
+            raise ValueError(f"--offload-optimizer {offload_optimizer} needs --zero-stage 1, 2 or 3 (stage 0 keeps "
+                             "no optimizer shard to offload)")
+        # offloaded masters, their states and the step live on the CPU (swapped to files with nvme)
+        self.master_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
         self.model_parallel = model_parallel or ModelParallelGroups()
         self.loss_scaler = loss_scaler or ConstantLossScaler()
@@ -127,7 +139,7 @@ class ZeroOptimizer:
                 buffer_groups.append(len(master_groups))
             master_groups.append({"params": [], **{k: v for k, v in group.items() if k != "params"}})
         self._broadcast_parameters()
-        self.buffer_pool = BufferPool(device)
+        self.buffer_pool = buffer_pool or BufferPool(device)
         self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), self.model_parallel, self.buffer_pool)
         for index, (buffer, group_index) in enumerate(zip(self.buffers, buffer_groups)):
             segments = buffer.segments(self.shard)
@@ -145,17 +157,26 @@ class ZeroOptimizer:
                 low, high = self.shard * unit.chunk, (self.shard + 1) * unit.chunk
                 segments = []
                 for param in unit.params:
-                    start, end = unit.offsets[param], unit.offsets[param] + unit.sizes[param]
+                    start, end = unit.offsets[param], unit.offsets[param] + unit.size(param)
                     if start < high and end > low:
                         segments.append((param, max(start, low) - low, min(end, high) - max(start, low)))
                 self._add_slot(master_groups[unit.group], self.units.shard(unit),
                                lambda u=unit: self.units.grad_shard(u), segments,
-                               [(p, unit.offsets[p], unit.views[p].shape) for p in unit.params])
+                               [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params])
         self.masters = [slot.master for slot in self.slots]
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
+        self.swapped = None
+        if offload_optimizer == "nvme":
+            space = SwapSpace(nvme_path, f"zero-optimizer-pid{os.getpid()}")
+            self._close_swap = weakref.finalize(self, space.close)  # swap files are scratch: gone with us
+            resident = {i for i, slot in enumerate(self.slots) if slot.master.data_ptr() == slot.data.data_ptr()}
+            self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident, space, self.buffer_pool,
+                                                  sub_group_size)
 
     def _add_slot(self, group: dict, data: torch.Tensor, grad, segments, layout) -> None:
-        master = nn.Parameter(data if data.dtype == torch.float32 else data.detach().float())
+        device = self.master_device or data.device
+        aliased = data.dtype == torch.float32 and data.device == device  # the parameters are the masters
+        master = nn.Parameter(data if aliased else data.detach().to(device, torch.float32, copy=True))
         group["params"].append(master)
         self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=self.stage > 0))
 
@@ -252,16 +273,26 @@ class ZeroOptimizer:
         if skipped:
             return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
         coefficient = self.clip_grad / (norm + 1e-6) if 0 < self.clip_grad < norm else 1.0
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad.mul_(coefficient) if coefficient != 1.0 else grad
-        self.optimizer.step()
-        for slot in self.slots:
-            slot.master.grad = None
-            if slot.master.data_ptr() != slot.data.data_ptr():
-                slot.data.copy_(slot.master.data)
+        grads = [(grad.mul_(coefficient) if coefficient != 1.0 else grad).to(master.device, non_blocking=True)
+                 for master, grad in zip(self.masters, grads)]  # offload: gradients go out to the CPU
+        if self.swapped is not None:
+            self.swapped.step(grads, self._write_back)
+        else:
+            for master, grad in zip(self.masters, grads):
+                master.grad = grad
+            self.optimizer.step()
+            for index, master in enumerate(self.masters):
+                master.grad = None
+                self._write_back(index)
         if self.stage > 0:
             self._gather_parameters()
         return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def _write_back(self, index: int) -> None:
+        """Master ``index`` was stepped: copy it into its compute-precision parameters (unless they are one)."""
+        slot = self.slots[index]
+        if slot.master.data_ptr() != slot.data.data_ptr():
+            slot.data.copy_(slot.master.data, non_blocking=True)
 
     def _gather_parameters(self) -> None:
         """Every rank updated its chunks: all-gather each bucket of the whole-kept parameters in place
@@ -279,6 +310,20 @@ class ZeroOptimizer:
         """Inside this block every parameter holds its full value (stage 3 gathers them; a no-op before)."""
         return self.units.gathered() if self.units is not None else contextlib.nullcontext()
 
+    def states_in_memory(self) -> contextlib.AbstractContextManager:
+        """Inside this block the masters and optimizer states are in memory (NVMe offload reads them all,
+        and writes them back after: a checkpoint save or load runs inside it)."""
+        return self.swapped.in_memory() if self.swapped is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Remove the swap files (NVMe offload); the optimizer cannot step after this."""
+        if self.swapped is not None:
+            self._close_swap()
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of model states held in swap files."""
+        return self.swapped.space.bytes if self.swapped is not None else 0
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
@@ -295,8 +340,10 @@ class ZeroOptimizer:
             tensors += list(self.units.shards.values()) + list(self.units.grad_shards.values())
         for state in self.optimizer.state.values():
             tensors += [t for t in state.values() if torch.is_tensor(t) and t.numel() > 1]
-        return storage_bytes(tensors) + sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                                             for t in s.values() if torch.is_tensor(t) and t.numel() <= 1)
+        swap_buffers = self.swapped.resident_bytes if self.swapped is not None else 0
+        return storage_bytes(tensors) + swap_buffers + sum(t.numel() * t.element_size()
+                                                           for s in self.optimizer.state.values()
+                                                           for t in s.values() if torch.is_tensor(t) and t.numel() <= 1)
 
 
 def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int) -> float:

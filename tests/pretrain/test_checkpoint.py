@@ -22,12 +22,20 @@ def _runs(stage, directory):
 
 def test_ten_then_resume_ten_equals_twenty_straight_for_every_stage(stdlib_corpus, tmp_path):
     layouts = [run for stage in (0, 1, 2, 3) for run in _runs(stage, str(tmp_path / f"stage{stage}"))]
+    (tmp_path / "swap").mkdir()
+    nvme = ["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "swap"), "--zero-sub-group-size", "5000"]
+    for stage in (2, 3):  # optimizer states in swap files: saved from them, loaded back into them
+        layouts += [run + nvme for run in _runs(stage, str(tmp_path / f"nvme{stage}"))[1:]]
     for rank_results in run_world(8, _train, layouts, stdlib_corpus, timeout_s=600):
         for stage in range(4):
             straight, first, resumed = rank_results[3 * stage:3 * stage + 3]
             assert first[0] == straight[0][:10], stage
             assert resumed[0] == straight[0][10:], stage  # bit for bit: the same floats
             assert resumed[1] == straight[1][10:], stage
+        for index, stage in enumerate((2, 3)):
+            straight, (first, resumed) = rank_results[3 * stage], rank_results[12 + 2 * index:14 + 2 * index]
+            assert first[0] + resumed[0] == straight[0], ("nvme", stage)  # as in memory, bit for bit
+    assert os.listdir(tmp_path / "swap") == []  # swap files are scratch, removed at the end
     checkpoint, manifest = read_manifest(str(tmp_path / "stage3"))
     assert manifest["iteration"] == 10 and manifest["consumed_samples"] == 80
     assert manifest["layout"] == {"world_size": 8, "tp": 2, "pp": 2, "dp": 2, "zero_stage": 3}
