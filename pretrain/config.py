@@ -51,9 +51,11 @@ class ZeroConfig:
         "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3", choices=["none", "cpu", "nvme"]))
     zero_sub_group_size: int = field(default=100_000_000, metadata=flag(
         "nvme: parameter elements per optimizer sub-group; at most three sub-groups are in memory at once"))
-    offload_param: str = field(default="none", metadata=flag("where stage-3 parameter shards live",
-                                                              choices=["none", "cpu", "nvme"]))
-    nvme_path: str | None = field(default=None, metadata=flag("directory for NVMe swap files"))
+    offload_param: str = field(default="none", metadata=flag(
+        "stage 3: where the parameter shards live between gathers: in memory (none) or in swap files under "
+        "--nvme-path (nvme), read ahead of their gathers", choices=["none", "cpu", "nvme"]))
+    nvme_path: str | None = field(default=None, metadata=flag(
+        "directory on a local disk for the swap files (each process makes a private one inside, removed at exit)"))
 
 
 @dataclass

@@ -119,7 +119,7 @@ class Trainer:
             persistence_threshold=config.zero.zero_persistence_threshold,
             prefetch_budget=config.zero.zero_prefetch_budget, buffer_pool=self.buffer_pool,
             offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
-            sub_group_size=config.zero.zero_sub_group_size)
+            sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param)
         self.activation_meter = SavedActivationMeter(self.model)
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)

@@ -16,11 +16,6 @@ from pretrain.arguments import ConfigError
 from pretrain.config import Config
 
 
-def _not_yet(condition: bool, what: str) -> None:
-    if condition:
-        raise ConfigError(f"{what} is not available in this build yet: leave it at its default")
-
-
 def validate(config: Config, world_size: int) -> Topology:
     """Raise ConfigError for any setting that cannot work with ``world_size`` processes; return the layout."""
     par, train, opt, model = config.parallel, config.training, config.optimizer, config.model
@@ -72,18 +67,26 @@ def validate(config: Config, world_size: int) -> Topology:
 
 def _validate_offload(config: Config, topology: Topology) -> None:
     zero, train = config.zero, config.training
-    _not_yet(zero.offload_param != "none", "--offload-param")
+    if zero.offload_param == "cpu":
+        raise ConfigError("--offload-param cpu is not available in this build: use --offload-param nvme (stage 3) "
+                          "or none")
+    if zero.offload_param == "nvme" and zero.zero_stage != 3:
+        raise ConfigError("--offload-param nvme needs --zero-stage 3: only stage 3 shards the parameters")
     if zero.offload_optimizer != "none" and zero.zero_stage == 0:
         raise ConfigError(f"--offload-optimizer {zero.offload_optimizer} needs --zero-stage 1, 2 or 3: stage 0 "
                           "keeps no optimizer shard to offload")
-    if zero.offload_optimizer != "nvme":
+    optimizer_files, param_files = zero.offload_optimizer == "nvme", zero.offload_param == "nvme"
+    if not (optimizer_files or param_files):
         if zero.nvme_path is not None:
-            raise ConfigError("--nvme-path is only used with --offload-optimizer nvme: add it or drop --nvme-path")
+            raise ConfigError("--nvme-path is only used with --offload-optimizer nvme or --offload-param nvme: "
+                              "add one or drop --nvme-path")
         return
     if zero.zero_sub_group_size < 1:
         raise ConfigError(f"--zero-sub-group-size must be >= 1 element, got {zero.zero_sub_group_size}")
-    # the processes of this node write Adam's two fp32 moments, and fp32 masters under bf16/fp16
-    bytes_per_param = 8 + (4 if train.bf16 or train.fp16 else 0)
+    # the processes of this node write Adam's two fp32 moments (and fp32 masters under bf16/fp16, or
+    # when the parameters are in files too), and the parameter shards
+    mixed = train.bf16 or train.fp16
+    bytes_per_param = (8 + (4 if mixed or param_files else 0)) * optimizer_files + (2 if mixed else 4) * param_files
     local = min(topology.gpus_per_node or topology.world_size, topology.world_size) / topology.world_size
     try:
         check_swap_directory(zero.nvme_path, int(bytes_per_param * config.model.num_parameters() * local))

@@ -29,6 +29,9 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
     stage 3: ``unit_modules`` (the modules gathered as one, e.g. transformer blocks),
     ``persistence_threshold`` (parameters up to this many elements stay whole), ``prefetch_budget``
     (elements of gathered parameters allowed alive when prefetching); ``buffer_pool`` (a
-    ``parallel.buffers.BufferPool`` shared with activation checkpointing; one of its own otherwise).
+    ``parallel.buffers.BufferPool`` shared with activation checkpointing; one of its own otherwise);
+    offload: ``offload_optimizer`` ("none", "cpu", "nvme"), ``offload_param`` ("none", "nvme"; stage 3),
+    ``nvme_path`` (a directory for the swap files), ``sub_group_size`` (elements stepped at a time from
+    the files). Call ``optimizer.close()`` at the end to remove the swap files.
     """
     return module, ZeroOptimizer(module, optimizer_factory, group, stage=stage, **options)

@@ -1,4 +1,5 @@
-"""The ZeRO optimizer for stages 0-3: flat buffers or sharded units, fp32 master shards, any optimizer.
+"""The ZeRO optimizer for stages 0-3: flat buffers or sharded units, fp32 master shards, any optimizer,
+optionally offloaded to the CPU or to swap files (ZeRO-Offload / ZeRO-Infinity).
 
 Per flat buffer and bucket, this rank owns one chunk (stage 0: the whole bucket). The wrapped torch
 optimizer sees one fp32 "master" tensor per owned chunk: a view of the parameters themselves in fp32
@@ -85,6 +86,7 @@ class ShardSlot:
     segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
     layout: list[tuple[nn.Parameter, int, torch.Size]]  # every parameter of the whole range: (param, offset, shape)
     sharded: bool  # the slot is this rank's chunk of a range split over dp (else the whole range)
+    store: Callable[[torch.Tensor], None] | None = None  # keeps stepped values (stage 3); None: copy into data
 
 
 class ZeroOptimizer:
@@ -99,6 +101,11 @@ class ZeroOptimizer:
     Stage 3 shards the parameters of ``unit_modules`` (each parameter belongs to the innermost one
     holding it; the rest to ``module``) above ``persistence_threshold`` elements; smaller ones, and
     those whose gradients need a tensor/pipeline reduction first, stay whole as in stage 2.
+
+    Offload (stages 1-3): ``offload_optimizer="cpu"`` keeps the masters, states and step on the CPU;
+    ``"nvme"`` keeps them in swap files under ``nvme_path``, stepped ``sub_group_size`` elements at a
+    time (``SwappedOptimizerStates``). ``offload_param="nvme"`` (stage 3) keeps the parameter shards in
+    swap files, read ahead of their gathers. ``close()`` removes the swap files.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
@@ -106,7 +113,7 @@ class ZeroOptimizer:
                  model_parallel: ModelParallelGroups | None = None, loss_scaler=None,
                  unit_modules: list[nn.Module] | None = None, persistence_threshold: int = 100_000,
                  prefetch_budget: int = 0, buffer_pool: BufferPool | None = None, offload_optimizer: str = "none",
-                 nvme_path: str | None = None, sub_group_size: int = 100_000_000):
+                 nvme_path: str | None = None, sub_group_size: int = 100_000_000, offload_param: str = "none"):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         if offload_optimizer not in ("none", "cpu", "nvme"):
@@ -114,6 +121,10 @@ class ZeroOptimizer:
         if offload_optimizer != "none" and stage == 0:
             raise ValueError(f"--offload-optimizer {offload_optimizer} needs --zero-stage 1, 2 or 3 (stage 0 keeps "
                              "no optimizer shard to offload)")
+        if offload_param not in ("none", "nvme"):
+            raise ValueError(f"--offload-param {offload_param} is not available: choose none or nvme")
+        if offload_param == "nvme" and stage != 3:
+            raise ValueError("--offload-param nvme needs --zero-stage 3 (only stage 3 shards the parameters)")
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme)
         self.master_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
@@ -162,7 +173,9 @@ class ZeroOptimizer:
                         segments.append((param, max(start, low) - low, min(end, high) - max(start, low)))
                 self._add_slot(master_groups[unit.group], self.units.shard(unit),
                                lambda u=unit: self.units.grad_shard(u), segments,
-                               [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params])
+                               [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params],
+                               store=lambda values, u=unit: self.units.store(u, values),
+                               aliasable=offload_param == "none")  # a shard in a file cannot be the master
         self.masters = [slot.master for slot in self.slots]
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
         self.swapped = None
@@ -172,13 +185,18 @@ class ZeroOptimizer:
             resident = {i for i, slot in enumerate(self.slots) if slot.master.data_ptr() == slot.data.data_ptr()}
             self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident, space, self.buffer_pool,
                                                   sub_group_size)
+        if offload_param == "nvme":
+            space = SwapSpace(nvme_path, f"zero-params-pid{os.getpid()}")
+            self._close_param_swap = weakref.finalize(self, space.close)
+            self.units.swap_out(space)
 
-    def _add_slot(self, group: dict, data: torch.Tensor, grad, segments, layout) -> None:
+    def _add_slot(self, group: dict, data: torch.Tensor, grad, segments, layout, store=None,
+                  aliasable: bool = True) -> None:
         device = self.master_device or data.device
-        aliased = data.dtype == torch.float32 and data.device == device  # the parameters are the masters
+        aliased = aliasable and data.dtype == torch.float32 and data.device == device  # the parameters are the masters
         master = nn.Parameter(data if aliased else data.detach().to(device, torch.float32, copy=True))
         group["params"].append(master)
-        self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=self.stage > 0))
+        self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=self.stage > 0, store=store))
 
     @staticmethod
     def _units(module: nn.Module, unit_modules: list[nn.Module], param_groups: list[dict], sharded):
@@ -284,6 +302,8 @@ class ZeroOptimizer:
             for index, master in enumerate(self.masters):
                 master.grad = None
                 self._write_back(index)
+        if self.units is not None:
+            self.units.flush()
         if self.stage > 0:
             self._gather_parameters()
         return StepResult(grad_norm=norm, loss_scale=scale)
@@ -291,7 +311,11 @@ class ZeroOptimizer:
     def _write_back(self, index: int) -> None:
         """Master ``index`` was stepped: copy it into its compute-precision parameters (unless they are one)."""
         slot = self.slots[index]
-        if slot.master.data_ptr() != slot.data.data_ptr():
+        if slot.master.data_ptr() == slot.data.data_ptr():
+            return
+        if slot.store is not None:
+            slot.store(slot.master.data)
+        else:
             slot.data.copy_(slot.master.data, non_blocking=True)
 
     def _gather_parameters(self) -> None:
@@ -311,18 +335,27 @@ class ZeroOptimizer:
         return self.units.gathered() if self.units is not None else contextlib.nullcontext()
 
     def states_in_memory(self) -> contextlib.AbstractContextManager:
-        """Inside this block the masters and optimizer states are in memory (NVMe offload reads them all,
-        and writes them back after: a checkpoint save or load runs inside it)."""
-        return self.swapped.in_memory() if self.swapped is not None else contextlib.nullcontext()
+        """Inside this block the masters, optimizer states and stage-3 shards are in memory (NVMe offload
+        reads them all, and writes them back after: a checkpoint save or load runs inside it)."""
+        stack = contextlib.ExitStack()
+        if self.swapped is not None:
+            stack.enter_context(self.swapped.in_memory())
+        if self.units is not None:
+            stack.enter_context(self.units.shards_in_memory())
+        return stack
 
     def close(self) -> None:
         """Remove the swap files (NVMe offload); the optimizer cannot step after this."""
         if self.swapped is not None:
             self._close_swap()
+        if self.units is not None and self.units.space is not None:
+            self._close_param_swap()
 
     def offloaded_bytes(self) -> int:
         """Bytes of model states held in swap files."""
-        return self.swapped.space.bytes if self.swapped is not None else 0
+        spaces = [self.swapped.space if self.swapped is not None else None,
+                  self.units.space if self.units is not None else None]
+        return sum(space.bytes for space in spaces if space is not None)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}

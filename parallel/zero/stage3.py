@@ -16,12 +16,14 @@ parameter for backward (torch's and our layers do not). Around each unit module:
 The order in which units are gathered is recorded on the first step, checked identical on every
 data-parallel rank as it happens (a mismatch raises naming both modules instead of hanging), and used
 on later steps to prefetch the next units while the current one computes, within a budget of live
-parameter elements.
+parameter elements. With the shards in swap files (``swap_out``, ZeRO-Infinity) each gather reads its
+shard from the file into a pool slot, and the next units' shards are read ahead in the recorded order.
 """
 
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -31,6 +33,7 @@ from parallel import comm
 from parallel.buffers import BufferPool, SlotPool, StagingRing
 from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import initial_value, point_at
+from parallel.zero.swap import SwapSpace
 
 
 class ParameterUnit:
@@ -51,6 +54,7 @@ class ParameterUnit:
         self.full: torch.Tensor | None = None
         self.slots: SlotPool | None = None  # where ``full`` goes back to when freed
         self.handle = None
+        self.source: tuple[SlotPool, torch.Tensor] | None = None  # a shard read from a swap file, in flight
         self.ready = 0
 
     def size(self, param: nn.Parameter) -> int:
@@ -102,7 +106,10 @@ class ShardedParameters:
 
     def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
                  pool: BufferPool, device: torch.device, prefetch_budget: int = 0):
-        self.dp, self.prefetch_budget = dp, prefetch_budget
+        self.dp, self.prefetch_budget, self.pool = dp, prefetch_budget, pool
+        self.space: SwapSpace | None = None  # the shards' swap files (--offload-param nvme)
+        self._reads: dict[int, tuple[SlotPool, torch.Tensor, Future]] = {}
+        self._stores: list[Future] = []
         self.units = [ParameterUnit(i, name, module, params, group, dp, device)
                       for i, (name, module, params, group) in enumerate(units)]
         self.shards: dict[torch.dtype, torch.Tensor] = {}
@@ -141,6 +148,73 @@ class ShardedParameters:
         offset = self.chunk_offset[unit.index]
         return self.shards[unit.dtype][offset:offset + unit.chunk]
 
+    # shards in swap files ---------------------------------------------------------------------------------
+    def swap_out(self, space: SwapSpace) -> None:
+        """Move the shards into files of ``space`` (one per dtype); from now on a unit's shard is read
+        ahead of its gather, and ``store`` writes the stepped values. The shard tensors keep their shape
+        but lose their storage."""
+        self.space = space
+        for dtype, shard in self.shards.items():
+            space.write(f"shards-{dtype}", shard).result()
+            shard.untyped_storage().resize_(0)
+
+    def _read(self, unit: ParameterUnit) -> None:
+        """Start reading ``unit``'s shard from its file into a pool slot (once)."""
+        if unit.index not in self._reads:
+            slots = self.pool.slots(f"zero3-shard-reads-{unit.dtype}", unit.chunk, unit.dtype)
+            buffer = slots.take()
+            offset = self.chunk_offset[unit.index] * buffer.element_size()
+            self._reads[unit.index] = (slots, buffer, self.space.read(f"shards-{unit.dtype}", buffer, offset))
+
+    def _source(self, unit: ParameterUnit) -> torch.Tensor:
+        """This rank's shard of ``unit`` in memory: its slice of the shards, or its read from the file."""
+        if self.space is None:
+            return self.shard(unit)
+        self._read(unit)
+        slots, buffer, future = self._reads.pop(unit.index)
+        future.result()
+        unit.source = (slots, buffer)
+        return buffer
+
+    def _read_ahead(self, position: int, count: int = 2) -> None:
+        """Start reading the shards of the next ``count`` units in the recorded order."""
+        for index in (self.order or [])[position:position + count]:
+            if not (self.units[index].gathered or self.units[index].handle is not None):
+                self._read(self.units[index])
+
+    def store(self, unit: ParameterUnit, values: torch.Tensor) -> None:
+        """The optimizer stepped ``unit``'s shard: keep ``values`` (cast to the unit's dtype) as its shard."""
+        if self.space is None:
+            self.shard(unit).copy_(values)
+            return
+        cast = values.to(unit.dtype, copy=True)  # ``values`` may be a buffer reused before the write ends
+        offset = self.chunk_offset[unit.index] * cast.element_size()
+        self._stores.append(self.space.write(f"shards-{unit.dtype}", cast, offset))
+
+    def flush(self) -> None:
+        """Wait until every stored shard is in its file; reads started before the stores are stale."""
+        for future in self._stores:
+            future.result()
+        self._stores.clear()
+        for slots, buffer, future in self._reads.values():
+            future.result()
+            slots.give_back(buffer)
+        self._reads.clear()
+
+    @contextlib.contextmanager
+    def shards_in_memory(self):
+        """The shards in memory inside the block (to save or load a checkpoint), back in the files after."""
+        if self.space is None:
+            yield
+            return
+        for dtype, shard in self.shards.items():
+            shard.untyped_storage().resize_(shard.numel() * shard.element_size())
+            self.space.read(f"shards-{dtype}", shard).result()
+        try:
+            yield
+        finally:
+            self.swap_out(self.space)
+
     def grad_shard(self, unit: ParameterUnit) -> torch.Tensor:
         offset = self.chunk_offset[unit.index]
         return self.grad_shards[unit.dtype][offset:offset + unit.chunk]
@@ -152,7 +226,7 @@ class ShardedParameters:
         slots = self._gather_slots[unit.index] if pooled else None
         full = unit.attach(slots.take() if pooled else torch.empty(unit.numel, dtype=unit.dtype, device=unit.device),
                            slots)
-        unit.handle = comm.all_gather_into_tensor(full, self.shard(unit), self.dp, async_op=True)
+        unit.handle = comm.all_gather_into_tensor(full, self._source(unit), self.dp, async_op=True)
         self.live_elements += unit.numel
         self.max_live_elements = max(self.max_live_elements, self.live_elements)
 
@@ -176,9 +250,19 @@ class ShardedParameters:
         if self.order is not None and self._position < len(self.order) and self.order[self._position] == unit.index:
             self._position += 1
             self._prefetch()  # the next units' gathers run while this one computes
+            if self.space is not None:
+                self._read_ahead(self._position)  # and their shards come off the disk
+        self._wait(unit)
+
+    def _wait(self, unit: ParameterUnit) -> None:
+        """Finish ``unit``'s gather in flight, if any (its shard read buffer is then free again)."""
         if unit.handle is not None:
             unit.handle.wait()
             unit.handle = None
+        if unit.source is not None:
+            slots, buffer = unit.source
+            slots.give_back(buffer)
+            unit.source = None
 
     def _prefetch(self) -> None:
         position, live = self._position, self.live_elements
@@ -192,9 +276,7 @@ class ShardedParameters:
             position += 1
 
     def release(self, unit: ParameterUnit) -> None:
-        if unit.handle is not None:
-            unit.handle.wait()
-            unit.handle = None
+        self._wait(unit)
         if unit.gathered:
             unit.free()
             self.live_elements -= unit.numel
@@ -267,9 +349,7 @@ class ShardedParameters:
         for unit in self.units:
             self._start_gather(unit, pooled=False)
         for unit in self.units:
-            if unit.handle is not None:
-                unit.handle.wait()
-                unit.handle = None
+            self._wait(unit)
         try:
             yield
         finally:

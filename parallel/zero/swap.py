@@ -9,6 +9,7 @@ the file, when the caller waits for that transfer.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import tempfile
@@ -36,7 +37,10 @@ def check_swap_directory(path: str, needed_bytes: int, flag: str = "--nvme-path"
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous CPU tensor, without a numpy view (which would pin its storage's size)."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("swap transfers need a contiguous CPU tensor")
+    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())).cast("B")
 
 
 class SwapSpace:
@@ -69,17 +73,16 @@ class SwapSpace:
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> Future:
         """Write ``tensor``'s bytes (a contiguous CPU tensor) to file ``name`` at byte ``offset``."""
-        descriptor, data = self._descriptor(name), _as_bytes(tensor)
-        self._sizes[name] = max(self._sizes.get(name, 0), offset + len(data))
-        return self._threads.submit(self._transfer, name, os.pwrite, descriptor, data, offset)
+        descriptor = self._descriptor(name)
+        self._sizes[name] = max(self._sizes.get(name, 0), offset + tensor.numel() * tensor.element_size())
+        return self._threads.submit(self._transfer, name, os.pwrite, descriptor, tensor, offset)
 
     def read(self, name: str, tensor: torch.Tensor, offset: int = 0) -> Future:
         """Fill ``tensor`` (a contiguous CPU tensor) from file ``name`` at byte ``offset``."""
-        descriptor, data = self._descriptor(name), _as_bytes(tensor)
-        return self._threads.submit(self._transfer, name, os.preadv, descriptor, data, offset)
+        return self._threads.submit(self._transfer, name, os.preadv, self._descriptor(name), tensor, offset)
 
-    def _transfer(self, name: str, operation, descriptor: int, data: memoryview, offset: int) -> None:
-        done = 0
+    def _transfer(self, name: str, operation, descriptor: int, tensor: torch.Tensor, offset: int) -> None:
+        data, done = _as_bytes(tensor), 0  # the tensor stays referenced until its transfer is done
         try:
             while done < len(data):  # both calls may move fewer bytes than asked
                 moved = operation(descriptor, data[done:] if operation is os.pwrite else [data[done:]], offset + done)

@@ -39,8 +39,9 @@ def _train(groups, stage, dtype, swap_root, **offload):
     states = sum(t.numel() * t.element_size() for m in optimizer.masters for t in optimizer.optimizer.state[m].values()
                  if t.numel() > 1)
     files = os.listdir(swap_root)
+    shards = sum(s.numel() * s.element_size() for s in optimizer.units.shards.values()) if optimizer.units else 0
     optimizer.close()
-    return losses, params, held, states, files
+    return losses, params, held, states, files, shards
 
 
 def _offload_runs(rank, world_size, swap_root):
@@ -51,23 +52,35 @@ def _offload_runs(rank, world_size, swap_root):
         cpu = _train(groups, stage, dtype, swap_root, offload_optimizer="cpu")
         nvme = _train(groups, stage, dtype, swap_root, offload_optimizer="nvme", nvme_path=swap_root,
                       sub_group_size=3_000)
-        report[(stage, str(dtype))] = (reference, cpu, nvme)
+        runs = [cpu, nvme]
+        if stage == 3:  # ZeRO-Infinity: the parameter shards in files too, read ahead of their gathers
+            runs.append(_train(groups, stage, dtype, swap_root, offload_param="nvme", nvme_path=swap_root,
+                               prefetch_budget=30_000))
+            runs.append(_train(groups, stage, dtype, swap_root, offload_optimizer="nvme", offload_param="nvme",
+                               nvme_path=swap_root, sub_group_size=3_000))
+        report[(stage, str(dtype))] = (reference, runs)
     return report
 
 
 def test_optimizer_offload_reproduces_the_in_memory_run_exactly(tmp_path):
     for report in run_world(2, _offload_runs, str(tmp_path)):
-        for (stage, dtype), (reference, cpu, nvme) in report.items():
-            for name, run in (("cpu", cpu), ("nvme", nvme)):
+        for (stage, dtype), (reference, runs) in report.items():
+            for name, run in enumerate(runs):
                 assert run[0] == reference[0], (stage, dtype, name)  # losses, bit for bit
                 assert all(torch.equal(a, b) for a, b in zip(run[1], reference[1])), (stage, dtype, name)
-            (resident, offloaded, allocations), in_memory = nvme[2][-1], reference[2][-1][0]
-            states = reference[3]
-            # the optimizer states (and bf16's fp32 masters) left memory for the files
-            assert in_memory - resident >= 0.8 * states, (stage, dtype, in_memory, resident, states)
-            assert offloaded >= states, (stage, dtype, offloaded, states)
-            assert [held[2] for held in nvme[2][1:]] == [allocations] * 7  # no allocation after step 1
-            assert nvme[4] and all(name.startswith("zero-optimizer-") for name in nvme[4])  # private directories
+                assert [held[2] for held in run[2][1:]] == [run[2][1][2]] * 7  # no allocation after step 1
+            in_memory, states = reference[2][-1][0], reference[3]
+            for nvme in runs[1::2]:  # the optimizer in files: its states (and bf16's fp32 masters) left memory
+                resident, offloaded, _ = nvme[2][-1]
+                assert in_memory - resident >= 0.8 * states, (stage, dtype, in_memory, resident, states)
+                assert offloaded >= states, (stage, dtype, offloaded, states)
+                assert nvme[4] and all(name.startswith("zero-") for name in nvme[4])  # private directories
+            if stage == 3:  # the shards left memory too: what stays is the gradient shard and buffers
+                shards = reference[5]
+                params_only, both = runs[2][2][-1], runs[3][2][-1]
+                assert params_only[1] >= shards and both[1] >= shards + states, (dtype, params_only, both)
+                # fp32: the master can no longer be the shard, so only both offloads together save the shard
+                assert params_only[0] <= in_memory and both[0] <= in_memory - shards - 0.8 * states, (dtype, both)
     assert os.listdir(tmp_path) == []  # closed: the swap files are gone
 
 

@@ -58,6 +58,16 @@ def test_wrong_yaml_type_is_named(tmp_path):
       "--global-batch-size", "4", "--micro-batch-size", "4", "--num-layers", "4"], 2,
      "--pipeline-schedule interleaved needs the micro-batches per step (1 = --global-batch-size"),
     (["--virtual-pipeline-size", "2"], 1, "--virtual-pipeline-size needs --pipeline-model-parallel-size > 1"),
+    (["--offload-optimizer", "cpu"], 1, "--offload-optimizer cpu needs --zero-stage 1, 2 or 3"),
+    (["--zero-stage", "2", "--offload-optimizer", "nvme"], 1, "NVMe offload needs --nvme-path DIR"),
+    (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/nonexistent/nvme"], 1,
+     "--nvme-path /nonexistent/nvme does not exist or is not a directory"),
+    (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/", "--num-layers", "4096",
+      "--hidden-size", "8192", "--num-attention-heads", "64"], 1, "GiB free but the swapped states need"),
+    (["--zero-stage", "2", "--nvme-path", "/tmp"], 1, "--nvme-path is only used with --offload-optimizer nvme"),
+    (["--zero-stage", "2", "--offload-param", "nvme", "--nvme-path", "/tmp"], 1,
+     "--offload-param nvme needs --zero-stage 3"),
+    (["--zero-stage", "3", "--offload-param", "cpu"], 1, "--offload-param cpu is not available in this build"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "need 0 <= min-lr <= lr"),
 ])
 def test_bad_settings_name_the_flag(flags, world, message):

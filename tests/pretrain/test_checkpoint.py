@@ -24,8 +24,9 @@ def test_ten_then_resume_ten_equals_twenty_straight_for_every_stage(stdlib_corpu
     layouts = [run for stage in (0, 1, 2, 3) for run in _runs(stage, str(tmp_path / f"stage{stage}"))]
     (tmp_path / "swap").mkdir()
     nvme = ["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "swap"), "--zero-sub-group-size", "5000"]
-    for stage in (2, 3):  # optimizer states in swap files: saved from them, loaded back into them
-        layouts += [run + nvme for run in _runs(stage, str(tmp_path / f"nvme{stage}"))[1:]]
+    for stage in (2, 3):  # optimizer states (stage 3: and parameter shards) in swap files: saved from them,
+        infinity = ["--offload-param", "nvme"] if stage == 3 else []  # loaded back into them
+        layouts += [run + nvme + infinity for run in _runs(stage, str(tmp_path / f"nvme{stage}"))[1:]]
     for rank_results in run_world(8, _train, layouts, stdlib_corpus, timeout_s=600):
         for stage in range(4):
             straight, first, resumed = rank_results[3 * stage:3 * stage + 3]
