@@ -11,21 +11,9 @@ ranks measured (model-state bytes, peak resident memory), read from the metrics 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 
+from launch.pretrain_run import machine_memory_bytes, run_pretrain
 from models.config import GPTConfig
-
-
-def machine_memory_bytes() -> int:
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,17 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT of {params / 1e6:.0f}M parameters; plain data parallelism at dp {args.dp} holds "
           f"{replicas / 2**30:.1f} GiB of model states on this machine ({memory / 2**30:.1f} GiB): "
           f"{'does not fit' if replicas > memory else 'fits'}; ZeRO-3 needs {16 * params / 2**30:.1f} GiB in all")
-    with tempfile.TemporaryDirectory() as directory:
-        metrics = os.path.join(directory, "metrics.jsonl")
-        command = [sys.executable, "-m", "launch.torchrun", "--nproc", str(args.dp),
-                   "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-                   "--num-attention-heads", "16", "--seq-length", "128", "--micro-batch-size", "1",
-                   "--global-batch-size", str(args.dp), "--train-iters", str(args.iters), "--zero-stage", "3",
-                   "--log-interval", "1", "--metrics-file", metrics, "--sample-prompt", "",
-                   "--default-corpus-vocab-size", "4096"]
-        subprocess.run(command, check=True)
-        with open(metrics) as handle:
-            last = [json.loads(line) for line in handle][-1]
+    last = run_pretrain(args.dp, [
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads", "16",
+        "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", str(args.dp),
+        "--train-iters", str(args.iters), "--zero-stage", "3", "--log-interval", "1",
+        "--default-corpus-vocab-size", "4096"])[-1]
     ranks = last["per_rank"]
     print(f"trained {args.iters} iterations at dp {args.dp} with ZeRO-3, {last['step_time_s']:.1f} s/iteration, "
           f"loss {last['loss']:.3f}: model states {max(r['model_state_bytes'] for r in ranks) / 2**20:.0f} MiB "
