@@ -168,8 +168,9 @@ class GPTModel(nn.Module):
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
         self.layer_runner = None  # set by activation checkpointing to recompute whole layers (full)
-        indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
-        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng) for i in indices)
+        self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
+        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng)
+                                    for i in self.layer_indices)
         if post_process:
             self.final_norm = _norm(config, sequence_parallel)
             if not pre_process:
@@ -178,6 +179,17 @@ class GPTModel(nn.Module):
                 self.output_weight.tied_copy = True  # counted once, on the first stage
         if pre_process and not post_process:
             self.word_embedding.weight.tied_embedding = True
+
+    def global_parameter_names(self) -> dict[nn.Parameter, str]:
+        """Each parameter's name in the whole GPT, the same in every layout: block indices are global,
+        and the last stage's copy of the tied embedding is named as the embedding."""
+        names = {}
+        for name, param in self.named_parameters():
+            parts = name.split(".")
+            if parts[0] == "layers":
+                parts[1] = str(self.layer_indices[int(parts[1])])
+            names[param] = "word_embedding.weight" if name == "output_weight" else ".".join(parts)
+        return names
 
     def output_layer_weight(self) -> torch.Tensor:
         return self.word_embedding.weight if self.pre_process else self.output_weight

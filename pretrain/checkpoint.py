@@ -11,8 +11,9 @@ Layout of ``--save DIR``::
 Each rank writes its file into ``iter_N.tmp`` (fsynced); after every rank has finished, rank 0 hashes
 the files, writes the manifest, renames the directory to ``iter_N`` and only then replaces ``latest``
 atomically, so a crash at any point leaves the previous checkpoint as ``latest`` and loadable. Loading
-reads ``latest``, checks the manifest, the layout and this rank's file's checksum, and uses
-``torch.load(weights_only=True)`` only.
+reads ``latest``, checks the manifest and the checksum of every file it reads, and uses
+``torch.load(weights_only=True)`` only. A checkpoint of another layout (dp, tp, pp, ZeRO stage, virtual
+stages) is re-cut by parameter name (``pretrain.reshard``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import os
 import shutil
 
 import torch
+from torch import nn
 
 from parallel import comm
 from parallel.process_groups import ParallelGroups
 from parallel.zero.optimizer import ZeroOptimizer
+from pretrain import reshard
 
 
 class CheckpointError(RuntimeError):
@@ -63,8 +66,9 @@ def layout_of(groups: ParallelGroups, optimizer: ZeroOptimizer) -> dict:
             "zero_stage": optimizer.stage}
 
 
-def _rank_state(optimizer: ZeroOptimizer, rng: dict) -> dict:
+def _rank_state(optimizer: ZeroOptimizer, rng: dict, pieces: list[dict]) -> dict:
     return {
+        "pieces": pieces,
         "buffers": [buffer.data for buffer in optimizer.buffers],
         "unit_shards": {str(dtype): shard for dtype, shard in (optimizer.units.shards.items() if optimizer.units
                                                                  else [])},
@@ -75,8 +79,9 @@ def _rank_state(optimizer: ZeroOptimizer, rng: dict) -> dict:
 
 
 def save(directory: str, iteration: int, consumed_samples: int, groups: ParallelGroups, optimizer: ZeroOptimizer,
-         rng: dict, config: dict, keep_last: int = 0) -> str:
-    """Write checkpoint ``iteration`` (a collective over the world); return its final path."""
+         names: dict[nn.Parameter, str], rng: dict, config: dict, keep_last: int = 0) -> str:
+    """Write checkpoint ``iteration`` (a collective over the world); return its final path. ``names``
+    are the parameters' layout-independent names (what another layout re-cuts the states by)."""
     name = f"iter_{iteration:07d}"
     final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     if groups.rank == 0:
@@ -85,7 +90,8 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
     comm.barrier(groups.world)
     path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
     with optimizer.states_in_memory():
-        torch.save(_rank_state(optimizer, rng), path + ".part")
+        pieces = reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)
+        torch.save(_rank_state(optimizer, rng, pieces), path + ".part")
     with open(path + ".part", "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(path + ".part", path)
@@ -129,27 +135,44 @@ def read_manifest(directory: str) -> tuple[str, dict]:
     return os.path.join(directory, name), manifest
 
 
-def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer) -> tuple[dict, dict]:
-    """Restore this rank's state from the newest checkpoint; return (manifest, random states)."""
-    checkpoint, manifest = read_manifest(directory)
-    expected = layout_of(groups, optimizer)
-    if manifest["layout"] != expected:
-        raise CheckpointError(f"{checkpoint}: saved with layout {manifest['layout']}, this run is {expected}; "
-                              f"resuming in another layout is not available yet: relaunch with the saved sizes")
-    entry = f"rank_{groups.rank:05d}.pt"
+def _verified(checkpoint: str, manifest: dict, entry: str) -> str:
+    """The path of rank file ``entry`` once its size and sha256 match the manifest."""
     path = os.path.join(checkpoint, entry)
     recorded = manifest["files"].get(entry)
     if recorded is None or not os.path.exists(path):
         raise CheckpointError(f"{path}: missing from the checkpoint")
     if os.path.getsize(path) != recorded["bytes"] or _sha256(path) != recorded["sha256"]:
         raise CheckpointError(f"{path}: size or sha256 differs from the manifest (corrupted or truncated)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    return path
+
+
+def _read(path: str) -> dict:
+    try:  # memory-mapped: only the tensors used come off the disk
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a pickle with code in it, or any other unreadable content
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {error}") from None
-    with optimizer.states_in_memory():
-        _restore(optimizer, state, path)
-    return manifest, state["rng"]
+
+
+def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer,
+         names: dict[nn.Parameter, str]) -> tuple[dict, dict | None]:
+    """Restore this rank's state from the newest checkpoint; return (manifest, random states). A
+    checkpoint of another layout is re-cut by parameter name (``pretrain.reshard``); its random
+    states do not apply (None)."""
+    checkpoint, manifest = read_manifest(directory)
+    if manifest["layout"] == layout_of(groups, optimizer):
+        path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
+        state = _read(path)
+        with optimizer.states_in_memory():
+            _restore(optimizer, state, path)
+        return manifest, state["rng"]
+    states = [_read(_verified(checkpoint, manifest, entry)) for entry in sorted(manifest["files"])]
+    try:
+        with optimizer.states_in_memory():
+            reshard.load(states, optimizer, names, groups.tp_rank, groups.topology.tp)
+    except (reshard.ReshardError, KeyError) as error:
+        raise CheckpointError(f"{checkpoint} (layout {manifest['layout']}): cannot be re-cut for this run: "
+                              f"{error}") from None
+    return manifest, None
 
 
 def _restore(optimizer: ZeroOptimizer, state: dict, path: str) -> None:

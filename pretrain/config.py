@@ -109,6 +109,9 @@ class TrainingConfig:
     min_loss_scale: float = field(default=1.0, metadata=flag("fp16: the scale never backs off below this"))
     loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))
     hysteresis: int = field(default=2, metadata=flag("fp16: overflowing steps tolerated before backing off"))
+    bad_step_limit: int = field(default=3, metadata=flag(
+        "stop after this many consecutive steps with a non-finite loss or gradient norm (each is skipped: the "
+        "parameters do not change; fp16 overflows are the loss scaler's business and do not count)"))
 
 
 @dataclass

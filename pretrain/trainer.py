@@ -120,18 +120,22 @@ class Trainer:
             prefetch_budget=config.zero.zero_prefetch_budget, buffer_pool=self.buffer_pool,
             offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
             sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param)
+        self.parameter_names = {param: name for chunk in self.model for param, name in
+                                chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter(self.model)
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)
         self.consumed_samples, self.start_iteration = 0, 0
         self.preempted, self._signal_received = False, False
+        self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
         if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
             for signum in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(signum, self._on_signal)
         if config.checkpoint.load:
-            manifest, rng = checkpoint.load(config.checkpoint.load, self.groups, self.optimizer)
+            manifest, rng = checkpoint.load(config.checkpoint.load, self.groups, self.optimizer, self.parameter_names)
             self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
-            self.model[0].rng.set_states(rng)  # the stage's dropout streams and the default one
+            if rng is not None:  # the same layout: the stage's dropout streams and the default one
+                self.model[0].rng.set_states(rng)
             print_rank0(self.is_logger, f"resumed from {config.checkpoint.load} at iteration {self.start_iteration}")
 
     def _batches(self, dataset, total_samples: int, consumed: int):
@@ -208,8 +212,7 @@ class Trainer:
                 comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
                 peak_mem = peak_memory_bytes(self.device)
                 loss = self._dp_mean(local_loss)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at iteration {iteration}")
+                self._check_bad_step(iteration, loss, step)
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
                 last = iteration == train.train_iters
@@ -241,6 +244,26 @@ class Trainer:
             print_rank0(self.is_logger, f"wandb run files: {os.path.dirname(wandb_run.dir)}")
         return result
 
+    def _check_bad_step(self, iteration: int, loss: float, step: zero.StepResult) -> None:
+        """Count consecutive steps whose loss or gradient norm is not finite and stop at the limit.
+
+        Every rank sees the same loss (the pipeline broadcasts it, data parallelism averages it) and the
+        same norm (reduced over the world), so every rank decides alike: no extra collective. A non-finite
+        loss makes non-finite gradients, and the optimizer then skips the update on every rank."""
+        fp16 = self.config.training.fp16
+        if math.isfinite(loss) and (math.isfinite(step.grad_norm) or fp16):
+            self.bad_steps = []
+            return
+        self.bad_steps.append(iteration)
+        limit = self.config.training.bad_step_limit
+        print_rank0(self.is_logger, f"iteration {iteration}: loss {loss}, grad norm {step.grad_norm}: step skipped "
+                    f"({len(self.bad_steps)} in a row, the run stops at {limit})")
+        if len(self.bad_steps) >= limit:
+            raise FloatingPointError(
+                f"{limit} consecutive steps with a non-finite loss or gradient norm (iterations "
+                f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The run stops "
+                f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
+
     def _on_signal(self, signum, frame) -> None:
         self._signal_received = True
 
@@ -257,8 +280,8 @@ class Trainer:
 
     def save(self, iteration: int) -> None:
         path = checkpoint.save(self.config.checkpoint.save, iteration, self.consumed_samples, self.groups,
-                               self.optimizer, self.model[0].rng.get_states(), self.config.to_dict(),
-                               self.config.checkpoint.save_keep_last)
+                               self.optimizer, self.parameter_names, self.model[0].rng.get_states(),
+                               self.config.to_dict(), self.config.checkpoint.save_keep_last)
         print_rank0(self.is_logger, f"saved checkpoint {path}")
 
     def _print_model_state_table(self, per_rank: list[dict]) -> None:

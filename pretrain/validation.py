@@ -44,7 +44,7 @@ def validate(config: Config, world_size: int) -> Topology:
     if config.checkpoint.save_interval < 0 or config.checkpoint.save_keep_last < 0:
         raise ConfigError("--save-interval and --save-keep-last must be >= 0")
 
-    for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+    for name in ("micro_batch_size", "global_batch_size", "train_iters", "bad_step_limit"):
         if getattr(train, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(train, name)}")
     per_step = train.micro_batch_size * topology.dp

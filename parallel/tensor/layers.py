@@ -143,6 +143,7 @@ class VocabParallelEmbedding(nn.Module):
             full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
             return full
         self.weight = _shard_parameter(table, 0, group)
+        self.weight.unpadded_rows = vocab_size  # rows beyond are padding, sized by tp (checkpoints drop them)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

@@ -143,9 +143,9 @@ class SwappedOptimizerStates:
         self._bind(group, copy_in=True)
 
     # the step ----------------------------------------------------------------------------------------
-    def step(self, grads: list[torch.Tensor], write_back) -> None:
-        """One optimizer step: ``grads[i]`` is master i's gradient; ``write_back(i)`` copies master i into
-        its compute-precision parameter while the master is in memory."""
+    def step(self, grad_of, write_back) -> None:
+        """One optimizer step: ``grad_of(i)`` makes master i's gradient (when its sub-group is stepped);
+        ``write_back(i)`` copies master i into its compute-precision parameter while it is in memory."""
         reads = {0: self._read_ahead(0)}
         for group, members in enumerate(self.groups):
             reads.pop(group).result()
@@ -154,7 +154,7 @@ class SwappedOptimizerStates:
                 reads[group + 1] = self._read_ahead(group + 1)
             self._bind(group)
             for index in members:
-                self.masters[index].grad = grads[index]
+                self.masters[index].grad = grad_of(index)
             self.optimizer.step()  # masters without a gradient (the other groups) are skipped
             for index in members:
                 self.masters[index].grad = None

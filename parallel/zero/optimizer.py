@@ -89,6 +89,21 @@ class ShardSlot:
     store: Callable[[torch.Tensor], None] | None = None  # keeps stepped values (stage 3); None: copy into data
 
 
+@dataclass(frozen=True)
+class MasterPiece:
+    """``length`` elements of ``param`` (whose shape on this rank is ``shape``: a freed stage-3 parameter
+    is empty), from element ``start``, at ``offset`` of master ``master``, whose torch-optimizer state is
+    number ``state``."""
+
+    master: int
+    state: int
+    param: nn.Parameter
+    shape: torch.Size
+    start: int
+    offset: int
+    length: int
+
+
 class ZeroOptimizer:
     """Data-parallel training with ZeRO stage 0, 1, 2 or 3 over ``dp``.
 
@@ -246,14 +261,18 @@ class ZeroOptimizer:
         if self.units is not None:
             self.units.zero()
 
-    def _master_grads(self) -> list[torch.Tensor]:
-        """fp32 gradients of the master chunks, unscaled (views where no conversion is needed)."""
-        grads = []
-        for slot in self.slots:
-            grad = slot.grad()
-            grad = grad if grad.dtype == torch.float32 else grad.float()
-            grads.append(grad.div_(self.loss_scale) if self.loss_scale != 1.0 else grad)
-        return grads
+    def _master_grad(self, index: int, scale: float, coefficient: float) -> torch.Tensor:
+        """Master ``index``'s fp32 gradient, unscaled (the loss ``scale`` of its backward) and clipped by
+        ``coefficient``, on the master's device
+        (in place where no conversion is needed). Made one master at a time when it is stepped, so that
+        with NVMe offload only the sub-groups in flight hold an fp32 copy."""
+        grad = self.slots[index].grad()
+        grad = grad if grad.dtype == torch.float32 else grad.float()
+        if scale != 1.0:
+            grad.div_(scale)
+        if coefficient != 1.0:
+            grad.mul_(coefficient)
+        return grad.to(self.masters[index].device, non_blocking=True)  # offload: out to the CPU
 
     def _global_sum(self, value: torch.Tensor, op=torch.distributed.ReduceOp.SUM, over_dp: bool = True) -> None:
         if over_dp:
@@ -261,14 +280,16 @@ class ZeroOptimizer:
         if self.model_parallel.model_parallel is not None:
             comm.all_reduce(value, self.model_parallel.model_parallel, op=op)
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over the whole model: each parameter once, wherever its chunks live."""
+    def _grad_norm(self, grads: list[torch.Tensor], scale: float, device: torch.device) -> float:
+        """L2 norm of the unscaled gradients over the whole model: each parameter once, wherever its chunks
+        live (fp32 one segment at a time)."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
-        total = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        total = torch.zeros(1, dtype=torch.float32, device=device)
         for slot, grad in zip(self.slots, grads):
             for param, offset, length in slot.segments:
                 if counts_once_here(param, tp_rank):
-                    total += grad[offset:offset + length].pow(2).sum()
+                    segment = grad[offset:offset + length].float()
+                    total += (segment / scale if scale != 1.0 else segment).pow(2).sum()
         self._global_sum(total, over_dp=self.stage > 0)  # stage 0: every dp rank holds the same sum
         return total.sqrt().item()
 
@@ -277,27 +298,26 @@ class ZeroOptimizer:
         self.grad_sync.finish()
         if self.units is not None:
             self.units.finish()
-        grads = self._master_grads()
-        overflow = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        grads = [slot.grad() for slot in self.slots]  # reduced, in compute precision, still scaled
+        device = grads[0].device if grads else torch.device("cpu")
+        overflow = torch.zeros(1, dtype=torch.float32, device=device)
         if isinstance(self.loss_scaler, DynamicLossScaler):
             for grad in grads:
                 if not torch.isfinite(grad).all():
                     overflow.fill_(1.0)
                     break
             self._global_sum(overflow, op=torch.distributed.ReduceOp.MAX)
-        norm = self._grad_norm(grads)
+        norm = self._grad_norm(grads, scale, device)
         skipped = bool(overflow.item()) or not math.isfinite(norm)
         self.loss_scaler.update(skipped)
         if skipped:
             return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
         coefficient = self.clip_grad / (norm + 1e-6) if 0 < self.clip_grad < norm else 1.0
-        grads = [(grad.mul_(coefficient) if coefficient != 1.0 else grad).to(master.device, non_blocking=True)
-                 for master, grad in zip(self.masters, grads)]  # offload: gradients go out to the CPU
         if self.swapped is not None:
-            self.swapped.step(grads, self._write_back)
+            self.swapped.step(lambda index: self._master_grad(index, scale, coefficient), self._write_back)
         else:
-            for master, grad in zip(self.masters, grads):
-                master.grad = grad
+            for index, master in enumerate(self.masters):
+                master.grad = self._master_grad(index, scale, coefficient)
             self.optimizer.step()
             for index, master in enumerate(self.masters):
                 master.grad = None
@@ -329,6 +349,30 @@ class ZeroOptimizer:
                                                            buffer.data[low:high], self.dp, async_op=True))
         for handle in handles:
             handle.wait()
+
+    def master_pieces(self) -> list[MasterPiece]:
+        """Where every parameter's elements sit in this rank's masters. Checkpoints record it, so that
+        another layout can re-cut the masters and states by parameter."""
+        state_index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        pieces = []
+        for index, slot in enumerate(self.slots):
+            first = self.shard * slot.data.numel() if slot.sharded else 0  # where the master starts in its range
+            where = {id(param): (offset, shape) for param, offset, shape in slot.layout}
+            for param, offset, length in slot.segments:
+                start, shape = where[id(param)]
+                pieces.append(MasterPiece(index, state_index[id(slot.master)], param, shape, first + offset - start,
+                                          offset, length))
+        return pieces
+
+    def masters_to_parameters(self) -> None:
+        """Copy every master into its compute-precision parameters on every rank (after a checkpoint
+        wrote the masters)."""
+        for index in range(len(self.slots)):
+            self._write_back(index)
+        if self.units is not None:
+            self.units.flush()
+        if self.stage > 0:
+            self._gather_parameters()
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager:
         """Inside this block every parameter holds its full value (stage 3 gathers them; a no-op before)."""

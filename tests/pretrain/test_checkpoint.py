@@ -43,6 +43,27 @@ def test_ten_then_resume_ten_equals_twenty_straight_for_every_stage(stdlib_corpu
     assert sorted(manifest["files"]) == [f"rank_{r:05d}.pt" for r in range(8)]
 
 
+def _assert_close(got, want, rtol=1e-5):
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= rtol * abs(b), (got, want)
+
+
+def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_path):
+    """Saved at tp2 x dp2 with ZeRO-2, resumed at pp2 x dp2 with ZeRO-3, at dp4 with ZeRO-1, and at
+    pp2 (interleaved, v = 2) x tp2 with ZeRO-0: each continues the original run's trajectory."""
+    saved = str(tmp_path / "tp2dp2")
+    original = [*_tp(2), "--zero-stage", "2", "--lr-decay-iters", "20"]
+    others = [[*_pp(2), "--zero-stage", "3", "--zero-persistence-threshold", "0"], ["--zero-stage", "1"],
+              [*_pp(2, "interleaved", "--virtual-pipeline-size", "2"), *_tp(2)]]
+    layouts = [original + ["--train-iters", "20"], original + ["--train-iters", "10", "--save", saved]]
+    layouts += [other + ["--lr-decay-iters", "20", "--train-iters", "20", "--load", saved] for other in others]
+    for rank_results in run_world(4, _train, layouts, stdlib_corpus, timeout_s=600):
+        straight = rank_results[0]
+        for resumed in rank_results[2:]:
+            _assert_close(resumed[0], straight[0][10:])  # losses
+            _assert_close(resumed[1], straight[1][10:])  # gradient norms
+
+
 def _load_only(rank, world_size, directory, corpus):
     from pretrain.arguments import parse_config
     from pretrain.trainer import Trainer

@@ -1,0 +1,134 @@
+"""Re-cut a checkpoint's masters and optimizer states for another layout (dp, tp, pp, ZeRO stage, vp).
+
+Every rank file records where each parameter's elements sit in its masters (``describe``): the
+parameter's layout-independent name, its tensor-parallel slice (dimension, rank, size, padded rows)
+and the element range of that slice. A rank of the new layout rebuilds, one parameter at a time, the
+whole parameter's master values and per-element optimizer states from the pieces in the old files
+(opened memory-mapped, so only the pieces read come off the disk), cuts its own tensor-parallel slice
+and the element ranges its own masters hold, and drops the rest. No rank ever holds more than one
+whole parameter beyond its own shard. The dropout streams start afresh (they depend on the layout).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from parallel.zero.optimizer import ZeroOptimizer
+
+
+class ReshardError(ValueError):
+    """The checkpoint cannot fill this model (another model, or pieces missing); names the parameter."""
+
+
+def _tp_slice(param: nn.Parameter) -> tuple[int | None, int | None]:
+    """(the dimension tensor parallelism splits, or None for a replicated parameter; the unpadded rows
+    along it for a padded vocabulary table, else None)."""
+    return getattr(param, "partition_dim", None), getattr(param, "unpadded_rows", None)
+
+
+def describe(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int, tp_size: int) -> list[dict]:
+    """This rank's pieces: which elements of which named parameter each master range holds."""
+    pieces = []
+    for piece in optimizer.master_pieces():
+        dim, rows = _tp_slice(piece.param)
+        pieces.append({"name": names[piece.param], "master": piece.master, "state": piece.state,
+                       "start": piece.start, "offset": piece.offset, "length": piece.length,
+                       "shape": list(piece.shape), "tp_dim": dim, "tp_rank": tp_rank, "tp_size": tp_size,
+                       "rows": rows})
+    return pieces
+
+
+def _whole(name: str, entries: list[tuple[dict, dict]], kind: str) -> torch.Tensor:
+    """The whole parameter ``name`` (masters, or optimizer state ``kind``) from the old pieces, without
+    vocabulary padding."""
+    slices: dict[int, torch.Tensor] = {}
+    filled: dict[int, torch.Tensor] = {}
+    for state, piece in entries:
+        rank = piece["tp_rank"]
+        if rank not in slices:
+            slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
+            filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
+        if kind == "master":
+            source = state["masters"][piece["master"]]
+        else:
+            source = state["optimizer"]["optimizer"]["state"].get(piece["state"], {}).get(kind)
+            if source is None:
+                continue  # a master the optimizer never stepped: its state is zero
+        span = slice(piece["start"], piece["start"] + piece["length"])
+        slices[rank][span] = source[piece["offset"]:piece["offset"] + piece["length"]].float()
+        filled[rank][span] = True
+    first = entries[0][1]
+    ranks = range(first["tp_size"]) if first["tp_dim"] is not None else [min(slices)]
+    for rank in ranks:
+        if rank not in filled or (kind == "master" and not bool(filled[rank].all())):
+            raise ReshardError(f"{name}: the checkpoint lacks part of tensor-parallel slice {rank} (a rank file of "
+                               "another run, or one missing)")
+    if first["tp_dim"] is None:
+        whole = slices[ranks[0]].view(first["shape"])
+    else:
+        whole = torch.cat([slices[r].view(first["shape"]) for r in ranks], dim=first["tp_dim"])
+    if first["rows"] is not None:
+        whole = whole.narrow(first["tp_dim"], 0, first["rows"])
+    return whole
+
+
+def _my_slice(whole: torch.Tensor, piece, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's tensor-parallel slice of ``whole`` for ``piece``'s parameter, padded as this layout
+    pads the vocabulary."""
+    dim, rows = _tp_slice(piece.param)
+    if rows is not None:  # pad the vocabulary rows back to this layout's padded size
+        pad = [0, 0] * (whole.dim() - 1 - dim) + [0, piece.shape[dim] * tp_size - whole.shape[dim]]
+        whole = torch.nn.functional.pad(whole, pad)
+    if dim is not None:
+        whole = whole.chunk(tp_size, dim=dim)[tp_rank]
+    if whole.shape != piece.shape:
+        raise ReshardError(f"checkpoint parameter of shape {tuple(whole.shape)} cannot fill this model's "
+                           f"{tuple(piece.shape)} (another model?)")
+    return whole.reshape(-1)
+
+
+def load(states: list[dict], optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int,
+         tp_size: int) -> None:
+    """Fill ``optimizer``'s masters and states (then its parameters) from the old rank ``states`` (each a
+    rank file's content with its ``pieces``), whatever layout wrote them."""
+    old_pieces: dict[str, list[tuple[dict, dict]]] = defaultdict(list)
+    for state in states:
+        for piece in state["pieces"]:
+            old_pieces[piece["name"]].append((state, piece))
+    mine: dict[str, list] = defaultdict(list)
+    for piece in optimizer.master_pieces():
+        mine[names[piece.param]].append(piece)
+    torch_optimizer = optimizer.optimizer
+    kinds = sorted({kind for state in states for per_master in state["optimizer"]["optimizer"]["state"].values()
+                    for kind, value in per_master.items() if torch.is_tensor(value) and value.numel() > 1})
+    new_states: dict[int, dict] = {}
+    with torch.no_grad():
+        for name, pieces in mine.items():
+            if name not in old_pieces:
+                raise ReshardError(f"{name}: not in the checkpoint (another model?)")
+            for kind in ["master", *kinds]:
+                local = _my_slice(_whole(name, old_pieces[name], kind), pieces[0], tp_rank, tp_size)
+                for piece in pieces:
+                    if kind == "master":
+                        target = optimizer.masters[piece.master].data
+                    else:
+                        per_master = new_states.setdefault(piece.state, {})
+                        if kind not in per_master:
+                            per_master[kind] = torch.zeros_like(optimizer.masters[piece.master].data)
+                        target = per_master[kind]
+                    target[piece.offset:piece.offset + piece.length].copy_(local[piece.start:piece.start + piece.length])
+            old_state, old_piece = old_pieces[name][0]
+            scalars = {key: value for key, value in old_state["optimizer"]["optimizer"]["state"]
+                       .get(old_piece["state"], {}).items() if not (torch.is_tensor(value) and value.numel() > 1)}
+            for piece in pieces:  # e.g. Adam's step count
+                new_states.setdefault(piece.state, {}).update({k: v.clone() if torch.is_tensor(v) else v
+                                                                for k, v in scalars.items()})
+    torch_optimizer.load_state_dict({"state": new_states,
+                                     "param_groups": torch_optimizer.state_dict()["param_groups"]})
+    optimizer.loss_scaler.load_state_dict(states[0]["optimizer"]["loss_scaler"])
+    optimizer.masters_to_parameters()
+
