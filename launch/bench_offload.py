@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
             step = sum(line["step_time_s"] for line in lines[1:]) / len(lines[1:])
             reference = reference or step
             ranks = lines[-1]["per_rank"]
-            mib = [max(r[key] for r in ranks) / 2**20 for key in ("model_state_bytes", "offloaded_bytes", "peak_mem_bytes")]
+            mib = [max(r[key] for r in ranks) / 2**20
+                   for key in ("model_state_bytes", "offloaded_bytes", "peak_mem_bytes")]
             rows.append(f"| {name} | {step:.2f} | {step / reference:.2f}x | {mib[0]:.0f} | {mib[1]:.0f} | "
                         f"{mib[2]:.0f} | {lines[-1]['loss']:.6f} |")
             print(rows[-1], flush=True)

@@ -107,11 +107,13 @@ class ParallelGroups:
         return self.pp_rank == self.topology.pp - 1
 
 
-def create_process_groups(topology: Topology) -> ParallelGroups:
+def create_process_groups(topology: Topology, timeout_s: float | None = None) -> ParallelGroups:
     """Create all groups of ``topology`` and return the ones this rank belongs to.
 
     Raises ValueError (before any group is created, so nothing hangs) when the launcher's world size
     differs from the topology's. Single-rank groups get no torch group: they never communicate.
+    ``timeout_s`` bounds every collective of the groups (torch does not pass the world group's timeout
+    on: without it a silent peer stalls a group's collective for torch's default of 30 minutes).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call parallel.process_groups.init_distributed() first")
@@ -122,10 +124,11 @@ def create_process_groups(topology: Topology) -> ParallelGroups:
                          f"processes or change the parallel sizes")
     topology.warn_if_tp_spans_nodes()
     stats = CommStats()
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     mine: dict[str, AxisGroup] = {}
     for axis in AXES:
         for ranks in topology.groups(axis):
-            handle = dist.new_group(ranks) if len(ranks) > 1 else None
+            handle = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 mine[axis] = AxisGroup(axis, tuple(ranks), handle, stats)
         if axis == "embedding" and axis not in mine:  # a middle pipeline stage holds no embedding

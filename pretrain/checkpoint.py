@@ -117,6 +117,11 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
     return final
 
 
+def exists(directory: str) -> bool:
+    """Whether ``directory`` has a ``latest`` pointer (a run that saved at least once)."""
+    return os.path.exists(os.path.join(directory, "latest"))
+
+
 def read_manifest(directory: str) -> tuple[str, dict]:
     """The newest complete checkpoint under ``directory`` and its manifest (no rank file is read)."""
     pointer = os.path.join(directory, "latest")
@@ -153,6 +158,14 @@ def _read(path: str) -> dict:
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {error}") from None
 
 
+def read_rank_files(directory: str) -> tuple[str, dict, list[dict]]:
+    """The newest complete checkpoint under ``directory``, its manifest and every rank file's content
+    (each verified against the manifest, then memory-mapped)."""
+    checkpoint, manifest = read_manifest(directory)
+    entries = sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
+    return checkpoint, manifest, [_read(_verified(checkpoint, manifest, entry)) for entry in entries]
+
+
 def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer,
          names: dict[nn.Parameter, str]) -> tuple[dict, dict | None]:
     """Restore this rank's state from the newest checkpoint; return (manifest, random states). A
@@ -165,7 +178,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer,
         with optimizer.states_in_memory():
             _restore(optimizer, state, path)
         return manifest, state["rng"]
-    states = [_read(_verified(checkpoint, manifest, entry)) for entry in sorted(manifest["files"])]
+    _, _, states = read_rank_files(directory)
     try:
         with optimizer.states_in_memory():
             reshard.load(states, optimizer, names, groups.tp_rank, groups.topology.tp)

@@ -42,38 +42,72 @@ def describe(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: 
     return pieces
 
 
-def _whole(name: str, entries: list[tuple[dict, dict]], kind: str) -> torch.Tensor:
-    """The whole parameter ``name`` (masters, or optimizer state ``kind``) from the old pieces, without
-    vocabulary padding."""
-    slices: dict[int, torch.Tensor] = {}
-    filled: dict[int, torch.Tensor] = {}
-    for state, piece in entries:
-        rank = piece["tp_rank"]
-        if rank not in slices:
-            slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
-            filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
-        if kind == "master":
-            source = state["masters"][piece["master"]]
+class CheckpointPieces:
+    """The pieces of every parameter in a checkpoint's rank files (their contents, memory-mapped). Owns
+    the index by name; rebuilds one whole parameter (masters or a per-element optimizer state) on
+    request and never keeps it."""
+
+    def __init__(self, states: list[dict]):
+        self.states = states
+        self.by_name: dict[str, list[tuple[dict, dict]]] = defaultdict(list)
+        for state in states:
+            for piece in state["pieces"]:
+                self.by_name[piece["name"]].append((state, piece))
+        per_master = [states_of_master for state in states
+                      for states_of_master in state["optimizer"]["optimizer"]["state"].values()]
+        self.kinds = sorted({kind for states_of_master in per_master for kind, value in states_of_master.items()
+                             if torch.is_tensor(value) and value.numel() > 1})  # e.g. Adam's two moments
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole parameter's shape (tensor-parallel slices joined, vocabulary padding removed)."""
+        piece = self.by_name[name][0][1]
+        shape = list(piece["shape"])
+        if piece["tp_dim"] is not None:
+            shape[piece["tp_dim"]] *= piece["tp_size"]
+        if piece["rows"] is not None:
+            shape[piece["tp_dim"]] = piece["rows"]
+        return tuple(shape)
+
+    def scalars(self, name: str) -> dict:
+        """The optimizer's per-parameter scalars (e.g. Adam's step count) of ``name``."""
+        state, piece = self.by_name[name][0]
+        per_master = state["optimizer"]["optimizer"]["state"].get(piece["state"], {})
+        return {key: value for key, value in per_master.items() if not (torch.is_tensor(value) and value.numel() > 1)}
+
+    def whole(self, name: str, kind: str = "master") -> torch.Tensor:
+        """The whole parameter ``name``: its fp32 masters, or optimizer state ``kind`` (zero where the
+        optimizer never stepped)."""
+        entries = self.by_name.get(name)
+        if not entries:
+            raise ReshardError(f"{name}: not in the checkpoint (another model?)")
+        slices: dict[int, torch.Tensor] = {}
+        filled: dict[int, torch.Tensor] = {}
+        for state, piece in entries:
+            rank = piece["tp_rank"]
+            if rank not in slices:
+                slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
+                filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
+            if kind == "master":
+                source = state["masters"][piece["master"]]
+            else:
+                source = state["optimizer"]["optimizer"]["state"].get(piece["state"], {}).get(kind)
+            span = slice(piece["start"], piece["start"] + piece["length"])
+            filled[rank][span] = True
+            if source is not None:
+                slices[rank][span] = source[piece["offset"]:piece["offset"] + piece["length"]].float()
+        first = entries[0][1]
+        ranks = list(range(first["tp_size"])) if first["tp_dim"] is not None else [min(slices)]
+        for rank in ranks:
+            if rank not in filled or not bool(filled[rank].all()):
+                raise ReshardError(f"{name}: the checkpoint lacks part of tensor-parallel slice {rank} (a rank "
+                                   "file of another run, or one missing)")
+        if first["tp_dim"] is None:
+            whole = slices[ranks[0]].view(first["shape"])
         else:
-            source = state["optimizer"]["optimizer"]["state"].get(piece["state"], {}).get(kind)
-            if source is None:
-                continue  # a master the optimizer never stepped: its state is zero
-        span = slice(piece["start"], piece["start"] + piece["length"])
-        slices[rank][span] = source[piece["offset"]:piece["offset"] + piece["length"]].float()
-        filled[rank][span] = True
-    first = entries[0][1]
-    ranks = range(first["tp_size"]) if first["tp_dim"] is not None else [min(slices)]
-    for rank in ranks:
-        if rank not in filled or (kind == "master" and not bool(filled[rank].all())):
-            raise ReshardError(f"{name}: the checkpoint lacks part of tensor-parallel slice {rank} (a rank file of "
-                               "another run, or one missing)")
-    if first["tp_dim"] is None:
-        whole = slices[ranks[0]].view(first["shape"])
-    else:
-        whole = torch.cat([slices[r].view(first["shape"]) for r in ranks], dim=first["tp_dim"])
-    if first["rows"] is not None:
-        whole = whole.narrow(first["tp_dim"], 0, first["rows"])
-    return whole
+            whole = torch.cat([slices[r].view(first["shape"]) for r in ranks], dim=first["tp_dim"])
+        if first["rows"] is not None:
+            whole = whole.narrow(first["tp_dim"], 0, first["rows"])
+        return whole
 
 
 def _my_slice(whole: torch.Tensor, piece, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -95,23 +129,15 @@ def load(states: list[dict], optimizer: ZeroOptimizer, names: dict[nn.Parameter,
          tp_size: int) -> None:
     """Fill ``optimizer``'s masters and states (then its parameters) from the old rank ``states`` (each a
     rank file's content with its ``pieces``), whatever layout wrote them."""
-    old_pieces: dict[str, list[tuple[dict, dict]]] = defaultdict(list)
-    for state in states:
-        for piece in state["pieces"]:
-            old_pieces[piece["name"]].append((state, piece))
+    old = CheckpointPieces(states)
     mine: dict[str, list] = defaultdict(list)
     for piece in optimizer.master_pieces():
         mine[names[piece.param]].append(piece)
-    torch_optimizer = optimizer.optimizer
-    kinds = sorted({kind for state in states for per_master in state["optimizer"]["optimizer"]["state"].values()
-                    for kind, value in per_master.items() if torch.is_tensor(value) and value.numel() > 1})
     new_states: dict[int, dict] = {}
     with torch.no_grad():
         for name, pieces in mine.items():
-            if name not in old_pieces:
-                raise ReshardError(f"{name}: not in the checkpoint (another model?)")
-            for kind in ["master", *kinds]:
-                local = _my_slice(_whole(name, old_pieces[name], kind), pieces[0], tp_rank, tp_size)
+            for kind in ["master", *old.kinds]:
+                local = _my_slice(old.whole(name, kind), pieces[0], tp_rank, tp_size)
                 for piece in pieces:
                     if kind == "master":
                         target = optimizer.masters[piece.master].data
@@ -120,15 +146,14 @@ def load(states: list[dict], optimizer: ZeroOptimizer, names: dict[nn.Parameter,
                         if kind not in per_master:
                             per_master[kind] = torch.zeros_like(optimizer.masters[piece.master].data)
                         target = per_master[kind]
-                    target[piece.offset:piece.offset + piece.length].copy_(local[piece.start:piece.start + piece.length])
-            old_state, old_piece = old_pieces[name][0]
-            scalars = {key: value for key, value in old_state["optimizer"]["optimizer"]["state"]
-                       .get(old_piece["state"], {}).items() if not (torch.is_tensor(value) and value.numel() > 1)}
+                    span = slice(piece.start, piece.start + piece.length)
+                    target[piece.offset:piece.offset + piece.length].copy_(local[span])
+            scalars = old.scalars(name)
             for piece in pieces:  # e.g. Adam's step count
                 new_states.setdefault(piece.state, {}).update({k: v.clone() if torch.is_tensor(v) else v
                                                                 for k, v in scalars.items()})
+    torch_optimizer = optimizer.optimizer
     torch_optimizer.load_state_dict({"state": new_states,
                                      "param_groups": torch_optimizer.state_dict()["param_groups"]})
     optimizer.loss_scaler.load_state_dict(states[0]["optimizer"]["loss_scaler"])
     optimizer.masters_to_parameters()
-

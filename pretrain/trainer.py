@@ -78,7 +78,7 @@ class Trainer:
 
     def __init__(self, config: Config, topology: Topology, device: torch.device):
         self.config, self.device = config, device
-        self.groups: ParallelGroups = create_process_groups(topology)
+        self.groups: ParallelGroups = create_process_groups(topology, config.parallel.distributed_timeout_s)
         self.is_logger = self.groups.rank == 0
         train = config.training
         self.dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
@@ -131,7 +131,11 @@ class Trainer:
         if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
             for signum in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(signum, self._on_signal)
-        if config.checkpoint.load:
+        if config.checkpoint.load and not checkpoint.exists(config.checkpoint.load):
+            # a job that restarts itself passes --load from its first start, before any save
+            print_rank0(self.is_logger, f"no checkpoint under --load {config.checkpoint.load} yet: training from "
+                        "iteration 0")
+        elif config.checkpoint.load:
             manifest, rng = checkpoint.load(config.checkpoint.load, self.groups, self.optimizer, self.parameter_names)
             self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
             if rng is not None:  # the same layout: the stage's dropout streams and the default one

@@ -10,6 +10,7 @@ single-process model of the same part (the whole GPT at tp = pp = 1).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -20,36 +21,61 @@ from parallel import comm
 from parallel.zero.optimizer import ZeroOptimizer
 
 
+class StreamedSafetensors:
+    """A safetensors file written tensor by tensor in a declared order: the header (every name, dtype and
+    shape) first, then each tensor's bytes as ``write`` is given it. Owns the open file, written to
+    ``path + ".tmp"`` and renamed only by ``close`` after every declared tensor arrived, so a reader never
+    sees a half-written file. Never holds more than the tensor being written."""
+
+    DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+    def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype = torch.float32,
+                 metadata: dict[str, str] | None = None):
+        self.path, self.dtype, self._pending = path, dtype, [(name, tuple(shape)) for name, shape in entries]
+        header, offset = {"__metadata__": metadata} if metadata else {}, 0
+        size = torch.empty(0, dtype=dtype).element_size()
+        for name, shape in self._pending:
+            end = offset + size * math.prod(shape)
+            header[name] = {"dtype": self.DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self._handle = open(path + ".tmp", "wb")
+        self._handle.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next declared tensor (names must come in the declared order)."""
+        expected, shape = self._pending.pop(0)
+        if name != expected or tuple(tensor.shape) != shape:
+            raise ValueError(f"expected {expected} {shape} next, got {name} {tuple(tensor.shape)}")
+        self._handle.write(tensor.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
+
+    def close(self) -> None:
+        """Finish the file (fsynced) and give it its name; a file missing tensors is left as ``.tmp``."""
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        if self._pending:
+            raise ValueError(f"{self.path}: {len(self._pending)} declared tensors were never written "
+                             f"(first: {self._pending[0][0]}); left as {self.path}.tmp")
+        os.replace(self.path + ".tmp", self.path)
+
+
 def export_fp32_state_dict(module: nn.Module, optimizer: ZeroOptimizer, path: str) -> None:
     """Stream ``module``'s parameters as fp32 (from the optimizer's masters) to ``path`` (dp rank 0 writes;
     every data-parallel rank must call it). Written to ``path + ".tmp"`` and renamed when complete."""
     names = {param: name for name, param in module.named_parameters()}
-    entries, offset = [], 0
+    writer = None
+    if optimizer.dp.rank == 0:
+        writer = StreamedSafetensors(path, [(names[param], shape) for slot in optimizer.slots
+                                            for param, _, shape in slot.layout])
     for slot in optimizer.slots:
-        for param, _, shape in slot.layout:
-            size = 4 * shape.numel()
-            entries.append((names[param], shape, offset, offset + size))
-            offset += size
-    writer = optimizer.dp.rank == 0
-    if writer:
-        header = json.dumps({name: {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, end]}
-                             for name, shape, begin, end in entries}).encode()
-        header += b" " * (-len(header) % 8)
-        handle = open(path + ".tmp", "wb")
-        handle.write(struct.pack("<Q", len(header)) + header)
-    try:
-        for slot in optimizer.slots:
-            full = slot.master.data
-            if slot.sharded and optimizer.dp.size > 1:
-                full = torch.empty(full.numel() * optimizer.dp.size, dtype=torch.float32, device=full.device)
-                comm.all_gather_into_tensor(full, slot.master.data.contiguous(), optimizer.dp)
-            if writer:
-                for param, start, shape in slot.layout:
-                    handle.write(full[start:start + shape.numel()].cpu().numpy().tobytes())
-    finally:
-        if writer:
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-    if writer:
-        os.replace(path + ".tmp", path)
+        full = slot.master.data
+        if slot.sharded and optimizer.dp.size > 1:
+            full = torch.empty(full.numel() * optimizer.dp.size, dtype=torch.float32, device=full.device)
+            comm.all_gather_into_tensor(full, slot.master.data.contiguous(), optimizer.dp)
+        if writer is not None:
+            for param, start, shape in slot.layout:
+                writer.write(names[param], full[start:start + shape.numel()].view(shape))
+    if writer is not None:
+        writer.close()

@@ -40,7 +40,8 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a numpy view (which would pin its storage's size)."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("swap transfers need a contiguous CPU tensor")
-    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())).cast("B")
+    raw = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    return memoryview(raw).cast("B")
 
 
 class SwapSpace:

@@ -1,0 +1,70 @@
+"""The consolidated file and the Hugging Face GPT-2 export, from checkpoints of any layout."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pretrain.convert import main as convert
+from tests.pretrain.test_trainer import TINY, _pp, _tp
+from tests.world import run_world
+
+TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+def _train_and_save(rank, world_size, corpus, directory, layout):
+    """Three iterations, saved; on one process also the trained weights by name and the model's logits."""
+    from pretrain.arguments import parse_config
+    from pretrain.trainer import Trainer
+    from pretrain.validation import validate
+
+    prefix, tokenizer = corpus
+    config = parse_config(TINY + layout + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
+                                           f"{prefix}-cache", "--train-iters", "3", "--save", directory])
+    trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
+    trainer.train()
+    if world_size > 1:
+        return None
+    model = trainer.model[0].eval()
+    with torch.no_grad():
+        logits = model(TOKENS, torch.arange(32).expand(2, 32))[:, :, :config.model.vocab_size].transpose(0, 1)
+    weights = {name: param.detach().clone() for param, name in trainer.parameter_names.items()}
+    weights["word_embedding.weight"] = weights["word_embedding.weight"][:config.model.vocab_size]
+    return weights, logits
+
+
+def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, tmp_path):
+    single, grid = str(tmp_path / "single"), str(tmp_path / "grid")
+    (weights, logits), = run_world(1, _train_and_save, stdlib_corpus, single, [])
+    run_world(4, _train_and_save, stdlib_corpus, grid, [*_tp(2), *_pp(2), "--zero-stage", "1"])
+
+    convert(["--load", single, "--output", str(tmp_path / "single.safetensors"), "--with-optimizer-states"])
+    consolidated = load_file(str(tmp_path / "single.safetensors"))
+    assert {name: t for name, t in consolidated.items() if not name.startswith("optimizer.")}.keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(consolidated[name], value), name  # the trained weights, exactly
+        assert consolidated[f"optimizer.exp_avg_sq.{name}"].shape == value.shape
+
+    convert(["--load", grid, "--output", str(tmp_path / "grid.safetensors")])  # tp2 x pp2: the same model
+    grid_weights = load_file(str(tmp_path / "grid.safetensors"))
+    assert {name: t.shape for name, t in grid_weights.items()} == {name: t.shape for name, t in weights.items()}
+    # another layout sums in another order: the same weights up to float noise (Adam steps amplify it
+    # on the tiniest gradients, so compare the whole model)
+    difference = sum((grid_weights[name] - value).pow(2).sum() for name, value in weights.items()).sqrt()
+    assert difference <= 1e-5 * sum(value.pow(2).sum() for value in weights.values()).sqrt()
+
+    transformers = pytest.importorskip("transformers")
+    convert(["--load", grid, "--output", str(tmp_path / "hf"), "--to", "hf"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        theirs = model(TOKENS).logits
+    torch.testing.assert_close(theirs, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_export_refuses_what_gpt2_cannot_express(stdlib_corpus, tmp_path):
+    directory = str(tmp_path / "rope")
+    run_world(1, _train_and_save, stdlib_corpus, directory, ["--position-embedding-type", "rope"])
+    with pytest.raises(SystemExit, match="cannot express --position-embedding-type rope"):
+        convert(["--load", directory, "--output", str(tmp_path / "hf"), "--to", "hf"])
