@@ -44,7 +44,7 @@ def _worker(args: argparse.Namespace) -> None:
         for name, policy in policies.items():
             model = GPTModel(config, groups.tp, seed=0, pre_process=False, post_process=False)
             apply_recompute(torch.nn.ModuleList([model]), policy, groups.tp)
-            meter, times = SavedActivationMeter(model), []
+            meter, times = SavedActivationMeter(), []
             positions = torch.arange(args.seq).expand(args.batch, args.seq)
             for step in range(args.steps + 1):
                 hidden = torch.randn(args.seq, args.batch, args.hidden, requires_grad=True,

@@ -44,7 +44,7 @@ def _worker(args: argparse.Namespace) -> None:
     device = init_distributed()
     groups = create_process_groups(topology)
     chunks = build_stage(config.model, groups, seed=0, vp=args.vp)
-    runner = StageRunner(config, groups, chunks, device, SavedActivationMeter(chunks), contextlib.nullcontext)
+    runner = StageRunner(config, groups, chunks, device, SavedActivationMeter(), contextlib.nullcontext)
 
     def synthetic_batches():
         generator = torch.Generator().manual_seed(0)

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
             "--num-attention-heads", str(args.heads), "--seq-length", "128", "--micro-batch-size", "1",
             "--global-batch-size", str(args.nproc), "--train-iters", str(args.iters), "--zero-stage", "3", "--bf16",
             "--offload-optimizer", "nvme", "--offload-param", "nvme", "--nvme-path", swap,
-            "--zero-sub-group-size", str(args.sub_group_size), "--log-interval", "1", "--lr", "1e-4",
-            "--min-lr", "1e-5",
+            "--zero-sub-group-size", str(args.sub_group_size), "--log-interval", "1",
+            "--lr", "2e-5", "--lr-warmup-iters", "1", "--min-lr", "2e-6",
             "--default-corpus-vocab-size", "4096"])
     for line in lines:
         ranks = line["per_rank"]

@@ -1,7 +1,8 @@
 """Measure the bytes autograd keeps for backward, with saved-tensor hooks.
 
 Inside ``meter.recording(key)``, every tensor saved for backward is counted once per storage (views
-of one storage count once; parameters are excluded) under ``key`` (e.g. a micro-batch). ``release(key)``
+of one storage count once; parameters and views of them are excluded, wherever their storage is at the
+moment, e.g. a ZeRO-3 gather slot) under ``key`` (e.g. a micro-batch). ``release(key)``
 drops what that key saved once its backward has run. ``peak_bytes`` is the largest total held at once
 since ``reset()``: with a pipeline schedule several micro-batches are alive together.
 """
@@ -21,18 +22,19 @@ class SavedActivationMeter:
     not change what memory is held.
     """
 
-    def __init__(self, module: nn.Module | None = None):
-        self._excluded = {p.untyped_storage().data_ptr() for p in module.parameters()} if module else set()
+    def __init__(self):
         self._by_key: dict[object, dict[int, int]] = {}
         self._key: object = None
         self.current_bytes = 0
         self.peak_bytes = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter):
+            return tensor  # a weight (or its transpose) kept for the backward of a matmul or norm
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         seen = self._by_key.setdefault(self._key, {})
-        if address not in self._excluded and address not in seen:
+        if address not in seen:
             seen[address] = storage.nbytes()
             self.current_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)

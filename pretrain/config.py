@@ -149,6 +149,7 @@ class LoggingConfig:
     wandb_project: str | None = field(default=None, metadata=flag("wandb project (offline unless wandb is "
                                                                    "configured online); none = no wandb"))
     wandb_exp_name: str | None = field(default=None, metadata=flag("wandb run name"))
+    wandb_group: str | None = field(default=None, metadata=flag("wandb group (e.g. the sweep the run belongs to)"))
     wandb_dir: str = field(default="runs", metadata=flag("directory for wandb files"))
     sample_prompt: str | None = field(default="def ", metadata=flag("text to continue with the trained model "
                                                                      "at the end (empty = no sample)"))

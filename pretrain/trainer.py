@@ -122,7 +122,7 @@ class Trainer:
             sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param)
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
-        self.activation_meter = SavedActivationMeter(self.model)
+        self.activation_meter = SavedActivationMeter()
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)
         self.consumed_samples, self.start_iteration = 0, 0

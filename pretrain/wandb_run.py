@@ -28,5 +28,6 @@ def start_wandb(config: Config):
     import wandb
 
     os.makedirs(logging.wandb_dir, exist_ok=True)
-    return wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, config=config.to_dict(),
+    return wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, group=logging.wandb_group,
+                      config=config.to_dict(),
                       dir=logging.wandb_dir, mode="online" if wandb_is_configured_online() else "offline")

@@ -57,7 +57,7 @@ def _saved_bytes(rank, world_size):
         model = GPTModel(config, tp, seed=0, pre_process=False, post_process=False)
         apply_recompute(torch.nn.ModuleList([model]), policy, tp)
         hidden = torch.randn(64, 2, 64, requires_grad=True)
-        meter = SavedActivationMeter(model)
+        meter = SavedActivationMeter()
         with meter.recording():
             out = model(None, torch.arange(64).expand(2, 64), hidden=hidden)
         out.sum().backward()

@@ -98,7 +98,7 @@ def _saved_bytes_per_layer(rank, world_size, tp, sequence_parallel):
     group = create_process_groups(Topology(4, tp=tp)).tp
     block = TransformerBlock(config, 0, group, seed=0, sequence_parallel=sequence_parallel)
     x = torch.randn(s // tp if sequence_parallel else s, b, h, requires_grad=True)
-    meter = SavedActivationMeter(block)
+    meter = SavedActivationMeter()
     with meter.recording():
         block(x).sum().backward()
     return meter.peak_bytes, s * b * h

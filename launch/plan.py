@@ -1,0 +1,254 @@
+"""Memory planner: which layouts of a GPT fit a cluster, best first, with bytes per device.
+
+    python -m launch.plan [model flags as for pretrain] --world-size 64 --gpus-per-node 8 \\
+        --memory-per-device 80GiB [--zero-stage S] [--tensor-model-parallel-size T] \\
+        [--pipeline-model-parallel-size P] [--json]
+
+For every layout (tp, pp, dp, ZeRO stage, recompute, micro-batch size, optimizer offload) it predicts,
+for the most loaded device (the first pipeline stage for activations, the heaviest stage for model
+states):
+
+- model states: the exact parameters of that rank's slice, kept whole or sharded as ``parallel.zero``
+  keeps them (stage 3 keeps parameters up to the persistence threshold, and those whose gradients a
+  model-parallel reduction needs, whole), priced by ``zero.expected_model_state_bytes``;
+- activations: saved bytes per micro-batch by our layer's accounting (Korthikanti et al.'s formulas for
+  a fused attention that keeps no s^2 matrix: sbh(4 + 12/t) elements per layer, 16 sbh/t with sequence
+  parallelism, sbh (or sbh/t) with full recompute of each layer, i.e. --recompute-num-layers 1), times
+  the micro-batches 1F1B keeps alive, plus the last stage's logits and loss; with full recompute also
+  the transient of rebuilding one layer in backward;
+- buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
+- communication per step and axis by the ring model of ``parallel.comm``.
+
+Layouts that fit are ranked by a step-time proxy: recompute cost x pipeline bubble, then bytes sent
+over the slowest axis. ``--json`` prints the list as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+from models.config import GPTConfig
+from parallel.zero import expected_model_state_bytes
+from pretrain.arguments import ConfigError, parse_config
+
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '40 GB', '1024' -> bytes."""
+    stripped = text.replace(" ", "")
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if stripped.endswith(unit):
+            return int(float(stripped[:-len(unit)]) * UNITS[unit])
+    return int(float(stripped))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, offload."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    recompute: str | None = None
+    micro_batch_size: int = 1
+    offload_optimizer: str = "none"
+    sequence_parallel: bool = False
+
+
+@dataclass
+class Plan:
+    """A layout and what it costs per device (bytes) and per step (bytes sent per axis)."""
+
+    layout: Layout
+    model_state_bytes: float
+    activation_bytes: float  # kept for backward at the peak (what the trainer's saved_activation_bytes measures)
+    buffer_bytes: float  # ZeRO-R staging and gathers, and the recompute of one layer
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    score: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
+
+
+def stage_parameters(config: GPTConfig, tp: int, pp: int, stage: int, sequence_parallel: bool) -> list[tuple[int, bool]]:
+    """(elements, needs a model-parallel reduction) of each parameter of pipeline ``stage``'s tp slice,
+    as models.gpt builds it (even split of the layers, one model chunk)."""
+    h, f, t = config.hidden_size, config.ffn_size, tp
+    norm = [(h, sequence_parallel)] * (2 if config.normalization == "LayerNorm" else 1)
+    layer = [*norm, (3 * h * h // t, False), (3 * h // t, False), (h * h // t, False), (h, sequence_parallel),
+             *norm, (f * h // t, False), (f // t, False), (h * f // t, False), (h, sequence_parallel)]
+    params = layer * (config.num_layers // pp)
+    vocab = config.padded_vocab_size(t) * h // t
+    if stage == 0:
+        params.append((vocab, pp > 1))  # the tied embedding is summed with the last stage's copy
+        if config.position_embedding_type == "learned":
+            params.append((config.max_positions * h, False))
+    if stage == pp - 1:
+        params += norm
+        if pp > 1:
+            params.append((vocab, True))
+    return params
+
+
+def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
+                      persistence_threshold: int = 100_000) -> float:
+    """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
+    total = 0.0
+    for numel, reduced in stage_parameters(config, layout.tp, layout.pp, stage, layout.sequence_parallel):
+        stage_of_param = layout.zero_stage
+        if stage_of_param == 3 and (numel <= persistence_threshold or reduced):
+            stage_of_param = 2  # kept whole, gradients sharded
+        total += expected_model_state_bytes(stage_of_param, numel, layout.dp, compute_bytes)
+        if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
+            master = 4 if compute_bytes != 4 else 0
+            total -= numel * (master + 8) / (layout.dp if layout.zero_stage else 1)
+    return total
+
+
+def alive_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations 1F1B keeps on ``stage`` at its peak."""
+    return min(micro_batches, pp - stage)
+
+
+def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int, compute_bytes: int) -> float:
+    """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring)."""
+    s, b, h, t = config.seq_length, layout.micro_batch_size, config.hidden_size, layout.tp
+    sbh = s * b * h
+    split = t if layout.sequence_parallel else 1
+    per_layer = sbh / split if layout.recompute == "full" else _layer_elements(sbh, layout)
+    saved = per_layer * config.num_layers // layout.pp * compute_bytes
+    if stage == layout.pp - 1:  # final norm input and output; the loss's fp32 softmax over this rank's vocabulary
+        saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * 4
+    return saved * alive_micro_batches(layout.pp, stage, micro_batches)
+
+
+def _layer_elements(sbh: int, layout: Layout) -> float:
+    """Elements one layer keeps for backward without recompute (selective gains nothing here: the fused
+    attention keeps no s^2 matrix)."""
+    return 16 * sbh / layout.tp if layout.sequence_parallel else sbh * (4 + 12 / layout.tp)
+
+
+def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int) -> float:
+    """ZeRO-R staging: two bucket slots from stage 2 on; stage 3 also gathers a block (and stages one);
+    full recompute rebuilds one layer's activations in backward."""
+    h, f, t = config.hidden_size, config.ffn_size, layout.tp
+    block = (4 * h * h + 2 * h * f) // t
+    staging = 2 * (bucket_size + bucket_size / layout.dp) * compute_bytes if layout.zero_stage >= 2 else 0
+    gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
+    sbh = config.seq_length * layout.micro_batch_size * h
+    recompute = _layer_elements(sbh, layout) * compute_bytes if layout.recompute == "full" else 0
+    return staging + gathers + recompute
+
+
+def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int) -> dict[str, float]:
+    """Bytes one rank sends per step on each axis (ring model, as parallel.comm counts them)."""
+    psi = sum(n for n, _ in stage_parameters(config, layout.tp, layout.pp, 0, layout.sequence_parallel))
+    n, t = layout.dp, layout.tp
+    grad_factor = 3 if layout.zero_stage == 3 else 2
+    sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
+    layers = config.num_layers // layout.pp
+    recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
+    return {
+        "dp": grad_factor * psi * compute_bytes * (n - 1) / n,
+        "tp": 4 * 2 * (t - 1) / t * sbh * layers * micro_batches * recompute,
+        "pp": 2 * sbh * micro_batches if layout.pp > 1 else 0.0,
+    }
+
+
+def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compute_bytes: int,
+                bucket_size: int = 20_000_000, persistence_threshold: int = 100_000) -> Plan:
+    micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
+    states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold)
+                 for stage in range(layout.pp))
+    activations = max(activation_bytes(config, layout, stage, micro_batches, compute_bytes)
+                      for stage in range(layout.pp))
+    plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size),
+                comm_bytes(config, layout, micro_batches, compute_bytes))
+    bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
+    recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
+    offload_cost = {"none": 1.0, "cpu": 1.3, "nvme": 2.0}[layout.offload_optimizer]
+    plan.score = recompute_cost * offload_cost / (1 - bubble)
+    return plan
+
+
+def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int,
+                      zero_stage: int | None, tp: int | None, pp: int | None) -> list[Layout]:
+    layouts = []
+    for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
+        if config.num_attention_heads % t or config.ffn_size % t:
+            continue
+        for p in ([pp] if pp else [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]):
+            if world_size % (t * p):
+                continue
+            dp = world_size // (t * p)
+            for micro in (1, 2, 4, 8):
+                if global_batch_size % (micro * dp) or global_batch_size // (micro * dp) < p:
+                    continue
+                for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
+                    for recompute in (None, "selective", "full"):
+                        for offload in ("none", "cpu") if stage else ("none",):
+                            layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1))
+    return layouts
+
+
+def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
+         compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None,
+         pp: int | None = None) -> list[Plan]:
+    """The layouts that fit ``memory_per_device``, best first."""
+    plans = [plan_layout(config, layout, global_batch_size, compute_bytes)
+             for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp)]
+    fitting = [p for p in plans if p.total_bytes <= memory_per_device]
+    return sorted(fitting, key=lambda p: (p.score, p.comm_bytes["dp"] + p.comm_bytes["pp"], p.total_bytes))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--memory-per-device", default="80GiB", help="e.g. 80GiB, 40GB")
+    parser.add_argument("--top", type=int, default=10, help="layouts to print")
+    parser.add_argument("--json", action="store_true")
+    args, model_flags = parser.parse_known_args(argv)
+    try:
+        config = parse_config(model_flags)
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    if config.model.vocab_size is None:
+        config.model.vocab_size = config.data.default_corpus_vocab_size
+    train, zero = config.training, config.zero
+    fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
+             "tp": config.parallel.tensor_model_parallel_size if "--tensor-model-parallel-size" in model_flags else None,
+             "pp": config.parallel.pipeline_model_parallel_size if "--pipeline-model-parallel-size" in model_flags
+             else None}
+    plans = plan(config.model, args.world_size, args.gpus_per_node, parse_bytes(args.memory_per_device),
+                 train.global_batch_size, 2 if train.bf16 or train.fp16 else 4, **fixed)[:args.top]
+    if args.json:
+        print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
+                           "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
+                           "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes, "score": p.score}
+                          for p in plans], indent=1))
+        return
+    params = config.model.num_parameters()
+    print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} per node, "
+          f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
+    print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
+          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / tp / pp")
+    for p in plans:
+        layout, gib = p.layout, 2**30
+        print(f"{layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.zero_stage:>4} {str(layout.recompute):>9} "
+              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | {p.model_state_bytes / gib:>10.2f} "
+              f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
+              f"{p.comm_bytes['dp'] / gib:.2f} / {p.comm_bytes['tp'] / gib:.2f} / {p.comm_bytes['pp'] / gib:.2f}")
+    if not plans:
+        print("nothing fits: add devices, or allow more memory per device")
+
+
+if __name__ == "__main__":
+    main()

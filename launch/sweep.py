@@ -1,0 +1,178 @@
+"""Scaling-study sweeps: ``python -m launch.sweep SWEEP.yaml`` trains a grid of runs and tabulates them.
+
+The grid is model sizes x layouts x learning rates x seeds, every run at the same tokens per step
+(global batch = tokens_per_step / seq_length). Each run is one ``python -m pretrain`` on its layout's
+processes, a member of the wandb group named after the sweep (when ``wandb_project`` is set), and one
+row of ``OUTPUT/results.csv``: final loss, tokens, training FLOPs, tokens/s, model-state and peak
+memory per rank. Its per-iteration metrics stay in ``OUTPUT/runs/RUN.jsonl``. A row is written as soon
+as its run ends, so an interrupted sweep started again skips the finished runs. At the end
+``OUTPUT/sweep.png`` plots loss against training FLOPs per model size, and throughput and memory per
+layout. A sweep file::
+
+    name: cpu-scaling
+    output: runs/sweeps/cpu-scaling
+    tokens_per_step: 2048
+    seq_length: 64
+    train_iters: 20
+    wandb_project: null            # a project name: every run joins group "cpu-scaling"
+    common: {micro_batch_size: 2, lr_warmup_iters: 2}
+    models:                        # name: model flags (as in a pretrain YAML)
+      2l-64: {num_layers: 2, hidden_size: 64, num_attention_heads: 4}
+      4l-128: {num_layers: 4, hidden_size: 128, num_attention_heads: 4}
+    layouts:                       # name: processes and parallel flags
+      dp2: {nproc: 2}
+      tp2: {nproc: 2, tensor_model_parallel_size: 2}
+    lrs: [3.0e-3, 1.0e-3]
+    seeds: [1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import sys
+
+import yaml
+
+from launch.pretrain_run import run_pretrain
+from models.config import GPTConfig
+
+COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens", "flops", "tokens_per_s",
+           "model_state_bytes", "peak_mem_bytes"]
+REQUIRED = ("name", "output", "tokens_per_step", "seq_length", "train_iters", "models", "layouts")
+
+
+def _flags(settings: dict) -> list[str]:
+    """{"num_layers": 2, "sequence_parallel": True} -> ["--num-layers", "2", "--sequence-parallel"]."""
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value not in (False, None):
+            flags += [flag, str(value)]
+    return flags
+
+
+def load_sweep(path: str) -> dict:
+    with open(path) as handle:
+        sweep = yaml.safe_load(handle)
+    missing = [key for key in REQUIRED if key not in (sweep or {})]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.sweep --help)")
+    if sweep["tokens_per_step"] % sweep["seq_length"]:
+        raise ValueError(f"{path}: tokens_per_step {sweep['tokens_per_step']} is not a multiple of seq_length "
+                         f"{sweep['seq_length']}")
+    return sweep
+
+
+def runs_of(sweep: dict) -> list[dict]:
+    """Every run of the grid, in order: its name, model, layout, learning rate and seed."""
+    return [{"run": f"{model}-{layout}-lr{lr:g}-s{seed}", "model": model, "layout": layout, "lr": lr, "seed": seed}
+            for model, layout, lr, seed in itertools.product(sweep["models"], sweep["layouts"],
+                                                             sweep.get("lrs", [3e-4]), sweep.get("seeds", [1]))]
+
+
+def finished_runs(table: str) -> set[str]:
+    if not os.path.exists(table):
+        return set()
+    with open(table, newline="") as handle:
+        return {row["run"] for row in csv.DictReader(handle)}
+
+
+def train_run(sweep: dict, run: dict) -> dict:
+    """Train one run; its row of the table."""
+    layout = dict(sweep["layouts"][run["layout"]])
+    nproc = layout.pop("nproc", 1)
+    model = sweep["models"][run["model"]]
+    settings = {**sweep.get("common", {}), **model, **layout, "seq_length": sweep["seq_length"],
+                "global_batch_size": sweep["tokens_per_step"] // sweep["seq_length"],
+                "train_iters": sweep["train_iters"], "lr": run["lr"], "seed": run["seed"], "log_interval": 1}
+    if sweep.get("wandb_project"):
+        settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"], wandb_exp_name=run["run"])
+    lines = run_pretrain(nproc, _flags(settings))
+    with open(os.path.join(sweep["output"], "runs", f"{run['run']}.jsonl"), "w") as handle:
+        handle.writelines(json.dumps(line) + "\n" for line in lines)
+    config = GPTConfig(**{k: v for k, v in {**model, "seq_length": sweep["seq_length"],
+                                             "vocab_size": sweep.get("common", {}).get("vocab_size")}.items()
+                          if k in GPTConfig.__dataclass_fields__})
+    if config.vocab_size is None:
+        config.vocab_size = sweep.get("common", {}).get("default_corpus_vocab_size", 4096)
+    tokens = sweep["tokens_per_step"] * sweep["train_iters"]
+    timed = lines[1:] or lines
+    return {**run, "parameters": config.num_parameters(), "final_loss": lines[-1]["loss"], "tokens": tokens,
+            "flops": config.flops_per_token() * tokens,
+            "tokens_per_s": sum(line["tokens_per_s"] for line in timed) / len(timed),
+            "model_state_bytes": max(r["model_state_bytes"] for r in lines[-1]["per_rank"]),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in lines[-1]["per_rank"])}
+
+
+def plot(sweep: dict, table: str, path: str) -> None:
+    """Loss against training FLOPs per model size; tokens/s and peak memory per layout and model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(table, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    figure, (loss_axis, speed_axis, memory_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for model in sweep["models"]:
+        mine = [row for row in rows if row["model"] == model]
+        for row in mine[:1]:  # one trajectory per model size: its first run
+            with open(os.path.join(sweep["output"], "runs", f"{row['run']}.jsonl")) as handle:
+                lines = [json.loads(line) for line in handle]
+            per_iteration = float(row["flops"]) / len(lines) if lines else 0
+            loss_axis.plot([per_iteration * line["iteration"] for line in lines], [line["loss"] for line in lines],
+                           label=f"{model} ({int(row['parameters']) / 1e6:.2f}M)")
+    loss_axis.set(xscale="log", xlabel="training FLOPs", ylabel="loss", title="loss vs compute")
+    loss_axis.legend()
+    layouts, models = list(sweep["layouts"]), list(sweep["models"])
+    width = 0.8 / max(len(models), 1)
+    for index, model in enumerate(models):
+        for axis, column, scale in ((speed_axis, "tokens_per_s", 1), (memory_axis, "peak_mem_bytes", 2**-20)):
+            values = [next((float(r[column]) * scale for r in rows if r["model"] == model and r["layout"] == layout), 0)
+                      for layout in layouts]
+            axis.bar([i + index * width for i in range(len(layouts))], values, width, label=model)
+    for axis, label in ((speed_axis, "tokens/s"), (memory_axis, "peak memory per rank (MiB)")):
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(layouts))], layouts)
+        axis.set(ylabel=label, title=f"{label.split(' (')[0]} per layout")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.sweep", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("sweep", help="the sweep's YAML file")
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep)
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        sys.exit(f"error: {error}")
+    os.makedirs(os.path.join(sweep["output"], "runs"), exist_ok=True)
+    table = os.path.join(sweep["output"], "results.csv")
+    done, runs = finished_runs(table), runs_of(sweep)
+    print(f"sweep {sweep['name']}: {len(runs)} runs, {len(done & {r['run'] for r in runs})} already finished")
+    for number, run in enumerate(runs, 1):
+        if run["run"] in done:
+            continue
+        print(f"[{number}/{len(runs)}] {run['run']}", flush=True)
+        row = train_run(sweep, run)
+        fresh = not os.path.exists(table)
+        with open(table, "a", newline="") as handle:  # one row per finished run: the sweep resumes here
+            writer = csv.DictWriter(handle, COLUMNS)
+            if fresh:
+                writer.writeheader()
+            writer.writerow(row)
+    plot(sweep, table, os.path.join(sweep["output"], "sweep.png"))
+    print(f"table {table}, plot {os.path.join(sweep['output'], 'sweep.png')}")
+
+
+if __name__ == "__main__":
+    main()
