@@ -295,12 +295,14 @@ class Trainer:
             return
         stage, dp = self.config.zero.zero_stage, self.groups.topology.dp
         width = torch.finfo(self.dtype).bits // 8
-        lines = [f"model-state bytes per rank (ZeRO stage {stage}, dp {dp}, {self.dtype}): expected vs measured"]
+        lines = [f"model-state bytes per rank (ZeRO stage {stage}, dp {dp}, {self.dtype}): expected vs measured "
+                 "(in memory + in swap files)"]
         for entry in per_rank:
             expected = expected_model_state_bytes(stage, entry["parameters"], dp, width)
+            held = entry["model_state_bytes"] + entry["offloaded_bytes"]
             lines.append(f"  rank {entry['rank']:>3}: {entry['parameters']:>12,} params  expected "
-                         f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} MiB  "
-                         f"({entry['model_state_bytes'] / expected:.3f}x)")
+                         f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} + "
+                         f"{entry['offloaded_bytes'] / 2**20:.2f} MiB  ({held / expected:.3f}x)")
         print("\n".join(lines), flush=True)
 
     def sample(self) -> str | None:

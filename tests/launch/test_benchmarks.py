@@ -23,3 +23,15 @@ def test_pipeline_and_activation_benchmarks_write_their_tables(tmp_path):
                             "--output", str(activations)])
     assert pipeline.read_text().count("| 2 | ") >= 2
     assert os.path.getsize(activations) > 0 and "full+partitioned" in activations.read_text()
+
+
+def test_offload_benchmark_runs_every_system_to_the_same_loss(tmp_path, monkeypatch):
+    from launch import bench_offload
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    output = tmp_path / "offload.md"
+    bench_offload.main(["--hidden-size", "64", "--num-layers", "2", "--heads", "4", "--seq", "16", "--iters", "2",
+                        "--nvme-path", str(tmp_path), "--sub-group-size", "5000", "--output", str(output)])
+    rows = [line for line in output.read_text().splitlines() if line.startswith("| ") and "system" not in line]
+    assert len(rows) == 4 and len({row.split("|")[-2] for row in rows}) == 1  # equal final losses
