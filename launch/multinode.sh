@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 : "${NNODES:?set NNODES, the number of nodes}"
 : "${MASTER_ADDR:?set MASTER_ADDR, the first node (the rendezvous host)}"
 MASTER_PORT=${MASTER_PORT:-29500}
-NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($1 > 0) ? $1 : 1}')}
+NPROC_PER_NODE=${NPROC_PER_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l | awk '{print ($1 > 0) ? $1 : 1}')}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-gpt3d}}
 MAX_RESTARTS=${MAX_RESTARTS:-0}           # > 0: torchrun restarts every node's workers after a failure
 NODE_NAME=${NODE_NAME:-${SLURM_NODEID:-$(hostname)}}

@@ -19,8 +19,9 @@ states):
 - buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
 - communication per step and axis by the ring model of ``parallel.comm``.
 
-Layouts that fit are ranked by a step-time proxy: recompute cost x pipeline bubble, then bytes sent
-over the slowest axis. ``--json`` prints the list as JSON.
+Layouts that fit are ranked by a step-time proxy: recompute cost x offload cost / (1 - pipeline bubble),
+then the bytes sent between nodes (data and pipeline axes; tensor parallelism stays inside a node).
+``--json`` prints the list as JSON.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def parse_bytes(text: str) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, offload."""
+    """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, optimizer
+    offload (none or cpu), sequence parallelism. A value, never checked against a model by itself."""
 
     tp: int
     pp: int
@@ -63,7 +65,8 @@ class Layout:
 
 @dataclass
 class Plan:
-    """A layout and what it costs per device (bytes) and per step (bytes sent per axis)."""
+    """A layout and what it costs per device (bytes) and per step (bytes sent per axis), with its rank
+    among layouts (``score``, lower is faster). Predictions only: it never measures anything."""
 
     layout: Layout
     model_state_bytes: float
@@ -77,7 +80,8 @@ class Plan:
         return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
 
 
-def stage_parameters(config: GPTConfig, tp: int, pp: int, stage: int, sequence_parallel: bool) -> list[tuple[int, bool]]:
+def stage_parameters(config: GPTConfig, tp: int, pp: int, stage: int,
+                     sequence_parallel: bool) -> list[tuple[int, bool]]:
     """(elements, needs a model-parallel reduction) of each parameter of pipeline ``stage``'s tp slice,
     as models.gpt builds it (even split of the layers, one model chunk)."""
     h, f, t = config.hidden_size, config.ffn_size, tp
@@ -150,13 +154,16 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
 def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int) -> dict[str, float]:
     """Bytes one rank sends per step on each axis (ring model, as parallel.comm counts them)."""
     psi = sum(n for n, _ in stage_parameters(config, layout.tp, layout.pp, 0, layout.sequence_parallel))
-    n, t = layout.dp, layout.tp
-    grad_factor = 3 if layout.zero_stage == 3 else 2
+    n, t, m = layout.dp, layout.tp, micro_batches
+    # stages 0-1: one gradient all-reduce (or reduce-scatter + all-gather) per step; stage 2 reduce-scatters
+    # every micro-batch and all-gathers once; stage 3 gathers in forward and backward and reduce-scatters,
+    # every micro-batch
+    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = config.num_layers // layout.pp
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
     return {
-        "dp": grad_factor * psi * compute_bytes * (n - 1) / n,
+        "dp": passes * psi * compute_bytes * (n - 1) / n,
         "tp": 4 * 2 * (t - 1) / t * sbh * layers * micro_batches * recompute,
         "pp": 2 * sbh * micro_batches if layout.pp > 1 else 0.0,
     }
@@ -173,7 +180,7 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
                 comm_bytes(config, layout, micro_batches, compute_bytes))
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
     recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
-    offload_cost = {"none": 1.0, "cpu": 1.3, "nvme": 2.0}[layout.offload_optimizer]
+    offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
     plan.score = recompute_cost * offload_cost / (1 - bubble)
     return plan
 
@@ -199,10 +206,10 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
 
 
 def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
-         compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None,
-         pp: int | None = None) -> list[Plan]:
+         compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
+         bucket_size: int = 20_000_000, persistence_threshold: int = 100_000) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first."""
-    plans = [plan_layout(config, layout, global_batch_size, compute_bytes)
+    plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold)
              for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, p.comm_bytes["dp"] + p.comm_bytes["pp"], p.total_bytes))
@@ -223,12 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     if config.model.vocab_size is None:
         config.model.vocab_size = config.data.default_corpus_vocab_size
     train, zero = config.training, config.zero
+    parallel = config.parallel
     fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
-             "tp": config.parallel.tensor_model_parallel_size if "--tensor-model-parallel-size" in model_flags else None,
-             "pp": config.parallel.pipeline_model_parallel_size if "--pipeline-model-parallel-size" in model_flags
-             else None}
+             "tp": parallel.tensor_model_parallel_size if "--tensor-model-parallel-size" in model_flags else None,
+             "pp": parallel.pipeline_model_parallel_size if "--pipeline-model-parallel-size" in model_flags else None}
     plans = plan(config.model, args.world_size, args.gpus_per_node, parse_bytes(args.memory_per_device),
-                 train.global_batch_size, 2 if train.bf16 or train.fp16 else 4, **fixed)[:args.top]
+                 train.global_batch_size, 2 if train.bf16 or train.fp16 else 4, **fixed,
+                 bucket_size=zero.zero_bucket_size, persistence_threshold=zero.zero_persistence_threshold)[:args.top]
     if args.json:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,

@@ -37,8 +37,9 @@ import sys
 
 import yaml
 
+from data.tokenizer import Tokenizer
 from launch.pretrain_run import run_pretrain
-from models.config import GPTConfig
+from pretrain.arguments import parse_config
 
 COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens", "flops", "tokens_per_s",
            "model_state_bytes", "peak_mem_bytes"]
@@ -52,7 +53,7 @@ def _flags(settings: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
-        elif value not in (False, None):
+        elif value is not False and value is not None:  # 0 is a value (seed 0, no warm-up)
             flags += [flag, str(value)]
     return flags
 
@@ -96,11 +97,11 @@ def train_run(sweep: dict, run: dict) -> dict:
     lines = run_pretrain(nproc, _flags(settings))
     with open(os.path.join(sweep["output"], "runs", f"{run['run']}.jsonl"), "w") as handle:
         handle.writelines(json.dumps(line) + "\n" for line in lines)
-    config = GPTConfig(**{k: v for k, v in {**model, "seq_length": sweep["seq_length"],
-                                             "vocab_size": sweep.get("common", {}).get("vocab_size")}.items()
-                          if k in GPTConfig.__dataclass_fields__})
-    if config.vocab_size is None:
-        config.vocab_size = sweep.get("common", {}).get("default_corpus_vocab_size", 4096)
+    config = parse_config(_flags(settings))  # the model the run trained, as pretrain read it
+    if config.model.vocab_size is None:  # the tokenizer's vocabulary (the built-in corpus's by default)
+        config.model.vocab_size = (Tokenizer(config.data.tokenizer_model).vocab_size if config.data.tokenizer_model
+                                   else config.data.default_corpus_vocab_size)
+    config = config.model
     tokens = sweep["tokens_per_step"] * sweep["train_iters"]
     timed = lines[1:] or lines
     return {**run, "parameters": config.num_parameters(), "final_loss": lines[-1]["loss"], "tokens": tokens,

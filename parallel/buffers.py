@@ -5,10 +5,12 @@ Tensors that would otherwise be allocated anew every micro-batch come from the p
 - arenas (``view``): gradient staging for reduce-scatter and its output chunks take views of a flat
   arena sized once from the configuration;
 - slots (``slots``): equal-sized buffers taken and given back, for activation checkpoints (kept from
-  a layer's forward to its backward), the gathers that rebuild them, and ZeRO-3's gathered parameters.
+  a layer's forward to its backward), the gathers that rebuild them, NVMe-offload sub-groups and
+  parameter shards read from swap files. (ZeRO-3's gathered parameters keep a storage per unit:
+  autograd ties views saved in forward to it; see parallel/zero/stage3.py.)
 
 After the first iteration none of them allocates: memory does not fragment, and the footprint is set by
-the configuration (bucket size, prefetch budget, micro-batches in flight), not by the model's depth.
+the configuration (bucket size, sub-group size, micro-batches in flight), not by the model's depth.
 The pool counts its allocations and records each name's high-water mark in elements.
 """
 

@@ -12,7 +12,8 @@ through their ``__call__`` both times, so ZeRO-3 gathers their weights again for
 before the recompute), optionally on the CPU (``offload``); inputs that are already split (the
 attention core's heads, sequence-parallel shards) are kept whole. What is kept, and the all-gather
 that rebuilds it, live in slots of the ZeRO-R buffer pool: after the first iteration checkpointing
-allocates nothing, and the slots held are those of the checkpoints alive at once.
+allocates nothing there (a CPU-kept input still gets a device copy for its recompute), and the slots
+held are those of the checkpoints alive at once.
 """
 
 from __future__ import annotations

@@ -175,14 +175,17 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer,
     if manifest["layout"] == layout_of(groups, optimizer):
         path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
         state = _read(path)
-        with optimizer.states_in_memory():
-            _restore(optimizer, state, path)
-        return manifest, state["rng"]
+        mine = [piece["name"] for piece in reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)]
+        if mine == [piece["name"] for piece in state["pieces"]]:  # the same parameters in the same places
+            with optimizer.states_in_memory():
+                _restore(optimizer, state, path)
+            return manifest, state["rng"]
+        # the same sizes but other layers here (virtual stages, uneven stages): re-cut below
     _, _, states = read_rank_files(directory)
     try:
         with optimizer.states_in_memory():
             reshard.load(states, optimizer, names, groups.tp_rank, groups.topology.tp)
-    except (reshard.ReshardError, KeyError) as error:
+    except reshard.ReshardError as error:
         raise CheckpointError(f"{checkpoint} (layout {manifest['layout']}): cannot be re-cut for this run: "
                               f"{error}") from None
     return manifest, None

@@ -46,9 +46,13 @@ def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str, wi
     config = {key: value for key, value in manifest["config"].items() if key in GPTConfig.__dataclass_fields__}
     metadata = {"iteration": str(manifest["iteration"]), "model": json.dumps(config)}
     writer = StreamedSafetensors(output, entries, metadata=metadata)
-    for kind in kinds:
-        for name in names:
-            writer.write(name if kind == "master" else f"optimizer.{kind}.{name}", pieces.whole(name, kind))
+    try:
+        for kind in kinds:
+            for name in names:
+                writer.write(name if kind == "master" else f"optimizer.{kind}.{name}", pieces.whole(name, kind))
+    except BaseException:
+        writer.abort()
+        raise
     writer.close()
 
 
@@ -101,8 +105,12 @@ def write_hf_gpt2(pieces: CheckpointPieces, manifest: dict, directory: str) -> N
     entries = [(theirs, tuple(transform(torch.empty(shapes[ours], device="meta")).shape))
                for theirs, ours, transform in tensors]
     writer = StreamedSafetensors(os.path.join(directory, "model.safetensors"), entries, metadata={"format": "pt"})
-    for theirs, ours, transform in tensors:
-        writer.write(theirs, transform(pieces.whole(ours)))
+    try:
+        for theirs, ours, transform in tensors:
+            writer.write(theirs, transform(pieces.whole(ours)))
+    except BaseException:
+        writer.abort()
+        raise
     writer.close()
     hf_config = {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from parallel.zero.offload import is_per_element
 from parallel.zero.optimizer import ZeroOptimizer
 
 
@@ -56,10 +57,12 @@ class CheckpointPieces:
         per_master = [states_of_master for state in states
                       for states_of_master in state["optimizer"]["optimizer"]["state"].values()]
         self.kinds = sorted({kind for states_of_master in per_master for kind, value in states_of_master.items()
-                             if torch.is_tensor(value) and value.numel() > 1})  # e.g. Adam's two moments
+                             if is_per_element(value)})  # e.g. Adam's two moments
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole parameter's shape (tensor-parallel slices joined, vocabulary padding removed)."""
+        if name not in self.by_name:
+            raise ReshardError(f"{name}: not in the checkpoint (another model?)")
         piece = self.by_name[name][0][1]
         shape = list(piece["shape"])
         if piece["tp_dim"] is not None:
@@ -72,14 +75,14 @@ class CheckpointPieces:
         """The optimizer's per-parameter scalars (e.g. Adam's step count) of ``name``."""
         state, piece = self.by_name[name][0]
         per_master = state["optimizer"]["optimizer"]["state"].get(piece["state"], {})
-        return {key: value for key, value in per_master.items() if not (torch.is_tensor(value) and value.numel() > 1)}
+        return {key: value for key, value in per_master.items() if not is_per_element(value)}
 
     def whole(self, name: str, kind: str = "master") -> torch.Tensor:
         """The whole parameter ``name``: its fp32 masters, or optimizer state ``kind`` (zero where the
         optimizer never stepped)."""
-        entries = self.by_name.get(name)
-        if not entries:
+        if name not in self.by_name:
             raise ReshardError(f"{name}: not in the checkpoint (another model?)")
+        entries = self.by_name[name]
         slices: dict[int, torch.Tensor] = {}
         filled: dict[int, torch.Tensor] = {}
         for state, piece in entries:

@@ -50,6 +50,11 @@ class StreamedSafetensors:
             raise ValueError(f"expected {expected} {shape} next, got {name} {tuple(tensor.shape)}")
         self._handle.write(tensor.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
 
+    def abort(self) -> None:
+        """Stop on an error: close and remove the unfinished ``.tmp`` file."""
+        self._handle.close()
+        os.remove(self.path + ".tmp")
+
     def close(self) -> None:
         """Finish the file (fsynced) and give it its name; a file missing tensors is left as ``.tmp``."""
         self._handle.flush()
@@ -69,13 +74,18 @@ def export_fp32_state_dict(module: nn.Module, optimizer: ZeroOptimizer, path: st
     if optimizer.dp.rank == 0:
         writer = StreamedSafetensors(path, [(names[param], shape) for slot in optimizer.slots
                                             for param, _, shape in slot.layout])
-    for slot in optimizer.slots:
-        full = slot.master.data
-        if slot.sharded and optimizer.dp.size > 1:
-            full = torch.empty(full.numel() * optimizer.dp.size, dtype=torch.float32, device=full.device)
-            comm.all_gather_into_tensor(full, slot.master.data.contiguous(), optimizer.dp)
+    try:
+        for slot in optimizer.slots:
+            full = slot.master.data
+            if slot.sharded and optimizer.dp.size > 1:
+                full = torch.empty(full.numel() * optimizer.dp.size, dtype=torch.float32, device=full.device)
+                comm.all_gather_into_tensor(full, slot.master.data.contiguous(), optimizer.dp)
+            if writer is not None:
+                for param, start, shape in slot.layout:
+                    writer.write(names[param], full[start:start + shape.numel()].view(shape))
+    except BaseException:
         if writer is not None:
-            for param, start, shape in slot.layout:
-                writer.write(names[param], full[start:start + shape.numel()].view(shape))
+            writer.abort()
+        raise
     if writer is not None:
         writer.close()

@@ -6,7 +6,7 @@ shaped like its master (Adam's two moments, SGD's momentum) are packed into sub-
 other. A step walks the sub-groups in order: it waits for g's read, starts reading g+1, runs the torch
 optimizer on g alone (the others have no gradient, so torch skips them), writes g back behind the next
 step, and only then lets its buffer serve another sub-group. At most three sub-group buffers exist
-(reading, stepping, writing), taken from the ZeRO-R pool; between steps nothing of the states is in
+(reading, stepping, writing), host slots of the ZeRO-R pool; between steps nothing of the states is in
 memory. The arithmetic is the torch optimizer's own, so a swapped run equals an in-memory run exactly.
 """
 
@@ -21,7 +21,11 @@ from torch import nn
 from parallel.buffers import BufferPool
 from parallel.zero.swap import SwapSpace
 
-IN_FLIGHT = 3  # sub-group buffers: one being read, one stepped, one written
+
+
+def is_per_element(value) -> bool:
+    """An optimizer state with one value per parameter element (Adam's moments), not a scalar (its step)."""
+    return torch.is_tensor(value) and value.dim() > 0
 
 
 def _sub_groups(masters: list[nn.Parameter], sub_group_numel: int) -> list[list[int]]:
@@ -41,7 +45,7 @@ class SwappedOptimizerStates:
     """Owns the swap layout of ``optimizer``'s masters and states and runs its step sub-group by
     sub-group. Masters in ``resident`` (views of parameters that stay in memory) are never swapped,
     only their states. It never changes the optimizer's hyper-parameters or arithmetic, and never holds
-    more than ``IN_FLIGHT`` sub-groups in memory.
+    more than three sub-groups in memory.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], resident: set[int],
@@ -51,7 +55,7 @@ class SwappedOptimizerStates:
         self.shapes = [master.shape for master in masters]  # a swapped-out master is empty
         self.groups = _sub_groups(masters, sub_group_numel)
         largest = max(self._capacity(group) for group in range(len(self.groups)))
-        self._slots = pool.slots("optimizer-swap", largest, torch.float32)
+        self._slots = pool.slots("optimizer-swap", largest, torch.float32, torch.device("cpu"))
         self.file_keys: list[list[str]] = [[] for _ in self.groups]  # the states each file holds
         self._placeholder = torch.empty(0)
         self._buffers: dict[int, torch.Tensor] = {}
@@ -128,7 +132,7 @@ class SwappedOptimizerStates:
         """The states the optimizer keeps per element for ``group``'s masters (none before its first step)."""
         master = self.masters[self.groups[group][0]]
         state = self.optimizer.state.get(master, {})
-        keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.numel() > 1)
+        keys = sorted(k for k, v in state.items() if is_per_element(v))
         for key in keys:
             if state[key].shape != master.shape or state[key].dtype != master.dtype:
                 raise ValueError(f"NVMe offload swaps optimizer states shaped like their parameter (Adam, AdamW, "

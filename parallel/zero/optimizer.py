@@ -27,7 +27,7 @@ from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from parallel.zero.offload import SwappedOptimizerStates
+from parallel.zero.offload import SwappedOptimizerStates, is_per_element
 from parallel.zero.stage3 import ShardedParameters
 from parallel.zero.swap import SwapSpace
 
@@ -272,7 +272,7 @@ class ZeroOptimizer:
             grad.div_(scale)
         if coefficient != 1.0:
             grad.mul_(coefficient)
-        return grad.to(self.masters[index].device, non_blocking=True)  # offload: out to the CPU
+        return grad.to(self.masters[index].device)  # offload: out to the CPU (complete before the step reads it)
 
     def _global_sum(self, value: torch.Tensor, op=torch.distributed.ReduceOp.SUM, over_dp: bool = True) -> None:
         if over_dp:
@@ -336,7 +336,7 @@ class ZeroOptimizer:
         if slot.store is not None:
             slot.store(slot.master.data)
         else:
-            slot.data.copy_(slot.master.data, non_blocking=True)
+            slot.data.copy_(slot.master.data)  # blocking: a swapped master's buffer is reused right after
 
     def _gather_parameters(self) -> None:
         """Every rank updated its chunks: all-gather each bucket of the whole-kept parameters in place
@@ -416,11 +416,12 @@ class ZeroOptimizer:
         if self.units is not None:
             tensors += list(self.units.shards.values()) + list(self.units.grad_shards.values())
         for state in self.optimizer.state.values():
-            tensors += [t for t in state.values() if torch.is_tensor(t) and t.numel() > 1]
+            tensors += [t for t in state.values() if is_per_element(t)]
         swap_buffers = self.swapped.resident_bytes if self.swapped is not None else 0
         return storage_bytes(tensors) + swap_buffers + sum(t.numel() * t.element_size()
                                                            for s in self.optimizer.state.values()
-                                                           for t in s.values() if torch.is_tensor(t) and t.numel() <= 1)
+                                                           for t in s.values()
+                                                           if torch.is_tensor(t) and not is_per_element(t))
 
 
 def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int) -> float:

@@ -1,13 +1,12 @@
 """ZeRO stage 3: parameters stored as shards, gathered per module on demand and freed after use.
 
 Each unit is the large parameters of one module (one dtype, one optimizer group), padded to a multiple
-of the data-parallel size; rank r keeps chunk r. A gathered unit's full parameters live in a slot of the
-buffer pool (one free list per unit size), so after the first step gathering allocates nothing and the
-slots held are those alive at once (the current units and the prefetched ones), whatever the depth.
-The parameters' ``.data`` point into the slot while gathered and at an empty tensor while freed.
-Autograd saves a parameter itself for backward, so the gather before a module's backward, which may
-use another slot, is what backward reads. A module must therefore never save a view or a copy of a
-parameter for backward (torch's and our layers do not). Around each unit module:
+of the data-parallel size; rank r keeps chunk r. The full parameters live in one flat tensor per unit
+whose storage is resized to zero when freed and back when gathered: the parameters (and the tensors
+autograd saved for backward, which are views of the same storage, e.g. a linear layer's transposed
+weight) see the gathered values again without being re-created. This is why the gathers do not come
+from the buffer pool's shared slots: a view saved in forward is tied to its storage, and a shared
+slot could hold another unit by the time backward reads it. Around each unit module:
 
     before forward      gather (or wait for the prefetched gather)
     after forward       free, and hook the outputs so that backward gathers again first
@@ -37,8 +36,8 @@ from parallel.zero.swap import SwapSpace
 
 
 class ParameterUnit:
-    """The sharded parameters of one module: this rank's chunk, the flat full tensor while gathered (a
-    slot of the buffer pool, or None) and the per-parameter offsets. Never communicates by itself."""
+    """The sharded parameters of one module: this rank's chunk, the flat full tensor (gathered or
+    freed) and the per-parameter offsets. Never communicates by itself."""
 
     def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], group: int,
                  dp: AxisGroup, device: torch.device):
@@ -51,8 +50,6 @@ class ParameterUnit:
         for param in params:  # shapes are kept: a freed parameter is empty
             self.offsets[param], self.shapes[param] = offset, param.shape
             offset += param.numel()
-        self.full: torch.Tensor | None = None
-        self.slots: SlotPool | None = None  # where ``full`` goes back to when freed
         self.handle = None
         self.source: tuple[SlotPool, torch.Tensor] | None = None  # a shard read from a swap file, in flight
         self.ready = 0
@@ -60,40 +57,42 @@ class ParameterUnit:
     def size(self, param: nn.Parameter) -> int:
         return self.shapes[param].numel()
 
+    def span(self, param: nn.Parameter) -> slice:
+        """Where ``param``'s elements sit in the unit's flat tensor."""
+        return slice(self.offsets[param], self.offsets[param] + self.size(param))
+
     def shard_into(self, shard: torch.Tensor, dp: AxisGroup) -> None:
         """Build the unit's full values (a model on the meta device is materialised here, one unit at a
         time), keep this rank's chunk in ``shard``, then free the rest."""
         full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for param in self.params:
-            full[self.offsets[param]:self.offsets[param] + self.size(param)].copy_(initial_value(param).reshape(-1))
+            full[self.span(param)].copy_(initial_value(param).reshape(-1))
         comm.broadcast(full, src=dp.ranks[0], group=dp)  # every rank starts from dp rank 0's weights
         shard.copy_(full[dp.rank * self.chunk:(dp.rank + 1) * self.chunk])
+        self.full = full
+        self.views = {param: full[self.span(param)].view(self.shapes[param]) for param in self.params}
         for param in self.params:
-            point_at(param, full[self.offsets[param]:self.offsets[param] + self.size(param)].view(param.shape))
+            point_at(param, self.views[param])
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.free()
 
     @property
     def gathered(self) -> bool:
-        return self.full is not None
-
-    def attach(self, buffer: torch.Tensor, slots: SlotPool | None) -> torch.Tensor:
-        """Make ``buffer`` (``numel`` elements, contents undefined until gathered) the unit's full tensor
-        and give the parameters their views of it. Autograd saves a parameter itself, not its data, so
-        a backward that gathers the unit into another buffer reads the new one."""
-        self.full, self.slots = buffer, slots
-        for param in self.params:
-            param.data = buffer[self.offsets[param]:self.offsets[param] + self.size(param)].view(self.shapes[param])
-        return buffer
+        return self.full.untyped_storage().nbytes() > 0
 
     def free(self) -> None:
-        """Drop the full values (back to their slot); the parameters become empty (reading one is an
-        error, not garbage)."""
+        """Drop the full values; the parameters become empty (reading one is an error, not garbage)."""
+        self.full.untyped_storage().resize_(0)
         for param in self.params:
             param.data = self._placeholder
-        if self.slots is not None:
-            self.slots.give_back(self.full)
-        self.full, self.slots = None, None
+
+    def materialize(self) -> torch.Tensor:
+        """Give the flat tensor its storage back (contents undefined until gathered) and the parameters
+        their views of it."""
+        self.full.untyped_storage().resize_(self.numel * self.full.element_size())
+        for param in self.params:
+            param.data = self.views[param]
+        return self.full.data  # a fresh version counter: writing it never invalidates saved tensors
 
 
 class ShardedParameters:
@@ -110,6 +109,7 @@ class ShardedParameters:
         self.space: SwapSpace | None = None  # the shards' swap files (--offload-param nvme)
         self._reads: dict[int, tuple[SlotPool, torch.Tensor, Future]] = {}
         self._stores: list[Future] = []
+        self._shards_resident = False  # swapped shards read back in (a checkpoint is saved or loaded)
         self.units = [ParameterUnit(i, name, module, params, group, dp, device)
                       for i, (name, module, params, group) in enumerate(units)]
         self.shards: dict[torch.dtype, torch.Tensor] = {}
@@ -137,8 +137,6 @@ class ShardedParameters:
             self._hooks.append(unit.module.register_forward_hook(self._after_forward(unit)))
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._gather_slots = {unit.index: pool.slots(f"zero3-gather-{unit.dtype}", unit.numel, unit.dtype)
-                              for unit in self.units}
         self._reductions: dict[int, tuple[object, torch.Tensor]] = {}
         self._staging = {dtype: StagingRing(pool, f"zero3-staging-{dtype}",
                                             max(u.numel + u.chunk for u in self.units if u.dtype == dtype), dtype)
@@ -155,13 +153,13 @@ class ShardedParameters:
         but lose their storage."""
         self.space = space
         for dtype, shard in self.shards.items():
-            space.write(f"shards-{dtype}", shard).result()
+            space.write(f"shards-{dtype}", shard.cpu()).result()  # swap files take host memory
             shard.untyped_storage().resize_(0)
 
     def _read(self, unit: ParameterUnit) -> None:
-        """Start reading ``unit``'s shard from its file into a pool slot (once)."""
+        """Start reading ``unit``'s shard from its file into a host pool slot (once)."""
         if unit.index not in self._reads:
-            slots = self.pool.slots(f"zero3-shard-reads-{unit.dtype}", unit.chunk, unit.dtype)
+            slots = self.pool.slots(f"zero3-shard-reads-{unit.dtype}", unit.chunk, unit.dtype, torch.device("cpu"))
             buffer = slots.take()
             offset = self.chunk_offset[unit.index] * buffer.element_size()
             self._reads[unit.index] = (slots, buffer, self.space.read(f"shards-{unit.dtype}", buffer, offset))
@@ -173,8 +171,8 @@ class ShardedParameters:
         self._read(unit)
         slots, buffer, future = self._reads.pop(unit.index)
         future.result()
-        unit.source = (slots, buffer)
-        return buffer
+        unit.source = (slots, buffer)  # given back once the gather that reads it is done
+        return buffer.to(unit.device)  # on an accelerator, a device copy (the collective reads device memory)
 
     def _read_ahead(self, position: int, count: int = 2) -> None:
         """Start reading the shards of the next ``count`` units in the recorded order."""
@@ -184,10 +182,11 @@ class ShardedParameters:
 
     def store(self, unit: ParameterUnit, values: torch.Tensor) -> None:
         """The optimizer stepped ``unit``'s shard: keep ``values`` (cast to the unit's dtype) as its shard."""
-        if self.space is None:
+        if self.space is None or self._shards_resident:
             self.shard(unit).copy_(values)
             return
-        cast = values.to(unit.dtype, copy=True)  # ``values`` may be a buffer reused before the write ends
+        # a host copy: ``values`` may be a buffer reused before the write ends
+        cast = values.to("cpu", unit.dtype, copy=True)
         offset = self.chunk_offset[unit.index] * cast.element_size()
         self._stores.append(self.space.write(f"shards-{unit.dtype}", cast, offset))
 
@@ -207,12 +206,17 @@ class ShardedParameters:
         if self.space is None:
             yield
             return
+        self.flush()
         for dtype, shard in self.shards.items():
+            host = torch.empty(shard.numel(), dtype=dtype)
+            self.space.read(f"shards-{dtype}", host).result()
             shard.untyped_storage().resize_(shard.numel() * shard.element_size())
-            self.space.read(f"shards-{dtype}", shard).result()
+            shard.copy_(host)
+        self._shards_resident = True  # ``store`` writes into them, and they go back to the files after
         try:
             yield
         finally:
+            self._shards_resident = False
             self.swap_out(self.space)
 
     def grad_shard(self, unit: ParameterUnit) -> torch.Tensor:
@@ -220,12 +224,10 @@ class ShardedParameters:
         return self.grad_shards[unit.dtype][offset:offset + unit.chunk]
 
     # gathering -------------------------------------------------------------------------------------------
-    def _start_gather(self, unit: ParameterUnit, pooled: bool = True) -> None:
+    def _start_gather(self, unit: ParameterUnit) -> None:
         if unit.gathered or unit.handle is not None:
             return
-        slots = self._gather_slots[unit.index] if pooled else None
-        full = unit.attach(slots.take() if pooled else torch.empty(unit.numel, dtype=unit.dtype, device=unit.device),
-                           slots)
+        full = unit.materialize()
         unit.handle = comm.all_gather_into_tensor(full, self._source(unit), self.dp, async_op=True)
         self.live_elements += unit.numel
         self.max_live_elements = max(self.max_live_elements, self.live_elements)
@@ -249,9 +251,9 @@ class ShardedParameters:
         self._start_gather(unit)
         if self.order is not None and self._position < len(self.order) and self.order[self._position] == unit.index:
             self._position += 1
-            self._prefetch()  # the next units' gathers run while this one computes
             if self.space is not None:
-                self._read_ahead(self._position)  # and their shards come off the disk
+                self._read_ahead(self._position)  # the next units' shards come off the disk
+            self._prefetch()  # and their gathers run while this one computes
         self._wait(unit)
 
     def _wait(self, unit: ParameterUnit) -> None:
@@ -312,8 +314,7 @@ class ShardedParameters:
         staging.zero_()
         for param in unit.params:
             if param.grad is not None:
-                offset = unit.offsets[param]
-                staging[offset:offset + unit.size(param)].copy_(param.grad.view(-1))
+                staging[unit.span(param)].copy_(param.grad.view(-1))
                 param.grad = None
         staging.div_(self.dp.size)
         self._reductions[unit.index] = (comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True),
@@ -344,10 +345,9 @@ class ShardedParameters:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit whole inside the block (to read or export the parameters), freed after. These
-        buffers do not come from the pool, which stays sized for training."""
+        """Every unit whole inside the block (to read or export the parameters), freed after."""
         for unit in self.units:
-            self._start_gather(unit, pooled=False)
+            self._start_gather(unit)
         for unit in self.units:
             self._wait(unit)
         try:
