@@ -35,5 +35,6 @@ def test_two_nodes_over_loopback_train_like_one_node(stdlib_corpus, tmp_path):
         _, errors = node.communicate(timeout=300)
         assert node.returncode == 0, errors[-3000:]
     assert _losses(tmp_path / "two.jsonl") == _losses(tmp_path / "one.jsonl")  # bit for bit
-    logs = tmp_path / "logs"  # one log per node; global rank 0 (on node 0) prints the progress
-    assert "iter      4/4" in (logs / "node-0.log").read_text() and (logs / "node-1.log").exists()
+    # one log per node; the node the rendezvous made first holds global rank 0, which prints the progress
+    logs = [(tmp_path / "logs" / f"node-{node}.log").read_text() for node in range(2)]
+    assert sum("iter      4/4" in log for log in logs) == 1
