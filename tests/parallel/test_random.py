@@ -4,7 +4,6 @@ import torch
 
 from models.config import GPTConfig
 from models.gpt import GPTModel
-from parallel.comm import AxisGroup, CommStats
 from parallel.process_groups import create_process_groups
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.topology import Topology

@@ -3,7 +3,6 @@
 import json
 import os
 
-import pytest
 import torch
 
 from pretrain.checkpoint import CheckpointError, read_manifest
