@@ -8,6 +8,7 @@ from parallel import zero
 from parallel.comm import AxisGroup, CommStats
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
+from tests.parity import assert_tensors_close
 from tests.world import run_world
 
 
@@ -81,13 +82,14 @@ def _stages_world(rank, world_size, cases):
     return out
 
 
+@pytest.mark.parity
 def test_stages_0_1_2_reproduce_one_process_with_accumulation(reference):
     cases = [(0, 50), (1, 50), (2, 50), (1, 10_000), (2, 7), (3, 50)]
     for world_size in (2, 4):
         for per_case in run_world(world_size, _stages_world, cases):
             for (stage, bucket), (params, sent, _, numel, whole, micro) in zip(cases, per_case):
-                for got, want in zip(params, reference):
-                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"stage {stage} bucket {bucket}")
+                # 11 AdamW steps from reductions over dp ranks: another summation order than one process
+                assert_tensors_close(params, reference, f"dp{world_size} stage {stage} bucket {bucket}: parameters")
                 ring = (world_size - 1) / world_size
                 if stage == 0:  # one all-reduce of all gradients per step
                     assert sent["all_reduce"] == pytest.approx(2 * ring * numel * 4, rel=0.02)
@@ -224,10 +226,15 @@ def _resident_bytes() -> int:
 
 
 def _construction_peak(rank, world_size, on_meta):
+    import ctypes
+
     from models.config import GPTConfig
     from models.gpt import GPTModel
     from pretrain.metrics import peak_memory_bytes, reset_peak_memory
 
+    # large blocks straight from mmap (glibc's M_MMAP_THRESHOLD): a freed unit goes back to the system,
+    # so resident memory measures what is alive rather than what glibc keeps for reuse
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
     groups = create_process_groups(Topology(world_size))
     config = GPTConfig(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=16, vocab_size=512)
     for device in ("cpu", "meta"):  # load the libraries a first model touches before measuring
@@ -246,10 +253,7 @@ def _construction_peak(rank, world_size, on_meta):
     return peak, optimizer.model_state_bytes(), unit, config.num_parameters() * 4, [p.sum().item() for p in full]
 
 
-def test_stage3_builds_the_model_unit_by_unit_without_holding_it_whole(monkeypatch):
-    # large blocks straight from mmap: a freed unit goes back to the system, so resident memory
-    # measures what is alive rather than what glibc keeps for reuse
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+def test_stage3_builds_the_model_unit_by_unit_without_holding_it_whole():
     for (meta_peak, states, unit, model_bytes, meta_sums), (eager_peak, _, _, _, eager_sums) in zip(
             run_world(2, _construction_peak, True), run_world(2, _construction_peak, False)):
         assert meta_sums == eager_sums  # the same numbers as building it whole
