@@ -62,6 +62,7 @@ def _offload_runs(rank, world_size, swap_root):
     return report
 
 
+@pytest.mark.parity
 def test_optimizer_offload_reproduces_the_in_memory_run_exactly(tmp_path):
     for report in run_world(2, _offload_runs, str(tmp_path)):
         for (stage, dtype), (reference, runs) in report.items():

@@ -6,6 +6,7 @@ import pytest
 
 from pretrain.arguments import parse_config
 from pretrain.validation import validate
+from tests.parity import assert_trajectory_close
 from tests.world import run_world
 
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -39,11 +40,12 @@ def reference(stdlib_corpus):
     return losses, norms
 
 
-def _assert_same_trajectory(got, want, rtol):
+def _assert_same_trajectory(got, want, what):
+    """Losses and gradient norms of a run in another layout: another summation order, so within the
+    fp32 trajectory bound (tests/parity.py), not equal."""
     for name, g, w in zip(("loss", "grad norm"), got, want):
-        assert len(g) == len(w) == 10
-        for i, (a, b) in enumerate(zip(g, w)):
-            assert abs(a - b) <= rtol * abs(b), f"{name} at iteration {i + 1}: {a} vs reference {b}"
+        assert len(w) == 10
+        assert_trajectory_close(g, w, f"{what}: {name}")
 
 
 def test_loss_falls_on_real_text(reference):
@@ -51,12 +53,13 @@ def test_loss_falls_on_real_text(reference):
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parity
 def test_data_parallel_reproduces_the_single_process_run(reference, stdlib_corpus):
     results = run_world(2, _train, [["--zero-stage", "0"], ["--zero-stage", "0", "--zero-bucket-size", "1000"]],
                         stdlib_corpus)
     for rank_results in results:
         for losses, norms, *_ in rank_results:
-            _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+            _assert_same_trajectory((losses, norms), reference, "dp2")
 
 
 def test_metrics_file_evaluation_and_offline_wandb(tmp_path, stdlib_corpus, monkeypatch):
@@ -91,33 +94,36 @@ def _tp(size, *extra):
     return ["--tensor-model-parallel-size", str(size), *extra]
 
 
+@pytest.mark.parity
 def test_tensor_parallel_layouts_reproduce_the_single_process_run(reference, stdlib_corpus):
     two = run_world(2, _train, [_tp(2), _tp(2, "--sequence-parallel")], stdlib_corpus)
     four = run_world(4, _train, [_tp(4), _tp(4, "--sequence-parallel"), _tp(2), _tp(2, "--sequence-parallel")],
                      stdlib_corpus)
     for rank_results in two + four:
         for losses, norms, *_ in rank_results:
-            _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+            _assert_same_trajectory((losses, norms), reference, "tp layouts")
 
 
 def _pp(size, schedule="1f1b", *extra):
     return ["--pipeline-model-parallel-size", str(size), "--pipeline-schedule", schedule, *extra]
 
 
+@pytest.mark.parity
 def test_pipeline_layouts_reproduce_the_single_process_run(reference, stdlib_corpus):
     two = run_world(2, _train, [_pp(2, "gpipe"), _pp(2), _pp(2, "interleaved", "--virtual-pipeline-size", "2")],
                     stdlib_corpus)
     four = run_world(4, _train, [_pp(4)], stdlib_corpus)
     for rank_results in two + four:
         for losses, norms, *_ in rank_results:
-            _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+            _assert_same_trajectory((losses, norms), reference, "pp layouts")
 
 
+@pytest.mark.parity
 def test_3d_grid_on_8_processes_reproduces_the_single_process_run(reference, stdlib_corpus):
     results = run_world(8, _train, [_pp(2, "1f1b", *_tp(2, "--sequence-parallel"))], stdlib_corpus, timeout_s=300)
     for rank_results in results:
         for losses, norms, *_ in rank_results:
-            _assert_same_trajectory((losses, norms), reference, rtol=1e-5)
+            _assert_same_trajectory((losses, norms), reference, "dp2 x tp2 x pp2")
 
 
 def test_live_micro_batches_on_stage_0(stdlib_corpus):
@@ -135,25 +141,32 @@ def _stages(*layout):
             for stage in (0, 1, 2, 3)]
 
 
-def _assert_stages_match_stage_0(results, rtol=1e-6):
+def _assert_stages_match_stage_0(results, what):
+    """Stages 1-3 (or the other runs) against the first run of the same layout. The stages reduce in
+    another order (reduce-scatter and shard norms against one all-reduce), so this is the trajectory
+    bound, not equality: 1e-6 held on avx2 and failed on AVX-512 (1.15e-6 at iteration 15)."""
     for rank_results in results:
         (losses0, norms0, *_), *others = rank_results
-        for stage, (losses, norms, *_) in enumerate(others, start=1):
-            for i, (a, b, c, d) in enumerate(zip(losses, losses0, norms, norms0)):
-                assert abs(a - b) <= rtol * abs(b), f"stage {stage} loss at iteration {i + 1}: {a} vs {b}"
-                assert abs(c - d) <= rtol * abs(d), f"stage {stage} grad norm at iteration {i + 1}: {c} vs {d}"
+        for index, (losses, norms, *_) in enumerate(others, start=1):
+            assert_trajectory_close(losses, losses0, f"{what}, run {index}: loss")
+            assert_trajectory_close(norms, norms0, f"{what}, run {index}: grad norm")
 
 
+@pytest.mark.parity
 def test_zero_stages_1_2_3_reproduce_stage_0_with_data_parallelism(stdlib_corpus):
-    _assert_stages_match_stage_0(run_world(2, _train, _stages(), stdlib_corpus))
-    _assert_stages_match_stage_0(run_world(4, _train, _stages("--micro-batch-size", "1"), stdlib_corpus))
+    _assert_stages_match_stage_0(run_world(2, _train, _stages(), stdlib_corpus), "stages at dp2")
+    _assert_stages_match_stage_0(run_world(4, _train, _stages("--micro-batch-size", "1"), stdlib_corpus),
+                                 "stages at dp4")
 
 
+@pytest.mark.parity
 def test_zero_stages_1_2_3_reproduce_stage_0_in_the_3d_grid(stdlib_corpus):
     layout = [*_pp(2), *_tp(2, "--sequence-parallel")]
-    _assert_stages_match_stage_0(run_world(8, _train, _stages(*layout), stdlib_corpus, timeout_s=400))
+    _assert_stages_match_stage_0(run_world(8, _train, _stages(*layout), stdlib_corpus, timeout_s=400),
+                                 "stages in dp2 x tp2 x pp2")
 
 
+@pytest.mark.parity
 def test_recompute_composes_with_every_zero_stage_and_pipelines(stdlib_corpus):
     zero3 = ["--zero-persistence-threshold", "0"]
     layouts = [_tp(2), _tp(2, "--zero-stage", "3", *zero3, "--recompute-granularity", "full",
@@ -161,6 +174,6 @@ def test_recompute_composes_with_every_zero_stage_and_pipelines(stdlib_corpus):
                _tp(2, "--zero-stage", "2", "--recompute-granularity", "selective"),
                _tp(2, "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "block",
                    "--recompute-num-layers", "1")]
-    _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus))
+    _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus), "recompute at tp2 x dp2")
     piped = [_pp(2), _pp(2, "1f1b", "--zero-stage", "3", *zero3, "--recompute-granularity", "full")]
-    _assert_stages_match_stage_0(run_world(2, _train, piped, stdlib_corpus))
+    _assert_stages_match_stage_0(run_world(2, _train, piped, stdlib_corpus), "recompute at pp2")
