@@ -16,7 +16,8 @@ import sysconfig
 from typing import Iterator, List, Optional, Tuple
 
 from data.preprocess import preprocess
-from data.tokenizer import train_tokenizer
+from data.sentencepiece_tokenizer import train_tokenizer
+from data.tokenizer import TokenizerSpec
 
 EXCLUDED_DIRECTORIES = frozenset({"site-packages", "test", "tests", "idlelib"})
 MAX_FILE_BYTES = 1 << 20
@@ -69,7 +70,8 @@ def _build(directory: str, vocab_size: int, max_bytes: Optional[int]) -> None:
         [documents_path], vocab_size, os.path.join(directory, TOKENIZER_PREFIX),
         max_lines=TOKENIZER_TRAINING_LINES,
     )
-    preprocess([documents_path], model_path, os.path.join(directory, DATA_PREFIX), append_eod=True)
+    preprocess([documents_path], TokenizerSpec("SentencePieceTokenizer", model_path),
+               os.path.join(directory, DATA_PREFIX), append_eod=True)
 
 
 def _collect_documents(max_bytes: Optional[int]) -> Iterator[str]:

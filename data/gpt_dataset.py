@@ -28,8 +28,6 @@ import numpy
 import torch
 from torch.utils.data import Dataset
 
-from data.tokenizer import Tokenizer
-
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -56,7 +54,7 @@ def build_gpt_datasets(
     seq_length: int,
     seed: int,
     num_samples: Tuple[int, int, int],
-    tokenizer: Tokenizer,
+    tokenizer,
     cache_dir: str,
 ) -> Splits:
     """Build (train, valid, test): GPTDatasets, or BlendedDatasets for several prefixes, of at
@@ -137,7 +135,7 @@ def _parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
 
 def _check_indexed_dataset(
     prefix: str,
-    tokenizer: Tokenizer,
+    tokenizer,
     split: str,
     split_matrix: List[Optional[Tuple[float, float]]],
     num_samples: Tuple[int, int, int],
@@ -159,8 +157,7 @@ def _check_indexed_dataset(
     if numpy.iinfo(dataset.index.dtype).max < tokenizer.vocab_size - 1:
         raise ValueError(
             f"--data-path {prefix}: stores {dataset.index.dtype.__name__} tokens, too small for "
-            f"--tokenizer-model {tokenizer.model_path} (vocab size {tokenizer.vocab_size}); "
-            "preprocess the data with this tokenizer"
+            f"the tokenizer's vocabulary of {tokenizer.vocab_size}; preprocess the data with this tokenizer"
         )
     documents = len(dataset.sequence_lengths)
     for name, bounds, count in zip(SPLIT_NAMES, split_matrix, num_samples):

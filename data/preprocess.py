@@ -6,8 +6,16 @@ tokenizer's end-of-document id when `append_eod` is set, written through megatro
 under temporary names and renamed at the end (`.idx` last), so an interrupted run never leaves a
 `.bin`/`.idx` pair that does not belong together.
 
-CLI: `python -m data.preprocess --input FILE... --tokenizer-model P.model --output-prefix OUT
-[--append-eod] [--workers N]`.
+CLI: Megatron-LM's tools/preprocess_data.py flags, and its output names, so that a corpus prepared by
+either tool trains in the other:
+
+    python -m data.preprocess --input FILE... --output-prefix OUT [--json-keys text ...]
+        [--tokenizer-type T --tokenizer-model M | --vocab-file vocab.json --merge-file merges.txt]
+        [--append-eod] [--workers N]
+
+writes `OUT_<key>_document.bin/.idx` for each JSON key (a plain text file is one document under the
+key "text"). `--split-sentences` (which needs nltk) is refused; `--partitions`, `--keep-newlines`,
+`--lang` and `--log-interval` are accepted for Megatron's scripts and change nothing here.
 """
 
 import argparse
@@ -19,27 +27,28 @@ import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from data.documents import read_documents
-from data.tokenizer import Tokenizer
+from data.tokenizer import TokenizerSpec, add_tokenizer_arguments, build_tokenizer, spec_from_arguments
 
 _worker_tokenizer = None
 
 
 def preprocess(
     inputs: List[str],
-    tokenizer_model: str,
+    tokenizer: TokenizerSpec,
     output_prefix: str,
     append_eod: bool = True,
     workers: int = 1,
+    json_key: str = "text",
 ) -> Dict[str, object]:
-    """Tokenize every document of `inputs` (in order, with `workers` processes) into
-    `<output_prefix>.bin/.idx`; return statistics (documents, tokens, bytes, seconds, paths).
-    Never leaves temporary files behind when it raises."""
+    """Tokenize every document of `inputs` (field `json_key` of .jsonl lines; in order, with `workers`
+    processes) into `<output_prefix>.bin/.idx`; return statistics (documents, tokens, bytes, seconds,
+    paths). Never leaves temporary files behind when it raises."""
     if workers < 1:
         raise ValueError(f"--workers {workers}: must be at least 1")
     for path in inputs:
         if not os.path.isfile(path):
             raise ValueError(f"--input {path}: no such file; pass existing text or .jsonl files")
-    tokenizer = Tokenizer(tokenizer_model)
+    spec, tokenizer = tokenizer, build_tokenizer(tokenizer)
     with warnings.catch_warnings():
         # Imported here, not at module level: spawned tokenizer workers import this module and
         # must not pay for megatron-core (seconds) nor hear its optional-dependency warnings.
@@ -51,7 +60,7 @@ def preprocess(
     temporary_bin = f"{output_prefix}.{os.getpid()}.tmp.bin"
     temporary_idx = f"{output_prefix}.{os.getpid()}.tmp.idx"
     progress = _Progress()
-    documents = _tokenized_documents(inputs, tokenizer, workers)
+    documents = _tokenized_documents(inputs, spec, tokenizer, workers, json_key)
     try:
         builder = IndexedDatasetBuilder(temporary_bin, dtype=dtype)
         for token_ids, text_bytes in documents:
@@ -81,22 +90,22 @@ def preprocess(
 
 
 def _tokenized_documents(
-    inputs: List[str], tokenizer: Tokenizer, workers: int
+    inputs: List[str], spec: TokenizerSpec, tokenizer, workers: int, json_key: str
 ) -> Iterator[Tuple[List[int], int]]:
     """Yield (token ids, UTF-8 byte count) per document, in input order."""
-    documents = (text for path in inputs for text in read_documents(path))
+    documents = (text for path in inputs for text in read_documents(path, json_key))
     if workers == 1:
         yield from ((tokenizer.encode(text), len(text.encode("utf-8"))) for text in documents)
         return
     with multiprocessing.get_context("spawn").Pool(
-        workers, initializer=_load_worker_tokenizer, initargs=(tokenizer.model_path,)
+        workers, initializer=_load_worker_tokenizer, initargs=(spec,)
     ) as pool:
         yield from pool.imap(_encode_in_worker, documents, chunksize=16)
 
 
-def _load_worker_tokenizer(tokenizer_model: str) -> None:
+def _load_worker_tokenizer(spec: TokenizerSpec) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(tokenizer_model)
+    _worker_tokenizer = build_tokenizer(spec)
 
 
 def _encode_in_worker(text: str) -> Tuple[List[int], int]:
@@ -134,26 +143,47 @@ class _Progress:
         )
 
 
+def output_prefix_for(output_prefix: str, json_key: str) -> str:
+    """Megatron's name for the dataset of one JSON key: `<prefix>_<key>_document`."""
+    return f"{output_prefix}_{json_key}_document"
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """CLI entry point: preprocess the inputs and print the statistics."""
     parser = argparse.ArgumentParser(
         prog="python -m data.preprocess", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="text files (one document each) or .jsonl files (one per line)")
-    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
-    parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and .idx")
+                        help="text files (one document each) or .jsonl / .json files (one per line)")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes <prefix>_<key>_document.bin and .idx for each --json-keys key")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="fields of each JSON line to tokenize, one dataset each")
+    add_tokenizer_arguments(parser)
     parser.add_argument("--append-eod", action="store_true",
                         help="append the end-of-document id to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--split-sentences", action="store_true", help="refused: needs nltk's sentence splitter")
+    for flag in ("--partitions", "--log-interval"):
+        parser.add_argument(flag, type=int, help="accepted for Megatron's scripts; no effect here")
+    parser.add_argument("--keep-newlines", action="store_true", help="accepted for Megatron's scripts; no effect")
+    parser.add_argument("--lang", help="accepted for Megatron's scripts (sentence splitting); no effect")
     args = parser.parse_args(argv)
-    try:
-        stats = preprocess(args.input, args.tokenizer_model, args.output_prefix,
-                           args.append_eod, args.workers)
-    except ValueError as error:
-        parser.error(str(error))
-    print(f"wrote {stats['bin_path']} and {stats['idx_path']}: {stats['documents']} documents, "
-          f"{stats['tokens']} tokens")
+    if args.split_sentences:
+        parser.error("--split-sentences is not supported (it needs nltk's punkt splitter): preprocess whole "
+                     "documents, as GPT pretraining reads them")
+    plain = [path for path in args.input if not path.endswith((".jsonl", ".json"))]
+    if plain and args.json_keys != ["text"]:
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {plain[0]} is a plain text file (one document, "
+                     "under the key text); give .jsonl inputs or drop --json-keys")
+    for key in args.json_keys:
+        try:
+            stats = preprocess(args.input, spec_from_arguments(args), output_prefix_for(args.output_prefix, key),
+                               args.append_eod, args.workers, key)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"wrote {stats['bin_path']} and {stats['idx_path']}: {stats['documents']} documents, "
+              f"{stats['tokens']} tokens")
 
 
 if __name__ == "__main__":

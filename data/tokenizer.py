@@ -1,165 +1,131 @@
-"""The sentencepiece tokenizer: training a BPE model on documents and loading it for use.
+"""The tokenizers a run can read its data with, chosen by Megatron's ``--tokenizer-type``.
 
-Text round-trips exactly (`decode(encode(text)) == text`) for source code: no normalization, no
-whitespace folding, no dummy prefix, and whitespace-only pieces (indentation) are learned. The
-trainer reads text one line at a time, so a newline never occurs inside a learned piece: it is
-encoded through byte fallback as the piece `<0x0A>`, one token per newline, exactly like any
-character outside the vocabulary (tabs, rare unicode) is encoded as its UTF-8 bytes.
+    SentencePieceTokenizer   --tokenizer-model X.model          (the default; ``data.sentencepiece_tokenizer``)
+    GPT2BPETokenizer         --vocab-file vocab.json --merge-file merges.txt   (``data.bpe_tokenizers``)
+    HuggingFaceTokenizer     --tokenizer-model DIR or tokenizer.json           (``data.bpe_tokenizers``)
+    NullTokenizer            --vocab-size V: text is space-separated ids; V is the end of document
 
-CLI: `python -m data.tokenizer --input FILE... --vocab-size N --output-prefix P` writes `P.model`.
+Every tokenizer has ``vocab_size``, ``eod`` / ``eod_id``, ``pad``, ``encode(text)``, ``decode(ids)``
+and ``unique_identifiers`` (which key megatron-core's dataset caches by the tokenizer's content).
+``build_tokenizer(TokenizerSpec(...))`` raises ValueError naming the flag and the fix.
+
+CLI: `python -m data.tokenizer --input FILE... --vocab-size N --output-prefix P` trains a sentencepiece
+model `P.model` on the documents of FILE... (text files, or .jsonl with a "text" field).
 """
 
+from __future__ import annotations
+
 import argparse
-import hashlib
-import io
-import os
 from collections import OrderedDict
-from typing import Iterable, Iterator, List, Optional, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import sentencepiece
-
-from data.documents import read_documents
-
-UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-SEED = 1234
-MAX_TRAINING_LINES = 2_000_000
-MAX_LINE_BYTES = 1 << 16
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
-def train_tokenizer(
-    inputs: List[str], vocab_size: int, output_prefix: str, max_lines: int = MAX_TRAINING_LINES
-) -> str:
-    """Train a byte-fallback BPE model on the documents of `inputs`, write `<output_prefix>.model`
-    atomically and return its path. Deterministic for the same inputs; trains on a seeded sample
-    of at most `max_lines` non-empty lines. Never writes a partial model or a `.vocab` file."""
-    if vocab_size <= 0:
-        raise ValueError(f"--vocab-size {vocab_size}: must be a positive number of pieces")
-    lines = _TrainingLines(inputs)
-    model_bytes = io.BytesIO()
-    sentencepiece.set_random_generator_seed(SEED)
-    try:
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=model_bytes,
-            model_type="bpe",
-            vocab_size=vocab_size,
-            byte_fallback=True,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            pad_id=PAD_ID,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            max_sentence_length=MAX_LINE_BYTES,
-            input_sentence_size=max_lines,
-            shuffle_input_sentence=True,
-            train_extremely_large_corpus=False,
-            num_threads=min(2, os.cpu_count() or 1),
-            minloglevel=2,
-        )
-    except RuntimeError as error:
-        if lines.input_error is not None:
-            raise lines.input_error from None
-        raise ValueError(
-            f"--vocab-size {vocab_size}: sentencepiece cannot train it on {inputs} ({error}); "
-            "choose a vocabulary size in the range sentencepiece reports or give more text"
-        ) from None
-    path = output_prefix + ".model"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary_path = f"{path}.{os.getpid()}.tmp"
-    with open(temporary_path, "wb") as stream:
-        stream.write(model_bytes.getvalue())
-    os.replace(temporary_path, path)
-    return path
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Which tokenizer and its files: the flags, picklable (preprocessing workers rebuild it)."""
+
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+
+    def check(self) -> None:
+        """Raise ValueError naming the flags when this type lacks its files or gets another type's."""
+        kind = self.tokenizer_type
+        if kind not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {kind} is not one of {', '.join(TOKENIZER_TYPES)}")
+        if (self.vocab_file is None) != (self.merge_file is None):
+            given, missing = ("--vocab-file", "--merge-file") if self.merge_file is None else \
+                ("--merge-file", "--vocab-file")
+            raise ValueError(f"{given} without {missing}: GPT-2 BPE needs both vocab.json and merges.txt "
+                             f"(--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ...)")
+        if kind == "GPT2BPETokenizer":
+            if self.vocab_file is None:
+                raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file "
+                                 "merges.txt")
+        elif self.vocab_file is not None:
+            raise ValueError(f"--vocab-file / --merge-file are GPT-2 BPE files: add --tokenizer-type "
+                             f"GPT2BPETokenizer (not {kind})")
+        if kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and self.tokenizer_model is None:
+            what = "a sentencepiece .model" if kind == "SentencePieceTokenizer" else "a tokenizer.json or its directory"
+            raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model ({what})")
+        if kind in ("GPT2BPETokenizer", "NullTokenizer") and self.tokenizer_model is not None:
+            raise ValueError(f"--tokenizer-model is not used by --tokenizer-type {kind}: drop it")
+        if kind == "NullTokenizer" and (self.vocab_size is None or self.vocab_size < 1):
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size V (ids 0..V-1; V ends a document)")
 
 
-class _TrainingLines:
-    """The non-empty lines of all input documents. sentencepiece wraps an exception raised by its
-    sentence iterator into a RuntimeError, so a bad input is kept here to be re-raised as is."""
+class SpecialIds:
+    """The special ids of a tokenizer under both its names: ``eod_id`` / ``pad_id`` (-1: none), and
+    ``eod`` / ``pad`` as megatron-core's datasets read them. Subclasses set the ids."""
 
-    def __init__(self, inputs: Iterable[str]) -> None:
-        self.inputs = list(inputs)
-        self.input_error = None
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            for path in self.inputs:
-                for document in read_documents(path):
-                    yield from (line for line in document.split("\n") if line)
-        except ValueError as error:
-            self.input_error = error
-            raise
-
-
-class Tokenizer:
-    """A loaded sentencepiece model: ids <-> text, plus the special ids training needs.
-
-    It is also the `tokenizer` megatron-core's `GPTDatasetConfig` reads (`vocab_size`, `eod`,
-    `pad`, `unique_identifiers`). The identifiers hash the model bytes, so dataset caches follow
-    the model's content, not its path. It never adds BOS/EOS itself: callers append `eod_id`.
-    """
-
-    def __init__(self, model_path: str) -> None:
-        try:
-            with open(model_path, "rb") as stream:
-                model_bytes = stream.read()
-        except OSError as error:
-            raise ValueError(
-                f"--tokenizer-model {model_path}: cannot read it ({error.strerror}); "
-                "train one with python -m data.tokenizer"
-            ) from None
-        self._processor = sentencepiece.SentencePieceProcessor()
-        try:
-            self._processor.LoadFromSerializedProto(model_bytes)
-        except RuntimeError as error:
-            raise ValueError(
-                f"--tokenizer-model {model_path}: not a sentencepiece model ({error}); "
-                "train one with python -m data.tokenizer"
-            ) from None
-        if self._processor.eos_id() < 0:
-            raise ValueError(
-                f"--tokenizer-model {model_path}: the model has no end-of-document (eos) piece; "
-                "train it with python -m data.tokenizer, which reserves one"
-            )
-        self.model_path = model_path
-        self.vocab_size = self._processor.vocab_size()
-        self.eod_id = self._processor.eos_id()
-        self.pad_id = self._processor.pad_id()
-        self.unique_identifiers = OrderedDict(
-            [
-                ("class", type(self).__name__),
-                ("model_sha256", hashlib.sha256(model_bytes).hexdigest()),
-                ("vocab_size", self.vocab_size),
-            ]
-        )
+    eod_id: int
+    pad_id: int = -1
 
     @property
     def eod(self) -> int:
-        """End-of-document id, under the name megatron-core's datasets read."""
         return self.eod_id
 
     @property
     def pad(self) -> int:
-        """Padding id (-1 when the model has none), under the name megatron-core reads."""
         return self.pad_id
 
-    def encode(self, text: str) -> List[int]:
-        """Token ids of `text`, without any special token."""
-        return self._processor.encode(text)
+
+class NullTokenizer(SpecialIds):
+    """Megatron's NullTokenizer: a text is space-separated token ids; ``vocab_size`` is V + 1 with id V
+    the end of document. For data that is already ids (and mock data). Owns nothing but V."""
+
+    def __init__(self, vocab_size: int):
+        self.eod_id = int(vocab_size)
+        self.vocab_size = self.eod_id + 1
+        self.unique_identifiers = OrderedDict([("class", "NullTokenizer"), ("vocab_size", self.vocab_size)])
+
+    def encode(self, text: str) -> list[int]:
+        return [int(token) for token in text.split()]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of token ids (plain ints, numpy or torch integers)."""
-        return self._processor.decode([int(token_id) for token_id in ids])
+        return " ".join(str(int(i)) for i in ids)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """CLI entry point: train a tokenizer and print the model path and vocabulary size."""
-    parser = argparse.ArgumentParser(
-        prog="python -m data.tokenizer", description=__doc__.split("\n")[0]
-    )
+def build_tokenizer(spec: TokenizerSpec):
+    """The tokenizer ``spec`` names, loaded (ValueError naming the flag when it cannot be)."""
+    spec.check()
+    if spec.tokenizer_type == "SentencePieceTokenizer":
+        from data.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(spec.tokenizer_model)
+    if spec.tokenizer_type == "NullTokenizer":
+        return NullTokenizer(spec.vocab_size)
+    from data.bpe_tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer
+
+    if spec.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(spec.vocab_file, spec.merge_file)
+    return HuggingFaceTokenizer(spec.tokenizer_model)
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's tokenizer flags, for tools that take them (``data.preprocess``)."""
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer")
+    parser.add_argument("--tokenizer-model", help="sentencepiece .model, or a Hugging Face tokenizer.json / directory")
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    parser.add_argument("--vocab-size", type=int, help="NullTokenizer: ids below it; it ends a document")
+
+
+def spec_from_arguments(args: argparse.Namespace) -> TokenizerSpec:
+    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point: train a sentencepiece tokenizer and print the model path and vocabulary size."""
+    from data.sentencepiece_tokenizer import SentencePieceTokenizer, train_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m data.tokenizer",
+                                     description="Train a sentencepiece BPE tokenizer on documents.")
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
                         help="text files (one document each) or .jsonl files (one per line)")
     parser.add_argument("--vocab-size", type=int, required=True, help="number of pieces")
@@ -169,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         path = train_tokenizer(args.input, args.vocab_size, args.output_prefix)
     except ValueError as error:
         parser.error(str(error))
-    print(f"wrote {path} (vocab size {Tokenizer(path).vocab_size})")
+    print(f"wrote {path} (vocab size {SentencePieceTokenizer(path).vocab_size})")
 
 
 if __name__ == "__main__":

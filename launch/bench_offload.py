@@ -18,6 +18,7 @@ import tempfile
 from launch.bench_world import write_table
 from launch.pretrain_run import run_pretrain
 from models.config import GPTConfig
+from models.counting import num_parameters
 
 SYSTEMS = {
     "in memory": [],
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.iters < 2:
         parser.error("--iters must be >= 2: the first iteration (which creates the states) is not timed")
-    params = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
-                       seq_length=args.seq, vocab_size=args.vocab).num_parameters()
+    params = num_parameters(GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                      num_attention_heads=args.heads, seq_length=args.seq, vocab_size=args.vocab))
     rows = [f"GPT of {params / 1e6:.1f}M parameters, ZeRO-3, bf16 with fp32 masters and AdamW, dp {args.dp}, "
             f"{args.iters} iterations; per rank, last iteration", "",
             "| system | step s | vs in memory | model states MiB | in swap files MiB | peak RSS MiB | final loss |",

@@ -15,6 +15,7 @@ import tempfile
 
 from launch.pretrain_run import machine_memory_bytes, run_pretrain
 from models.config import GPTConfig
+from models.counting import num_parameters
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
                        seq_length=128, vocab_size=4096)
-    params, memory = config.num_parameters(), machine_memory_bytes()
+    params, memory = num_parameters(config), machine_memory_bytes()
     print(f"GPT of {params / 1e9:.2f}B parameters: model states {16 * params / 2**30:.1f} GiB (16 bytes per "
           f"parameter), this machine has {memory / 2**30:.1f} GiB of memory", flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:

@@ -8,12 +8,14 @@ For every layout (tp, pp, dp, ZeRO stage, recompute, micro-batch size, optimizer
 for the most loaded device (the first pipeline stage for activations, the heaviest stage for model
 states):
 
-- model states: the exact parameters of that rank's slice, kept whole or sharded as ``parallel.zero``
-  keeps them (stage 3 keeps parameters up to the persistence threshold, and those whose gradients a
-  model-parallel reduction needs, whole), priced by ``zero.expected_model_state_bytes``;
-- activations: saved bytes per micro-batch by our layer's accounting (Korthikanti et al.'s formulas for
-  a fused attention that keeps no s^2 matrix: sbh(4 + 12/t) elements per layer, 16 sbh/t with sequence
-  parallelism, sbh (or sbh/t) with full recompute of each layer, i.e. --recompute-num-layers 1), times
+- model states: the parameters of that rank's slice, from the model itself (built on the meta device
+  as training builds it), kept whole or sharded as ``parallel.zero`` keeps them (stage 3 keeps
+  parameters up to the persistence threshold, and those whose gradients a model-parallel reduction
+  needs, whole), priced by ``zero.expected_parameter_state_bytes``;
+- activations: saved bytes per micro-batch by our layer's accounting (``layer_elements``: Korthikanti
+  et al.'s for a fused attention that keeps no s^2 matrix, following the architecture: sbh(4 + 12/t)
+  elements per GPT-3 layer, 16 sbh/t with sequence parallelism; sbh (or sbh/t) with full recompute of
+  each layer, i.e. --recompute-num-layers 1), times
   the micro-batches 1F1B keeps alive, plus the last stage's logits and loss; with full recompute also
   the transient of rebuilding one layer in backward;
 - buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
@@ -32,7 +34,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from models.config import GPTConfig
-from parallel.zero import expected_model_state_bytes
+from models.counting import num_parameters, stage_model
+from parallel.zero import expected_parameter_state_bytes
 from pretrain.arguments import ConfigError, parse_config
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -79,39 +82,20 @@ class Plan:
         return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
 
 
-def stage_parameters(config: GPTConfig, tp: int, pp: int, stage: int,
-                     sequence_parallel: bool) -> list[tuple[int, bool]]:
-    """(elements, needs a model-parallel reduction) of each parameter of pipeline ``stage``'s tp slice,
-    as models.gpt builds it (even split of the layers, one model chunk)."""
-    h, f, t = config.hidden_size, config.ffn_size, tp
-    norm = [(h, sequence_parallel)] * (2 if config.normalization == "LayerNorm" else 1)
-    layer = [*norm, (3 * h * h // t, False), (3 * h // t, False), (h * h // t, False), (h, sequence_parallel),
-             *norm, (f * h // t, False), (f // t, False), (h * f // t, False), (h, sequence_parallel)]
-    params = layer * (config.num_layers // pp)
-    vocab = config.padded_vocab_size(t) * h // t
-    if stage == 0:
-        params.append((vocab, pp > 1))  # the tied embedding is summed with the last stage's copy
-        if config.position_embedding_type == "learned":
-            params.append((config.max_positions * h, False))
-    if stage == pp - 1:
-        params += norm
-        if pp > 1:
-            params.append((vocab, True))
-    return params
+def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> list:
+    """The parameters of pipeline ``stage``'s tp slice, as ``models.stages`` builds them (on meta)."""
+    return list(stage_model(config, layout.tp, layout.pp, stage, sequence_parallel=layout.sequence_parallel)
+                .parameters())
 
 
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
                       persistence_threshold: int = 100_000) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
-    total = 0.0
-    for numel, reduced in stage_parameters(config, layout.tp, layout.pp, stage, layout.sequence_parallel):
-        stage_of_param = layout.zero_stage
-        if stage_of_param == 3 and (numel <= persistence_threshold or reduced):
-            stage_of_param = 2  # kept whole, gradients sharded
-        total += expected_model_state_bytes(stage_of_param, numel, layout.dp, compute_bytes)
-        if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
-            master = 4 if compute_bytes != 4 else 0
-            total -= numel * (master + 8) / (layout.dp if layout.zero_stage else 1)
+    params = _stage_parameters(config, layout, stage)
+    total = expected_parameter_state_bytes(params, layout.zero_stage, layout.dp, compute_bytes, persistence_threshold)
+    if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
+        master = 4 if compute_bytes != 4 else 0
+        total -= sum(p.numel() for p in params) * (master + 8) / (layout.dp if layout.zero_stage else 1)
     return total
 
 
@@ -125,34 +109,59 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
     s, b, h, t = config.seq_length, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
-    per_layer = sbh / split if layout.recompute == "full" else _layer_elements(sbh, layout)
+    per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
     saved = per_layer * config.num_layers // layout.pp * compute_bytes
     if stage == layout.pp - 1:  # final norm input and output; the loss's fp32 softmax over this rank's vocabulary
         saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * 4
     return saved * alive_micro_batches(layout.pp, stage, micro_batches)
 
 
-def _layer_elements(sbh: int, layout: Layout) -> float:
-    """Elements one layer keeps for backward without recompute (selective gains nothing here: the fused
-    attention keeps no s^2 matrix)."""
-    return 16 * sbh / layout.tp if layout.sequence_parallel else sbh * (4 + 12 / layout.tp)
+def layer_elements(config: GPTConfig, layout: Layout) -> float:
+    """Elements one transformer layer keeps for backward per micro-batch without recompute, as our layer
+    saves them (selective recompute gains nothing here: the fused attention keeps no s^2 matrix), per
+    token, t = tp, a query heads and G key/value groups of d channels:
+
+    - each of the two norms: its input and its output (which the next linear keeps), 2h (split by t
+      under sequence parallelism);
+    - the QKV output, (a + 2G) d / t (attention reads keys and values as views of it), and the
+      attention output, a d / t;
+    - queries and keys made anew on the way: the queries' copy when groups share keys (a d / t, kept
+      unless rotary positions consume it), the query/key norms' outputs and the rotary outputs,
+      (a + G) d / t each, and the rotary cos and sin tables (2 x rotated channels, not split);
+    - the MLP: fc1's output and the activation's (2 f / t); SwiGLU keeps gate and up, silu(gate) and
+      the product, 4 f / t.
+    GPT-3's layer (LayerNorm, GELU, learned positions): 4 + 12 / t (x sbh)."""
+    t, h, f = layout.tp, config.hidden_size, config.ffn_size
+    heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
+    split = t if layout.sequence_parallel else 1
+    norms = 2 * 2 * h / split
+    attention = (heads + 2 * groups) * d + heads * d
+    rotary, normed = config.position_embedding == "rope", config.qk_layernorm
+    query_copy = heads * d if groups < heads else 0
+    if normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries and keys
+        attention += query_copy + (0 if rotary else (heads + groups) * d)
+    elif not rotary:
+        attention += query_copy  # attention itself keeps the copied queries
+    if rotary:  # rotation keeps only its tables; attention keeps the rotated queries and keys
+        attention += (heads + groups) * d + 2 * config.rotary_channels
+    mlp = (4 if config.activation == "swiglu" else 2) * f / t
+    return config.seq_length * layout.micro_batch_size * (norms + attention + mlp)
 
 
 def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int) -> float:
     """ZeRO-R staging: two bucket slots from stage 2 on; stage 3 also gathers a block (and stages one);
     full recompute rebuilds one layer's activations in backward."""
-    h, f, t = config.hidden_size, config.ffn_size, layout.tp
-    block = (4 * h * h + 2 * h * f) // t
+    layer = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)[0].layers[0]
+    block = sum(p.numel() for p in layer.parameters())
     staging = 2 * (bucket_size + bucket_size / layout.dp) * compute_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
-    sbh = config.seq_length * layout.micro_batch_size * h
-    recompute = _layer_elements(sbh, layout) * compute_bytes if layout.recompute == "full" else 0
+    recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
     return staging + gathers + recompute
 
 
 def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int) -> dict[str, float]:
     """Bytes one rank sends per step on each axis (ring model, as parallel.comm counts them)."""
-    psi = sum(n for n, _ in stage_parameters(config, layout.tp, layout.pp, 0, layout.sequence_parallel))
+    psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
     n, t, m = layout.dp, layout.tp, micro_batches
     # stages 0-1: one gradient all-reduce (or reduce-scatter + all-gather) per step; stage 2 reduce-scatters
     # every micro-batch and all-gathers once; stage 3 gathers in forward and backward and reduce-scatters,
@@ -188,7 +197,9 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                       zero_stage: int | None, tp: int | None, pp: int | None) -> list[Layout]:
     layouts = []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
-        if config.num_attention_heads % t or config.ffn_size % t:
+        try:
+            config.validate(t)
+        except ValueError:  # tp must divide the heads, groups and widths
             continue
         for p in ([pp] if pp else [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]):
             if world_size % (t * p):
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                            "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes, "score": p.score}
                           for p in plans], indent=1))
         return
-    params = config.model.num_parameters()
+    params = num_parameters(config.model)
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
     print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "

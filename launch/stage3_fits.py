@@ -14,6 +14,7 @@ import argparse
 
 from launch.pretrain_run import machine_memory_bytes, run_pretrain
 from models.config import GPTConfig
+from models.counting import num_parameters
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=16,
                        seq_length=128, vocab_size=4096)
-    params, memory = config.num_parameters(), machine_memory_bytes()
+    params, memory = num_parameters(config), machine_memory_bytes()
     replicas = 16 * params * args.dp
     print(f"GPT of {params / 1e6:.0f}M parameters; plain data parallelism at dp {args.dp} holds "
           f"{replicas / 2**30:.1f} GiB of model states on this machine ({memory / 2**30:.1f} GiB): "

@@ -37,8 +37,9 @@ import sys
 
 import yaml
 
-from data.tokenizer import Tokenizer
+from data.tokenizer import build_tokenizer
 from launch.pretrain_run import run_pretrain
+from models.counting import flops_per_token, num_parameters
 from pretrain.arguments import parse_config
 
 COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens", "flops", "tokens_per_s",
@@ -99,13 +100,13 @@ def train_run(sweep: dict, run: dict) -> dict:
         handle.writelines(json.dumps(line) + "\n" for line in lines)
     config = parse_config(_flags(settings))  # the model the run trained, as pretrain read it
     if config.model.vocab_size is None:  # the tokenizer's vocabulary (the built-in corpus's by default)
-        config.model.vocab_size = (Tokenizer(config.data.tokenizer_model).vocab_size if config.data.tokenizer_model
-                                   else config.data.default_corpus_vocab_size)
+        config.model.vocab_size = (build_tokenizer(config.data.tokenizer_spec(None)).vocab_size
+                                   if config.data.data_path else config.data.default_corpus_vocab_size)
     config = config.model
     tokens = sweep["tokens_per_step"] * sweep["train_iters"]
     timed = lines[1:] or lines
-    return {**run, "parameters": config.num_parameters(), "final_loss": lines[-1]["loss"], "tokens": tokens,
-            "flops": config.flops_per_token() * tokens,
+    return {**run, "parameters": num_parameters(config), "final_loss": lines[-1]["loss"], "tokens": tokens,
+            "flops": flops_per_token(config) * tokens,
             "tokens_per_s": sum(line["tokens_per_s"] for line in timed) / len(timed),
             "model_state_bytes": max(r["model_state_bytes"] for r in lines[-1]["per_rank"]),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in lines[-1]["per_rank"])}

@@ -25,11 +25,31 @@ class GPTConfig:
         default=None, metadata=flag("tokenizer vocabulary (default: read from --tokenizer-model)"))
     make_vocab_size_divisible_by: int = field(
         default=128, metadata=flag("the embedding table is padded to a multiple of this x tp"))
-    position_embedding_type: str = field(
-        default="learned", metadata=flag("learned absolute positions or rotary (rope)", choices=["learned", "rope"]))
-    rotary_base: float = field(default=10000.0, metadata=flag("rotary embedding base"))
+    position_embedding_type: str = field(default="learned_absolute", metadata=flag(
+        "learned absolute positions, rotary (rope) or none (learned is an alias of learned_absolute)",
+        choices=["learned_absolute", "learned", "rope", "none"]))
+    use_rotary_position_embeddings: bool = field(
+        default=False, metadata=flag("rotary positions (Megatron's older spelling of --position-embedding-type rope)"))
+    rotary_base: float = field(default=10000.0, metadata=flag("rotary embedding base (Llama-3: 500000)"))
+    rotary_percent: float = field(default=1.0, metadata=flag("fraction of each head's channels that rotate"))
     normalization: str = field(default="LayerNorm", metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
     layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon"))
+    apply_layernorm_1p: bool = field(default=False, metadata=flag(
+        "norm weights stored as offsets from 1 (initialised at 0; the norm scales by 1 + weight)"))
+    qk_layernorm: bool = field(default=False, metadata=flag("normalise queries and keys per head before attention"))
+    swiglu: bool = field(default=False, metadata=flag(
+        "gated SiLU MLP: silu(x W_gate) * (x W_up) -> W_down (default --ffn-hidden-size: 8h/3 rounded down to 64)"))
+    squared_relu: bool = field(default=False, metadata=flag("squared ReLU MLP activation instead of GELU"))
+    group_query_attention: bool = field(
+        default=False, metadata=flag("grouped-query attention: --num-query-groups key/value heads"))
+    num_query_groups: int | None = field(default=None, metadata=flag(
+        "key/value heads with --group-query-attention (default: one per attention head); divides the heads, "
+        "tp divides it"))
+    kv_channels: int | None = field(default=None, metadata=flag(
+        "channels per attention head (default --hidden-size / --num-attention-heads)"))
+    untie_embeddings_and_output_weights: bool = field(
+        default=False, metadata=flag("an output layer of its own instead of the word embedding's transpose"))
+    disable_bias_linear: bool = field(default=False, metadata=flag("no biases in the attention and MLP linears"))
     hidden_dropout: float = field(default=0.0, metadata=flag("dropout on residual branches and embeddings"))
     attention_dropout: float = field(default=0.0, metadata=flag("dropout on attention probabilities"))
     init_method_std: float = field(
@@ -37,7 +57,32 @@ class GPTConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """MLP width: --ffn-hidden-size, else Megatron's default (4h; 8h/3 rounded down to 64 with SwiGLU,
+        which keeps the parameters of its three matrices near those of two 4h ones)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with grouped-query attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention and self.num_query_groups else \
+            self.num_attention_heads
+
+    @property
+    def position_embedding(self) -> str:
+        """learned_absolute, rope or none, whichever spelling the flags used."""
+        if self.use_rotary_position_embeddings:
+            return "rope"
+        return "learned_absolute" if self.position_embedding_type == "learned" else self.position_embedding_type
+
+    @property
+    def activation(self) -> str:
+        return "swiglu" if self.swiglu else "squared_relu" if self.squared_relu else "gelu"
 
     @property
     def max_positions(self) -> int:
@@ -55,17 +100,20 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} does not divide --hidden-size "
-                             f"{self.hidden_size}: choose a head count that divides it")
-        if self.position_embedding_type == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError("--position-embedding-type rope needs an even head size (--hidden-size / "
-                             "--num-attention-heads)")
-        if self.num_attention_heads % tp:
-            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads "
-                             f"{self.num_attention_heads}: choose a tp that divides it")
+                             f"{self.hidden_size}: choose a head count that divides it, or give --kv-channels")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
+        if self.swiglu and self.squared_relu:
+            raise ValueError("--swiglu and --squared-relu are two MLP activations: choose one")
+        self._validate_attention(tp)
+        if self.ffn_size < 1:
+            raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 rounded down to "
+                             f"64, 0 at --hidden-size {self.hidden_size}): give --ffn-hidden-size")
         if self.ffn_size % tp:
-            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size {self.ffn_size}")
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size {self.ffn_size}: "
+                             "choose a width that tp divides")
         if self.max_positions < self.seq_length:
             raise ValueError(f"--seq-length {self.seq_length} is beyond --max-position-embeddings "
                              f"{self.max_positions}: raise --max-position-embeddings or shorten --seq-length")
@@ -73,16 +121,30 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
 
-    def num_parameters(self) -> int:
-        """Parameters of the whole model (tied embedding counted once, padded vocabulary at tp = 1)."""
-        h, f, layers = self.hidden_size, self.ffn_size, self.num_layers
-        norm = 2 * h if self.normalization == "LayerNorm" else h
-        per_layer = 2 * norm + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        positions = self.max_positions * h if self.position_embedding_type == "learned" else 0
-        return layers * per_layer + self.padded_vocab_size(1) * h + positions + norm
+    def _validate_attention(self, tp: int) -> None:
+        heads, groups = self.num_attention_heads, self.query_groups
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ValueError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention (without it "
+                             "every head has its own keys and values): add it, or drop --num-query-groups")
+        if groups < 1 or heads % groups:
+            raise ValueError(f"--num-query-groups {groups} does not divide --num-attention-heads {heads}: each group "
+                             "serves an equal share of the query heads")
+        if groups % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide "
+                             + (f"--num-query-groups {groups}" if groups != heads else f"--num-attention-heads {heads}")
+                             + ": each rank holds whole key/value groups; choose a tp that divides it")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding == "rope":
+            rotated = self.rotary_channels
+            if rotated < 2 or rotated % 2:
+                raise ValueError(f"rotary positions turn pairs of channels: --rotary-percent {self.rotary_percent} "
+                                 f"of a head's {self.head_dim} channels is {rotated}; choose one that gives an even "
+                                 "number (>= 2)")
+            if self.rotary_base <= 0:
+                raise ValueError(f"--rotary-base must be > 0, got {self.rotary_base}")
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
-        h, f, s = self.hidden_size, self.ffn_size, self.seq_length
-        per_layer = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * s * h
-        return 3 * (self.num_layers * per_layer + 2 * h * self.padded_vocab_size(1))
+    @property
+    def rotary_channels(self) -> int:
+        """Channels of each head that rotary positions turn (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.rotary_percent)

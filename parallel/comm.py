@@ -96,6 +96,24 @@ class AxisGroup:
         return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
 
 
+@dataclass(frozen=True)
+class DetachedGroup:
+    """A group of ``size`` ranks seen from its first rank, with no processes behind it: enough to build
+    one rank's part of a model on the meta device and count its parameters (``models.counting``).
+
+    Owns its size only. It never communicates: a collective on it raises.
+    """
+
+    axis: str
+    size: int
+    stats: CommStats = field(default_factory=CommStats, repr=False)
+    rank = 0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        raise RuntimeError(f"a detached {self.axis} group of {self.size} has no processes to communicate with")
+
+
 class _Completed:
     """Handle of an operation that needed no communication."""
 

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from data.tokenizer import TOKENIZER_TYPES, TokenizerSpec
 from models.config import GPTConfig, flag
 
 
@@ -120,7 +121,12 @@ class DataConfig:
 
     data_path: list[str] | None = field(default=None, metadata=flag(
         "indexed dataset prefix(es), optionally weighted: W1 P1 W2 P2 (default: the built-in stdlib corpus)"))
-    tokenizer_model: str | None = field(default=None, metadata=flag("sentencepiece .model of the data"))
+    tokenizer_type: str = field(default="SentencePieceTokenizer", metadata=flag(
+        "how the data was tokenized (Megatron's names)", choices=list(TOKENIZER_TYPES)))
+    tokenizer_model: str | None = field(default=None, metadata=flag(
+        "SentencePieceTokenizer: the .model; HuggingFaceTokenizer: a tokenizer.json or the directory holding it"))
+    vocab_file: str | None = field(default=None, metadata=flag("GPT2BPETokenizer: GPT-2's vocab.json"))
+    merge_file: str | None = field(default=None, metadata=flag("GPT2BPETokenizer: GPT-2's merges.txt"))
     split: str = field(default="969,30,1", metadata=flag("train,valid,test weights"))
     data_cache_dir: str = field(default=os.path.join(".cache", "data"), metadata=flag(
         "where the built-in corpus and dataset indices are cached"))
@@ -128,6 +134,13 @@ class DataConfig:
         "vocabulary of the tokenizer trained on the built-in corpus"))
     default_corpus_max_bytes: int | None = field(default=None, metadata=flag(
         "cap on the built-in corpus size in bytes (default: all of the stdlib)"))
+
+    def tokenizer_spec(self, model_vocab_size: int | None) -> TokenizerSpec:
+        """The tokenizer of a validated run. A NullTokenizer's --vocab-size V becomes the model's
+        vocabulary V + 1 in validation (its end-of-document id is V), so V is read back from it."""
+        null = self.tokenizer_type == "NullTokenizer" and model_vocab_size is not None
+        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
+                             model_vocab_size - 1 if null else None)
 
 
 @dataclass

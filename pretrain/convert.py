@@ -57,10 +57,16 @@ def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str, wi
 
 
 def gpt2_mismatches(config: GPTConfig) -> list[str]:
-    """Options that GPT-2's architecture (GPT2LMHeadModel) cannot express."""
-    return [f"--{flag} {value}" for flag, value, wanted in (
-        ("position-embedding-type", config.position_embedding_type, "learned"),
-        ("normalization", config.normalization, "LayerNorm")) if value != wanted]
+    """Options that GPT-2's architecture (GPT2LMHeadModel) cannot express, as the flags that set them."""
+    gpt2 = {"position-embedding-type": (config.position_embedding, "learned_absolute"),
+            "normalization": (config.normalization, "LayerNorm"),
+            "swiglu / --squared-relu": (config.activation, "gelu"),
+            "num-query-groups": (config.query_groups, config.num_attention_heads),
+            "kv-channels": (config.head_dim, config.hidden_size // config.num_attention_heads),
+            "disable-bias-linear": (config.disable_bias_linear, False), "qk-layernorm": (config.qk_layernorm, False),
+            "apply-layernorm-1p": (config.apply_layernorm_1p, False),
+            "untie-embeddings-and-output-weights": (config.untie_embeddings_and_output_weights, False)}
+    return [f"--{flag} {value}" for flag, (value, wanted) in gpt2.items() if value != wanted]
 
 
 def _gpt2_tensors(config: GPTConfig):

@@ -19,8 +19,8 @@ from parallel import comm
 from parallel.comm import OPERATIONS
 from parallel.process_groups import ParallelGroups
 
-RANK_FIELDS = ("rank", "parameters", "model_state_bytes", "offloaded_bytes", "saved_activation_bytes",
-               "buffer_pool_bytes", "peak_mem_bytes")
+RANK_FIELDS = ("rank", "parameters", "expected_model_state_bytes", "model_state_bytes", "offloaded_bytes",
+               "saved_activation_bytes", "buffer_pool_bytes", "peak_mem_bytes")
 
 
 def reset_peak_memory(device: torch.device) -> None:

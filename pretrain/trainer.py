@@ -13,8 +13,9 @@ import torch
 
 from data.gpt_dataset import build_gpt_datasets
 from data.sampler import DataParallelSampler, micro_batches
-from data.tokenizer import Tokenizer
+from data.tokenizer import TokenizerSpec, build_tokenizer
 from models.generate import context_window, generate
+from models.counting import flops_per_token, num_parameters
 from models.stages import build_stage
 from parallel import comm, zero
 from parallel.buffers import BufferPool
@@ -22,7 +23,7 @@ from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
-from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_model_state_bytes
+from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes
 from pretrain import checkpoint
 from pretrain.config import Config
 from pretrain.lr_schedule import learning_rate
@@ -42,16 +43,16 @@ class TrainResult:
     wandb_dir: str | None = None
 
 
-def resolve_data(config: Config) -> tuple[list[str], Tokenizer]:
-    """The --data-path and tokenizer to train on; builds the built-in corpus on first use."""
+def resolve_data(config: Config) -> tuple[list[str], object]:
+    """The --data-path and its tokenizer to train on; builds the built-in corpus on first use."""
     data = config.data
     if data.data_path is not None:
-        return data.data_path, Tokenizer(data.tokenizer_model)
+        return data.data_path, build_tokenizer(data.tokenizer_spec(config.model.vocab_size))
     from data.default_corpus import ensure_default_corpus
 
     prefix, tokenizer_model = ensure_default_corpus(data.data_cache_dir, data.default_corpus_vocab_size,
                                                     data.default_corpus_max_bytes)
-    return [prefix], Tokenizer(tokenizer_model)
+    return [prefix], build_tokenizer(TokenizerSpec("SentencePieceTokenizer", tokenizer_model))
 
 
 def adamw_factory(config: Config):
@@ -106,6 +107,11 @@ class Trainer:
                                                     recompute.activations_on_cpu), self.groups.tp,
                         self.buffer_pool)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_token = flops_per_token(config.model)
+        # what the optimizer will hold for these parameters, by the rule it shards them with
+        self.expected_state_bytes = expected_parameter_state_bytes(
+            self.model.parameters(), config.zero.zero_stage, topology.dp, torch.finfo(self.dtype).bits // 8,
+            config.zero.zero_persistence_threshold)
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,
             param_groups=weight_decay_groups(self.model, config.optimizer.weight_decay),
@@ -177,6 +183,7 @@ class Trainer:
         train = self.config.training
         tokens = train.global_batch_size * self.config.model.seq_length
         mine = {"rank": self.groups.rank, "parameters": self.num_parameters,
+                "expected_model_state_bytes": self.expected_state_bytes,
                 "model_state_bytes": self.optimizer.model_state_bytes(),
                 "offloaded_bytes": self.optimizer.offloaded_bytes(),
                 "saved_activation_bytes": self.activation_meter.peak_bytes,
@@ -185,7 +192,7 @@ class Trainer:
             "iteration": iteration, "consumed_samples": self.consumed_samples, "loss": loss, "lr": lr,
             "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
             "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-            "tflops_per_rank": self.config.model.flops_per_token() * tokens / step_time
+            "tflops_per_rank": self.flops_per_token * tokens / step_time
             / self.groups.topology.world_size / 1e12,
             "per_rank": gather_per_rank(self.groups, mine, comm_bytes),
         }
@@ -196,7 +203,7 @@ class Trainer:
         writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger)
         result = TrainResult(wandb_dir=wandb_run.dir if wandb_run else None)
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
-                    f"(model {config.model.num_parameters():,}) on {self.groups.topology.describe().splitlines()[0]}, "
+                    f"(model {num_parameters(config.model):,}) on {self.groups.topology.describe().splitlines()[0]}, "
                     f"{self.num_micro_batches} micro-batches of {train.micro_batch_size} per step")
         try:
             batches = self._batches(self.train_data, train.train_iters * train.global_batch_size, self.consumed_samples)
@@ -289,16 +296,15 @@ class Trainer:
         print_rank0(self.is_logger, f"saved checkpoint {path}")
 
     def _print_model_state_table(self, per_rank: list[dict]) -> None:
-        """Per rank: model-state bytes by DESIGN.md's formula beside what the tensors hold (after the
-        first step, when the optimizer states exist)."""
+        """Per rank: model-state bytes as ``parallel.zero.memory`` predicts them for its parameters beside
+        what the tensors hold (after the first step, when the optimizer states exist)."""
         if not self.is_logger:
             return
         stage, dp = self.config.zero.zero_stage, self.groups.topology.dp
-        width = torch.finfo(self.dtype).bits // 8
         lines = [f"model-state bytes per rank (ZeRO stage {stage}, dp {dp}, {self.dtype}): expected vs measured "
                  "(in memory + in swap files)"]
         for entry in per_rank:
-            expected = expected_model_state_bytes(stage, entry["parameters"], dp, width)
+            expected = entry["expected_model_state_bytes"]
             held = entry["model_state_bytes"] + entry["offloaded_bytes"]
             lines.append(f"  rank {entry['rank']:>3}: {entry['parameters']:>12,} params  expected "
                          f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} + "

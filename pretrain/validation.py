@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from models.counting import num_parameters
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
@@ -89,7 +90,7 @@ def _validate_offload(config: Config, topology: Topology) -> None:
     bytes_per_param = (8 + (4 if mixed or param_files else 0)) * optimizer_files + (2 if mixed else 4) * param_files
     local = min(topology.gpus_per_node or topology.world_size, topology.world_size) / topology.world_size
     try:
-        check_swap_directory(zero.nvme_path, int(bytes_per_param * config.model.num_parameters() * local))
+        check_swap_directory(zero.nvme_path, int(bytes_per_param * num_parameters(config.model) * local))
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -112,15 +113,18 @@ def _validate_pipeline(config: Config, topology: Topology) -> None:
 
 def _validate_data(config: Config) -> None:
     data, model = config.data, config.model
+    chosen = [flag for flag, value in (("--tokenizer-model", data.tokenizer_model), ("--vocab-file", data.vocab_file),
+                                       ("--merge-file", data.merge_file)) if value is not None]
+    if data.tokenizer_type != "SentencePieceTokenizer":
+        chosen.append(f"--tokenizer-type {data.tokenizer_type}")
     if data.data_path is None:
-        if data.tokenizer_model is not None:
-            raise ConfigError("--tokenizer-model without --data-path: give the dataset it tokenized, or neither "
+        if chosen:
+            raise ConfigError(f"{chosen[0]} without --data-path: give the dataset it tokenized, or no tokenizer "
                               "(to use the built-in corpus)")
         vocab = data.default_corpus_vocab_size
     else:
-        if data.tokenizer_model is None:
-            raise ConfigError("--data-path needs --tokenizer-model (the sentencepiece model that tokenized it)")
         from data.gpt_dataset import parse_data_path
+        from data.tokenizer import TokenizerSpec, build_tokenizer
 
         try:
             prefixes, _ = parse_data_path(data.data_path)
@@ -130,16 +134,18 @@ def _validate_data(config: Config) -> None:
             for suffix in (".bin", ".idx"):
                 if not os.access(prefix + suffix, os.R_OK):
                     raise ConfigError(f"--data-path {prefix}: {prefix + suffix} is missing or unreadable; build it "
-                                      f"with python -m data.preprocess --output-prefix {prefix}")
-        from data.tokenizer import Tokenizer
-
+                                      f"with python -m data.preprocess --output-prefix ... (it writes "
+                                      f"<prefix>_text_document.bin/.idx)")
+        spec = TokenizerSpec(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
+                             model.vocab_size if data.tokenizer_type == "NullTokenizer" else None)
         try:
-            vocab = Tokenizer(data.tokenizer_model).vocab_size
+            vocab = build_tokenizer(spec).vocab_size
         except (OSError, ValueError, RuntimeError) as error:
-            raise ConfigError(f"--tokenizer-model {data.tokenizer_model}: {error}") from None
+            raise ConfigError(str(error)) from None
+        if data.tokenizer_type == "NullTokenizer":  # ids 0..V-1 and the end of document V: V + 1 rows
+            model.vocab_size = vocab
     if model.vocab_size is None:
         model.vocab_size = vocab
     elif vocab > model.vocab_size:
         raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's vocabulary {vocab}: "
                           f"use --vocab-size {vocab} or more (or leave it out)")
-

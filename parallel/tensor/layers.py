@@ -80,21 +80,27 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: each rank computes out/tp columns of Y.
 
     Owns its weight slice [out/tp, in] and bias slice. Its output stays split (the next layer is
-    row-parallel); it never gathers the full output.
+    row-parallel); it never gathers the full output. ``stacked = k`` holds k matrices of the same
+    shape side by side (weight [k, out/tp, in], split along ``out`` each): a rank's output is its
+    slice of each in turn, e.g. SwiGLU's gate and up, so that every tp computes the same numbers.
     """
 
     def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
-                 bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
+                 bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                 stacked: int = 1):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         _divide(out_features, group.size, f"{init.name}: output features")
-        self.weight = _shard_parameter(lambda: init.full((out_features, in_features), dtype), 0, group)
-        self.bias = _shard_parameter(lambda: torch.zeros(out_features, dtype=dtype), 0, group) if bias else None
+        shape, dim = ((out_features, in_features), 0) if stacked == 1 else ((stacked, out_features, in_features), 1)
+        self.weight = _shard_parameter(lambda: init.full(shape, dtype), dim, group)
+        self.bias = _shard_parameter(lambda: torch.zeros(shape[:-1], dtype=dtype), dim, group) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.flatten(0, -2)  # a view: [stacked * out/tp, in]
+        bias = None if self.bias is None else self.bias.flatten()
         if self.sequence_parallel and self.group.size > 1:
-            return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
-        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+            return _SequenceParallelLinear.apply(x, weight, bias, self.group)
+        return F.linear(copy_to_tensor_parallel(x, self.group), weight, bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -123,27 +129,37 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def vocab_parallel_table(vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
+                         init: WeightInit, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+    """Rows [start, end) of a (padded) [vocabulary, hidden] table split by vocabulary range. Rows at or
+    beyond ``vocab_size`` (padding) start at zero, so that the real rows' numbers do not depend on the
+    padding, i.e. on tp."""
+    _divide(padded_vocab_size, group.size, "padded vocabulary size")
+
+    def table() -> torch.Tensor:
+        full = torch.zeros(padded_vocab_size, hidden_size, dtype=dtype)
+        full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
+        return full
+    weight = _shard_parameter(table, 0, group)
+    weight.unpadded_rows = vocab_size  # rows beyond are padding, sized by tp (checkpoints drop them)
+    return weight
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose table is split by vocabulary range across the tensor-parallel group.
 
-    Owns rows [start, end) of the (padded) table. Rows at or beyond ``vocab_size`` (padding) start
-    at zero so that the real rows' numbers do not depend on the padding. Each rank looks up the tokens
-    in its range, zeros the rest, and the partial embeddings are summed over the group. It never holds
-    another rank's rows.
+    Owns rows [start, end) of the (padded) table (``vocab_parallel_table``). Each rank looks up the
+    tokens in its range, zeros the rest, and the partial embeddings are summed over the group. It never
+    holds another rank's rows.
     """
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
                  init: WeightInit, *, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.group = group
-        rows = _divide(padded_vocab_size, group.size, "padded vocabulary size")
+        self.weight = vocab_parallel_table(vocab_size, padded_vocab_size, hidden_size, group, init, dtype)
+        rows = self.weight.shape[0]
         self.vocab_start, self.vocab_end = group.rank * rows, (group.rank + 1) * rows
-        def table() -> torch.Tensor:
-            full = torch.zeros(padded_vocab_size, hidden_size, dtype=dtype)
-            full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
-            return full
-        self.weight = _shard_parameter(table, 0, group)
-        self.weight.unpadded_rows = vocab_size  # rows beyond are padding, sized by tp (checkpoints drop them)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -153,6 +169,21 @@ class VocabParallelEmbedding(nn.Module):
             local = (tokens - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel(out, self.group)
+
+
+class VocabParallelOutput(nn.Module):
+    """The output layer: hidden -> this rank's vocabulary slice of the logits, with a weight of its own
+    (an untied model's, or a last pipeline stage's copy of the tied embedding). Owns rows [start, end)
+    of the [vocabulary, hidden] table; the full logits never exist."""
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
+                 init: WeightInit, *, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = vocab_parallel_table(vocab_size, padded_vocab_size, hidden_size, group, init, dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(hidden, self.weight, self.group, self.sequence_parallel)
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, group: AxisGroup,

@@ -13,10 +13,11 @@ from torch import nn
 from parallel.comm import AxisGroup
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer, expected_model_state_bytes
+from parallel.zero.memory import expected_model_state_bytes, expected_parameter_state_bytes
+from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer
 
 __all__ = ["initialize", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "DynamicLossScaler",
-           "ConstantLossScaler", "expected_model_state_bytes"]
+           "ConstantLossScaler", "expected_model_state_bytes", "expected_parameter_state_bytes"]
 
 
 def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group: AxisGroup,

@@ -26,6 +26,7 @@ from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
+from parallel.zero.memory import sharded_at_stage_3
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.offload import SwappedOptimizerStates, is_per_element
 from parallel.zero.stage3 import ShardedParameters
@@ -149,8 +150,7 @@ class ZeroOptimizer:
         self.params = [p for group in param_groups for p in group["params"]]
         self.shard = dp.rank if stage > 0 else 0
         device = module_device(module)
-        sharded = (lambda p: p.numel() > persistence_threshold and not needs_model_parallel_reduction(p)) \
-            if stage == 3 else (lambda p: False)
+        sharded = (lambda p: sharded_at_stage_3(p, persistence_threshold)) if stage == 3 else (lambda p: False)
         self.buffers: list[FlatParameterBuffer] = []
         self.slots: list[ShardSlot] = []
         master_groups = []
@@ -422,18 +422,3 @@ class ZeroOptimizer:
                                                            for s in self.optimizer.state.values()
                                                            for t in s.values()
                                                            if torch.is_tensor(t) and not is_per_element(t))
-
-
-def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int) -> float:
-    """DESIGN.md's formula, generalised to the compute precision: parameters and gradients in
-    ``compute_bytes`` each, plus fp32 master (when not the parameters themselves) and Adam's two fp32
-    moments, sharded over ``dp`` as the stage says."""
-    master = 4 if compute_bytes != 4 else 0
-    states = master + 8
-    if stage == 0:
-        return params * (2 * compute_bytes + states)
-    if stage == 1:
-        return params * (2 * compute_bytes) + params * states / dp
-    if stage == 2:
-        return params * compute_bytes + params * (compute_bytes + states) / dp
-    return params * (2 * compute_bytes + states) / dp

@@ -4,7 +4,8 @@ tokenizer trained on it, and indexed datasets of the corpus's two halves."""
 import pytest
 
 from data.preprocess import preprocess
-from data.tokenizer import Tokenizer, train_tokenizer
+from data.sentencepiece_tokenizer import SentencePieceTokenizer, train_tokenizer
+from data.tokenizer import TokenizerSpec
 
 from .synthetic import VOCAB_SIZE, make_documents, write_jsonl
 
@@ -25,17 +26,22 @@ def tokenizer_model(tmp_path_factory, corpus_jsonl):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tokenizer_model):
-    return Tokenizer(tokenizer_model)
+def tokenizer_spec(tokenizer_model):
+    return TokenizerSpec("SentencePieceTokenizer", tokenizer_model)
 
 
 @pytest.fixture(scope="session")
-def indexed_halves(tmp_path_factory, documents, tokenizer_model):
+def tokenizer(tokenizer_model):
+    return SentencePieceTokenizer(tokenizer_model)
+
+
+@pytest.fixture(scope="session")
+def indexed_halves(tmp_path_factory, documents, tokenizer_spec):
     """Two indexed datasets (prefixes): the first and the second half of the documents."""
     directory = tmp_path_factory.mktemp("indexed")
     prefixes = []
     for name, texts in (("first", documents[:30]), ("second", documents[30:])):
         source = write_jsonl(directory / f"{name}.jsonl", texts)
         prefixes.append(str(directory / name))
-        preprocess([source], tokenizer_model, prefixes[-1])
+        preprocess([source], tokenizer_spec, prefixes[-1])
     return prefixes

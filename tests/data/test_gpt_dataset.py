@@ -7,7 +7,7 @@ import torch
 
 from data.gpt_dataset import build_gpt_datasets, parse_data_path
 from data.sampler import DataParallelSampler, micro_batches
-from data.tokenizer import Tokenizer
+from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 
 from ..world import run_world
 
@@ -118,7 +118,7 @@ def test_bad_flags_are_named(tmp_path, indexed_halves, tokenizer):
             build(indexed_halves[:1], tmp_path, tokenizer, split=split)
     with pytest.raises(ValueError, match="--split 969,30,1: the test split .* is empty"):
         build(indexed_halves[:1], tmp_path, tokenizer, split="969,30,1")
-    huge_vocabulary = types.SimpleNamespace(vocab_size=70_000, model_path="big.model")
-    expected = "stores uint16 tokens, too small for --tokenizer-model big.model"
+    huge_vocabulary = types.SimpleNamespace(vocab_size=70_000)
+    expected = "stores uint16 tokens, too small for the tokenizer.s vocabulary of 70000"
     with pytest.raises(ValueError, match=expected):
         build(indexed_halves[:1], tmp_path, huge_vocabulary)

@@ -7,6 +7,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from data.preprocess import preprocess
+from data.tokenizer import TokenizerSpec
 
 from .synthetic import write_jsonl
 
@@ -34,10 +35,10 @@ def read_indexed(prefix):
 
 
 def test_indexed_dataset_holds_exactly_the_tokens(
-    tmp_path, sources, tokenizer, tokenizer_model, documents
+    tmp_path, sources, tokenizer, tokenizer_spec, documents
 ):
     prefix = str(tmp_path / "out")
-    stats = preprocess(sources, tokenizer_model, prefix, append_eod=True, workers=1)
+    stats = preprocess(sources, tokenizer_spec, prefix, append_eod=True, workers=1)
     stored, dataset = read_indexed(prefix)
     expected = expected_documents(tokenizer, documents)
     assert stored == expected
@@ -47,40 +48,41 @@ def test_indexed_dataset_holds_exactly_the_tokens(
     assert sorted(os.listdir(tmp_path)) == ["out.bin", "out.idx"]
 
 
-def test_two_workers_write_identical_files(tmp_path, sources, tokenizer_model):
+def test_two_workers_write_identical_files(tmp_path, sources, tokenizer_spec):
     for workers in (1, 2):
-        preprocess(sources, tokenizer_model, str(tmp_path / f"w{workers}"), workers=workers)
+        preprocess(sources, tokenizer_spec, str(tmp_path / f"w{workers}"), workers=workers)
     for suffix in (".bin", ".idx"):
         one = (tmp_path / f"w1{suffix}").read_bytes()
         assert one == (tmp_path / f"w2{suffix}").read_bytes()
     assert sorted(os.listdir(tmp_path)) == ["w1.bin", "w1.idx", "w2.bin", "w2.idx"]
 
 
-def test_without_eod(tmp_path, sources, tokenizer, tokenizer_model, documents):
-    preprocess(sources, tokenizer_model, str(tmp_path / "out"), append_eod=False)
+def test_without_eod(tmp_path, sources, tokenizer, tokenizer_spec, documents):
+    preprocess(sources, tokenizer_spec, str(tmp_path / "out"), append_eod=False)
     assert read_indexed(str(tmp_path / "out"))[0] == expected_documents(tokenizer, documents, False)
 
 
-def test_failed_run_leaves_no_files(tmp_path, sources, tokenizer_model):
+def test_failed_run_leaves_no_files(tmp_path, sources, tokenizer_spec):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff not utf-8")
     with pytest.raises(ValueError, match=f"--input {bad}: not valid UTF-8"):
-        preprocess(sources + [str(bad)], tokenizer_model, str(tmp_path / "out"))
+        preprocess(sources + [str(bad)], tokenizer_spec, str(tmp_path / "out"))
     assert os.listdir(tmp_path) == ["bad.txt"]
 
 
-def test_bad_arguments(tmp_path, sources, tokenizer_model):
+def test_bad_arguments(tmp_path, sources, tokenizer_spec):
     with pytest.raises(ValueError, match="--input /no/such.txt: no such file"):
-        preprocess(["/no/such.txt"], tokenizer_model, str(tmp_path / "out"))
+        preprocess(["/no/such.txt"], tokenizer_spec, str(tmp_path / "out"))
     with pytest.raises(ValueError, match="--tokenizer-model /no/such.model"):
-        preprocess(sources, "/no/such.model", str(tmp_path / "out"))
+        preprocess(sources, TokenizerSpec("SentencePieceTokenizer", "/no/such.model"), str(tmp_path / "out"))
     with pytest.raises(ValueError, match="--workers 0"):
-        preprocess(sources, tokenizer_model, str(tmp_path / "out"), workers=0)
+        preprocess(sources, tokenizer_spec, str(tmp_path / "out"), workers=0)
     assert os.listdir(tmp_path) == []
 
 
-def test_cli_matches_api(tmp_path, sources, tokenizer_model):
-    preprocess(sources, tokenizer_model, str(tmp_path / "api"))
+def test_cli_matches_api(tmp_path, sources, tokenizer_model, tokenizer_spec):
+    """The CLI takes Megatron's flags and names its output as Megatron's tool does."""
+    preprocess(sources, tokenizer_spec, str(tmp_path / "api"))
     result = subprocess.run(
         [sys.executable, "-m", "data.preprocess", "--input", *sources, "--tokenizer-model",
          tokenizer_model, "--output-prefix", str(tmp_path / "cli"), "--append-eod"],
@@ -88,4 +90,4 @@ def test_cli_matches_api(tmp_path, sources, tokenizer_model):
     )
     assert "20 documents" in result.stdout
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"cli{suffix}").read_bytes() == (tmp_path / f"api{suffix}").read_bytes()
+        assert (tmp_path / f"cli_text_document{suffix}").read_bytes() == (tmp_path / f"api{suffix}").read_bytes()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from data.tokenizer import Tokenizer, train_tokenizer
+from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer, train_tokenizer
 
 from .synthetic import VOCAB_SIZE
 

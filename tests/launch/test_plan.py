@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from launch.plan import Layout, main as plan_main, parse_bytes, plan, plan_layout
+from launch.plan import Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout
+from models.counting import num_parameters
 from pretrain.arguments import parse_config
+from tests.pretrain.test_architectures import LLAMA
 from tests.pretrain.test_trainer import TINY, _pp, _tp, _train
 from tests.world import run_world
 
@@ -20,11 +22,18 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
 }
 
 
-def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tmp_path):
+LLAMA_LAYOUTS = {f"llama dp2 x tp2 + SP stage {stage}": (
+    [*LLAMA, *_tp(2, "--sequence-parallel"), "--zero-stage", str(stage), "--zero-persistence-threshold", "1000",
+     *(["--bf16"] if stage == 3 else [])], Layout(2, 1, 2, stage, sequence_parallel=True)) for stage in range(4)}
+
+
+@pytest.mark.parametrize("layouts", [LAYOUTS, LLAMA_LAYOUTS], ids=["gpt", "llama"])
+def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tmp_path, layouts):
+    """Also the trainer's start-up table (each rank's expected model states) within 5% of what it holds."""
     runs = [flags + ["--train-iters", "2", "--log-interval", "1", "--metrics-file", str(tmp_path / f"{i}.jsonl")]
-            for i, (flags, _) in enumerate(LAYOUTS.values())]
+            for i, (flags, _) in enumerate(layouts.values())]
     run_world(4, _train, runs, stdlib_corpus, timeout_s=600)
-    for i, (name, (flags, layout)) in enumerate(LAYOUTS.items()):
+    for i, (name, (flags, layout)) in enumerate(layouts.items()):
         ranks = [json.loads(line) for line in (tmp_path / f"{i}.jsonl").read_text().splitlines()][-1]["per_rank"]
         config = parse_config(TINY + flags)
         config.model.vocab_size = 512  # the corpus tokenizer's
@@ -36,6 +45,9 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         activations = max(r["saved_activation_bytes"] for r in ranks)
         assert predicted.model_state_bytes == pytest.approx(states, rel=0.05), (name, predicted, states)
         assert predicted.activation_bytes == pytest.approx(activations, rel=0.10), (name, predicted, activations)
+        for rank in ranks:
+            held = rank["model_state_bytes"] + rank["offloaded_bytes"]
+            assert rank["expected_model_state_bytes"] == pytest.approx(held, rel=0.05), (name, rank)
 
 
 def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
@@ -53,7 +65,7 @@ def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
 
 
 PRESET_WORLDS = {"gpt-125m": 8, "gpt-350m": 8, "gpt-1.3b": 16, "gpt-2.7b": 32, "gpt-6.7b": 64, "gpt-13b": 128,
-                 "gpt-30b": 256, "gpt-175b": 1024}
+                 "gpt-30b": 256, "gpt-175b": 1024, "llama3-8b": 64}
 
 
 def test_every_preset_is_valid_and_its_suggested_layout_fits_80gib():
@@ -67,5 +79,40 @@ def test_every_preset_is_valid_and_its_suggested_layout_fits_80gib():
                         config.training.micro_batch_size, sequence_parallel=config.parallel.sequence_parallel)
         predicted = plan_layout(config.model, layout, config.training.global_batch_size, 2)
         assert predicted.total_bytes <= 80 * 2**30, (name, predicted.total_bytes / 2**30)
-        assert abs(config.model.num_parameters() / float(name[4:-1]) - (1e9 if name[-1] == "b" else 1e6)) \
-            <= 0.25 * (1e9 if name[-1] == "b" else 1e6), name  # the size in its name, within 25%
+        size = float(name.split("-")[-1][:-1]) * (1e9 if name[-1] == "b" else 1e6)
+        assert abs(num_parameters(config.model) - size) <= 0.25 * size, name  # the size in its name, within 25%
+
+
+ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
+                 "gqa + qk norms": {"group_query_attention": True, "num_query_groups": 2, "qk_layernorm": True},
+                 "rmsnorm + squared relu": {"normalization": "RMSNorm", "squared_relu": True},
+                 "llama": {"normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 160,
+                           "position_embedding_type": "rope", "group_query_attention": True, "num_query_groups": 2,
+                           "disable_bias_linear": True, "qk_layernorm": True}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_layers_saved_activations_follow_its_architecture(dtype):
+    """launch.plan's per-layer accounting against the bytes one block keeps for backward, measured."""
+    import torch
+
+    from models.config import GPTConfig
+    from models.gpt import TransformerBlock
+    from models.rotary import rotary_tables
+    from parallel.comm import AxisGroup, CommStats
+    from parallel.saved_activations import SavedActivationMeter
+
+    s, b, h, dtype = 32, 2, 64, getattr(torch, dtype)
+    for name, options in ARCHITECTURES.items():
+        config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, vocab_size=300,
+                           **options)
+        block = TransformerBlock(config, 0, AxisGroup("tp", (0,), None, CommStats()), seed=0,
+                                 sequence_parallel=False).to(dtype)
+        x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+        rotary = rotary_tables(config, torch.arange(s).expand(b, s), dtype) if config.position_embedding == "rope" \
+            else None
+        meter = SavedActivationMeter()
+        with meter.recording():
+            block(x, rotary).float().sum().backward()
+        predicted = layer_elements(config, Layout(1, 1, 1, 0, micro_batch_size=b)) * x.element_size()
+        assert predicted == pytest.approx(meter.peak_bytes, rel=0.03), name

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import GPTConfig
+from models.counting import num_parameters
 from models.generate import generate, single_stage_logits
 from models.gpt import GPTModel
 from parallel.comm import AxisGroup, CommStats
@@ -40,7 +41,7 @@ def test_parameter_count_and_loss_at_init(positions, norm):
     config = GPTConfig(num_layers=3, hidden_size=48, num_attention_heads=4, seq_length=16, vocab_size=300,
                        position_embedding_type=positions, normalization=norm)
     model = GPTModel(config, _alone(), seed=0)
-    assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
     assert config.padded_vocab_size(1) == 384 and config.padded_vocab_size(4) == 512
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -59,7 +60,7 @@ def test_initialisation_depends_on_seed_and_name_only():
         if name.startswith("layers."):
             local, rest = name.split(".", 2)[1:]
             assert torch.equal(param, whole[f"layers.{int(local) + 2}.{rest}"])
-    assert torch.equal(last_two.output_weight, whole["word_embedding.weight"])
+    assert torch.equal(last_two.output_layer.weight, whole["word_embedding.weight"])
 
 
 def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
@@ -71,3 +72,16 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
     sampled = generate(logits, [1, 2, 3], 12, window=8, temperature=1.0, top_k=5, seed=1)
     assert sampled == generate(logits, [1, 2, 3], 12, window=8, temperature=1.0, top_k=5, seed=1)
     assert sampled != greedy
+
+
+def test_rms_norm_keeps_less_and_computes_torchs_rms_norm():
+    from models.norms import Norm
+
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    norm = Norm("RMSNorm", 8, 1e-5).double()
+    torch.nn.init.normal_(norm.weight)
+    assert torch.autograd.gradcheck(norm, (x,))
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-5))
+    one_plus = Norm("LayerNorm", 8, 1e-5, one_plus=True).double()  # weights start at 0: a scale of 1
+    assert not one_plus.weight.any()
+    torch.testing.assert_close(one_plus(x), F.layer_norm(x, (8,), eps=1e-5))

@@ -72,8 +72,17 @@ def _gathered(param: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return all_gather_dim0(local, group).movedim(0, param.partition_dim)
 
 
-def _gradients_match_tp1(rank, world_size, tp, sequence_parallel, position_embedding_type):
-    config = GPTConfig(**CONFIG, position_embedding_type=position_embedding_type)
+LLAMA = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=96, position_embedding_type="rope",
+             rotary_base=500000.0, group_query_attention=True, untie_embeddings_and_output_weights=True,
+             disable_bias_linear=True, qk_layernorm=True, apply_layernorm_1p=True)
+ARCHITECTURES = {"learned": {}, "rope": {"position_embedding_type": "rope"},
+                 "llama, 2 groups": {**LLAMA, "num_query_groups": 2},  # SwiGLU's gate and up split alike
+                 "llama, 8 heads in 4 groups": {**LLAMA, "num_attention_heads": 8, "num_query_groups": 4,
+                                                "kv_channels": 16, "rotary_percent": 0.5}}
+
+
+def _gradients_match_tp1(rank, world_size, tp, sequence_parallel, architecture):
+    config = GPTConfig(**{**CONFIG, **ARCHITECTURES[architecture]})
     tokens = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(32).expand(2, 32)
     reference = GPTModel(config, _alone(), seed=3)
@@ -128,7 +137,8 @@ def test_gathered_gradients_match_tp1():
     """One forward and backward: partial sums over tp ranks against whole matmuls. A gradient is
     measured against its largest entry; it comes out of the backward of every layer above it, so it
     gets ten times the loss's one-step bound."""
-    cases = [(2, False, "learned"), (4, False, "rope"), (2, True, "learned"), (4, True, "learned")]
+    cases = [(2, False, "learned"), (4, False, "rope"), (2, True, "learned"), (4, True, "learned"),
+             (2, False, "llama, 2 groups"), (2, True, "llama, 2 groups"), (4, True, "llama, 8 heads in 4 groups")]
     for per_case in run_world(4, _each, _gradients_match_tp1, cases):
         for case, (loss_error, grad_error) in zip(cases, per_case):
             assert_within(loss_error, f"tp loss {case}", ONE_STEP_RTOL)

@@ -229,6 +229,7 @@ def _construction_peak(rank, world_size, on_meta):
     import ctypes
 
     from models.config import GPTConfig
+    from models.counting import num_parameters
     from models.gpt import GPTModel
     from pretrain.metrics import peak_memory_bytes, reset_peak_memory
 
@@ -250,7 +251,7 @@ def _construction_peak(rank, world_size, on_meta):
     peak = peak_memory_bytes(cpu) - before
     unit = max(u.numel for u in optimizer.units.units) * 4
     full = _full_params(model, optimizer)
-    return peak, optimizer.model_state_bytes(), unit, config.num_parameters() * 4, [p.sum().item() for p in full]
+    return peak, optimizer.model_state_bytes(), unit, num_parameters(config) * 4, [p.sum().item() for p in full]
 
 
 def test_stage3_builds_the_model_unit_by_unit_without_holding_it_whole():

@@ -62,7 +62,7 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--zero-stage", "2", "--offload-optimizer", "nvme"], 1, "NVMe offload needs --nvme-path DIR"),
     (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/nonexistent/nvme"], 1,
      "--nvme-path /nonexistent/nvme does not exist or is not a directory"),
-    (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/", "--num-layers", "4096",
+    (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/", "--num-layers", "256",
       "--hidden-size", "8192", "--num-attention-heads", "64"], 1, "GiB free but the swapped states need"),
     (["--zero-stage", "2", "--nvme-path", "/tmp"], 1, "--nvme-path is only used with --offload-optimizer nvme"),
     (["--zero-stage", "2", "--offload-param", "nvme", "--nvme-path", "/tmp"], 1,

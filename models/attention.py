@@ -1,0 +1,74 @@
+"""Causal self-attention with grouped query heads, split across the tensor-parallel group by head."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import GPTConfig
+from models.norms import build_norm
+from models.rotary import apply_rotary
+from parallel.comm import AxisGroup
+from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor.random import RNGTracker
+from parallel.tensor.weight_init import WeightInit
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention: a query heads of ``head_dim`` channels sharing G key/value groups.
+
+    Owns the fused QKV projection (column-parallel; its rows are ordered group by group, each group
+    holding its a/G query heads, then its key, then its value head, so that a tp slice holds whole
+    groups: Megatron's layout, and head by head q, k, v when G = a), the optional per-head query and
+    key norms, and the output projection (row-parallel). It never holds other ranks' groups.
+    """
+
+    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
+                 rng: RNGTracker):
+        super().__init__()
+        h, std, d = config.hidden_size, config.init_method_std, config.head_dim
+        heads, groups = config.num_attention_heads, config.query_groups
+        self.rng = rng
+        self.head_dim = d
+        self.groups_per_rank = groups // tp.size
+        self.queries_per_group = heads // groups
+        self.heads_per_rank = heads // tp.size
+        self.dropout = config.attention_dropout
+        self.core_runner = None  # set by activation checkpointing to recompute the core (selective)
+        bias = not config.disable_bias_linear
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
+                                        WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std), bias=bias,
+                                        sequence_parallel=sequence_parallel)
+        # one norm over head_dim shared by all heads: each tp rank sees its own heads only
+        self.q_norm, self.k_norm = ((build_norm(config, d, partial_gradient=tp.size > 1),
+                                     build_norm(config, d, partial_gradient=tp.size > 1))
+                                    if config.qk_layernorm else (None, None))
+        self.proj = RowParallelLinear(heads * d, h, tp, WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
+                                      .scaled_for_residual(config.num_layers), bias=bias,
+                                      sequence_parallel=sequence_parallel)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal) v, q [b, heads, s, d] and k, v [b, groups, s, d]: the part
+        selective recompute redoes. Attention dropout draws from the per-tp-rank stream: each rank holds
+        different heads."""
+        dropout = self.dropout if self.training else 0.0
+        with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                  enable_gqa=self.queries_per_group > 1)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, groups_per_rank * (queries_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        grouped = qkv.view(s, b, self.groups_per_rank, self.queries_per_group + 2, self.head_dim)
+        q = grouped[:, :, :, :self.queries_per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
+        k, v = grouped[:, :, :, -2], grouped[:, :, :, -1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
+        context = self.core_runner(self.core, q, k, v) if self.core_runner else self.core(q, k, v)
+        return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim))

@@ -1,0 +1,61 @@
+"""What a GPT holds and costs, counted from the model itself rather than from a second formula.
+
+Every count builds the part in question exactly as training does (``models.stages``), on the meta
+device: shapes and parallel metadata, no memory and no values. So a new architecture option changes
+the counts by construction. Used by the trainer (parameters, FLOPs), the validation (swap-file
+sizes) and the memory planner (``launch.plan``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from models.config import GPTConfig
+from models.stages import stage_chunks
+from parallel.comm import DetachedGroup
+from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp: int = 1,
+                sequence_parallel: bool = False, layers_per_stage: list[int] | None = None) -> nn.ModuleList:
+    """Pipeline stage ``stage``'s model chunks as tensor-parallel rank 0 of ``tp`` holds them, on the meta
+    device (every tp rank holds the same shapes)."""
+    layers = tuple(layers_per_stage) if layers_per_stage else None
+    return _stage_model(_frozen(config), tp, pp, stage, vp, sequence_parallel, layers)
+
+
+def _frozen(config: GPTConfig) -> tuple:
+    return tuple(sorted(vars(config).items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_parallel: bool,
+                 layers_per_stage: tuple[int, ...] | None) -> nn.ModuleList:
+    config = GPTConfig(**dict(frozen))
+    with torch.device("meta"):
+        return stage_chunks(config, DetachedGroup("tp", tp), pp, stage, seed=0, vp=vp,
+                            sequence_parallel=sequence_parallel,
+                            layers_per_stage=list(layers_per_stage) if layers_per_stage else None)
+
+
+def num_parameters(config: GPTConfig) -> int:
+    """Parameters of the whole model: one process holds them all (vocabulary padded as at tp = 1; a tied
+    output layer is the embedding, counted once)."""
+    return sum(p.numel() for p in stage_model(config).parameters())
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """Training FLOPs per token: 3 x the forward's (backward costs two forwards), the forward being
+    2 FLOPs per weight of every matmul (attention, MLP, output layer, as built) plus the attention
+    scores and their weighted sum, 2 x 2 x s x (heads x head_dim) per layer (the full s x s product,
+    as Megatron counts it)."""
+    model = stage_model(config)
+    chunk = model[0]
+    matmul = sum(module.weight.numel() for module in model.modules()
+                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+    output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
+    attention = 2 * 2 * config.seq_length * config.num_attention_heads * config.head_dim * config.num_layers
+    return 3 * (2 * (matmul + output.numel()) + attention)

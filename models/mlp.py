@@ -1,0 +1,43 @@
+"""The transformer's MLP: GELU, squared ReLU or SwiGLU, split across the tensor-parallel group by width."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import GPTConfig
+from parallel.comm import AxisGroup
+from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor.weight_init import WeightInit
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> activation -> h (row-parallel). Never holds the full ffn activation.
+
+    Under SwiGLU ``fc1`` holds the gate and up matrices stacked ([2, ffn/tp, h] per rank, each split by
+    width), so a rank computes silu(gate) * up on its own slice of both, whatever tp is.
+    """
+
+    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool):
+        super().__init__()
+        h, f, std = config.hidden_size, config.ffn_size, config.init_method_std
+        self.activation = config.activation
+        bias = not config.disable_bias_linear
+        self.fc1 = ColumnParallelLinear(h, f, tp, WeightInit(seed, f"layers.{layer}.mlp.fc1.weight", std), bias=bias,
+                                        sequence_parallel=sequence_parallel,
+                                        stacked=2 if self.activation == "swiglu" else 1)
+        self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.mlp.fc2.weight", std)
+                                     .scaled_for_residual(config.num_layers), bias=bias,
+                                     sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.activation == "swiglu":
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        elif self.activation == "squared_relu":
+            y = F.relu(y).square()
+        else:
+            y = F.gelu(y)
+        return self.fc2(y)

@@ -1,0 +1,31 @@
+"""Rotary position embeddings (RoPE): the first ``rotary_channels`` of each head turn by position."""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import GPTConfig
+
+
+def rotary_tables(config: GPTConfig, positions: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles for ``positions`` [b, s] -> each [s, b, 1, rotary_channels], computed
+    in fp32 and given in ``dtype`` (the activations', as Megatron and Hugging Face apply them).
+
+    Channel pair (i, i + r/2) of the r rotated channels turns by position / base^(2i/r) (Megatron's and
+    Hugging Face Llama's non-interleaved layout)."""
+    rotated = config.rotary_channels
+    exponents = torch.arange(0, rotated, 2, dtype=torch.int64, device=positions.device).float() / rotated
+    inverse = 1.0 / (config.rotary_base ** exponents)
+    angles = positions.t().float().unsqueeze(-1) * inverse  # [s, b, r/2]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn the first channels of ``x`` [s, b, heads, d] by the tables; the others pass through."""
+    rotated = cos.shape[-1]
+    turning, passing = (x, None) if rotated == x.shape[-1] else (x[..., :rotated], x[..., rotated:])
+    first, second = turning.chunk(2, dim=-1)
+    turned = turning * cos + torch.cat([-second, first], dim=-1) * sin
+    return turned if passing is None else torch.cat([turned, passing], dim=-1)
