@@ -37,7 +37,7 @@ with warnings.catch_warnings():
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -49,32 +49,51 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def build_gpt_datasets(
-    data_path: List[str],
+    data_path: Optional[List[str]],
     split: str,
     seq_length: int,
     seed: int,
     num_samples: Tuple[int, int, int],
     tokenizer,
     cache_dir: str,
+    per_split: Optional[Sequence[Optional[List[str]]]] = None,
 ) -> Splits:
     """Build (train, valid, test): GPTDatasets, or BlendedDatasets for several prefixes, of at
     least `num_samples` samples each (None for a split weighted 0 in `--split` or asked for 0
-    samples). Validates every flag before megatron-core runs; never orders samples by anything
-    but the seed, the data, the split and the sizes."""
+    samples). `per_split`: each split's own --train/valid/test-data-path instead of `data_path` and
+    `--split`; neither: megatron-core's mock dataset (synthetic tokens, --mock-data). Validates every
+    flag before megatron-core runs; never orders samples by anything but the seed, the data, the split
+    and the sizes."""
     if seq_length <= 0:
         raise ValueError(f"--seq-length {seq_length}: must be positive")
     if not 0 <= seed < 2**32:
         raise ValueError(f"--seed {seed}: must be in [0, 2**32) (numpy's RandomState range)")
     if len(num_samples) != 3 or any(count < 0 for count in num_samples):
         raise ValueError(f"num_samples {num_samples}: expected three non-negative sample counts")
-    blend = parse_data_path(data_path)
-    split_matrix = _parse_split(split)
-    for prefix in blend[0]:
-        _check_indexed_dataset(prefix, tokenizer, split, split_matrix, num_samples)
+    blend, blends, dataset_class = None, None, GPTDataset
+    split = split.strip("'\" ")  # a shell array may hand over the quotes too ("--split '99,1,0'"), as Megatron allows
+    if per_split is not None:
+        blends = []
+        for name, paths, count in zip(SPLIT_NAMES, per_split, num_samples):
+            if count > 0 and not paths:
+                raise ValueError(f"--{name}-data-path is missing: the run asks for {count} {name} samples")
+            one = parse_data_path(paths) if paths and count > 0 else None  # a split asked for nothing: not built
+            for prefix in one[0] if one else []:
+                _check_indexed_dataset(prefix, tokenizer, "1", [(0.0, 1.0)], (count, 0, 0))
+            blends.append(one)
+        split = None
+    elif data_path is not None:
+        blend = parse_data_path(data_path)
+        split_matrix = _parse_split(split)
+        for prefix in blend[0]:
+            _check_indexed_dataset(prefix, tokenizer, split, split_matrix, num_samples)
+    else:
+        dataset_class = MockGPTDataset
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blends,
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
@@ -85,14 +104,16 @@ def build_gpt_datasets(
     )
     # A split asked for no samples is not built at all (megatron-core would still build one
     # epoch of it), so it may also be empty. Its bounds stay as derived from --split.
-    config.split_matrix = [
-        bounds if count > 0 else None for bounds, count in zip(config.split_matrix, num_samples)
-    ]
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, config)
+    if config.split_matrix is not None:
+        config.split_matrix = [
+            bounds if count > 0 else None for bounds, count in zip(config.split_matrix, num_samples)
+        ]
+    builder = BlendedMegatronDatasetBuilder(dataset_class, list(num_samples), lambda: True, config)
     os.makedirs(cache_dir, exist_ok=True)
+    prefixes = blend[0] if blend else [p for one in blends or [] if one for p in one[0]]
     if torch.distributed.is_initialized():
         return tuple(builder.build())
-    with _cache_lock(cache_dir), _one_rank_group_if(len(blend[0]) > 1):
+    with _cache_lock(cache_dir), _one_rank_group_if(len(prefixes) > 1):
         return tuple(builder.build())
 
 

@@ -40,7 +40,7 @@ def _worker(args: argparse.Namespace) -> None:
     results = {}
     for layers in args.layers:
         config = GPTConfig(num_layers=layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                           seq_length=args.seq, vocab_size=128)
+                           seq_length=args.seq, vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
         for name, policy in policies.items():
             model = GPTModel(config, groups.tp, seed=0, pre_process=False, post_process=False)
             apply_recompute(torch.nn.ModuleList([model]), policy, groups.tp)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
               "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size", "1",
               "--global-batch-size", str(args.dp), "--train-iters", str(args.iters), "--zero-stage", "3", "--bf16",
               "--log-interval", "1", "--default-corpus-vocab-size", str(args.vocab),
-              "--zero-sub-group-size", str(args.sub_group_size)]
+              "--zero-sub-group-size", str(args.sub_group_size), "--hidden-dropout", "0", "--attention-dropout", "0"]
     reference = None
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:
         for name, flags in SYSTEMS.items():

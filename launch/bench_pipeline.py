@@ -35,7 +35,8 @@ def _worker(args: argparse.Namespace) -> None:
     flags = ["--num-layers", str(args.layers_per_chunk * args.pp * args.vp), "--hidden-size", str(args.hidden),
              "--num-attention-heads", "4", "--seq-length", str(args.seq), "--vocab-size", "128",
              "--default-corpus-vocab-size", "128",
-             "--micro-batch-size", "2", "--global-batch-size", str(2 * args.m),
+             "--micro-batch-size", "2", "--global-batch-size", str(2 * args.m), "--hidden-dropout", "0",
+             "--attention-dropout", "0",
              "--pipeline-model-parallel-size", str(args.pp), "--pipeline-schedule", args.schedule]
     if args.vp > 1:
         flags += ["--virtual-pipeline-size", str(args.vp)]
@@ -58,7 +59,7 @@ def _worker(args: argparse.Namespace) -> None:
     for step in range(args.steps + 1):
         runner.executor.exchange.wait_seconds = 0.0
         started = time.perf_counter()
-        runner.run(batches)
+        runner.run(batches, args.m)
         elapsed = time.perf_counter() - started
         if step > 0:  # the first step warms up allocators and connections
             idle.append(runner.executor.exchange.wait_seconds / elapsed)

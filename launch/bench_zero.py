@@ -44,7 +44,7 @@ def _worker(args: argparse.Namespace) -> None:
     init_distributed()
     groups = create_process_groups(Topology(dist.get_world_size()))
     config = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8, seq_length=args.seq,
-                       vocab_size=args.vocab)
+                       vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.micro_batch * groups.dp.size, args.seq), generator=generator)
                for _ in range(args.steps + 2)]

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
             "--offload-optimizer", "nvme", "--offload-param", "nvme", "--nvme-path", swap,
             "--zero-sub-group-size", str(args.sub_group_size), "--log-interval", "1",
             "--lr", "2e-5", "--lr-warmup-iters", "1", "--min-lr", "2e-6",
-            "--default-corpus-vocab-size", "4096"])
+            "--default-corpus-vocab-size", "4096", "--hidden-dropout", "0", "--attention-dropout", "0"])
     for line in lines:
         ranks = line["per_rank"]
         print(f"iteration {line['iteration']}: {line['step_time_s']:.1f} s, loss {line['loss']:.4f}, "

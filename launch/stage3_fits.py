@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads", "16",
         "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", str(args.dp),
         "--train-iters", str(args.iters), "--zero-stage", "3", "--log-interval", "1",
-        "--default-corpus-vocab-size", "4096"])[-1]
+        "--default-corpus-vocab-size", "4096", "--hidden-dropout", "0", "--attention-dropout", "0"])[-1]
     ranks = last["per_rank"]
     print(f"trained {args.iters} iterations at dp {args.dp} with ZeRO-3, {last['step_time_s']:.1f} s/iteration, "
           f"loss {last['loss']:.3f}: model states {max(r['model_state_bytes'] for r in ranks) / 2**20:.0f} MiB "

@@ -37,6 +37,7 @@ class SelfAttention(nn.Module):
         self.queries_per_group = heads // groups
         self.heads_per_rank = heads // tp.size
         self.dropout = config.attention_dropout
+        self.rotary_interleaved = config.rotary_interleaved
         self.core_runner = None  # set by activation checkpointing to recompute the core (selective)
         bias = not config.disable_bias_linear
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
@@ -68,7 +69,8 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q = apply_rotary(q, *rotary, self.rotary_interleaved)
+            k = apply_rotary(k, *rotary, self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
         context = self.core_runner(self.core, q, k, v) if self.core_runner else self.core(q, k, v)
         return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim))

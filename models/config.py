@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 
 def flag(help_text: str, **extra) -> dict:
-    """Field metadata: the flag's help text (and argparse extras such as choices)."""
+    """Field metadata: the flag's help text, argparse extras such as choices, and ``aliases``: other
+    spellings of the flag (Megatron's), a list, or a dict of spelling -> the factor its value is scaled by."""
     return {"help": help_text, **extra}
 
 
@@ -32,8 +33,10 @@ class GPTConfig:
         default=False, metadata=flag("rotary positions (Megatron's older spelling of --position-embedding-type rope)"))
     rotary_base: float = field(default=10000.0, metadata=flag("rotary embedding base (Llama-3: 500000)"))
     rotary_percent: float = field(default=1.0, metadata=flag("fraction of each head's channels that rotate"))
+    rotary_interleaved: bool = field(default=False, metadata=flag(
+        "rotate pairs of adjacent channels (RoFormer's layout) instead of the two halves"))
     normalization: str = field(default="LayerNorm", metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
-    layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon"))
+    layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon", aliases=["--norm-epsilon"]))
     apply_layernorm_1p: bool = field(default=False, metadata=flag(
         "norm weights stored as offsets from 1 (initialised at 0; the norm scales by 1 + weight)"))
     qk_layernorm: bool = field(default=False, metadata=flag("normalise queries and keys per head before attention"))
@@ -43,15 +46,14 @@ class GPTConfig:
     group_query_attention: bool = field(
         default=False, metadata=flag("grouped-query attention: --num-query-groups key/value heads"))
     num_query_groups: int | None = field(default=None, metadata=flag(
-        "key/value heads with --group-query-attention (default: one per attention head); divides the heads, "
-        "tp divides it"))
+        "key/value heads with --group-query-attention (default 1); divides the heads, tp divides it"))
     kv_channels: int | None = field(default=None, metadata=flag(
         "channels per attention head (default --hidden-size / --num-attention-heads)"))
     untie_embeddings_and_output_weights: bool = field(
         default=False, metadata=flag("an output layer of its own instead of the word embedding's transpose"))
     disable_bias_linear: bool = field(default=False, metadata=flag("no biases in the attention and MLP linears"))
-    hidden_dropout: float = field(default=0.0, metadata=flag("dropout on residual branches and embeddings"))
-    attention_dropout: float = field(default=0.0, metadata=flag("dropout on attention probabilities"))
+    hidden_dropout: float = field(default=0.1, metadata=flag("dropout on residual branches and embeddings"))
+    attention_dropout: float = field(default=0.1, metadata=flag("dropout on attention probabilities"))
     init_method_std: float = field(
         default=0.02, metadata=flag("std of weight init; residual projections use std/sqrt(2 layers)"))
 
@@ -70,8 +72,7 @@ class GPTConfig:
     @property
     def query_groups(self) -> int:
         """Key/value heads: --num-query-groups with grouped-query attention, else one per query head."""
-        return self.num_query_groups if self.group_query_attention and self.num_query_groups else \
-            self.num_attention_heads
+        return (self.num_query_groups or 1) if self.group_query_attention else self.num_attention_heads
 
     @property
     def position_embedding(self) -> str:

@@ -13,19 +13,25 @@ def rotary_tables(config: GPTConfig, positions: torch.Tensor,
     in fp32 and given in ``dtype`` (the activations', as Megatron and Hugging Face apply them).
 
     Channel pair (i, i + r/2) of the r rotated channels turns by position / base^(2i/r) (Megatron's and
-    Hugging Face Llama's non-interleaved layout)."""
+    Hugging Face Llama's layout), or pair (2i, 2i + 1) with --rotary-interleaved (RoFormer's)."""
     rotated = config.rotary_channels
     exponents = torch.arange(0, rotated, 2, dtype=torch.int64, device=positions.device).float() / rotated
     inverse = 1.0 / (config.rotary_base ** exponents)
     angles = positions.t().float().unsqueeze(-1) * inverse  # [s, b, r/2]
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)
+    angles = (angles.repeat_interleave(2, dim=-1) if config.rotary_interleaved
+              else torch.cat([angles, angles], dim=-1)).unsqueeze(2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Turn the first channels of ``x`` [s, b, heads, d] by the tables; the others pass through."""
     rotated = cos.shape[-1]
     turning, passing = (x, None) if rotated == x.shape[-1] else (x[..., :rotated], x[..., rotated:])
-    first, second = turning.chunk(2, dim=-1)
-    turned = turning * cos + torch.cat([-second, first], dim=-1) * sin
+    if interleaved:
+        even, odd = turning[..., 0::2], turning[..., 1::2]
+        partner = torch.stack([-odd, even], dim=-1).flatten(-2)
+    else:
+        first, second = turning.chunk(2, dim=-1)
+        partner = torch.cat([-second, first], dim=-1)
+    turned = turning * cos + partner * sin
     return turned if passing is None else torch.cat([turned, passing], dim=-1)

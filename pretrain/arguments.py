@@ -15,6 +15,7 @@ import typing
 import yaml
 
 from pretrain.config import Config, all_fields
+from pretrain.megatron_flags import add_megatron_flags, resolve_megatron_flags
 
 
 class ConfigError(ValueError):
@@ -37,9 +38,16 @@ def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _scaled(base: type, factor: float):
+    def parse(text: str):
+        return base(float(text) * factor)
+    parse.__name__ = base.__name__
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pretrain", description="3D-parallel GPT pretraining with ZeRO",
-                                     argument_default=argparse.SUPPRESS)
+                                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", help="YAML file with settings (same names as the flags, with _)")
     for section, group_fields in _sections().items():
         group = parser.add_argument_group(section)
@@ -54,8 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
                     kwargs["nargs"] = "+"
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(_flag_name(f.name), dest=f.name, **kwargs)
+            aliases = f.metadata.get("aliases", [])
+            same = [alias for alias in aliases if not isinstance(aliases, dict) or aliases[alias] == 1]
+            group.add_argument(_flag_name(f.name), *same, dest=f.name, **kwargs)
+            for alias, factor in (aliases.items() if isinstance(aliases, dict) else []):
+                if factor != 1:  # another unit: the value is scaled into ours
+                    group.add_argument(alias, dest=f.name, help=f"{_flag_name(f.name)} in other units (x {factor:g})",
+                                       type=_scaled(base, factor))
+    add_megatron_flags(parser)
     return parser
+
+
+def aliases() -> dict[str, str]:
+    """Every other spelling of a setting (without --, with _) -> the setting's name."""
+    names = {}
+    for name, (_, f) in all_fields().items():
+        for alias in f.metadata.get("aliases", []):
+            names[alias[2:].replace("-", "_")] = name
+    return names
 
 
 def _sections() -> dict[str, list[dataclasses.Field]]:
@@ -102,6 +126,8 @@ def load_yaml(path: str) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of setting: value")
     known = all_fields()
+    spellings = aliases()
+    values = {spellings.get(key, key): value for key, value in values.items()}
     unknown = sorted(k for k in values if k not in known)
     if unknown:
         hints = []
@@ -120,9 +146,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if exit_.code in (0, None):
             raise
         raise ConfigError("invalid command line (see the message above and --help)") from None
+    try:
+        implied, ignored = resolve_megatron_flags(args)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     values = load_yaml(args.pop("config")) if "config" in args else {}
+    values.update(implied)
     values.update(args)
-    config = Config()
+    config = Config(ignored_flags=ignored)
     known = all_fields()
     for name, value in values.items():
         section, f = known[name]

@@ -79,9 +79,12 @@ def _rank_state(optimizer: ZeroOptimizer, rng: dict, pieces: list[dict]) -> dict
 
 
 def save(directory: str, iteration: int, consumed_samples: int, groups: ParallelGroups, optimizer: ZeroOptimizer,
-         names: dict[nn.Parameter, str], rng: dict, config: dict, keep_last: int = 0) -> str:
+         names: dict[nn.Parameter, str], rng: dict, config: dict, keep_last: int = 0,
+         retain_interval: int | None = None) -> str:
     """Write checkpoint ``iteration`` (a collective over the world); return its final path. ``names``
-    are the parameters' layout-independent names (what another layout re-cuts the states by)."""
+    are the parameters' layout-independent names (what another layout re-cuts the states by). Then
+    prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the checkpoints at
+    its multiples besides the newest."""
     name = f"iter_{iteration:07d}"
     final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     if groups.rank == 0:
@@ -108,11 +111,13 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
         os.replace(staging, final)
         _fsync_write(os.path.join(directory, "latest"), name.encode())
         _fsync_directory(directory)
-        if keep_last > 0:
-            kept = sorted(entry for entry in os.listdir(directory)
-                          if entry.startswith("iter_") and not entry.endswith(".tmp"))
-            for old in kept[:-keep_last]:
-                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+        kept = sorted(entry for entry in os.listdir(directory)
+                      if entry.startswith("iter_") and not entry.endswith(".tmp"))
+        dropped = set(kept[:-keep_last]) if keep_last > 0 else set()
+        if retain_interval:
+            dropped |= {entry for entry in kept[:-1] if int(entry[len("iter_"):]) % retain_interval}
+        for old in sorted(dropped):
+            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     comm.barrier(groups.world)
     return final
 

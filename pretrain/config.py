@@ -21,27 +21,41 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = field(default=1, metadata=flag("ranks splitting each layer (tp)"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag("pipeline stages (pp)"))
-    virtual_pipeline_size: int | None = field(
-        default=None, metadata=flag("model chunks per stage for the interleaved schedule"))
+    virtual_pipeline_size: int | None = field(default=None, metadata=flag(
+        "model chunks per stage for the interleaved schedule", aliases=["--num-virtual-stages-per-pipeline-rank"]))
+    num_layers_per_virtual_pipeline_stage: int | None = field(default=None, metadata=flag(
+        "layers per model chunk (Megatron's way to ask for virtual stages: layers / pp / this)"))
     sequence_parallel: bool = field(
         default=False, metadata=flag("split norms and dropout along the sequence across tp ranks"))
-    pipeline_schedule: str = field(default="1f1b", metadata=flag(
-        "gpipe (all forward, then all backward), 1f1b, or interleaved (needs --virtual-pipeline-size)",
-        choices=["gpipe", "1f1b", "interleaved"]))
+    pipeline_schedule: str | None = field(default=None, metadata=flag(
+        "gpipe (all forward, then all backward), 1f1b, or interleaved (default: interleaved with virtual "
+        "stages, else 1f1b)", choices=["gpipe", "1f1b", "interleaved"]))
     pipeline_layers_per_stage: list[int] | None = field(default=None, metadata=flag(
         "explicit layers per pipeline stage, e.g. 3 5 (default: an even split)"))
+    decoder_first_pipeline_num_layers: int | None = field(default=None, metadata=flag(
+        "layers of the first pipeline stage (the others split the rest evenly)"))
+    decoder_last_pipeline_num_layers: int | None = field(default=None, metadata=flag(
+        "layers of the last pipeline stage (the others split the rest evenly)"))
     gpus_per_node: int | None = field(default=None, metadata=flag("devices per node, to warn when tp spans nodes"))
-    distributed_timeout_s: float = field(
-        default=600.0, metadata=flag("seconds a collective may wait before the run fails (never a silent hang)"))
+    distributed_timeout_s: float = field(default=600.0, metadata=flag(
+        "seconds a collective may wait before the run fails (never a silent hang)",
+        aliases={"--distributed-timeout-minutes": 60.0}))
 
 
 @dataclass
 class ZeroConfig:
     """The ZeRO optimizer along the data-parallel axis."""
 
-    zero_stage: int = field(default=0, metadata=flag("0 = data parallel (all-reduce), 1 = shard optimizer "
-                                                      "states, 2 = + gradients, 3 = + parameters",
-                                                      choices=[0, 1, 2, 3]))
+    zero_stage: int | None = field(default=None, metadata=flag(
+        "0 = data parallel (all-reduce), 1 = shard optimizer states, 2 = + gradients, 3 = + parameters "
+        "(default 0; 1 with --use-distributed-optimizer, 3 with --use-megatron-fsdp / --use-torch-fsdp2)",
+        choices=[0, 1, 2, 3]))
+    use_distributed_optimizer: bool = field(default=False, metadata=flag(
+        "Megatron's distributed optimizer: ZeRO stage 1 unless --zero-stage says otherwise"))
+    overlap_grad_reduce: bool = field(default=False, metadata=flag(
+        "overlap the gradient reduction with backward (always done here: accepted for Megatron's scripts)"))
+    grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
+        "reduce gradients in bf16 under --bf16 (as this build always does)"))
     zero_bucket_size: int = field(default=20_000_000, metadata=flag("elements per fused communication bucket"))
     zero_persistence_threshold: int = field(default=100_000, metadata=flag(
         "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
@@ -80,15 +94,28 @@ class RecomputeConfig:
 class OptimizerConfig:
     """AdamW and the learning-rate schedule."""
 
+    optimizer: str = field(default="adam", metadata=flag("adam (AdamW: decoupled weight decay, as Megatron's adam)",
+                                                          choices=["adam"]))
     lr: float = field(default=6e-4, metadata=flag("peak learning rate"))
-    min_lr: float = field(default=6e-5, metadata=flag("learning rate at the end of decay"))
-    lr_warmup_iters: int = field(default=0, metadata=flag("iterations of linear warm-up from 0"))
-    lr_decay_iters: int | None = field(default=None, metadata=flag("iteration where decay ends (default: --train-iters)"))
-    lr_decay_style: str = field(default="cosine", metadata=flag("decay after warm-up",
+    min_lr: float = field(default=0.0, metadata=flag("learning rate at the end of decay"))
+    lr_warmup_init: float = field(default=0.0, metadata=flag("learning rate warm-up starts from"))
+    lr_warmup_iters: int = field(default=0, metadata=flag("iterations of linear warm-up (x the global batch, in "
+                                                           "samples)"))
+    lr_warmup_samples: int = field(default=0, metadata=flag("samples of linear warm-up"))
+    lr_warmup_fraction: float | None = field(default=None, metadata=flag("warm-up as a fraction of the decay length"))
+    lr_decay_iters: int | None = field(default=None, metadata=flag(
+        "iteration where decay ends (default: --train-iters)"))
+    lr_decay_samples: int | None = field(default=None, metadata=flag(
+        "sample where decay ends (default: --train-samples)"))
+    lr_decay_style: str = field(default="linear", metadata=flag("decay after warm-up",
                                                                  choices=["cosine", "linear", "constant"]))
-    weight_decay: float = field(default=0.1, metadata=flag("AdamW weight decay (never on norms and biases)"))
+    decoupled_lr: float | None = field(default=None, metadata=flag(
+        "a learning rate of their own for the input embedding and the output layer"))
+    decoupled_min_lr: float | None = field(default=None, metadata=flag("the --min-lr of --decoupled-lr"))
+    weight_decay: float = field(default=0.01, metadata=flag("AdamW weight decay (never on norms and biases)"))
+    apply_wd_to_qk_layernorm: bool = field(default=False, metadata=flag("weight decay on the query/key norms too"))
     adam_beta1: float = field(default=0.9, metadata=flag("AdamW beta1"))
-    adam_beta2: float = field(default=0.95, metadata=flag("AdamW beta2"))
+    adam_beta2: float = field(default=0.999, metadata=flag("AdamW beta2"))
     adam_eps: float = field(default=1e-8, metadata=flag("AdamW epsilon"))
     clip_grad: float = field(default=1.0, metadata=flag("clip the global gradient norm to this (0 = off)"))
 
@@ -98,15 +125,32 @@ class TrainingConfig:
     """Batch sizes, length of the run, precision and seed."""
 
     micro_batch_size: int = field(default=4, metadata=flag("samples per forward/backward on one rank"))
-    global_batch_size: int = field(default=16, metadata=flag("samples per optimizer step over all data-parallel "
-                                                              "ranks; a multiple of micro-batch x dp"))
-    train_iters: int = field(default=100, metadata=flag("optimizer steps"))
-    eval_interval: int = field(default=0, metadata=flag("evaluate every N iterations (0 = never)"))
-    eval_iters: int = field(default=4, metadata=flag("validation global batches per evaluation"))
+    global_batch_size: int | None = field(default=None, metadata=flag(
+        "samples per optimizer step over all data-parallel ranks; a multiple of micro-batch x dp (default: "
+        "micro-batch x dp)"))
+    rampup_batch_size: list[int] | None = field(default=None, metadata=flag(
+        "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of SAMPLES "
+        "samples up to --global-batch-size"))
+    step_batch_size_schedule: str | None = field(default=None, metadata=flag(
+        "'THRESHOLD:BATCH ...' (spaces or commas; K/M/B/T suffixes): the global batch from THRESHOLD tokens on"))
+    train_iters: int | None = field(default=None, metadata=flag(
+        "optimizer steps (default 100 without --train-samples)"))
+    train_samples: int | None = field(default=None, metadata=flag("train until this many samples are consumed"))
+    exit_interval: int | None = field(default=None, metadata=flag("save (with --save) and exit at iterations that "
+                                                                   "this divides"))
+    exit_duration_in_mins: float | None = field(default=None, metadata=flag(
+        "save (with --save) and exit once the run has taken this many minutes"))
+    eval_interval: int | None = field(default=None, metadata=flag("evaluate every N iterations (default: never)"))
+    eval_iters: int = field(default=100, metadata=flag("validation global batches per evaluation"))
+    eval_global_batch_size: int | None = field(default=None, metadata=flag(
+        "samples per validation batch (default: the training batch at the end of its schedule)"))
+    calculate_per_token_loss: bool = field(default=False, metadata=flag(
+        "the loss and gradients are the mean over every loss token of the global batch (default: the mean of "
+        "the micro-batches' means)"))
     seed: int = field(default=1234, metadata=flag("seed of weights, data order and dropout"))
     bf16: bool = field(default=False, metadata=flag("compute in bfloat16, fp32 master weights"))
     fp16: bool = field(default=False, metadata=flag("compute in float16 with dynamic loss scaling"))
-    initial_loss_scale: float = field(default=2.0 ** 16, metadata=flag("fp16: loss scale at the start"))
+    initial_loss_scale: float = field(default=2.0 ** 32, metadata=flag("fp16: loss scale at the start"))
     min_loss_scale: float = field(default=1.0, metadata=flag("fp16: the scale never backs off below this"))
     loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))
     hysteresis: int = field(default=2, metadata=flag("fp16: overflowing steps tolerated before backing off"))
@@ -121,15 +165,22 @@ class DataConfig:
 
     data_path: list[str] | None = field(default=None, metadata=flag(
         "indexed dataset prefix(es), optionally weighted: W1 P1 W2 P2 (default: the built-in stdlib corpus)"))
-    tokenizer_type: str = field(default="SentencePieceTokenizer", metadata=flag(
-        "how the data was tokenized (Megatron's names)", choices=list(TOKENIZER_TYPES)))
+    train_data_path: list[str] | None = field(default=None, metadata=flag(
+        "the training split's own prefix(es), optionally weighted (with --valid-data-path, --test-data-path)"))
+    valid_data_path: list[str] | None = field(default=None, metadata=flag("the validation split's prefix(es)"))
+    test_data_path: list[str] | None = field(default=None, metadata=flag("the test split's prefix(es)"))
+    mock_data: bool = field(default=False, metadata=flag(
+        "synthetic tokens (megatron-core's mock GPT dataset) instead of files; with --tokenizer-type NullTokenizer"))
+    tokenizer_type: str | None = field(default=None, metadata=flag(
+        "how the data was tokenized, by Megatron's names (default: GPT2BPETokenizer with --vocab-file, else "
+        "SentencePieceTokenizer)", choices=list(TOKENIZER_TYPES)))
     tokenizer_model: str | None = field(default=None, metadata=flag(
         "SentencePieceTokenizer: the .model; HuggingFaceTokenizer: a tokenizer.json or the directory holding it"))
     vocab_file: str | None = field(default=None, metadata=flag("GPT2BPETokenizer: GPT-2's vocab.json"))
     merge_file: str | None = field(default=None, metadata=flag("GPT2BPETokenizer: GPT-2's merges.txt"))
     split: str = field(default="969,30,1", metadata=flag("train,valid,test weights"))
     data_cache_dir: str = field(default=os.path.join(".cache", "data"), metadata=flag(
-        "where the built-in corpus and dataset indices are cached"))
+        "where the built-in corpus and dataset indices are cached", aliases=["--data-cache-path"]))
     default_corpus_vocab_size: int = field(default=4096, metadata=flag(
         "vocabulary of the tokenizer trained on the built-in corpus"))
     default_corpus_max_bytes: int | None = field(default=None, metadata=flag(
@@ -149,21 +200,31 @@ class CheckpointConfig:
 
     save: str | None = field(default=None, metadata=flag("directory to save checkpoints in"))
     load: str | None = field(default=None, metadata=flag("directory to resume from"))
-    save_interval: int = field(default=0, metadata=flag("save every N iterations (0 = only at the end)"))
+    save_interval: int | None = field(default=None, metadata=flag("save every N iterations (default: only at "
+                                                                   "the end)"))
     save_keep_last: int = field(default=0, metadata=flag("keep only the newest K checkpoints (0 = keep all)"))
+    save_retain_interval: int | None = field(default=None, metadata=flag(
+        "keep only the checkpoints at multiples of this iteration, and the newest"))
 
 
 @dataclass
 class LoggingConfig:
     """Console, metrics file, wandb and the text sample at the end."""
 
-    log_interval: int = field(default=10, metadata=flag("iterations between console/metrics lines"))
+    log_interval: int = field(default=100, metadata=flag("iterations between console/metrics lines"))
+    log_throughput: bool = field(default=False, metadata=flag(
+        "tokens/s and TFLOP/s per rank on the console (they are always in the metrics file)"))
+    log_params_norm: bool = field(default=False, metadata=flag("the parameters' global L2 norm in every metrics "
+                                                                "line (a collective per logged step)"))
+    tensorboard_dir: str | None = field(default=None, metadata=flag("write a TensorBoard event file here (rank 0)"))
+    tensorboard_log_interval: int = field(default=1, metadata=flag("TensorBoard every N logged iterations"))
     metrics_file: str | None = field(default=None, metadata=flag("JSON-lines metrics written by rank 0"))
     wandb_project: str | None = field(default=None, metadata=flag("wandb project (offline unless wandb is "
                                                                    "configured online); none = no wandb"))
     wandb_exp_name: str | None = field(default=None, metadata=flag("wandb run name"))
     wandb_group: str | None = field(default=None, metadata=flag("wandb group (e.g. the sweep the run belongs to)"))
-    wandb_dir: str = field(default="runs", metadata=flag("directory for wandb files"))
+    wandb_entity: str | None = field(default=None, metadata=flag("wandb entity (team)"))
+    wandb_dir: str = field(default="runs", metadata=flag("directory for wandb files", aliases=["--wandb-save-dir"]))
     sample_prompt: str | None = field(default="def ", metadata=flag("text to continue with the trained model "
                                                                      "at the end (empty = no sample)"))
     sample_tokens: int = field(default=64, metadata=flag("tokens to sample at the end"))
@@ -190,6 +251,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ignored_flags: list[str] = field(default_factory=list)  # Megatron flags given that mean nothing here
 
     def to_dict(self) -> dict:
         """Flat {name: value} of every setting (the YAML form)."""

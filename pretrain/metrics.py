@@ -94,22 +94,24 @@ class MetricsWriter:
     Owns the open metrics file. Never computes a metric: callers pass measured values.
     """
 
-    def __init__(self, path: str | None, wandb_run=None, enabled: bool = True):
-        self.enabled, self.wandb_run = enabled, wandb_run
+    def __init__(self, path: str | None, wandb_run=None, enabled: bool = True, tensorboard=None):
+        self.enabled, self.wandb_run, self.tensorboard = enabled, wandb_run, tensorboard
         self._file = None
         if enabled and path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", buffering=1)
 
-    def log(self, record: dict, train_iters: int, eta_s: float) -> None:
+    def log(self, record: dict, train_iters: int, eta_s: float, console: bool = True) -> None:
         if not self.enabled:
             return
-        peak = max((r["peak_mem_bytes"] for r in record.get("per_rank", [])), default=0)
-        print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-              f"{record['tflops_per_rank'] * 1000:.2f} GFLOP/s/rank | peak mem {_human_bytes(peak)} | "
-              f"step {record['step_time_s']:.2f} s | ETA {_human_seconds(eta_s)}"
-              + (" | skipped" if record["skipped"] else ""), flush=True)
+        if console:
+            peak = max((r["peak_mem_bytes"] for r in record.get("per_rank", [])), default=0)
+            norm = f" | params norm {record['params_norm']:.3f}" if "params_norm" in record else ""
+            print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+                  f"grad norm {record['grad_norm']:.3f}{norm} | batch {record['batch_size']} | "
+                  f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} GFLOP/s/rank | "
+                  f"peak mem {_human_bytes(peak)} | step {record['step_time_s']:.2f} s | ETA {_human_seconds(eta_s)}"
+                  + (" | skipped" if record["skipped"] else ""), flush=True)
         self.write(record)
 
     def write(self, record: dict) -> None:
@@ -125,11 +127,30 @@ class MetricsWriter:
                 flat[f"rank{entry['rank']}/comm_bytes"] = sum(entry["comm_bytes"].values())
                 flat[f"rank{entry['rank']}/peak_mem_bytes"] = entry["peak_mem_bytes"]
             self.wandb_run.log(flat, step=record["iteration"])
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+
+def model_state_table(per_rank: list[dict], stage: int, dp: int, dtype) -> str:
+    """Per rank: model-state bytes as ``parallel.zero.memory`` predicts them for its parameters beside
+    what the tensors hold (after the first step, when the optimizer states exist)."""
+    lines = [f"model-state bytes per rank (ZeRO stage {stage}, dp {dp}, {dtype}): expected vs measured "
+             "(in memory + in swap files)"]
+    for entry in per_rank:
+        expected = entry["expected_model_state_bytes"]
+        held = entry["model_state_bytes"] + entry["offloaded_bytes"]
+        lines.append(f"  rank {entry['rank']:>3}: {entry['parameters']:>12,} params  expected "
+                     f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} + "
+                     f"{entry['offloaded_bytes'] / 2**20:.2f} MiB  ({held / expected:.3f}x)")
+    return "\n".join(lines)
 
 
 def print_rank0(enabled: bool, *parts) -> None:

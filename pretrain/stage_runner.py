@@ -34,8 +34,8 @@ class StageRunner:
         self.config, self.groups, self.chunks, self.device, self.meter = config, groups, chunks, device, meter
         par, model, train = config.parallel, config.model, config.training
         self.pp, self.vp, self.stage = groups.topology.pp, par.virtual_pipeline_size or 1, groups.pp_rank
-        self.kind = par.pipeline_schedule
-        self.num_micro_batches = train.global_batch_size // (train.micro_batch_size * groups.topology.dp)
+        self.kind = par.pipeline_schedule or ("interleaved" if self.vp > 1 else "1f1b")
+        self.per_token_loss = train.calculate_per_token_loss
         self.sequence_parallel = par.sequence_parallel and groups.tp.size > 1
         self.dtype = next(chunks.parameters()).dtype
         self.executor = PipelineExecutor(self._exchange(model.seq_length, train.micro_batch_size), self.stage,
@@ -51,16 +51,20 @@ class StageRunner:
     def reads_data(self) -> bool:
         return self.groups.is_first_stage or self.groups.is_last_stage
 
-    def run(self, batches: Iterator[dict] | None, train: bool = True, loss_scale: float = 1.0
-            ) -> tuple[float, StepStats]:
-        """Forward (and backward when ``train``) of one global batch; returns (mean loss, stats).
-        Backward starts from the loss times ``loss_scale`` (fp16); the returned loss is unscaled."""
+    def run(self, batches: Iterator[dict] | None, num_micro_batches: int, train: bool = True,
+            loss_scale: float = 1.0) -> tuple[float, StepStats]:
+        """Forward (and backward when ``train``) of one global batch of ``num_micro_batches`` micro-batches
+        per data-parallel rank; returns (mean loss, stats). Backward starts from the loss times
+        ``loss_scale`` (fp16); the returned loss is unscaled. The loss is the mean of the micro-batches'
+        means, or with --calculate-per-token-loss the mean over every loss token of the global batch."""
         loaded: dict[int, dict] = {}
 
         def micro_batch(index: int) -> dict:
             while index not in loaded:
                 loaded[len(loaded)] = {k: v.to(self.device) for k, v in next(batches).items()}
             return loaded[index]
+
+        weight = self._per_token_weight(micro_batch, num_micro_batches) if self.per_token_loss else None
 
         def forward_step(chunk: int, index: int, received: torch.Tensor | None) -> torch.Tensor:
             model = self.chunks[chunk]
@@ -70,15 +74,28 @@ class StageRunner:
                 out = model(batch["tokens"] if model.pre_process else None, positions,
                             labels=batch["labels"] if model.post_process else None, hidden=received)
             if model.post_process:
-                return masked_mean(out, batch["loss_mask"]) * (loss_scale / self.num_micro_batches)
+                if weight is not None:  # this micro-batch's share of the global token mean
+                    return (out.float() * batch["loss_mask"]).sum() * (weight * loss_scale)
+                return masked_mean(out, batch["loss_mask"]) * (loss_scale / num_micro_batches)
             return out
 
-        actions = schedule(self.kind, self.num_micro_batches, self.pp, self.stage, self.vp)
+        actions = schedule(self.kind, num_micro_batches, self.pp, self.stage, self.vp)
         if not train:
             actions = [a for a in actions if a.kind == "F"]
         stats = self.executor.run(actions, forward_step, train=train,
                                   after_backward=lambda chunk, index: self.meter.release((chunk, index)))
         return self._loss_from_last_stage(sum(stats.losses) / loss_scale), stats
+
+    def _per_token_weight(self, micro_batch, num_micro_batches: int) -> float | None:
+        """dp / (loss tokens of the whole global batch), on the last stage: after the data-parallel mean
+        each token weighs 1 / total, as Megatron's per-token loss. The loss masks of this rank's
+        micro-batches are read first (they are small) and their count summed over data parallelism."""
+        if not self.groups.is_last_stage:
+            return None
+        tokens = torch.tensor([sum(float(micro_batch(i)["loss_mask"].sum()) for i in range(num_micro_batches))],
+                              dtype=torch.float64)
+        comm.all_reduce(tokens, self.groups.dp)
+        return self.groups.dp.size / max(tokens.item(), 1.0)
 
     def _positions(self) -> torch.Tensor:
         train, model = self.config.training, self.config.model

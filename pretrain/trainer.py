@@ -5,17 +5,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 
 import torch
 
-from data.gpt_dataset import build_gpt_datasets
-from data.sampler import DataParallelSampler, micro_batches
-from data.tokenizer import TokenizerSpec, build_tokenizer
-from models.generate import context_window, generate
 from models.counting import flops_per_token, num_parameters
+from models.generate import context_window, generate
 from models.stages import build_stage
 from parallel import comm, zero
 from parallel.buffers import BufferPool
@@ -25,10 +22,16 @@ from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes
 from pretrain import checkpoint
+from pretrain.batch_schedule import build_batch_schedule
 from pretrain.config import Config
-from pretrain.lr_schedule import learning_rate
-from pretrain.metrics import MetricsWriter, gather_per_rank, peak_memory_bytes, print_rank0, reset_peak_memory
+from pretrain.lr_schedule import build_lr_schedule
+from pretrain.megatron_flags import describe_ignored
+from pretrain.metrics import (MetricsWriter, gather_per_rank, model_state_table, peak_memory_bytes, print_rank0,
+                              reset_peak_memory)
+from pretrain.param_groups import adamw_factory, parameter_groups
+from pretrain.run_control import RunControl
 from pretrain.stage_runner import StageRunner
+from pretrain.training_data import TrainingData
 from pretrain.wandb_run import start_wandb
 
 
@@ -43,36 +46,8 @@ class TrainResult:
     wandb_dir: str | None = None
 
 
-def resolve_data(config: Config) -> tuple[list[str], object]:
-    """The --data-path and its tokenizer to train on; builds the built-in corpus on first use."""
-    data = config.data
-    if data.data_path is not None:
-        return data.data_path, build_tokenizer(data.tokenizer_spec(config.model.vocab_size))
-    from data.default_corpus import ensure_default_corpus
-
-    prefix, tokenizer_model = ensure_default_corpus(data.data_cache_dir, data.default_corpus_vocab_size,
-                                                    data.default_corpus_max_bytes)
-    return [prefix], build_tokenizer(TokenizerSpec("SentencePieceTokenizer", tokenizer_model))
-
-
-def adamw_factory(config: Config):
-    opt = config.optimizer
-
-    def make(param_groups: list[dict]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(param_groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                 weight_decay=opt.weight_decay, foreach=True)
-    return make
-
-
-def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices, none on norms and biases (1-D parameters)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
 class Trainer:
-    """One rank's run: owns its model part, ZeRO optimizer, data iterators and metrics writer.
+    """One rank's run: owns its model part, ZeRO optimizer, data, run control and metrics writer.
 
     Never decides layout (``Topology``) or talks to torch.distributed directly (``parallel.comm``).
     """
@@ -81,16 +56,23 @@ class Trainer:
         self.config, self.device = config, device
         self.groups: ParallelGroups = create_process_groups(topology, config.parallel.distributed_timeout_s)
         self.is_logger = self.groups.rank == 0
-        train = config.training
+        self.control = RunControl(config, self.groups.world)
+        train, opt = config.training, config.optimizer
         self.dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
         torch.manual_seed(train.seed + 100 * self.groups.pp_rank)  # dropout: equal over tp and dp, not over stages
-        data_path, self.tokenizer = resolve_data(config)
-        self.num_micro_batches = train.global_batch_size // (train.micro_batch_size * topology.dp)
-        eval_samples = train.eval_iters * train.global_batch_size if train.eval_interval else 0
-        self.train_data, self.valid_data, _ = build_gpt_datasets(
-            data_path, config.data.split, config.model.seq_length, train.seed,
-            (train.train_iters * train.global_batch_size, eval_samples, 0), self.tokenizer,
-            os.path.join(config.data.data_cache_dir, "indices"))
+        self.schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
+                                             train.rampup_batch_size, train.step_batch_size_schedule,
+                                             config.model.seq_length)
+        self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples,
+                                             self.schedule.final_batch_size)
+        self.decoupled_lr_schedule = None if opt.decoupled_lr is None else build_lr_schedule(
+            dataclass_replace(opt, lr=opt.decoupled_lr, min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
+                              else opt.min_lr), train.train_iters, train.train_samples, self.schedule.final_batch_size)
+        self.eval_batch_size = train.eval_global_batch_size or self.schedule.final_batch_size
+        self.data = TrainingData(config, self.schedule.samples_after(train.train_iters),
+                                 train.eval_iters * self.eval_batch_size if train.eval_interval else 0,
+                                 self.groups.dp_rank, topology.dp)
+        self.tokenizer = self.data.tokenizer
         # ZeRO-3 builds the model on the meta device: no rank ever holds it whole; each unit is
         # materialised from its initialisation recipe and sharded in zero.initialize
         sharded = config.zero.zero_stage == 3
@@ -113,9 +95,9 @@ class Trainer:
             self.model.parameters(), config.zero.zero_stage, topology.dp, torch.finfo(self.dtype).bits // 8,
             config.zero.zero_persistence_threshold)
         _, self.optimizer = zero.initialize(
-            self.model, adamw_factory(config), stage=config.zero.zero_stage, group=self.groups.dp,
-            param_groups=weight_decay_groups(self.model, config.optimizer.weight_decay),
-            bucket_size=config.zero.zero_bucket_size, clip_grad=config.optimizer.clip_grad,
+            self.model, adamw_factory(opt), stage=config.zero.zero_stage, group=self.groups.dp,
+            param_groups=parameter_groups(self.model, opt),
+            bucket_size=config.zero.zero_bucket_size, clip_grad=opt.clip_grad,
             model_parallel=ModelParallelGroups(tp=self.groups.tp, model_parallel=self.groups.mp,
                                                embedding=self.groups.embedding),
             loss_scaler=DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
@@ -132,11 +114,8 @@ class Trainer:
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer.no_sync)
         self.consumed_samples, self.start_iteration = 0, 0
-        self.preempted, self._signal_received = False, False
+        self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
-        if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
-            for signum in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(signum, self._on_signal)
         if config.checkpoint.load and not checkpoint.exists(config.checkpoint.load):
             # a job that restarts itself passes --load from its first start, before any save
             print_rank0(self.is_logger, f"no checkpoint under --load {config.checkpoint.load} yet: training from "
@@ -146,93 +125,112 @@ class Trainer:
             self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
             if rng is not None:  # the same layout: the stage's dropout streams and the default one
                 self.model[0].rng.set_states(rng)
-            print_rank0(self.is_logger, f"resumed from {config.checkpoint.load} at iteration {self.start_iteration}")
+            print_rank0(self.is_logger, f"resumed from {config.checkpoint.load} at iteration {self.start_iteration}, "
+                        f"sample {self.consumed_samples} (global batch "
+                        f"{self.schedule.batch_size(self.consumed_samples)})")
 
     def _batches(self, dataset, total_samples: int, consumed: int):
         """This rank's micro-batches, or None on a pipeline stage that reads no data."""
-        if not self.runner.reads_data:
-            return None
-        sampler = DataParallelSampler(total_samples, consumed, self.config.training.micro_batch_size,
-                                      self.groups.dp_rank, self.groups.topology.dp)
-        return micro_batches(dataset, sampler)
+        return self.data.batches(dataset, total_samples, consumed) if self.runner.reads_data else None
 
     def _dp_mean(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64)
         comm.all_reduce(tensor, self.groups.dp)
         return tensor.item() / self.groups.dp.size
 
+    def _set_learning_rates(self) -> float:
+        """Every group's rate for the step that starts now; returns the main one."""
+        lr = self.lr_schedule(self.consumed_samples)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.decoupled_lr_schedule(self.consumed_samples) if group.get("decoupled") else lr
+        return lr
+
     def train_step(self, batches) -> tuple[float, zero.StepResult]:
-        """One optimizer step over a global batch; returns this data-parallel rank's loss and the step."""
+        """One optimizer step over the global batch that starts at the consumed samples; returns this
+        data-parallel rank's loss and the step."""
         self.optimizer.zero_grad()
         self.activation_meter.reset()
-        loss, self.last_step_stats = self.runner.run(batches, loss_scale=self.optimizer.loss_scale)
+        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.consumed_samples),
+                                                     loss_scale=self.optimizer.loss_scale)
         return loss, self.optimizer.step()
 
     @torch.no_grad()
     def evaluate(self) -> float:
         train = self.config.training
         self.model.eval()
-        batches = self._batches(self.valid_data, train.eval_iters * train.global_batch_size, 0)
-        losses = [self.runner.run(batches, train=False)[0] for _ in range(train.eval_iters)]
+        batches = self._batches(self.data.valid, train.eval_iters * self.eval_batch_size, 0)
+        micro = self.eval_batch_size // self.schedule.per_step
+        losses = [self.runner.run(batches, micro, train=False)[0] for _ in range(train.eval_iters)]
         self.model.train()
         return self._dp_mean(sum(losses) / len(losses))
 
-    def _record(self, iteration: int, loss: float, lr: float, result: zero.StepResult, step_time: float,
-                comm_bytes: dict[str, int], peak_mem: int) -> dict:
+    def _record(self, iteration: int, loss: float, lr: float, batch_size: int, result: zero.StepResult,
+                step_time: float, comm_bytes: dict[str, int], peak_mem: int) -> dict:
         """The metrics line of ``iteration`` (a collective over the world: every rank calls it)."""
-        train = self.config.training
-        tokens = train.global_batch_size * self.config.model.seq_length
+        tokens = batch_size * self.config.model.seq_length
         mine = {"rank": self.groups.rank, "parameters": self.num_parameters,
                 "expected_model_state_bytes": self.expected_state_bytes,
                 "model_state_bytes": self.optimizer.model_state_bytes(),
                 "offloaded_bytes": self.optimizer.offloaded_bytes(),
                 "saved_activation_bytes": self.activation_meter.peak_bytes,
                 "buffer_pool_bytes": self.buffer_pool.bytes(), "peak_mem_bytes": peak_mem}
-        return {
-            "iteration": iteration, "consumed_samples": self.consumed_samples, "loss": loss, "lr": lr,
-            "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
-            "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-            "tflops_per_rank": self.flops_per_token * tokens / step_time
-            / self.groups.topology.world_size / 1e12,
+        record = {
+            "iteration": iteration, "consumed_samples": self.consumed_samples, "batch_size": batch_size,
+            "loss": loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+            "skipped": result.skipped, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
+            "tflops_per_rank": self.flops_per_token * tokens / step_time / self.groups.topology.world_size / 1e12,
             "per_rank": gather_per_rank(self.groups, mine, comm_bytes),
         }
+        if self.config.logging.log_params_norm:
+            record["params_norm"] = self.optimizer.parameter_norm()
+        return record
 
     def train(self) -> TrainResult:
         config, train = self.config, self.config.training
         wandb_run = start_wandb(config) if self.is_logger else None
-        writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger)
+        tensorboard = None
+        if self.is_logger and config.logging.tensorboard_dir:
+            from pretrain.tensorboard_log import TensorboardLog
+
+            tensorboard = TensorboardLog(config.logging.tensorboard_dir)
+        writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger, tensorboard=tensorboard)
         result = TrainResult(wandb_dir=wandb_run.dir if wandb_run else None)
+        if config.ignored_flags:
+            print_rank0(self.is_logger, describe_ignored(config.ignored_flags))
+        micro = self.schedule.micro_batches(self.consumed_samples)
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
                     f"(model {num_parameters(config.model):,}) on {self.groups.topology.describe().splitlines()[0]}, "
-                    f"{self.num_micro_batches} micro-batches of {train.micro_batch_size} per step")
+                    f"{micro} micro-batches of {train.micro_batch_size} per step"
+                    + (f" (global batch {self.schedule.sizes()[0]} -> {self.schedule.final_batch_size})"
+                       if len(self.schedule.sizes()) > 1 else ""))
         try:
-            batches = self._batches(self.train_data, train.train_iters * train.global_batch_size, self.consumed_samples)
+            batches = self._batches(self.data.train, self.schedule.samples_after(train.train_iters),
+                                    self.consumed_samples)
             started = time.perf_counter()
             for iteration in range(self.start_iteration + 1, train.train_iters + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
-                lr = learning_rate(iteration - 1, config.optimizer, train.train_iters)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                lr = self._set_learning_rates()
+                batch_size = self.schedule.batch_size(self.consumed_samples)
                 step_start = time.perf_counter()
                 local_loss, step = self.train_step(batches)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
                 step_time = time.perf_counter() - step_start
-                self.consumed_samples += train.global_batch_size
+                self.consumed_samples += batch_size
                 comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
                 peak_mem = peak_memory_bytes(self.device)
                 loss = self._dp_mean(local_loss)
                 self._check_bad_step(iteration, loss, step)
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
-                last = iteration == train.train_iters
-                evaluated = train.eval_interval and (iteration % train.eval_interval == 0 or last)
-                valid = self.evaluate() if evaluated else None
-                if iteration % config.logging.log_interval == 0 or evaluated or iteration in (1, train.train_iters):
-                    record = self._record(iteration, loss, lr, step, step_time, comm_bytes, peak_mem)
-                    if iteration == 1:
-                        self._print_model_state_table(record["per_rank"])
+                decision = self.control.after(iteration, first=iteration == self.start_iteration + 1)
+                valid = self.evaluate() if decision.evaluate else None
+                if decision.record:
+                    record = self._record(iteration, loss, lr, batch_size, step, step_time, comm_bytes, peak_mem)
+                    if iteration == self.start_iteration + 1 and self.is_logger:
+                        print(model_state_table(record["per_rank"], config.zero.zero_stage, self.groups.topology.dp,
+                                                self.dtype), flush=True)
                     if valid is not None:
                         result.valid_losses[iteration] = valid
                         record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
@@ -240,13 +238,15 @@ class Trainer:
                                     f"perplexity {record['valid_ppl']:.2f}")
                     done = iteration - self.start_iteration
                     elapsed = time.perf_counter() - started
-                    writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration))
-                if self._should_save(iteration):
+                    writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration),
+                               decision.console)
+                if decision.save:
                     self.save(iteration)
-                if self.preempted:
-                    print_rank0(self.is_logger, f"stopping after iteration {iteration} on a preemption signal")
+                if decision.stop is not None:
+                    self.stopped_early = decision.stop
+                    print_rank0(self.is_logger, f"stopping after iteration {iteration} on {decision.stop}")
                     break
-            result.sample = None if self.preempted else self.sample()
+            result.sample = None if self.stopped_early else self.sample()
         finally:  # also on an error: swap files are scratch
             self.optimizer.close()
         writer.close()
@@ -275,41 +275,12 @@ class Trainer:
                 f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The run stops "
                 f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
 
-    def _on_signal(self, signum, frame) -> None:
-        self._signal_received = True
-
-    def _should_save(self, iteration: int) -> bool:
-        """Save at --save-interval, at the end, and (agreed by every rank) on a preemption signal."""
-        if not self.config.checkpoint.save:
-            return False  # no signal is caught, nothing to agree on: no collective on the hot path
-        flag = torch.tensor([1.0 if self._signal_received else 0.0])
-        comm.all_reduce(flag, self.groups.world, op=torch.distributed.ReduceOp.MAX)
-        self.preempted = bool(flag.item())
-        ckpt, last = self.config.checkpoint, iteration == self.config.training.train_iters
-        interval = ckpt.save_interval and iteration % ckpt.save_interval == 0
-        return bool(interval or last or self.preempted)
-
     def save(self, iteration: int) -> None:
-        path = checkpoint.save(self.config.checkpoint.save, iteration, self.consumed_samples, self.groups,
+        ckpt = self.config.checkpoint
+        path = checkpoint.save(ckpt.save, iteration, self.consumed_samples, self.groups,
                                self.optimizer, self.parameter_names, self.model[0].rng.get_states(),
-                               self.config.to_dict(), self.config.checkpoint.save_keep_last)
+                               self.config.to_dict(), ckpt.save_keep_last, ckpt.save_retain_interval)
         print_rank0(self.is_logger, f"saved checkpoint {path}")
-
-    def _print_model_state_table(self, per_rank: list[dict]) -> None:
-        """Per rank: model-state bytes as ``parallel.zero.memory`` predicts them for its parameters beside
-        what the tensors hold (after the first step, when the optimizer states exist)."""
-        if not self.is_logger:
-            return
-        stage, dp = self.config.zero.zero_stage, self.groups.topology.dp
-        lines = [f"model-state bytes per rank (ZeRO stage {stage}, dp {dp}, {self.dtype}): expected vs measured "
-                 "(in memory + in swap files)"]
-        for entry in per_rank:
-            expected = entry["expected_model_state_bytes"]
-            held = entry["model_state_bytes"] + entry["offloaded_bytes"]
-            lines.append(f"  rank {entry['rank']:>3}: {entry['parameters']:>12,} params  expected "
-                         f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} + "
-                         f"{entry['offloaded_bytes'] / 2**20:.2f} MiB  ({held / expected:.3f}x)")
-        print("\n".join(lines), flush=True)
 
     def sample(self) -> str | None:
         """Continue --sample-prompt with the trained model (every rank runs it; rank 0 prints)."""

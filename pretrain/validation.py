@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 
 from models.counting import num_parameters
+from pretrain.batch_schedule import build_batch_schedule
+from pretrain.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
@@ -23,6 +25,7 @@ def validate(config: Config, world_size: int) -> Topology:
     try:
         topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                             par.gpus_per_node)
+        resolve_settings(config, topology.pp)
         model.validate(topology.tp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -42,28 +45,73 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError(f"--recompute-num-layers must be >= 1, got {recompute.recompute_num_layers}")
     if train.bf16 and train.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other: choose one")
-    if config.checkpoint.save_interval < 0 or config.checkpoint.save_keep_last < 0:
-        raise ConfigError("--save-interval and --save-keep-last must be >= 0")
-
-    for name in ("micro_batch_size", "global_batch_size", "train_iters", "bad_step_limit"):
+    for name in ("save_interval", "save_keep_last", "save_retain_interval"):
+        value = getattr(config.checkpoint, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    for name in ("micro_batch_size", "bad_step_limit"):
         if getattr(train, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(train, name)}")
-    per_step = train.micro_batch_size * topology.dp
-    if train.global_batch_size % per_step:
-        raise ConfigError(f"--global-batch-size {train.global_batch_size} is not divisible by --micro-batch-size "
-                          f"{train.micro_batch_size} x data-parallel size {topology.dp} = {per_step}: use a "
-                          f"multiple of {per_step}")
-    if train.eval_interval < 0 or (train.eval_interval and train.eval_iters < 1):
-        raise ConfigError("--eval-interval needs --eval-iters >= 1 (or --eval-interval 0 to never evaluate)")
-    if config.logging.log_interval < 1:
-        raise ConfigError(f"--log-interval must be >= 1, got {config.logging.log_interval}")
-    if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
-        raise ConfigError(f"--lr {opt.lr} / --min-lr {opt.min_lr}: need 0 <= min-lr <= lr and lr > 0")
-    if opt.lr_warmup_iters < 0 or opt.clip_grad < 0 or opt.weight_decay < 0:
-        raise ConfigError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
+    _validate_length_and_schedule(config, topology)
+    for name in ("eval_interval", "exit_interval", "exit_duration_in_mins", "eval_global_batch_size"):
+        if getattr(train, name) is not None and getattr(train, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(train, name)}")
+    if train.eval_interval and train.eval_iters < 1:
+        raise ConfigError("--eval-interval needs --eval-iters >= 1 (or no --eval-interval to never evaluate)")
+    eval_batch = train.eval_global_batch_size
+    if eval_batch and eval_batch % (train.micro_batch_size * topology.dp):
+        raise ConfigError(f"--eval-global-batch-size {eval_batch} is not divisible by --micro-batch-size "
+                          f"{train.micro_batch_size} x data-parallel size {topology.dp}")
+    if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
+        raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
     _validate_data(config)
     _validate_offload(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology
+
+
+def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
+    """Batch schedule, run length and learning-rate schedule, as Megatron checks them: iteration-based
+    (--train-iters with --lr-*-iters) or sample-based (--train-samples with --lr-*-samples), not both."""
+    train, opt = config.training, config.optimizer
+    try:
+        schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
+                                        train.rampup_batch_size, train.step_batch_size_schedule,
+                                        config.model.seq_length)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if train.train_iters is not None and train.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples both set the run's length: give one")
+    if train.train_samples is not None:
+        sample_based = [f for f, v in (("--lr-decay-iters", opt.lr_decay_iters), ("--lr-warmup-iters",
+                                                                                 opt.lr_warmup_iters)) if v]
+        if sample_based:
+            raise ConfigError(f"--train-samples counts in samples: use --lr-decay-samples / --lr-warmup-samples "
+                              f"instead of {' and '.join(sample_based)}")
+        train.train_iters = schedule.iterations_for(train.train_samples)
+    else:
+        iteration_based = [f for f, v in (("--lr-decay-samples", opt.lr_decay_samples), ("--lr-warmup-samples",
+                                                                                        opt.lr_warmup_samples)) if v]
+        if iteration_based:
+            raise ConfigError(f"--train-iters counts in iterations: use --lr-decay-iters / --lr-warmup-iters "
+                              f"instead of {' and '.join(iteration_based)} (or --train-samples)")
+    if train.train_iters < 1:
+        raise ConfigError(f"the run has no iteration: --train-iters {train.train_iters} / --train-samples "
+                          f"{train.train_samples} (a partial last batch is dropped)")
+    if opt.lr_warmup_fraction is not None and (opt.lr_warmup_iters or opt.lr_warmup_samples):
+        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples are two warm-ups: give one")
+    if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
+        raise ConfigError(f"--lr {opt.lr} / --min-lr {opt.min_lr}: need 0 <= min-lr <= lr and lr > 0")
+    if opt.decoupled_min_lr is not None and opt.decoupled_lr is None:
+        raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+    if min(opt.lr_warmup_iters, opt.lr_warmup_samples, opt.lr_warmup_fraction or 0, opt.clip_grad,
+           opt.weight_decay) < 0:
+        raise ConfigError("--lr-warmup-iters/-samples/-fraction, --clip-grad and --weight-decay must be >= 0")
+    for size in schedule.sizes():  # every batch the run can take must fit the pipeline schedule
+        try:
+            validate_schedule(config.parallel.pipeline_schedule, size // schedule.per_step, topology.pp,
+                              config.parallel.virtual_pipeline_size or 1)
+        except ValueError as error:
+            raise ConfigError(f"a global batch of {size}: {error}") from None
 
 
 def _validate_offload(config: Config, topology: Topology) -> None:
@@ -104,20 +152,26 @@ def _validate_pipeline(config: Config, topology: Topology) -> None:
         raise ConfigError("--virtual-pipeline-size needs --pipeline-model-parallel-size > 1")
     try:
         validate_partition(config.model.num_layers, topology.pp, vp, par.pipeline_layers_per_stage)
-        if train.micro_batch_size >= 1 and train.global_batch_size % (train.micro_batch_size * topology.dp) == 0:
-            micro_batches = train.global_batch_size // (train.micro_batch_size * topology.dp)
-            validate_schedule(par.pipeline_schedule, micro_batches, topology.pp, vp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
 def _validate_data(config: Config) -> None:
+    """One source of data (files, per-split files, mock tokens, or the built-in corpus), its files present,
+    and the tokenizer that reads it; sets the model's vocabulary from the tokenizer when not given."""
     data, model = config.data, config.model
+    sources = [flag for flag, given in (("--data-path", data.data_path is not None), ("--mock-data", data.mock_data),
+                                        ("--train-data-path", data.train_data_path is not None)) if given]
+    if len(sources) > 1:
+        raise ConfigError(f"{' and '.join(sources)} are two sources of data: give one")
+    if (data.valid_data_path or data.test_data_path) and data.train_data_path is None:
+        raise ConfigError("--valid-data-path / --test-data-path go with --train-data-path (or use --data-path "
+                          "with --split)")
     chosen = [flag for flag, value in (("--tokenizer-model", data.tokenizer_model), ("--vocab-file", data.vocab_file),
                                        ("--merge-file", data.merge_file)) if value is not None]
     if data.tokenizer_type != "SentencePieceTokenizer":
         chosen.append(f"--tokenizer-type {data.tokenizer_type}")
-    if data.data_path is None:
+    if not sources:
         if chosen:
             raise ConfigError(f"{chosen[0]} without --data-path: give the dataset it tokenized, or no tokenizer "
                               "(to use the built-in corpus)")
@@ -126,16 +180,10 @@ def _validate_data(config: Config) -> None:
         from data.gpt_dataset import parse_data_path
         from data.tokenizer import TokenizerSpec, build_tokenizer
 
-        try:
-            prefixes, _ = parse_data_path(data.data_path)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        for prefix in prefixes:
-            for suffix in (".bin", ".idx"):
-                if not os.access(prefix + suffix, os.R_OK):
-                    raise ConfigError(f"--data-path {prefix}: {prefix + suffix} is missing or unreadable; build it "
-                                      f"with python -m data.preprocess --output-prefix ... (it writes "
-                                      f"<prefix>_text_document.bin/.idx)")
+        for flag, paths in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
+                            ("--valid-data-path", data.valid_data_path), ("--test-data-path", data.test_data_path)):
+            if paths is not None:
+                _check_prefixes(flag, paths, parse_data_path)
         spec = TokenizerSpec(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
                              model.vocab_size if data.tokenizer_type == "NullTokenizer" else None)
         try:
@@ -149,3 +197,16 @@ def _validate_data(config: Config) -> None:
     elif vocab > model.vocab_size:
         raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's vocabulary {vocab}: "
                           f"use --vocab-size {vocab} or more (or leave it out)")
+
+
+def _check_prefixes(flag: str, paths: list[str], parse_data_path) -> None:
+    try:
+        prefixes, _ = parse_data_path(paths)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("--data-path", flag)) from None
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.access(prefix + suffix, os.R_OK):
+                raise ConfigError(f"{flag} {prefix}: {prefix + suffix} is missing or unreadable; build it with "
+                                  "python -m data.preprocess --output-prefix ... (it writes "
+                                  "<prefix>_text_document.bin/.idx)")

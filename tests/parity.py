@@ -95,3 +95,9 @@ if __name__ == "__main__":
     import sys
 
     print("\n".join(summarize(sys.argv[1])[:int(sys.argv[2]) if len(sys.argv) > 2 else None]))
+
+
+# Dropout draws from per-rank streams (tp ranks and pipeline stages differ), so a run compared with
+# another layout leaves it out, as Megatron's defaults (0.1) would otherwise put it in.
+NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+NO_DROPOUT_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0"]

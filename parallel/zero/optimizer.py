@@ -280,18 +280,24 @@ class ZeroOptimizer:
         if self.model_parallel.model_parallel is not None:
             comm.all_reduce(value, self.model_parallel.model_parallel, op=op)
 
-    def _grad_norm(self, grads: list[torch.Tensor], scale: float, device: torch.device) -> float:
-        """L2 norm of the unscaled gradients over the whole model: each parameter once, wherever its chunks
-        live (fp32 one segment at a time)."""
+    def _global_norm(self, tensors: list[torch.Tensor], scale: float, device: torch.device) -> float:
+        """L2 norm over the whole model of ``tensors`` (one per slot, laid out as its segments), divided by
+        ``scale``: each parameter once, wherever its chunks live (fp32 one segment at a time)."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
         total = torch.zeros(1, dtype=torch.float32, device=device)
-        for slot, grad in zip(self.slots, grads):
+        for slot, tensor in zip(self.slots, tensors):
             for param, offset, length in slot.segments:
                 if counts_once_here(param, tp_rank):
-                    segment = grad[offset:offset + length].float()
+                    segment = tensor[offset:offset + length].float().to(device)
                     total += (segment / scale if scale != 1.0 else segment).pow(2).sum()
         self._global_sum(total, over_dp=self.stage > 0)  # stage 0: every dp rank holds the same sum
         return total.sqrt().item()
+
+    def parameter_norm(self) -> float:
+        """L2 norm of the fp32 master weights over the whole model (Megatron's --log-params-norm); a
+        collective over data and model parallelism."""
+        with self.states_in_memory():
+            return self._global_norm([master.data for master in self.masters], 1.0, module_device(self.module))
 
     def step(self) -> StepResult:
         scale = self.loss_scale
@@ -307,7 +313,7 @@ class ZeroOptimizer:
                     overflow.fill_(1.0)
                     break
             self._global_sum(overflow, op=torch.distributed.ReduceOp.MAX)
-        norm = self._grad_norm(grads, scale, device)
+        norm = self._global_norm(grads, scale, device)  # of the unscaled gradients
         skipped = bool(overflow.item()) or not math.isfinite(norm)
         self.loss_scaler.update(skipped)
         if skipped:

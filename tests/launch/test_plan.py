@@ -105,7 +105,7 @@ def test_one_layers_saved_activations_follow_its_architecture(dtype):
     s, b, h, dtype = 32, 2, 64, getattr(torch, dtype)
     for name, options in ARCHITECTURES.items():
         config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, vocab_size=300,
-                           **options)
+                           hidden_dropout=0.0, attention_dropout=0.0, **options)
         block = TransformerBlock(config, 0, AxisGroup("tp", (0,), None, CommStats()), seed=0,
                                  sequence_parallel=False).to(dtype)
         x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)

@@ -15,7 +15,7 @@ def test_sweep_writes_table_and_plot_and_resumes(stdlib_corpus, tmp_path, monkey
     spec = {"name": "test", "output": str(tmp_path / "out"), "tokens_per_step": 256, "seq_length": 32,
             "train_iters": 3, "common": {"micro_batch_size": 2, "vocab_size": 512, "data_path": prefix,
                                         "tokenizer_model": tokenizer, "data_cache_dir": f"{prefix}-cache",
-                                        "sample_prompt": ""},
+                                        "sample_prompt": "", "hidden_dropout": 0.0, "attention_dropout": 0.0},
             "models": {"2l-32": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2},
                        "2l-64": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4},
                        "4l-64": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4}},

@@ -11,6 +11,7 @@ from models.counting import num_parameters
 from models.generate import generate, single_stage_logits
 from models.gpt import GPTModel
 from parallel.comm import AxisGroup, CommStats
+from tests.parity import NO_DROPOUT
 
 
 def _alone() -> AxisGroup:
@@ -23,7 +24,7 @@ VARIANTS = [("learned", "LayerNorm"), ("rope", "RMSNorm")]
 @pytest.mark.parametrize("positions, norm", VARIANTS)
 def test_changing_token_t_changes_no_logit_before_t(positions, norm):
     config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
-                       position_embedding_type=positions, normalization=norm)
+                       position_embedding_type=positions, normalization=norm, **NO_DROPOUT)
     model = GPTModel(config, _alone(), seed=0)
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
     position_ids = torch.arange(16).expand(2, 16)
@@ -39,7 +40,7 @@ def test_changing_token_t_changes_no_logit_before_t(positions, norm):
 @pytest.mark.parametrize("positions, norm", VARIANTS)
 def test_parameter_count_and_loss_at_init(positions, norm):
     config = GPTConfig(num_layers=3, hidden_size=48, num_attention_heads=4, seq_length=16, vocab_size=300,
-                       position_embedding_type=positions, normalization=norm)
+                       position_embedding_type=positions, normalization=norm, **NO_DROPOUT)
     model = GPTModel(config, _alone(), seed=0)
     assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
     assert config.padded_vocab_size(1) == 384 and config.padded_vocab_size(4) == 512
@@ -53,7 +54,8 @@ def test_parameter_count_and_loss_at_init(positions, norm):
 
 
 def test_initialisation_depends_on_seed_and_name_only():
-    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=128)
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=128,
+                       **NO_DROPOUT)
     whole = dict(GPTModel(config, _alone(), seed=3).named_parameters())
     last_two = GPTModel(config, _alone(), seed=3, layer_indices=[2, 3], pre_process=False)
     for name, param in last_two.named_parameters():
@@ -64,7 +66,8 @@ def test_initialisation_depends_on_seed_and_name_only():
 
 
 def test_greedy_generation_is_deterministic_and_sampling_follows_the_seed():
-    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64)
+    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64,
+                       **NO_DROPOUT)
     logits = single_stage_logits(GPTModel(config, _alone(), seed=0).eval())
     greedy = generate(logits, [1, 2, 3], 12, window=8)
     assert greedy == generate(logits, [1, 2, 3], 12, window=8) and len(greedy) == 12

@@ -10,6 +10,7 @@ from parallel.buffers import BufferPool, StagingRing
 from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
+from tests.parity import NO_DROPOUT
 from tests.world import run_world
 
 
@@ -35,7 +36,7 @@ def _pool_use(rank, world_size):
     for stage in (2, 3):
         for layers in (4, 12):
             config = GPTConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                               vocab_size=128)
+                               vocab_size=128, **NO_DROPOUT)
             model = GPTModel(config, groups.tp, seed=0)
             pool = BufferPool()
             if stage == 3:  # checkpoints share the pool with the gathers they trigger again in backward

@@ -10,7 +10,7 @@ from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
-from tests.parity import ONE_STEP_RTOL, assert_within
+from tests.parity import NO_DROPOUT, ONE_STEP_RTOL, assert_within
 from tests.world import run_world
 
 POLICIES = [RecomputePolicy("full"), RecomputePolicy("full", 2, "uniform"), RecomputePolicy("full", 1, "block"),
@@ -53,7 +53,8 @@ def test_every_policy_reproduces_the_run_without_recompute_dropout_included():
 
 def _saved_bytes(rank, world_size):
     tp = create_process_groups(Topology(world_size, tp=2)).tp
-    config = GPTConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256)
+    config = GPTConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256,
+                       **NO_DROPOUT)
     measured = {}
     for name, policy in (("none", RecomputePolicy()), ("selective", RecomputePolicy("selective")),
                          ("full", RecomputePolicy("full", 1, "uniform")),

@@ -13,10 +13,10 @@ from parallel.saved_activations import SavedActivationMeter
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.topology import Topology
 from parallel.zero.grad_sync import ModelParallelGroups, reduce_model_parallel_grad
-from tests.parity import ONE_STEP_RTOL, assert_within
+from tests.parity import NO_DROPOUT, ONE_STEP_RTOL, assert_within
 from tests.world import run_world
 
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
+CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500, **NO_DROPOUT)
 
 
 def _alone() -> AxisGroup:
@@ -105,7 +105,8 @@ def _gradients_match_tp1(rank, world_size, tp, sequence_parallel, architecture):
 
 def _saved_bytes_per_layer(rank, world_size, tp, sequence_parallel):
     s, b, h, a = 64, 2, 128, 4
-    config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=512)
+    config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=512,
+                       **NO_DROPOUT)
     group = create_process_groups(Topology(4, tp=tp)).tp
     block = TransformerBlock(config, 0, group, seed=0, sequence_parallel=sequence_parallel)
     x = torch.randn(s // tp if sequence_parallel else s, b, h, requires_grad=True)

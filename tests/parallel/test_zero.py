@@ -8,7 +8,7 @@ from parallel import zero
 from parallel.comm import AxisGroup, CommStats
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
-from tests.parity import assert_tensors_close
+from tests.parity import NO_DROPOUT, assert_tensors_close
 from tests.world import run_world
 
 
@@ -237,10 +237,12 @@ def _construction_peak(rank, world_size, on_meta):
     # so resident memory measures what is alive rather than what glibc keeps for reuse
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
     groups = create_process_groups(Topology(world_size))
-    config = GPTConfig(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=16, vocab_size=512)
+    config = GPTConfig(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=16, vocab_size=512,
+                       **NO_DROPOUT)
     for device in ("cpu", "meta"):  # load the libraries a first model touches before measuring
         with torch.device(device):
-            GPTModel(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16),
+            GPTModel(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16,
+                               **NO_DROPOUT),
                      groups.tp, seed=0)
     cpu = torch.device("cpu")
     reset_peak_memory(cpu)

@@ -10,10 +10,10 @@ from parallel.comm import AxisGroup, CommStats
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
 from parallel.zero.export import export_fp32_state_dict
-from tests.parity import ONE_STEP_RTOL, assert_within
+from tests.parity import NO_DROPOUT, ONE_STEP_RTOL, assert_within
 from tests.world import run_world
 
-CONFIG = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128)
+CONFIG = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128, **NO_DROPOUT)
 
 
 def _batch(seed):

@@ -14,9 +14,10 @@ from parallel import zero
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
 from parallel.zero.swap import SwapError, SwapSpace, check_swap_directory
+from tests.parity import NO_DROPOUT
 from tests.world import run_world
 
-CONFIG = GPTConfig(num_layers=24, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128)
+CONFIG = GPTConfig(num_layers=24, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128, **NO_DROPOUT)
 
 
 def _train(groups, stage, dtype, swap_root, **offload):

@@ -69,6 +69,19 @@ def test_wrong_yaml_type_is_named(tmp_path):
      "--offload-param nvme needs --zero-stage 3"),
     (["--zero-stage", "3", "--offload-param", "cpu"], 1, "--offload-param cpu is not available in this build"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "need 0 <= min-lr <= lr"),
+    (["--global-batch-size", "8", "--step-batch-size-schedule", "0:4 1K:8"], 1,
+     "--step-batch-size-schedule sets the global batch at every step: drop --global-batch-size"),
+    (["--global-batch-size", "16", "--micro-batch-size", "2", "--rampup-batch-size", "2", "2", "64"], 2,
+     "--rampup-batch-size: a global batch of 2 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+    (["--global-batch-size", "16", "--rampup-batch-size", "4", "5", "64"], 1,
+     "from 4 in steps of 5 it must reach --global-batch-size 16"),
+    (["--train-iters", "10", "--train-samples", "100"], 1, "--train-iters and --train-samples both set the run's"),
+    (["--train-samples", "100", "--lr-decay-iters", "10"], 1, "use --lr-decay-samples / --lr-warmup-samples"),
+    (["--train-iters", "10", "--lr-warmup-samples", "10"], 1, "use --lr-decay-iters / --lr-warmup-iters"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], 1, "are two warm-ups: give one"),
+    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2", "--num-layers", "4"], 2,
+     "--num-layers-per-virtual-pipeline-stage 3: --num-layers 4 is not pipeline stages 2 x chunks of 3"),
+    (["--mock-data", "--data-path", "x"], 1, "--data-path and --mock-data are two sources of data"),
 ])
 def test_bad_settings_name_the_flag(flags, world, message):
     config = parse_config(TINY + flags)
@@ -104,3 +117,40 @@ def test_torchrun_job_with_bad_input_exits_non_zero(tmp_path):
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.returncode != 0
     assert "error: --global-batch-size 3 is not divisible" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not supported"),
+    (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not supported"),
+    (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),
+])
+def test_megatron_features_this_build_lacks_are_refused_at_parse(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(TINY + flags)
+
+
+def test_megatron_spellings_mean_our_settings():
+    config = parse_config(TINY + ["--norm-epsilon", "1e-6", "--distributed-timeout-minutes", "2", "--data-cache-path",
+                                  "cache", "--wandb-save-dir", "w", "--use-distributed-optimizer", "--num-layers", "8",
+                                  "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                                  "--context-parallel-size", "1", "--use-mcore-models", "--global-batch-size", "8"])
+    validate(config, 2)
+    assert config.model.layernorm_epsilon == 1e-6 and config.parallel.distributed_timeout_s == 120.0
+    assert config.data.data_cache_dir == "cache" and config.logging.wandb_dir == "w"
+    assert config.zero.zero_stage == 1  # the distributed optimizer is ZeRO-1
+    assert config.parallel.virtual_pipeline_size == 2 and config.parallel.pipeline_schedule == "interleaved"
+    assert config.ignored_flags == ["--use-mcore-models"]
+    assert parse_config(TINY + ["--use-megatron-fsdp"]).zero.zero_stage == 3
+    explicit = parse_config(TINY + ["--use-distributed-optimizer", "--zero-stage", "2"])
+    validate(explicit, 1)
+    assert explicit.zero.zero_stage == 2  # --zero-stage says otherwise
+    uneven = parse_config(TINY + ["--num-layers", "8", "--pipeline-model-parallel-size", "3",
+                                  "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"])
+    validate(uneven, 3)
+    assert uneven.parallel.pipeline_layers_per_stage == [2, 4, 2]
+    gpt2 = parse_config(TINY + ["--vocab-file", "v.json", "--merge-file", "m.txt"])
+    from pretrain.megatron_flags import resolve_settings
+
+    resolve_settings(gpt2, 1)
+    assert gpt2.data.tokenizer_type == "GPT2BPETokenizer"  # as pretrain_gpt infers it

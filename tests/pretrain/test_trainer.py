@@ -6,16 +6,17 @@ import pytest
 
 from pretrain.arguments import parse_config
 from pretrain.validation import validate
-from tests.parity import assert_trajectory_close
+from tests.parity import NO_DROPOUT_FLAGS, assert_trajectory_close
 from tests.world import run_world
 
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3",
-        "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "5", "--sample-prompt", ""]
+        "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--log-interval", "5",
+        "--sample-prompt", "", *NO_DROPOUT_FLAGS]
 
 
-def _train(rank, world_size, layouts, corpus):
-    """Run each layout (a list of extra flags) in this world; return its losses and grad norms."""
+def _train(rank, world_size, layouts, corpus, base=TINY):
+    """Run each layout (a list of flags added to ``base``) in this world; return its losses and grad norms."""
     import torch.distributed as dist
 
     from pretrain.trainer import Trainer
@@ -23,7 +24,7 @@ def _train(rank, world_size, layouts, corpus):
     prefix, tokenizer = corpus
     results = []
     for extra in layouts:
-        config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
+        config = parse_config(base + ["--data-path", prefix, "--tokenizer-model", tokenizer,
                                       "--data-cache-dir", f"{prefix}-cache"] + extra)
         topology = validate(config, world_size)
         trainer = Trainer(config, topology, __import__("torch").device("cpu"))

@@ -1,0 +1,75 @@
+"""When a run logs, evaluates, saves and stops, decided alike on every rank.
+
+A run stops early, saving first when ``--save`` is set, on a preemption signal (SIGTERM, SIGUSR1; caught
+only when saving), at an ``--exit-interval`` iteration, or once ``--exit-duration-in-mins`` have
+passed since the trainer started (Megatron counts from process start). The signal and the clock
+differ between ranks, so they are agreed with one all-reduce per iteration, made only when one of
+them can matter.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from parallel import comm
+from parallel.comm import AxisGroup
+from pretrain.config import Config
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after one iteration."""
+
+    record: bool  # a metrics line (file, wandb, TensorBoard)
+    console: bool  # ... also printed
+    evaluate: bool
+    save: bool
+    stop: str | None  # why the run ends early (None: it goes on)
+
+
+class RunControl:
+    """Owns the signal flag and the start time. Never saves, logs or evaluates by itself: ``after``
+    says what the trainer must do."""
+
+    def __init__(self, config: Config, world: AxisGroup):
+        self.config, self.world = config, world
+        self.started = time.monotonic()
+        self._signal_received = False
+        if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal_received = True
+
+    def _agreed_flags(self) -> tuple[bool, bool]:
+        """(a signal arrived on some rank, the duration is up on some rank); a collective over the world."""
+        minutes = self.config.training.exit_duration_in_mins
+        late = minutes is not None and time.monotonic() - self.started >= 60 * minutes
+        flags = torch.tensor([float(self._signal_received), float(late)])
+        comm.all_reduce(flags, self.world, op=torch.distributed.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def after(self, iteration: int, first: bool = False) -> Decision:
+        """The decision after ``iteration`` (every rank calls it, in step); ``first``: the run's first
+        iteration (a resumed run's too)."""
+        config, train = self.config, self.config.training
+        last = iteration == train.train_iters
+        signalled, late = (self._agreed_flags() if config.checkpoint.save or train.exit_duration_in_mins
+                           else (False, False))
+        stop = ("a preemption signal" if signalled else
+                f"--exit-duration-in-mins {train.exit_duration_in_mins}" if late else
+                f"--exit-interval {train.exit_interval}" if train.exit_interval and iteration % train.exit_interval
+                == 0 and not last else None)
+        evaluate = bool(train.eval_interval) and (iteration % train.eval_interval == 0 or last)
+        logging = config.logging
+        console = iteration % logging.log_interval == 0 or evaluate or first or last or stop is not None
+        record = console or (logging.tensorboard_dir is not None and iteration % logging.tensorboard_log_interval == 0)
+        interval = config.checkpoint.save_interval
+        save = bool(config.checkpoint.save) and (last or stop is not None or bool(interval and iteration % interval
+                                                                                    == 0))
+        return Decision(record, console, evaluate, save, stop)
