@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from data.tokenizer import SpecialIds
+from data.tokenizer import SpecialIds, write_hugging_face_files
 
 GPT2_END_OF_TEXT = "<|endoftext|>"
 # end-of-document tokens of common tokenizers, tried when a tokenizer.json comes without its config
@@ -51,6 +51,10 @@ class _ByteLevelBPE(SpecialIds):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def save_for_hugging_face(self, directory: str) -> dict:
+        """Write tokenizer.json and tokenizer_config.json for ``AutoTokenizer``; return the special ids."""
+        return write_hugging_face_files(directory, self._tokenizer, self.special_tokens)
+
 
 class GPT2BPETokenizer(_ByteLevelBPE):
     """GPT-2's byte-level BPE from ``vocab.json`` and ``merges.txt``."""
@@ -73,6 +77,8 @@ class GPT2BPETokenizer(_ByteLevelBPE):
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file}: has no {GPT2_END_OF_TEXT} token, GPT-2's end of document")
         tokenizer.add_special_tokens([GPT2_END_OF_TEXT])
+        self.special_tokens = {"bos_token": GPT2_END_OF_TEXT, "eos_token": GPT2_END_OF_TEXT,
+                               "unk_token": GPT2_END_OF_TEXT}
         super().__init__(tokenizer, eod, _sha256(vocab_file, merge_file))
 
 
@@ -94,7 +100,42 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
             raise ValueError(f"--tokenizer-model {path}: no end-of-document token found (no eos_token in "
                              f"tokenizer_config.json, none of {', '.join(KNOWN_EOS)} in the vocabulary); give the "
                              "directory save_pretrained wrote, with its tokenizer_config.json")
+        self.special_tokens = {**_configured_special(os.path.dirname(file)), "eos_token": candidates[0]}
+        self.chat_template = _configured_chat_template(os.path.dirname(file))
         super().__init__(tokenizer, tokenizer.token_to_id(candidates[0]), _sha256(file))
+
+
+def _configured_special(directory: str) -> dict[str, str]:
+    """The bos/eos/pad/unk tokens that tokenizer_config.json (or special_tokens_map.json) names, as text."""
+    special: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path) as handle:
+                entries = json.load(handle)
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                value = entries.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    special[key] = value
+    return special
+
+
+def _configured_chat_template(directory: str) -> str | None:
+    """The Jinja chat template a Hugging Face tokenizer directory carries (chat_template.jinja, or the
+    tokenizer_config.json entry: a string, or a list of named templates of which "default" is used)."""
+    path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path) as handle:
+            return handle.read()
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        template = json.load(handle).get("chat_template")
+    if isinstance(template, list):
+        template = next((entry.get("template") for entry in template if entry.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 def _configured_eos(directory: str) -> str | None:

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, List, Sequence
 import sentencepiece
 
 from data.documents import read_documents
-from data.tokenizer import SpecialIds
+from data.tokenizer import SpecialIds, write_hugging_face_files
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 SEED = 1234
@@ -137,6 +137,36 @@ class SentencePieceTokenizer(SpecialIds):
                 ("vocab_size", self.vocab_size),
             ]
         )
+
+    def save_for_hugging_face(self, directory: str) -> dict:
+        """Write the same tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json), so that
+        ``AutoTokenizer`` gives the same ids; return its special-token ids. The BPE merges are the pairs
+        whose joined piece is in the vocabulary, the better-scored first (as sentencepiece merges), spaces
+        are sentencepiece's '▁', and unknown characters fall back to their bytes."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, normalizers
+
+        processor = self._processor
+        pieces = [processor.id_to_piece(i) for i in range(self.vocab_size)]
+        vocab = {piece: i for i, piece in enumerate(pieces)}
+        merges = []
+        for i, piece in enumerate(pieces):
+            if processor.is_control(i) or processor.is_unknown(i) or processor.is_byte(i):
+                continue
+            pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+            merges += [(processor.get_score(i), vocab[a], vocab[b], a, b) for a, b in pairs]
+        merges.sort(key=lambda merge: (-merge[0], merge[1], merge[2]))
+        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges],
+                                           unk_token=processor.id_to_piece(processor.unk_id()), fuse_unk=True,
+                                           byte_fallback=True))
+        tokenizer.normalizer = normalizers.Replace(" ", "▁")
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                               decoders.Fuse()])
+        special = {name: processor.id_to_piece(index) for name, index in
+                   (("unk_token", processor.unk_id()), ("bos_token", processor.bos_id()),
+                    ("eos_token", processor.eos_id()), ("pad_token", processor.pad_id())) if index >= 0}
+        tokenizer.add_special_tokens([token for name, token in special.items() if name != "unk_token"])
+        return write_hugging_face_files(directory, tokenizer, special)
 
     def encode(self, text: str) -> List[int]:
         """Token ids of `text`, without any special token."""

@@ -75,6 +75,25 @@ class SpecialIds:
         return self.pad_id
 
 
+def write_hugging_face_files(directory: str, tokenizer, special: dict[str, str]) -> dict:
+    """tokenizer.json (``tokenizer``, a ``tokenizers.Tokenizer``) and the tokenizer_config.json that makes
+    ``AutoTokenizer`` load it with its ``special`` tokens (unk/bos/eos/pad_token -> text); return their ids
+    as a Hugging Face config names them (bos/eos/pad_token_id)."""
+    import json
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+                   "clean_up_tokenization_spaces": False, **special}, handle, indent=1)
+    with open(os.path.join(directory, "special_tokens_map.json"), "w") as handle:
+        json.dump(special, handle, indent=1)
+    ids = {f"{name[:-len('_token')]}_token_id": tokenizer.token_to_id(token) for name, token in special.items()}
+    ids.pop("unk_token_id", None)
+    return ids
+
+
 class NullTokenizer(SpecialIds):
     """Megatron's NullTokenizer: a text is space-separated token ids; ``vocab_size`` is V + 1 with id V
     the end of document. For data that is already ids (and mock data). Owns nothing but V."""
@@ -89,6 +108,10 @@ class NullTokenizer(SpecialIds):
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def save_for_hugging_face(self, directory: str) -> dict:
+        """A NullTokenizer has no Hugging Face form (its texts are ids): only the end-of-document id."""
+        return {"eos_token_id": self.eod_id}
 
 
 def build_tokenizer(spec: TokenizerSpec):

@@ -41,7 +41,8 @@ class SelfAttention(nn.Module):
         self.core_runner = None  # set by activation checkpointing to recompute the core (selective)
         bias = not config.disable_bias_linear
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
-                                        WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std), bias=bias,
+                                        WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
+                                        bias=bias or config.add_qkv_bias,
                                         sequence_parallel=sequence_parallel)
         # one norm over head_dim shared by all heads: each tp rank sees its own heads only
         self.q_norm, self.k_norm = ((build_norm(config, d, partial_gradient=tp.size > 1),

@@ -43,6 +43,7 @@ class GPTConfig:
     swiglu: bool = field(default=False, metadata=flag(
         "gated SiLU MLP: silu(x W_gate) * (x W_up) -> W_down (default --ffn-hidden-size: 8h/3 rounded down to 64)"))
     squared_relu: bool = field(default=False, metadata=flag("squared ReLU MLP activation instead of GELU"))
+    openai_gelu: bool = field(default=False, metadata=flag("GELU's tanh approximation (OpenAI's GPT-2) instead of erf"))
     group_query_attention: bool = field(
         default=False, metadata=flag("grouped-query attention: --num-query-groups key/value heads"))
     num_query_groups: int | None = field(default=None, metadata=flag(
@@ -52,6 +53,8 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = field(
         default=False, metadata=flag("an output layer of its own instead of the word embedding's transpose"))
     disable_bias_linear: bool = field(default=False, metadata=flag("no biases in the attention and MLP linears"))
+    add_qkv_bias: bool = field(default=False, metadata=flag("a bias on the query/key/value projection even with "
+                                                             "--disable-bias-linear (Qwen2)"))
     hidden_dropout: float = field(default=0.1, metadata=flag("dropout on residual branches and embeddings"))
     attention_dropout: float = field(default=0.1, metadata=flag("dropout on attention probabilities"))
     init_method_std: float = field(

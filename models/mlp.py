@@ -23,6 +23,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f, std = config.hidden_size, config.ffn_size, config.init_method_std
         self.activation = config.activation
+        self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         bias = not config.disable_bias_linear
         self.fc1 = ColumnParallelLinear(h, f, tp, WeightInit(seed, f"layers.{layer}.mlp.fc1.weight", std), bias=bias,
                                         sequence_parallel=sequence_parallel,
@@ -39,5 +40,5 @@ class MLP(nn.Module):
         elif self.activation == "squared_relu":
             y = F.relu(y).square()
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximation)
         return self.fc2(y)

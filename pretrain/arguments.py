@@ -153,7 +153,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     values = load_yaml(args.pop("config")) if "config" in args else {}
     values.update(implied)
     values.update(args)
-    config = Config(ignored_flags=ignored)
+    config = Config(ignored_flags=ignored, given=set(values))
     known = all_fields()
     for name, value in values.items():
         section, f = known[name]

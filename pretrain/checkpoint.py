@@ -8,6 +8,10 @@ Layout of ``--save DIR``::
                                      size and sha256
     DIR/latest                       the name of the newest complete checkpoint
 
+A weights-only checkpoint (``"kind": "weights"`` in its manifest; a Hugging Face import) holds
+``model.safetensors`` (the whole fp32 model under layout-independent names) instead of rank files,
+and loads as fine-tuning does: weights into any layout, a fresh optimizer, iteration 0.
+
 Each rank writes its file into ``iter_N.tmp`` (fsynced); after every rank has finished, rank 0 hashes
 the files, writes the manifest, renames the directory to ``iter_N`` and only then replaces ``latest``
 atomically, so a crash at any point leaves the previous checkpoint as ``latest`` and loadable. Loading
@@ -32,11 +36,14 @@ from parallel.zero.optimizer import ZeroOptimizer
 from pretrain import reshard
 
 
+WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted or used, with the file that says so."""
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -44,7 +51,8 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _fsync_write(path: str, data: bytes) -> None:
+def write_durably(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a fsynced temporary file, renamed into place."""
     with open(path + ".part", "wb") as handle:
         handle.write(data)
         handle.flush()
@@ -101,15 +109,15 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
     comm.barrier(groups.world)
     if groups.rank == 0:
         files = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
-                         "sha256": _sha256(os.path.join(staging, entry))}
+                         "sha256": file_sha256(os.path.join(staging, entry))}
                  for entry in sorted(os.listdir(staging))}
         manifest = {"iteration": iteration, "consumed_samples": consumed_samples,
                     "layout": layout_of(groups, optimizer), "config": config, "files": files}
-        _fsync_write(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
+        write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
         _fsync_directory(staging)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        _fsync_write(os.path.join(directory, "latest"), name.encode())
+        write_durably(os.path.join(directory, "latest"), name.encode())
         _fsync_directory(directory)
         kept = sorted(entry for entry in os.listdir(directory)
                       if entry.startswith("iter_") and not entry.endswith(".tmp"))
@@ -151,7 +159,7 @@ def _verified(checkpoint: str, manifest: dict, entry: str) -> str:
     recorded = manifest["files"].get(entry)
     if recorded is None or not os.path.exists(path):
         raise CheckpointError(f"{path}: missing from the checkpoint")
-    if os.path.getsize(path) != recorded["bytes"] or _sha256(path) != recorded["sha256"]:
+    if os.path.getsize(path) != recorded["bytes"] or file_sha256(path) != recorded["sha256"]:
         raise CheckpointError(f"{path}: size or sha256 differs from the manifest (corrupted or truncated)")
     return path
 
@@ -171,28 +179,37 @@ def read_rank_files(directory: str) -> tuple[str, dict, list[dict]]:
     return checkpoint, manifest, [_read(_verified(checkpoint, manifest, entry)) for entry in entries]
 
 
-def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer,
-         names: dict[nn.Parameter, str]) -> tuple[dict, dict | None]:
+def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str],
+         weights_only: bool = False) -> tuple[dict, dict | None]:
     """Restore this rank's state from the newest checkpoint; return (manifest, random states). A
     checkpoint of another layout is re-cut by parameter name (``pretrain.reshard``); its random
-    states do not apply (None)."""
+    states do not apply (None). ``weights_only`` (fine-tuning, and a checkpoint that holds weights only,
+    such as a Hugging Face import) loads the model and leaves the optimizer fresh."""
     checkpoint, manifest = read_manifest(directory)
-    if manifest["layout"] == layout_of(groups, optimizer):
-        path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
-        state = _read(path)
-        mine = [piece["name"] for piece in reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)]
-        if mine == [piece["name"] for piece in state["pieces"]]:  # the same parameters in the same places
-            with optimizer.states_in_memory():
-                _restore(optimizer, state, path)
-            return manifest, state["rng"]
-        # the same sizes but other layers here (virtual stages, uneven stages): re-cut below
-    _, _, states = read_rank_files(directory)
+    if manifest.get("kind") == "weights":
+        path = _verified(checkpoint, manifest, WEIGHTS_FILE)
+        source = reshard.WeightsFile(path)
+        what = f"{checkpoint} (weights)"
+        weights_only, scaler = True, None
+    else:
+        if manifest["layout"] == layout_of(groups, optimizer) and not weights_only:
+            path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
+            state = _read(path)
+            mine = [piece["name"] for piece in reshard.describe(optimizer, names, groups.tp_rank,
+                                                                 groups.topology.tp)]
+            if mine == [piece["name"] for piece in state["pieces"]]:  # the same parameters in the same places
+                with optimizer.states_in_memory():
+                    _restore(optimizer, state, path)
+                return manifest, state["rng"]
+            # the same sizes but other layers here (virtual stages, uneven stages): re-cut below
+        _, _, states = read_rank_files(directory)
+        source, what = reshard.CheckpointPieces(states), f"{checkpoint} (layout {manifest['layout']})"
+        scaler = states[0]["optimizer"]["loss_scaler"]
     try:
         with optimizer.states_in_memory():
-            reshard.load(states, optimizer, names, groups.tp_rank, groups.topology.tp)
+            reshard.load(source, optimizer, names, groups.tp_rank, groups.topology.tp, weights_only, scaler)
     except reshard.ReshardError as error:
-        raise CheckpointError(f"{checkpoint} (layout {manifest['layout']}): cannot be re-cut for this run: "
-                              f"{error}") from None
+        raise CheckpointError(f"{what}: cannot be re-cut for this run: {error}") from None
     return manifest, None
 
 

@@ -169,6 +169,9 @@ class DataConfig:
         "the training split's own prefix(es), optionally weighted (with --valid-data-path, --test-data-path)"))
     valid_data_path: list[str] | None = field(default=None, metadata=flag("the validation split's prefix(es)"))
     test_data_path: list[str] | None = field(default=None, metadata=flag("the test split's prefix(es)"))
+    sft: bool = field(default=False, metadata=flag(
+        "supervised fine-tuning: --data-path names .jsonl files of conversations or prompt/response pairs; the "
+        "loss counts the answers only (data.sft_dataset)"))
     mock_data: bool = field(default=False, metadata=flag(
         "synthetic tokens (megatron-core's mock GPT dataset) instead of files; with --tokenizer-type NullTokenizer"))
     tokenizer_type: str | None = field(default=None, metadata=flag(
@@ -205,6 +208,14 @@ class CheckpointConfig:
     save_keep_last: int = field(default=0, metadata=flag("keep only the newest K checkpoints (0 = keep all)"))
     save_retain_interval: int | None = field(default=None, metadata=flag(
         "keep only the checkpoints at multiples of this iteration, and the newest"))
+    finetune: bool = field(default=False, metadata=flag(
+        "--load the model weights only: iteration 0, a fresh optimizer, schedule and data position"))
+    pretrained_checkpoint: str | None = field(default=None, metadata=flag(
+        "weights to start from when --load holds no checkpoint yet (fine-tuning that resumes itself)"))
+    no_load_optim: bool = field(default=False, metadata=flag("resume without the optimizer's states"))
+    no_load_rng: bool = field(default=False, metadata=flag("resume without the random states"))
+    use_checkpoint_args: bool = field(default=False, metadata=flag(
+        "the model's shape from the checkpoint (always done here: a shape flag that contradicts it is refused)"))
 
 
 @dataclass
@@ -252,6 +263,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ignored_flags: list[str] = field(default_factory=list)  # Megatron flags given that mean nothing here
+    given: set[str] = field(default_factory=set)  # the settings the flags or YAML set (the rest are defaults)
 
     def to_dict(self) -> dict:
         """Flat {name: value} of every setting (the YAML form)."""

@@ -128,19 +128,48 @@ def _my_slice(whole: torch.Tensor, piece, tp_rank: int, tp_size: int) -> torch.T
     return whole.reshape(-1)
 
 
-def load(states: list[dict], optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int,
-         tp_size: int) -> None:
-    """Fill ``optimizer``'s masters and states (then its parameters) from the old rank ``states`` (each a
-    rank file's content with its ``pieces``), whatever layout wrote them."""
-    old = CheckpointPieces(states)
+class WeightsFile:
+    """The whole fp32 weights of a model in one safetensors file under layout-independent names (what
+    ``pretrain.convert`` writes and a Hugging Face import makes): a source of masters for ``load`` with
+    no optimizer state. Opened memory-mapped; each parameter is read when asked for, and only the
+    rank's slices are kept."""
+
+    kinds: tuple[str, ...] = ()  # no optimizer state
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        self._file = safe_open(path, framework="pt")
+        self.by_name = set(self._file.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.by_name:
+            raise ReshardError(f"{name}: not in {self.path} (another model?)")
+        return tuple(self._file.get_slice(name).get_shape())
+
+    def whole(self, name: str, kind: str = "master") -> torch.Tensor:
+        self.shape(name)
+        return self._file.get_tensor(name).float()
+
+    def scalars(self, name: str) -> dict:
+        return {}
+
+
+def load(source, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int, tp_size: int,
+         weights_only: bool = False, loss_scaler_state: dict | None = None) -> None:
+    """Fill ``optimizer``'s masters (then its parameters) and, unless ``weights_only``, its per-element
+    states from ``source`` (``CheckpointPieces`` of another layout's rank files, or a ``WeightsFile``),
+    whatever layout wrote them. ``weights_only`` leaves the optimizer fresh (fine-tuning)."""
     mine: dict[str, list] = defaultdict(list)
     for piece in optimizer.master_pieces():
         mine[names[piece.param]].append(piece)
+    kinds = ["master"] + ([] if weights_only else list(source.kinds))
     new_states: dict[int, dict] = {}
     with torch.no_grad():
         for name, pieces in mine.items():
-            for kind in ["master", *old.kinds]:
-                local = _my_slice(old.whole(name, kind), pieces[0], tp_rank, tp_size)
+            for kind in kinds:
+                local = _my_slice(source.whole(name, kind), pieces[0], tp_rank, tp_size)
                 for piece in pieces:
                     if kind == "master":
                         target = optimizer.masters[piece.master].data
@@ -151,12 +180,16 @@ def load(states: list[dict], optimizer: ZeroOptimizer, names: dict[nn.Parameter,
                         target = per_master[kind]
                     span = slice(piece.start, piece.start + piece.length)
                     target[piece.offset:piece.offset + piece.length].copy_(local[span])
-            scalars = old.scalars(name)
+            if weights_only:
+                continue
+            scalars = source.scalars(name)
             for piece in pieces:  # e.g. Adam's step count
                 new_states.setdefault(piece.state, {}).update({k: v.clone() if torch.is_tensor(v) else v
                                                                 for k, v in scalars.items()})
-    torch_optimizer = optimizer.optimizer
-    torch_optimizer.load_state_dict({"state": new_states,
-                                     "param_groups": torch_optimizer.state_dict()["param_groups"]})
-    optimizer.loss_scaler.load_state_dict(states[0]["optimizer"]["loss_scaler"])
+    if not weights_only:
+        torch_optimizer = optimizer.optimizer
+        torch_optimizer.load_state_dict({"state": new_states,
+                                         "param_groups": torch_optimizer.state_dict()["param_groups"]})
+        if loss_scaler_state is not None:
+            optimizer.loss_scaler.load_state_dict(loss_scaler_state)
     optimizer.masters_to_parameters()

@@ -23,6 +23,7 @@ from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes
 from pretrain import checkpoint
 from pretrain.batch_schedule import build_batch_schedule
+from pretrain.checkpoint_args import checkpoint_to_load
 from pretrain.config import Config
 from pretrain.lr_schedule import build_lr_schedule
 from pretrain.megatron_flags import describe_ignored
@@ -116,18 +117,31 @@ class Trainer:
         self.consumed_samples, self.start_iteration = 0, 0
         self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
-        if config.checkpoint.load and not checkpoint.exists(config.checkpoint.load):
-            # a job that restarts itself passes --load from its first start, before any save
-            print_rank0(self.is_logger, f"no checkpoint under --load {config.checkpoint.load} yet: training from "
-                        "iteration 0")
-        elif config.checkpoint.load:
-            manifest, rng = checkpoint.load(config.checkpoint.load, self.groups, self.optimizer, self.parameter_names)
-            self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
-            if rng is not None:  # the same layout: the stage's dropout streams and the default one
-                self.model[0].rng.set_states(rng)
-            print_rank0(self.is_logger, f"resumed from {config.checkpoint.load} at iteration {self.start_iteration}, "
-                        f"sample {self.consumed_samples} (global batch "
-                        f"{self.schedule.batch_size(self.consumed_samples)})")
+        self._load_checkpoint()
+
+    def _load_checkpoint(self) -> None:
+        """Resume --load, or start from --pretrained-checkpoint's weights (Megatron's fine-tuning flags:
+        --finetune and a weights-only checkpoint load the model alone and start at iteration 0,
+        --no-load-optim keeps the position with a fresh optimizer, --no-load-rng fresh random states)."""
+        ckpt = self.config.checkpoint
+        directory = checkpoint_to_load(self.config)
+        if directory is None:
+            if ckpt.load:  # a job that restarts itself passes --load from its first start, before any save
+                print_rank0(self.is_logger, f"no checkpoint under --load {ckpt.load} yet: training from iteration 0")
+            return
+        starts_over = directory != ckpt.load or ckpt.finetune
+        manifest, rng = checkpoint.load(directory, self.groups, self.optimizer, self.parameter_names,
+                                        weights_only=starts_over or ckpt.no_load_optim)
+        if starts_over or manifest.get("kind") == "weights":
+            print_rank0(self.is_logger, f"fine-tuning from the weights of {directory} ({manifest.get('source', 'ours')}"
+                        f", iteration {manifest['iteration']}): a fresh optimizer, from iteration 0")
+            return
+        self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
+        if rng is not None and not ckpt.no_load_rng:  # the same layout: the stage's dropout streams and the default
+            self.model[0].rng.set_states(rng)
+        print_rank0(self.is_logger, f"resumed from {directory} at iteration {self.start_iteration}, sample "
+                    f"{self.consumed_samples} (global batch {self.schedule.batch_size(self.consumed_samples)})"
+                    + (", with a fresh optimizer" if ckpt.no_load_optim else ""))
 
     def _batches(self, dataset, total_samples: int, consumed: int):
         """This rank's micro-batches, or None on a pipeline stage that reads no data."""

@@ -1,8 +1,8 @@
 """The data of a run: its tokenizer, its train and validation datasets, and each rank's micro-batches.
 
 Datasets come from ``--data-path`` (split by ``--split``), from ``--train/valid/test-data-path``, from
-megatron-core's mock GPT dataset (``--mock-data``), or from the built-in stdlib corpus when none is
-given. Micro-batches are read in index order from the consumed-sample offset, so a resumed run reads
+megatron-core's mock GPT dataset (``--mock-data``), from SFT conversations (``--sft``: ``--data-path``
+names .jsonl files, ``data.sft_dataset``), or from the built-in stdlib corpus when none is given. Micro-batches are read in index order from the consumed-sample offset, so a resumed run reads
 exactly what an uninterrupted one would.
 """
 
@@ -37,6 +37,13 @@ class TrainingData:
                                                             data.default_corpus_max_bytes)
             prefixes, self.tokenizer = [prefix], build_tokenizer(TokenizerSpec("SentencePieceTokenizer",
                                                                                tokenizer_model))
+        if data.sft:
+            from data.sft_dataset import build_sft_datasets
+
+            self.train, self.valid, _ = build_sft_datasets(
+                prefixes, data.split, config.model.seq_length, train.seed, (train_samples, valid_samples, 0),
+                self.tokenizer)
+            return
         self.train, self.valid, _ = build_gpt_datasets(
             prefixes, data.split, config.model.seq_length, train.seed, (train_samples, valid_samples, 0),
             self.tokenizer, os.path.join(data.data_cache_dir, "indices"), per_split=per_split)

@@ -10,6 +10,7 @@ import os
 
 from models.counting import num_parameters
 from pretrain.batch_schedule import build_batch_schedule
+from pretrain.checkpoint_args import apply_checkpoint_args
 from pretrain.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
@@ -26,6 +27,7 @@ def validate(config: Config, world_size: int) -> Topology:
         topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                             par.gpus_per_node)
         resolve_settings(config, topology.pp)
+        apply_checkpoint_args(config)
         model.validate(topology.tp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -180,10 +182,21 @@ def _validate_data(config: Config) -> None:
         from data.gpt_dataset import parse_data_path
         from data.tokenizer import TokenizerSpec, build_tokenizer
 
-        for flag, paths in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
-                            ("--valid-data-path", data.valid_data_path), ("--test-data-path", data.test_data_path)):
-            if paths is not None:
-                _check_prefixes(flag, paths, parse_data_path)
+        if data.sft:
+            if data.data_path is None:
+                raise ConfigError("--sft reads --data-path FILE.jsonl ... (conversations or prompt/response pairs)")
+            from data.sft_dataset import SFTDataError, read_sft_file
+
+            for path in data.data_path:
+                try:
+                    read_sft_file(path)  # every line: a bad one is named before anything starts
+                except SFTDataError as error:
+                    raise ConfigError(str(error)) from None
+        else:
+            for flag, paths in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
+                                ("--valid-data-path", data.valid_data_path), ("--test-data-path", data.test_data_path)):
+                if paths is not None:
+                    _check_prefixes(flag, paths, parse_data_path)
         spec = TokenizerSpec(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
                              model.vocab_size if data.tokenizer_type == "NullTokenizer" else None)
         try:

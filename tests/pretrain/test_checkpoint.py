@@ -75,7 +75,7 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
 
 
 def _load_only(rank, world_size, directory, corpus):
-    from pretrain.arguments import parse_config
+    from pretrain.arguments import ConfigError, parse_config
     from pretrain.trainer import Trainer
     from pretrain.validation import validate
     from tests.pretrain.test_trainer import TINY
@@ -83,9 +83,9 @@ def _load_only(rank, world_size, directory, corpus):
     prefix, tokenizer = corpus
     config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
                                   f"{prefix}-cache", "--load", directory])
-    try:
+    try:  # a manifest is read at validation (the architecture it records), the shards when the trainer loads
         Trainer(config, validate(config, world_size), torch.device("cpu"))
-    except CheckpointError as error:
+    except (CheckpointError, ConfigError) as error:
         return str(error)
     return "loaded"
 
@@ -131,3 +131,37 @@ def test_an_unfinished_save_never_becomes_latest(stdlib_corpus, tmp_path):
     checkpoint, manifest = read_manifest(directory)
     assert checkpoint.endswith("iter_0000002") and manifest["iteration"] == 2
     assert run_world(1, _load_only, directory, stdlib_corpus) == ["loaded"]
+
+
+def test_fine_tuning_flags_load_weights_only_or_keep_the_position(stdlib_corpus, tmp_path):
+    """--finetune and --pretrained-checkpoint start at iteration 0 from the saved weights with a fresh
+    optimizer; --no-load-optim keeps the position; --load of an empty directory falls back to
+    --pretrained-checkpoint (a fine-tune that restarts itself)."""
+    saved = str(tmp_path / "saved")
+    layouts = [["--train-iters", "4", "--save", saved],
+               ["--train-iters", "3", "--load", saved, "--finetune"],
+               ["--train-iters", "3", "--load", str(tmp_path / "empty"), "--pretrained-checkpoint", saved],
+               ["--train-iters", "6", "--load", saved, "--no-load-optim", "--no-load-rng"],
+               ["--train-iters", "3"]]
+    (pretrained, finetuned, fallback, kept, fresh), = run_world(1, _train, layouts, stdlib_corpus)
+    assert len(finetuned[0]) == len(fallback[0]) == 3 and finetuned[0] == fallback[0]
+    assert finetuned[0][0] < fresh[0][0] - 0.1  # the trained weights, on the run's first batch again
+    assert len(kept[0]) == 2  # iterations 5 and 6
+
+
+def test_a_shape_flag_that_contradicts_the_checkpoint_is_refused(stdlib_corpus, tmp_path):
+    from pretrain.arguments import ConfigError, parse_config
+    from pretrain.validation import validate
+    from tests.pretrain.test_trainer import TINY
+
+    saved = str(tmp_path / "saved")
+    run_world(1, _train, [["--train-iters", "1", "--save", saved]], stdlib_corpus)
+    prefix, tokenizer = stdlib_corpus
+    config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved,
+                                  "--hidden-size", "128"])
+    with pytest.raises(ConfigError, match=f"--hidden-size 128 contradicts the checkpoint {saved}/iter_0000001, "
+                                          "whose model has 64"):
+        validate(config, 1)
+    inherited = parse_config(["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved])
+    validate(inherited, 1)
+    assert (inherited.model.hidden_size, inherited.model.num_layers) == (64, 4)  # no shape flags needed

@@ -64,10 +64,22 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
     with torch.no_grad():
         theirs = model(TOKENS).logits
     torch.testing.assert_close(theirs, logits, rtol=1e-4, atol=1e-4)
+    # the tokenizer goes along: sentencepiece as a tokenizer.json, its ids and special ids in range
+    from data.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    ours = SentencePieceTokenizer(stdlib_corpus[1])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in ("def f(x):\n    return x  # caf\u00e9\n", "  spaces\tand 12345"):
+        assert tokenizer(text)["input_ids"] == ours.encode(text)
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["eos_token_id"] == ours.eod_id == tokenizer.eos_token_id < hf_config["vocab_size"]
+    generate = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+    assert generate("def ", max_new_tokens=4, do_sample=False)[0]["generated_text"].startswith("def ")
 
 
-def test_hf_export_refuses_what_gpt2_cannot_express(stdlib_corpus, tmp_path):
+def test_hf_export_refuses_what_no_hugging_face_class_expresses(stdlib_corpus, tmp_path):
     directory = str(tmp_path / "rope")
     run_world(1, _train_and_save, stdlib_corpus, directory, ["--position-embedding-type", "rope"])
-    with pytest.raises(SystemExit, match="cannot express --position-embedding-type rope"):
+    with pytest.raises(SystemExit, match="neither GPT-2 \\(--position-embedding-type rope\\) nor Llama "
+                                         "\\(--normalization LayerNorm, --swiglu gelu"):
         convert(["--load", directory, "--output", str(tmp_path / "hf"), "--to", "hf"])

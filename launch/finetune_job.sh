@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Full fine-tuning of a Hugging Face model on this machine's CPU, the whole path: a random Llama-class
+# model made with transformers (python -m launch.finetune_demo make), imported, fine-tuned on a small
+# SFT set with ZeRO-3 in bf16 on 2 processes, exported back to Hugging Face, and asked held-out prompts
+# through transformers' text-generation pipeline. Creates .venv when missing; extra arguments go to
+# pretrain (e.g. --train-iters 100). WORK (default runs/finetune) holds everything it writes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+  .venv/bin/pip install --quiet torch==2.13.0   # the CPU wheel; an unpinned torch pulls a CUDA build
+  .venv/bin/pip install --quiet -e '.[dev]'
+fi
+. .venv/bin/activate
+WORK=${WORK:-runs/finetune}
+rm -rf "$WORK"
+python -m launch.finetune_demo make "$WORK"
+python -m pretrain.convert --from-hf "$WORK/hf" --output "$WORK/imported"
+python -m launch.torchrun --nproc 2 --pretrained-checkpoint "$WORK/imported" --sft --data-path "$WORK/train.jsonl" \
+    --split 1,0,0 --seq-length 12 --micro-batch-size 8 --global-batch-size 16 --zero-stage 3 --bf16 \
+    --train-iters 300 --lr 3e-3 --min-lr 1e-4 --lr-warmup-iters 10 --lr-decay-style cosine --weight-decay 0 \
+    --hidden-dropout 0 --attention-dropout 0 --log-interval 50 --sample-prompt "" --save "$WORK/finetuned" \
+    --data-cache-path "$WORK/cache" "$@"
+python -m pretrain.convert --load "$WORK/finetuned" --to hf --output "$WORK/hf-finetuned"
+python -m launch.finetune_demo answer "$WORK/hf-finetuned" "$WORK/heldout.jsonl"

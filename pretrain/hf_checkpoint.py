@@ -1,0 +1,173 @@
+"""Hugging Face model directories in and out: import one as a weights-only checkpoint of ours, export any
+checkpoint of ours (any layout) as one, tokenizer files included. Both stream one tensor at a time.
+
+    import: HF_DIR (config.json, model.safetensors or model.safetensors.index.json + shards, tokenizer
+            files) -> CKPT/iter_0000000/{manifest.json, model.safetensors, tokenizer/} and CKPT/latest
+    export: a checkpoint -> DIR/{config.json, generation_config.json, model.safetensors, tokenizer files}
+
+The imported checkpoint records the architecture (a ``--load`` of it needs no shape flags) and its
+tokenizer; it loads into any layout as fine-tuning does (``pretrain.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from models.config import GPTConfig
+from models.counting import stage_model
+from parallel.zero.export import StreamedSafetensors
+from pretrain.checkpoint import WEIGHTS_FILE, CheckpointError, file_sha256, write_durably
+from pretrain.hf_models import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model")
+IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers some exports keep
+
+
+class _HFTensors:
+    """The tensors of a Hugging Face model directory, single-file or sharded, opened lazily."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as handle:
+                self.where = {name: os.path.join(directory, file) for name, file in json.load(handle)["weight_map"].items()}
+        elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+            path = os.path.join(directory, "model.safetensors")
+            with safe_open(path, "pt") as handle:
+                self.where = {name: path for name in handle.keys()}
+        else:
+            raise CheckpointError(f"--from-hf {directory}: no model.safetensors or model.safetensors.index.json "
+                                  "(save the model with save_pretrained(safe_serialization=True))")
+        self._open = {}
+        self._safe_open = safe_open
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"the Hugging Face model has no tensor {name} (a model of another architecture, "
+                                  "or a damaged save)")
+        path = self.where[name]
+        if path not in self._open:
+            self._open = {path: self._safe_open(path, "pt")}  # one shard open at a time
+        return self._open[path].get_tensor(name)
+
+
+def _expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameters' whole shapes (vocabulary unpadded), from the model built on the meta device."""
+    chunk = stage_model(config)[0]
+    shapes = {}
+    for param, name in chunk.global_parameter_names().items():
+        shape = list(param.shape)
+        if getattr(param, "unpadded_rows", None) is not None:
+            shape[0] = param.unpadded_rows
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def import_hf(hf_dir: str, output: str) -> str:
+    """Write ``hf_dir``'s model as a weights-only checkpoint under ``output``; return its path."""
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as handle:
+            hf = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"--from-hf {hf_dir}: no readable config.json ({error})") from None
+    try:
+        config = config_from_hf(hf)
+    except HFMappingError as error:
+        raise CheckpointError(f"--from-hf {hf_dir}: {error}") from None
+    tensors = _HFTensors(hf_dir)
+    expected = _expected_shapes(config)
+    plan = list(import_plan(config, hf))
+    used = {name for _, theirs, _ in plan for name in theirs}
+    unused = sorted(name for name in tensors.where if name not in used and not name.endswith(IGNORED_BUFFERS)
+                    and not (name == "lm_head.weight" and not config.untie_embeddings_and_output_weights))
+    if unused:
+        raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: {', '.join(unused[:5])}"
+                              + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))
+    final = os.path.join(output, "iter_0000000")
+    staging = final + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    writer = StreamedSafetensors(os.path.join(staging, WEIGHTS_FILE), [(ours, expected[ours]) for ours, _, _ in plan],
+                                 metadata={"source": os.path.abspath(hf_dir)})
+    try:
+        for ours, theirs, transform in plan:
+            tensor = transform(*(tensors.get(name).float() for name in theirs))
+            if tuple(tensor.shape) != expected[ours]:
+                raise CheckpointError(f"--from-hf {hf_dir}: {' and '.join(theirs)} make {ours} of shape "
+                                      f"{tuple(tensor.shape)}; the architecture in config.json needs {expected[ours]}")
+            writer.write(ours, tensor)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    writer.close()
+    tokenizer = _copy_tokenizer(hf_dir, os.path.join(staging, "tokenizer"))
+    files = {WEIGHTS_FILE: {"bytes": os.path.getsize(os.path.join(staging, WEIGHTS_FILE)),
+                            "sha256": file_sha256(os.path.join(staging, WEIGHTS_FILE))}}
+    manifest = {"kind": "weights", "iteration": 0, "consumed_samples": 0, "layout": None, "files": files,
+                "config": {name: getattr(config, name) for name in GPTConfig.__dataclass_fields__},
+                "tokenizer": tokenizer, "source": f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}"}
+    write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1).encode())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    write_durably(os.path.join(output, "latest"), b"iter_0000000")
+    return final
+
+
+def _copy_tokenizer(source: str, target: str) -> dict | None:
+    """Copy the tokenizer files of ``source``; the tokenizer flags that read them (paths relative to the
+    checkpoint), or None when there are none."""
+    present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    if not present:
+        return None
+    os.makedirs(target)
+    for name in present:
+        shutil.copy(os.path.join(source, name), target)
+    if "tokenizer.json" in present:
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer"}
+    if "vocab.json" in present and "merges.txt" in present:
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "tokenizer/vocab.json",
+                "merge_file": "tokenizer/merges.txt"}
+    return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "tokenizer/tokenizer.model"}
+
+
+def export_hf(source, config: GPTConfig, tokenizer, directory: str) -> None:
+    """Write the model that ``source`` (re-cut pieces or a weights file: ``whole(name)``) holds as a Hugging
+    Face model directory, with ``tokenizer``'s files (None: none) and its special ids."""
+    try:
+        plan = list(export_plan(config))
+        special = tokenizer.save_for_hugging_face(directory) if tokenizer is not None else {}
+        hf_config = config_to_hf(config, special)
+    except HFMappingError as error:
+        raise CheckpointError(f"--to hf: {error}") from None
+    os.makedirs(directory, exist_ok=True)
+    cached: dict[str, torch.Tensor] = {}
+
+    def ours(name: str) -> torch.Tensor:  # q, k and v (gate and up) come from one of our tensors in turn
+        if name not in cached:
+            cached.clear()
+            cached[name] = source.whole(name)
+        return cached[name]
+
+    shapes = [(theirs, tuple(transform(torch.empty(source.shape(name), device="meta")).shape))
+              for theirs, name, transform in plan]
+    writer = StreamedSafetensors(os.path.join(directory, "model.safetensors"), shapes, metadata={"format": "pt"})
+    try:
+        for theirs, name, transform in plan:
+            writer.write(theirs, transform(ours(name)))
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    with open(os.path.join(directory, "config.json"), "w") as handle:
+        json.dump(hf_config, handle, indent=1)
+    generation = {key: value for key, value in special.items() if value is not None}
+    with open(os.path.join(directory, "generation_config.json"), "w") as handle:
+        json.dump({**generation, "do_sample": False, "max_new_tokens": 64}, handle, indent=1)
