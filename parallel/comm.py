@@ -240,17 +240,17 @@ def recv(tensor: torch.Tensor, src: int, group: AxisGroup) -> None:
     dist.recv(tensor, src=src, group=group.group)
 
 
-def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                      group: AxisGroup, tag: int = 0) -> list:
-    """Post all sends (tensor, dst) and receives (tensor, src) at once; return handles to wait on.
+def batch_isend_irecv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
+                      group: AxisGroup) -> list:
+    """Post all sends (tensor, dst, tag) and receives (tensor, src, tag) as one batch; return handles.
 
-    Posting both directions together is what lets two neighbours exchange without deadlock. ``tag``
+    Posting both directions together is what lets two neighbours exchange without deadlock. The tag
     separates independent streams between the same two ranks (gloo matches on it; NCCL matches in
-    posting order).
+    posting order, so both sides must post a pair's operations in the same order).
     """
-    ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer in recvs]
-    for tensor, _ in sends:
+    ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer, tag in recvs]
+    for tensor, _, _ in sends:
         group.stats.add("p2p", group.axis, _nbytes(tensor))
     return dist.batch_isend_irecv(ops) if ops else []
 

@@ -11,10 +11,18 @@ from torch import nn
 from models.generate import gather_vocab_logits
 from parallel import comm
 from parallel.pipeline.p2p import StageExchange
-from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule
+from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule_steps
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
 from pretrain.config import Config
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on ``device`` without making the host wait: on an accelerator it is staged in pinned
+    host memory and copied asynchronously (ordered before the compute that reads it, on the same stream)."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -61,7 +69,7 @@ class StageRunner:
 
         def micro_batch(index: int) -> dict:
             while index not in loaded:
-                loaded[len(loaded)] = {k: v.to(self.device) for k, v in next(batches).items()}
+                loaded[len(loaded)] = {k: to_device(v, self.device) for k, v in next(batches).items()}
             return loaded[index]
 
         weight = self._per_token_weight(micro_batch, num_micro_batches) if self.per_token_loss else None
@@ -75,34 +83,39 @@ class StageRunner:
                             labels=batch["labels"] if model.post_process else None, hidden=received)
             if model.post_process:
                 if weight is not None:  # this micro-batch's share of the global token mean
-                    return (out.float() * batch["loss_mask"]).sum() * (weight * loss_scale)
+                    return (out.float() * batch["loss_mask"]).sum() * (weight[0] * loss_scale)
                 return masked_mean(out, batch["loss_mask"]) * (loss_scale / num_micro_batches)
             return out
 
-        actions = schedule(self.kind, num_micro_batches, self.pp, self.stage, self.vp)
+        steps = schedule_steps(self.kind, num_micro_batches, self.pp, self.stage, self.vp)
         if not train:
-            actions = [a for a in actions if a.kind == "F"]
-        stats = self.executor.run(actions, forward_step, train=train,
+            steps = [(a,) for step in steps for a in step if a.kind == "F"]
+        stats = self.executor.run(steps, forward_step, train=train,
                                   after_backward=lambda chunk, index: self.meter.release((chunk, index)))
-        return self._loss_from_last_stage(sum(stats.losses) / loss_scale), stats
+        return self._loss_from_last_stage(stats.losses, loss_scale), stats
 
-    def _per_token_weight(self, micro_batch, num_micro_batches: int) -> float | None:
+    def _per_token_weight(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
         """dp / (loss tokens of the whole global batch), on the last stage: after the data-parallel mean
         each token weighs 1 / total, as Megatron's per-token loss. The loss masks of this rank's
-        micro-batches are read first (they are small) and their count summed over data parallelism."""
+        micro-batches are read first (they are small) and their count summed over data parallelism, on
+        the device: the weight is a device scalar, and the host waits for none of it."""
         if not self.groups.is_last_stage:
             return None
-        tokens = torch.tensor([sum(float(micro_batch(i)["loss_mask"].sum()) for i in range(num_micro_batches))],
-                              dtype=torch.float64)
+        tokens = torch.stack([micro_batch(i)["loss_mask"].sum(dtype=torch.float64)
+                              for i in range(num_micro_batches)]).sum().reshape(1)
         comm.all_reduce(tokens, self.groups.dp)
-        return self.groups.dp.size / max(tokens.item(), 1.0)
+        return (self.groups.dp.size / tokens.clamp(min=1.0)).float()
 
     def _positions(self) -> torch.Tensor:
         train, model = self.config.training, self.config.model
         return torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size, model.seq_length)
 
-    def _loss_from_last_stage(self, loss: float) -> float:
-        value = torch.tensor([loss], dtype=torch.float64, device=self.device)
+    def _loss_from_last_stage(self, losses: list[torch.Tensor], loss_scale: float) -> float:
+        """The step's loss on every pipeline rank: the last stage's micro-batch losses summed on the
+        device, unscaled, broadcast, and read by the host once (the only wait of the step for it)."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if losses:
+            value += torch.stack([loss.double() for loss in losses]).sum() / loss_scale
         comm.broadcast(value, src=self.groups.pp.ranks[-1], group=self.groups.pp)
         return value.item()
 
@@ -117,12 +130,10 @@ class StageRunner:
         hidden = None
         for model in self.chunks:
             if not model.pre_process:
-                hidden = exchange.recv_forward()
+                hidden, _ = exchange.exchange(recv_forward=True)
             out = model(ids if model.pre_process else None, positions, hidden=hidden)
             if not model.post_process:
-                exchange.send_forward(out)
-        if exchange is not None:
-            exchange.wait_sends()
+                exchange.exchange(send_forward=out)
         vocab = self.config.model.vocab_size
         logits = torch.empty(vocab, dtype=torch.float32, device=self.device)
         if self.stage == self.pp - 1:

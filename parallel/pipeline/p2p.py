@@ -1,10 +1,16 @@
 """Point-to-point exchange of activations and their gradients between neighbouring pipeline stages.
 
 Shapes are known in advance (every stage computes them from the config), so no shape handshake is
-sent. Sends are posted asynchronously and only waited for at the end of the step, receives block:
-with schedules whose per-pair send and receive orders agree, a rank only ever waits for a tensor its
-neighbour is certain to send, so neighbours never deadlock. The stages form a ring: the last stage's
-"next" is stage 0, which the interleaved schedule uses to pass chunk c's output to chunk c + 1.
+sent. Each exchange posts its sends and its receives as one batch and waits for all of them, as
+Megatron's ``send_forward_recv_backward`` does. That matters on NCCL, where a rank's point-to-point
+operations run in posting order on one stream and a send completes only when the peer receives it:
+a send posted on its own ahead of a receive can wait for a peer that is itself waiting in a send,
+and both stall. Posted together, the pair of neighbours each find the other's half in their current
+batch. Waiting for the sends also frees every sent tensor as soon as it has arrived, so a stage
+holds no boundary tensor beyond the activations its schedule keeps.
+
+The stages form a ring: the last stage's "next" is stage 0, which the interleaved schedule uses to
+pass chunk c's output to chunk c + 1.
 """
 
 from __future__ import annotations
@@ -17,15 +23,17 @@ from parallel import comm
 from parallel.comm import AxisGroup
 
 # With two stages the ring makes both neighbours the same rank, so activations and gradients can
-# travel the same direction between one pair (interleaving): separate streams by tag.
-_FORWARD, _BACKWARD = 1, 2
+# travel the same direction between one pair (interleaving): gloo matches on the tag. NCCL ignores it
+# and matches in posting order, which the fixed order of a batch (forward first) keeps consistent.
+FORWARD, BACKWARD = 1, 2
 
 
 class StageExchange:
     """Sends and receives of one pipeline rank over its pp group.
 
-    Owns the in-flight send handles (and the tensors they read, kept alive until sent). Never
-    computes anything and never sends to a rank outside its pipeline group.
+    Owns the receive buffers it allocates and the time spent waiting on neighbours. Never computes
+    anything, never keeps a sent tensor after its exchange returns, and never sends to a rank outside
+    its pipeline group.
     """
 
     def __init__(self, pp: AxisGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -33,38 +41,24 @@ class StageExchange:
         index = pp.rank
         self.prev_rank = pp.ranks[(index - 1) % pp.size]
         self.next_rank = pp.ranks[(index + 1) % pp.size]
-        self._pending: list[tuple[object, torch.Tensor]] = []
         self.wait_seconds = 0.0  # time blocked on neighbours: the pipeline bubble plus transfer time
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        for handle in comm.batch_isend_irecv([(tensor, dst)], [], self.pp, tag=tag):
-            self._pending.append((handle, tensor))
-
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        started = time.perf_counter()
-        for handle in comm.batch_isend_irecv([], [(buffer, src)], self.pp, tag=tag):
-            handle.wait()
-        self.wait_seconds += time.perf_counter() - started
-        return buffer
-
-    def send_forward(self, activation: torch.Tensor) -> None:
-        self._send(activation, self.next_rank, _FORWARD)
-
-    def recv_forward(self) -> torch.Tensor:
-        return self._recv(self.prev_rank, _FORWARD)
-
-    def send_backward(self, grad: torch.Tensor) -> None:
-        self._send(grad, self.prev_rank, _BACKWARD)
-
-    def recv_backward(self) -> torch.Tensor:
-        return self._recv(self.next_rank, _BACKWARD)
-
-    def wait_sends(self) -> None:
-        """Block until every posted send has been delivered (end of a step)."""
-        started = time.perf_counter()
-        for handle, _ in self._pending:
-            handle.wait()
-        self._pending.clear()
-        self.wait_seconds += time.perf_counter() - started
+    def exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
+                 recv_forward: bool = False, recv_backward: bool = False) -> tuple[torch.Tensor | None, ...]:
+        """One batch: send an activation to the next stage and/or a gradient to the previous one, receive
+        the activation from the previous stage and/or the gradient from the next one; return the
+        received (forward input, backward gradient), None where not asked for. Blocks until every
+        operation of the batch has completed."""
+        sends = [(tensor.detach().contiguous(), peer, tag) for tensor, peer, tag in
+                 ((send_forward, self.next_rank, FORWARD), (send_backward, self.prev_rank, BACKWARD))
+                 if tensor is not None]
+        received = {tag: torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    for tag, wanted in ((FORWARD, recv_forward), (BACKWARD, recv_backward)) if wanted}
+        peers = {FORWARD: self.prev_rank, BACKWARD: self.next_rank}
+        recvs = [(buffer, peers[tag], tag) for tag, buffer in received.items()]
+        if sends or recvs:
+            started = time.perf_counter()
+            for handle in comm.batch_isend_irecv(sends, recvs, self.pp):
+                handle.wait()
+            self.wait_seconds += time.perf_counter() - started
+        return received.get(FORWARD), received.get(BACKWARD)

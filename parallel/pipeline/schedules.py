@@ -8,6 +8,13 @@ sends on one side equals the order of receives on the other:
     1f1b         pp - stage - 1 warm-up F, then alternate F/B, then cool-down B (holds at most pp)
     interleaved  1F1B over vp model chunks per stage: micro-batches go through the stages in groups
                  of pp, chunk by chunk (Megatron's order); the bubble shrinks by vp
+
+The executor runs the list as steps, with one exchange between two steps: the sends the previous
+step produced together with the receives the next step needs (``StageExchange.exchange``). A step is
+one action, except in the interleaved steady state, where a forward and the backward after it form
+one step, as in Megatron (there the backward's gradient comes from a stage that is itself sending,
+and only receiving it in the same batch as the forward's input keeps rendezvous sends from waiting on
+each other).
 """
 
 from __future__ import annotations
@@ -36,11 +43,11 @@ def _forward_slot(k: int, pp: int, vp: int) -> tuple[int, int]:
     return within // pp, group * pp + within % pp
 
 
-def schedule(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[Action]:
-    """The ordered actions of pipeline stage ``stage`` for one optimizer step."""
+def schedule_steps(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[tuple[Action, ...]]:
+    """The ordered steps of pipeline stage ``stage`` for one optimizer step (see the module docstring)."""
     m = num_micro_batches
     if kind == "gpipe":
-        return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
+        return [(Action("F", 0, i),) for i in range(m)] + [(Action("B", 0, i),) for i in range(m)]
     if kind == "1f1b":
         forwards = [Action("F", 0, i) for i in range(m)]
         backwards = [Action("B", 0, i) for i in range(m)]
@@ -52,10 +59,15 @@ def schedule(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1
         warmup = min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
     else:
         raise ValueError(f"unknown --pipeline-schedule {kind!r}: choose gpipe, 1f1b or interleaved")
-    order = forwards[:warmup]
+    order: list[tuple[Action, ...]] = [(f,) for f in forwards[:warmup]]
     for f, b in zip(forwards[warmup:], backwards):
-        order += [f, b]
-    return order + backwards[len(forwards) - warmup:]
+        order += [(f, b)] if kind == "interleaved" else [(f,), (b,)]
+    return order + [(b,) for b in backwards[len(forwards) - warmup:]]
+
+
+def schedule(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[Action]:
+    """The ordered actions of pipeline stage ``stage`` for one optimizer step."""
+    return [action for step in schedule_steps(kind, num_micro_batches, pp, stage, vp) for action in step]
 
 
 def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> None:
@@ -73,9 +85,10 @@ def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> No
 
 @dataclass
 class StepStats:
-    """What the executor measured in one step: losses (last stage) and activation residency."""
+    """What the executor measured in one step: the losses (last stage; device tensors, read once the
+    step ends, so the host never waits for a micro-batch) and activation residency."""
 
-    losses: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
     max_live_micro_batches: dict[int, int] = field(default_factory=dict)
 
 
@@ -88,8 +101,10 @@ class PipelineExecutor:
     Owns the activations kept between a micro-batch's forward and its backward (input and output of
     each chunk) and releases them right after the backward. ``forward_step(chunk, micro_batch, input)``
     runs one chunk (``input`` is None where the chunk reads tokens) and returns the next stage's input,
-    or the micro-batch's scaled loss on the last virtual stage. Never touches the optimizer beyond the
-    ``no_sync`` context that keeps gradient sync off until a chunk's last backward.
+    or the micro-batch's scaled loss on the last virtual stage. Between two actions it makes one
+    exchange: the send that the previous action produced with the receive the next one needs. Never
+    touches the optimizer beyond the ``no_sync`` context that keeps gradient sync off until a chunk's
+    last backward.
     """
 
     def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int,
@@ -102,37 +117,50 @@ class PipelineExecutor:
     def _last(self, chunk: int) -> bool:
         return self.stage == self.pp - 1 and chunk == self.vp - 1
 
-    def run(self, actions: list[Action], forward_step: ForwardStep, train: bool = True,
+    def _exchange(self, sends: dict, step: tuple[Action, ...]) -> dict:
+        """Post ``sends`` (the previous step's outputs) together with the receives ``step`` needs."""
+        wanted = {"recv_forward": any(a.kind == "F" and not self._first(a.chunk) for a in step),
+                  "recv_backward": any(a.kind == "B" and not self._last(a.chunk) for a in step)}
+        if not (sends or any(wanted.values())):
+            return {}
+        forward, backward = self.exchange.exchange(**sends, **wanted)
+        return {"F": forward, "B": backward}
+
+    def run(self, steps: list[tuple[Action, ...]], forward_step: ForwardStep, train: bool = True,
             after_backward: Callable[[int, int], None] = lambda chunk, micro_batch: None) -> StepStats:
         stats = StepStats()
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        last_backward = {a.chunk: a.micro_batch for a in actions if a.kind == "B"}
-        for action in actions:
-            key = (action.chunk, action.micro_batch)
-            if action.kind == "F":
-                received = None if self._first(action.chunk) else self.exchange.recv_forward()
-                if received is not None and train:
-                    received.requires_grad_()
-                with contextlib.nullcontext() if train else torch.no_grad():
-                    output = forward_step(action.chunk, action.micro_batch, received)
-                if self._last(action.chunk):
-                    stats.losses.append(output.item())
+        last_backward = {a.chunk: a.micro_batch for step in steps for a in step if a.kind == "B"}
+        sends: dict = {}
+        for step in steps:
+            received = self._exchange(sends, step)
+            sends = {}
+            for action in step:
+                key = (action.chunk, action.micro_batch)
+                if action.kind == "F":
+                    hidden = received.pop("F", None)
+                    if hidden is not None and train:
+                        hidden.requires_grad_()
+                    with contextlib.nullcontext() if train else torch.no_grad():
+                        output = forward_step(action.chunk, action.micro_batch, hidden)
+                    if self._last(action.chunk):
+                        stats.losses.append(output.detach())
+                    else:
+                        sends["send_forward"] = output
+                    if train:
+                        saved[key] = (hidden, output)
+                        live = sum(1 for c, _ in saved if c == action.chunk)
+                        stats.max_live_micro_batches[action.chunk] = max(
+                            stats.max_live_micro_batches.get(action.chunk, 0), live)
                 else:
-                    self.exchange.send_forward(output)
-                if train:
-                    saved[key] = (received, output)
-                    live = sum(1 for c, _ in saved if c == action.chunk)
-                    stats.max_live_micro_batches[action.chunk] = max(
-                        stats.max_live_micro_batches.get(action.chunk, 0), live)
-            else:
-                received, output = saved.pop(key)
-                grad = None if self._last(action.chunk) else self.exchange.recv_backward()
-                final = last_backward[action.chunk] == action.micro_batch
-                with contextlib.nullcontext() if final else self.no_sync():
-                    torch.autograd.backward(output, grad)
-                after_backward(action.chunk, action.micro_batch)
-                if not self._first(action.chunk):
-                    self.exchange.send_backward(received.grad)
-        if self.exchange is not None:
-            self.exchange.wait_sends()
+                    hidden, output = saved.pop(key)
+                    final = last_backward[action.chunk] == action.micro_batch
+                    with contextlib.nullcontext() if final else self.no_sync():
+                        torch.autograd.backward(output, received.pop("B", None))
+                    after_backward(action.chunk, action.micro_batch)
+                    if not self._first(action.chunk):
+                        sends["send_backward"] = hidden.grad
+                del hidden, output
+            del received
+        self._exchange(sends, ())
         return stats

@@ -40,7 +40,7 @@ def _every_collective(rank, world_size):
     expected["p2p"] = 0
     if n > 1:
         out, into = torch.full((5,), float(rank)), torch.empty(5)
-        handles = comm.batch_isend_irecv([(out, (rank + 1) % n)], [(into, (rank - 1) % n)], group)
+        handles = comm.batch_isend_irecv([(out, (rank + 1) % n, 0)], [(into, (rank - 1) % n, 0)], group)
         for h in handles:
             h.wait()
         assert torch.all(into == (rank - 1) % n)

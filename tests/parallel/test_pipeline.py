@@ -1,16 +1,30 @@
 """Stage partition and schedules: every schedule is complete, ordered and deadlock-free.
 
-The schedules are checked by simulating all stages at once: asynchronous sends go into per-(pair,
-stream) FIFO queues, receives block until the head of their queue is there and must find exactly
-the (chunk, micro-batch) they expect, as gloo and NCCL would deliver them.
+The schedules are checked by running every stage's real executor and exchange at once, one thread
+per stage, over a simulated network (``SimulatedP2P``) with either of two semantics:
+
+    gloo  every operation on its own: a send completes when its receive (same pair, same tag) is
+          posted, whatever else either rank has posted
+    nccl  a rank's batches run one after another on one stream; an operation completes only when
+          its peer's matching operation is in the batch the peer is running now, and sends and
+          receives between a pair match in posting order whatever their tags (so a mismatch would
+          deliver the wrong tensor: the simulation refuses it)
+
+A rank blocks only in ``wait``. When every unfinished rank waits on something that can no longer
+arrive, that is a deadlock. Values flow for real, and the weights' gradients must equal a
+sequential run's.
 """
 
-from collections import deque
+import threading
+import weakref
 
 import pytest
+import torch
 
+from parallel import comm
+from parallel.pipeline.p2p import StageExchange
 from parallel.pipeline.partition import chunk_layers, validate_partition
-from parallel.pipeline.schedules import schedule, validate_schedule
+from parallel.pipeline.schedules import PipelineExecutor, schedule, schedule_steps, validate_schedule
 
 
 def test_interleaved_partition_follows_megatron():
@@ -40,64 +54,217 @@ def test_bad_schedules_name_the_flags(args, message):
         validate_schedule(*args)
 
 
-def _simulate(kind, m, pp, vp):
-    """Run every stage's action list; return the largest number of live micro-batches per stage."""
-    actions = [schedule(kind, m, pp, stage, vp) for stage in range(pp)]
-    for stage_actions in actions:
-        assert sorted((a.kind, a.chunk, a.micro_batch) for a in stage_actions) == \
-            sorted((k, c, i) for k in "FB" for c in range(vp) for i in range(m))
-    queues: dict[tuple, deque] = {}
-    position, live, peak = [0] * pp, [set() for _ in range(pp)], [0] * pp
-
-    def first(stage, chunk):
-        return stage == 0 and chunk == 0
-
-    def last(stage, chunk):
-        return stage == pp - 1 and chunk == vp - 1
-
-    while any(position[s] < len(actions[s]) for s in range(pp)):
-        progressed = False
-        for s in range(pp):
-            if position[s] == len(actions[s]):
-                continue
-            a = actions[s][position[s]]
-            if a.kind == "F" and not first(s, a.chunk):
-                source, expected = (s - 1) % pp, (a.chunk if s > 0 else a.chunk - 1, a.micro_batch)
-            elif a.kind == "B" and not last(s, a.chunk):
-                source, expected = (s + 1) % pp, (a.chunk if s < pp - 1 else a.chunk + 1, a.micro_batch)
-            else:
-                source = None
-            if source is not None:
-                queue = queues.setdefault((source, s, a.kind), deque())
-                if not queue:
-                    continue  # blocked on a receive
-                assert queue.popleft() == expected, f"stage {s} received out of order at {a}"
-            if a.kind == "F":
-                assert (a.chunk, a.micro_batch) not in live[s]
-                live[s].add((a.chunk, a.micro_batch))
-                peak[s] = max(peak[s], len(live[s]))
-                if not last(s, a.chunk):
-                    queues.setdefault((s, (s + 1) % pp, "F"), deque()).append((a.chunk, a.micro_batch))
-            else:
-                live[s].remove((a.chunk, a.micro_batch))  # its forward ran before
-                if not first(s, a.chunk):
-                    queues.setdefault((s, (s - 1) % pp, "B"), deque()).append((a.chunk, a.micro_batch))
-            position[s] += 1
-            progressed = True
-        assert progressed, f"deadlock: {kind} m={m} pp={pp} vp={vp} at positions {position}"
-    assert all(not q for q in queues.values())
-    return peak
+class Deadlock(Exception):
+    pass
 
 
-@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-def test_gpipe_and_1f1b_are_deadlock_free_and_bound_live_activations(pp, m):
-    assert _simulate("gpipe", m, pp, 1) == [m] * pp
-    assert _simulate("1f1b", m, pp, 1) == [min(pp - stage, m) for stage in range(pp)]
+class _Op:
+    def __init__(self, rank, send, peer, tag, tensor, sequence):
+        self.rank, self.send, self.peer, self.tag, self.tensor, self.sequence = rank, send, peer, tag, tensor, sequence
+        self.done = False
+        self.batch = None
 
 
-@pytest.mark.parametrize("pp, vp", [(2, 2), (2, 3), (4, 2), (4, 4), (3, 2)])
-@pytest.mark.parametrize("groups", [1, 2, 3])
-def test_interleaved_is_deadlock_free(pp, vp, groups):
-    peak = _simulate("interleaved", groups * pp, pp, vp)
-    assert peak[0] <= min(groups * pp * vp, 2 * (pp - 1) + (vp - 1) * pp + 1)
+class _Work:
+    def __init__(self, network, ops):
+        self.network, self.ops = network, ops
+
+    def is_completed(self):
+        return all(op.done for op in self.ops)
+
+    def wait(self):
+        self.network.wait(self)
+        return True
+
+
+class SimulatedP2P:
+    """Stands in for ``comm.batch_isend_irecv`` for ``pp`` ranks running in threads."""
+
+    def __init__(self, pp: int, semantics: str):
+        self.pp, self.semantics = pp, semantics
+        self.lock = threading.Condition()
+        self.batches = [[] for _ in range(pp)]  # per rank: posted batches, in order
+        self.head = [0] * pp  # per rank: the batch its stream runs now (nccl)
+        self.posted = {}  # (src, dst, tag or None) -> number of operations posted so far, per side
+        self.waiting, self.running = [], pp  # works being waited on; ranks not finished
+        self.failure = None
+        self.max_sent_alive = [0] * pp  # per rank: sent tensors still alive when it posts (weak references)
+        self._sent = [[] for _ in range(pp)]
+
+    def batch_isend_irecv(self, sends, recvs, group):
+        rank = group.rank
+        with self.lock:
+            self._sent[rank] = [ref for ref in self._sent[rank] if ref() is not None]
+            self.max_sent_alive[rank] = max(self.max_sent_alive[rank], len(self._sent[rank]))
+            ops = []
+            for entries, send in ((sends, True), (recvs, False)):
+                for tensor, peer, tag in entries:
+                    key = (rank, peer, send, tag if self.semantics == "gloo" else None)
+                    self.posted[key] = self.posted.get(key, 0) + 1
+                    ops.append(_Op(rank, send, peer, tag, tensor, self.posted[key]))
+                    if send:
+                        self._sent[rank].append(weakref.ref(tensor))
+            for op in ops:
+                op.batch = len(self.batches[rank])
+            self.batches[rank].append(ops)
+            self._progress()
+            return [_Work(self, ops)]
+
+    def _active(self, op):
+        return self.semantics == "gloo" or op.batch == self.head[op.rank]
+
+    def _progress(self):
+        changed = True
+        while changed:
+            changed = False
+            ops = [op for batches in self.batches for batch in batches for op in batch if not op.done]
+            pending = [op for op in ops if op.send]
+            receives = {(op.peer, op.rank, op.tag if self.semantics == "gloo" else None, op.sequence): op
+                        for op in ops if not op.send}
+            for send in pending:
+                tag = send.tag if self.semantics == "gloo" else None
+                recv = receives.get((send.rank, send.peer, tag, send.sequence))
+                if recv is None or not (self._active(send) and self._active(recv)):
+                    continue
+                if recv.tag != send.tag:
+                    self.failure = AssertionError(
+                        f"rank {send.rank} sent tag {send.tag} where rank {recv.rank} receives tag {recv.tag}: "
+                        "NCCL matches in posting order and would deliver the wrong tensor")
+                    self.lock.notify_all()
+                    return
+                recv.tensor.copy_(send.tensor)
+                send.done = recv.done = True
+                send.tensor = recv.tensor = None  # the network holds no tensor once delivered
+                changed = True
+            for rank in range(self.pp):
+                while self.head[rank] < len(self.batches[rank]) and all(
+                        op.done for op in self.batches[rank][self.head[rank]]):
+                    self.head[rank] += 1
+                    changed = True
+        self.lock.notify_all()
+
+    def wait(self, work):
+        with self.lock:
+            self.waiting.append(work)
+            try:
+                while not work.is_completed():
+                    if self.failure is not None:
+                        raise self.failure
+                    if len(self.waiting) == self.running and not any(w.is_completed() for w in self.waiting):
+                        self.failure = Deadlock("every stage waits on a neighbour")
+                        self.lock.notify_all()
+                        raise self.failure
+                    self.lock.wait(timeout=10)
+            finally:
+                self.waiting.remove(work)
+
+    def finished(self):
+        with self.lock:
+            self.running -= 1
+            self.lock.notify_all()
+
+
+class _Group:
+    def __init__(self, rank, pp):
+        self.rank, self.ranks, self.size, self.axis = rank, tuple(range(pp)), pp, "pp"
+
+
+WIDTH = 3
+
+
+def _weights(pp, vp):
+    """One weight vector per virtual stage (chunk-major order, as the layers are cut)."""
+    generator = torch.Generator().manual_seed(pp * 10 + vp)
+    return [torch.randn(WIDTH, generator=generator) * 0.5 + 1 for _ in range(pp * vp)]
+
+
+def _inputs(m):
+    generator = torch.Generator().manual_seed(m)
+    return [torch.randn(1, WIDTH, generator=generator) for _ in range(m)]
+
+
+def _virtual_stage(stage, chunk, pp):
+    return chunk * pp + stage
+
+
+def _forward(x, weight, is_last):
+    y = torch.tanh(x * weight)
+    return y.sum() if is_last else y
+
+
+def _reference(kind, m, pp, vp):
+    weights = [w.clone().requires_grad_() for w in _weights(pp, vp)]
+    for x in _inputs(m):
+        for v, weight in enumerate(weights):
+            x = _forward(x, weight, v == len(weights) - 1)
+        x.backward()
+    return [w.grad for w in weights]
+
+
+def _run_stages(kind, m, pp, vp, semantics):
+    """Every stage's executor in its own thread over the simulated network; returns (weights' gradients,
+    peak live micro-batches per stage, the network)."""
+    network = SimulatedP2P(pp, semantics)
+    initial = _weights(pp, vp)
+    weights = [w.clone().requires_grad_() for w in initial]
+    inputs = _inputs(m)
+    peaks, errors = [0] * pp, []
+
+    def stage_main(stage):
+        try:
+            exchange = StageExchange(_Group(stage, pp), (1, WIDTH), torch.float32, torch.device("cpu"))
+            executor = PipelineExecutor(exchange, stage, pp, vp)
+
+            def forward_step(chunk, micro_batch, received):
+                v = _virtual_stage(stage, chunk, pp)
+                x = inputs[micro_batch] if received is None else received
+                return _forward(x, weights[v], v == pp * vp - 1)
+
+            stats = executor.run(schedule_steps(kind, m, pp, stage, vp), forward_step)
+            peaks[stage] = max(stats.max_live_micro_batches.values())
+        except BaseException as error:  # noqa: BLE001 - reported by the test thread
+            errors.append(error)
+        finally:
+            network.finished()
+
+    original = comm.batch_isend_irecv
+    comm.batch_isend_irecv = network.batch_isend_irecv
+    try:
+        threads = [threading.Thread(target=stage_main, args=(s,)) for s in range(pp)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        comm.batch_isend_irecv = original
+    if errors:
+        raise errors[0]
+    return [w.grad for w in weights], peaks, network
+
+
+CASES = [("gpipe", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
+        [("1f1b", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
+        [("interleaved", groups * pp, pp, vp) for pp, vp in [(2, 2), (2, 3), (4, 2), (4, 4), (3, 2), (8, 2)]
+         for groups in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("semantics", ["gloo", "nccl"])
+def test_schedules_run_without_deadlock_and_compute_the_sequential_gradients(semantics):
+    """All schedules at pp 2-8 over both networks (one test: the cases are milliseconds each). Also the
+    memory bounds: 1f1b keeps at most pp - stage micro-batches alive, interleaved Megatron's warm-up
+    bound, and no stage keeps more sent tensors alive than there are stages."""
+    for kind, m, pp, vp in CASES:
+        case = f"{kind} m={m} pp={pp} vp={vp} over {semantics}"
+        try:
+            grads, peaks, network = _run_stages(kind, m, pp, vp, semantics)
+        except Deadlock:
+            raise AssertionError(f"deadlock: {case}") from None
+        for got, want in zip(grads, _reference(kind, m, pp, vp)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=case)  # summed in another order
+        if kind == "gpipe":
+            assert peaks == [m] * pp, case
+        elif kind == "1f1b":
+            assert peaks == [min(pp - stage, m) for stage in range(pp)], case
+        else:
+            assert peaks[0] <= min(m * vp, 2 * (pp - 1) + (vp - 1) * pp + 1), case
+        assert max(network.max_sent_alive) <= pp, (case, network.max_sent_alive)
