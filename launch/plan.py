@@ -18,6 +18,8 @@ states):
   each layer, i.e. --recompute-num-layers 1), times
   the micro-batches 1F1B keeps alive, plus the last stage's logits and loss; with full recompute also
   the transient of rebuilding one layer in backward;
+- gradients are fp32 main gradients for 16-bit parameters (4 bytes each, staging and reductions
+  included), unless --grad-reduce-in-bf16 keeps them in bf16;
 - buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
 - communication per step and axis by the ring model of ``parallel.comm``.
 
@@ -35,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from models.config import GPTConfig
 from models.counting import num_parameters, stage_model
-from parallel.zero import expected_parameter_state_bytes
+from parallel.zero import expected_parameter_state_bytes, gradient_bytes
 from pretrain.arguments import ConfigError, parse_config
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -89,10 +91,11 @@ def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> list:
 
 
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
-                      persistence_threshold: int = 100_000) -> float:
+                      persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
     params = _stage_parameters(config, layout, stage)
-    total = expected_parameter_state_bytes(params, layout.zero_stage, layout.dp, compute_bytes, persistence_threshold)
+    total = expected_parameter_state_bytes(params, layout.zero_stage, layout.dp, compute_bytes, persistence_threshold,
+                                           grad_bytes)
     if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
         master = 4 if compute_bytes != 4 else 0
         total -= sum(p.numel() for p in params) * (master + 8) / (layout.dp if layout.zero_stage else 1)
@@ -111,8 +114,9 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
     split = t if layout.sequence_parallel else 1
     per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
     saved = per_layer * config.num_layers // layout.pp * compute_bytes
-    if stage == layout.pp - 1:  # final norm input and output; the loss's fp32 softmax over this rank's vocabulary
-        saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * 4
+    if stage == layout.pp - 1:  # final norm input and output; the loss's saved logits over this rank's vocabulary
+        # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
+        saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * compute_bytes
     return saved * alive_micro_batches(layout.pp, stage, micro_batches)
 
 
@@ -148,44 +152,50 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
     return config.seq_length * layout.micro_batch_size * (norms + attention + mlp)
 
 
-def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int) -> float:
-    """ZeRO-R staging: two bucket slots from stage 2 on; stage 3 also gathers a block (and stages one);
-    full recompute rebuilds one layer's activations in backward."""
+def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int,
+                 grad_bytes: int | None = None) -> float:
+    """ZeRO-R staging: two bucket slots (in the gradient dtype) from stage 2 on; stage 3 also gathers a
+    block; full recompute rebuilds one layer's activations in backward."""
+    grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     layer = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)[0].layers[0]
     block = sum(p.numel() for p in layer.parameters())
-    staging = 2 * (bucket_size + bucket_size / layout.dp) * compute_bytes if layout.zero_stage >= 2 else 0
+    staging = 2 * (bucket_size + bucket_size / layout.dp) * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
     recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
     return staging + gathers + recompute
 
 
-def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int) -> dict[str, float]:
+def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
+               grad_bytes: int | None = None) -> dict[str, float]:
     """Bytes one rank sends per step on each axis (ring model, as parallel.comm counts them)."""
+    grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
     n, t, m = layout.dp, layout.tp, micro_batches
-    # stages 0-1: one gradient all-reduce (or reduce-scatter + all-gather) per step; stage 2 reduce-scatters
-    # every micro-batch and all-gathers once; stage 3 gathers in forward and backward and reduce-scatters,
-    # every micro-batch
-    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
+    # gradients (in the gradient dtype): stage 0 all-reduces once (two ring passes), stage 1 reduce-scatters
+    # once, stages 2-3 every micro-batch; parameters (compute dtype): stages 1-2 all-gather once after the
+    # step, stage 3 gathers in forward and in backward of every micro-batch
+    gradient_passes = {0: 2, 1: 1, 2: m, 3: m}[layout.zero_stage]
+    gather_passes = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero_stage]
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = config.num_layers // layout.pp
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
     return {
-        "dp": passes * psi * compute_bytes * (n - 1) / n,
+        "dp": (gradient_passes * grad_bytes + gather_passes * compute_bytes) * psi * (n - 1) / n,
         "tp": 4 * 2 * (t - 1) / t * sbh * layers * micro_batches * recompute,
         "pp": 2 * sbh * micro_batches if layout.pp > 1 else 0.0,
     }
 
 
 def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compute_bytes: int,
-                bucket_size: int = 20_000_000, persistence_threshold: int = 100_000) -> Plan:
+                bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
+                grad_bytes: int | None = None) -> Plan:
     micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
-    states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold)
+    states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold, grad_bytes)
                  for stage in range(layout.pp))
     activations = max(activation_bytes(config, layout, stage, micro_batches, compute_bytes)
                       for stage in range(layout.pp))
-    plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size),
-                comm_bytes(config, layout, micro_batches, compute_bytes))
+    plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
+                comm_bytes(config, layout, micro_batches, compute_bytes, grad_bytes))
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
     recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
@@ -217,9 +227,11 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
 
 def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
-         bucket_size: int = 20_000_000, persistence_threshold: int = 100_000) -> list[Plan]:
+         bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
+         grad_bytes: int | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first."""
-    plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold)
+    plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
+                         grad_bytes)
              for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, p.comm_bytes["dp"] + p.comm_bytes["pp"], p.total_bytes))
@@ -244,9 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
              "tp": parallel.tensor_model_parallel_size if "--tensor-model-parallel-size" in model_flags else None,
              "pp": parallel.pipeline_model_parallel_size if "--pipeline-model-parallel-size" in model_flags else None}
+    compute_bytes = 2 if train.bf16 or train.fp16 else 4
     plans = plan(config.model, args.world_size, args.gpus_per_node, parse_bytes(args.memory_per_device),
-                 train.global_batch_size, 2 if train.bf16 or train.fp16 else 4, **fixed,
-                 bucket_size=zero.zero_bucket_size, persistence_threshold=zero.zero_persistence_threshold)[:args.top]
+                 train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
+                 persistence_threshold=zero.zero_persistence_threshold,
+                 grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16))[:args.top]
     if args.json:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,

@@ -133,8 +133,10 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None) ->
                 mine[axis] = AxisGroup(axis, tuple(ranks), handle, stats)
         if axis == "embedding" and axis not in mine:  # a middle pipeline stage holds no embedding
             mine[axis] = AxisGroup(axis, (rank,), None, stats)
-    if dist.get_backend() != "gloo" and mine["pp"].size > 1:
-        # NCCL needs every rank of a group in its first operation; p2p on a fresh group would not be
-        dist.barrier(group=mine["pp"].group)
+    if torch.cuda.is_available() and mine["pp"].size > 1:
+        # NCCL needs every rank of a group in its first operation, and p2p on a fresh group would not be:
+        # one collective on a GPU tensor creates the pipeline group's NCCL communicator (a barrier would
+        # run on the gloo half of the "cpu:gloo,cuda:nccl" backend and create nothing)
+        dist.all_reduce(torch.zeros(1, device=default_device()), group=mine["pp"].group)
     world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
     return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world, **mine)

@@ -55,12 +55,14 @@ class ZeroConfig:
     overlap_grad_reduce: bool = field(default=False, metadata=flag(
         "overlap the gradient reduction with backward (always done here: accepted for Megatron's scripts)"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
-        "reduce gradients in bf16 under --bf16 (as this build always does)"))
+        "under --bf16, accumulate and reduce gradients in bf16 (half the gradient memory and traffic) "
+        "instead of in fp32 main gradients (the default, as Megatron's)"))
     zero_bucket_size: int = field(default=20_000_000, metadata=flag("elements per fused communication bucket"))
     zero_persistence_threshold: int = field(default=100_000, metadata=flag(
         "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
-    zero_prefetch_budget: int = field(default=50_000_000, metadata=flag(
-        "stage 3: elements of gathered parameters allowed alive at once when prefetching the next modules"))
+    zero_prefetch_budget: int | None = field(default=None, metadata=flag(
+        "stage 3: elements of gathered parameters allowed alive at once when prefetching the next modules "
+        "(default: twice the largest unit, so the next block is always gathered while one computes)"))
     offload_optimizer: str = field(default="none", metadata=flag(
         "where the fp32 masters, optimizer states and the step live: with the parameters (none), in CPU "
         "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3", choices=["none", "cpu", "nvme"]))

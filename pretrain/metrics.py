@@ -23,6 +23,19 @@ RANK_FIELDS = ("rank", "parameters", "expected_model_state_bytes", "model_state_
                "saved_activation_bytes", "buffer_pool_bytes", "peak_mem_bytes")
 
 
+# dense bf16/fp16 tensor-core peaks (NVIDIA data sheets, without sparsity), FLOP/s per GPU
+PEAK_FLOPS_16_BIT = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s for ``dtype`` where the table knows it (bf16 / fp16 on A100, H100, H200),
+    else None (no MFU is reported)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for model, peak in PEAK_FLOPS_16_BIT if model in name), None)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak: GPU allocator statistics, or the process's resident-set high-water mark."""
     if device.type == "cuda":
@@ -110,6 +123,7 @@ class MetricsWriter:
             print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
                   f"grad norm {record['grad_norm']:.3f}{norm} | batch {record['batch_size']} | "
                   f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} GFLOP/s/rank | "
+                  + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "") +
                   f"peak mem {_human_bytes(peak)} | step {record['step_time_s']:.2f} s | ETA {_human_seconds(eta_s)}"
                   + (" | skipped" if record["skipped"] else ""), flush=True)
         self.write(record)

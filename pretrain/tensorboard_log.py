@@ -9,7 +9,8 @@ class TensorboardLog:
 
     SCALARS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
                "batch_size": "batch-size", "params_norm": "params-norm", "tokens_per_s": "throughput/tokens-per-s",
-               "tflops_per_rank": "throughput/tflops-per-rank", "step_time_s": "iteration-time",
+               "tflops_per_rank": "throughput/tflops-per-rank", "mfu": "throughput/mfu",
+               "step_time_s": "iteration-time",
                "valid_loss": "validation/lm loss", "valid_ppl": "validation/lm loss ppl"}
 
     def __init__(self, directory: str):

@@ -20,15 +20,15 @@ from parallel.checkpointing import RecomputePolicy, apply_recompute
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
-from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes
+from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes, gradient_bytes
 from pretrain import checkpoint
 from pretrain.batch_schedule import build_batch_schedule
 from pretrain.checkpoint_args import checkpoint_to_load
 from pretrain.config import Config
 from pretrain.lr_schedule import build_lr_schedule
 from pretrain.megatron_flags import describe_ignored
-from pretrain.metrics import (MetricsWriter, gather_per_rank, model_state_table, peak_memory_bytes, print_rank0,
-                              reset_peak_memory)
+from pretrain.metrics import (MetricsWriter, gather_per_rank, model_state_table, peak_flops, peak_memory_bytes,
+                              print_rank0, reset_peak_memory)
 from pretrain.param_groups import adamw_factory, parameter_groups
 from pretrain.run_control import RunControl
 from pretrain.stage_runner import StageRunner
@@ -92,9 +92,10 @@ class Trainer:
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = flops_per_token(config.model)
         # what the optimizer will hold for these parameters, by the rule it shards them with
+        compute_bytes = torch.finfo(self.dtype).bits // 8
         self.expected_state_bytes = expected_parameter_state_bytes(
-            self.model.parameters(), config.zero.zero_stage, topology.dp, torch.finfo(self.dtype).bits // 8,
-            config.zero.zero_persistence_threshold)
+            self.model.parameters(), config.zero.zero_stage, topology.dp, compute_bytes,
+            config.zero.zero_persistence_threshold, gradient_bytes(compute_bytes, not config.zero.grad_reduce_in_bf16))
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(opt), stage=config.zero.zero_stage, group=self.groups.dp,
             param_groups=parameter_groups(self.model, opt),
@@ -108,7 +109,8 @@ class Trainer:
             persistence_threshold=config.zero.zero_persistence_threshold,
             prefetch_budget=config.zero.zero_prefetch_budget, buffer_pool=self.buffer_pool,
             offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
-            sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param)
+            sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param,
+            main_grads_in_fp32=not config.zero.grad_reduce_in_bf16)
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()
@@ -148,7 +150,7 @@ class Trainer:
         return self.data.batches(dataset, total_samples, consumed) if self.runner.reads_data else None
 
     def _dp_mean(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64)
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         comm.all_reduce(tensor, self.groups.dp)
         return tensor.item() / self.groups.dp.size
 
@@ -195,6 +197,9 @@ class Trainer:
             "tflops_per_rank": self.flops_per_token * tokens / step_time / self.groups.topology.world_size / 1e12,
             "per_rank": gather_per_rank(self.groups, mine, comm_bytes),
         }
+        peak = peak_flops(self.device, self.dtype)
+        if peak is not None:  # model FLOPs utilisation against the device's data-sheet peak
+            record["mfu"] = record["tflops_per_rank"] * 1e12 / peak
         if self.config.logging.log_params_norm:
             record["params_norm"] = self.optimizer.parameter_norm()
         return record

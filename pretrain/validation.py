@@ -37,7 +37,7 @@ def validate(config: Config, world_size: int) -> Topology:
     _validate_pipeline(config, topology)
     if config.zero.zero_bucket_size < 1:
         raise ConfigError(f"--zero-bucket-size must be >= 1 element, got {config.zero.zero_bucket_size}")
-    if config.zero.zero_persistence_threshold < 0 or config.zero.zero_prefetch_budget < 0:
+    if config.zero.zero_persistence_threshold < 0 or (config.zero.zero_prefetch_budget or 0) < 0:
         raise ConfigError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
     recompute = config.recompute
     if (recompute.partition_activations or recompute.activations_on_cpu) and recompute.recompute_granularity is None:

@@ -2,6 +2,12 @@
 
 No rank ever materialises the full [s, b, vocab] logits: each step below works on this rank's
 [s, b, vocab/tp] shard, and only [s, b] tensors cross the group.
+
+Memory: forward makes one fp32 [s, b, vocab/tp] buffer and works in it in place (mask, shift, exp).
+For fp32 logits that buffer becomes the softmax saved for backward. For bf16 / fp16 logits it is freed
+at the end of forward: backward recomputes the softmax from the 16-bit logits (saved instead, half the
+bytes) and the saved [s, b] max and sum, with the same operations, so the gradient is bit for bit the
+one the saved softmax would give.
 """
 
 from __future__ import annotations
@@ -12,38 +18,52 @@ from parallel import comm
 from parallel.comm import AxisGroup
 
 
+_LOW_PRECISION = {torch.bfloat16: torch.float32, torch.float16: torch.float32}  # reduced in fp32
+
+
+def _shifted(logits: torch.Tensor, vocab_start: int, valid_vocab: int, logits_max: torch.Tensor | None,
+                 group: AxisGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits - global max in one buffer of at least fp32 (a copy: ``logits`` is never written), and the max."""
+    width = logits.shape[-1]
+    values = logits.to(_LOW_PRECISION.get(logits.dtype, logits.dtype), copy=True)
+    if vocab_start + width > valid_vocab:  # padded vocabulary entries (ids >= valid_vocab) take no probability
+        values[..., max(valid_vocab - vocab_start, 0):] = float("-inf")
+    if logits_max is None:
+        logits_max = values.max(dim=-1).values
+        comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
+    return values.sub_(logits_max.unsqueeze(-1)), logits_max
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid_vocab, group):
-        if logits.dtype in (torch.float16, torch.bfloat16):  # reduce in fp32
-            logits = logits.float()
         width = logits.shape[-1]
-        # 1. padded vocabulary entries (ids >= valid_vocab) take no probability
-        ids = torch.arange(vocab_start, vocab_start + width, device=logits.device)
-        logits = logits.masked_fill(ids >= valid_vocab, float("-inf"))
-        # 2. global max over the vocabulary, for a stable exp
-        logits_max = logits.max(dim=-1).values
-        comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-        # 3. the target's logit, from the one rank whose range holds it
+        shifted, logits_max = _shifted(logits, vocab_start, valid_vocab, None, group)
+        # the target's logit, from the one rank whose range holds it
         outside = (target < vocab_start) | (target >= vocab_start + width)
         local_target = (target - vocab_start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         comm.all_reduce(target_logit, group)
-        # 4. sum of exp over the whole vocabulary
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         comm.all_reduce(sum_exp, group)
-        # 5. loss = log(sum exp) - target logit
         loss = sum_exp.log() - target_logit
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        ctx.vocab, ctx.group = (vocab_start, valid_vocab), group
+        if logits.dtype not in _LOW_PRECISION:
+            ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        else:
+            ctx.save_for_backward(logits, local_target, outside, logits_max, sum_exp)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # turns the saved softmax into the gradient in place (no second [s, b, v/tp] buffer), so this
-        # graph supports one backward only (no retain_graph), as in Megatron
-        softmax, local_target, outside = ctx.saved_tensors
+        # turns the softmax into the gradient in place (no second [s, b, v/tp] buffer), so this graph
+        # supports one backward only (no retain_graph), as in Megatron
+        if len(ctx.saved_tensors) == 3:
+            softmax, local_target, outside = ctx.saved_tensors
+        else:
+            logits, local_target, outside, logits_max, sum_exp = ctx.saved_tensors
+            softmax = _shifted(logits, *ctx.vocab, logits_max, ctx.group)[0].exp_().div_(sum_exp.unsqueeze(-1))
         # d loss / d logits = softmax - one_hot(target), the one-hot only on the owning rank
         grad = softmax
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))

@@ -13,11 +13,12 @@ from torch import nn
 from parallel.comm import AxisGroup
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from parallel.zero.memory import expected_model_state_bytes, expected_parameter_state_bytes
+from parallel.zero.memory import expected_model_state_bytes, expected_parameter_state_bytes, gradient_bytes
 from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer
 
 __all__ = ["initialize", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "DynamicLossScaler",
-           "ConstantLossScaler", "expected_model_state_bytes", "expected_parameter_state_bytes"]
+           "ConstantLossScaler", "expected_model_state_bytes", "expected_parameter_state_bytes",
+           "gradient_bytes"]
 
 
 def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group: AxisGroup,
@@ -29,10 +30,11 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
     ``model_parallel`` (``ModelParallelGroups``), ``loss_scaler`` (``DynamicLossScaler`` for fp16);
     stage 3: ``unit_modules`` (the modules gathered as one, e.g. transformer blocks),
     ``persistence_threshold`` (parameters up to this many elements stay whole), ``prefetch_budget``
-    (elements of gathered parameters allowed alive when prefetching); ``buffer_pool`` (a
+    (elements of gathered parameters allowed alive when prefetching; None: twice the largest unit); ``buffer_pool`` (a
     ``parallel.buffers.BufferPool`` shared with activation checkpointing; one of its own otherwise);
     offload: ``offload_optimizer`` ("none", "cpu", "nvme"), ``offload_param`` ("none", "nvme"; stage 3),
     ``nvme_path`` (a directory for the swap files), ``sub_group_size`` (elements stepped at a time from
-    the files). Call ``optimizer.close()`` at the end to remove the swap files.
+    the files); ``main_grads_in_fp32`` (default True: 16-bit parameters' gradients are accumulated and
+    reduced in fp32; False: in the parameters' dtype). Call ``optimizer.close()`` at the end to remove the swap files.
     """
     return module, ZeroOptimizer(module, optimizer_factory, group, stage=stage, **options)

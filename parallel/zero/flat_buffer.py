@@ -8,8 +8,10 @@ bucket leaves each rank exactly its part of the gradient, and one all-gather per
 the parameters. Parameters whose gradients need a model-parallel reduction first (``deferred``) go
 into buckets of their own at the end.
 
-Each parameter's ``.data`` (and ``.grad`` when the buffer keeps gradients) is a view into the flat
-tensors.
+Each parameter's ``.data`` is a view into the flat tensor. The gradient buffer may have another dtype
+than the parameters (fp32 main gradients for bf16 parameters, as Megatron keeps them): where the
+dtypes agree ``.grad`` is a view too and autograd accumulates into it in place; where they differ the
+gradient sync adds each fresh ``.grad`` into the buffer and drops it.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class FlatParameterBuffer:
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1, keep_grad: bool = True,
-                 deferred: Callable[[nn.Parameter], bool] = lambda param: False, device: torch.device | None = None):
+                 deferred: Callable[[nn.Parameter], bool] = lambda param: False, device: torch.device | None = None,
+                 grad_dtype: torch.dtype | None = None):
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")
         if bucket_size < 1:
@@ -114,7 +117,8 @@ class FlatParameterBuffer:
             view = self.data[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
             view.copy_(initial_value(param))
             point_at(param, view)
-        self.grad = torch.zeros_like(self.data) if keep_grad else None
+        self.grad_dtype = grad_dtype or self.dtype
+        self.grad = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device) if keep_grad else None
         self.attach_grads()
 
     def _close_bucket(self, members: list[nn.Parameter], start: int, deferred: bool) -> int:
@@ -130,11 +134,16 @@ class FlatParameterBuffer:
         start, end = self.param_range(param)
         return self.grad[start:end].view_as(param)
 
+    @property
+    def grads_are_views(self) -> bool:
+        """Whether each ``param.grad`` is its view of the flat gradient (else it is added in and dropped)."""
+        return self.grad is not None and self.grad_dtype == self.dtype
+
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its view of the flat gradient (autograd accumulates in place);
-        without a kept gradient buffer, clear them instead."""
+        where the buffer keeps no gradient or keeps it in another dtype, clear them instead."""
         for param in self.params:
-            param.grad = self.grad_view(param) if self.grad is not None else None
+            param.grad = self.grad_view(param) if self.grads_are_views else None
 
     def segments(self, shard: int) -> list[Segment]:
         """How the parameters fall into shard ``shard``'s chunks."""

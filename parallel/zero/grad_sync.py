@@ -14,6 +14,10 @@ Stages 0 and 1 reduce only on the last micro-batch (backwards before it run insi
 Deferred buckets (sequence-parallel and tied-embedding weights) wait for ``finish``: their
 gradients are first summed over the tensor-parallel or embedding group, then reduced like the rest.
 Gradients are pre-divided by the data-parallel size (gloo has no average).
+
+Gradients are accumulated and reduced in the buffers' gradient dtype: fp32 for bf16 or fp16
+parameters by default (each micro-batch's gradient is added into the fp32 buffer or, at stage 2,
+reduced in fp32 into an fp32 shard), the parameters' dtype with ``--grad-reduce-in-bf16``.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class GradientSync:
                  model_parallel: ModelParallelGroups, pool: BufferPool):
         self.buffers, self.dp, self.stage, self.model_parallel = buffers, dp, stage, model_parallel
         self.enabled = True
-        self.grad_shards = [torch.zeros(b.numel // dp.size, dtype=b.dtype, device=b.device) for b in buffers] \
+        self.grad_shards = [torch.zeros(b.numel // dp.size, dtype=b.grad_dtype, device=b.device) for b in buffers] \
             if stage == 2 else None
         self._bucket_of: dict[nn.Parameter, tuple[int, Bucket]] = {}
         for index, buffer in enumerate(buffers):
@@ -79,12 +83,12 @@ class GradientSync:
         # stage 2: two staging slots per dtype in the buffer pool (one filling while the other is reduced)
         self._staging: dict[torch.dtype, StagingRing] = {}
         if stage == 2:
-            for dtype in {b.dtype for b in buffers}:
-                largest = max(k.numel + k.chunk for b in buffers if b.dtype == dtype for k in b.buckets)
+            for dtype in {b.grad_dtype for b in buffers}:
+                largest = max(k.numel + k.chunk for b in buffers if b.grad_dtype == dtype for k in b.buckets)
                 self._staging[dtype] = StagingRing(pool, f"grad-staging-{dtype}", largest, dtype)
         self._launched: set[tuple[int, int]] = set()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p, (_, bucket) in self._bucket_of.items() if not bucket.deferred]
+        self._deferred: dict[nn.Parameter, torch.Tensor] = {}  # stage 2: deferred gradients in the gradient dtype
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -104,9 +108,20 @@ class GradientSync:
         return self.buffers[buffer_index].grad[low:high]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.enabled:
-            return
         index, bucket = self._bucket_of[param]
+        buffer = self.buffers[index]
+        if buffer.grad is not None and not buffer.grads_are_views:  # into the fp32 main gradient
+            buffer.grad_view(param).add_(param.grad)
+            param.grad = None
+        elif bucket.deferred and buffer.grad is None and buffer.grad_dtype != param.dtype:
+            # stage 2 reduces deferred gradients only in ``finish``: accumulate them in fp32 until then
+            if param in self._deferred:
+                self._deferred[param].add_(param.grad)
+            else:
+                self._deferred[param] = param.grad.to(buffer.grad_dtype)
+            param.grad = None
+        if not self.enabled or bucket.deferred:
+            return
         key = (index, bucket.index)
         if self.stage < 2 and key in self._launched:
             raise RuntimeError("a parameter received a second gradient after its bucket was already being "
@@ -123,13 +138,14 @@ class GradientSync:
         buffer = self.buffers[index]
         if self.stage == 2:
             self._complete(key)  # at most one reduction of a bucket in flight
-            area = self._staging[buffer.dtype].take(bucket.numel + bucket.chunk, lambda: self._complete(key))
+            area = self._staging[buffer.grad_dtype].take(bucket.numel + bucket.chunk, lambda: self._complete(key))
             staging, received = area[:bucket.numel], area[bucket.numel:bucket.numel + bucket.chunk]
             for param in bucket.params:
                 start, end = buffer.param_range(param)
                 target = staging[start - bucket.start:end - bucket.start]
-                if param.grad is not None:
-                    target.copy_(param.grad.view(-1))
+                grad = self._deferred.pop(param, param.grad)
+                if grad is not None:
+                    target.copy_(grad.view(-1))
                     param.grad = None  # the full gradient is released here
                 else:
                     target.zero_()
@@ -163,7 +179,8 @@ class GradientSync:
                 key = (index, bucket.index)
                 if bucket.deferred:
                     for param in bucket.params:
-                        grad = buffer.grad_view(param) if buffer.grad is not None else param.grad
+                        grad = buffer.grad_view(param) if buffer.grad is not None else \
+                            self._deferred.get(param, param.grad)
                         if grad is not None:
                             reduce_model_parallel_grad(param, grad, self.model_parallel)
                     self._launch(index, bucket)

@@ -1,7 +1,9 @@
 """What the ZeRO optimizer holds per rank, predicted: the formula and the per-parameter rule it follows.
 
-Model states per parameter (Rajbhandari et al.): the parameter and its gradient in the compute
-precision, plus an fp32 master (when the parameters are not fp32 already) and Adam's two fp32 moments;
+Model states per parameter (Rajbhandari et al.): the parameter in the compute precision, its
+gradient in the gradient dtype (fp32 main gradients for 16-bit parameters by default, as Megatron
+keeps them: 4 bytes where the paper counts 2; 2 with --grad-reduce-in-bf16), plus an fp32 master
+(when the parameters are not fp32 already) and Adam's two fp32 moments;
 stage 1 shards the masters and moments over dp, stage 2 also the gradients, stage 3 also the
 parameters. Stage 3 keeps small parameters and those whose gradients need a tensor- or
 pipeline-parallel reduction first whole, as stage 2 does (``sharded_at_stage_3``, the optimizer's own
@@ -22,24 +24,32 @@ def sharded_at_stage_3(param: nn.Parameter, persistence_threshold: int) -> bool:
     return param.numel() > persistence_threshold and not needs_model_parallel_reduction(param)
 
 
-def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int) -> float:
-    """Model-state bytes of ``params`` elements at ``stage``, ``compute_bytes`` per compute element."""
+def gradient_bytes(compute_bytes: int, main_grads_in_fp32: bool = True) -> int:
+    """Bytes per gradient element: fp32 main gradients for 16-bit parameters unless turned off."""
+    return 4 if main_grads_in_fp32 else compute_bytes
+
+
+def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int,
+                               grad_bytes: int | None = None) -> float:
+    """Model-state bytes of ``params`` elements at ``stage``, ``compute_bytes`` per compute element and
+    ``grad_bytes`` per gradient element (default: fp32 main gradients)."""
+    grad = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     master = 4 if compute_bytes != 4 else 0
     states = master + 8
     if stage == 0:
-        return params * (2 * compute_bytes + states)
+        return params * (compute_bytes + grad + states)
     if stage == 1:
-        return params * (2 * compute_bytes) + params * states / dp
+        return params * (compute_bytes + grad) + params * states / dp
     if stage == 2:
-        return params * compute_bytes + params * (compute_bytes + states) / dp
-    return params * (2 * compute_bytes + states) / dp
+        return params * compute_bytes + params * (grad + states) / dp
+    return params * (compute_bytes + grad + states) / dp
 
 
 def expected_parameter_state_bytes(params: Iterable[nn.Parameter], stage: int, dp: int, compute_bytes: int,
-                                   persistence_threshold: int = 100_000) -> float:
+                                   persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """Model-state bytes of this rank's ``params`` as the optimizer keeps them at ``stage``."""
     total = 0.0
     for param in params:
         kept = 2 if stage == 3 and not sharded_at_stage_3(param, persistence_threshold) else stage
-        total += expected_model_state_bytes(kept, param.numel(), dp, compute_bytes)
+        total += expected_model_state_bytes(kept, param.numel(), dp, compute_bytes, grad_bytes)
     return total

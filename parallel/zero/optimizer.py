@@ -128,8 +128,10 @@ class ZeroOptimizer:
                  param_groups: list[dict] | None = None, bucket_size: int = 40_000_000, clip_grad: float = 0.0,
                  model_parallel: ModelParallelGroups | None = None, loss_scaler=None,
                  unit_modules: list[nn.Module] | None = None, persistence_threshold: int = 100_000,
-                 prefetch_budget: int = 0, buffer_pool: BufferPool | None = None, offload_optimizer: str = "none",
-                 nvme_path: str | None = None, sub_group_size: int = 100_000_000, offload_param: str = "none"):
+                 prefetch_budget: int | None = 0, buffer_pool: BufferPool | None = None,
+                 offload_optimizer: str = "none",
+                 nvme_path: str | None = None, sub_group_size: int = 100_000_000, offload_param: str = "none",
+                 main_grads_in_fp32: bool = True):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         if offload_optimizer not in ("none", "cpu", "nvme"):
@@ -144,6 +146,7 @@ class ZeroOptimizer:
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme)
         self.master_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
+        self.main_grads_in_fp32 = main_grads_in_fp32
         self.model_parallel = model_parallel or ModelParallelGroups()
         self.loss_scaler = loss_scaler or ConstantLossScaler()
         param_groups = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
@@ -160,7 +163,8 @@ class ZeroOptimizer:
             for dtype in sorted({p.dtype for p in whole}, key=str):
                 buffer = FlatParameterBuffer([p for p in whole if p.dtype == dtype], bucket_size,
                                              dp.size if stage > 0 else 1, keep_grad=stage < 2,
-                                             deferred=needs_model_parallel_reduction, device=device)
+                                             deferred=needs_model_parallel_reduction, device=device,
+                                             grad_dtype=self.grad_dtype(dtype))
                 self.buffers.append(buffer)
                 buffer_groups.append(len(master_groups))
             master_groups.append({"params": [], **{k: v for k, v in group.items() if k != "params"}})
@@ -178,7 +182,7 @@ class ZeroOptimizer:
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(self._units(module, unit_modules or [], param_groups, sharded), dp,
-                                           self.buffer_pool, device, prefetch_budget)
+                                           self.buffer_pool, device, prefetch_budget, self.grad_dtype)
             for unit in self.units.units:
                 low, high = self.shard * unit.chunk, (self.shard + 1) * unit.chunk
                 segments = []
@@ -204,6 +208,12 @@ class ZeroOptimizer:
             space = SwapSpace(nvme_path, f"zero-params-pid{os.getpid()}")
             self._close_param_swap = weakref.finalize(self, space.close)
             self.units.swap_out(space)
+
+    def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``param_dtype`` parameters are accumulated and reduced in: fp32 main
+        gradients for 16-bit parameters (Megatron's default), unless ``main_grads_in_fp32`` is off."""
+        return torch.float32 if self.main_grads_in_fp32 and param_dtype in (torch.bfloat16, torch.float16) \
+            else param_dtype
 
     def _add_slot(self, group: dict, data: torch.Tensor, grad, segments, layout, store=None,
                   aliasable: bool = True) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 from torch import nn
@@ -104,21 +105,26 @@ class ShardedParameters:
     """
 
     def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
-                 pool: BufferPool, device: torch.device, prefetch_budget: int = 0):
-        self.dp, self.prefetch_budget, self.pool = dp, prefetch_budget, pool
+                 pool: BufferPool, device: torch.device, prefetch_budget: int | None = 0,
+                 grad_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype):
+        self.dp, self.pool = dp, pool
         self.space: SwapSpace | None = None  # the shards' swap files (--offload-param nvme)
         self._reads: dict[int, tuple[SlotPool, torch.Tensor, Future]] = {}
         self._stores: list[Future] = []
         self._shards_resident = False  # swapped shards read back in (a checkpoint is saved or loaded)
         self.units = [ParameterUnit(i, name, module, params, group, dp, device)
                       for i, (name, module, params, group) in enumerate(units)]
+        # None: room for the two largest units, so the next one is gathered while one computes (a fixed
+        # count would stop prefetching altogether once one block outgrows it)
+        self.prefetch_budget = 2 * max((u.numel for u in self.units), default=0) if prefetch_budget is None \
+            else prefetch_budget
         self.shards: dict[torch.dtype, torch.Tensor] = {}
         self.grad_shards: dict[torch.dtype, torch.Tensor] = {}
         self.chunk_offset: dict[int, int] = {}
         for dtype in {u.dtype for u in self.units}:
             members = [u for u in self.units if u.dtype == dtype]
             self.shards[dtype] = torch.empty(sum(u.chunk for u in members), dtype=dtype, device=device)
-            self.grad_shards[dtype] = torch.zeros_like(self.shards[dtype])
+            self.grad_shards[dtype] = torch.zeros(self.shards[dtype].numel(), dtype=grad_dtype(dtype), device=device)
             offset = 0
             for unit in members:
                 self.chunk_offset[unit.index] = offset
@@ -138,8 +144,9 @@ class ShardedParameters:
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._reductions: dict[int, tuple[object, torch.Tensor]] = {}
-        self._staging = {dtype: StagingRing(pool, f"zero3-staging-{dtype}",
-                                            max(u.numel + u.chunk for u in self.units if u.dtype == dtype), dtype)
+        self._staging = {dtype: StagingRing(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
+                                            max(u.numel + u.chunk for u in self.units if u.dtype == dtype),
+                                            grad_dtype(dtype))
                          for dtype in {u.dtype for u in self.units}}
 
     def shard(self, unit: ParameterUnit) -> torch.Tensor:

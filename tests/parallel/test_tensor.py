@@ -127,6 +127,53 @@ def test_vocab_parallel_cross_entropy_equals_torch():
             assert loss_error < 1e-12 and grad_error < 1e-12
 
 
+class _FreshBuffers(TorchDispatchMode):
+    """Counts the [s, b, vocab] buffers the ops make (outputs of ``numel`` elements that reuse no input)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.made = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in inputs:
+                self.made.append((str(func), t.dtype))
+        return out
+
+
+def test_the_loss_makes_one_logits_sized_buffer_and_saves_16_bit_logits_under_bf16():
+    """Forward makes one [s, b, vocab/tp] buffer in fp32 (it made four before: the fp32 copy, the masked
+    copy, the shifted and the exp); under bf16 the saved state is the bf16 logits (2 bytes per entry)
+    instead of an fp32 softmax (4), and the softmax recomputed in backward gives the very same gradient."""
+    s, b, vocab = 32, 4, 512
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(s, b, vocab, generator=generator)
+    target = torch.randint(0, 500, (s, b), generator=generator)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = logits.to(dtype, copy=True).requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with _FreshBuffers(s * b * vocab) as forward:
+                loss = vocab_parallel_cross_entropy(shard, target, _alone(), valid_vocab=500)
+        loss.sum().backward()
+        saved_bytes = sum(t.numel() * t.element_size() for t in saved)
+        results[dtype] = (forward.made, saved_bytes, shard.grad)
+        print(dtype, "forward buffers:", forward.made, "saved bytes:", saved_bytes)
+    entries = s * b * vocab
+    small = s * b * (8 + 1 + 4 + 4)  # target ids, outside mask, fp32 max and sum
+    for dtype, entry_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        made, saved_bytes, _ = results[dtype]
+        assert made == [("aten._to_copy.default", torch.float32)], made
+        assert entries * entry_bytes <= saved_bytes <= entries * entry_bytes + small, (dtype, saved_bytes)
+    grad = results[torch.bfloat16][2]
+    fp32_path = logits.to(torch.bfloat16).float().requires_grad_()
+    vocab_parallel_cross_entropy(fp32_path, target, _alone(), valid_vocab=500).sum().backward()
+    assert torch.equal(grad, fp32_path.grad.to(torch.bfloat16))
+
+
 def test_no_rank_holds_more_than_a_vocab_slice_of_the_logits():
     largest = run_world(4, _largest_tensor_in_loss, 4)
     s, b, vocab = 32, 4, 512
