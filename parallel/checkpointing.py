@@ -50,7 +50,8 @@ class CheckpointStore:
         piece = flat[self.partition.rank * length:(self.partition.rank + 1) * length] if self.partition else flat
         slot = self.pool.slots("activation-checkpoints", length, x.dtype,
                                torch.device("cpu") if self.offload else x.device).take()
-        slot[:piece.numel()].copy_(piece)
+        slot[:piece.numel()].copy_(piece, non_blocking=True)  # a pinned host slot: the copy runs behind the
+        # compute, and backward's copy back is queued after it on the same stream
         slot[piece.numel():].zero_()
         return slot
 

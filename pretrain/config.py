@@ -54,6 +54,9 @@ class ZeroConfig:
         "Megatron's distributed optimizer: ZeRO stage 1 unless --zero-stage says otherwise"))
     overlap_grad_reduce: bool = field(default=False, metadata=flag(
         "overlap the gradient reduction with backward (always done here: accepted for Megatron's scripts)"))
+    overlap_param_gather: bool = field(default=False, metadata=flag(
+        "stages 1-2: the all-gather of the updated parameters after a step runs bucket by bucket behind the "
+        "next forward (each module waits only for its own buckets) instead of before it"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "under --bf16, accumulate and reduce gradients in bf16 (half the gradient memory and traffic) "
         "instead of in fp32 main gradients (the default, as Megatron's)"))

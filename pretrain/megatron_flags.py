@@ -48,7 +48,7 @@ IGNORED = [
     *_flags("overlap and scheduling knobs of Megatron's kernels; they change timing, not results",
             "--tp-comm-overlap:0", "--tp-comm-overlap-cfg", "--defer-embedding-wgrad-compute:0",
             "--wgrad-deferral-limit", "--overlap-p2p-communication-warmup-flush:0",
-            "--microbatch-group-size-per-virtual-pipeline-stage", "--overlap-param-gather:0",
+            "--microbatch-group-size-per-virtual-pipeline-stage",
             "--overlap-param-gather-with-optimizer-step:0", "--ddp-average-in-collective:0",
             "--disable-gloo-process-groups:0", "--data-parallel-sharding-strategy", "--megatron-fsdp-grad-comm-dtype",
             "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype"),

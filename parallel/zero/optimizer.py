@@ -87,7 +87,7 @@ class ShardSlot:
     segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
     layout: list[tuple[nn.Parameter, int, torch.Size]]  # every parameter of the whole range: (param, offset, shape)
     sharded: bool  # the slot is this rank's chunk of a range split over dp (else the whole range)
-    store: Callable[[torch.Tensor], None] | None = None  # keeps stepped values (stage 3); None: copy into data
+    store: Callable[[torch.Tensor, bool], None] | None = None  # keeps stepped values (stage 3; non-blocking?)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class ZeroOptimizer:
                  prefetch_budget: int | None = 0, buffer_pool: BufferPool | None = None,
                  offload_optimizer: str = "none",
                  nvme_path: str | None = None, sub_group_size: int = 100_000_000, offload_param: str = "none",
-                 main_grads_in_fp32: bool = True):
+                 main_grads_in_fp32: bool = True, overlap_param_gather: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         if offload_optimizer not in ("none", "cpu", "nvme"):
@@ -147,6 +147,8 @@ class ZeroOptimizer:
         self.master_device = torch.device("cpu") if offload_optimizer != "none" else None
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
         self.main_grads_in_fp32 = main_grads_in_fp32
+        self.overlap_param_gather = overlap_param_gather
+        self._pending_gathers: dict[tuple[int, int], object] = {}  # (buffer, bucket) -> all-gather in flight
         self.model_parallel = model_parallel or ModelParallelGroups()
         self.loss_scaler = loss_scaler or ConstantLossScaler()
         param_groups = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
@@ -193,9 +195,10 @@ class ZeroOptimizer:
                 self._add_slot(master_groups[unit.group], self.units.shard(unit),
                                lambda u=unit: self.units.grad_shard(u), segments,
                                [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params],
-                               store=lambda values, u=unit: self.units.store(u, values),
+                               store=lambda values, non_blocking, u=unit: self.units.store(u, values, non_blocking),
                                aliasable=offload_param == "none")  # a shard in a file cannot be the master
         self.masters = [slot.master for slot in self.slots]
+        self._gather_hooks = self._wait_in_forward() if overlap_param_gather and stage in (1, 2) else []
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
         self.swapped = None
         if offload_optimizer == "nvme":
@@ -219,7 +222,12 @@ class ZeroOptimizer:
                   aliasable: bool = True) -> None:
         device = self.master_device or data.device
         aliased = aliasable and data.dtype == torch.float32 and data.device == device  # the parameters are the masters
-        master = nn.Parameter(data if aliased else data.detach().to(device, torch.float32, copy=True))
+        if aliased:
+            master = nn.Parameter(data)
+        else:  # offloaded masters of accelerator parameters live in pinned memory: copies to and fro run async
+            pinned = device.type == "cpu" and data.device.type != "cpu"
+            master = nn.Parameter(torch.empty(data.shape, dtype=torch.float32, device=device, pin_memory=pinned)
+                                  .copy_(data.detach()))
         group["params"].append(master)
         self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=self.stage > 0, store=store))
 
@@ -271,18 +279,30 @@ class ZeroOptimizer:
         if self.units is not None:
             self.units.zero()
 
-    def _master_grad(self, index: int, scale: float, coefficient: float) -> torch.Tensor:
+    def _master_grad(self, index: int, scale: float, coefficient: float, landed: bool = True) -> torch.Tensor:
         """Master ``index``'s fp32 gradient, unscaled (the loss ``scale`` of its backward) and clipped by
         ``coefficient``, on the master's device
         (in place where no conversion is needed). Made one master at a time when it is stepped, so that
-        with NVMe offload only the sub-groups in flight hold an fp32 copy."""
+        with NVMe offload only the sub-groups in flight hold an fp32 copy. An offloaded master's gradient
+        comes down to pinned host memory asynchronously: with ``landed`` False the caller must
+        ``_copies_landed()`` before the host reads it."""
         grad = self.slots[index].grad()
         grad = grad if grad.dtype == torch.float32 else grad.float()
         if scale != 1.0:
             grad.div_(scale)
         if coefficient != 1.0:
             grad.mul_(coefficient)
-        return grad.to(self.masters[index].device)  # offload: out to the CPU (complete before the step reads it)
+        grad = grad.to(self.masters[index].device, non_blocking=True)  # offload: into pinned host memory
+        if landed:
+            self._copies_landed()
+        return grad
+
+    def _copies_landed(self) -> None:
+        """The host waits for the copies it issued between the accelerator and offloaded masters (the
+        gradients coming down, the stepped values going up): before the step reads or rewrites masters."""
+        device = module_device(self.module)
+        if self.master_device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def _global_sum(self, value: torch.Tensor, op=torch.distributed.ReduceOp.SUM, over_dp: bool = True) -> None:
         if over_dp:
@@ -311,17 +331,16 @@ class ZeroOptimizer:
 
     def step(self) -> StepResult:
         scale = self.loss_scale
+        self.wait_for_parameters()  # of modules that did not run since the last step
         self.grad_sync.finish()
         if self.units is not None:
             self.units.finish()
         grads = [slot.grad() for slot in self.slots]  # reduced, in compute precision, still scaled
         device = grads[0].device if grads else torch.device("cpu")
         overflow = torch.zeros(1, dtype=torch.float32, device=device)
-        if isinstance(self.loss_scaler, DynamicLossScaler):
+        if isinstance(self.loss_scaler, DynamicLossScaler):  # decided on the device: no host read per shard
             for grad in grads:
-                if not torch.isfinite(grad).all():
-                    overflow.fill_(1.0)
-                    break
+                overflow = torch.maximum(overflow, torch.isfinite(grad).all().logical_not().float())
             self._global_sum(overflow, op=torch.distributed.ReduceOp.MAX)
         norm = self._global_norm(grads, scale, device)  # of the unscaled gradients
         skipped = bool(overflow.item()) or not math.isfinite(norm)
@@ -329,42 +348,68 @@ class ZeroOptimizer:
         if skipped:
             return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
         coefficient = self.clip_grad / (norm + 1e-6) if 0 < self.clip_grad < norm else 1.0
-        if self.swapped is not None:
-            self.swapped.step(lambda index: self._master_grad(index, scale, coefficient), self._write_back)
+        if self.swapped is not None:  # a swapped master's buffer is reused right after: copies land at once
+            self.swapped.step(lambda index: self._master_grad(index, scale, coefficient),
+                              lambda index: self._write_back(index, blocking=True))
         else:
             for index, master in enumerate(self.masters):
-                master.grad = self._master_grad(index, scale, coefficient)
+                master.grad = self._master_grad(index, scale, coefficient, landed=False)
+            self._copies_landed()  # every gradient is down (and the last step's values are up)
             self.optimizer.step()
             for index, master in enumerate(self.masters):
                 master.grad = None
-                self._write_back(index)
+                self._write_back(index)  # up to the accelerator behind the step's remaining work
         if self.units is not None:
             self.units.flush()
         if self.stage > 0:
-            self._gather_parameters()
+            self._gather_parameters(overlap=self.overlap_param_gather and self.stage < 3)
         return StepResult(grad_norm=norm, loss_scale=scale)
 
-    def _write_back(self, index: int) -> None:
-        """Master ``index`` was stepped: copy it into its compute-precision parameters (unless they are one)."""
+    def _write_back(self, index: int, blocking: bool = False) -> None:
+        """Master ``index`` was stepped: copy it into its compute-precision parameters (unless they are one).
+        From pinned host memory the copy is asynchronous unless ``blocking``; the next step's
+        ``_copies_landed`` orders it before the host rewrites the master."""
         slot = self.slots[index]
         if slot.master.data_ptr() == slot.data.data_ptr():
             return
         if slot.store is not None:
-            slot.store(slot.master.data)
+            slot.store(slot.master.data, not blocking)
         else:
-            slot.data.copy_(slot.master.data)  # blocking: a swapped master's buffer is reused right after
+            slot.data.copy_(slot.master.data, non_blocking=not blocking)
 
-    def _gather_parameters(self) -> None:
+    def _gather_parameters(self, overlap: bool = False) -> None:
         """Every rank updated its chunks: all-gather each bucket of the whole-kept parameters in place
-        (stage-3 units are gathered when their module next runs)."""
-        handles = []
-        for buffer in self.buffers:
-            for bucket in buffer.buckets:
+        (stage-3 units are gathered when their module next runs). With ``overlap`` the gathers are left in
+        flight, the buckets the first layers need first, and each module waits for its own before its
+        forward (``_wait_in_forward``)."""
+        self.wait_for_parameters()
+        for index, buffer in reversed(list(enumerate(self.buffers))):
+            for bucket in reversed(buffer.buckets):
                 low, high = bucket.chunk_range(self.shard)
-                handles.append(comm.all_gather_into_tensor(buffer.data[bucket.start:bucket.end],
-                                                           buffer.data[low:high], self.dp, async_op=True))
-        for handle in handles:
-            handle.wait()
+                self._pending_gathers[index, bucket.index] = comm.all_gather_into_tensor(
+                    buffer.data[bucket.start:bucket.end], buffer.data[low:high], self.dp, async_op=True)
+        if not overlap:
+            self.wait_for_parameters()
+
+    def wait_for_parameters(self, keys=None) -> None:
+        """Finish the parameter all-gathers in flight (those of ``keys`` only, if given)."""
+        for key in list(self._pending_gathers) if keys is None else keys:
+            handle = self._pending_gathers.pop(key, None)
+            if handle is not None:
+                handle.wait()
+
+    def _wait_in_forward(self) -> list:
+        """Forward pre-hooks: a module waits for the buckets that hold its own parameters (Megatron's
+        --overlap-param-gather). A parameter must be read in its own module's forward, as every layer here is."""
+        bucket_of = {param: (index, bucket.index) for index, buffer in enumerate(self.buffers)
+                     for bucket in buffer.buckets for param in bucket.params}
+        hooks = []
+        for module in self.module.modules():
+            keys = sorted({bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of})
+            if keys:
+                hooks.append(module.register_forward_pre_hook(
+                    lambda module, args, keys=keys: self.wait_for_parameters(keys)))
+        return hooks
 
     def master_pieces(self) -> list[MasterPiece]:
         """Where every parameter's elements sit in this rank's masters. Checkpoints record it, so that
@@ -384,7 +429,7 @@ class ZeroOptimizer:
         """Copy every master into its compute-precision parameters on every rank (after a checkpoint
         wrote the masters)."""
         for index in range(len(self.slots)):
-            self._write_back(index)
+            self._write_back(index, blocking=True)  # swapped masters leave memory after the load
         if self.units is not None:
             self.units.flush()
         if self.stage > 0:
@@ -392,11 +437,13 @@ class ZeroOptimizer:
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager:
         """Inside this block every parameter holds its full value (stage 3 gathers them; a no-op before)."""
+        self.wait_for_parameters()
         return self.units.gathered() if self.units is not None else contextlib.nullcontext()
 
     def states_in_memory(self) -> contextlib.AbstractContextManager:
         """Inside this block the masters, optimizer states and stage-3 shards are in memory (NVMe offload
         reads them all, and writes them back after: a checkpoint save or load runs inside it)."""
+        self.wait_for_parameters()  # a checkpoint reads them
         stack = contextlib.ExitStack()
         if self.swapped is not None:
             stack.enter_context(self.swapped.in_memory())

@@ -52,7 +52,8 @@ class ParameterUnit:
             self.offsets[param], self.shapes[param] = offset, param.shape
             offset += param.numel()
         self.handle = None
-        self.source: tuple[SlotPool, torch.Tensor] | None = None  # a shard read from a swap file, in flight
+        # a shard read from a swap file, in flight: its host slot, and the event after its copy to the device
+        self.source: tuple[SlotPool, torch.Tensor, torch.cuda.Event | None] | None = None
         self.ready = 0
 
     def size(self, param: nn.Parameter) -> int:
@@ -178,8 +179,15 @@ class ShardedParameters:
         self._read(unit)
         slots, buffer, future = self._reads.pop(unit.index)
         future.result()
-        unit.source = (slots, buffer)  # given back once the gather that reads it is done
-        return buffer.to(unit.device)  # on an accelerator, a device copy (the collective reads device memory)
+        # on an accelerator, an asynchronous device copy from the pinned slot (the collective reads device
+        # memory); the slot is given back once that copy (or, on the CPU, the gather reading it) is done
+        on_device = buffer.to(unit.device, non_blocking=True)
+        copied = None
+        if unit.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(unit.device))
+        unit.source = (slots, buffer, copied)
+        return on_device
 
     def _read_ahead(self, position: int, count: int = 2) -> None:
         """Start reading the shards of the next ``count`` units in the recorded order."""
@@ -187,10 +195,11 @@ class ShardedParameters:
             if not (self.units[index].gathered or self.units[index].handle is not None):
                 self._read(self.units[index])
 
-    def store(self, unit: ParameterUnit, values: torch.Tensor) -> None:
-        """The optimizer stepped ``unit``'s shard: keep ``values`` (cast to the unit's dtype) as its shard."""
+    def store(self, unit: ParameterUnit, values: torch.Tensor, non_blocking: bool = False) -> None:
+        """The optimizer stepped ``unit``'s shard: keep ``values`` (cast to the unit's dtype) as its shard
+        (asynchronously from pinned host memory if ``non_blocking``: the caller orders its next write)."""
         if self.space is None or self._shards_resident:
-            self.shard(unit).copy_(values)
+            self.shard(unit).copy_(values, non_blocking=non_blocking)
             return
         # a host copy: ``values`` may be a buffer reused before the write ends
         cast = values.to("cpu", unit.dtype, copy=True)
@@ -269,7 +278,9 @@ class ShardedParameters:
             unit.handle.wait()
             unit.handle = None
         if unit.source is not None:
-            slots, buffer = unit.source
+            slots, buffer, copied = unit.source
+            if copied is not None:
+                copied.synchronize()  # the host slot is read by the device copy until then
             slots.give_back(buffer)
             unit.source = None
 

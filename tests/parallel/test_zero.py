@@ -331,3 +331,35 @@ def test_accumulated_bf16_gradients_are_as_close_to_fp32_as_one_micro_batch():
         one, accumulated = table["fp32 main grads", 1][0], table["fp32 main grads", per_rank][0]
         assert accumulated <= 1.1 * one, (stage, table)
         assert table["bf16 grads", per_rank][0] > 1.5 * one, (stage, table)  # what fp32 main gradients fix
+
+
+def _overlapped_gathers(rank, world_size):
+    groups = create_process_groups(Topology(world_size))
+    results = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            model = _model(width=64)
+            module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=500,
+                                                param_groups=_groups(model), overlap_param_gather=overlap)
+            in_flight = []
+            for inputs, targets in _data(4, 8):
+                x, y = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+                in_flight.append(len(optimizer._pending_gathers))  # gathers behind the forward about to run
+                nn.functional.mse_loss(module(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            results[stage, overlap] = (in_flight, _full_params(module, optimizer),
+                                       sum(len(buffer.buckets) for buffer in optimizer.buffers))
+    return results
+
+
+def test_overlapped_parameter_gathers_run_behind_the_forward_and_change_no_number():
+    """--overlap-param-gather: after a step every bucket's all-gather is still in flight when the next
+    forward starts (each module waits for its own), and the parameters are the same, bit for bit."""
+    for results in run_world(2, _overlapped_gathers):
+        for stage in (1, 2):
+            serial, serial_params, buckets = results[stage, False]
+            overlapped, overlapped_params, _ = results[stage, True]
+            assert buckets > 1 and serial == [0] * 4 and overlapped == [0] + [buckets] * 3, (stage, overlapped)
+            for a, b in zip(serial_params, overlapped_params):
+                assert torch.equal(a, b)

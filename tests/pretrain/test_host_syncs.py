@@ -58,6 +58,7 @@ def test_host_reads_per_step_do_not_grow_with_the_micro_batches(stdlib_corpus):
         "pp2 interleaved, ZeRO-2": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-size", "2",
                                     "--zero-stage", "2"],
         "dp2 ZeRO-3 bf16": ["--zero-stage", "3", "--bf16"],
+        "dp2 ZeRO-1 fp16 (overflow checks)": ["--zero-stage", "1", "--fp16"],
     }
     runs = [flags + ["--global-batch-size", str(size)] for flags in layouts.values() for size in (4, 16)]
     for rank, counts in enumerate(run_world(2, _syncs_per_step, stdlib_corpus, runs)):
