@@ -6,13 +6,7 @@
 # pretrain (e.g. --train-iters 100). WORK (default runs/finetune) holds everything it writes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install --quiet --upgrade pip
-  .venv/bin/pip install --quiet torch==2.13.0   # the CPU wheel; an unpinned torch pulls a CUDA build
-  .venv/bin/pip install --quiet -e '.[dev]'
-fi
-. .venv/bin/activate
+. launch/venv.sh
 WORK=${WORK:-runs/finetune}
 rm -rf "$WORK"
 python -m launch.finetune_demo make "$WORK"
