@@ -96,6 +96,23 @@ class AxisGroup:
         return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
 
 
+def as_axis_group(group, axis: str = "dp", stats: CommStats | None = None) -> AxisGroup:
+    """``group`` as this module's group: an ``AxisGroup`` as it is; a torch ``ProcessGroup``; a 1-D
+    ``DeviceMesh``; or None, the default (world) group."""
+    if isinstance(group, AxisGroup):
+        return group
+    if group is not None and hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"a {group.ndim}-D DeviceMesh names no single group: pass mesh[\"{axis}\"]")
+        group = group.get_group()
+    if group is None and not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
+                           "(or parallel.process_groups.init_distributed) first, or pass a group")
+    group = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return AxisGroup(axis, ranks, group if len(ranks) > 1 else None, stats or CommStats())
+
+
 @dataclass(frozen=True)
 class DetachedGroup:
     """A group of ``size`` ranks seen from its first rank, with no processes behind it: enough to build

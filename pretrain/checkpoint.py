@@ -75,15 +75,7 @@ def layout_of(groups: ParallelGroups, optimizer: ZeroOptimizer) -> dict:
 
 
 def _rank_state(optimizer: ZeroOptimizer, rng: dict, pieces: list[dict]) -> dict:
-    return {
-        "pieces": pieces,
-        "buffers": [buffer.data for buffer in optimizer.buffers],
-        "unit_shards": {str(dtype): shard for dtype, shard in (optimizer.units.shards.items() if optimizer.units
-                                                                 else [])},
-        "masters": [master.data for master in optimizer.masters],
-        "optimizer": optimizer.state_dict(),
-        "rng": rng,
-    }
+    return {"pieces": pieces, "optimizer": optimizer.state_dict(), "rng": rng}
 
 
 def save(directory: str, iteration: int, consumed_samples: int, groups: ParallelGroups, optimizer: ZeroOptimizer,
@@ -214,14 +206,10 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
 
 
 def _restore(optimizer: ZeroOptimizer, state: dict, path: str) -> None:
-    targets = [b.data for b in optimizer.buffers] + [m.data for m in optimizer.masters]
-    sources = list(state["buffers"]) + list(state["masters"])
-    if optimizer.units is not None:
-        targets += list(optimizer.units.shards.values())
-        sources += [state["unit_shards"][str(dtype)] for dtype in optimizer.units.shards]
-    if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
-        raise CheckpointError(f"{path}: its tensors do not match this model's shapes (another model?)")
-    with torch.no_grad():
-        for target, source in zip(targets, sources):
-            target.copy_(source)
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except KeyError as error:
+        raise CheckpointError(f"{path}: its optimizer state has no {error} entry (a rank file of another "
+                              "version of this stack?)") from None
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None

@@ -91,7 +91,7 @@ class CheckpointPieces:
                 slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
                 filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
             if kind == "master":
-                source = state["masters"][piece["master"]]
+                source = state["optimizer"]["masters"][piece["master"]]
             else:
                 source = state["optimizer"]["optimizer"]["state"].get(piece["state"], {}).get(kind)
             span = slice(piece["start"], piece["start"] + piece["length"])

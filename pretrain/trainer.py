@@ -165,7 +165,7 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, zero.StepResult]:
         """One optimizer step over the global batch that starts at the consumed samples; returns this
         data-parallel rank's loss and the step."""
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=False)  # the gradient views stay attached
         self.activation_meter.reset()
         loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.consumed_samples),
                                                      loss_scale=self.optimizer.loss_scale)

@@ -1,16 +1,17 @@
 """The ZeRO optimizer over the data-parallel group.
 
-``initialize(module, optimizer_factory, stage=S, group=G, **options)`` returns ``(module, optimizer)``;
-train with ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` (under fp16, call backward on
-``optimizer.scale_loss(loss)``). ``optimizer_factory`` takes torch-style parameter groups and returns
-any torch optimizer; it only ever sees this rank's fp32 shard.
+``initialize(module, optimizer_factory, stage=S, **options)`` returns ``(module, optimizer)`` for any
+``nn.Module``; train with ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` (under fp16,
+call backward on ``optimizer.scale_loss(loss)``). ``optimizer_factory`` takes torch-style parameter
+groups and returns any torch optimizer; it only ever sees this rank's fp32 shard.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from parallel.comm import AxisGroup
+from parallel.comm import as_axis_group
+from parallel.zero.auto_wrap import unit_modules
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.memory import expected_model_state_bytes, expected_parameter_state_bytes, gradient_bytes
@@ -21,14 +22,16 @@ __all__ = ["initialize", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "
            "gradient_bytes"]
 
 
-def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group: AxisGroup,
+def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group=None,
                **options) -> tuple[nn.Module, ZeroOptimizer]:
-    """Wrap ``module`` for data-parallel training with ZeRO ``stage`` over the data-parallel ``group``.
+    """Wrap ``module`` for data-parallel training with ZeRO ``stage`` over the data-parallel ``group``: a
+    torch ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``parallel.comm.AxisGroup``, or None (the world).
 
     Options: ``param_groups`` (torch-style groups of the module's parameters, with their optimizer
     options), ``bucket_size`` (elements per fused collective), ``clip_grad`` (max global norm),
     ``model_parallel`` (``ModelParallelGroups``), ``loss_scaler`` (``DynamicLossScaler`` for fp16);
-    stage 3: ``unit_modules`` (the modules gathered as one, e.g. transformer blocks),
+    stage 3: ``unit_modules`` (the modules gathered as one: a list, or module classes; by default the
+    repeated blocks, ``auto_wrap.repeated_blocks``),
     ``persistence_threshold`` (parameters up to this many elements stay whole), ``prefetch_budget``
     (elements of gathered parameters allowed alive when prefetching; None: twice the largest unit); ``buffer_pool`` (a
     ``parallel.buffers.BufferPool`` shared with activation checkpointing; one of its own otherwise);
@@ -37,4 +40,6 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
     the files); ``main_grads_in_fp32`` (default True: 16-bit parameters' gradients are accumulated and
     reduced in fp32; False: in the parameters' dtype). Call ``optimizer.close()`` at the end to remove the swap files.
     """
-    return module, ZeroOptimizer(module, optimizer_factory, group, stage=stage, **options)
+    if stage == 3:
+        options["unit_modules"] = unit_modules(module, options.get("unit_modules"))
+    return module, ZeroOptimizer(module, optimizer_factory, as_axis_group(group), stage=stage, **options)

@@ -113,6 +113,9 @@ class GradientSync:
         if buffer.grad is not None and not buffer.grads_are_views:  # into the fp32 main gradient
             buffer.grad_view(param).add_(param.grad)
             param.grad = None
+        elif buffer.grads_are_views and param.grad.data_ptr() != buffer.grad_view(param).data_ptr():
+            view = buffer.grad_view(param)  # the first gradient after zero_grad(set_to_none=True)
+            param.grad = view.add_(param.grad)
         elif bucket.deferred and buffer.grad is None and buffer.grad_dtype != param.dtype:
             # stage 2 reduces deferred gradients only in ``finish``: accumulate them in fp32 until then
             if param in self._deferred:

@@ -110,7 +110,7 @@ class ZeroOptimizer:
 
     Owns the flat buffers (parameters become views into them), the stage-3 sharded units, the gradient
     sync, the master chunks, the wrapped torch optimizer (which only ever sees this rank's chunks) and
-    the loss scaler. Its ``zero_grad`` keeps gradient views attached (never sets them to None). It
+    the loss scaler. ``zero_grad`` follows torch (``set_to_none``); the gradient buffers own the sums. It
     never changes which parameters a module has, and never communicates outside ``dp`` except for the
     norm and the overflow decision.
 
@@ -270,11 +270,19 @@ class ZeroOptimizer:
         """Backward inside this context accumulates gradients without communicating (stages 0-1)."""
         return self.grad_sync.no_sync()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start the next accumulation: zero the gradient buffers and shards. torch's ``set_to_none``
+        (its default) leaves every ``param.grad`` None until backward; the buffers still accumulate (the
+        first gradient of a step is added into its buffer view, which ``param.grad`` becomes again).
+        ``set_to_none=False`` keeps the views attached (no transient gradient per parameter)."""
         for buffer in self.buffers:
             if buffer.grad is not None:
                 buffer.grad.zero_()
-            buffer.attach_grads()
+            if set_to_none:
+                for param in buffer.params:
+                    param.grad = None
+            else:
+                buffer.attach_grads()
         self.grad_sync.zero()
         if self.units is not None:
             self.units.zero()
@@ -465,9 +473,30 @@ class ZeroOptimizer:
         return sum(space.bytes for space in spaces if space is not None)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+        """Everything this rank's optimizer owns, in this layout: the compute-precision parameters it holds
+        (flat buffers, stage-3 shards), the fp32 masters, the torch optimizer's state and the loss scaler.
+        Call it inside ``states_in_memory()`` under NVMe offload. Another layout re-cuts it by parameter
+        (``master_pieces``, ``pretrain.reshard``)."""
+        self.wait_for_parameters()
+        return {"buffers": [buffer.data for buffer in self.buffers],
+                "unit_shards": {str(dtype): shard for dtype, shard in (self.units.shards.items() if self.units
+                                                                         else [])},
+                "masters": [master.data for master in self.masters],
+                "optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned in the same layout (ValueError if the shapes differ)."""
+        targets = [b.data for b in self.buffers] + [m.data for m in self.masters]
+        sources = list(state["buffers"]) + list(state["masters"])
+        if self.units is not None:
+            targets += list(self.units.shards.values())
+            sources += [state["unit_shards"][str(dtype)] for dtype in self.units.shards]
+        if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
+            raise ValueError("its tensors do not match this model's shapes (another model or layout?)")
+        self.wait_for_parameters()
+        with torch.no_grad():
+            for target, source in zip(targets, sources):
+                target.copy_(source)
         self.optimizer.load_state_dict(state["optimizer"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
 
