@@ -1,5 +1,5 @@
 """Per-iteration metrics: gathered from every rank, written by global rank 0 to the console, the
-JSON-lines metrics file (format in DESIGN.md "Metrics file") and wandb.
+JSON-lines metrics file (format in docs/architecture.md, "Metrics file") and wandb.
 
 ``comm_bytes`` cover the training step (forward, backward, optimizer); the reductions done only
 for logging and evaluation are not part of it. ``peak_mem_bytes`` is the peak since the iteration began.
