@@ -38,7 +38,7 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = heads // tp.size
         self.dropout = config.attention_dropout
         self.rotary_interleaved = config.rotary_interleaved
-        self.core_runner = None  # set by activation checkpointing to recompute the core (selective)
+        self.core_runner = None  # how the core runs when it is recomputed (``recompute_core_with``)
         bias = not config.disable_bias_linear
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
                                         WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
@@ -51,6 +51,10 @@ class SelfAttention(nn.Module):
         self.proj = RowParallelLinear(heads * d, h, tp, WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
                                       .scaled_for_residual(config.num_layers), bias=bias,
                                       sequence_parallel=sequence_parallel)
+
+    def recompute_core_with(self, runner) -> None:
+        """Run the attention core through ``runner(core, q, k, v)`` (selective recompute)."""
+        self.core_runner = runner
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v, q [b, heads, s, d] and k, v [b, groups, s, d]: the part

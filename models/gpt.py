@@ -21,6 +21,7 @@ from models.mlp import MLP
 from models.norms import build_norm
 from models.rotary import rotary_tables
 from parallel.comm import AxisGroup
+from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits, with_init
 from parallel.tensor.mappings import scatter_to_sequence_parallel
@@ -91,7 +92,7 @@ class GPTModel(nn.Module):
                     self.position_embedding.weight.copy_(positions.full((config.max_positions, h)))
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
-        self.layer_runner = None  # set by activation checkpointing to recompute whole layers (full)
+        self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
         self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng)
                                     for i in self.layer_indices)
@@ -101,11 +102,14 @@ class GPTModel(nn.Module):
                 output_init = word_init if self.tied else WeightInit(seed, "output_layer.weight", std)
                 self.output_layer = VocabParallelOutput(config.vocab_size, padded, h, tp, output_init,
                                                         sequence_parallel=sequence_parallel)
-                if self.tied:
-                    self.output_layer.weight.tied_embedding = True  # summed with the first stage's gradient
-                    self.output_layer.weight.tied_copy = True  # counted once, on the first stage
+                if self.tied:  # summed with the first stage's gradient, counted once (on the first stage)
+                    declare(self.output_layer.weight, tied_embedding=True, tied_copy=True)
         if self.tied and pre_process and not post_process:
-            self.word_embedding.weight.tied_embedding = True
+            declare(self.word_embedding.weight, tied_embedding=True)
+
+    def recompute_layers_with(self, runner) -> None:
+        """Run the layers through ``runner(x, rotary)`` (full recompute; activation checkpointing)."""
+        self.layer_runner = runner
 
     def global_parameter_names(self) -> dict[nn.Parameter, str]:
         """Each parameter's name in the whole GPT, the same in every layout: block indices are global,

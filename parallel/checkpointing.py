@@ -2,8 +2,8 @@
 
 ``RecomputePolicy`` decides per layer: keep everything, recompute the whole layer (``full``), or
 recompute only the attention core (``selective``). ``apply_recompute`` installs it on a model's
-chunks through the model's two runner hooks (``GPTModel.layer_runner``, ``SelfAttention.core_runner``),
-so model code stays a plain GPT.
+chunks through the model's two runner hooks (``GPTModel.recompute_layers_with``,
+``SelfAttention.recompute_core_with``), so model code stays a plain GPT.
 
 The recomputation is exact: the random state of the CPU, the GPU and the tensor-parallel tracker is
 saved before the forward and restored for the recompute, so dropout draws the same masks. Modules run
@@ -133,10 +133,10 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
         if policy.granularity == "selective":  # q, k, v are already split by heads: nothing to partition
             store = CheckpointStore(pool, offload=policy.offload)
             for layer in chunk.layers:
-                layer.attention.core_runner = _selective_runner(chunk.rng, store)
+                layer.attention.recompute_core_with(_selective_runner(chunk.rng, store))
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
-            chunk.layer_runner = _full_runner(chunk, policy, CheckpointStore(pool, partition, policy.offload))
+            chunk.recompute_layers_with(_full_runner(chunk, policy, CheckpointStore(pool, partition, policy.offload)))
 
 
 def _selective_runner(tracker: RNGTracker, store: CheckpointStore):

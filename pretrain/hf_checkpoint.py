@@ -19,6 +19,7 @@ import torch
 
 from models.config import GPTConfig
 from models.counting import stage_model
+from parallel.param_meta import meta
 from parallel.zero.export import StreamedSafetensors
 from pretrain.checkpoint import WEIGHTS_FILE, CheckpointError, file_sha256, write_durably
 from pretrain.hf_models import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
@@ -64,8 +65,8 @@ def _expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for param, name in chunk.global_parameter_names().items():
         shape = list(param.shape)
-        if getattr(param, "unpadded_rows", None) is not None:
-            shape[0] = param.unpadded_rows
+        if meta(param).unpadded_rows is not None:
+            shape[0] = meta(param).unpadded_rows
         shapes[name] = tuple(shape)
     return shapes
 

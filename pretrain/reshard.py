@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from parallel.param_meta import meta
 from parallel.zero.offload import is_per_element
 from parallel.zero.optimizer import ZeroOptimizer
 
@@ -28,7 +29,7 @@ class ReshardError(ValueError):
 def _tp_slice(param: nn.Parameter) -> tuple[int | None, int | None]:
     """(the dimension tensor parallelism splits, or None for a replicated parameter; the unpadded rows
     along it for a padded vocabulary table, else None)."""
-    return getattr(param, "partition_dim", None), getattr(param, "unpadded_rows", None)
+    return meta(param).partition_dim, meta(param).unpadded_rows
 
 
 def describe(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int, tp_size: int) -> list[dict]:

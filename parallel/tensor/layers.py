@@ -4,10 +4,8 @@ Activations are [sequence, batch, hidden]. With sequence parallelism, the activa
 parallel regions are split along the sequence (dim 0) across the tensor-parallel group; the
 entry/exit collectives become all-gather / reduce-scatter instead of identity / all-reduce.
 
-Parameter attributes read by the optimizer and gradient synchronisation:
-    ``tensor_parallel``    the parameter is a slice of a weight split across tp ranks
-    ``sequence_parallel``  the parameter is replicated across tp but sees only a sequence shard,
-                           so its gradient must be summed over the tp group
+Each parameter's place in the layout (split over tp, partial under sequence parallelism, padded
+rows, the recipe of its initial value) is declared with ``parallel.param_meta.declare``.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.comm import AxisGroup
+from parallel.param_meta import declare
 from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
                                       reduce_from_tensor_parallel, reduce_scatter_dim0,
                                       reduce_scatter_to_sequence_parallel)
@@ -35,22 +34,18 @@ def _shard_parameter(make_full, dim: int, group: AxisGroup) -> nn.Parameter:
     def slice_of_full() -> torch.Tensor:
         return make_full().chunk(group.size, dim=dim)[group.rank].contiguous()
 
-    param = with_init(nn.Parameter(slice_of_full()), slice_of_full)
-    param.tensor_parallel = group.size > 1
-    param.partition_dim = dim
-    return param
+    return declare(nn.Parameter(slice_of_full()), init_fn=slice_of_full, tensor_parallel=group.size > 1,
+                   partition_dim=dim)
 
 
 def with_init(param: nn.Parameter, init_fn) -> nn.Parameter:
-    """Attach the recipe of ``param``'s initial value (used when it was built on the meta device)."""
-    param.init_fn = init_fn
-    return param
+    """Declare the recipe of ``param``'s initial value (used when it was built on the meta device)."""
+    return declare(param, init_fn=init_fn)
 
 
 def mark_sequence_parallel(param: nn.Parameter, enabled: bool) -> nn.Parameter:
-    """Flag a replicated parameter whose gradient is partial under sequence parallelism."""
-    param.sequence_parallel = enabled
-    return param
+    """Declare a replicated parameter whose gradient is partial under sequence parallelism."""
+    return declare(param, sequence_parallel=enabled)
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -140,9 +135,8 @@ def vocab_parallel_table(vocab_size: int, padded_vocab_size: int, hidden_size: i
         full = torch.zeros(padded_vocab_size, hidden_size, dtype=dtype)
         full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
         return full
-    weight = _shard_parameter(table, 0, group)
-    weight.unpadded_rows = vocab_size  # rows beyond are padding, sized by tp (checkpoints drop them)
-    return weight
+    # rows beyond are padding, sized by tp (checkpoints drop them)
+    return declare(_shard_parameter(table, 0, group), unpadded_rows=vocab_size)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -22,14 +22,17 @@ from typing import Callable
 import torch
 from torch import nn
 
+from parallel.param_meta import meta
+
 
 def initial_value(param: nn.Parameter) -> torch.Tensor:
     """The values a parameter starts from: its data, or its recipe if it was built on the meta device."""
     if param.is_meta:
-        if not hasattr(param, "init_fn"):
+        init_fn = meta(param).init_fn
+        if init_fn is None:
             raise ValueError(f"a parameter of shape {tuple(param.shape)} was built on the meta device without "
-                             "an init_fn to materialise it from")
-        return param.init_fn()
+                             "an init_fn to materialise it from (parallel.param_meta.declare)")
+        return init_fn()
     return param.data
 
 

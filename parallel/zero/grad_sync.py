@@ -31,6 +31,7 @@ from torch import nn
 from parallel import comm
 from parallel.buffers import BufferPool, StagingRing
 from parallel.comm import AxisGroup
+from parallel.param_meta import meta
 from parallel.zero.flat_buffer import Bucket, FlatParameterBuffer
 
 
@@ -49,14 +50,14 @@ class ModelParallelGroups:
 
 
 def needs_model_parallel_reduction(param: nn.Parameter) -> bool:
-    return getattr(param, "sequence_parallel", False) or getattr(param, "tied_embedding", False)
+    return meta(param).sequence_parallel or meta(param).tied_embedding
 
 
 def reduce_model_parallel_grad(param: nn.Parameter, grad: torch.Tensor, groups: ModelParallelGroups) -> None:
     """Sum the partial gradient that tensor/pipeline parallelism leaves in ``grad``, in place."""
-    if getattr(param, "sequence_parallel", False) and groups.tp is not None:
+    if meta(param).sequence_parallel and groups.tp is not None:
         comm.all_reduce(grad, groups.tp)
-    if getattr(param, "tied_embedding", False) and groups.embedding is not None:
+    if meta(param).tied_embedding and groups.embedding is not None:
         comm.all_reduce(grad, groups.embedding)
 
 

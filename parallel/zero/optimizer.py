@@ -24,6 +24,7 @@ from torch import nn
 from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
+from parallel.param_meta import meta
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
 from parallel.zero.memory import sharded_at_stage_3
@@ -62,9 +63,10 @@ def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
     Tensor-parallel slices count everywhere; weights replicated over tp count on tp rank 0 only; the
     last pipeline stage's copy of the tied embedding (``tied_copy``) never counts.
     """
-    if getattr(param, "tied_copy", False):
+    declared = meta(param)
+    if declared.tied_copy:
         return False
-    return getattr(param, "tensor_parallel", False) or tp_rank == 0
+    return declared.tensor_parallel or tp_rank == 0
 
 
 def storage_bytes(tensors) -> int:

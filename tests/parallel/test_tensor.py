@@ -64,12 +64,13 @@ def _largest_tensor_in_loss(rank, world_size, tp):
 
 def _gathered(param: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """The full gradient of a tensor-parallel slice, concatenated along its partition dim."""
-    if not getattr(param, "tensor_parallel", False):
-        return param.grad
+    from parallel.param_meta import meta
     from parallel.tensor.mappings import all_gather_dim0
 
-    local = param.grad.movedim(param.partition_dim, 0).contiguous()
-    return all_gather_dim0(local, group).movedim(0, param.partition_dim)
+    if not meta(param).tensor_parallel:
+        return param.grad
+    dim = meta(param).partition_dim
+    return all_gather_dim0(param.grad.movedim(dim, 0).contiguous(), group).movedim(0, dim)
 
 
 LLAMA = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=96, position_embedding_type="rope",
