@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from models.config import GPTConfig
 from models.counting import num_parameters, stage_model
-from parallel.zero import expected_parameter_state_bytes, gradient_bytes
+from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from pretrain.arguments import ConfigError, parse_config
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -65,6 +65,10 @@ class Layout:
     micro_batch_size: int = 1
     offload_optimizer: str = "none"
     sequence_parallel: bool = False
+    layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
+
+    def layers_on(self, stage: int, num_layers: int) -> int:
+        return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
 
 
 @dataclass
@@ -86,8 +90,8 @@ class Plan:
 
 def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> list:
     """The parameters of pipeline ``stage``'s tp slice, as ``models.stages`` builds them (on meta)."""
-    return list(stage_model(config, layout.tp, layout.pp, stage, sequence_parallel=layout.sequence_parallel)
-                .parameters())
+    return list(stage_model(config, layout.tp, layout.pp, stage, sequence_parallel=layout.sequence_parallel,
+                            layers_per_stage=list(layout.layers_per_stage or []) or None).parameters())
 
 
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
@@ -97,8 +101,8 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
     total = expected_parameter_state_bytes(params, layout.zero_stage, layout.dp, compute_bytes, persistence_threshold,
                                            grad_bytes)
     if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
-        master = 4 if compute_bytes != 4 else 0
-        total -= sum(p.numel() for p in params) * (master + 8) / (layout.dp if layout.zero_stage else 1)
+        total -= sum(p.numel() for p in params) * optimizer_state_bytes(compute_bytes) / (
+            layout.dp if layout.zero_stage else 1)
     return total
 
 
@@ -113,7 +117,7 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
     per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
-    saved = per_layer * config.num_layers // layout.pp * compute_bytes
+    saved = per_layer * layout.layers_on(stage, config.num_layers) * compute_bytes
     if stage == layout.pp - 1:  # final norm input and output; the loss's saved logits over this rank's vocabulary
         # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
         saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * compute_bytes
@@ -177,7 +181,7 @@ def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_by
     gradient_passes = {0: 2, 1: 1, 2: m, 3: m}[layout.zero_stage]
     gather_passes = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero_stage]
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
-    layers = config.num_layers // layout.pp
+    layers = layout.layers_on(0, config.num_layers)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
     return {
         "dp": (gradient_passes * grad_bytes + gather_passes * compute_bytes) * psi * (n - 1) / n,
@@ -204,7 +208,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
 
 
 def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int,
-                      zero_stage: int | None, tp: int | None, pp: int | None) -> list[Layout]:
+                      zero_stage: int | None, tp: int | None, pp: int | None,
+                      layers_per_stage: tuple[int, ...] | None = None) -> list[Layout]:
     layouts = []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
         try:
@@ -221,18 +226,21 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                 for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
                     for recompute in (None, "selective", "full"):
                         for offload in ("none", "cpu") if stage else ("none",):
-                            layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1))
+                            layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1,
+                                                  layers_per_stage=layers_per_stage
+                                                  if layers_per_stage and p == len(layers_per_stage) else None))
     return layouts
 
 
 def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
-         grad_bytes: int | None = None) -> list[Plan]:
+         grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first."""
     plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
                          grad_bytes)
-             for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp)]
+             for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
+                                             layers_per_stage)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, p.comm_bytes["dp"] + p.comm_bytes["pp"], p.total_bytes))
 
@@ -260,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     plans = plan(config.model, args.world_size, args.gpus_per_node, parse_bytes(args.memory_per_device),
                  train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
                  persistence_threshold=zero.zero_persistence_threshold,
-                 grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16))[:args.top]
+                 grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
+                 layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None)[:args.top]
     if args.json:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,

@@ -14,12 +14,13 @@ from parallel.comm import as_axis_group
 from parallel.zero.auto_wrap import unit_modules
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from parallel.zero.memory import expected_model_state_bytes, expected_parameter_state_bytes, gradient_bytes
+from parallel.zero.memory import (expected_model_state_bytes, expected_parameter_state_bytes, gradient_bytes,
+                                  optimizer_state_bytes)
 from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer
 
 __all__ = ["initialize", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "DynamicLossScaler",
            "ConstantLossScaler", "expected_model_state_bytes", "expected_parameter_state_bytes",
-           "gradient_bytes"]
+           "gradient_bytes", "optimizer_state_bytes"]
 
 
 def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, group=None,

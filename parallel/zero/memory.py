@@ -29,13 +29,18 @@ def gradient_bytes(compute_bytes: int, main_grads_in_fp32: bool = True) -> int:
     return 4 if main_grads_in_fp32 else compute_bytes
 
 
+def optimizer_state_bytes(compute_bytes: int) -> int:
+    """Bytes per parameter of what the optimizer step owns (and offload moves): an fp32 master where the
+    parameters are not fp32 already, and Adam's two fp32 moments."""
+    return (4 if compute_bytes != 4 else 0) + 8
+
+
 def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int,
                                grad_bytes: int | None = None) -> float:
     """Model-state bytes of ``params`` elements at ``stage``, ``compute_bytes`` per compute element and
     ``grad_bytes`` per gradient element (default: fp32 main gradients)."""
     grad = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    master = 4 if compute_bytes != 4 else 0
-    states = master + 8
+    states = optimizer_state_bytes(compute_bytes)
     if stage == 0:
         return params * (compute_bytes + grad + states)
     if stage == 1:

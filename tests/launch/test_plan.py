@@ -19,6 +19,8 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
                                           "--recompute-num-layers", "1"],
                                          Layout(2, 2, 1, 1, recompute="full")),
     "dp4 stage 3 bf16": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16"], Layout(1, 1, 4, 3)),
+    "pp2 (1 + 3 layers) x dp2 stage 2": ([*_pp(2), "--pipeline-layers-per-stage", "1", "3", "--zero-stage", "2"],
+                                         Layout(1, 2, 2, 2, layers_per_stage=(1, 3))),
 }
 
 
@@ -38,7 +40,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         config = parse_config(TINY + flags)
         config.model.vocab_size = 512  # the corpus tokenizer's
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
-                        sequence_parallel=layout.sequence_parallel)
+                        sequence_parallel=layout.sequence_parallel, layers_per_stage=layout.layers_per_stage)
         predicted = plan_layout(config.model, layout, 8, 2 if "--bf16" in flags else 4,
                                 persistence_threshold=config.zero.zero_persistence_threshold)
         states = max(r["model_state_bytes"] for r in ranks)
