@@ -1,4 +1,5 @@
-"""Which modules stage 3 gathers as one unit when the caller names none (FSDP's auto-wrap).
+"""Which modules stage 3 gathers as one unit (FSDP's auto-wrap when the caller names none), and which
+parameters each unit holds.
 
 A transformer keeps its blocks in one container (``nn.ModuleList`` or ``nn.Sequential``) of modules of
 one class: those are the units. Of several such containers the one holding the most parameters wins
@@ -36,3 +37,23 @@ def unit_modules(module: nn.Module, units) -> list[nn.Module]:
     if isinstance(units, (tuple, set, frozenset)) and all(isinstance(u, type) for u in units):
         return [m for m in module.modules() if isinstance(m, tuple(units)) and m is not module]
     return list(units)
+
+
+def group_units(module: nn.Module, unit_modules: list[nn.Module], param_groups: list[dict],
+                sharded) -> list[tuple[str, nn.Module, list[nn.Parameter], int]]:
+    """(name, module, params, group) per unit: the ``sharded`` parameters by innermost unit module (the
+    rest belong to ``module``), optimizer group and dtype."""
+    owners = [module] + [m for m in unit_modules if m is not module]
+    names = {m: name or "model" for name, m in module.named_modules()}
+    owner_of = {}
+    for owner in owners:  # later (inner) owners overwrite outer ones
+        for param in owner.parameters():
+            owner_of[param] = owner
+    units = []
+    for owner in owners:
+        for group_index, group in enumerate(param_groups):
+            mine = [p for p in group["params"] if sharded(p) and owner_of.get(p) is owner]
+            for dtype in sorted({p.dtype for p in mine}, key=str):
+                units.append((names.get(owner, type(owner).__name__), owner,
+                              [p for p in mine if p.dtype == dtype], group_index))
+    return units

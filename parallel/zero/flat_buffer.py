@@ -47,6 +47,12 @@ def point_at(param: nn.Parameter, view: torch.Tensor) -> None:
         param.data = view
 
 
+def pieces_within(ranges, low: int, high: int) -> list[tuple[nn.Parameter, int, int]]:
+    """(param, offset from ``low``, length) of each (param, start, end) range that meets [low, high)."""
+    return [(param, max(start, low) - low, min(end, high) - max(start, low))
+            for param, start, end in ranges if start < high and end > low]
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A contiguous, shard-aligned element range [start, end) of the buffer and its parameters."""
@@ -152,10 +158,7 @@ class FlatParameterBuffer:
         """How the parameters fall into shard ``shard``'s chunks."""
         found = []
         for bucket in self.buckets:
-            low, high = bucket.chunk_range(shard)
-            for param in bucket.params:
-                start, end = self.param_range(param)
-                if start < high and end > low:
-                    first, last = max(start, low), min(end, high)
-                    found.append(Segment(param, bucket.index, first - low, last - first))
+            ranges = [(param, *self.param_range(param)) for param in bucket.params]
+            found += [Segment(param, bucket.index, offset, length)
+                      for param, offset, length in pieces_within(ranges, *bucket.chunk_range(shard))]
         return found

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.buffers import BufferPool, StagingRing
+from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
 from parallel.param_meta import meta
 from parallel.zero.flat_buffer import Bucket, FlatParameterBuffer
+from parallel.zero.staged_reduction import StagedReduceScatter
 
 
 @dataclass
@@ -80,13 +81,13 @@ class GradientSync:
                 for param in bucket.params:
                     self._bucket_of[param] = (index, bucket)
         self._ready: dict[tuple[int, int], int] = {}
-        self._in_flight: dict[tuple[int, int], tuple[object, torch.Tensor | None, torch.Tensor | None]] = {}
-        # stage 2: two staging slots per dtype in the buffer pool (one filling while the other is reduced)
-        self._staging: dict[torch.dtype, StagingRing] = {}
+        self._in_flight: dict[tuple[int, int], object] = {}  # stages 0-1: in-place reductions
+        # stage 2: two staging slots per gradient dtype in the buffer pool (one filling, one being reduced)
+        self._staging: dict[torch.dtype, StagedReduceScatter] = {}
         if stage == 2:
             for dtype in {b.grad_dtype for b in buffers}:
                 largest = max(k.numel + k.chunk for b in buffers if b.grad_dtype == dtype for k in b.buckets)
-                self._staging[dtype] = StagingRing(pool, f"grad-staging-{dtype}", largest, dtype)
+                self._staging[dtype] = StagedReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp)
         self._launched: set[tuple[int, int]] = set()
         self._deferred: dict[nn.Parameter, torch.Tensor] = {}  # stage 2: deferred gradients in the gradient dtype
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
@@ -141,22 +142,20 @@ class GradientSync:
         self._launched.add(key)
         buffer = self.buffers[index]
         if self.stage == 2:
-            self._complete(key)  # at most one reduction of a bucket in flight
-            area = self._staging[buffer.grad_dtype].take(bucket.numel + bucket.chunk, lambda: self._complete(key))
-            staging, received = area[:bucket.numel], area[bucket.numel:bucket.numel + bucket.chunk]
-            for param in bucket.params:
-                start, end = buffer.param_range(param)
-                target = staging[start - bucket.start:end - bucket.start]
-                grad = self._deferred.pop(param, param.grad)
-                if grad is not None:
-                    target.copy_(grad.view(-1))
-                    param.grad = None  # the full gradient is released here
-                else:
-                    target.zero_()
-            staging[sum(p.numel() for p in bucket.params):].zero_()  # the bucket's padding
-            staging.div_(self.dp.size)
-            handle = comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True)
-            self._in_flight[key] = (handle, staging, received)
+            def fill(staging: torch.Tensor) -> None:
+                for param in bucket.params:
+                    start, end = buffer.param_range(param)
+                    target = staging[start - bucket.start:end - bucket.start]
+                    grad = self._deferred.pop(param, param.grad)
+                    if grad is not None:
+                        target.copy_(grad.view(-1))
+                        param.grad = None  # the full gradient is released here
+                    else:
+                        target.zero_()
+                staging[sum(p.numel() for p in bucket.params):].zero_()  # the bucket's padding
+
+            self._staging[buffer.grad_dtype].launch(key, bucket.numel, bucket.chunk, fill,
+                                                    lambda: self.shard_grad(index, bucket))
             return
         grads = buffer.grad[bucket.start:bucket.end]
         grads.div_(self.dp.size)
@@ -165,16 +164,13 @@ class GradientSync:
         else:
             low, high = bucket.chunk_range(self.dp.rank)
             handle = comm.reduce_scatter_tensor(buffer.grad[low:high], grads, self.dp, async_op=True)
-        self._in_flight[key] = (handle, None, None)
+        self._in_flight[key] = handle
 
     def _complete(self, key: tuple[int, int]) -> None:
-        if key not in self._in_flight:
-            return
-        handle, _, received = self._in_flight.pop(key)
-        handle.wait()
-        if received is not None:
-            index, bucket_index = key
-            self.shard_grad(index, self.buffers[index].buckets[bucket_index]).add_(received)
+        """Wait for a stage 0-1 bucket's in-place reduction."""
+        handle = self._in_flight.pop(key, None)
+        if handle is not None:
+            handle.wait()
 
     def finish(self) -> None:
         """Complete the reduction of every bucket, in bucket order (the same on every rank)."""
@@ -192,8 +188,8 @@ class GradientSync:
                     self._launch(index, bucket)  # parameters without gradients in this step
         for key in list(self._in_flight):
             self._complete(key)
-        for ring in self._staging.values():
-            ring.drain()
+        for staged in self._staging.values():
+            staged.finish()
         self._ready.clear()
         self._launched.clear()
 

@@ -30,9 +30,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallel import comm
-from parallel.buffers import BufferPool, SlotPool, StagingRing
+from parallel.buffers import BufferPool, SlotPool
 from parallel.comm import AxisGroup
-from parallel.zero.flat_buffer import initial_value, point_at
+from parallel.zero.flat_buffer import initial_value, pieces_within, point_at
+from parallel.zero.masters import MasterShards
+from parallel.zero.staged_reduction import StagedReduceScatter
 from parallel.zero.swap import SwapSpace
 
 
@@ -144,11 +146,25 @@ class ShardedParameters:
             self._hooks.append(unit.module.register_forward_hook(self._after_forward(unit)))
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._reductions: dict[int, tuple[object, torch.Tensor]] = {}
-        self._staging = {dtype: StagingRing(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
-                                            max(u.numel + u.chunk for u in self.units if u.dtype == dtype),
-                                            grad_dtype(dtype))
+        self._staging = {dtype: StagedReduceScatter(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
+                                                    max(u.numel + u.chunk for u in self.units if u.dtype == dtype),
+                                                    grad_dtype(dtype), dp)
                          for dtype in {u.dtype for u in self.units}}
+
+    def add_slots(self, masters: MasterShards, master_groups: list[dict], shard: int, aliasable: bool) -> None:
+        """One master slot per unit: this rank's shard of it (``aliasable`` False: shards that will live in
+        a swap file cannot be the masters)."""
+        for unit in self.units:
+            ranges = [(p, unit.offsets[p], unit.offsets[p] + unit.size(p)) for p in unit.params]
+            masters.add(master_groups[unit.group], self.shard(unit), lambda u=unit: self.grad_shard(u),
+                        pieces_within(ranges, shard * unit.chunk, (shard + 1) * unit.chunk),
+                        [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params], sharded=True,
+                        store=lambda values, non_blocking, u=unit: self.store(u, values, non_blocking),
+                        aliasable=aliasable)
+
+    def held(self) -> list[torch.Tensor]:
+        """The shards and gradient shards (for the byte count; gathered parameters are transient)."""
+        return list(self.shards.values()) + list(self.grad_shards.values())
 
     def shard(self, unit: ParameterUnit) -> torch.Tensor:
         offset = self.chunk_offset[unit.index]
@@ -326,24 +342,16 @@ class ShardedParameters:
     def _reduce(self, unit: ParameterUnit) -> None:
         """All of ``unit``'s gradients are in: reduce-scatter them into its gradient shard, free them."""
         unit.ready = 0
-        self._complete(unit.index)
-        area = self._staging[unit.dtype].take(unit.numel + unit.chunk, lambda: self._complete(unit.index))
-        staging, received = area[:unit.numel], area[unit.numel:]
-        staging.zero_()
-        for param in unit.params:
-            if param.grad is not None:
-                staging[unit.span(param)].copy_(param.grad.view(-1))
-                param.grad = None
-        staging.div_(self.dp.size)
-        self._reductions[unit.index] = (comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True),
-                                        received, staging)
-        self.release(unit)
 
-    def _complete(self, index: int) -> None:
-        if index in self._reductions:
-            handle, received, _ = self._reductions.pop(index)
-            handle.wait()
-            self.grad_shard(self.units[index]).add_(received)
+        def fill(staging: torch.Tensor) -> None:
+            staging.zero_()
+            for param in unit.params:
+                if param.grad is not None:
+                    staging[unit.span(param)].copy_(param.grad.view(-1))
+                    param.grad = None
+
+        self._staging[unit.dtype].launch(unit.index, unit.numel, unit.chunk, fill, lambda: self.grad_shard(unit))
+        self.release(unit)
 
     def finish(self) -> None:
         """End of backward: reduce units whose gradients arrived only partly, wait for every reduction,
@@ -351,10 +359,8 @@ class ShardedParameters:
         for unit in self.units:
             if unit.ready > 0:
                 self._reduce(unit)
-        for index in list(self._reductions):
-            self._complete(index)
-        for ring in self._staging.values():
-            ring.drain()
+        for staged in self._staging.values():
+            staged.finish()
         for unit in self.units:
             self.release(unit)
         if self.order is None:

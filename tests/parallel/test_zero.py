@@ -344,7 +344,7 @@ def _overlapped_gathers(rank, world_size):
             in_flight = []
             for inputs, targets in _data(4, 8):
                 x, y = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
-                in_flight.append(len(optimizer._pending_gathers))  # gathers behind the forward about to run
+                in_flight.append(optimizer.flat.gathers_in_flight)  # gathers behind the forward about to run
                 nn.functional.mse_loss(module(x), y).backward()
                 optimizer.step()
                 optimizer.zero_grad()

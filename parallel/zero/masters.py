@@ -1,0 +1,128 @@
+"""This rank's fp32 masters: one per shard slot, where it lives, how gradients reach it, how stepped values
+leave it, and where every parameter's elements sit in it (for checkpoints in other layouts).
+
+A slot is one contiguous piece of this rank's shard (a bucket chunk of a flat buffer, or a stage-3 unit's
+shard). Its master is a view of the parameters themselves where those are fp32 and live where the masters
+live; otherwise an fp32 copy, in pinned host memory when the parameters are on an accelerator and the
+optimizer is offloaded, so that copies to and from it run asynchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ShardSlot:
+    """One contiguous piece of this rank's shard: where its compute-precision values live, how to get
+    its reduced gradient, its fp32 master, and which parameter elements it holds (for the norm)."""
+
+    data: torch.Tensor
+    grad: Callable[[], torch.Tensor]
+    master: nn.Parameter
+    segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
+    layout: list[tuple[nn.Parameter, int, torch.Size]]  # every parameter of the whole range: (param, offset, shape)
+    sharded: bool  # the slot is this rank's chunk of a range split over dp (else the whole range)
+    store: Callable[[torch.Tensor, bool], None] | None = None  # keeps stepped values (stage 3; non-blocking?)
+
+    @property
+    def aliased(self) -> bool:
+        """The master is the parameters' own storage (fp32 training, masters where the parameters are)."""
+        return self.master.data_ptr() == self.data.data_ptr()
+
+
+@dataclass(frozen=True)
+class MasterPiece:
+    """``length`` elements of ``param`` (whose shape on this rank is ``shape``: a freed stage-3 parameter
+    is empty), from element ``start``, at ``offset`` of master ``master``, whose torch-optimizer state is
+    number ``state``."""
+
+    master: int
+    state: int
+    param: nn.Parameter
+    shape: torch.Size
+    start: int
+    offset: int
+    length: int
+
+
+class MasterShards:
+    """Owns this rank's shard slots and their fp32 masters, and the copies between masters and parameters.
+
+    Never steps the optimizer, never communicates, never decides how much to clip: the step hands it the
+    loss scale and the clipping coefficient.
+    """
+
+    def __init__(self, shard: int, master_device: torch.device | None, compute_device: torch.device):
+        self.shard, self.master_device, self.compute_device = shard, master_device, compute_device
+        self.slots: list[ShardSlot] = []
+
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        return [slot.master for slot in self.slots]
+
+    def add(self, group: dict, data: torch.Tensor, grad: Callable[[], torch.Tensor], segments, layout,
+            sharded: bool, store=None, aliasable: bool = True) -> None:
+        """A slot over ``data`` (this rank's piece of the parameters); its master joins optimizer ``group``."""
+        device = self.master_device or data.device
+        if aliasable and data.dtype == torch.float32 and data.device == device:
+            master = nn.Parameter(data)
+        else:
+            pinned = device.type == "cpu" and data.device.type != "cpu"
+            master = nn.Parameter(torch.empty(data.shape, dtype=torch.float32, device=device, pin_memory=pinned)
+                                  .copy_(data.detach()))
+        group["params"].append(master)
+        self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=sharded, store=store))
+
+    def gradient(self, index: int, scale: float, coefficient: float, landed: bool = True) -> torch.Tensor:
+        """Master ``index``'s fp32 gradient, unscaled (the loss ``scale`` of its backward) and clipped by
+        ``coefficient``, on the master's device (in place where no conversion is needed). Made one master
+        at a time when it is stepped, so that with NVMe offload only the sub-groups in flight hold an fp32
+        copy. An offloaded master's gradient comes down to pinned host memory asynchronously: with
+        ``landed`` False the caller must ``copies_landed()`` before the host reads it."""
+        grad = self.slots[index].grad()
+        grad = grad if grad.dtype == torch.float32 else grad.float()
+        if scale != 1.0:
+            grad.div_(scale)
+        if coefficient != 1.0:
+            grad.mul_(coefficient)
+        grad = grad.to(self.slots[index].master.device, non_blocking=True)
+        if landed:
+            self.copies_landed()
+        return grad
+
+    def copies_landed(self) -> None:
+        """The host waits for the copies it issued between the accelerator and offloaded masters (the
+        gradients coming down, the stepped values going up): before the step reads or rewrites masters."""
+        if self.master_device is not None and self.compute_device.type == "cuda":
+            torch.cuda.current_stream(self.compute_device).synchronize()
+
+    def write_back(self, index: int, blocking: bool = False) -> None:
+        """Master ``index`` was stepped: copy it into its compute-precision parameters (unless they are one).
+        From pinned host memory the copy is asynchronous unless ``blocking``; the next step's
+        ``copies_landed`` orders it before the host rewrites the master."""
+        slot = self.slots[index]
+        if slot.aliased:
+            return
+        if slot.store is not None:
+            slot.store(slot.master.data, not blocking)
+        else:
+            slot.data.copy_(slot.master.data, non_blocking=not blocking)
+
+    def pieces(self, optimizer: torch.optim.Optimizer) -> list[MasterPiece]:
+        """Where every parameter's elements sit in these masters (and which torch-optimizer state is each
+        master's). Checkpoints record it, so that another layout can re-cut masters and states by parameter."""
+        state_index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        found = []
+        for index, slot in enumerate(self.slots):
+            first = self.shard * slot.data.numel() if slot.sharded else 0  # where the master starts in its range
+            where = {id(param): (offset, shape) for param, offset, shape in slot.layout}
+            for param, offset, length in slot.segments:
+                start, shape = where[id(param)]
+                found.append(MasterPiece(index, state_index[id(slot.master)], param, shape, first + offset - start,
+                                         offset, length))
+        return found
