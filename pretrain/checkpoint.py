@@ -37,6 +37,9 @@ from pretrain import reshard
 
 
 WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
+# what rank files hold: 2 = {pieces, optimizer: ZeroOptimizer.state_dict(), rng}; 1 (unmarked) had the buffers,
+# shards and masters beside the optimizer state
+RANK_FORMAT = 2
 
 
 class CheckpointError(RuntimeError):
@@ -103,7 +106,7 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
         files = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
                          "sha256": file_sha256(os.path.join(staging, entry))}
                  for entry in sorted(os.listdir(staging))}
-        manifest = {"iteration": iteration, "consumed_samples": consumed_samples,
+        manifest = {"format": RANK_FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
                     "layout": layout_of(groups, optimizer), "config": config, "files": files}
         write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
         _fsync_directory(staging)
@@ -163,10 +166,18 @@ def _read(path: str) -> dict:
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {error}") from None
 
 
+def _check_format(checkpoint: str, manifest: dict) -> None:
+    found = manifest.get("format", 1)
+    if found != RANK_FORMAT:
+        raise CheckpointError(f"{checkpoint}: its rank files are in format {found} and this version reads format "
+                              f"{RANK_FORMAT}: load it with the version that wrote it and save it again")
+
+
 def read_rank_files(directory: str) -> tuple[str, dict, list[dict]]:
     """The newest complete checkpoint under ``directory``, its manifest and every rank file's content
     (each verified against the manifest, then memory-mapped)."""
     checkpoint, manifest = read_manifest(directory)
+    _check_format(checkpoint, manifest)
     entries = sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
     return checkpoint, manifest, [_read(_verified(checkpoint, manifest, entry)) for entry in entries]
 
@@ -184,6 +195,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
         what = f"{checkpoint} (weights)"
         weights_only, scaler = True, None
     else:
+        _check_format(checkpoint, manifest)
         if manifest["layout"] == layout_of(groups, optimizer) and not weights_only:
             path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
             state = _read(path)

@@ -119,6 +119,11 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
     json.dump(forged, open(manifest_path, "w"))
     assert "refused by torch.load(weights_only=True)" in run_world(1, _load_only, directory, stdlib_corpus)[0]
 
+    older = {key: value for key, value in forged.items() if key != "format"}  # a rank-file format 1 checkpoint
+    json.dump(older, open(manifest_path, "w"))
+    assert "rank files are in format 1 and this version reads format 2" in \
+        run_world(1, _load_only, directory, stdlib_corpus)[0]
+
     open(manifest_path, "w").write("{not json")
     assert "unreadable manifest" in run_world(1, _load_only, directory, stdlib_corpus)[0]
 
