@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
     from parallel.process_groups import init_distributed, shutdown_distributed
 
-    device = torch.device("cpu") if args.smoke else init_distributed()
-    if args.smoke:
-        init_distributed()
+    device = init_distributed()
+    if args.smoke:  # on the CPU even where a GPU exists
+        device = torch.device("cpu")
     base = TINY if args.smoke else FULL
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.comm import AxisGroup, CommStats
 from parallel.topology import AXES, Topology
 
@@ -137,6 +138,6 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None) ->
         # NCCL needs every rank of a group in its first operation, and p2p on a fresh group would not be:
         # one collective on a GPU tensor creates the pipeline group's NCCL communicator (a barrier would
         # run on the gloo half of the "cpu:gloo,cuda:nccl" backend and create nothing)
-        dist.all_reduce(torch.zeros(1, device=default_device()), group=mine["pp"].group)
+        comm.all_reduce(torch.zeros(1, device=default_device()), mine["pp"])
     world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
     return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world, **mine)

@@ -65,11 +65,6 @@ def schedule_steps(kind: str, num_micro_batches: int, pp: int, stage: int, vp: i
     return order + [(b,) for b in backwards[len(forwards) - warmup:]]
 
 
-def schedule(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[Action]:
-    """The ordered actions of pipeline stage ``stage`` for one optimizer step."""
-    return [action for step in schedule_steps(kind, num_micro_batches, pp, stage, vp) for action in step]
-
-
 def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> None:
     """Raise ValueError naming the flags for a schedule that cannot run."""
     if vp > 1 and kind != "interleaved":
@@ -101,8 +96,8 @@ class PipelineExecutor:
     Owns the activations kept between a micro-batch's forward and its backward (input and output of
     each chunk) and releases them right after the backward. ``forward_step(chunk, micro_batch, input)``
     runs one chunk (``input`` is None where the chunk reads tokens) and returns the next stage's input,
-    or the micro-batch's scaled loss on the last virtual stage. Between two actions it makes one
-    exchange: the send that the previous action produced with the receive the next one needs. Never
+    or the micro-batch's scaled loss on the last virtual stage. Between two steps it makes one
+    exchange: the sends the previous step produced with the receives the next one needs. Never
     touches the optimizer beyond the ``no_sync`` context that keeps gradient sync off until a chunk's
     last backward.
     """

@@ -112,12 +112,13 @@ class GradientSync:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         index, bucket = self._bucket_of[param]
         buffer = self.buffers[index]
-        if buffer.grad is not None and not buffer.grads_are_views:  # into the fp32 main gradient
-            buffer.grad_view(param).add_(param.grad)
-            param.grad = None
-        elif buffer.grads_are_views and param.grad.data_ptr() != buffer.grad_view(param).data_ptr():
-            view = buffer.grad_view(param)  # the first gradient after zero_grad(set_to_none=True)
-            param.grad = view.add_(param.grad)
+        if buffer.grad is not None:
+            # a fresh gradient, not the view autograd accumulates into: of another dtype (added into the fp32
+            # main gradient, then dropped), or the first one after zero_grad(set_to_none=True)
+            view = buffer.grad_view(param)
+            if param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad)
+                param.grad = view if buffer.grads_are_views else None
         elif bucket.deferred and buffer.grad is None and buffer.grad_dtype != param.dtype:
             # stage 2 reduces deferred gradients only in ``finish``: accumulate them in fp32 until then
             if param in self._deferred:

@@ -24,7 +24,7 @@ import torch
 from parallel import comm
 from parallel.pipeline.p2p import StageExchange
 from parallel.pipeline.partition import chunk_layers, validate_partition
-from parallel.pipeline.schedules import PipelineExecutor, schedule, schedule_steps, validate_schedule
+from parallel.pipeline.schedules import PipelineExecutor, schedule_steps, validate_schedule
 
 
 def test_interleaved_partition_follows_megatron():
