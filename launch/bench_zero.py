@@ -37,7 +37,7 @@ def _worker(args: argparse.Namespace) -> None:
     from models.config import GPTConfig
     from models.gpt import GPTModel
     from parallel import zero
-    from parallel.zero.optimizer import storage_bytes
+    from parallel.zero.memory import storage_bytes
     from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
     from parallel.topology import Topology
 

@@ -51,3 +51,15 @@ def declare(param: nn.Parameter, **fields) -> nn.Parameter:
     """Add ``fields`` to ``param``'s metadata (TypeError for a field that does not exist); returns it."""
     param.__dict__[_ATTRIBUTE] = replace(meta(param), **fields)
     return param
+
+
+def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
+    """True if this rank's copy of ``param`` is the one that counts in a sum over the whole model.
+
+    Tensor-parallel slices count everywhere; weights replicated over tp count on tp rank 0 only; the
+    last pipeline stage's copy of the tied embedding (``tied_copy``) never counts.
+    """
+    declared = meta(param)
+    if declared.tied_copy:
+        return False
+    return declared.tensor_parallel or tp_rank == 0

@@ -208,7 +208,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
             # the same sizes but other layers here (virtual stages, uneven stages): re-cut below
         _, _, states = read_rank_files(directory)
         source, what = reshard.CheckpointPieces(states), f"{checkpoint} (layout {manifest['layout']})"
-        scaler = states[0]["optimizer"]["loss_scaler"]
+        scaler = ZeroOptimizer.saved_loss_scaler(states[0]["optimizer"])
     try:
         with optimizer.states_in_memory():
             reshard.load(source, optimizer, names, groups.tp_rank, groups.topology.tp, weights_only, scaler)

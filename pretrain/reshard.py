@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from parallel.param_meta import meta
-from parallel.zero.offload import is_per_element
+from parallel.zero.masters import MasterPiece
 from parallel.zero.optimizer import ZeroOptimizer
 
 
@@ -55,10 +55,7 @@ class CheckpointPieces:
         for state in states:
             for piece in state["pieces"]:
                 self.by_name[piece["name"]].append((state, piece))
-        per_master = [states_of_master for state in states
-                      for states_of_master in state["optimizer"]["optimizer"]["state"].values()]
-        self.kinds = sorted({kind for states_of_master in per_master for kind, value in states_of_master.items()
-                             if is_per_element(value)})  # e.g. Adam's two moments
+        self.kinds = sorted(set().union(*(ZeroOptimizer.saved_kinds(state["optimizer"]) for state in states)))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole parameter's shape (tensor-parallel slices joined, vocabulary padding removed)."""
@@ -75,8 +72,7 @@ class CheckpointPieces:
     def scalars(self, name: str) -> dict:
         """The optimizer's per-parameter scalars (e.g. Adam's step count) of ``name``."""
         state, piece = self.by_name[name][0]
-        per_master = state["optimizer"]["optimizer"]["state"].get(piece["state"], {})
-        return {key: value for key, value in per_master.items() if not is_per_element(value)}
+        return ZeroOptimizer.saved_scalars(state["optimizer"], piece["state"])
 
     def whole(self, name: str, kind: str = "master") -> torch.Tensor:
         """The whole parameter ``name``: its fp32 masters, or optimizer state ``kind`` (zero where the
@@ -91,10 +87,7 @@ class CheckpointPieces:
             if rank not in slices:
                 slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
                 filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
-            if kind == "master":
-                source = state["optimizer"]["masters"][piece["master"]]
-            else:
-                source = state["optimizer"]["optimizer"]["state"].get(piece["state"], {}).get(kind)
+            source = ZeroOptimizer.saved_piece(state["optimizer"], piece["master"], piece["state"], kind)
             span = slice(piece["start"], piece["start"] + piece["length"])
             filled[rank][span] = True
             if source is not None:
@@ -114,9 +107,9 @@ class CheckpointPieces:
         return whole
 
 
-def _my_slice(whole: torch.Tensor, piece, tp_rank: int, tp_size: int) -> torch.Tensor:
+def _my_slice(whole: torch.Tensor, piece: MasterPiece, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's tensor-parallel slice of ``whole`` for ``piece``'s parameter, padded as this layout
-    pads the vocabulary."""
+    pads the vocabulary, flattened."""
     dim, rows = _tp_slice(piece.param)
     if rows is not None:  # pad the vocabulary rows back to this layout's padded size
         pad = [0, 0] * (whole.dim() - 1 - dim) + [0, piece.shape[dim] * tp_size - whole.shape[dim]]
@@ -162,35 +155,10 @@ def load(source, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_ra
     """Fill ``optimizer``'s masters (then its parameters) and, unless ``weights_only``, its per-element
     states from ``source`` (``CheckpointPieces`` of another layout's rank files, or a ``WeightsFile``),
     whatever layout wrote them. ``weights_only`` leaves the optimizer fresh (fine-tuning)."""
-    mine: dict[str, list] = defaultdict(list)
-    for piece in optimizer.master_pieces():
-        mine[names[piece.param]].append(piece)
-    kinds = ["master"] + ([] if weights_only else list(source.kinds))
-    new_states: dict[int, dict] = {}
-    with torch.no_grad():
-        for name, pieces in mine.items():
-            for kind in kinds:
-                local = _my_slice(source.whole(name, kind), pieces[0], tp_rank, tp_size)
-                for piece in pieces:
-                    if kind == "master":
-                        target = optimizer.masters[piece.master].data
-                    else:
-                        per_master = new_states.setdefault(piece.state, {})
-                        if kind not in per_master:
-                            per_master[kind] = torch.zeros_like(optimizer.masters[piece.master].data)
-                        target = per_master[kind]
-                    span = slice(piece.start, piece.start + piece.length)
-                    target[piece.offset:piece.offset + piece.length].copy_(local[span])
-            if weights_only:
-                continue
-            scalars = source.scalars(name)
-            for piece in pieces:  # e.g. Adam's step count
-                new_states.setdefault(piece.state, {}).update({k: v.clone() if torch.is_tensor(v) else v
-                                                                for k, v in scalars.items()})
-    if not weights_only:
-        torch_optimizer = optimizer.optimizer
-        torch_optimizer.load_state_dict({"state": new_states,
-                                         "param_groups": torch_optimizer.state_dict()["param_groups"]})
-        if loss_scaler_state is not None:
-            optimizer.loss_scaler.load_state_dict(loss_scaler_state)
-    optimizer.masters_to_parameters()
+
+    def values(piece: MasterPiece, kind: str) -> torch.Tensor:
+        return _my_slice(source.whole(names[piece.param], kind), piece, tp_rank, tp_size)
+
+    optimizer.load_by_parameter(values, [] if weights_only else list(source.kinds),
+                                None if weights_only else lambda piece: source.scalars(names[piece.param]),
+                                None if weights_only else loss_scaler_state)

@@ -58,3 +58,12 @@ def expected_parameter_state_bytes(params: Iterable[nn.Parameter], stage: int, d
         kept = 2 if stage == 3 and not sharded_at_stage_3(param, persistence_threshold) else stage
         total += expected_model_state_bytes(kept, param.numel(), dp, compute_bytes, grad_bytes)
     return total
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

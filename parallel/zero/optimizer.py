@@ -24,13 +24,13 @@ from torch import nn
 from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
-from parallel.param_meta import meta
+from parallel.param_meta import counts_once_here
 from parallel.zero.auto_wrap import group_units
 from parallel.zero.flat_storage import FlatStorage
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
-from parallel.zero.memory import sharded_at_stage_3
+from parallel.zero.memory import sharded_at_stage_3, storage_bytes
 from parallel.zero.offload import SwappedOptimizerStates, is_per_element
 from parallel.zero.stage3 import ShardedParameters
 from parallel.zero.swap import SwapSpace
@@ -57,27 +57,6 @@ def module_device(module: nn.Module) -> torch.device:
 
         return default_device()
     return device
-
-
-def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
-    """True if this rank's copy of ``param`` is the one that counts in a sum over the whole model.
-
-    Tensor-parallel slices count everywhere; weights replicated over tp count on tp rank 0 only; the
-    last pipeline stage's copy of the tied embedding (``tied_copy``) never counts.
-    """
-    declared = meta(param)
-    if declared.tied_copy:
-        return False
-    return declared.tensor_parallel or tp_rank == 0
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class ZeroOptimizer:
@@ -268,6 +247,68 @@ class ZeroOptimizer:
         """Where every parameter's elements sit in this rank's masters. Checkpoints record it, so that
         another layout can re-cut the masters and states by parameter."""
         return self.master.pieces(self.optimizer)
+
+    def load_by_parameter(self, values: Callable[[MasterPiece, str], torch.Tensor], kinds: list[str],
+                          scalars: Callable[[MasterPiece], dict] | None = None,
+                          loss_scaler: dict | None = None) -> None:
+        """Fill this rank's masters and per-element optimizer states parameter by parameter, whatever layout
+        they came from (re-cutting a checkpoint, importing weights). ``values(piece, kind)`` returns this
+        rank's whole (tensor-parallel) slice of ``piece.param`` (of shape ``piece.shape``) flattened, for
+        ``kind`` "master" or a state in ``kinds`` (e.g. Adam's "exp_avg"); ``scalars(piece)`` the
+        parameter's scalars (Adam's step). Each is asked once per parameter.
+        Without ``scalars`` the optimizer state stays as it is (fresh: fine-tuning). Then every parameter
+        takes its master's value. Call it inside ``states_in_memory()`` under NVMe offload."""
+        by_param: dict[int, list[MasterPiece]] = {}
+        for piece in self.master_pieces():
+            by_param.setdefault(id(piece.param), []).append(piece)
+        new_states: dict[int, dict] = {}
+        with torch.no_grad():
+            for pieces in by_param.values():
+                for kind in ["master", *kinds]:
+                    local = values(pieces[0], kind)
+                    for piece in pieces:
+                        if kind == "master":
+                            target = self.masters[piece.master].data
+                        else:
+                            per_master = new_states.setdefault(piece.state, {})
+                            target = per_master.setdefault(kind, torch.zeros_like(self.masters[piece.master].data))
+                        target[piece.offset:piece.offset + piece.length].copy_(
+                            local[piece.start:piece.start + piece.length])
+                if scalars is not None:
+                    found = scalars(pieces[0])
+                    for piece in pieces:
+                        new_states.setdefault(piece.state, {}).update(
+                            {k: v.clone() if torch.is_tensor(v) else v for k, v in found.items()})
+        if scalars is not None:
+            self.optimizer.load_state_dict({"state": new_states,
+                                            "param_groups": self.optimizer.state_dict()["param_groups"]})
+        if loss_scaler is not None:
+            self.loss_scaler.load_state_dict(loss_scaler)
+        self.masters_to_parameters()
+
+    @staticmethod
+    def saved_piece(state: dict, master: int, state_index: int, kind: str) -> torch.Tensor | None:
+        """Master ``master`` (kind "master") or per-element state ``kind`` of torch-optimizer state
+        ``state_index`` in a ``state_dict()`` of any layout (None where the optimizer never stepped)."""
+        if kind == "master":
+            return state["masters"][master]
+        return state["optimizer"]["state"].get(state_index, {}).get(kind)
+
+    @staticmethod
+    def saved_scalars(state: dict, state_index: int) -> dict:
+        """The per-parameter scalars (Adam's step) of torch-optimizer state ``state_index`` in a ``state_dict()``."""
+        return {key: value for key, value in state["optimizer"]["state"].get(state_index, {}).items()
+                if not is_per_element(value)}
+
+    @staticmethod
+    def saved_kinds(state: dict) -> set[str]:
+        """The per-element optimizer states (Adam's two moments) a ``state_dict()`` holds."""
+        return {kind for per_master in state["optimizer"]["state"].values() for kind, value in per_master.items()
+                if is_per_element(value)}
+
+    @staticmethod
+    def saved_loss_scaler(state: dict) -> dict:
+        return state["loss_scaler"]
 
     def masters_to_parameters(self) -> None:
         """Copy every master into its compute-precision parameters on every rank (after a checkpoint
