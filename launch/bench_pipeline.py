@@ -21,8 +21,6 @@ from launch.bench_world import add_worker_arguments, run_world, write_result, wr
 
 
 def _worker(args: argparse.Namespace) -> None:
-    import contextlib
-
     import torch
 
     from models.stages import build_stage
@@ -45,7 +43,7 @@ def _worker(args: argparse.Namespace) -> None:
     device = init_distributed()
     groups = create_process_groups(topology)
     chunks = build_stage(config.model, groups, seed=0, vp=args.vp)
-    runner = StageRunner(config, groups, chunks, device, SavedActivationMeter(), contextlib.nullcontext)
+    runner = StageRunner(config, groups, chunks, device, SavedActivationMeter())
 
     def synthetic_batches():
         generator = torch.Generator().manual_seed(0)

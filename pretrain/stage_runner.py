@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +15,25 @@ from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule_st
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
 from pretrain.config import Config
+
+
+class GradientOwner(Protocol):
+    """What backward needs from the optimizer (``ZeroOptimizer`` is one): the loss to call backward on,
+    and a context in which backward accumulates without syncing."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+
+class _NoSync:
+    """Plain backward (no optimizer wraps the chunks: a benchmark of the schedule alone)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -32,14 +51,18 @@ def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.
 class StageRunner:
     """Runs global batches through this rank's model chunks with the configured pipeline schedule.
 
-    Owns the chunks' execution, the exchange with neighbouring stages, and which micro-batches this
-    stage reads (tokens on the first stage, labels on the last, nothing in between). Never steps the
-    optimizer; the loss it returns is the global-batch mean, the same on every rank of the pipeline.
+    Owns the chunks' execution (forward and backward steps), the exchange with neighbouring stages, and
+    which micro-batches this stage reads (tokens on the first stage, labels on the last, nothing in
+    between). Backward starts from ``gradients.scale_loss(loss)`` and runs inside ``gradients.no_sync()``
+    until a chunk's last micro-batch: the optimizer owns the loss scale and when gradients sync, this
+    runner is their one caller. Never steps the optimizer; the loss it returns is the unscaled
+    global-batch mean, the same on every rank of the pipeline.
     """
 
     def __init__(self, config: Config, groups: ParallelGroups, chunks: nn.ModuleList, device: torch.device,
-                 meter: SavedActivationMeter, no_sync: Callable[[], contextlib.AbstractContextManager]):
+                 meter: SavedActivationMeter, gradients: GradientOwner | None = None):
         self.config, self.groups, self.chunks, self.device, self.meter = config, groups, chunks, device, meter
+        self.gradients = gradients or _NoSync()
         par, model, train = config.parallel, config.model, config.training
         self.pp, self.vp, self.stage = groups.topology.pp, par.virtual_pipeline_size or 1, groups.pp_rank
         self.kind = par.pipeline_schedule or ("interleaved" if self.vp > 1 else "1f1b")
@@ -47,7 +70,7 @@ class StageRunner:
         self.sequence_parallel = par.sequence_parallel and groups.tp.size > 1
         self.dtype = next(chunks.parameters()).dtype
         self.executor = PipelineExecutor(self._exchange(model.seq_length, train.micro_batch_size), self.stage,
-                                         self.pp, self.vp, no_sync)
+                                         self.pp, self.vp)
 
     def _exchange(self, seq_length: int, batch: int) -> StageExchange | None:
         if self.pp == 1:
@@ -59,11 +82,10 @@ class StageRunner:
     def reads_data(self) -> bool:
         return self.groups.is_first_stage or self.groups.is_last_stage
 
-    def run(self, batches: Iterator[dict] | None, num_micro_batches: int, train: bool = True,
-            loss_scale: float = 1.0) -> tuple[float, StepStats]:
+    def run(self, batches: Iterator[dict] | None, num_micro_batches: int,
+            train: bool = True) -> tuple[float, StepStats]:
         """Forward (and backward when ``train``) of one global batch of ``num_micro_batches`` micro-batches
-        per data-parallel rank; returns (mean loss, stats). Backward starts from the loss times
-        ``loss_scale`` (fp16); the returned loss is unscaled. The loss is the mean of the micro-batches'
+        per data-parallel rank; returns (mean loss, stats). The loss is the mean of the micro-batches'
         means, or with --calculate-per-token-loss the mean over every loss token of the global batch."""
         loaded: dict[int, dict] = {}
 
@@ -83,16 +105,21 @@ class StageRunner:
                             labels=batch["labels"] if model.post_process else None, hidden=received)
             if model.post_process:
                 if weight is not None:  # this micro-batch's share of the global token mean
-                    return (out.float() * batch["loss_mask"]).sum() * (weight[0] * loss_scale)
-                return masked_mean(out, batch["loss_mask"]) * (loss_scale / num_micro_batches)
+                    return (out.float() * batch["loss_mask"]).sum() * weight[0]
+                return masked_mean(out, batch["loss_mask"]) / num_micro_batches
             return out
+
+        def backward_step(chunk: int, index: int, output: torch.Tensor, grad: torch.Tensor | None,
+                          last: bool) -> None:
+            with contextlib.nullcontext() if last else self.gradients.no_sync():
+                torch.autograd.backward(self.gradients.scale_loss(output) if grad is None else output, grad)
+            self.meter.release((chunk, index))
 
         steps = schedule_steps(self.kind, num_micro_batches, self.pp, self.stage, self.vp)
         if not train:
             steps = [(a,) for step in steps for a in step if a.kind == "F"]
-        stats = self.executor.run(steps, forward_step, train=train,
-                                  after_backward=lambda chunk, index: self.meter.release((chunk, index)))
-        return self._loss_from_last_stage(stats.losses, loss_scale), stats
+        stats = self.executor.run(steps, forward_step, backward_step, train=train)
+        return self._loss_from_last_stage(stats.losses), stats
 
     def _per_token_weight(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
         """dp / (loss tokens of the whole global batch), on the last stage: after the data-parallel mean
@@ -110,12 +137,12 @@ class StageRunner:
         train, model = self.config.training, self.config.model
         return torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size, model.seq_length)
 
-    def _loss_from_last_stage(self, losses: list[torch.Tensor], loss_scale: float) -> float:
+    def _loss_from_last_stage(self, losses: list[torch.Tensor]) -> float:
         """The step's loss on every pipeline rank: the last stage's micro-batch losses summed on the
-        device, unscaled, broadcast, and read by the host once (the only wait of the step for it)."""
+        device, broadcast, and read by the host once (the only wait of the step for it)."""
         value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
-            value += torch.stack([loss.double() for loss in losses]).sum() / loss_scale
+            value += torch.stack([loss.double() for loss in losses]).sum()
         comm.broadcast(value, src=self.groups.pp.ranks[-1], group=self.groups.pp)
         return value.item()
 

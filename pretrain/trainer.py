@@ -116,7 +116,7 @@ class Trainer:
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
-                                  self.optimizer.no_sync)
+                                  self.optimizer)
         self.consumed_samples, self.start_iteration = 0, 0
         self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
@@ -167,8 +167,7 @@ class Trainer:
         data-parallel rank's loss and the step."""
         self.optimizer.zero_grad(set_to_none=False)  # the gradient views stay attached
         self.activation_meter.reset()
-        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.consumed_samples),
-                                                     loss_scale=self.optimizer.loss_scale)
+        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.consumed_samples))
         return loss, self.optimizer.step()
 
     @torch.no_grad()

@@ -88,6 +88,11 @@ class StepStats:
 
 
 ForwardStep = Callable[[int, int, torch.Tensor | None], torch.Tensor]
+BackwardStep = Callable[[int, int, torch.Tensor, torch.Tensor | None, bool], None]
+
+
+def plain_backward(chunk: int, micro_batch: int, output: torch.Tensor, grad: torch.Tensor | None, last: bool) -> None:
+    torch.autograd.backward(output, grad)
 
 
 class PipelineExecutor:
@@ -96,15 +101,15 @@ class PipelineExecutor:
     Owns the activations kept between a micro-batch's forward and its backward (input and output of
     each chunk) and releases them right after the backward. ``forward_step(chunk, micro_batch, input)``
     runs one chunk (``input`` is None where the chunk reads tokens) and returns the next stage's input,
-    or the micro-batch's scaled loss on the last virtual stage. Between two steps it makes one
-    exchange: the sends the previous step produced with the receives the next one needs. Never
-    touches the optimizer beyond the ``no_sync`` context that keeps gradient sync off until a chunk's
-    last backward.
+    or the micro-batch's loss on the last virtual stage. ``backward_step(chunk, micro_batch, output,
+    grad, last)`` runs its backward (``grad`` is None for a loss; ``last``: the chunk's last backward of
+    the step, where gradient sync may start). Between two steps it makes one exchange: the sends the
+    previous step produced with the receives the next one needs. Never touches the optimizer, the loss
+    scale or gradient sync: the caller's steps do.
     """
 
-    def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int,
-                 no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        self.exchange, self.stage, self.pp, self.vp, self.no_sync = exchange, stage, pp, vp, no_sync
+    def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int):
+        self.exchange, self.stage, self.pp, self.vp = exchange, stage, pp, vp
 
     def _first(self, chunk: int) -> bool:
         return self.stage == 0 and chunk == 0
@@ -121,8 +126,8 @@ class PipelineExecutor:
         forward, backward = self.exchange.exchange(**sends, **wanted)
         return {"F": forward, "B": backward}
 
-    def run(self, steps: list[tuple[Action, ...]], forward_step: ForwardStep, train: bool = True,
-            after_backward: Callable[[int, int], None] = lambda chunk, micro_batch: None) -> StepStats:
+    def run(self, steps: list[tuple[Action, ...]], forward_step: ForwardStep,
+            backward_step: BackwardStep = plain_backward, train: bool = True) -> StepStats:
         stats = StepStats()
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         last_backward = {a.chunk: a.micro_batch for step in steps for a in step if a.kind == "B"}
@@ -150,9 +155,7 @@ class PipelineExecutor:
                 else:
                     hidden, output = saved.pop(key)
                     final = last_backward[action.chunk] == action.micro_batch
-                    with contextlib.nullcontext() if final else self.no_sync():
-                        torch.autograd.backward(output, received.pop("B", None))
-                    after_backward(action.chunk, action.micro_batch)
+                    backward_step(action.chunk, action.micro_batch, output, received.pop("B", None), final)
                     if not self._first(action.chunk):
                         sends["send_backward"] = hidden.grad
                 del hidden, output
