@@ -75,7 +75,7 @@ class _Checkpoint(torch.autograd.Function):
     def forward(ctx, run, tracker, store, count, *args):
         inputs, ctx.rest = args[:count], args[count:]
         ctx.run, ctx.tracker, ctx.store = run, tracker, store
-        ctx.states = tracker.get_states()
+        ctx.states = tracker.state_dict()
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs]
         with torch.no_grad():
             out = run(*inputs, *ctx.rest)
@@ -86,11 +86,11 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, grad_out):
         restored = [ctx.store.restore(kept, like) for kept, like in zip(ctx.saved_tensors, ctx.like)]
         inputs = [x for x, _ in restored]
-        current = ctx.tracker.get_states()
-        ctx.tracker.set_states(ctx.states)  # the same dropout masks as the first forward
+        current = ctx.tracker.state_dict()
+        ctx.tracker.load_state_dict(ctx.states)  # the same dropout masks as the first forward
         with torch.enable_grad():
             out = ctx.run(*inputs, *ctx.rest)
-        ctx.tracker.set_states(current)
+        ctx.tracker.load_state_dict(current)
         torch.autograd.backward(out, grad_out)
         for _, used in restored:  # the recompute's graph is gone: its slots can serve the next checkpoint
             for slots, buffer in used:

@@ -32,8 +32,10 @@ from torch import nn
 
 from parallel import comm
 from parallel.process_groups import ParallelGroups
+from parallel.tensor.random import RNGTracker
 from parallel.zero.optimizer import ZeroOptimizer
 from pretrain import reshard
+from pretrain.progress import TrainingProgress
 
 
 WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
@@ -77,18 +79,16 @@ def layout_of(groups: ParallelGroups, optimizer: ZeroOptimizer) -> dict:
             "zero_stage": optimizer.stage}
 
 
-def _rank_state(optimizer: ZeroOptimizer, rng: dict, pieces: list[dict]) -> dict:
-    return {"pieces": pieces, "optimizer": optimizer.state_dict(), "rng": rng}
-
-
-def save(directory: str, iteration: int, consumed_samples: int, groups: ParallelGroups, optimizer: ZeroOptimizer,
-         names: dict[nn.Parameter, str], rng: dict, config: dict, keep_last: int = 0,
+def save(directory: str, progress: TrainingProgress, groups: ParallelGroups, optimizer: ZeroOptimizer,
+         names: dict[nn.Parameter, str], rng: RNGTracker, config: dict, keep_last: int = 0,
          retain_interval: int | None = None) -> str:
-    """Write checkpoint ``iteration`` (a collective over the world); return its final path. ``names``
-    are the parameters' layout-independent names (what another layout re-cuts the states by). Then
-    prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the checkpoints at
-    its multiples besides the newest."""
-    name = f"iter_{iteration:07d}"
+    """Write the checkpoint of ``progress.iteration`` (a collective over the world); return its final
+    path. Each state is written by its owner's ``state_dict()``: ``progress`` into the manifest, the
+    optimizer (parameters, masters, optimizer states, loss scale) and ``rng`` into the rank file.
+    ``names`` are the parameters' layout-independent names (what another layout re-cuts the states by).
+    Then prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the checkpoints
+    at its multiples besides the newest."""
+    name = f"iter_{progress.iteration:07d}"
     final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     if groups.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
@@ -97,7 +97,7 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
     path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
     with optimizer.states_in_memory():
         pieces = reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)
-        torch.save(_rank_state(optimizer, rng, pieces), path + ".part")
+        torch.save({"pieces": pieces, "optimizer": optimizer.state_dict(), "rng": rng.state_dict()}, path + ".part")
     with open(path + ".part", "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(path + ".part", path)
@@ -106,7 +106,7 @@ def save(directory: str, iteration: int, consumed_samples: int, groups: Parallel
         files = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
                          "sha256": file_sha256(os.path.join(staging, entry))}
                  for entry in sorted(os.listdir(staging))}
-        manifest = {"format": RANK_FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+        manifest = {"format": RANK_FORMAT, **progress.state_dict(),
                     "layout": layout_of(groups, optimizer), "config": config, "files": files}
         write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
         _fsync_directory(staging)

@@ -30,6 +30,7 @@ from pretrain.megatron_flags import describe_ignored
 from pretrain.metrics import (MetricsWriter, gather_per_rank, model_state_table, peak_flops, peak_memory_bytes,
                               print_rank0, reset_peak_memory)
 from pretrain.param_groups import adamw_factory, parameter_groups
+from pretrain.progress import TrainingProgress
 from pretrain.run_control import RunControl
 from pretrain.stage_runner import StageRunner
 from pretrain.training_data import TrainingData
@@ -117,7 +118,8 @@ class Trainer:
         self.activation_meter = SavedActivationMeter()
         self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer)
-        self.consumed_samples, self.start_iteration = 0, 0
+        self.progress = TrainingProgress()  # the data position; the LR schedule follows it
+        self.start_iteration = 0
         self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
         self._load_checkpoint()
@@ -139,11 +141,12 @@ class Trainer:
             print_rank0(self.is_logger, f"fine-tuning from the weights of {directory} ({manifest.get('source', 'ours')}"
                         f", iteration {manifest['iteration']}): a fresh optimizer, from iteration 0")
             return
-        self.start_iteration, self.consumed_samples = manifest["iteration"], manifest["consumed_samples"]
+        self.progress.load_state_dict(manifest)
+        self.start_iteration = self.progress.iteration
         if rng is not None and not ckpt.no_load_rng:  # the same layout: the stage's dropout streams and the default
-            self.model[0].rng.set_states(rng)
+            self.model[0].rng.load_state_dict(rng)
         print_rank0(self.is_logger, f"resumed from {directory} at iteration {self.start_iteration}, sample "
-                    f"{self.consumed_samples} (global batch {self.schedule.batch_size(self.consumed_samples)})"
+                    f"{self.progress.consumed_samples} (global batch {self.schedule.batch_size(self.progress.consumed_samples)})"
                     + (", with a fresh optimizer" if ckpt.no_load_optim else ""))
 
     def _batches(self, dataset, total_samples: int, consumed: int):
@@ -157,9 +160,9 @@ class Trainer:
 
     def _set_learning_rates(self) -> float:
         """Every group's rate for the step that starts now; returns the main one."""
-        lr = self.lr_schedule(self.consumed_samples)
+        lr = self.lr_schedule(self.progress.consumed_samples)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.decoupled_lr_schedule(self.consumed_samples) if group.get("decoupled") else lr
+            group["lr"] = self.decoupled_lr_schedule(self.progress.consumed_samples) if group.get("decoupled") else lr
         return lr
 
     def train_step(self, batches) -> tuple[float, zero.StepResult]:
@@ -167,7 +170,7 @@ class Trainer:
         data-parallel rank's loss and the step."""
         self.optimizer.zero_grad(set_to_none=False)  # the gradient views stay attached
         self.activation_meter.reset()
-        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.consumed_samples))
+        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.progress.consumed_samples))
         return loss, self.optimizer.step()
 
     @torch.no_grad()
@@ -191,7 +194,7 @@ class Trainer:
                 "saved_activation_bytes": self.activation_meter.peak_bytes,
                 "buffer_pool_bytes": self.buffer_pool.bytes(), "peak_mem_bytes": peak_mem}
         record = {
-            "iteration": iteration, "consumed_samples": self.consumed_samples, "batch_size": batch_size,
+            "iteration": iteration, "consumed_samples": self.progress.consumed_samples, "batch_size": batch_size,
             "loss": loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
             "skipped": result.skipped, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
             "tflops_per_rank": self.flops_per_token * tokens / step_time / self.groups.topology.world_size / 1e12,
@@ -216,7 +219,7 @@ class Trainer:
         result = TrainResult(wandb_dir=wandb_run.dir if wandb_run else None)
         if config.ignored_flags:
             print_rank0(self.is_logger, describe_ignored(config.ignored_flags))
-        micro = self.schedule.micro_batches(self.consumed_samples)
+        micro = self.schedule.micro_batches(self.progress.consumed_samples)
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
                     f"(model {num_parameters(config.model):,}) on {self.groups.topology.describe().splitlines()[0]}, "
                     f"{micro} micro-batches of {train.micro_batch_size} per step"
@@ -224,19 +227,19 @@ class Trainer:
                        if len(self.schedule.sizes()) > 1 else ""))
         try:
             batches = self._batches(self.data.train, self.schedule.samples_after(train.train_iters),
-                                    self.consumed_samples)
+                                    self.progress.consumed_samples)
             started = time.perf_counter()
             for iteration in range(self.start_iteration + 1, train.train_iters + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
                 lr = self._set_learning_rates()
-                batch_size = self.schedule.batch_size(self.consumed_samples)
+                batch_size = self.schedule.batch_size(self.progress.consumed_samples)
                 step_start = time.perf_counter()
                 local_loss, step = self.train_step(batches)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
                 step_time = time.perf_counter() - step_start
-                self.consumed_samples += batch_size
+                self.progress.advance(batch_size)
                 comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
                 peak_mem = peak_memory_bytes(self.device)
                 loss = self._dp_mean(local_loss)
@@ -260,7 +263,7 @@ class Trainer:
                     writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration),
                                decision.console)
                 if decision.save:
-                    self.save(iteration)
+                    self.save()
                 if decision.stop is not None:
                     self.stopped_early = decision.stop
                     print_rank0(self.is_logger, f"stopping after iteration {iteration} on {decision.stop}")
@@ -294,10 +297,10 @@ class Trainer:
                 f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The run stops "
                 f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
 
-    def save(self, iteration: int) -> None:
+    def save(self) -> None:
         ckpt = self.config.checkpoint
-        path = checkpoint.save(ckpt.save, iteration, self.consumed_samples, self.groups,
-                               self.optimizer, self.parameter_names, self.model[0].rng.get_states(),
+        path = checkpoint.save(ckpt.save, self.progress, self.groups, self.optimizer, self.parameter_names,
+                               self.model[0].rng,
                                self.config.to_dict(), ckpt.save_keep_last, ckpt.save_retain_interval)
         print_rank0(self.is_logger, f"saved checkpoint {path}")
 

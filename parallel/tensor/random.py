@@ -4,7 +4,7 @@ Outside tensor-parallel regions (replicated activations) dropout draws from the 
 seeded identically on every rank of a tensor-parallel group, so the replicas stay equal. Inside
 them (split heads, sequence shards) it must differ per rank: ``RNGTracker.fork()`` swaps in a stream
 seeded per tp rank for the duration of a block, then restores the default one. Recomputation saves
-and restores both with ``get_states`` / ``set_states`` so that it redraws exactly the same masks.
+and restores both with ``state_dict`` / ``load_state_dict`` so that it redraws exactly the same masks.
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ class RNGTracker:
             self._states[name] = _default_state()
             _set_default_state(outside)
 
-    def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of every stream's state, and the default one under ``"default"``."""
         states = {name: {k: v.clone() for k, v in state.items()} for name, state in self._states.items()}
         states["default"] = _default_state()
         return states
 
-    def set_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Restore what ``get_states`` returned (the default stream included)."""
+    def load_state_dict(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore what ``state_dict`` returned (the default stream included)."""
         states = dict(states)
         _set_default_state(states.pop("default"))
         self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}

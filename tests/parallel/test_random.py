@@ -25,11 +25,11 @@ def test_fork_leaves_the_default_stream_untouched():
 
 def test_saved_states_redraw_the_same_masks():
     tracker = model_parallel_tracker(seed=5, tp_rank=1)
-    states = tracker.get_states()
+    states = tracker.state_dict()
     with tracker.fork():
         first = torch.nn.functional.dropout(torch.ones(64), 0.5)
     outside = torch.rand(3)
-    tracker.set_states(states)
+    tracker.load_state_dict(states)
     with tracker.fork():
         assert torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), first)
     assert torch.equal(torch.rand(3), outside)
