@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parallel import comm
 from parallel.comm import AxisGroup, CommStats
@@ -27,6 +28,15 @@ def default_device() -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where the module computes; a module built on the meta device is materialised on this process's
+    default device."""
+    device = next(module.parameters()).device
+    if device.type == "meta":
+        return default_device()
+    return device
 
 
 def init_distributed(timeout_s: float = 300.0) -> torch.device:

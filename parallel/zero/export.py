@@ -17,7 +17,6 @@ import struct
 import torch
 from torch import nn
 
-from parallel import comm
 from parallel.zero.optimizer import ZeroOptimizer
 
 
@@ -72,17 +71,11 @@ def export_fp32_state_dict(module: nn.Module, optimizer: ZeroOptimizer, path: st
     names = {param: name for name, param in module.named_parameters()}
     writer = None
     if optimizer.dp.rank == 0:
-        writer = StreamedSafetensors(path, [(names[param], shape) for slot in optimizer.slots
-                                            for param, _, shape in slot.layout])
+        writer = StreamedSafetensors(path, [(names[param], shape) for param, shape in optimizer.parameter_shapes()])
     try:
-        for slot in optimizer.slots:
-            full = slot.master.data
-            if slot.sharded and optimizer.dp.size > 1:
-                full = torch.empty(full.numel() * optimizer.dp.size, dtype=torch.float32, device=full.device)
-                comm.all_gather_into_tensor(full, slot.master.data.contiguous(), optimizer.dp)
+        for param, value in optimizer.whole_masters():
             if writer is not None:
-                for param, start, shape in slot.layout:
-                    writer.write(names[param], full[start:start + shape.numel()].view(shape))
+                writer.write(names[param], value)
     except BaseException:
         if writer is not None:
             writer.abort()

@@ -16,7 +16,7 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch import nn
 from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
+from parallel.process_groups import module_device
 from parallel.param_meta import counts_once_here
 from parallel.zero.auto_wrap import group_units
 from parallel.zero.flat_storage import FlatStorage
@@ -46,17 +47,6 @@ class StepResult:
     grad_norm: float
     skipped: bool = False
     loss_scale: float = 1.0
-
-
-def module_device(module: nn.Module) -> torch.device:
-    """Where the module computes; a module built on the meta device is materialised on this process's
-    default device."""
-    device = next(module.parameters()).device
-    if device.type == "meta":
-        from parallel.process_groups import default_device
-
-        return default_device()
-    return device
 
 
 class ZeroOptimizer:
@@ -309,6 +299,21 @@ class ZeroOptimizer:
     @staticmethod
     def saved_loss_scaler(state: dict) -> dict:
         return state["loss_scaler"]
+
+    def parameter_shapes(self) -> list[tuple[nn.Parameter, torch.Size]]:
+        """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields them."""
+        return [(param, shape) for slot in self.slots for param, _, shape in slot.layout]
+
+    def whole_masters(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Every parameter's full fp32 value from the masters, one bucket or unit at a time (its shards
+        all-gathered over dp: every data-parallel rank must run this to the end)."""
+        for slot in self.slots:
+            full = slot.master.data
+            if slot.sharded and self.dp.size > 1:
+                full = torch.empty(full.numel() * self.dp.size, dtype=torch.float32, device=full.device)
+                comm.all_gather_into_tensor(full, slot.master.data.contiguous(), self.dp)
+            for param, start, shape in slot.layout:
+                yield param, full[start:start + shape.numel()].view(shape)
 
     def masters_to_parameters(self) -> None:
         """Copy every master into its compute-precision parameters on every rank (after a checkpoint
