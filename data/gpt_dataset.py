@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import struct
 import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -154,6 +155,78 @@ def _parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
     return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
 
 
+DTYPE_CODES = (1, 2, 3, 4, 5, 8)  # megatron-core's integer DType codes (uint8 ... int64, uint16)
+FULL_SCAN_BYTES = 1 << 30  # token files up to this size are read whole for the id check; larger ones sampled
+SAMPLED_BLOCKS, BLOCK_TOKENS = 64, 1 << 20
+
+
+def _index_problem(path: str) -> str | None:
+    """What is wrong with megatron-core's index file ``path`` (header, version, dtype code, and a size
+    that matches its counts), or None: checked here because megatron-core asserts, then fails again in
+    its destructor."""
+    with open(path, "rb") as stream:
+        head = stream.read(34)
+    if len(head) < 34 or head[:9] != b"MMIDIDX\x00\x00":
+        return "no MMIDIDX header"
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
+    if version != 1:
+        return f"version {version}, not 1"
+    if code not in DTYPE_CODES:
+        return f"token dtype code {code} is not an integer type"
+    expected = 34 + sequences * (4 + 8) + documents * 8
+    if os.path.getsize(path) != expected:
+        return f"{os.path.getsize(path)} bytes where its counts need {expected}"
+    return None
+
+
+def check_indexed_files(prefix: str, vocab_size: int | None, flag: str = "--data-path") -> IndexedDataset:
+    """The .bin/.idx pair of ``prefix`` is whole and fits the tokenizer; returns it opened. Checks: both
+    files exist, the index parses, the .bin is exactly as long as the index says, it holds documents and
+    tokens, and (given ``vocab_size``) its dtype holds the vocabulary and no token id reaches it (every id
+    read for files up to ``FULL_SCAN_BYTES``, ``SAMPLED_BLOCKS`` evenly spaced blocks beyond).
+    ValueError naming ``flag``, the file and the fix."""
+    rebuild = "rebuild it with python -m data.preprocess"
+    for path in (prefix + ".bin", prefix + ".idx"):
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {prefix}: no {path} found; run python -m data.preprocess first")
+    problem = _index_problem(prefix + ".idx")
+    if problem:
+        raise ValueError(f"{flag} {prefix}: {prefix}.idx is not a megatron index ({problem}); {rebuild}")
+    dataset = IndexedDataset(prefix)
+    index = dataset.index
+    lengths, pointers = index.sequence_lengths, index.sequence_pointers
+    itemsize = numpy.dtype(index.dtype).itemsize
+    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    actual = os.path.getsize(prefix + ".bin")
+    if actual != expected:
+        raise ValueError(f"{flag} {prefix}: {prefix}.bin has {actual} bytes where its index describes {expected} "
+                         f"(truncated, or the pair of another run); {rebuild}")
+    tokens = int(numpy.asarray(lengths, dtype=numpy.int64).sum())
+    if len(lengths) == 0 or tokens == 0:
+        raise ValueError(f"{flag} {prefix}: holds {len(lengths)} documents and {tokens} tokens: nothing to train "
+                         "on; preprocess an input with text")
+    if vocab_size is not None:
+        _check_token_ids(prefix, index.dtype, actual, vocab_size, flag)
+    return dataset
+
+
+def _check_token_ids(prefix: str, dtype, size: int, vocab_size: int, flag: str) -> None:
+    if numpy.iinfo(dtype).max < vocab_size - 1:
+        raise ValueError(f"{flag} {prefix}: stores {numpy.dtype(dtype).name} tokens, too small for the "
+                         f"tokenizer's vocabulary of {vocab_size}; preprocess the data with this tokenizer")
+    ids = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    if size <= FULL_SCAN_BYTES:
+        largest = int(ids.max())
+    else:
+        starts = numpy.linspace(0, ids.size - BLOCK_TOKENS, SAMPLED_BLOCKS).astype(numpy.int64)
+        largest = max(int(ids[start:start + BLOCK_TOKENS].max()) for start in starts)
+    del ids
+    if largest >= vocab_size:
+        raise ValueError(f"{flag} {prefix}: holds token id {largest}, beyond the tokenizer's vocabulary of "
+                         f"{vocab_size} (made with another tokenizer?); preprocess it with this tokenizer, or "
+                         "give the tokenizer it was made with")
+
+
 def _check_indexed_dataset(
     prefix: str,
     tokenizer,
@@ -161,25 +234,9 @@ def _check_indexed_dataset(
     split_matrix: List[Optional[Tuple[float, float]]],
     num_samples: Tuple[int, int, int],
 ) -> None:
-    """The .bin/.idx pair exists, its dtype holds the tokenizer's ids, and every split asked for
-    samples has documents (megatron-core would loop forever on an empty split)."""
-    for path in (prefix + ".bin", prefix + ".idx"):
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"--data-path {prefix}: no {path} found; run python -m data.preprocess first"
-            )
-    try:
-        dataset = IndexedDataset(prefix)
-    except (AssertionError, OSError, ValueError) as error:
-        raise ValueError(
-            f"--data-path {prefix}: not a megatron indexed dataset ({error}); "
-            "run python -m data.preprocess again"
-        ) from None
-    if numpy.iinfo(dataset.index.dtype).max < tokenizer.vocab_size - 1:
-        raise ValueError(
-            f"--data-path {prefix}: stores {dataset.index.dtype.__name__} tokens, too small for "
-            f"the tokenizer's vocabulary of {tokenizer.vocab_size}; preprocess the data with this tokenizer"
-        )
+    """The .bin/.idx pair is whole and fits the tokenizer, and every split asked for samples has
+    documents (megatron-core would loop forever on an empty split)."""
+    dataset = check_indexed_files(prefix, tokenizer.vocab_size)
     documents = len(dataset.sequence_lengths)
     for name, bounds, count in zip(SPLIT_NAMES, split_matrix, num_samples):
         if bounds is None or count == 0:

@@ -19,6 +19,7 @@ key "text"). `--split-sentences` (which needs nltk) is refused; `--partitions`, 
 """
 
 import argparse
+import collections
 import multiprocessing
 import os
 import sys
@@ -59,15 +60,21 @@ def preprocess(
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     temporary_bin = f"{output_prefix}.{os.getpid()}.tmp.bin"
     temporary_idx = f"{output_prefix}.{os.getpid()}.tmp.idx"
-    progress = _Progress()
+    progress, tokens_from = _Progress(), {}  # tokens per input file, the end-of-document ids not counted
     documents = _tokenized_documents(inputs, spec, tokenizer, workers, json_key)
     try:
         builder = IndexedDatasetBuilder(temporary_bin, dtype=dtype)
-        for token_ids, text_bytes in documents:
+        for path, token_ids, text_bytes in documents:
+            tokens_from[path] = tokens_from.get(path, 0) + len(token_ids)
             if append_eod:
                 token_ids.append(tokenizer.eod_id)
             builder.add_document(token_ids, [len(token_ids)])
             progress.update(len(token_ids), text_bytes)
+        for path in inputs:
+            if not tokens_from.get(path):
+                found = "only empty documents" if path in tokens_from else "no documents"
+                raise ValueError(f"--input {path}: no tokens ({found}): nothing to train on; give a file with "
+                                 "text, or leave it out")
         builder.finalize(temporary_idx)
         if os.path.exists(idx_path):
             os.remove(idx_path)
@@ -91,16 +98,24 @@ def preprocess(
 
 def _tokenized_documents(
     inputs: List[str], spec: TokenizerSpec, tokenizer, workers: int, json_key: str
-) -> Iterator[Tuple[List[int], int]]:
-    """Yield (token ids, UTF-8 byte count) per document, in input order."""
-    documents = (text for path in inputs for text in read_documents(path, json_key))
+) -> Iterator[Tuple[str, List[int], int]]:
+    """Yield (input file, token ids, UTF-8 byte count) per document, in input order."""
+    paths: collections.deque = collections.deque()  # the file of each document handed to the encoder
+
+    def texts() -> Iterator[str]:
+        for path in inputs:
+            for text in read_documents(path, json_key):
+                paths.append(path)
+                yield text
+
     if workers == 1:
-        yield from ((tokenizer.encode(text), len(text.encode("utf-8"))) for text in documents)
+        encoded = ((tokenizer.encode(text), len(text.encode("utf-8"))) for text in texts())
+        yield from ((paths.popleft(), ids, size) for ids, size in encoded)
         return
     with multiprocessing.get_context("spawn").Pool(
         workers, initializer=_load_worker_tokenizer, initargs=(spec,)
     ) as pool:
-        yield from pool.imap(_encode_in_worker, documents, chunksize=16)
+        yield from ((paths.popleft(), ids, size) for ids, size in pool.imap(_encode_in_worker, texts(), chunksize=16))
 
 
 def _load_worker_tokenizer(spec: TokenizerSpec) -> None:

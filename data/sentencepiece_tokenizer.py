@@ -116,10 +116,10 @@ class SentencePieceTokenizer(SpecialIds):
         self._processor = sentencepiece.SentencePieceProcessor()
         try:
             self._processor.LoadFromSerializedProto(model_bytes)
-        except RuntimeError as error:
+        except RuntimeError:  # sentencepiece's message is its parser's internals
             raise ValueError(
-                f"--tokenizer-model {model_path}: not a sentencepiece model ({error}); "
-                "train one with python -m data.tokenizer"
+                f"--tokenizer-model {model_path}: not a sentencepiece model (the file does not parse as one); "
+                "give the .model file the data was preprocessed with, or train one with python -m data.tokenizer"
             ) from None
         if self._processor.eos_id() < 0:
             raise ValueError(

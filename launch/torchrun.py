@@ -1,6 +1,11 @@
 """Launch ``python -m pretrain`` on this machine with torchrun: ``python -m launch.torchrun --nproc N
 [pretrain flags]``. Divides the CPU cores among the processes (one OMP thread at least) and rendezvous
-over loopback; every flag after ``--nproc`` goes to pretrain unchanged."""
+over loopback; every flag after ``--nproc`` goes to pretrain unchanged.
+
+torchrun runs in this process, so that a failed job ends with the workers' own ``error:`` lines and,
+for a worker that a signal ended (``kill -9``, the out-of-memory killer), one line naming its rank,
+host and signal, instead of torchrun's traceback; the exit status is the failed worker's (128 + the
+signal for a signal). ``LOGLEVEL=INFO`` (torchrun's variable) keeps torchrun's own log lines."""
 
 from __future__ import annotations
 
@@ -14,9 +19,8 @@ import sys
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def torchrun_command(nproc: int, pretrain_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "pretrain", *pretrain_args]
+def torchrun_arguments(nproc: int, pretrain_args: list[str]) -> list[str]:
+    return ["--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain", *pretrain_args]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,8 +31,31 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     env = dict(RESTARTABLE, **os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    command = torchrun_command(args.nproc, rest)
-    os.execvpe(command[0], command, env)
+    os.environ.update(env)
+    sys.exit(run_torchrun(torchrun_arguments(args.nproc, rest)))
+
+
+def run_torchrun(torchrun_args: list[str]) -> int:
+    """Run torchrun with ``torchrun_args`` here; return the job's exit status (see the module)."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if "LOGLEVEL" not in os.environ:  # the workers say what failed; torchrun's warnings only repeat it
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(torchrun_args))
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        if failure.exitcode >= 0:
+            return failure.exitcode or 1  # the worker printed its own error line
+        name = signal.Signals(-failure.exitcode).name
+        sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {failure.hostname}) was ended by {name}"
+                         + (" (kill -9, or the out-of-memory killer)" if name == "SIGKILL" else "") + "\n")
+        return 128 - failure.exitcode
+    return 0
 
 
 if __name__ == "__main__":

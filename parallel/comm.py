@@ -13,6 +13,7 @@ A group of one rank sends nothing and makes no call. ``async_op=True`` returns a
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -234,6 +235,23 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
         return _Completed() if async_op else None
     group.stats.add("all_gather", group.axis, _ring_fraction(group) * _nbytes(output))
     return _all_gather_flat(_flat(output), _flat(input), group=group.group, async_op=async_op)
+
+
+def all_gather_object(value, group: AxisGroup, device: torch.device) -> list:
+    """Every rank's picklable ``value``, in group order (lengths first, then the padded bytes; on
+    ``device``, which NCCL needs to be an accelerator). For small start-up messages, not tensors."""
+    if group.size == 1:
+        return [value]
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    lengths = torch.empty(group.size, dtype=torch.int64, device=device)
+    all_gather_into_tensor(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=device), group)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data.to(device)
+    everyone = torch.empty(longest * group.size, dtype=torch.uint8, device=device)
+    all_gather_into_tensor(everyone, padded, group)
+    rows = everyone.view(group.size, longest).cpu()
+    return [pickle.loads(rows[i, :int(lengths[i])].numpy().tobytes()) for i in range(group.size)]
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False):

@@ -1,4 +1,11 @@
-"""``python -m pretrain [--config FILE.yaml] [flags]``: train a GPT (launched by torchrun, or alone)."""
+"""``python -m pretrain [--config FILE.yaml] [flags]``: train a GPT (launched by torchrun, or alone).
+
+Expected faults end the process with one line per problem (``error: ...``) and no traceback: bad
+flags before any process group exists (the same on every rank: said once per node), problems one rank
+found in its files before the first iteration (agreed: rank 0 says them, naming the ranks), a
+checkpoint that cannot be saved or loaded, a peer that died (the lowest surviving rank of the host
+names it).
+"""
 
 from __future__ import annotations
 
@@ -9,26 +16,72 @@ import warnings
 from pretrain.arguments import ConfigError, parse_config
 from pretrain.validation import validate
 
+COMMUNICATION_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out",
+                          "NCCL communicator", "Broken pipe")
+
+
+def say(text: str, prefix: str = "") -> None:
+    """``text`` on stderr as ``error:`` lines, in one write (lines of several ranks never run together)."""
+    sys.stdout.flush()
+    sys.stderr.write("".join(f"error: {prefix}{line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
+
+
+def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
+    """The line naming the peer whose death (or silence) broke a collective, if this rank says it."""
+    from parallel import peers
+
+    dead, remote = peers.dead_peers()
+    if min(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - set(dead) - set(remote), default=rank) != rank:
+        return None  # a lower surviving rank of this host says it
+    save = config.checkpoint.save
+    resume = f"; resume with --load {save} once it is fixed" if save else ""
+    if dead:
+        return (f"{', '.join(dead.values())} died during training (killed, or out of memory: the launcher's "
+                f"summary gives the signal); the run stopped{resume}")
+    if "imed out" in str(error):
+        return (f"a collective timed out after --distributed-timeout-s {config.parallel.distributed_timeout_s:g}: "
+                f"a peer stopped responding (hung, or stopped){resume}")
+    where = f" (ranks {', '.join(map(str, remote))} run on other hosts)" if remote else ""
+    return f"a peer closed its connection{where}; the launcher's summary says which rank ended and why{resume}"
+
 
 def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    rank = int(os.environ.get("RANK", "0"))
     try:
         config = parse_config(argv)
         topology = validate(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank reads the same inputs: once per node
+            say(str(error), f"rank {rank}: " if rank else "")
         sys.exit(2)
+    from parallel import peers
+    from parallel.comm import as_axis_group
     from parallel.process_groups import init_distributed, shutdown_distributed
+    from pretrain.checkpoint import CheckpointError, SaveError
+    from pretrain.preflight import PreflightError, agree, local_problems
     from pretrain.trainer import Trainer
 
-    from pretrain.checkpoint import CheckpointError
-
     device = init_distributed(config.parallel.distributed_timeout_s)
+    peers.register()
     try:
+        agree(local_problems(config, topology, rank), as_axis_group(None, axis="world"), device)
         Trainer(config, topology, device).train()
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (PreflightError, SaveError) as error:  # every rank raised it alike
+        if rank == 0:
+            say(str(error))
         sys.exit(2)
+    except CheckpointError as error:
+        say(str(error), f"rank {rank}: " if topology.world_size > 1 else "")
+        sys.exit(2)
+    except RuntimeError as error:
+        if not any(text in str(error) for text in COMMUNICATION_FAILURES):
+            raise
+        line = _peer_failure(error, config, rank)
+        if line:
+            say(line)
+        os._exit(1)  # the broken groups cannot be torn down in order
     shutdown_distributed()
 
 

@@ -8,6 +8,7 @@ error that names it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import dataclasses
 import types
 import typing
@@ -45,9 +46,31 @@ def _scaled(base: type, factor: float):
     return parse
 
 
+def nearest(name: str, known) -> str | None:
+    """The valid name closest to a misspelt ``name`` (underscores and dashes alike), if one is close."""
+    canonical = {k.replace("-", "_").strip("_"): k for k in known}
+    close = difflib.get_close_matches(name.replace("-", "_").strip("_"), list(canonical), n=1, cutoff=0.75)
+    return canonical[close[0]] if close else None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are ConfigErrors (one line, said once by the caller), unknown flags with the
+    nearest valid flag."""
+
+    def error(self, message: str):
+        unknown = message.split("unrecognized arguments: ", 1)
+        if len(unknown) == 2:
+            flags = [word for word in unknown[1].split() if word.startswith("--")]
+            known = [option for action in self._actions for option in action.option_strings]
+            hints = [f"{flag}" + (f" (did you mean {nearest(flag, known)}?)" if nearest(flag, known) else "")
+                     for flag in flags]
+            message = f"unknown flag{'s' if len(hints) > 1 else ''} {', '.join(hints) or unknown[1]}"
+        raise ConfigError(f"{message}; python -m pretrain --help lists every flag")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pretrain", description="3D-parallel GPT pretraining with ZeRO",
-                                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser = _Parser(prog="python -m pretrain", description="3D-parallel GPT pretraining with ZeRO",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", help="YAML file with settings (same names as the flags, with _)")
     for section, group_fields in _sections().items():
         group = parser.add_argument_group(section)
@@ -132,20 +155,15 @@ def load_yaml(path: str) -> dict:
     if unknown:
         hints = []
         for key in unknown:
-            close = [k for k in known if k.replace("_", "") == str(key).replace("_", "").replace("-", "")]
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            close = nearest(str(key), known)
+            hints.append(f"{key!r}" + (f" (did you mean {close!r}?)" if close else ""))
         raise ConfigError(f"--config {path}: unknown key(s) {', '.join(hints)}; keys are the flag names with _")
     return values
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Build the Config from ``--config`` YAML and flags. Raises ConfigError with the offending flag."""
-    try:
-        args = vars(build_parser().parse_args(argv))
-    except SystemExit as exit_:
-        if exit_.code in (0, None):
-            raise
-        raise ConfigError("invalid command line (see the message above and --help)") from None
+    args = vars(build_parser().parse_args(argv))
     try:
         implied, ignored = resolve_megatron_flags(args)
     except ValueError as error:

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.process_groups import ParallelGroups
+from parallel.process_groups import ParallelGroups, default_device
 from parallel.tensor.random import RNGTracker
+from parallel.topology import Topology
 from parallel.zero.optimizer import ZeroOptimizer
 from pretrain import reshard
 from pretrain.progress import TrainingProgress
@@ -46,6 +47,10 @@ RANK_FORMAT = 2
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted or used, with the file that says so."""
+
+
+class SaveError(CheckpointError):
+    """A save that failed on some rank, raised alike on every rank (the previous checkpoint stays latest)."""
 
 
 def file_sha256(path: str) -> str:
@@ -73,10 +78,9 @@ def _fsync_directory(path: str) -> None:
         os.close(descriptor)
 
 
-def layout_of(groups: ParallelGroups, optimizer: ZeroOptimizer) -> dict:
-    topology = groups.topology
+def layout_of(topology: Topology, zero_stage: int) -> dict:
     return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp,
-            "zero_stage": optimizer.stage}
+            "zero_stage": zero_stage}
 
 
 def save(directory: str, progress: TrainingProgress, groups: ParallelGroups, optimizer: ZeroOptimizer,
@@ -88,56 +92,112 @@ def save(directory: str, progress: TrainingProgress, groups: ParallelGroups, opt
     ``names`` are the parameters' layout-independent names (what another layout re-cuts the states by).
     Then prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the checkpoints
     at its multiples besides the newest."""
-    name = f"iter_{progress.iteration:07d}"
+    name = iteration_name(progress.iteration)
     final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+
+    def agreed(problem: str | None) -> None:  # every rank learns of any rank's failure: no one waits alone
+        failed = [(rank, text) for rank, text in enumerate(comm.all_gather_object(problem, groups.world,
+                                                                                    default_device())) if text]
+        if failed:
+            if groups.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            kept = f"{os.path.join(directory, _latest_name(directory))} is still the latest checkpoint, intact" \
+                if exists(directory) else "no earlier checkpoint exists"
+            rank, text = failed[0]
+            raise SaveError(f"saving iteration {progress.iteration} failed on rank {rank}: {text}; {kept}. "
+                                  f"Free space under --save {directory} (or choose another) and resume with --load")
+
+    problem = None
     if groups.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
-        os.makedirs(staging)
-    comm.barrier(groups.world)
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
+            os.makedirs(staging)
+        except OSError as error:
+            problem = f"{error.strerror or error}: {staging}"
+    agreed(problem)
     path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
+    problem = None
     with optimizer.states_in_memory():
         pieces = reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)
-        torch.save({"pieces": pieces, "optimizer": optimizer.state_dict(), "rng": rng.state_dict()}, path + ".part")
-    with open(path + ".part", "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(path + ".part", path)
-    comm.barrier(groups.world)
+        state = {"pieces": pieces, "optimizer": optimizer.state_dict(), "rng": rng.state_dict()}
+        try:
+            torch.save(state, path + ".part")
+            with open(path + ".part", "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(path + ".part", path)
+        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+            problem = f"{_one_line(error)} (writing {path})"
+    agreed(problem)
+    problem = None
     if groups.rank == 0:
-        files = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
-                         "sha256": file_sha256(os.path.join(staging, entry))}
-                 for entry in sorted(os.listdir(staging))}
-        manifest = {"format": RANK_FORMAT, **progress.state_dict(),
-                    "layout": layout_of(groups, optimizer), "config": config, "files": files}
-        write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
-        _fsync_directory(staging)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        write_durably(os.path.join(directory, "latest"), name.encode())
-        _fsync_directory(directory)
-        kept = sorted(entry for entry in os.listdir(directory)
-                      if entry.startswith("iter_") and not entry.endswith(".tmp"))
-        dropped = set(kept[:-keep_last]) if keep_last > 0 else set()
-        if retain_interval:
-            dropped |= {entry for entry in kept[:-1] if int(entry[len("iter_"):]) % retain_interval}
-        for old in sorted(dropped):
-            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-    comm.barrier(groups.world)
+        try:
+            _publish(directory, staging, final, name, progress, groups, optimizer, config, keep_last,
+                     retain_interval)
+        except OSError as error:
+            problem = f"{error.strerror or error}: {error.filename or staging}"
+    agreed(problem)
     return final
 
 
-def exists(directory: str) -> bool:
-    """Whether ``directory`` has a ``latest`` pointer (a run that saved at least once)."""
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+def _publish(directory: str, staging: str, final: str, name: str, progress: TrainingProgress,
+             groups: ParallelGroups, optimizer: ZeroOptimizer, config: dict, keep_last: int,
+             retain_interval: int | None) -> None:
+    """Rank 0, once every rank file is down: the manifest, the rename, ``latest``, then pruning."""
+    files = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
+                     "sha256": file_sha256(os.path.join(staging, entry))}
+             for entry in sorted(os.listdir(staging))}
+    manifest = {"format": RANK_FORMAT, **progress.state_dict(),
+                "layout": layout_of(groups.topology, optimizer.stage), "config": config, "files": files}
+    write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
+    _fsync_directory(staging)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    write_durably(os.path.join(directory, "latest"), name.encode())
+    _fsync_directory(directory)
+    kept = sorted(entry for entry in os.listdir(directory)
+                  if entry.startswith("iter_") and not entry.endswith(".tmp"))
+    dropped = set(kept[:-keep_last]) if keep_last > 0 else set()
+    if retain_interval:
+        dropped |= {entry for entry in kept[:-1] if int(entry[len("iter_"):]) % retain_interval}
+    for old in sorted(dropped):
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def iteration_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _latest_name(directory: str) -> str:
+    with open(os.path.join(directory, "latest")) as handle:
+        return handle.read().strip()
+
+
+def exists(directory: str, step: int | None = None) -> bool:
+    """Whether ``directory`` has a ``latest`` pointer (a run that saved at least once), or with ``step``
+    that iteration's checkpoint."""
+    if step is not None:
+        return os.path.exists(os.path.join(directory, iteration_name(step), "manifest.json"))
     return os.path.exists(os.path.join(directory, "latest"))
 
 
-def read_manifest(directory: str) -> tuple[str, dict]:
-    """The newest complete checkpoint under ``directory`` and its manifest (no rank file is read)."""
-    pointer = os.path.join(directory, "latest")
-    try:
-        with open(pointer) as handle:
-            name = handle.read().strip()
-    except OSError as error:
-        raise CheckpointError(f"--load {directory}: no readable 'latest' pointer ({error.strerror})") from None
+def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
+    """The newest complete checkpoint under ``directory`` (or that of iteration ``step``: Megatron's
+    --ckpt-step) and its manifest (no rank file is read)."""
+    if step is not None:
+        name = iteration_name(step)
+        if not os.path.isdir(os.path.join(directory, name)):
+            raise CheckpointError(f"--ckpt-step {step}: no checkpoint {name} under {directory} (there are: "
+                                  f"{', '.join(str(i) for i in saved_iterations(directory)) or 'none'})")
+    else:
+        try:
+            name = _latest_name(directory)
+        except OSError as error:
+            raise CheckpointError(f"--load {directory}: no readable 'latest' pointer ({error.strerror})") from None
     path = os.path.join(directory, name, "manifest.json")
     try:
         with open(path) as handle:
@@ -146,6 +206,57 @@ def read_manifest(directory: str) -> tuple[str, dict]:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: unreadable manifest ({error}); nothing was loaded") from None
     return os.path.join(directory, name), manifest
+
+
+def saved_iterations(directory: str) -> list[int]:
+    """The iterations of the complete-looking checkpoints under ``directory``, oldest first."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(entry[len("iter_"):]) for entry in entries
+                  if entry.startswith("iter_") and entry[len("iter_"):].isdigit())
+
+
+def files_to_read(manifest: dict, layout: dict, rank: int, weights_only: bool) -> list[str]:
+    """The files of a checkpoint that ``rank`` of a run in ``layout`` reads: its own rank file when the
+    layout is the same, every rank file to re-cut another layout, the weights of an import."""
+    if manifest.get("kind") == "weights":
+        return [WEIGHTS_FILE]
+    if manifest["layout"] == layout and not weights_only:
+        return [f"rank_{rank:05d}.pt"]
+    return sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
+
+
+def verify(directory: str, step: int | None, layout: dict, rank: int, weights_only: bool) -> None:
+    """Check, before anything is built, the manifest and every file ``rank`` will read (sizes and
+    sha256); a damaged checkpoint raises CheckpointError naming the file, the newest intact earlier
+    checkpoint and the flag that loads it."""
+    checkpoint, manifest = read_manifest(directory, step)
+    try:
+        if manifest.get("kind") != "weights":
+            _check_format(checkpoint, manifest)
+        for entry in files_to_read(manifest, layout, rank, weights_only):
+            _verified(checkpoint, manifest, entry)
+    except CheckpointError as error:
+        intact = newest_intact(directory, below=manifest["iteration"])
+        advice = (f"the newest intact checkpoint is {intact[0]}: resume from it with --ckpt-step {intact[1]}"
+                  if intact else f"no earlier intact checkpoint under {directory}: start without --load")
+        raise CheckpointError(f"{error}; {advice}") from None
+
+
+def newest_intact(directory: str, below: int) -> tuple[str, int] | None:
+    """The newest checkpoint under ``directory`` before iteration ``below`` whose files all match its
+    manifest (path, iteration), or None."""
+    for iteration in reversed([i for i in saved_iterations(directory) if i < below]):
+        try:
+            checkpoint, manifest = read_manifest(directory, iteration)
+            for entry in manifest["files"]:
+                _verified(checkpoint, manifest, entry)
+        except CheckpointError:
+            continue
+        return checkpoint, iteration
+    return None
 
 
 def _verified(checkpoint: str, manifest: dict, entry: str) -> str:
@@ -173,22 +284,23 @@ def _check_format(checkpoint: str, manifest: dict) -> None:
                               f"{RANK_FORMAT}: load it with the version that wrote it and save it again")
 
 
-def read_rank_files(directory: str) -> tuple[str, dict, list[dict]]:
+def read_rank_files(directory: str, step: int | None = None) -> tuple[str, dict, list[dict]]:
     """The newest complete checkpoint under ``directory``, its manifest and every rank file's content
     (each verified against the manifest, then memory-mapped)."""
-    checkpoint, manifest = read_manifest(directory)
+    checkpoint, manifest = read_manifest(directory, step)
     _check_format(checkpoint, manifest)
     entries = sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
     return checkpoint, manifest, [_read(_verified(checkpoint, manifest, entry)) for entry in entries]
 
 
 def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str],
-         weights_only: bool = False) -> tuple[dict, dict | None]:
+         weights_only: bool = False, step: int | None = None) -> tuple[dict, dict | None]:
     """Restore this rank's state from the newest checkpoint; return (manifest, random states). A
     checkpoint of another layout is re-cut by parameter name (``pretrain.reshard``); its random
     states do not apply (None). ``weights_only`` (fine-tuning, and a checkpoint that holds weights only,
-    such as a Hugging Face import) loads the model and leaves the optimizer fresh."""
-    checkpoint, manifest = read_manifest(directory)
+    such as a Hugging Face import) loads the model and leaves the optimizer fresh. ``step``: the
+    checkpoint of that iteration instead of the newest (--ckpt-step)."""
+    checkpoint, manifest = read_manifest(directory, step)
     if manifest.get("kind") == "weights":
         path = _verified(checkpoint, manifest, WEIGHTS_FILE)
         source = reshard.WeightsFile(path)
@@ -196,7 +308,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
         weights_only, scaler = True, None
     else:
         _check_format(checkpoint, manifest)
-        if manifest["layout"] == layout_of(groups, optimizer) and not weights_only:
+        if manifest["layout"] == layout_of(groups.topology, optimizer.stage) and not weights_only:
             path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
             state = _read(path)
             mine = [piece["name"] for piece in reshard.describe(optimizer, names, groups.tp_rank,
@@ -206,7 +318,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
                     _restore(optimizer, state, path)
                 return manifest, state["rng"]
             # the same sizes but other layers here (virtual stages, uneven stages): re-cut below
-        _, _, states = read_rank_files(directory)
+        _, _, states = read_rank_files(directory, step)
         source, what = reshard.CheckpointPieces(states), f"{checkpoint} (layout {manifest['layout']})"
         scaler = ZeroOptimizer.saved_loss_scaler(states[0]["optimizer"])
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from models.config import GPTConfig
-from pretrain.checkpoint import CheckpointError, exists, read_manifest
+from pretrain.checkpoint import CheckpointError, exists, read_manifest, saved_iterations
 from pretrain.config import Config
 
 # what the run may set freely whatever it loads: init, padding
@@ -28,22 +28,40 @@ TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 def checkpoint_to_load(config: Config) -> str | None:
     """The checkpoint directory whose weights the run starts from, if any."""
     ckpt = config.checkpoint
-    if ckpt.load and exists(ckpt.load):
+    if ckpt.load and exists(ckpt.load, ckpt.ckpt_step):
         return ckpt.load
     return ckpt.pretrained_checkpoint if ckpt.pretrained_checkpoint and exists(ckpt.pretrained_checkpoint) else None
+
+
+def loads_weights_only(config: Config, directory: str) -> bool:
+    """Whether the run takes only the weights of ``directory`` (fine-tuning: --finetune, a
+    --pretrained-checkpoint, or --no-load-optim) rather than resuming it whole."""
+    ckpt = config.checkpoint
+    return directory != ckpt.load or ckpt.finetune or ckpt.no_load_optim
+
+
+def step_to_load(config: Config, directory: str) -> int | None:
+    """The iteration to load under ``directory`` (--ckpt-step applies to --load), or None for the newest."""
+    return config.checkpoint.ckpt_step if directory == config.checkpoint.load else None
 
 
 def apply_checkpoint_args(config: Config) -> None:
     """Take the loaded checkpoint's architecture (and an import's tokenizer) into ``config``; ValueError
     naming the flag that contradicts it."""
     directory = checkpoint_to_load(config)
+    step = config.checkpoint.ckpt_step
+    if step is not None and (not config.checkpoint.load or directory != config.checkpoint.load):
+        where = f"under --load {config.checkpoint.load}" if config.checkpoint.load else "without --load"
+        found = saved_iterations(config.checkpoint.load) if config.checkpoint.load else []
+        raise ValueError(f"--ckpt-step {step}: no checkpoint of iteration {step} {where} (saved: "
+                         f"{', '.join(map(str, found)) or 'none'}); give one of those or drop --ckpt-step")
     if directory is None:
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
             raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no checkpoint "
                              "there (no 'latest' pointer); import one with python -m pretrain.convert --from-hf")
         return
     try:
-        path, manifest = read_manifest(directory)
+        path, manifest = read_manifest(directory, step_to_load(config, directory))
     except CheckpointError as error:
         raise ValueError(str(error)) from None
     fields = GPTConfig.__dataclass_fields__

@@ -208,6 +208,8 @@ class CheckpointConfig:
 
     save: str | None = field(default=None, metadata=flag("directory to save checkpoints in"))
     load: str | None = field(default=None, metadata=flag("directory to resume from"))
+    ckpt_step: int | None = field(default=None, metadata=flag(
+        "resume from the checkpoint of this iteration under --load instead of the newest"))
     save_interval: int | None = field(default=None, metadata=flag("save every N iterations (default: only at "
                                                                    "the end)"))
     save_keep_last: int = field(default=0, metadata=flag("keep only the newest K checkpoints (0 = keep all)"))

@@ -23,7 +23,7 @@ from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes, gradient_bytes
 from pretrain import checkpoint
 from pretrain.batch_schedule import build_batch_schedule
-from pretrain.checkpoint_args import checkpoint_to_load
+from pretrain.checkpoint_args import checkpoint_to_load, loads_weights_only, step_to_load
 from pretrain.config import Config
 from pretrain.lr_schedule import build_lr_schedule
 from pretrain.megatron_flags import describe_ignored
@@ -136,7 +136,8 @@ class Trainer:
             return
         starts_over = directory != ckpt.load or ckpt.finetune
         manifest, rng = checkpoint.load(directory, self.groups, self.optimizer, self.parameter_names,
-                                        weights_only=starts_over or ckpt.no_load_optim)
+                                        weights_only=loads_weights_only(self.config, directory),
+                                        step=step_to_load(self.config, directory))
         if starts_over or manifest.get("kind") == "weights":
             print_rank0(self.is_logger, f"fine-tuning from the weights of {directory} ({manifest.get('source', 'ours')}"
                         f", iteration {manifest['iteration']}): a fresh optimizer, from iteration 0")

@@ -6,7 +6,6 @@ flag and the fix) before anything could hang.
 
 from __future__ import annotations
 
-import os
 
 from models.counting import num_parameters
 from pretrain.batch_schedule import build_batch_schedule
@@ -179,7 +178,6 @@ def _validate_data(config: Config) -> None:
                               "(to use the built-in corpus)")
         vocab = data.default_corpus_vocab_size
     else:
-        from data.gpt_dataset import parse_data_path
         from data.tokenizer import TokenizerSpec, build_tokenizer
 
         if data.sft:
@@ -192,17 +190,20 @@ def _validate_data(config: Config) -> None:
                     read_sft_file(path)  # every line: a bad one is named before anything starts
                 except SFTDataError as error:
                     raise ConfigError(str(error)) from None
-        else:
-            for flag, paths in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
-                                ("--valid-data-path", data.valid_data_path), ("--test-data-path", data.test_data_path)):
-                if paths is not None:
-                    _check_prefixes(flag, paths, parse_data_path)
+        data_flags = [] if data.sft else [
+            (flag, paths) for flag, paths in (("--data-path", data.data_path), ("--train-data-path",
+                                              data.train_data_path), ("--valid-data-path", data.valid_data_path),
+                                              ("--test-data-path", data.test_data_path)) if paths is not None]
+        for flag, paths in data_flags:  # every file whole, before the tokenizer is asked about them
+            _check_prefixes(flag, paths, None)
         spec = TokenizerSpec(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
                              model.vocab_size if data.tokenizer_type == "NullTokenizer" else None)
         try:
             vocab = build_tokenizer(spec).vocab_size
         except (OSError, ValueError, RuntimeError) as error:
             raise ConfigError(str(error)) from None
+        for flag, paths in data_flags:  # and within its vocabulary, before any rank reads a sample
+            _check_prefixes(flag, paths, vocab)
         if data.tokenizer_type == "NullTokenizer":  # ids 0..V-1 and the end of document V: V + 1 rows
             model.vocab_size = vocab
     if model.vocab_size is None:
@@ -212,14 +213,12 @@ def _validate_data(config: Config) -> None:
                           f"use --vocab-size {vocab} or more (or leave it out)")
 
 
-def _check_prefixes(flag: str, paths: list[str], parse_data_path) -> None:
+def _check_prefixes(flag: str, paths: list[str], vocab_size: int | None) -> None:
+    from data.gpt_dataset import check_indexed_files, parse_data_path
+
     try:
         prefixes, _ = parse_data_path(paths)
+        for prefix in prefixes:
+            check_indexed_files(prefix, vocab_size, flag)
     except ValueError as error:
         raise ConfigError(str(error).replace("--data-path", flag)) from None
-    for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not os.access(prefix + suffix, os.R_OK):
-                raise ConfigError(f"{flag} {prefix}: {prefix + suffix} is missing or unreadable; build it with "
-                                  "python -m data.preprocess --output-prefix ... (it writes "
-                                  "<prefix>_text_document.bin/.idx)")

@@ -24,11 +24,16 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     assert parse_config(["--config", str(config_file), "--no-sequence-parallel"]).parallel.sequence_parallel is False
 
 
-def test_unknown_yaml_key_is_named(tmp_path):
+def test_unknown_yaml_keys_and_flags_are_named_with_the_nearest_valid_name(tmp_path):
     config_file = tmp_path / "run.yaml"
-    config_file.write_text("hidden_size: 128\nhiden_size: 3\nnum-layers: 2\n")
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'hiden_size', 'num-layers' \(did you mean 'num_layers'\?\)"):
+    config_file.write_text("hidden_size: 128\nhiden_size: 3\nnum-layers: 2\nzzz_qqq: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'hiden_size' \(did you mean 'hidden_size'\?\), "
+                       r"'num-layers' \(did you mean 'num_layers'\?\), 'zzz_qqq';"):
         parse_config(["--config", str(config_file)])
+    with pytest.raises(ConfigError, match=r"^unknown flag --hiden-size \(did you mean --hidden-size\?\); "):
+        parse_config(["--hiden-size", "64"])
+    with pytest.raises(ConfigError, match=r"^argument --train-iters: invalid int value: 'x'"):
+        parse_config(["--train-iters", "x"])
 
 
 def test_wrong_yaml_type_is_named(tmp_path):
@@ -48,7 +53,7 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33",
       "--max-position-embeddings", "64"], 2, "--sequence-parallel needs --seq-length 33 divisible"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-model", "x.model"], 1,
-     "--data-path /nonexistent/corpus: /nonexistent/corpus.bin is missing"),
+     "--data-path /nonexistent/corpus: no /nonexistent/corpus.bin found; run python -m data.preprocess"),
     (["--zero-stage", "3", "--zero-persistence-threshold", "-1"], 1, "--zero-persistence-threshold and"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 exclude each other"),
     (["--partition-activations"], 1, "add --recompute-granularity full or selective"),
@@ -99,16 +104,21 @@ def test_tokenizer_that_does_not_fit_vocab_size(stdlib_corpus):
 
 def test_every_rank_refuses_bad_input_before_any_group_exists(tmp_path):
     """Each rank validates alone: started as ranks 0 and 1 of a world of 2 with no peer listening,
-    both exit with code 2 and the message (a rank that tried to form a group would hang instead)."""
+    both exit with code 2 (a rank that tried to form a group would hang instead); the message is said
+    once per node, by its first local rank."""
     command = [sys.executable, "-m", "pretrain", *TINY, "--global-batch-size", "3"]
     runs = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK=str(rank),
                                       LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="1"))
             for rank in (0, 1)]
+    said = []
     for run in runs:
         _, stderr = run.communicate(timeout=60)
         assert run.returncode == 2
-        assert "error: --global-batch-size 3 is not divisible by --micro-batch-size 4 x data-parallel size 2" in stderr
+        said.append(stderr)
+    assert said[0].startswith("error: --global-batch-size 3 is not divisible by --micro-batch-size 4 x data-parallel "
+                              "size 2") and said[0].count("\n") == 1
+    assert said[1] == ""
 
 
 def test_torchrun_job_with_bad_input_exits_non_zero(tmp_path):
