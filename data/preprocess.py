@@ -72,7 +72,8 @@ def preprocess(
             progress.update(len(token_ids), text_bytes)
         for path in inputs:
             if not tokens_from.get(path):
-                found = "only empty documents" if path in tokens_from else "no documents"
+                found = "the file is empty" if os.path.getsize(path) == 0 else \
+                    "only empty documents" if path in tokens_from else "no documents"
                 raise ValueError(f"--input {path}: no tokens ({found}): nothing to train on; give a file with "
                                  "text, or leave it out")
         builder.finalize(temporary_idx)
@@ -195,8 +196,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         try:
             stats = preprocess(args.input, spec_from_arguments(args), output_prefix_for(args.output_prefix, key),
                                args.append_eod, args.workers, key)
-        except ValueError as error:
-            parser.error(str(error))
+        except ValueError as error:  # bad input data: one line, no usage text
+            sys.stderr.write(f"error: {error}\n")
+            sys.exit(2)
         print(f"wrote {stats['bin_path']} and {stats['idx_path']}: {stats['documents']} documents, "
               f"{stats['tokens']} tokens")
 

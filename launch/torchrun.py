@@ -39,6 +39,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun with ``torchrun_args`` here; return the job's exit status (see the module)."""
     import logging
     import signal
+    import socket
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -48,11 +49,16 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     try:
         run(get_args_parser().parse_args(torchrun_args))
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
-        if failure.exitcode >= 0:
-            return failure.exitcode or 1  # the worker printed its own error line
+        failures = sorted(failed.failures.items())
+        # SIGTERM is torchrun's own, to the rest of the workers once one failed: not a cause
+        killed = [(rank, failure) for rank, failure in failures
+                  if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM]
+        if not killed:
+            said = [failure.exitcode for _, failure in failures if failure.exitcode > 0]
+            return said[0] if said else 128 - failures[0][1].exitcode  # the workers printed their error lines
+        rank, failure = killed[0]
         name = signal.Signals(-failure.exitcode).name
-        sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {failure.hostname}) was ended by {name}"
+        sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was ended by {name}"
                          + (" (kill -9, or the out-of-memory killer)" if name == "SIGKILL" else "") + "\n")
         return 128 - failure.exitcode
     return 0

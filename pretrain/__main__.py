@@ -37,8 +37,7 @@ def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
     save = config.checkpoint.save
     resume = f"; resume with --load {save} once it is fixed" if save else ""
     if dead:
-        return (f"{', '.join(dead.values())} died during training (killed, or out of memory: the launcher's "
-                f"summary gives the signal); the run stopped{resume}")
+        return f"{', '.join(dead.values())} died during training (killed, or out of memory); the run stopped{resume}"
     if "imed out" in str(error):
         return (f"a collective timed out after --distributed-timeout-s {config.parallel.distributed_timeout_s:g}: "
                 f"a peer stopped responding (hung, or stopped){resume}")

@@ -120,13 +120,17 @@ def save(directory: str, progress: TrainingProgress, groups: ParallelGroups, opt
     with optimizer.states_in_memory():
         pieces = reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)
         state = {"pieces": pieces, "optimizer": optimizer.state_dict(), "rng": rng.state_dict()}
-        try:
-            torch.save(state, path + ".part")
-            with open(path + ".part", "rb+") as handle:
+        try:  # through a Python file: a full disk or a file-size limit is an OSError that says so
+            with open(path + ".part", "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
                 os.fsync(handle.fileno())
             os.replace(path + ".part", path)
-        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
-            problem = f"{_one_line(error)} (writing {path})"
+        except (OSError, RuntimeError) as error:  # torch's zip writer re-raises a failed write as a RuntimeError
+            cause = error if isinstance(error, OSError) else error.__context__
+            if not isinstance(cause, OSError):
+                raise
+            problem = f"cannot write {path} ({cause.strerror or cause})"
     agreed(problem)
     problem = None
     if groups.rank == 0:
@@ -137,11 +141,6 @@ def save(directory: str, progress: TrainingProgress, groups: ParallelGroups, opt
             problem = f"{error.strerror or error}: {error.filename or staging}"
     agreed(problem)
     return final
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[-1] if text else type(error).__name__
 
 
 def _publish(directory: str, staging: str, final: str, name: str, progress: TrainingProgress,

@@ -117,8 +117,8 @@ def _my_slice(whole: torch.Tensor, piece: MasterPiece, tp_rank: int, tp_size: in
     if dim is not None:
         whole = whole.chunk(tp_size, dim=dim)[tp_rank]
     if whole.shape != piece.shape:
-        raise ReshardError(f"checkpoint parameter of shape {tuple(whole.shape)} cannot fill this model's "
-                           f"{tuple(piece.shape)} (another model?)")
+        raise ReshardError(f"its slice of shape {tuple(whole.shape)} cannot fill this model's {tuple(piece.shape)} "
+                           "(another model: compare the shape flags with the checkpoint's manifest config)")
     return whole.reshape(-1)
 
 
@@ -157,7 +157,11 @@ def load(source, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_ra
     whatever layout wrote them. ``weights_only`` leaves the optimizer fresh (fine-tuning)."""
 
     def values(piece: MasterPiece, kind: str) -> torch.Tensor:
-        return _my_slice(source.whole(names[piece.param], kind), piece, tp_rank, tp_size)
+        whole = source.whole(names[piece.param], kind)
+        try:
+            return _my_slice(whole, piece, tp_rank, tp_size)
+        except ReshardError as error:
+            raise ReshardError(f"{names[piece.param]}: {error}") from None
 
     optimizer.load_by_parameter(values, [] if weights_only else list(source.kinds),
                                 None if weights_only else lambda piece: source.scalars(names[piece.param]),

@@ -5,7 +5,9 @@ import numpy
 import pytest
 import torch
 
-from data.gpt_dataset import build_gpt_datasets, parse_data_path
+import shutil
+
+from data.gpt_dataset import build_gpt_datasets, check_indexed_files, parse_data_path
 from data.sampler import DataParallelSampler, micro_batches
 from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 
@@ -122,3 +124,31 @@ def test_bad_flags_are_named(tmp_path, indexed_halves, tokenizer):
     expected = "stores uint16 tokens, too small for the tokenizer.s vocabulary of 70000"
     with pytest.raises(ValueError, match=expected):
         build(indexed_halves[:1], tmp_path, huge_vocabulary)
+
+
+def test_damaged_or_foreign_data_files_are_named_before_reading_a_sample(tmp_path, indexed_halves, tokenizer):
+    source = indexed_halves[0]
+    vocab = tokenizer.vocab_size
+    check_indexed_files(source, vocab)  # the intact pair passes
+
+    def damaged(name, bin_bytes=None, idx_bytes=None):
+        prefix = str(tmp_path / name)
+        for suffix, replacement in ((".bin", bin_bytes), (".idx", idx_bytes)):
+            shutil.copy(source + suffix, prefix + suffix)
+            if replacement is not None:
+                with open(prefix + suffix, "wb") as handle:
+                    handle.write(replacement(open(source + suffix, "rb").read()))
+        return prefix
+
+    cases = [
+        (damaged("half", bin_bytes=lambda b: b[:len(b) // 2]), vocab,
+         r"half.bin has \d+ bytes where its index describes \d+ \(truncated, or the pair of another run\); rebuild"),
+        (damaged("garbage", idx_bytes=lambda b: os.urandom(200)), vocab,
+         r"garbage.idx is not a megatron index \(no MMIDIDX header\); rebuild it with python -m data.preprocess"),
+        (damaged("short", idx_bytes=lambda b: b[:len(b) - 8]), vocab,
+         r"short.idx is not a megatron index \(\d+ bytes where its counts need \d+\)"),
+        (source, 100, r"holds token id \d+, beyond the tokenizer's vocabulary of 100 \(made with another tokenizer"),
+    ]
+    for prefix, vocab_size, message in cases:
+        with pytest.raises(ValueError, match=f"^--train-data-path {prefix}: .*" + message):
+            check_indexed_files(prefix, vocab_size, "--train-data-path")

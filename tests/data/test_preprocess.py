@@ -91,3 +91,18 @@ def test_cli_matches_api(tmp_path, sources, tokenizer_model, tokenizer_spec):
     assert "20 documents" in result.stdout
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"cli_text_document{suffix}").read_bytes() == (tmp_path / f"api{suffix}").read_bytes()
+
+
+def test_inputs_that_give_no_tokens_are_refused_by_name(tmp_path, sources, tokenizer_spec):
+    empty, blank = tmp_path / "empty.txt", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text('{"text": ""}\n\n{"text": ""}\n')
+    for bad, reason in ((empty, "the file is empty"), (blank, "only empty documents")):
+        with pytest.raises(ValueError, match=f"--input {bad}: no tokens \\({reason}\\): nothing to train on"):
+            preprocess([sources[1], str(bad)], tokenizer_spec, str(tmp_path / "out"))
+        assert sorted(os.listdir(tmp_path)) == ["blank.jsonl", "empty.txt"]  # nothing written
+    command = [sys.executable, "-m", "data.preprocess", "--input", str(empty), "--output-prefix", str(tmp_path / "o"),
+               "--tokenizer-model", tokenizer_spec.tokenizer_model]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr == f"error: --input {empty}: no tokens (the file is empty): nothing " \
+        "to train on; give a file with text, or leave it out\n"

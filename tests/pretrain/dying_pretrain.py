@@ -1,10 +1,12 @@
 """``python -m pretrain`` in which one rank dies by SIGKILL on its first start (torchrun's restart count
 0), at ``DIE_AT``: ``iteration:N`` (as iteration N begins, the other ranks already inside it),
 ``save:N`` (right after writing its file of checkpoint N, before the others finished theirs) or
-``hang:N`` (it stops, SIGSTOP, as iteration N begins: alive but silent). Rank ``DIE_RANK`` dies; a
-restarted job does not. Launched by torchrun from tests/pretrain/test_faults.py."""
+``hang:N`` (it stops, SIGSTOP, as iteration N begins: alive but silent) or ``full:N`` (as iteration N
+begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next save). Rank
+``DIE_RANK`` dies; a restarted job does not. Launched by torchrun from tests/pretrain/test_faults.py."""
 
 import os
+import resource
 import signal
 
 import torch
@@ -18,13 +20,16 @@ def _die(how: int = signal.SIGKILL) -> None:
 
 
 def _arm(kind: str, number: int) -> None:
-    if kind in ("iteration", "hang"):
+    if kind in ("iteration", "hang", "full"):
         train_step, started = Trainer.train_step, [0]
 
         def dying_step(self, batches):
             started[0] += 1
             if self.start_iteration + started[0] == number:
-                _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
+                if kind == "full":
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+                else:
+                    _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
             return train_step(self, batches)
         Trainer.train_step = dying_step
     else:

@@ -4,6 +4,7 @@ restarted job resumes from it to the same loss."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 import torch
 
 from launch.torchrun import RESTARTABLE
-from pretrain.checkpoint import read_manifest
+from pretrain.checkpoint import newest_intact, read_manifest
 
 from pretrain.arguments import parse_config
 from pretrain.validation import validate
@@ -66,16 +67,21 @@ def test_non_finite_steps_are_skipped_everywhere_and_stop_at_the_limit(stdlib_co
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60):
-    """A 2-process torchrun job of 8 iterations saving every 2 into (and loading from) its directory;
-    with ``die_at``, rank 1 is SIGKILLed there on the first start. Returns (the finished process, seconds
-    it took, its metrics lines, its checkpoint directory)."""
+# torchrun run by our launcher (launch.torchrun.run_torchrun): the job ends with the workers' lines, no traceback
+TORCHRUN = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
+
+
+def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extra=(), load=None):
+    """A 2-process torchrun job of 8 iterations saving every 2 into (and loading from, or from ``load``) its
+    directory; with ``die_at``, rank 1 dies there on the first start (see dying_pretrain). Returns (the
+    finished process, seconds it took, its metrics lines, its checkpoint directory)."""
     prefix, tokenizer = corpus
     directory, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
     flags = TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir", f"{prefix}-cache",
-                    "--train-iters", "8", "--save", str(directory), "--load", str(directory), "--save-interval", "2",
-                    "--log-interval", "1", "--metrics-file", str(metrics), "--distributed-timeout-s", str(timeout_s)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    "--train-iters", "8", "--save", str(directory), "--load", str(load or directory),
+                    "--save-interval", "2", "--log-interval", "1", "--metrics-file", str(metrics),
+                    "--distributed-timeout-s", str(timeout_s), *extra]
+    command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2",
                f"--max-restarts={max_restarts}", "-m", "tests.pretrain.dying_pretrain", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0", WANDB_MODE="disabled",
                **RESTARTABLE)
@@ -83,6 +89,12 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60):
     job = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPOSITORY, timeout=300)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return job, time.monotonic() - started, lines, str(directory)
+
+
+def _errors(job) -> list[str]:
+    """The job's error lines; it must have ended with them alone (no traceback, nothing trained after)."""
+    assert job.returncode != 0 and "Traceback" not in job.stderr, job.stderr[-3000:]
+    return [line for line in job.stderr.splitlines() if line.startswith("error: ")]
 
 
 def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(stdlib_corpus, tmp_path):
@@ -99,12 +111,48 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
     # killed while writing checkpoint 6: the job ends (no hang), checkpoint 4 stays latest and intact
     job, seconds, _, directory = _job(stdlib_corpus, tmp_path, "mid-save", die_at="save:6")
     assert job.returncode != 0 and seconds < 240, (job.returncode, seconds)
+    died = [line for line in _errors(job) if "died during training" in line]  # said by the survivor, once
+    assert len(died) == 1 and died[0].startswith("error: rank 1 (pid "), job.stderr[-3000:]
+    assert "error: rank 1 (pid" in job.stderr and "was ended by SIGKILL" in job.stderr
     checkpoint, manifest = read_manifest(directory)
     assert manifest["iteration"] == 4 and os.path.isdir(directory + "/iter_0000006.tmp")
     # started again (as a restart would be), it resumes from 4 and ends where the reference ended
     job, _, lines, _ = _job(stdlib_corpus, tmp_path, "mid-save", max_restarts=0)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "at iteration 4" in job.stdout and lines[-1]["loss"] == final_loss
+
+    # a flipped byte in rank 1's file of checkpoint 8: every rank stops before iteration 1, rank 0 names the
+    # file and the intact checkpoint 6; --ckpt-step 6 resumes from it to the reference's loss, bit for bit
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "reference", damaged)
+    rank_file = damaged / "iter_0000008" / "rank_00001.pt"
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    job, _, lines, _ = _job(stdlib_corpus, tmp_path, "after-damage", load=damaged)
+    assert _errors(job) == [f"error: rank 1: {rank_file}: size or sha256 differs from the manifest (corrupted or "
+                            f"truncated); the newest intact checkpoint is {damaged}/iter_0000006: resume from it "
+                            "with --ckpt-step 6"] and lines == [] and "iter " not in job.stdout
+    job, _, lines, _ = _job(stdlib_corpus, tmp_path, "after-damage", load=damaged, extra=["--ckpt-step", "6"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "at iteration 6" in job.stdout and lines[-1]["loss"] == final_loss
+
+
+def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_checkpoint(stdlib_corpus, tmp_path):
+    # rank 1's disk is full from iteration 5 on (RLIMIT_FSIZE): the save of 6 fails there, every rank stops
+    job, _, lines, directory = _job(stdlib_corpus, tmp_path, "full", die_at="full:5")
+    assert _errors(job) == [f"error: saving iteration 6 failed on rank 1: cannot write {directory}/iter_0000006.tmp/"
+                            f"rank_00001.pt (File too large); {directory}/iter_0000004 is still the latest "
+                            f"checkpoint, intact. Free space under --save {directory} (or choose another) and resume "
+                            "with --load"]
+    assert lines[-1]["iteration"] == 6 and sorted(os.listdir(directory)) == ["iter_0000002", "iter_0000004", "latest"]
+    checkpoint, manifest = read_manifest(directory)
+    assert manifest["iteration"] == 4 and newest_intact(directory, below=5) == (checkpoint, 4)
+    # --save under a file: said before anything is built
+    (tmp_path / "a-file").write_text("")
+    job, _, lines, _ = _job(stdlib_corpus, tmp_path, "unused", extra=["--save", str(tmp_path / "a-file" / "ckpt")])
+    assert _errors(job) == [f"error: ranks 0, 1: --save {tmp_path}/a-file/ckpt: cannot write there (Not a "
+                            "directory); give a writable directory (it is created if missing)"] and lines == []
 
 
 def test_a_hung_rank_ends_the_job_at_the_collective_timeout(stdlib_corpus, tmp_path):
