@@ -155,6 +155,15 @@ def _parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
     return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
 
 
+def check_split_weights(split: str, wanted: Sequence[bool]) -> None:
+    """Every split the run reads samples from (``wanted``: train, valid, test) has a weight in ``split``."""
+    for name, bounds, needed in zip(SPLIT_NAMES, _parse_split(split.strip("'\" ")), wanted):
+        if needed and bounds is None:
+            fix = " or no --eval-interval" if name == "valid" else ""
+            raise ValueError(f"--split {split}: the {name} split has weight 0 but the run reads {name} samples; give "
+                             f"it a weight (e.g. --split 969,30,1){fix}")
+
+
 DTYPE_CODES = (1, 2, 3, 4, 5, 8)  # megatron-core's integer DType codes (uint8 ... int64, uint16)
 FULL_SCAN_BYTES = 1 << 30  # token files up to this size are read whole for the id check; larger ones sampled
 SAMPLED_BLOCKS, BLOCK_TOKENS = 64, 1 << 20
@@ -238,6 +247,8 @@ def _check_indexed_dataset(
     documents (megatron-core would loop forever on an empty split)."""
     dataset = check_indexed_files(prefix, tokenizer.vocab_size)
     documents = len(dataset.sequence_lengths)
+    if split_matrix is not None:
+        check_split_weights(split, [count > 0 for count in num_samples])
     for name, bounds, count in zip(SPLIT_NAMES, split_matrix, num_samples):
         if bounds is None or count == 0:
             continue

@@ -59,7 +59,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         rank, failure = killed[0]
         name = signal.Signals(-failure.exitcode).name
         sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was ended by {name}"
-                         + (" (kill -9, or the out-of-memory killer)" if name == "SIGKILL" else "") + "\n")
+                         + (" (kill -9, the out-of-memory killer, or torchrun once it ignored SIGTERM)" if name == "SIGKILL"
+                            else "") + "\n")
         return 128 - failure.exitcode
     return 0
 

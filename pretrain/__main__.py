@@ -10,11 +10,9 @@ names it).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
-
-from pretrain.arguments import ConfigError, parse_config
-from pretrain.validation import validate
 
 COMMUNICATION_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out",
                           "NCCL communicator", "Broken pipe")
@@ -46,7 +44,14 @@ def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Until the settings are checked, torchrun's SIGTERM (sent to the rest once a faster rank exited on the
+    # same bad input) waits: the rank that says the error must live to say it. Torch is imported after this.
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from pretrain.arguments import ConfigError, parse_config
+    from pretrain.validation import validate
+
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = parse_config(argv)
@@ -55,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank reads the same inputs: once per node
             say(str(error), f"rank {rank}: " if rank else "")
         sys.exit(2)
+    if terminated:  # the job is being torn down: another rank failed in a way this one did not see
+        sys.exit(128 + signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from parallel import peers
     from parallel.comm import as_axis_group
     from parallel.process_groups import init_distributed, shutdown_distributed

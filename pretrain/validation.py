@@ -196,6 +196,13 @@ def _validate_data(config: Config) -> None:
                                               ("--test-data-path", data.test_data_path)) if paths is not None]
         for flag, paths in data_flags:  # every file whole, before the tokenizer is asked about them
             _check_prefixes(flag, paths, None)
+        if data.data_path is not None and not data.sft:
+            from data.gpt_dataset import check_split_weights
+
+            try:
+                check_split_weights(data.split, [True, bool(config.training.eval_interval), False])
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         spec = TokenizerSpec(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
                              model.vocab_size if data.tokenizer_type == "NullTokenizer" else None)
         try:

@@ -59,8 +59,11 @@ def test_missing_or_invalid_model(tmp_path):
         Tokenizer("/no/such.model")
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"not a model")
-    with pytest.raises(ValueError, match="not a sentencepiece model"):
+    with pytest.raises(ValueError) as error:
         Tokenizer(str(garbage))
+    assert str(error.value) == (f"--tokenizer-model {garbage}: not a sentencepiece model (the file does not parse "
+                                "as one); give the .model file the data was preprocessed with, or train one with "
+                                "python -m data.tokenizer")  # once, without sentencepiece's internals
 
 
 def test_bad_training_arguments(tmp_path, corpus_jsonl):

@@ -7,12 +7,16 @@ from launch import bench_activations, bench_pipeline, bench_zero
 
 def test_zero_benchmark_compares_every_system_on_the_same_losses(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    output = tmp_path / "zero.md"
-    bench_zero.main(["--dp", "2", "--steps", "1", "--layers", "1", "--hidden", "64", "--seq", "16", "--vocab", "256",
-                     "--output", str(output)])
-    rows = [line for line in output.read_text().splitlines() if line.startswith("| 2 |")]
-    assert len(rows) == 7
-    assert len({row.split("|")[-2] for row in rows}) == 1  # every system ends on the same loss
+    tiny = ["--dp", "2", "--warmup", "1", "--steps", "1", "--layers", "1", "--hidden", "64", "--seq", "16",
+            "--vocab", "256"]
+    for mode in (["--worlds", "one"], ["--worlds", "separate", "--model", "ours", "--systems", "torch DDP",
+                                        "ours stage 2"]):
+        output = tmp_path / "zero.md"
+        bench_zero.main([*tiny, *mode, "--output", str(output)])
+        rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 2 |")]
+        assert len(rows) == (7 if "one" in mode else 2)
+        assert len({row[-2] for row in rows}) == 1  # every system ends on the same loss
+        assert all(row[7].strip() == "-" for row in rows) == ("one" in mode)  # peak RSS: own worlds only
 
 
 def test_pipeline_and_activation_benchmarks_write_their_tables(tmp_path):

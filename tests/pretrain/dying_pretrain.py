@@ -9,10 +9,7 @@ import os
 import resource
 import signal
 
-import torch
-
-from pretrain import __main__ as pretrain_main
-from pretrain.trainer import Trainer
+from pretrain import __main__ as pretrain_main  # torch comes in later, as in python -m pretrain
 
 
 def _die(how: int = signal.SIGKILL) -> None:
@@ -20,6 +17,10 @@ def _die(how: int = signal.SIGKILL) -> None:
 
 
 def _arm(kind: str, number: int) -> None:
+    import torch
+
+    from pretrain.trainer import Trainer
+
     if kind in ("iteration", "hang", "full"):
         train_step, started = Trainer.train_step, [0]
 
