@@ -63,13 +63,18 @@ def _worker(args: argparse.Namespace) -> None:
     def adamw(param_groups):
         return torch.optim.AdamW(param_groups, **ADAMW)
 
+    sizes = []  # parameters of the model as built, before any system shards it
+
     def new_model():
         """(the model, its repeated blocks, the loss of a batch given the callable that runs the model)."""
         if args.model == "plain":
             model = PlainGPT(args.vocab, args.hidden, args.layers, args.heads, args.seq, seed=0)
-            return model, list(model.blocks), lambda run, tokens: run(tokens, tokens)
-        model = GPTModel(config, groups.tp, seed=0)
-        return model, list(model.layers), lambda run, tokens: run(tokens, positions, labels=tokens).mean()
+            blocks, loss = list(model.blocks), lambda run, tokens: run(tokens, tokens)
+        else:
+            model = GPTModel(config, groups.tp, seed=0)
+            blocks, loss = list(model.layers), lambda run, tokens: run(tokens, positions, labels=tokens).mean()
+        sizes.append(sum(p.numel() for p in model.parameters()))
+        return model, blocks, loss
 
     def ours(stage):
         model, blocks, loss = new_model()
@@ -133,7 +138,7 @@ def _worker(args: argparse.Namespace) -> None:
                 record["counted"].append(groups.stats.total_bytes())
     results = {name: {"step_s": statistics.median(r["times"]), "state_bytes": r["held"],
                       "written": statistics.median(r["written"]), "counted": statistics.median(r["counted"]),
-                      "loss": r["loss"], "params": sum(p.numel() for p in new_model()[0].parameters()),
+                      "loss": r["loss"], "params": sizes[0],
                       "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
                for name, r in measured.items()}
     write_result(args.worker_output, groups.rank, results)

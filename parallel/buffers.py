@@ -96,7 +96,7 @@ class SlotPool:
 class StagingRing:
     """``slots`` equal slots of one pool arena, used in turn. Taking a slot first finishes the work
     registered on its previous use (e.g. a reduce-scatter still reading it), so a slot is never
-    overwritten while in flight."""
+    overwritten while in flight; a slot its taker still holds open is skipped."""
 
     def __init__(self, pool: BufferPool, name: str, slot_numel: int, dtype: torch.dtype, slots: int = 2):
         self.pool, self.name, self.slot_numel, self.dtype = pool, name, slot_numel, dtype
@@ -104,15 +104,21 @@ class StagingRing:
         self._pending: list = [None] * slots
         self._next = 0
 
-    def take(self, numel: int, finish: callable) -> torch.Tensor:
-        """A view of ``numel`` elements of the next slot; ``finish`` is called before the slot's next use."""
+    def take(self, numel: int, finish: callable, avoid: set[int] = frozenset()) -> tuple[torch.Tensor, int] | None:
+        """(a view of ``numel`` elements of the next slot not in ``avoid``, its index), or None when every
+        slot is avoided; ``finish`` is called before the slot's next use."""
         if numel > self.slot_numel:
             raise ValueError(f"staging slot of {self.slot_numel} elements cannot hold {numel}")
-        slot, self._next = self._next, (self._next + 1) % len(self._pending)
+        slots = len(self._pending)
+        free = [(self._next + i) % slots for i in range(slots) if (self._next + i) % slots not in avoid]
+        if not free:
+            return None
+        slot = free[0]
+        self._next = (slot + 1) % slots
         if self._pending[slot] is not None:
             self._pending[slot]()
         self._pending[slot] = finish
-        return self.pool.view(self.name, slot * self.slot_numel, numel, self.dtype)
+        return self.pool.view(self.name, slot * self.slot_numel, numel, self.dtype), slot
 
     def drain(self) -> None:
         """Finish the work on every slot, oldest first."""

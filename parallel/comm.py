@@ -186,6 +186,12 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
     return _reduce_scatter_flat(_flat(output), _flat(input), op=op, group=group.group, async_op=async_op)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + _nbytes(b) and b_start < a_start + _nbytes(a)
+
+
 class _RingReduceScatter:
     """A sum reduce-scatter as n - 1 ring steps: at step k, rank r passes its partial sum of chunk
     (r - k - 1) mod n to rank r + 1 and adds what rank r - 1 passed to its own part of the next chunk,
@@ -196,12 +202,15 @@ class _RingReduceScatter:
         self.output, self.group, n, r = output, group, group.size, group.rank
         self.chunks = input.view(n, -1)
         self.next_rank, self.prev_rank = group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
-        self.partial = self.chunks[(r - 1) % n].clone()
+        self.partial = self.chunks[(r - 1) % n]  # sent as it is: the caller leaves ``input`` alone until wait
+        # the last step receives straight into ``output`` unless it is a view of ``input`` (in place)
+        self.into_output = not _overlap(output, input)
         self.step, self.done = 0, False
         self._post()
 
     def _post(self) -> None:
-        self.received = torch.empty_like(self.partial)
+        last = self.step == self.group.size - 2
+        self.received = self.output if last and self.into_output else torch.empty_like(self.partial)
         ops = [dist.P2POp(dist.isend, self.partial, self.next_rank, group=self.group.group),
                dist.P2POp(dist.irecv, self.received, self.prev_rank, group=self.group.group)]
         self.handles = dist.batch_isend_irecv(ops)
@@ -214,7 +223,10 @@ class _RingReduceScatter:
             chunk = (r - self.step - 2) % n
             self.step += 1
             if self.step == n - 1:
-                torch.add(self.chunks[chunk], self.received, out=self.output)
+                if self.received is self.output:
+                    self.output.add_(self.chunks[chunk])  # the same sum: addition commutes exactly
+                else:
+                    torch.add(self.chunks[chunk], self.received, out=self.output)
                 self.done = True
             else:
                 self.partial = self.chunks[chunk] + self.received

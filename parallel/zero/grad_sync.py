@@ -6,9 +6,9 @@ one per ZeRO stage:
 
     stage 0  all-reduce the bucket of the flat gradient buffer in place (every rank keeps all)
     stage 1  reduce-scatter the bucket in place: each rank's chunk ends up holding its reduced part
-    stage 2  no flat gradient buffer: the bucket's gradients are copied into a staging buffer and freed,
-             reduce-scattered, and the chunk is added to this rank's gradient shard; this happens on
-             every micro-batch, so no full gradient outlives its bucket
+    stage 2  no flat gradient buffer: each gradient is copied into its bucket's staging slot as it
+             arrives and freed; a full bucket is reduce-scattered and the chunk added to this rank's
+             gradient shard; this happens on every micro-batch, so no full gradient outlives its copy
 
 Stages 0 and 1 reduce only on the last micro-batch (backwards before it run inside ``no_sync``).
 Deferred buckets (sequence-parallel and tied-embedding weights) wait for ``finish``: their
@@ -89,6 +89,7 @@ class GradientSync:
                 largest = max(k.numel + k.chunk for b in buffers if b.grad_dtype == dtype for k in b.buckets)
                 self._staging[dtype] = StagedReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp)
         self._launched: set[tuple[int, int]] = set()
+        self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it
         self._deferred: dict[nn.Parameter, torch.Tensor] = {}  # stage 2: deferred gradients in the gradient dtype
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
@@ -133,9 +134,25 @@ class GradientSync:
             raise RuntimeError("a parameter received a second gradient after its bucket was already being "
                                "reduced: run every backward but the last of an accumulation inside "
                                "optimizer.no_sync()")
+        if self.stage == 2:
+            self._stage(index, bucket, param)
         self._ready[key] = self._ready.get(key, 0) + 1
         if self._ready[key] == len(bucket.params):
             self._launch(index, bucket)
+
+    def _stage(self, index: int, bucket: Bucket, param: nn.Parameter) -> None:
+        """Stage 2: copy ``param``'s gradient into its bucket's staging slot (opened by the bucket's first
+        gradient) and free it."""
+        key, buffer = (index, bucket.index), self.buffers[index]
+        if key not in self._filling:
+            staging = self._staging[buffer.grad_dtype].open(key, bucket.numel, bucket.chunk,
+                                                            lambda: self.shard_grad(index, bucket))
+            self._filling[key] = (staging, set())
+        staging, filled = self._filling[key]
+        start, end = buffer.param_range(param)
+        staging[start - bucket.start:end - bucket.start].copy_(param.grad.view(-1))
+        param.grad = None  # the full gradient is released here
+        filled.add(param)
 
     def _launch(self, index: int, bucket: Bucket) -> None:
         key = (index, bucket.index)
@@ -143,20 +160,22 @@ class GradientSync:
         self._launched.add(key)
         buffer = self.buffers[index]
         if self.stage == 2:
-            def fill(staging: torch.Tensor) -> None:
-                for param in bucket.params:
-                    start, end = buffer.param_range(param)
-                    target = staging[start - bucket.start:end - bucket.start]
-                    grad = self._deferred.pop(param, param.grad)
-                    if grad is not None:
-                        target.copy_(grad.view(-1))
-                        param.grad = None  # the full gradient is released here
-                    else:
-                        target.zero_()
-                staging[sum(p.numel() for p in bucket.params):].zero_()  # the bucket's padding
-
-            self._staging[buffer.grad_dtype].launch(key, bucket.numel, bucket.chunk, fill,
-                                                    lambda: self.shard_grad(index, bucket))
+            staged = self._staging[buffer.grad_dtype]
+            staging, filled = self._filling.pop(key, None) or \
+                (staged.open(key, bucket.numel, bucket.chunk, lambda: self.shard_grad(index, bucket)), set())
+            for param in bucket.params:  # those not staged as they arrived: deferred, or without a gradient
+                if param in filled:
+                    continue
+                start, end = buffer.param_range(param)
+                target = staging[start - bucket.start:end - bucket.start]
+                grad = self._deferred.pop(param, param.grad)
+                if grad is not None:
+                    target.copy_(grad.view(-1))
+                    param.grad = None
+                else:
+                    target.zero_()
+            staging[sum(p.numel() for p in bucket.params):].zero_()  # the bucket's padding
+            staged.start(key)
             return
         grads = buffer.grad[bucket.start:bucket.end]
         grads.div_(self.dp.size)

@@ -1,10 +1,12 @@
 """Gradients reduce-scattered through staging slots, each rank's part added into its gradient shard.
 
 Stage 2 (per bucket) and stage 3 (per unit) both reduce every micro-batch's gradients this way: copy
-them into a slot of the buffer pool (so the full gradients can be freed at once), divide by the
-data-parallel size (gloo has no average), reduce-scatter asynchronously while backward goes on, and add
-the received chunk into the shard when the slot is needed again or backward ends. At most one
-reduction per key is in flight, and two slots per dtype alternate.
+them into a slot of the buffer pool (so each full gradient is freed as soon as it is copied), divide by
+the data-parallel size (gloo has no average), reduce-scatter asynchronously while backward goes on, and
+add the received chunk into the shard when the slot is needed again or backward ends. A slot is
+``open``ed for a key, filled piece by piece as gradients arrive, then ``start``ed; ``launch`` does all
+three at once. At most one reduction per key is in flight, and two slots per dtype alternate (a key
+that finds both slots still open gets an area of its own).
 """
 
 from __future__ import annotations
@@ -26,18 +28,32 @@ class StagedReduceScatter:
         self.dp = dp
         self._ring = StagingRing(pool, name, largest, dtype)
         self._in_flight: dict[Hashable, tuple[object, torch.Tensor, Callable[[], torch.Tensor]]] = {}
+        self._open: dict[Hashable, tuple] = {}  # key -> (area, slot or None, numel, chunk, shard)
 
-    def launch(self, key: Hashable, numel: int, chunk: int, fill: Callable[[torch.Tensor], None],
-               shard: Callable[[], torch.Tensor]) -> None:
-        """Reduce ``numel`` elements that ``fill(staging)`` writes (every element: gaps as zeros); this rank's
-        ``chunk`` of the sum is added into ``shard()`` when the reduction completes."""
+    def open(self, key: Hashable, numel: int, chunk: int, shard: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The ``numel`` staging elements of ``key``, to be filled (every element: gaps as zeros) before
+        ``start``; this rank's ``chunk`` of the sum is added into ``shard()`` when the reduction completes."""
         self.complete(key)
-        area = self._ring.take(numel + chunk, lambda: self.complete(key))
+        held = {slot for _, slot, _, _, _ in self._open.values() if slot is not None}
+        taken = self._ring.take(numel + chunk, lambda: self.complete(key), avoid=held)
+        area, slot = taken if taken is not None else \
+            (torch.empty(numel + chunk, dtype=self._ring.dtype, device=self._ring.pool.device), None)
+        self._open[key] = (area, slot, numel, chunk, shard)
+        return area[:numel]
+
+    def start(self, key: Hashable) -> None:
+        """Reduce-scatter the filled staging of ``key`` asynchronously."""
+        area, _, numel, chunk, shard = self._open.pop(key)
         staging, received = area[:numel], area[numel:numel + chunk]
-        fill(staging)
         staging.div_(self.dp.size)
         handle = comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True)
         self._in_flight[key] = (handle, received, shard)
+
+    def launch(self, key: Hashable, numel: int, chunk: int, fill: Callable[[torch.Tensor], None],
+               shard: Callable[[], torch.Tensor]) -> None:
+        """``open``, ``fill(staging)`` and ``start`` in one."""
+        fill(self.open(key, numel, chunk, shard))
+        self.start(key)
 
     def complete(self, key: Hashable) -> None:
         if key in self._in_flight:
@@ -46,7 +62,9 @@ class StagedReduceScatter:
             shard().add_(received)
 
     def finish(self) -> None:
-        """Complete every reduction in flight (launch order) and free the slots."""
+        """Complete every reduction in flight (launch order) and free the slots (none may be open)."""
+        if self._open:
+            raise RuntimeError(f"staging of {sorted(map(str, self._open))} opened but never started")
         for key in list(self._in_flight):
             self.complete(key)
         self._ring.drain()
