@@ -14,17 +14,20 @@ from tests.parity import NO_DROPOUT
 from tests.world import run_world
 
 
-def test_staging_ring_finishes_a_slot_before_reusing_it():
+def test_staging_ring_finishes_a_slot_before_reusing_it_and_skips_held_slots():
     pool = BufferPool()
     ring = StagingRing(pool, "staging", 10, torch.float32, slots=2)
     finished = []
-    first = ring.take(10, lambda: finished.append("first"))
+    first, slot = ring.take(10, lambda: finished.append("first"))
     ring.take(4, lambda: finished.append("second"))
-    assert finished == []
-    third = ring.take(6, lambda: finished.append("third"))
-    assert finished == ["first"] and third.data_ptr() == first.data_ptr()
+    assert finished == [] and slot == 0
+    third, slot = ring.take(6, lambda: finished.append("third"))
+    assert finished == ["first"] and third.data_ptr() == first.data_ptr() and slot == 0
+    _, slot = ring.take(3, lambda: finished.append("fourth"), avoid={1})  # slot 1 is held open: 0 again
+    assert finished == ["first", "third"] and slot == 0
+    assert ring.take(3, lambda: None, avoid={0, 1}) is None  # every slot held: the caller needs its own area
     ring.drain()
-    assert finished == ["first", "second", "third"]
+    assert finished == ["first", "third", "second", "fourth"]
     assert pool.allocations == 1 and pool.high_water["staging"] == 14
     with pytest.raises(ValueError, match="cannot hold 11"):
         ring.take(11, lambda: None)
@@ -70,3 +73,21 @@ def test_no_allocation_after_the_first_iteration_and_high_water_independent_of_d
             if stage == 3:
                 assert high_water["zero3-staging-torch.float32"] == 2 * block * 1.5, high_water
                 assert high_water["activation-checkpoints"] == layers * 16 * 2 * 64, high_water
+
+
+def test_staged_reduction_gives_a_key_its_own_area_when_every_slot_is_still_open():
+    from parallel.comm import DetachedGroup
+    from parallel.zero.staged_reduction import StagedReduceScatter
+
+    pool = BufferPool()
+    staged = StagedReduceScatter(pool, "staging", 8, torch.float32, DetachedGroup("dp", 1))
+    shards = {key: torch.zeros(4) for key in "abc"}
+    areas = {key: staged.open(key, 4, 4, lambda key=key: shards[key]) for key in "abc"}  # a, b fill both slots
+    arena = pool.view("staging", 0, 16, torch.float32)
+    inside = [arena.data_ptr() <= areas[k].data_ptr() < arena.data_ptr() + arena.numel() * 4 for k in "abc"]
+    assert inside == [True, True, False]
+    for value, key in enumerate("cab", start=1):  # filled and started in any order
+        areas[key].fill_(value)
+        staged.start(key)
+    staged.finish()
+    assert [shards[k].tolist() for k in "abc"] == [[2.0] * 4, [3.0] * 4, [1.0] * 4]
