@@ -188,11 +188,9 @@ def _index_problem(path: str) -> str | None:
     return None
 
 
-def check_indexed_files(prefix: str, vocab_size: int | None, flag: str = "--data-path") -> IndexedDataset:
-    """The .bin/.idx pair of ``prefix`` is whole and fits the tokenizer; returns it opened. Checks: both
-    files exist, the index parses, the .bin is exactly as long as the index says, it holds documents and
-    tokens, and (given ``vocab_size``) its dtype holds the vocabulary and no token id reaches it (every id
-    read for files up to ``FULL_SCAN_BYTES``, ``SAMPLED_BLOCKS`` evenly spaced blocks beyond).
+def check_indexed_files(prefix: str, flag: str = "--data-path") -> IndexedDataset:
+    """The .bin/.idx pair of ``prefix`` is whole; returns it opened. Checks: both files exist, the index
+    parses, the .bin is exactly as long as the index says, and it holds documents and tokens.
     ValueError naming ``flag``, the file and the fix."""
     rebuild = "rebuild it with python -m data.preprocess"
     for path in (prefix + ".bin", prefix + ".idx"):
@@ -202,9 +200,8 @@ def check_indexed_files(prefix: str, vocab_size: int | None, flag: str = "--data
     if problem:
         raise ValueError(f"{flag} {prefix}: {prefix}.idx is not a megatron index ({problem}); {rebuild}")
     dataset = IndexedDataset(prefix)
-    index = dataset.index
-    lengths, pointers = index.sequence_lengths, index.sequence_pointers
-    itemsize = numpy.dtype(index.dtype).itemsize
+    lengths, pointers = dataset.index.sequence_lengths, dataset.index.sequence_pointers
+    itemsize = numpy.dtype(dataset.index.dtype).itemsize
     expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
     actual = os.path.getsize(prefix + ".bin")
     if actual != expected:
@@ -214,17 +211,23 @@ def check_indexed_files(prefix: str, vocab_size: int | None, flag: str = "--data
     if len(lengths) == 0 or tokens == 0:
         raise ValueError(f"{flag} {prefix}: holds {len(lengths)} documents and {tokens} tokens: nothing to train "
                          "on; preprocess an input with text")
-    if vocab_size is not None:
-        _check_token_ids(prefix, index.dtype, actual, vocab_size, flag)
     return dataset
 
 
-def _check_token_ids(prefix: str, dtype, size: int, vocab_size: int, flag: str) -> None:
+def _check_dtype(prefix: str, dtype, vocab_size: int, flag: str) -> None:
     if numpy.iinfo(dtype).max < vocab_size - 1:
         raise ValueError(f"{flag} {prefix}: stores {numpy.dtype(dtype).name} tokens, too small for the "
                          f"tokenizer's vocabulary of {vocab_size}; preprocess the data with this tokenizer")
+
+
+def check_token_ids(prefix: str, dataset: IndexedDataset, vocab_size: int, flag: str = "--data-path") -> None:
+    """The opened pair of ``prefix`` fits a tokenizer of ``vocab_size``: its dtype holds the vocabulary and
+    no token id reaches it (every id read for files up to ``FULL_SCAN_BYTES``, ``SAMPLED_BLOCKS`` evenly
+    spaced blocks beyond). ValueError naming ``flag``, the file and the fix."""
+    dtype = dataset.index.dtype
+    _check_dtype(prefix, dtype, vocab_size, flag)
     ids = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
-    if size <= FULL_SCAN_BYTES:
+    if ids.nbytes <= FULL_SCAN_BYTES:
         largest = int(ids.max())
     else:
         starts = numpy.linspace(0, ids.size - BLOCK_TOKENS, SAMPLED_BLOCKS).astype(numpy.int64)
@@ -243,9 +246,11 @@ def _check_indexed_dataset(
     split_matrix: List[Optional[Tuple[float, float]]],
     num_samples: Tuple[int, int, int],
 ) -> None:
-    """The .bin/.idx pair is whole and fits the tokenizer, and every split asked for samples has
-    documents (megatron-core would loop forever on an empty split)."""
-    dataset = check_indexed_files(prefix, tokenizer.vocab_size)
+    """The .bin/.idx pair is whole, its dtype holds the tokenizer's ids (the ids themselves are read by
+    ``check_token_ids`` in the run's validation, once), and every split asked for samples has documents
+    (megatron-core would loop forever on an empty split)."""
+    dataset = check_indexed_files(prefix)
+    _check_dtype(prefix, dataset.index.dtype, tokenizer.vocab_size, "--data-path")
     documents = len(dataset.sequence_lengths)
     if split_matrix is not None:
         check_split_weights(split, [count > 0 for count in num_samples])

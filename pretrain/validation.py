@@ -6,7 +6,6 @@ flag and the fix) before anything could hang.
 
 from __future__ import annotations
 
-
 from models.counting import num_parameters
 from pretrain.batch_schedule import build_batch_schedule
 from pretrain.checkpoint_args import apply_checkpoint_args
@@ -194,8 +193,8 @@ def _validate_data(config: Config) -> None:
             (flag, paths) for flag, paths in (("--data-path", data.data_path), ("--train-data-path",
                                               data.train_data_path), ("--valid-data-path", data.valid_data_path),
                                               ("--test-data-path", data.test_data_path)) if paths is not None]
-        for flag, paths in data_flags:  # every file whole, before the tokenizer is asked about them
-            _check_prefixes(flag, paths, None)
+        # every file whole before the tokenizer is asked about them; their ids once it is known
+        opened = [found for flag, paths in data_flags for found in _opened_prefixes(flag, paths)]
         if data.data_path is not None and not data.sft:
             from data.gpt_dataset import check_split_weights
 
@@ -209,8 +208,13 @@ def _validate_data(config: Config) -> None:
             vocab = build_tokenizer(spec).vocab_size
         except (OSError, ValueError, RuntimeError) as error:
             raise ConfigError(str(error)) from None
-        for flag, paths in data_flags:  # and within its vocabulary, before any rank reads a sample
-            _check_prefixes(flag, paths, vocab)
+        for flag, prefix, dataset in opened:
+            from data.gpt_dataset import check_token_ids
+
+            try:
+                check_token_ids(prefix, dataset, vocab, flag)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         if data.tokenizer_type == "NullTokenizer":  # ids 0..V-1 and the end of document V: V + 1 rows
             model.vocab_size = vocab
     if model.vocab_size is None:
@@ -220,12 +224,12 @@ def _validate_data(config: Config) -> None:
                           f"use --vocab-size {vocab} or more (or leave it out)")
 
 
-def _check_prefixes(flag: str, paths: list[str], vocab_size: int | None) -> None:
+def _opened_prefixes(flag: str, paths: list[str]) -> list[tuple]:
+    """(flag, prefix, the opened pair) for every prefix of ``paths``, each checked whole."""
     from data.gpt_dataset import check_indexed_files, parse_data_path
 
     try:
         prefixes, _ = parse_data_path(paths)
-        for prefix in prefixes:
-            check_indexed_files(prefix, vocab_size, flag)
+        return [(flag, prefix, check_indexed_files(prefix, flag)) for prefix in prefixes]
     except ValueError as error:
         raise ConfigError(str(error).replace("--data-path", flag)) from None

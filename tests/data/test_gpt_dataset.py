@@ -7,7 +7,7 @@ import torch
 
 import shutil
 
-from data.gpt_dataset import build_gpt_datasets, check_indexed_files, parse_data_path
+from data.gpt_dataset import build_gpt_datasets, check_indexed_files, check_token_ids, parse_data_path
 from data.sampler import DataParallelSampler, micro_batches
 from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 
@@ -129,7 +129,11 @@ def test_bad_flags_are_named(tmp_path, indexed_halves, tokenizer):
 def test_damaged_or_foreign_data_files_are_named_before_reading_a_sample(tmp_path, indexed_halves, tokenizer):
     source = indexed_halves[0]
     vocab = tokenizer.vocab_size
-    check_indexed_files(source, vocab)  # the intact pair passes
+
+    def check(prefix, vocab_size, flag="--data-path"):
+        check_token_ids(prefix, check_indexed_files(prefix, flag), vocab_size, flag)
+
+    check(source, vocab)  # the intact pair passes
 
     def damaged(name, bin_bytes=None, idx_bytes=None):
         prefix = str(tmp_path / name)
@@ -151,4 +155,4 @@ def test_damaged_or_foreign_data_files_are_named_before_reading_a_sample(tmp_pat
     ]
     for prefix, vocab_size, message in cases:
         with pytest.raises(ValueError, match=f"^--train-data-path {prefix}: .*" + message):
-            check_indexed_files(prefix, vocab_size, "--train-data-path")
+            check(prefix, vocab_size, "--train-data-path")
