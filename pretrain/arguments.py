@@ -62,8 +62,8 @@ class _Parser(argparse.ArgumentParser):
         if len(unknown) == 2:
             flags = [word for word in unknown[1].split() if word.startswith("--")]
             known = [option for action in self._actions for option in action.option_strings]
-            hints = [f"{flag}" + (f" (did you mean {nearest(flag, known)}?)" if nearest(flag, known) else "")
-                     for flag in flags]
+            hints = [flag + (f" (did you mean {close}?)" if close else "")
+                     for flag, close in ((flag, nearest(flag, known)) for flag in flags)]
             message = f"unknown flag{'s' if len(hints) > 1 else ''} {', '.join(hints) or unknown[1]}"
         raise ConfigError(f"{message}; python -m pretrain --help lists every flag")
 

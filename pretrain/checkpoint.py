@@ -190,8 +190,9 @@ def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
     if step is not None:
         name = iteration_name(step)
         if not os.path.isdir(os.path.join(directory, name)):
-            raise CheckpointError(f"--ckpt-step {step}: no checkpoint {name} under {directory} (there are: "
-                                  f"{', '.join(str(i) for i in saved_iterations(directory)) or 'none'})")
+            raise CheckpointError(f"--ckpt-step {step}: no checkpoint of iteration {step} under --load {directory} "
+                                  f"(saved: {', '.join(map(str, saved_iterations(directory))) or 'none'}); give "
+                                  "one of those or drop --ckpt-step")
     else:
         try:
             name = _latest_name(directory)
@@ -224,6 +225,10 @@ def files_to_read(manifest: dict, layout: dict, rank: int, weights_only: bool) -
         return [WEIGHTS_FILE]
     if manifest["layout"] == layout and not weights_only:
         return [f"rank_{rank:05d}.pt"]
+    return _rank_entries(manifest)
+
+
+def _rank_entries(manifest: dict) -> list[str]:
     return sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
 
 
@@ -288,8 +293,7 @@ def read_rank_files(directory: str, step: int | None = None) -> tuple[str, dict,
     (each verified against the manifest, then memory-mapped)."""
     checkpoint, manifest = read_manifest(directory, step)
     _check_format(checkpoint, manifest)
-    entries = sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
-    return checkpoint, manifest, [_read(_verified(checkpoint, manifest, entry)) for entry in entries]
+    return checkpoint, manifest, [_read(_verified(checkpoint, manifest, entry)) for entry in _rank_entries(manifest)]
 
 
 def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from models.config import GPTConfig
-from pretrain.checkpoint import CheckpointError, exists, read_manifest, saved_iterations
+from pretrain.checkpoint import CheckpointError, exists, read_manifest
 from pretrain.config import Config
 
 # what the run may set freely whatever it loads: init, padding
@@ -49,12 +49,14 @@ def apply_checkpoint_args(config: Config) -> None:
     """Take the loaded checkpoint's architecture (and an import's tokenizer) into ``config``; ValueError
     naming the flag that contradicts it."""
     directory = checkpoint_to_load(config)
-    step = config.checkpoint.ckpt_step
-    if step is not None and (not config.checkpoint.load or directory != config.checkpoint.load):
-        where = f"under --load {config.checkpoint.load}" if config.checkpoint.load else "without --load"
-        found = saved_iterations(config.checkpoint.load) if config.checkpoint.load else []
-        raise ValueError(f"--ckpt-step {step}: no checkpoint of iteration {step} {where} (saved: "
-                         f"{', '.join(map(str, found)) or 'none'}); give one of those or drop --ckpt-step")
+    step, load = config.checkpoint.ckpt_step, config.checkpoint.load
+    if step is not None and (not load or directory != load):  # read_manifest names the saved ones
+        if not load:
+            raise ValueError(f"--ckpt-step {step} picks a checkpoint under --load: add --load DIR")
+        try:
+            read_manifest(load, step)
+        except CheckpointError as error:
+            raise ValueError(str(error)) from None
     if directory is None:
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
             raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no checkpoint "

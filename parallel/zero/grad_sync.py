@@ -149,10 +149,20 @@ class GradientSync:
                                                             lambda: self.shard_grad(index, bucket))
             self._filling[key] = (staging, set())
         staging, filled = self._filling[key]
-        start, end = buffer.param_range(param)
-        staging[start - bucket.start:end - bucket.start].copy_(param.grad.view(-1))
+        self._put(staging, buffer, bucket, param, param.grad)
         param.grad = None  # the full gradient is released here
         filled.add(param)
+
+    @staticmethod
+    def _put(staging: torch.Tensor, buffer: FlatParameterBuffer, bucket: Bucket, param: nn.Parameter,
+             grad: torch.Tensor | None) -> None:
+        """``param``'s range of its bucket's staging: ``grad``, or zeros where it has none."""
+        start, end = buffer.param_range(param)
+        target = staging[start - bucket.start:end - bucket.start]
+        if grad is None:
+            target.zero_()
+        else:
+            target.copy_(grad.view(-1))
 
     def _launch(self, index: int, bucket: Bucket) -> None:
         key = (index, bucket.index)
@@ -164,16 +174,9 @@ class GradientSync:
             staging, filled = self._filling.pop(key, None) or \
                 (staged.open(key, bucket.numel, bucket.chunk, lambda: self.shard_grad(index, bucket)), set())
             for param in bucket.params:  # those not staged as they arrived: deferred, or without a gradient
-                if param in filled:
-                    continue
-                start, end = buffer.param_range(param)
-                target = staging[start - bucket.start:end - bucket.start]
-                grad = self._deferred.pop(param, param.grad)
-                if grad is not None:
-                    target.copy_(grad.view(-1))
+                if param not in filled:
+                    self._put(staging, buffer, bucket, param, self._deferred.pop(param, param.grad))
                     param.grad = None
-                else:
-                    target.zero_()
             staging[sum(p.numel() for p in bucket.params):].zero_()  # the bucket's padding
             staged.start(key)
             return

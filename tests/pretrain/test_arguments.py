@@ -164,3 +164,14 @@ def test_megatron_spellings_mean_our_settings():
 
     resolve_settings(gpt2, 1)
     assert gpt2.data.tokenizer_type == "GPT2BPETokenizer"  # as pretrain_gpt infers it
+
+
+def test_ckpt_step_needs_load_and_a_saved_iteration(tmp_path):
+    for iteration in (2, 4):
+        (tmp_path / f"iter_{iteration:07d}").mkdir()
+    (tmp_path / "iter_0000006.tmp").mkdir()  # an unfinished save is not offered
+    with pytest.raises(ConfigError, match=r"^--ckpt-step 4 picks a checkpoint under --load: add --load DIR$"):
+        validate(parse_config(TINY + ["--ckpt-step", "4"]), 1)
+    with pytest.raises(ConfigError, match=f"^--ckpt-step 3: no checkpoint of iteration 3 under --load {tmp_path} "
+                       r"\(saved: 2, 4\); give one of those or drop --ckpt-step$"):
+        validate(parse_config(TINY + ["--load", str(tmp_path), "--ckpt-step", "3"]), 1)
