@@ -192,53 +192,77 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_start + _nbytes(b) and b_start < a_start + _nbytes(a)
 
 
-class _RingReduceScatter:
-    """A sum reduce-scatter as n - 1 ring steps: at step k, rank r passes its partial sum of chunk
-    (r - k - 1) mod n to rank r + 1 and adds what rank r - 1 passed to its own part of the next chunk,
-    so after the last step it holds the full sum of chunk r. The first step is posted at once;
-    ``wait`` runs the rest (every rank waits in the same order, so the steps pair up)."""
+class _Ring:
+    """The pacing shared by the gloo rings: step 0 is posted at once, ``wait`` runs the rest. Each ring
+    takes the next tag of its group (the same on every rank, as every rank starts its collectives in
+    the same order), so rings in flight together never take each other's messages."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup):
-        self.output, self.group, n, r = output, group, group.size, group.rank
-        self.chunks = input.view(n, -1)
+    _tags: dict[dist.ProcessGroup, int] = {}
+
+    def __init__(self, group: AxisGroup):
+        self.group, n, r = group, group.size, group.rank
         self.next_rank, self.prev_rank = group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
-        self.partial = self.chunks[(r - 1) % n]  # sent as it is: the caller leaves ``input`` alone until wait
-        # the last step receives straight into ``output`` unless it is a view of ``input`` (in place)
-        self.into_output = not _overlap(output, input)
+        self.tag = _Ring._tags.get(group.group, 0)
+        _Ring._tags[group.group] = (self.tag + 1) % 2**30
         self.step, self.done = 0, False
-        self._post()
 
-    def _post(self) -> None:
-        last = self.step == self.group.size - 2
-        self.received = self.output if last and self.into_output else torch.empty_like(self.partial)
-        ops = [dist.P2POp(dist.isend, self.partial, self.next_rank, group=self.group.group),
-               dist.P2POp(dist.irecv, self.received, self.prev_rank, group=self.group.group)]
+    def _post(self, send: torch.Tensor, receive: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, send, self.next_rank, group=self.group.group, tag=self.tag),
+               dist.P2POp(dist.irecv, receive, self.prev_rank, group=self.group.group, tag=self.tag)]
         self.handles = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
-        n, r = self.group.size, self.group.rank
         while not self.done:
             for handle in self.handles:
                 handle.wait()
-            chunk = (r - self.step - 2) % n
             self.step += 1
-            if self.step == n - 1:
-                if self.received is self.output:
-                    self.output.add_(self.chunks[chunk])  # the same sum: addition commutes exactly
-                else:
-                    torch.add(self.chunks[chunk], self.received, out=self.output)
-                self.done = True
-            else:
-                self.partial = self.chunks[chunk] + self.received
-                self._post()
+            self.done = self._stepped()
         return None
+
+    def _stepped(self) -> bool:
+        """Use what step ``self.step - 1`` received; post the next step, or say the ring is done."""
+        raise NotImplementedError
 
     def is_completed(self) -> bool:
         return self.done
 
 
+class _RingReduceScatter(_Ring):
+    """A sum reduce-scatter as n - 1 ring steps: at step k, rank r passes its partial sum of chunk
+    (r - k - 1) mod n to rank r + 1 and adds what rank r - 1 passed to its own part of the next chunk,
+    so after the last step it holds the full sum of chunk r."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup):
+        super().__init__(group)
+        self.output, self.chunks = output, input.view(group.size, -1)
+        # the last step receives straight into ``output`` unless it is a view of ``input`` (in place)
+        self.into_output = not _overlap(output, input)
+        self._send(self.chunks[(group.rank - 1) % group.size])  # as it is: ``input`` is left alone until wait
+
+    def _send(self, partial: torch.Tensor) -> None:
+        last = self.step == self.group.size - 2
+        self.received = self.output if last and self.into_output else torch.empty_like(partial)
+        self._post(partial, self.received)
+
+    def _stepped(self) -> bool:
+        mine = self.chunks[(self.group.rank - self.step - 1) % self.group.size]  # its part of what was received
+        if self.step < self.group.size - 1:
+            self._send(mine + self.received)
+            return False
+        if self.received is self.output:
+            self.output.add_(mine)  # the same sum: addition commutes exactly
+        else:
+            torch.add(mine, self.received, out=self.output)
+        return True
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False):
-    """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order."""
+    """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order.
+
+    On gloo, whose all-gather stages the whole output in a temporary of its own and copies it back,
+    a ring of point-to-point steps receives every chunk straight into ``output``; ``input`` may be
+    ``output``'s own chunk (in place).
+    """
     if output.numel() != input.numel() * group.size:
         raise ValueError(f"all_gather over {group.axis} (size {group.size}): output has {output.numel()} "
                          f"elements, input {input.numel()}; output must be exactly size x input")
@@ -246,7 +270,33 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
     group.stats.add("all_gather", group.axis, _ring_fraction(group) * _nbytes(output))
+    if dist.get_backend(group.group) == "gloo":
+        ring = _RingAllGather(_flat(output), _flat(input), group)
+        return ring if async_op else ring.wait()
     return _all_gather_flat(_flat(output), _flat(input), group=group.group, async_op=async_op)
+
+
+class _RingAllGather(_Ring):
+    """An all-gather as n - 1 ring steps: at step k, rank r passes chunk (r - k) mod n of ``output``
+    (its own first, then the one it received last) to rank r + 1 and receives chunk (r - k - 1) mod n
+    from rank r - 1 straight into ``output``. No temporary: every byte lands where it stays."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup):
+        super().__init__(group)
+        self.chunks = output.view(group.size, -1)
+        own = self.chunks[group.rank]
+        if input.data_ptr() != own.data_ptr():
+            if _overlap(input, output):
+                raise ValueError("all_gather: input overlaps output but is not its own chunk")
+            own.copy_(input)
+        self._post(own, self.chunks[(group.rank - 1) % group.size])
+
+    def _stepped(self) -> bool:
+        if self.step == self.group.size - 1:
+            return True
+        received = (self.group.rank - self.step) % self.group.size  # passed on next
+        self._post(self.chunks[received], self.chunks[(received - 1) % self.group.size])
+        return False
 
 
 def all_gather_object(value, group: AxisGroup, device: torch.device) -> list:

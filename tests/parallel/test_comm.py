@@ -30,7 +30,17 @@ def _every_collective(rank, world_size):
     gathered = torch.empty(3 * n, dtype=torch.bfloat16)
     comm.all_gather_into_tensor(gathered, mine, group)
     assert gathered.tolist() == [float(r) for r in range(n) for _ in range(3)]
-    expected["all_gather"] = (n - 1) / n * gathered.numel() * 2
+    # in place (the input is the output's own chunk), two rings in flight at once, waited in launch order
+    whole = torch.full((5 * n,), -1.0)
+    whole[5 * rank:5 * rank + 5] = rank
+    summed, parts = torch.empty(2), torch.arange(2.0 * n) * (rank + 1)
+    gather = comm.all_gather_into_tensor(whole, whole[5 * rank:5 * rank + 5], group, async_op=True)
+    reduce = comm.reduce_scatter_tensor(summed, parts, group, async_op=True)
+    gather.wait(), reduce.wait()
+    assert whole.tolist() == [float(r) for r in range(n) for _ in range(5)]
+    assert summed.tolist() == [(2 * rank + i) * n * (n + 1) / 2 for i in range(2)]
+    expected["all_gather"] = (n - 1) / n * (gathered.numel() * 2 + whole.numel() * 4)
+    expected["reduce_scatter"] += (n - 1) / n * parts.numel() * 4
     # broadcast: (n-1)/n * S, on every rank (the ring model averages the source's cost)
     b = torch.full((16,), float(rank), dtype=torch.float32)
     comm.broadcast(b, src=n - 1, group=group)
@@ -66,7 +76,7 @@ def test_byte_counters_equal_ring_model(world_size):
         if world_size == 1:
             assert calls == {}  # a group of one makes no call
         else:
-            assert calls["all_reduce/dp"] == 1 and calls["reduce_scatter/dp"] == 1
+            assert calls["all_reduce/dp"] == 1 and calls["reduce_scatter/dp"] == 2
 
 
 def _groups_of_a_3d_grid(rank, world_size):
