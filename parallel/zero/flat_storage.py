@@ -14,7 +14,7 @@ from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
 from parallel.zero.flat_buffer import FlatParameterBuffer
-from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction
+from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction, staged_bucket_size
 from parallel.zero.masters import MasterShards
 
 
@@ -32,7 +32,10 @@ class FlatStorage:
         self.group_of: list[int] = []  # the parameter group of each buffer
         for index, params in enumerate(groups):
             for dtype in sorted({p.dtype for p in params}, key=str):
-                self.buffers.append(FlatParameterBuffer([p for p in params if p.dtype == dtype], bucket_size,
+                members = [p for p in params if p.dtype == dtype]
+                size = staged_bucket_size(bucket_size, sum(p.numel() for p in members), dp.size) \
+                    if stage >= 2 else bucket_size
+                self.buffers.append(FlatParameterBuffer(members, size,
                                                         dp.size if stage > 0 else 1, keep_grad=stage < 2,
                                                         deferred=needs_model_parallel_reduction, device=device,
                                                         grad_dtype=grad_dtype(dtype)))

@@ -62,6 +62,14 @@ def reduce_model_parallel_grad(param: nn.Parameter, grad: torch.Tensor, groups: 
         comm.all_reduce(grad, groups.embedding)
 
 
+def staged_bucket_size(bucket_size: int, numel: int, dp: int) -> int:
+    """Stage 2's bucket size for a flat buffer of ``numel`` elements: at most ``bucket_size``, and small
+    enough that its two staging slots hold at most half of the gradient memory that sharding saves
+    ((dp - 1) / dp of the buffer), so that stage 2 never holds more than stage 1. (A bucket closes at
+    the first parameter that reaches the size, so a single larger parameter still gets its own.)"""
+    return bucket_size if dp == 1 else max(1, min(bucket_size, numel * (dp - 1) // (4 * dp)))
+
+
 class GradientSync:
     """Reduces the gradients of flat buffers over ``dp`` as stage ``stage`` requires.
 
@@ -86,7 +94,7 @@ class GradientSync:
         self._staging: dict[torch.dtype, StagedReduceScatter] = {}
         if stage == 2:
             for dtype in {b.grad_dtype for b in buffers}:
-                largest = max(k.numel + k.chunk for b in buffers if b.grad_dtype == dtype for k in b.buckets)
+                largest = max(k.numel for b in buffers if b.grad_dtype == dtype for k in b.buckets)
                 self._staging[dtype] = StagedReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp)
         self._launched: set[tuple[int, int]] = set()
         self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it
@@ -145,7 +153,7 @@ class GradientSync:
         gradient) and free it."""
         key, buffer = (index, bucket.index), self.buffers[index]
         if key not in self._filling:
-            staging = self._staging[buffer.grad_dtype].open(key, bucket.numel, bucket.chunk,
+            staging = self._staging[buffer.grad_dtype].open(key, bucket.numel,
                                                             lambda: self.shard_grad(index, bucket))
             self._filling[key] = (staging, set())
         staging, filled = self._filling[key]
@@ -172,7 +180,7 @@ class GradientSync:
         if self.stage == 2:
             staged = self._staging[buffer.grad_dtype]
             staging, filled = self._filling.pop(key, None) or \
-                (staged.open(key, bucket.numel, bucket.chunk, lambda: self.shard_grad(index, bucket)), set())
+                (staged.open(key, bucket.numel, lambda: self.shard_grad(index, bucket)), set())
             for param in bucket.params:  # those not staged as they arrived: deferred, or without a gradient
                 if param not in filled:
                     self._put(staging, buffer, bucket, param, self._deferred.pop(param, param.grad))

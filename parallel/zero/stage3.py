@@ -147,7 +147,7 @@ class ShardedParameters:
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._staging = {dtype: StagedReduceScatter(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
-                                                    max(u.numel + u.chunk for u in self.units if u.dtype == dtype),
+                                                    max(u.numel for u in self.units if u.dtype == dtype),
                                                     grad_dtype(dtype), dp)
                          for dtype in {u.dtype for u in self.units}}
 
@@ -350,7 +350,7 @@ class ShardedParameters:
                     staging[unit.span(param)].copy_(param.grad.view(-1))
                     param.grad = None
 
-        self._staging[unit.dtype].launch(unit.index, unit.numel, unit.chunk, fill, lambda: self.grad_shard(unit))
+        self._staging[unit.dtype].launch(unit.index, unit.numel, fill, lambda: self.grad_shard(unit))
         self.release(unit)
 
     def finish(self) -> None:

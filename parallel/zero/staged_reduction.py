@@ -2,8 +2,9 @@
 
 Stage 2 (per bucket) and stage 3 (per unit) both reduce every micro-batch's gradients this way: copy
 them into a slot of the buffer pool (so each full gradient is freed as soon as it is copied), divide by
-the data-parallel size (gloo has no average), reduce-scatter asynchronously while backward goes on, and
-add the received chunk into the shard when the slot is needed again or backward ends. A slot is
+the data-parallel size (gloo has no average), add the shard's value so far into this rank's own chunk
+of the staging, and reduce-scatter asynchronously, straight into the shard, while backward goes on
+(the sum over ranks then holds the earlier micro-batches once; a slot holds no received chunk). A slot is
 ``open``ed for a key, filled piece by piece as gradients arrive, then ``start``ed; ``launch`` does all
 three at once. At most one reduction per key is in flight, and two slots per dtype alternate (a key
 that finds both slots still open gets an area of its own).
@@ -27,39 +28,37 @@ class StagedReduceScatter:
     def __init__(self, pool: BufferPool, name: str, largest: int, dtype: torch.dtype, dp: AxisGroup):
         self.dp = dp
         self._ring = StagingRing(pool, name, largest, dtype)
-        self._in_flight: dict[Hashable, tuple[object, torch.Tensor, Callable[[], torch.Tensor]]] = {}
-        self._open: dict[Hashable, tuple] = {}  # key -> (area, slot or None, numel, chunk, shard)
+        self._in_flight: dict[Hashable, object] = {}
+        self._open: dict[Hashable, tuple] = {}  # key -> (staging, slot or None, shard)
 
-    def open(self, key: Hashable, numel: int, chunk: int, shard: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def open(self, key: Hashable, numel: int, shard: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The ``numel`` staging elements of ``key``, to be filled (every element: gaps as zeros) before
-        ``start``; this rank's ``chunk`` of the sum is added into ``shard()`` when the reduction completes."""
+        ``start``; this rank's chunk of the sum is added into ``shard()`` (``numel`` / dp size elements)."""
         self.complete(key)
-        held = {slot for _, slot, _, _, _ in self._open.values() if slot is not None}
-        taken = self._ring.take(numel + chunk, lambda: self.complete(key), avoid=held)
-        area, slot = taken if taken is not None else \
-            (torch.empty(numel + chunk, dtype=self._ring.dtype, device=self._ring.pool.device), None)
-        self._open[key] = (area, slot, numel, chunk, shard)
-        return area[:numel]
+        held = {slot for _, slot, _ in self._open.values() if slot is not None}
+        taken = self._ring.take(numel, lambda: self.complete(key), avoid=held)
+        staging, slot = taken if taken is not None else \
+            (torch.empty(numel, dtype=self._ring.dtype, device=self._ring.pool.device), None)
+        self._open[key] = (staging, slot, shard)
+        return staging
 
     def start(self, key: Hashable) -> None:
         """Reduce-scatter the filled staging of ``key`` asynchronously."""
-        area, _, numel, chunk, shard = self._open.pop(key)
-        staging, received = area[:numel], area[numel:numel + chunk]
+        staging, _, shard = self._open.pop(key)
         staging.div_(self.dp.size)
-        handle = comm.reduce_scatter_tensor(received, staging, self.dp, async_op=True)
-        self._in_flight[key] = (handle, received, shard)
+        into = shard()
+        staging.view(self.dp.size, -1)[self.dp.rank].add_(into)
+        self._in_flight[key] = comm.reduce_scatter_tensor(into, staging, self.dp, async_op=True)
 
-    def launch(self, key: Hashable, numel: int, chunk: int, fill: Callable[[torch.Tensor], None],
+    def launch(self, key: Hashable, numel: int, fill: Callable[[torch.Tensor], None],
                shard: Callable[[], torch.Tensor]) -> None:
         """``open``, ``fill(staging)`` and ``start`` in one."""
-        fill(self.open(key, numel, chunk, shard))
+        fill(self.open(key, numel, shard))
         self.start(key)
 
     def complete(self, key: Hashable) -> None:
         if key in self._in_flight:
-            handle, received, shard = self._in_flight.pop(key)
-            handle.wait()
-            shard().add_(received)
+            self._in_flight.pop(key).wait()
 
     def finish(self) -> None:
         """Complete every reduction in flight (launch order) and free the slots (none may be open)."""

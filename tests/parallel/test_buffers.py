@@ -68,10 +68,10 @@ def test_no_allocation_after_the_first_iteration_and_high_water_independent_of_d
     for report in run_world(2, _pool_use):
         for (stage, layers), (counts, high_water) in report.items():
             assert counts == [counts[0]] * 4, (stage, layers, counts)
-            bound = 2 * (2_000 + largest_weight) * 1.5
+            bound = 2 * (2_000 + largest_weight)  # two slots of a bucket each; the shard receives the sum
             assert high_water["grad-staging-torch.float32"] <= bound, (stage, layers, high_water)
             if stage == 3:
-                assert high_water["zero3-staging-torch.float32"] == 2 * block * 1.5, high_water
+                assert high_water["zero3-staging-torch.float32"] == 2 * block, high_water
                 assert high_water["activation-checkpoints"] == layers * 16 * 2 * 64, high_water
 
 
@@ -81,8 +81,8 @@ def test_staged_reduction_gives_a_key_its_own_area_when_every_slot_is_still_open
 
     pool = BufferPool()
     staged = StagedReduceScatter(pool, "staging", 8, torch.float32, DetachedGroup("dp", 1))
-    shards = {key: torch.zeros(4) for key in "abc"}
-    areas = {key: staged.open(key, 4, 4, lambda key=key: shards[key]) for key in "abc"}  # a, b fill both slots
+    shards = {key: torch.full((4,), 10.0) for key in "abc"}  # earlier micro-batches, kept
+    areas = {key: staged.open(key, 4, lambda key=key: shards[key]) for key in "abc"}  # a, b fill both slots
     arena = pool.view("staging", 0, 16, torch.float32)
     inside = [arena.data_ptr() <= areas[k].data_ptr() < arena.data_ptr() + arena.numel() * 4 for k in "abc"]
     assert inside == [True, True, False]
@@ -90,4 +90,4 @@ def test_staged_reduction_gives_a_key_its_own_area_when_every_slot_is_still_open
         areas[key].fill_(value)
         staged.start(key)
     staged.finish()
-    assert [shards[k].tolist() for k in "abc"] == [[2.0] * 4, [3.0] * 4, [1.0] * 4]
+    assert [shards[k].tolist() for k in "abc"] == [[12.0] * 4, [13.0] * 4, [11.0] * 4]
