@@ -54,6 +54,17 @@ class RunControl:
         comm.all_reduce(flags, self.world, op=torch.distributed.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
+    def _evaluates(self, iteration: int) -> bool:
+        train = self.config.training
+        return bool(train.eval_interval) and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
+
+    def records(self, iteration: int, first: bool = False) -> bool:
+        """Whether ``iteration`` writes a metrics line at its interval (known before it runs: a line that
+        a preemption signal adds is not). The trainer measures what only these lines report."""
+        logging, last = self.config.logging, iteration == self.config.training.train_iters
+        return (iteration % logging.log_interval == 0 or self._evaluates(iteration) or first or last
+                or (logging.tensorboard_dir is not None and iteration % logging.tensorboard_log_interval == 0))
+
     def after(self, iteration: int, first: bool = False) -> Decision:
         """The decision after ``iteration`` (every rank calls it, in step); ``first``: the run's first
         iteration (a resumed run's too)."""
@@ -65,10 +76,10 @@ class RunControl:
                 f"--exit-duration-in-mins {train.exit_duration_in_mins}" if late else
                 f"--exit-interval {train.exit_interval}" if train.exit_interval and iteration % train.exit_interval
                 == 0 and not last else None)
-        evaluate = bool(train.eval_interval) and (iteration % train.eval_interval == 0 or last)
+        evaluate = self._evaluates(iteration)
         logging = config.logging
         console = iteration % logging.log_interval == 0 or evaluate or first or last or stop is not None
-        record = console or (logging.tensorboard_dir is not None and iteration % logging.tensorboard_log_interval == 0)
+        record = self.records(iteration, first) or stop is not None
         interval = config.checkpoint.save_interval
         save = bool(config.checkpoint.save) and (last or stop is not None or bool(interval and iteration % interval
                                                                                     == 0))

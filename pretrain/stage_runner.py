@@ -83,9 +83,10 @@ class StageRunner:
         return self.groups.is_first_stage or self.groups.is_last_stage
 
     def run(self, batches: Iterator[dict] | None, num_micro_batches: int,
-            train: bool = True) -> tuple[float, StepStats]:
+            train: bool = True, measure: bool = True) -> tuple[float, StepStats]:
         """Forward (and backward when ``train``) of one global batch of ``num_micro_batches`` micro-batches
-        per data-parallel rank; returns (mean loss, stats). The loss is the mean of the micro-batches'
+        per data-parallel rank; returns (mean loss, stats). With ``measure`` (and ``train``) the meter counts
+        the activations saved for backward (a Python hook per saved tensor: only on steps that report it). The loss is the mean of the micro-batches'
         means, or with --calculate-per-token-loss the mean over every loss token of the global batch."""
         loaded: dict[int, dict] = {}
 
@@ -100,7 +101,7 @@ class StageRunner:
             model = self.chunks[chunk]
             batch = micro_batch(index) if (model.pre_process or model.post_process) else None
             positions = batch["position_ids"] if batch is not None else self._positions()
-            with self.meter.recording((chunk, index)) if train else contextlib.nullcontext():
+            with self.meter.recording((chunk, index)) if train and measure else contextlib.nullcontext():
                 out = model(batch["tokens"] if model.pre_process else None, positions,
                             labels=batch["labels"] if model.post_process else None, hidden=received)
             if model.post_process:

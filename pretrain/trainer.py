@@ -166,12 +166,15 @@ class Trainer:
             group["lr"] = self.decoupled_lr_schedule(self.progress.consumed_samples) if group.get("decoupled") else lr
         return lr
 
-    def train_step(self, batches) -> tuple[float, zero.StepResult]:
+    def train_step(self, batches, measure: bool = True) -> tuple[float, zero.StepResult]:
         """One optimizer step over the global batch that starts at the consumed samples; returns this
-        data-parallel rank's loss and the step."""
+        data-parallel rank's loss and the step. ``measure``: count the saved activations anew (else the
+        meter keeps the last measured step's peak)."""
         self.optimizer.zero_grad(set_to_none=False)  # the gradient views stay attached
-        self.activation_meter.reset()
-        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.progress.consumed_samples))
+        if measure:
+            self.activation_meter.reset()
+        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.progress.consumed_samples),
+                                                     measure=measure)
         return loss, self.optimizer.step()
 
     @torch.no_grad()
@@ -236,7 +239,8 @@ class Trainer:
                 lr = self._set_learning_rates()
                 batch_size = self.schedule.batch_size(self.progress.consumed_samples)
                 step_start = time.perf_counter()
-                local_loss, step = self.train_step(batches)
+                local_loss, step = self.train_step(batches, self.control.records(
+                    iteration, first=iteration == self.start_iteration + 1))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
                 step_time = time.perf_counter() - step_start
@@ -261,6 +265,7 @@ class Trainer:
                                     f"perplexity {record['valid_ppl']:.2f}")
                     done = iteration - self.start_iteration
                     elapsed = time.perf_counter() - started
+                    record["elapsed_s"] = elapsed  # wall time since the first iteration began: the loop's own cost
                     writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration),
                                decision.console)
                 if decision.save:

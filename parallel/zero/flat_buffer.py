@@ -128,6 +128,9 @@ class FlatParameterBuffer:
             point_at(param, view)
         self.grad_dtype = grad_dtype or self.dtype
         self.grad = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device) if keep_grad else None
+        # each parameter's view of the flat gradient, made once (the backward hooks ask for it every step)
+        self._grad_views = {param: self.grad[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
+                            for param in self.params} if keep_grad else {}
         self.attach_grads()
 
     def _close_bucket(self, members: list[nn.Parameter], start: int, deferred: bool) -> int:
@@ -140,8 +143,7 @@ class FlatParameterBuffer:
         return self.offsets[param], self.offsets[param] + param.numel()
 
     def grad_view(self, param: nn.Parameter) -> torch.Tensor:
-        start, end = self.param_range(param)
-        return self.grad[start:end].view_as(param)
+        return self._grad_views[param]
 
     @property
     def grads_are_views(self) -> bool:
@@ -151,8 +153,12 @@ class FlatParameterBuffer:
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its view of the flat gradient (autograd accumulates in place);
         where the buffer keeps no gradient or keeps it in another dtype, clear them instead."""
+        views = self.grads_are_views
         for param in self.params:
-            param.grad = self.grad_view(param) if self.grads_are_views else None
+            if not views:
+                param.grad = None
+            elif param.grad is not self._grad_views[param]:
+                param.grad = self._grad_views[param]
 
     def segments(self, shard: int) -> list[Segment]:
         """How the parameters fall into shard ``shard``'s chunks."""

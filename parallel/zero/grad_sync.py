@@ -125,7 +125,7 @@ class GradientSync:
             # a fresh gradient, not the view autograd accumulates into: of another dtype (added into the fp32
             # main gradient, then dropped), or the first one after zero_grad(set_to_none=True)
             view = buffer.grad_view(param)
-            if param.grad.data_ptr() != view.data_ptr():
+            if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
                 view.add_(param.grad)
                 param.grad = view if buffer.grads_are_views else None
         elif bucket.deferred and buffer.grad is None and buffer.grad_dtype != param.dtype:

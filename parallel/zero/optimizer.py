@@ -176,15 +176,14 @@ class ZeroOptimizer:
 
     def _global_norm(self, tensors: list[torch.Tensor], scale: float, device: torch.device) -> float:
         """L2 norm over the whole model of ``tensors`` (one per slot, laid out as its segments), divided by
-        ``scale``: each parameter once, wherever its chunks live (each segment's norm computed in fp32
-        where the segment is, with no temporary of its size; the squares summed on ``device``)."""
+        ``scale``: each parameter once, wherever its chunks live (each segment's norm computed where the
+        segment is, with no temporary of its size; the norms combined on ``device``)."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
-        norms = [torch.linalg.vector_norm(tensor[offset:offset + length], dtype=torch.float32).to(device)
-                 for slot, tensor in zip(self.slots, tensors)
-                 for param, offset, length in slot.segments if counts_once_here(param, tp_rank)]
+        segments = [tensor[offset:offset + length] for slot, tensor in zip(self.slots, tensors)
+                    for param, offset, length in slot.segments if counts_once_here(param, tp_rank)]
         total = torch.zeros(1, dtype=torch.float32, device=device)
-        if norms:
-            total += torch.stack(norms).div_(scale).square_().sum()
+        if segments:  # per device and dtype, one foreach norm; then the norm of those norms
+            total += (torch.nn.utils.get_total_norm(segments).to(device, torch.float32) / scale).square()
         self._global_sum(total, over_dp=self.stage > 0)  # stage 0: every dp rank holds the same sum
         return total.sqrt().item()
 

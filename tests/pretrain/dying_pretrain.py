@@ -24,14 +24,14 @@ def _arm(kind: str, number: int) -> None:
     if kind in ("iteration", "hang", "full"):
         train_step, started = Trainer.train_step, [0]
 
-        def dying_step(self, batches):
+        def dying_step(self, batches, measure=True):
             started[0] += 1
             if self.start_iteration + started[0] == number:
                 if kind == "full":
                     resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
                 else:
                     _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
-            return train_step(self, batches)
+            return train_step(self, batches, measure)
         Trainer.train_step = dying_step
     else:
         save = torch.save

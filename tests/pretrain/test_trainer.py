@@ -76,7 +76,7 @@ def test_metrics_file_evaluation_and_offline_wandb(tmp_path, stdlib_corpus, monk
     assert [line["iteration"] for line in lines] == [1, 5, 10]  # the first, every 5th, the last
     for line in lines:
         for key in ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped",
-                    "step_time_s", "tokens_per_s", "tflops_per_rank"):
+                    "step_time_s", "elapsed_s", "tokens_per_s", "tflops_per_rank"):
             assert key in line, key
         assert ("valid_loss" in line) == (line["iteration"] in (5, 10))
         assert line["consumed_samples"] == line["iteration"] * 8
