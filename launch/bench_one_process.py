@@ -7,7 +7,7 @@ The recipe (nanoGPT's config/train_shakespeare_char.py with its CPU overrides): 
 100 warm-up iterations, cosine decay to 1e-4 at the last iteration, gradient clipping at 1.0, fp32, one
 thread. The text is the built-in stdlib corpus (about shakespeare's size, no download), tokenized once by
 a small sentencepiece vocabulary; both sides read the same token file, train on the same first 90% of
-its documents and are evaluated on the same last 10% (20 batches at the end).
+its tokens (whole documents) and are evaluated on the rest (20 batches at the end).
 
 "ours" is ``python -m pretrain`` in a world of one (models.gpt, the ZeRO optimizer, the trainer); "plain"
 is ``launch.plain_gpt`` trained by ``_plain_loop`` below, what a newcomer writes. Each runs in its own
@@ -32,7 +32,6 @@ from launch.bench_world import write_table
 
 RECIPE = {"layers": 4, "heads": 4, "width": 128, "block": 64, "batch": 12, "lr": 1e-3, "min_lr": 1e-4,
           "beta2": 0.99, "weight_decay": 0.1, "warmup": 100, "clip": 1.0, "eval_iters": 20}
-LOG_INTERVAL = 100
 
 
 def _plain_loop(args: argparse.Namespace) -> dict:
@@ -76,7 +75,7 @@ def _plain_loop(args: argparse.Namespace) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), r["clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (it + 1) % LOG_INTERVAL == 0:
+        if (it + 1) % args.log_interval == 0:
             print(f"iter {it + 1}: loss {loss.item():.4f}", flush=True)
             timed_from = timed_from or (it + 1, time.perf_counter())
             timed_to = (it + 1, time.perf_counter())
@@ -95,16 +94,16 @@ def _our_command(args: argparse.Namespace, corpus_flags: list[str], metrics: str
              "--hidden-dropout", 0.0, "--attention-dropout", 0.0, "--lr", r["lr"], "--min-lr", r["min_lr"],
              "--adam-beta2", r["beta2"], "--weight-decay", r["weight_decay"], "--lr-warmup-iters", r["warmup"],
              "--lr-decay-style", "cosine", "--clip-grad", r["clip"], "--train-iters", args.iters,
-             "--split", "90,10,0", "--eval-interval", args.iters, "--eval-iters", r["eval_iters"],
-             "--log-interval", LOG_INTERVAL, "--metrics-file", metrics, "--seed", 1337, *corpus_flags]
+             "--split", args.split, "--eval-interval", args.iters, "--eval-iters", r["eval_iters"],
+             "--log-interval", args.log_interval, "--metrics-file", metrics, "--seed", 1337, *corpus_flags]
     return [sys.executable, "-m", "launch.torchrun", "--nproc", "1", *map(str, flags)]
 
 
-def _our_result(metrics: str) -> dict:
+def _our_result(metrics: str, log_interval: int) -> dict:
     """The loop's time per iteration from the metrics lines' wall clock, and the final validation loss."""
     with open(metrics) as handle:
         lines = [json.loads(line) for line in handle]
-    timed = [line for line in lines if line["iteration"] % LOG_INTERVAL == 0 and "valid_loss" not in line]
+    timed = [line for line in lines if line["iteration"] % log_interval == 0 and "valid_loss" not in line]
     first, last = timed[0], timed[-1]
     return {"iteration_s": (last["elapsed_s"] - first["elapsed_s"]) / (last["iteration"] - first["iteration"]),
             "valid_loss": lines[-1]["valid_loss"], "timed": last["iteration"] - first["iteration"]}
@@ -128,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=2000, help="training iterations (the recipe: 2000)")
     parser.add_argument("--pairs", type=int, default=2, help="times to run both (the second swaps their cores)")
     parser.add_argument("--sequential", action="store_true", help="run the two one after the other, unpinned")
+    parser.add_argument("--log-interval", type=int, default=100, help="iterations between log lines (timed between)")
     parser.add_argument("--vocab", type=int, default=512, help="sentencepiece vocabulary of the corpus")
     parser.add_argument("--corpus-bytes", type=int, default=1_100_000, help="text size (shakespeare: 1.1 MB)")
     parser.add_argument("--cache-dir", default=os.path.join(".cache", "data"))
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.plain_worker:
         print("RESULT " + json.dumps(_plain_loop(args)))
         return
-    if args.iters < 3 * LOG_INTERVAL:
-        parser.error(f"--iters must be >= {3 * LOG_INTERVAL}: the loop is timed between its log lines")
+    if args.iters < 3 * args.log_interval:
+        parser.error("--iters must be >= 3 x --log-interval: the loop is timed between its log lines")
 
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -150,17 +150,25 @@ def main(argv: list[str] | None = None) -> None:
 
     prefix, _ = ensure_default_corpus(args.cache_dir, args.vocab, args.corpus_bytes)
     documents = IndexedDataset(prefix)
-    lengths = numpy.asarray(documents.sequence_lengths, dtype=numpy.int64)
-    valid_start = int(lengths[:int(round(0.9 * len(lengths)))].sum())  # Megatron's split: documents in order
+    # both split at the same document boundary, the first past 90% of the tokens (documents differ in size
+    # by orders of magnitude: the last 10% of the documents can hold almost nothing)
+    ends = numpy.cumsum(numpy.asarray(documents.sequence_lengths, dtype=numpy.int64))
+    train_documents = min(len(ends) - 1, int(numpy.searchsorted(ends, 0.9 * ends[-1])) + 1)
+    valid_start = int(ends[train_documents - 1])
+    if ends[-1] - valid_start <= RECIPE["block"] + 1:
+        parser.error(f"the corpus's last documents hold {ends[-1] - valid_start} tokens: too few to validate on; "
+                     "give a larger --corpus-bytes")
+    args.split = f"{train_documents},{len(ends) - train_documents},0"  # Megatron's split: documents in order
     corpus_flags = ["--default-corpus-vocab-size", args.vocab, "--default-corpus-max-bytes", args.corpus_bytes,
                     "--data-cache-dir", args.cache_dir]
     plain_command = [sys.executable, "-m", "launch.bench_one_process", "--plain-worker", "--iters", str(args.iters),
+                     "--log-interval", str(args.log_interval),
                      "--vocab", str(args.vocab), "--data", prefix, "--dtype", documents.index.dtype.__name__,
                      "--valid-start", str(valid_start)]
     rows = [f"nanoGPT's shakespeare_char CPU recipe on the stdlib corpus ({args.corpus_bytes:,} bytes, vocabulary "
             f"{args.vocab}), {args.iters} iterations, one process, one thread each, "
             f"{'sequential' if args.sequential else 'at the same time on cores of their own'}; time per "
-            f"iteration of the whole loop after iteration {LOG_INTERVAL}\n",
+            f"iteration of the whole loop after iteration {args.log_interval}\n",
             "| pair | ours ms/iter | plain ms/iter | ours / plain | ours valid loss | plain valid loss |",
             "|---|---|---|---|---|---|"]
     cores = sorted(os.sched_getaffinity(0))
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             plain = json.loads(_finish("the plain loop", plain).split("RESULT ", 1)[1])
             if together:
                 _finish("our run", ours)
-            ours = _our_result(metrics)
+            ours = _our_result(metrics, args.log_interval)
         rows.append(f"| {pair + 1} | {ours['iteration_s'] * 1e3:.1f} | {plain['iteration_s'] * 1e3:.1f} | "
                     f"{ours['iteration_s'] / plain['iteration_s']:.3f}x | {ours['valid_loss']:.4f} | "
                     f"{plain['valid_loss']:.4f} |")

@@ -314,13 +314,16 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
         if manifest["layout"] == layout_of(groups.topology, optimizer.stage) and not weights_only:
             path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
             state = _read(path)
-            mine = [piece["name"] for piece in reshard.describe(optimizer, names, groups.tp_rank,
-                                                                 groups.topology.tp)]
-            if mine == [piece["name"] for piece in state["pieces"]]:  # the same parameters in the same places
+            def places(pieces):
+                return [tuple(piece[key] for key in ("name", "master", "state", "start", "offset", "length"))
+                        for piece in pieces]
+            if places(reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)) == \
+                    places(state["pieces"]):  # the same parameter elements in the same masters and places
                 with optimizer.states_in_memory():
                     _restore(optimizer, state, path)
                 return manifest, state["rng"]
-            # the same sizes but other layers here (virtual stages, uneven stages): re-cut below
+            # the same sizes but other layers here (virtual stages, uneven stages) or other buckets, other
+            # master pieces (another --zero-bucket-size, sub-group size or offload): re-cut below
         _, _, states = read_rank_files(directory, step)
         source, what = reshard.CheckpointPieces(states), f"{checkpoint} (layout {manifest['layout']})"
         scaler = ZeroOptimizer.saved_loss_scaler(states[0]["optimizer"])

@@ -69,8 +69,9 @@ class ZeroConfig:
     offload_optimizer: str = field(default="none", metadata=flag(
         "where the fp32 masters, optimizer states and the step live: with the parameters (none), in CPU "
         "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3", choices=["none", "cpu", "nvme"]))
-    zero_sub_group_size: int = field(default=100_000_000, metadata=flag(
-        "nvme: parameter elements per optimizer sub-group; at most three sub-groups are in memory at once"))
+    zero_sub_group_size: int | None = field(default=None, metadata=flag(
+        "nvme: parameter elements per optimizer sub-group; at most three sub-groups are in memory at once "
+        "(default: a twentieth of the rank's shard, at most 1e8)"))
     offload_param: str = field(default="none", metadata=flag(
         "stage 3: where the parameter shards live between gathers: in memory (none) or in swap files under "
         "--nvme-path (nvme), read ahead of their gathers", choices=["none", "cpu", "nvme"]))

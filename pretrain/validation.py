@@ -130,7 +130,7 @@ def _validate_offload(config: Config, topology: Topology) -> None:
             raise ConfigError("--nvme-path is only used with --offload-optimizer nvme or --offload-param nvme: "
                               "add one or drop --nvme-path")
         return
-    if zero.zero_sub_group_size < 1:
+    if zero.zero_sub_group_size is not None and zero.zero_sub_group_size < 1:
         raise ConfigError(f"--zero-sub-group-size must be >= 1 element, got {zero.zero_sub_group_size}")
     # the processes of this node write Adam's two fp32 moments (and fp32 masters under bf16/fp16, or
     # when the parameters are in files too), and the parameter shards

@@ -46,6 +46,10 @@ class FlatStorage:
         self._gathers: dict[tuple[int, int], object] = {}  # (buffer, bucket) -> all-gather in flight
         self._hooks: list = []
 
+    def shard_numel(self) -> int:
+        """Elements of this rank's master slots (its bucket chunks; stage 0: every bucket)."""
+        return sum(bucket.chunk for buffer in self.buffers for bucket in buffer.buckets)
+
     def add_slots(self, masters: MasterShards, master_groups: list[dict]) -> None:
         """One master slot per bucket chunk this rank owns (stage 0: per whole bucket)."""
         for index, buffer in enumerate(self.buffers):
@@ -56,7 +60,7 @@ class FlatStorage:
                             lambda i=index, b=bucket: self.grad_sync.shard_grad(i, b),
                             [(s.param, s.offset, s.length) for s in segments if s.bucket == bucket.index],
                             [(p, buffer.offsets[p] - bucket.start, p.shape) for p in bucket.params],
-                            sharded=self.stage > 0)
+                            sharded=self.stage > 0, start=low - bucket.start)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.grad_sync.no_sync()

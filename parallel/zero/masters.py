@@ -2,9 +2,11 @@
 leave it, and where every parameter's elements sit in it (for checkpoints in other layouts).
 
 A slot is one contiguous piece of this rank's shard (a bucket chunk of a flat buffer, or a stage-3 unit's
-shard). Its master is a view of the parameters themselves where those are fp32 and live where the masters
-live; otherwise an fp32 copy, in pinned host memory when the parameters are on an accelerator and the
-optimizer is offloaded, so that copies to and from it run asynchronously.
+shard; with ``piece`` set, at most that many elements of one: NVMe offload steps the masters a
+sub-group at a time, and a sub-group cannot hold part of a master). Its master is a view of the parameters
+themselves where those are fp32 and live where the masters live; otherwise an fp32 copy, in pinned host
+memory when the parameters are on an accelerator and the optimizer is offloaded, so that copies to and
+from it run asynchronously.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class ShardSlot:
     master: nn.Parameter
     segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
     layout: list[tuple[nn.Parameter, int, torch.Size]]  # every parameter of the whole range: (param, offset, shape)
-    sharded: bool  # the slot is this rank's chunk of a range split over dp (else the whole range)
+    sharded: bool  # the slot is in this rank's chunk of a range split over dp (else in the whole range)
+    start: int  # where ``data`` starts in its range (the layout's coordinates)
     store: Callable[[torch.Tensor, bool], None] | None = None  # keeps stepped values (stage 3; non-blocking?)
 
     @property
@@ -57,8 +60,8 @@ class MasterShards:
     loss scale and the clipping coefficient.
     """
 
-    def __init__(self, shard: int, master_device: torch.device | None, compute_device: torch.device):
-        self.shard, self.master_device, self.compute_device = shard, master_device, compute_device
+    def __init__(self, master_device: torch.device | None, compute_device: torch.device, piece: int | None = None):
+        self.master_device, self.compute_device, self.piece = master_device, compute_device, piece
         self.slots: list[ShardSlot] = []
 
     @property
@@ -66,8 +69,20 @@ class MasterShards:
         return [slot.master for slot in self.slots]
 
     def add(self, group: dict, data: torch.Tensor, grad: Callable[[], torch.Tensor], segments, layout,
-            sharded: bool, store=None, aliasable: bool = True) -> None:
-        """A slot over ``data`` (this rank's piece of the parameters); its master joins optimizer ``group``."""
+            sharded: bool, start: int, store=None, aliasable: bool = True) -> None:
+        """Slots over ``data`` (this rank's part of a range, from element ``start`` of it; ``segments``:
+        (param, offset in ``data``, length)), at most ``piece`` elements each; their masters join optimizer
+        ``group``. ``store(values, non_blocking, offset)`` keeps stepped values at ``offset`` of ``data``."""
+        size = self.piece or max(1, data.numel())
+        for low in range(0, data.numel(), size) or [0]:
+            high = min(low + size, data.numel())
+            within = [(param, max(offset, low) - low, min(offset + length, high) - max(offset, low))
+                      for param, offset, length in segments if offset < high and offset + length > low]
+            self._add(group, data[low:high], (lambda low=low, high=high: grad()[low:high]), within, layout, sharded,
+                      start + low, None if store is None else (lambda v, nb, low=low: store(v, nb, low)), aliasable)
+
+    def _add(self, group: dict, data: torch.Tensor, grad: Callable[[], torch.Tensor], segments, layout,
+             sharded: bool, start: int, store, aliasable: bool) -> None:
         device = self.master_device or data.device
         if aliasable and data.dtype == torch.float32 and data.device == device:
             master = nn.Parameter(data)
@@ -76,7 +91,7 @@ class MasterShards:
             master = nn.Parameter(torch.empty(data.shape, dtype=torch.float32, device=device, pin_memory=pinned)
                                   .copy_(data.detach()))
         group["params"].append(master)
-        self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded=sharded, store=store))
+        self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded, start, store))
 
     def gradient(self, index: int, scale: float, coefficient: float, landed: bool = True) -> torch.Tensor:
         """Master ``index``'s fp32 gradient, unscaled (the loss ``scale`` of its backward) and clipped by
@@ -119,10 +134,9 @@ class MasterShards:
         state_index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         found = []
         for index, slot in enumerate(self.slots):
-            first = self.shard * slot.data.numel() if slot.sharded else 0  # where the master starts in its range
             where = {id(param): (offset, shape) for param, offset, shape in slot.layout}
             for param, offset, length in slot.segments:
                 start, shape = where[id(param)]
-                found.append(MasterPiece(index, state_index[id(slot.master)], param, shape, first + offset - start,
-                                         offset, length))
+                found.append(MasterPiece(index, state_index[id(slot.master)], param, shape,
+                                         slot.start + offset - start, offset, length))
         return found

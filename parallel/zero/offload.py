@@ -22,10 +22,19 @@ from parallel.buffers import BufferPool
 from parallel.zero.swap import SwapSpace
 
 
-
 def is_per_element(value) -> bool:
     """An optimizer state with one value per parameter element (Adam's moments), not a scalar (its step)."""
     return torch.is_tensor(value) and value.dim() > 0
+
+
+SUB_GROUPS = 20  # the default sub-group size cuts a shard into this many: the step's three buffers hold 15%
+LARGEST_SUB_GROUP = 100_000_000  # elements (DeepSpeed's default sub_group_size is 1e9)
+
+
+def default_sub_group_size(shard_numel: int) -> int:
+    """Elements stepped at a time when none is given: a twentieth of this rank's shard, at most 1e8, so
+    that offload frees about 85% of the swapped bytes whatever the model's size."""
+    return max(1, min(LARGEST_SUB_GROUP, -(-shard_numel // SUB_GROUPS)))
 
 
 def _sub_groups(masters: list[nn.Parameter], sub_group_numel: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ every bucket so all ranks hold the full updated parameters again.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import weakref
@@ -32,7 +33,7 @@ from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
 from parallel.zero.memory import sharded_at_stage_3, storage_bytes
-from parallel.zero.offload import SwappedOptimizerStates, is_per_element
+from parallel.zero.offload import SwappedOptimizerStates, default_sub_group_size, is_per_element
 from parallel.zero.stage3 import ShardedParameters
 from parallel.zero.swap import SwapSpace
 
@@ -66,8 +67,10 @@ class ZeroOptimizer:
 
     Offload (stages 1-3): ``offload_optimizer="cpu"`` keeps the masters, states and step on the CPU;
     ``"nvme"`` keeps them in swap files under ``nvme_path``, stepped ``sub_group_size`` elements at a
-    time (``SwappedOptimizerStates``). ``offload_param="nvme"`` (stage 3) keeps the parameter shards in
-    swap files, read ahead of their gathers. ``close()`` removes the swap files.
+    time (``SwappedOptimizerStates``). Masters are cut to at most ``sub_group_size`` elements, offloaded
+    or not (None: ``default_sub_group_size`` of this rank's shard, so that the step's buffers hold a small
+    part of what lives in the files at every model size). ``offload_param="nvme"`` (stage 3) keeps the
+    parameter shards in swap files, read ahead of their gathers. ``close()`` removes the swap files.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
@@ -76,7 +79,7 @@ class ZeroOptimizer:
                  unit_modules: list[nn.Module] | None = None, persistence_threshold: int = 100_000,
                  prefetch_budget: int | None = 0, buffer_pool: BufferPool | None = None,
                  offload_optimizer: str = "none",
-                 nvme_path: str | None = None, sub_group_size: int = 100_000_000, offload_param: str = "none",
+                 nvme_path: str | None = None, sub_group_size: int | None = None, offload_param: str = "none",
                  main_grads_in_fp32: bool = True, overlap_param_gather: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
@@ -98,17 +101,22 @@ class ZeroOptimizer:
         device = module_device(module)
         sharded = (lambda p: sharded_at_stage_3(p, persistence_threshold)) if stage == 3 else (lambda p: False)
         master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}} for group in param_groups]
-        # offloaded masters, their states and the step live on the CPU (swapped to files with nvme)
-        self.master = MasterShards(dp.rank if stage > 0 else 0, torch.device("cpu") if offload_optimizer != "none"
-                                   else None, device)
         self.buffer_pool = buffer_pool or BufferPool(device)
         self.flat = FlatStorage([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
                                 bucket_size, device, self.grad_dtype, self.model_parallel, self.buffer_pool)
-        self.flat.add_slots(self.master, master_groups)
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,
                                            self.buffer_pool, device, prefetch_budget, self.grad_dtype)
+        shard_numel = self.flat.shard_numel() + (self.units.shard_numel() if self.units is not None else 0)
+        self.sub_group_size = sub_group_size or default_sub_group_size(shard_numel)
+        # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where
+        # a sub-group holds whole masters: none is larger than one; cut so with or without offload, as
+        # DeepSpeed cuts its fp32 groups, so that both runs step the same masters bit for bit)
+        self.master = MasterShards(torch.device("cpu") if offload_optimizer != "none" else None, device,
+                                   piece=self.sub_group_size)
+        self.flat.add_slots(self.master, master_groups)
+        if self.units is not None:
             self.units.add_slots(self.master, master_groups, dp.rank, aliasable=offload_param == "none")
         if overlap_param_gather and stage in (1, 2):
             self.flat.wait_in_forward(module)
@@ -119,7 +127,7 @@ class ZeroOptimizer:
             self._close_swap = weakref.finalize(self, space.close)  # swap files are scratch: gone with us
             resident = {i for i, slot in enumerate(self.slots) if slot.aliased}
             self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident, space, self.buffer_pool,
-                                                  sub_group_size)
+                                                  self.sub_group_size)
         if offload_param == "nvme":
             space = SwapSpace(nvme_path, f"zero-params-pid{os.getpid()}")
             self._close_param_swap = weakref.finalize(self, space.close)
@@ -302,17 +310,28 @@ class ZeroOptimizer:
 
     def parameter_shapes(self) -> list[tuple[nn.Parameter, torch.Size]]:
         """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields them."""
-        return [(param, shape) for slot in self.slots for param, _, shape in slot.layout]
+        return [(param, shape) for pieces in self._ranges() for param, _, shape in pieces[0].layout]
+
+    def _ranges(self) -> Iterator[list[ShardSlot]]:
+        """The slots of each bucket or unit, in order (a range's pieces follow each other)."""
+        index = 0
+        while index < len(self.slots):
+            first = self.slots[index]
+            pieces = list(itertools.takewhile(lambda slot: slot.layout is first.layout, self.slots[index:]))
+            index += len(pieces)
+            yield pieces
 
     def whole_masters(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Every parameter's full fp32 value from the masters, one bucket or unit at a time (its shards
         all-gathered over dp: every data-parallel rank must run this to the end)."""
-        for slot in self.slots:
-            full = slot.master.data
-            if slot.sharded and self.dp.size > 1:
-                full = torch.empty(full.numel() * self.dp.size, dtype=torch.float32, device=full.device)
-                comm.all_gather_into_tensor(full, slot.master.data.contiguous(), self.dp)
-            for param, start, shape in slot.layout:
+        for pieces in self._ranges():
+            first = pieces[0]
+            full = torch.cat([slot.master.data.reshape(-1) for slot in pieces]) if len(pieces) > 1 \
+                else first.master.data.reshape(-1)
+            if first.sharded and self.dp.size > 1:
+                mine, full = full, torch.empty(full.numel() * self.dp.size, dtype=torch.float32, device=full.device)
+                comm.all_gather_into_tensor(full, mine.contiguous(), self.dp)
+            for param, start, shape in first.layout:
                 yield param, full[start:start + shape.numel()].view(shape)
 
     def masters_to_parameters(self) -> None:

@@ -151,6 +151,10 @@ class ShardedParameters:
                                                     grad_dtype(dtype), dp)
                          for dtype in {u.dtype for u in self.units}}
 
+    def shard_numel(self) -> int:
+        """Elements of this rank's shards of every unit."""
+        return sum(unit.chunk for unit in self.units)
+
     def add_slots(self, masters: MasterShards, master_groups: list[dict], shard: int, aliasable: bool) -> None:
         """One master slot per unit: this rank's shard of it (``aliasable`` False: shards that will live in
         a swap file cannot be the masters)."""
@@ -159,7 +163,8 @@ class ShardedParameters:
             masters.add(master_groups[unit.group], self.shard(unit), lambda u=unit: self.grad_shard(u),
                         pieces_within(ranges, shard * unit.chunk, (shard + 1) * unit.chunk),
                         [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params], sharded=True,
-                        store=lambda values, non_blocking, u=unit: self.store(u, values, non_blocking),
+                        start=shard * unit.chunk,
+                        store=lambda values, non_blocking, offset, u=unit: self.store(u, values, non_blocking, offset),
                         aliasable=aliasable)
 
     def held(self) -> list[torch.Tensor]:
@@ -211,16 +216,17 @@ class ShardedParameters:
             if not (self.units[index].gathered or self.units[index].handle is not None):
                 self._read(self.units[index])
 
-    def store(self, unit: ParameterUnit, values: torch.Tensor, non_blocking: bool = False) -> None:
-        """The optimizer stepped ``unit``'s shard: keep ``values`` (cast to the unit's dtype) as its shard
-        (asynchronously from pinned host memory if ``non_blocking``: the caller orders its next write)."""
+    def store(self, unit: ParameterUnit, values: torch.Tensor, non_blocking: bool = False, offset: int = 0) -> None:
+        """The optimizer stepped elements ``offset`` on of ``unit``'s shard: keep ``values`` (cast to the
+        unit's dtype) there (asynchronously from pinned host memory if ``non_blocking``: the caller orders
+        its next write)."""
         if self.space is None or self._shards_resident:
-            self.shard(unit).copy_(values, non_blocking=non_blocking)
+            self.shard(unit)[offset:offset + values.numel()].copy_(values, non_blocking=non_blocking)
             return
         # a host copy: ``values`` may be a buffer reused before the write ends
         cast = values.to("cpu", unit.dtype, copy=True)
-        offset = self.chunk_offset[unit.index] * cast.element_size()
-        self._stores.append(self.space.write(f"shards-{unit.dtype}", cast, offset))
+        position = (self.chunk_offset[unit.index] + offset) * cast.element_size()
+        self._stores.append(self.space.write(f"shards-{unit.dtype}", cast, position))
 
     def flush(self) -> None:
         """Wait until every stored shard is in its file; reads started before the stores are stale."""

@@ -39,3 +39,15 @@ def test_offload_benchmark_runs_every_system_to_the_same_loss(tmp_path, monkeypa
                         "--nvme-path", str(tmp_path), "--sub-group-size", "5000", "--output", str(output)])
     rows = [line for line in output.read_text().splitlines() if line.startswith("| ") and "system" not in line]
     assert len(rows) == 4 and len({row.split("|")[-2] for row in rows}) == 1  # equal final losses
+
+
+def test_one_process_benchmark_times_both_loops_on_the_same_corpus(tmp_path, stdlib_corpus):
+    from launch import bench_one_process
+
+    output = tmp_path / "one_process.md"
+    cache = os.path.dirname(os.path.dirname(stdlib_corpus[0]))  # the fixture's corpus, built once
+    bench_one_process.main(["--iters", "30", "--log-interval", "10", "--pairs", "1", "--corpus-bytes", "400000",
+                            "--cache-dir", cache, "--output", str(output)])
+    rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and float(rows[0][4].strip().rstrip("x")) > 0
+    assert 0 < float(rows[0][5]) < 7 and 0 < float(rows[0][6]) < 7  # both learned below log(512) = 6.2

@@ -28,7 +28,7 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
     order, so no rounding can differ. Four iterations on each side cross warm-up and decay."""
     layouts = [run for stage in (0, 1, 2, 3) for run in _runs(stage, str(tmp_path / f"stage{stage}"))]
     (tmp_path / "swap").mkdir()
-    nvme = ["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "swap"), "--zero-sub-group-size", "5000"]
+    nvme = ["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "swap")]  # the default cut, as in memory
     for stage in (2, 3):  # optimizer states (stage 3: and parameter shards) in swap files: saved from them,
         infinity = ["--offload-param", "nvme"] if stage == 3 else []  # loaded back into them
         layouts += [run + nvme + infinity for run in _runs(stage, str(tmp_path / f"nvme{stage}"))[1:]]
