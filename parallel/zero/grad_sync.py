@@ -99,7 +99,10 @@ class GradientSync:
         self._launched: set[tuple[int, int]] = set()
         self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it
         self._deferred: dict[nn.Parameter, torch.Tensor] = {}  # stage 2: deferred gradients in the gradient dtype
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        # one rank whose gradients autograd accumulates in place in the buffer: nothing to reduce, no hook
+        self._alone = dp.size == 1 and stage < 2 and all(b.grads_are_views for b in buffers)
+        self._hooks = [] if self._alone else \
+            [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -189,7 +192,8 @@ class GradientSync:
             staged.start(key)
             return
         grads = buffer.grad[bucket.start:bucket.end]
-        grads.div_(self.dp.size)
+        if self.dp.size > 1:
+            grads.div_(self.dp.size)
         if self.stage == 0:
             handle = comm.all_reduce(grads, self.dp, async_op=True)
         else:
@@ -205,6 +209,9 @@ class GradientSync:
 
     def finish(self) -> None:
         """Complete the reduction of every bucket, in bucket order (the same on every rank)."""
+        if self._alone:
+            self._finish_alone()
+            return
         for index, buffer in enumerate(self.buffers):
             for bucket in buffer.buckets:
                 key = (index, bucket.index)
@@ -223,6 +230,18 @@ class GradientSync:
             staged.finish()
         self._ready.clear()
         self._launched.clear()
+
+    def _finish_alone(self) -> None:
+        """One rank, no hooks: a gradient autograd made after ``zero_grad(set_to_none=True)`` joins its view
+        of the buffer now; the tensor- and pipeline-parallel sums still run."""
+        for buffer in self.buffers:
+            for param in buffer.params:
+                view = buffer.grad_view(param)
+                if param.grad is not None and param.grad is not view:
+                    view.add_(param.grad)
+                    param.grad = view
+                if needs_model_parallel_reduction(param):  # on every rank of the group, gradient or not
+                    reduce_model_parallel_grad(param, view, self.model_parallel)
 
     def zero(self) -> None:
         """Start a new step: clear the gradient shards (stage 2)."""

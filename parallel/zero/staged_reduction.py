@@ -45,7 +45,8 @@ class StagedReduceScatter:
     def start(self, key: Hashable) -> None:
         """Reduce-scatter the filled staging of ``key`` asynchronously."""
         staging, _, shard = self._open.pop(key)
-        staging.div_(self.dp.size)
+        if self.dp.size > 1:
+            staging.div_(self.dp.size)
         into = shard()
         staging.view(self.dp.size, -1)[self.dp.rank].add_(into)
         self._in_flight[key] = comm.reduce_scatter_tensor(into, staging, self.dp, async_op=True)
