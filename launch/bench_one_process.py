@@ -1,6 +1,6 @@
 """One process, the project against a 60-line plain torch loop, on nanoGPT's CPU recipe for shakespeare_char.
 
-    python -m launch.bench_one_process [--iters 2000] [--pairs 1] [--output runs/bench/one_process.md]
+    python -m launch.bench_one_process [--iters 2000] [--pairs 2] [--sequential] [--output runs/bench/one_process.md]
 
 The recipe (nanoGPT's config/train_shakespeare_char.py with its CPU overrides): 4 layers, 4 heads, width
 128, block 64, batch 12, no dropout, AdamW (lr 1e-3, betas 0.9 / 0.99, weight decay 0.1 on matrices),

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from models.config import GPTConfig
 from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
+from parallel.zero.grad_sync import staged_bucket_size
 from pretrain.arguments import ConfigError, parse_config
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -158,12 +159,15 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
 
 def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int,
                  grad_bytes: int | None = None) -> float:
-    """ZeRO-R staging: two bucket slots (in the gradient dtype) from stage 2 on; stage 3 also gathers a
-    block; full recompute rebuilds one layer's activations in backward."""
+    """ZeRO-R staging (in the gradient dtype): two bucket slots at stage 2 (the bucket capped as the gradient
+    sync caps it), two block slots at stage 3, which also gathers a block; full recompute rebuilds one
+    layer's activations in backward."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    layer = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)[0].layers[0]
-    block = sum(p.numel() for p in layer.parameters())
-    staging = 2 * (bucket_size + bucket_size / layout.dp) * grad_bytes if layout.zero_stage >= 2 else 0
+    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
+    block = sum(p.numel() for p in chunks[0].layers[0].parameters())
+    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    slot = staged_bucket_size(bucket_size, params, layout.dp) if layout.zero_stage == 2 else block
+    staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
     recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
     return staging + gathers + recompute

@@ -2,8 +2,8 @@
 
 Tensors that would otherwise be allocated anew every micro-batch come from the pool:
 
-- arenas (``view``): gradient staging for reduce-scatter and its output chunks take views of a flat
-  arena sized once from the configuration;
+- arenas (``view``): gradient staging for reduce-scatter takes views of a flat arena sized once from
+  the configuration;
 - slots (``slots``): equal-sized buffers taken and given back, for activation checkpoints (kept from
   a layer's forward to its backward), the gathers that rebuild them, NVMe-offload sub-groups and
   parameter shards read from swap files. (ZeRO-3's gathered parameters keep a storage per unit:

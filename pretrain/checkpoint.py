@@ -300,10 +300,11 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
          weights_only: bool = False, step: int | None = None) -> tuple[dict, dict | None]:
     """Restore this rank's state from the newest checkpoint; return (manifest, random states). A
     checkpoint of another layout is re-cut by parameter name (``pretrain.reshard``); its random
-    states do not apply (None). ``weights_only`` (fine-tuning, and a checkpoint that holds weights only,
+    states do not apply (None) unless this rank holds the same parameters as the rank that saved it. ``weights_only`` (fine-tuning, and a checkpoint that holds weights only,
     such as a Hugging Face import) loads the model and leaves the optimizer fresh. ``step``: the
     checkpoint of that iteration instead of the newest (--ckpt-step)."""
     checkpoint, manifest = read_manifest(directory, step)
+    rng = None
     if manifest.get("kind") == "weights":
         path = _verified(checkpoint, manifest, WEIGHTS_FILE)
         source = reshard.WeightsFile(path)
@@ -314,16 +315,16 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
         if manifest["layout"] == layout_of(groups.topology, optimizer.stage) and not weights_only:
             path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
             state = _read(path)
-            def places(pieces):
-                return [tuple(piece[key] for key in ("name", "master", "state", "start", "offset", "length"))
-                        for piece in pieces]
-            if places(reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)) == \
-                    places(state["pieces"]):  # the same parameter elements in the same masters and places
+            mine = reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)
+            if _places(mine) == _places(state["pieces"]):  # the same elements in the same masters and places
                 with optimizer.states_in_memory():
                     _restore(optimizer, state, path)
                 return manifest, state["rng"]
-            # the same sizes but other layers here (virtual stages, uneven stages) or other buckets, other
-            # master pieces (another --zero-bucket-size, sub-group size or offload): re-cut below
+            # the same sizes but other layers here (virtual stages, uneven stages: the random states do not
+            # apply), or the same layers cut into other buckets or master pieces (another
+            # --zero-bucket-size or --zero-sub-group-size, or a checkpoint of an earlier release): re-cut
+            if {piece["name"] for piece in mine} == {piece["name"] for piece in state["pieces"]}:
+                rng = state["rng"]
         _, _, states = read_rank_files(directory, step)
         source, what = reshard.CheckpointPieces(states), f"{checkpoint} (layout {manifest['layout']})"
         scaler = ZeroOptimizer.saved_loss_scaler(states[0]["optimizer"])
@@ -332,7 +333,12 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
             reshard.load(source, optimizer, names, groups.tp_rank, groups.topology.tp, weights_only, scaler)
     except reshard.ReshardError as error:
         raise CheckpointError(f"{what}: cannot be re-cut for this run: {error}") from None
-    return manifest, None
+    return manifest, rng
+
+
+def _places(pieces: list[dict]) -> list[tuple]:
+    """Where a rank's masters hold which elements of which parameter (what a same-layout load needs)."""
+    return [tuple(piece[key] for key in ("name", "master", "state", "start", "offset", "length")) for piece in pieces]
 
 
 def _restore(optimizer: ZeroOptimizer, state: dict, path: str) -> None:

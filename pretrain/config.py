@@ -70,8 +70,8 @@ class ZeroConfig:
         "where the fp32 masters, optimizer states and the step live: with the parameters (none), in CPU "
         "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3", choices=["none", "cpu", "nvme"]))
     zero_sub_group_size: int | None = field(default=None, metadata=flag(
-        "nvme: parameter elements per optimizer sub-group; at most three sub-groups are in memory at once "
-        "(default: a twentieth of the rank's shard, at most 1e8)"))
+        "the largest fp32 master, and with --offload-optimizer nvme the elements stepped at a time (at most "
+        "three sub-groups in memory at once); default: a twentieth of the rank's shard, within 64K..1e8"))
     offload_param: str = field(default="none", metadata=flag(
         "stage 3: where the parameter shards live between gathers: in memory (none) or in swap files under "
         "--nvme-path (nvme), read ahead of their gathers", choices=["none", "cpu", "nvme"]))

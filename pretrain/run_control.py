@@ -59,8 +59,9 @@ class RunControl:
         return bool(train.eval_interval) and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
 
     def records(self, iteration: int, first: bool = False) -> bool:
-        """Whether ``iteration`` writes a metrics line at its interval (known before it runs: a line that
-        a preemption signal adds is not). The trainer measures what only these lines report."""
+        """Whether ``iteration`` writes a metrics line at its interval (known before it runs; the line an
+        early stop adds, by a signal, --exit-duration-in-mins or --exit-interval, is not). The trainer
+        measures what only these lines report."""
         logging, last = self.config.logging, iteration == self.config.training.train_iters
         return (iteration % logging.log_interval == 0 or self._evaluates(iteration) or first or last
                 or (logging.tensorboard_dir is not None and iteration % logging.tensorboard_log_interval == 0))

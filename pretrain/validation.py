@@ -35,6 +35,8 @@ def validate(config: Config, world_size: int) -> Topology:
     _validate_pipeline(config, topology)
     if config.zero.zero_bucket_size < 1:
         raise ConfigError(f"--zero-bucket-size must be >= 1 element, got {config.zero.zero_bucket_size}")
+    if config.zero.zero_sub_group_size is not None and config.zero.zero_sub_group_size < 1:
+        raise ConfigError(f"--zero-sub-group-size must be >= 1 element, got {config.zero.zero_sub_group_size}")
     if config.zero.zero_persistence_threshold < 0 or (config.zero.zero_prefetch_budget or 0) < 0:
         raise ConfigError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
     recompute = config.recompute
@@ -130,8 +132,6 @@ def _validate_offload(config: Config, topology: Topology) -> None:
             raise ConfigError("--nvme-path is only used with --offload-optimizer nvme or --offload-param nvme: "
                               "add one or drop --nvme-path")
         return
-    if zero.zero_sub_group_size is not None and zero.zero_sub_group_size < 1:
-        raise ConfigError(f"--zero-sub-group-size must be >= 1 element, got {zero.zero_sub_group_size}")
     # the processes of this node write Adam's two fp32 moments (and fp32 masters under bf16/fp16, or
     # when the parameters are in files too), and the parameter shards
     mixed = train.bf16 or train.fp16

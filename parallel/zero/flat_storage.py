@@ -51,7 +51,8 @@ class FlatStorage:
         return sum(bucket.chunk for buffer in self.buffers for bucket in buffer.buckets)
 
     def add_slots(self, masters: MasterShards, master_groups: list[dict]) -> None:
-        """One master slot per bucket chunk this rank owns (stage 0: per whole bucket)."""
+        """Master slots over each bucket chunk this rank owns (stage 0: each whole bucket), cut to the
+        masters' largest size."""
         for index, buffer in enumerate(self.buffers):
             segments = buffer.segments(self.shard)
             for bucket in buffer.buckets:

@@ -1,14 +1,16 @@
 """Bucketed gradient reduction over the data-parallel group, overlapped with backward.
 
 A hook on each parameter counts the gradients that are ready; when all of a bucket's gradients have
-arrived, its collective starts asynchronously while backward goes on with earlier layers. Three ways,
-one per ZeRO stage:
+arrived, its collective starts asynchronously while backward goes on with earlier layers (one rank at
+stages 0-1 needs no hook: autograd accumulates in place, nothing is reduced). Three ways, one per ZeRO
+stage:
 
     stage 0  all-reduce the bucket of the flat gradient buffer in place (every rank keeps all)
     stage 1  reduce-scatter the bucket in place: each rank's chunk ends up holding its reduced part
     stage 2  no flat gradient buffer: each gradient is copied into its bucket's staging slot as it
-             arrives and freed; a full bucket is reduce-scattered and the chunk added to this rank's
-             gradient shard; this happens on every micro-batch, so no full gradient outlives its copy
+             arrives and freed; a full bucket is reduce-scattered into this rank's gradient shard
+             (which keeps the earlier micro-batches' sum); this happens on every micro-batch, so no
+             full gradient outlives its copy
 
 Stages 0 and 1 reduce only on the last micro-batch (backwards before it run inside ``no_sync``).
 Deferred buckets (sequence-parallel and tied-embedding weights) wait for ``finish``: their
@@ -65,8 +67,9 @@ def reduce_model_parallel_grad(param: nn.Parameter, grad: torch.Tensor, groups: 
 def staged_bucket_size(bucket_size: int, numel: int, dp: int) -> int:
     """Stage 2's bucket size for a flat buffer of ``numel`` elements: at most ``bucket_size``, and small
     enough that its two staging slots hold at most half of the gradient memory that sharding saves
-    ((dp - 1) / dp of the buffer), so that stage 2 never holds more than stage 1. (A bucket closes at
-    the first parameter that reaches the size, so a single larger parameter still gets its own.)"""
+    ((dp - 1) / dp of the buffer), so that stage 2 holds less than stage 1. (A bucket closes at the
+    first parameter that reaches the size, so a single larger parameter still gets a bucket, and a
+    slot, of its own: a model made mostly of one huge weight saves less.)"""
     return bucket_size if dp == 1 else max(1, min(bucket_size, numel * (dp - 1) // (4 * dp)))
 
 

@@ -73,6 +73,8 @@ class MasterShards:
         """Slots over ``data`` (this rank's part of a range, from element ``start`` of it; ``segments``:
         (param, offset in ``data``, length)), at most ``piece`` elements each; their masters join optimizer
         ``group``. ``store(values, non_blocking, offset)`` keeps stepped values at ``offset`` of ``data``."""
+        if self.piece is not None and self.piece < 1:
+            raise ValueError(f"--zero-sub-group-size must be >= 1 element, got {self.piece}")
         size = self.piece or max(1, data.numel())
         for low in range(0, data.numel(), size) or [0]:
             high = min(low + size, data.numel())

@@ -28,13 +28,15 @@ def is_per_element(value) -> bool:
 
 
 SUB_GROUPS = 20  # the default sub-group size cuts a shard into this many: the step's three buffers hold 15%
-LARGEST_SUB_GROUP = 100_000_000  # elements (DeepSpeed's default sub_group_size is 1e9)
+SUB_GROUP_RANGE = (65_536, 100_000_000)  # elements (DeepSpeed's default sub_group_size is 1e9)
 
 
 def default_sub_group_size(shard_numel: int) -> int:
-    """Elements stepped at a time when none is given: a twentieth of this rank's shard, at most 1e8, so
-    that offload frees about 85% of the swapped bytes whatever the model's size."""
-    return max(1, min(LARGEST_SUB_GROUP, -(-shard_numel // SUB_GROUPS)))
+    """Elements stepped at a time when none is given: a twentieth of this rank's shard, within
+    ``SUB_GROUP_RANGE``, so that offload frees about 85% of the swapped bytes at every model size down to
+    a shard of 1.3M elements (below that, a piece of 64K elements is not worth its file operations)."""
+    low, high = SUB_GROUP_RANGE
+    return max(low, min(high, -(-shard_numel // SUB_GROUPS)))
 
 
 def _sub_groups(masters: list[nn.Parameter], sub_group_numel: int) -> list[list[int]]:

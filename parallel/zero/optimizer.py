@@ -2,8 +2,8 @@
 optionally offloaded to the CPU or to swap files (ZeRO-Offload / ZeRO-Infinity).
 
 Per flat buffer and bucket, this rank owns one chunk (stage 0: the whole bucket). The wrapped torch
-optimizer sees one fp32 "master" tensor per owned chunk: a view of the parameters themselves in fp32
-training, an fp32 copy under bf16/fp16. A step: finish the gradient reduction, unscale (fp16), agree
+optimizer sees fp32 "master" tensors of at most ``sub_group_size`` elements each, cut from the owned
+chunks: views of the parameters themselves in fp32 training, fp32 copies under bf16/fp16. A step: finish the gradient reduction, unscale (fp16), agree
 on overflow over all ranks, take the global norm over every axis (each parameter counted once), clip,
 step the masters, write them back into the compute-precision parameters and (stages 1-2) all-gather
 every bucket so all ranks hold the full updated parameters again.
@@ -109,7 +109,7 @@ class ZeroOptimizer:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,
                                            self.buffer_pool, device, prefetch_budget, self.grad_dtype)
         shard_numel = self.flat.shard_numel() + (self.units.shard_numel() if self.units is not None else 0)
-        self.sub_group_size = sub_group_size or default_sub_group_size(shard_numel)
+        self.sub_group_size = default_sub_group_size(shard_numel) if sub_group_size is None else sub_group_size
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where
         # a sub-group holds whole masters: none is larger than one; cut so with or without offload, as
         # DeepSpeed cuts its fp32 groups, so that both runs step the same masters bit for bit)
@@ -187,11 +187,17 @@ class ZeroOptimizer:
         ``scale``: each parameter once, wherever its chunks live (each segment's norm computed where the
         segment is, with no temporary of its size; the norms combined on ``device``)."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
-        segments = [tensor[offset:offset + length] for slot, tensor in zip(self.slots, tensors)
-                    for param, offset, length in slot.segments if counts_once_here(param, tp_rank)]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for slot, tensor in zip(self.slots, tensors):
+            for param, offset, length in slot.segments:
+                if counts_once_here(param, tp_rank):
+                    by_device.setdefault(tensor.device, []).append(tensor[offset:offset + length])
+        # one foreach norm per device, in fp32 whatever the gradients' dtype (16-bit norms overflow or round)
+        norms = [norm.to(device) for segments in by_device.values()
+                 for norm in torch._foreach_norm(segments, 2, dtype=torch.float32)]
         total = torch.zeros(1, dtype=torch.float32, device=device)
-        if segments:  # per device and dtype, one foreach norm; then the norm of those norms
-            total += (torch.nn.utils.get_total_norm(segments).to(device, torch.float32) / scale).square()
+        if norms:
+            total += (torch.linalg.vector_norm(torch.stack(norms)) / scale).square()
         self._global_sum(total, over_dp=self.stage > 0)  # stage 0: every dp rank holds the same sum
         return total.sqrt().item()
 
@@ -314,12 +320,8 @@ class ZeroOptimizer:
 
     def _ranges(self) -> Iterator[list[ShardSlot]]:
         """The slots of each bucket or unit, in order (a range's pieces follow each other)."""
-        index = 0
-        while index < len(self.slots):
-            first = self.slots[index]
-            pieces = list(itertools.takewhile(lambda slot: slot.layout is first.layout, self.slots[index:]))
-            index += len(pieces)
-            yield pieces
+        for _, pieces in itertools.groupby(self.slots, key=lambda slot: id(slot.layout)):
+            yield list(pieces)
 
     def whole_masters(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Every parameter's full fp32 value from the masters, one bucket or unit at a time (its shards

@@ -156,8 +156,8 @@ class ShardedParameters:
         return sum(unit.chunk for unit in self.units)
 
     def add_slots(self, masters: MasterShards, master_groups: list[dict], shard: int, aliasable: bool) -> None:
-        """One master slot per unit: this rank's shard of it (``aliasable`` False: shards that will live in
-        a swap file cannot be the masters)."""
+        """Master slots over each unit's shard on this rank, cut to the masters' largest size
+        (``aliasable`` False: shards that will live in a swap file cannot be the masters)."""
         for unit in self.units:
             ranges = [(p, unit.offsets[p], unit.offsets[p] + unit.size(p)) for p in unit.params]
             masters.add(master_groups[unit.group], self.shard(unit), lambda u=unit: self.grad_shard(u),

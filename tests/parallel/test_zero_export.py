@@ -25,7 +25,8 @@ def _train_and_export(rank, world_size, stage, directory):
     groups = create_process_groups(Topology(world_size))
     model = GPTModel(CONFIG, groups.tp, seed=0)
     _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-2), stage=stage, group=groups.dp,
-                                   unit_modules=list(model.layers), persistence_threshold=64, bucket_size=500)
+                                   unit_modules=list(model.layers), persistence_threshold=64, bucket_size=500,
+                                   sub_group_size=200)  # masters cut below a bucket: export joins the pieces
     for step in range(3):
         tokens, positions = _batch(step)
         mine = tokens.chunk(world_size)[rank]
