@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{ranks[0][name]['loss']:.6f} |")
             print(rows[-1], flush=True)
     params = ranks[0][args.systems[0]]["params"]
-    rows.append(f"\n{params:,} parameters, fp32; DDP's ring all-reduce needs 2P(N-1)/N x 4 bytes "
-                f"= {2 * params * 4 * 0.5 / 2**20:.1f} MiB at dp 2")
+    needs = ", ".join(f"{2 * params * 4 * (dp - 1) / dp / 2**20:.1f} MiB at dp {dp}" for dp in args.dp)
+    rows.append(f"\n{params:,} parameters, fp32; DDP's ring all-reduce needs 2P(N-1)/N x 4 bytes = {needs}")
     write_table(args.output, rows)
 
 

@@ -186,6 +186,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
     return _reduce_scatter_flat(_flat(output), _flat(input), op=op, group=group.group, async_op=async_op)
 
 
+RING_ALL_GATHER_BYTES = 1 << 20  # below this gloo's temporary is cheaper than the ring's extra steps
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory of two contiguous tensors overlaps."""
     a_start, b_start = a.data_ptr(), b.data_ptr()
@@ -260,8 +263,10 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
     """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order.
 
     On gloo, whose all-gather stages the whole output in a temporary of its own and copies it back,
-    a ring of point-to-point steps receives every chunk straight into ``output``; ``input`` may be
-    ``output``'s own chunk (in place).
+    an output of ``RING_ALL_GATHER_BYTES`` or more goes through a ring of point-to-point steps that
+    receives every chunk straight into ``output`` (measured at dp 2: 16 MB in 23-26 ms against gloo's
+    57 ms; 64 KB in 1.2 ms against 1.0, so smaller ones, such as tensor-parallel activations, keep
+    gloo's own); ``input`` may be ``output``'s own chunk (in place).
     """
     if output.numel() != input.numel() * group.size:
         raise ValueError(f"all_gather over {group.axis} (size {group.size}): output has {output.numel()} "
@@ -270,7 +275,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
     group.stats.add("all_gather", group.axis, _ring_fraction(group) * _nbytes(output))
-    if dist.get_backend(group.group) == "gloo":
+    if dist.get_backend(group.group) == "gloo" and _nbytes(output) >= RING_ALL_GATHER_BYTES:
         ring = _RingAllGather(_flat(output), _flat(input), group)
         return ring if async_op else ring.wait()
     return _all_gather_flat(_flat(output), _flat(input), group=group.group, async_op=async_op)

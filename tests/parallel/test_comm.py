@@ -31,12 +31,14 @@ def _every_collective(rank, world_size):
     comm.all_gather_into_tensor(gathered, mine, group)
     assert gathered.tolist() == [float(r) for r in range(n) for _ in range(3)]
     # in place (the input is the output's own chunk), two rings in flight at once, waited in launch order
+    comm.RING_ALL_GATHER_BYTES, ring_from = 0, comm.RING_ALL_GATHER_BYTES  # this small gather as a ring too
     whole = torch.full((5 * n,), -1.0)
     whole[5 * rank:5 * rank + 5] = rank
     summed, parts = torch.empty(2), torch.arange(2.0 * n) * (rank + 1)
     gather = comm.all_gather_into_tensor(whole, whole[5 * rank:5 * rank + 5], group, async_op=True)
     reduce = comm.reduce_scatter_tensor(summed, parts, group, async_op=True)
     gather.wait(), reduce.wait()
+    comm.RING_ALL_GATHER_BYTES = ring_from
     assert whole.tolist() == [float(r) for r in range(n) for _ in range(5)]
     assert summed.tolist() == [(2 * rank + i) * n * (n + 1) / 2 for i in range(2)]
     expected["all_gather"] = (n - 1) / n * (gathered.numel() * 2 + whole.numel() * 4)
