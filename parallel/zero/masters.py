@@ -11,8 +11,9 @@ from it run asynchronously.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -94,6 +95,11 @@ class MasterShards:
                                   .copy_(data.detach()))
         group["params"].append(master)
         self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded, start, store))
+
+    def ranges(self) -> Iterator[list[ShardSlot]]:
+        """The slots of each bucket or unit, in order (a range's pieces follow each other)."""
+        for _, pieces in itertools.groupby(self.slots, key=lambda slot: id(slot.layout)):
+            yield list(pieces)
 
     def gradient(self, index: int, scale: float, coefficient: float, landed: bool = True) -> torch.Tensor:
         """Master ``index``'s fp32 gradient, unscaled (the loss ``scale`` of its backward) and clipped by

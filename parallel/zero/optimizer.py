@@ -12,7 +12,6 @@ every bucket so all ranks hold the full updated parameters again.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import weakref
@@ -316,17 +315,13 @@ class ZeroOptimizer:
 
     def parameter_shapes(self) -> list[tuple[nn.Parameter, torch.Size]]:
         """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields them."""
-        return [(param, shape) for pieces in self._ranges() for param, _, shape in pieces[0].layout]
+        return [(param, shape) for pieces in self.master.ranges() for param, _, shape in pieces[0].layout]
 
-    def _ranges(self) -> Iterator[list[ShardSlot]]:
-        """The slots of each bucket or unit, in order (a range's pieces follow each other)."""
-        for _, pieces in itertools.groupby(self.slots, key=lambda slot: id(slot.layout)):
-            yield list(pieces)
 
     def whole_masters(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Every parameter's full fp32 value from the masters, one bucket or unit at a time (its shards
         all-gathered over dp: every data-parallel rank must run this to the end)."""
-        for pieces in self._ranges():
+        for pieces in self.master.ranges():
             first = pieces[0]
             full = torch.cat([slot.master.data.reshape(-1) for slot in pieces]) if len(pieces) > 1 \
                 else first.master.data.reshape(-1)
