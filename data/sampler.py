@@ -7,7 +7,7 @@ the same samples. A trainer that records `consumed_samples` (global batch size p
 restarts a sampler at that offset reads exactly the samples an uninterrupted run would.
 """
 
-from typing import Dict, Iterator, List, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -74,13 +74,18 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
 
 
 def micro_batches(
-    dataset: Sequence[Dict[str, torch.Tensor]], sampler: DataParallelSampler
+    dataset: Sequence[Dict[str, torch.Tensor]],
+    sampler: DataParallelSampler,
+    read: Optional[Callable[[List[int]], Dict[str, torch.Tensor]]] = None,
 ) -> Iterator[Dict[str, torch.Tensor]]:
     """An iterator of this rank's collated micro-batches, in sampler order; the trainer calls
-    next() once per micro-batch. Checks up front that the sampler never reads past the dataset."""
+    next() once per micro-batch. ``read`` turns a list of indices into a batch (default: each sample,
+    then ``collate``). Checks up front that the sampler never reads past the dataset."""
     if sampler.total_samples > len(dataset):
         raise ValueError(
             f"total_samples {sampler.total_samples}: the dataset has only {len(dataset)} samples; "
             "lower --train-iters or build the dataset with more samples"
         )
-    return (collate([dataset[index] for index in indices]) for indices in sampler)
+    if read is None:
+        return (collate([dataset[index] for index in indices]) for indices in sampler)
+    return (read(indices) for indices in sampler)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from data.gpt_dataset import build_gpt_datasets
+from data.gpt_dataset import batch_reader, build_gpt_datasets
 from data.sampler import DataParallelSampler, micro_batches
 from data.tokenizer import TokenizerSpec, build_tokenizer
 from pretrain.config import Config
@@ -51,4 +51,4 @@ class TrainingData:
     def batches(self, dataset, total_samples: int, consumed: int):
         """This rank's micro-batches of ``dataset`` from sample ``consumed`` up to ``total_samples``."""
         sampler = DataParallelSampler(total_samples, consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
-        return micro_batches(dataset, sampler)
+        return micro_batches(dataset, sampler, batch_reader(dataset))

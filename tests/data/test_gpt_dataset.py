@@ -7,8 +7,8 @@ import torch
 
 import shutil
 
-from data.gpt_dataset import build_gpt_datasets, check_indexed_files, check_token_ids, parse_data_path
-from data.sampler import DataParallelSampler, micro_batches
+from data.gpt_dataset import batch_reader, build_gpt_datasets, check_indexed_files, check_token_ids, parse_data_path
+from data.sampler import DataParallelSampler, collate, micro_batches
 from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 
 from ..world import run_world
@@ -87,6 +87,24 @@ def test_micro_batches_of_a_gpt_dataset(tmp_path, indexed_halves, tokenizer):
     batch = next(batches)
     assert batch["tokens"].shape == (4, SEQ_LENGTH) and batch["tokens"].dtype == torch.int64
     assert torch.equal(batch["tokens"][0], train[4]["tokens"])
+
+
+def test_batch_reader_equals_samples_collated(tmp_path, indexed_halves, tokenizer):
+    """The one-go batch of a GPTDataset is what megatron-core's samples give, collated; with a pad id that
+    occurs in the data too (the masked positions must match), and for a blend (read sample by sample)."""
+    train, valid, _ = build(indexed_halves[:1], tmp_path / "one", tokenizer)
+    blend, _, _ = build(indexed_halves, tmp_path / "blend", tokenizer)
+    common = int(train[0]["tokens"][3])
+    for dataset, pad in ((train, None), (valid, None), (train, common), (blend, None)):
+        if pad is not None:
+            dataset._pad_token_id = pad
+        read = batch_reader(dataset)
+        for indices in ([0], [5, 1, 19], list(range(7, 19))):
+            expected, batch = collate([dataset[index] for index in indices]), read(indices)
+            assert sorted(batch) == sorted(expected)
+            for key in expected:
+                assert batch[key].dtype == expected[key].dtype and torch.equal(batch[key], expected[key]), key
+        assert torch.all(batch["loss_mask"] == 1) == (pad is None)
 
 
 def test_parse_data_path():
