@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from pretrain.config import OptimizerConfig
 
@@ -18,11 +19,13 @@ EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight")
 
 def adamw_factory(opt: OptimizerConfig):
     def make(param_groups: list[dict]) -> torch.optim.Optimizer:
-        # one fused kernel per step where the masters are on a GPU; elsewhere (the CPU, offloaded masters)
-        # the multi-tensor loop, whose numbers the CPU parity tests are written against
-        on_gpu = all(p.device.type == "cuda" for group in param_groups for p in group["params"])
+        # torch's fused kernel (one pass over each master, as Megatron's fused Adam) where the masters' device
+        # has one, the CPU included (4-5x faster there than the multi-tensor loop: 0.9 vs 4.7 ms a step for
+        # 870K fp32 masters, one thread); otherwise the multi-tensor loop
+        devices = {p.device.type for group in param_groups for p in group["params"]}
+        fused = len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices())
         return torch.optim.AdamW(param_groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                 weight_decay=opt.weight_decay, **({"fused": True} if on_gpu else {"foreach": True}))
+                                 weight_decay=opt.weight_decay, **({"fused": True} if fused else {"foreach": True}))
     return make
 
 
