@@ -21,10 +21,11 @@ states):
 - gradients are fp32 main gradients for 16-bit parameters (4 bytes each, staging and reductions
   included), unless --grad-reduce-in-bf16 keeps them in bf16;
 - buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
-- communication per step and axis by the ring model of ``parallel.comm``.
+- communication per step and axis by the ring model of ``parallel.comm``, and the part that crosses
+  nodes of ``--gpus-per-node`` ranks.
 
 Layouts that fit are ranked by a step-time proxy: recompute cost x offload cost / (1 - pipeline bubble),
-then the bytes sent between nodes (data and pipeline axes; tensor parallelism stays inside a node).
+then the bytes sent to another node (``parallel.comm``'s ring model over the layout's groups).
 ``--json`` prints the list as JSON.
 """
 
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from models.config import GPTConfig
 from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
+from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
 from pretrain.arguments import ConfigError, parse_config
 
@@ -82,6 +84,7 @@ class Plan:
     activation_bytes: float  # kept for backward at the peak (what the trainer's saved_activation_bytes measures)
     buffer_bytes: float  # ZeRO-R staging and gathers, and the recompute of one layer
     comm_bytes: dict[str, float] = field(default_factory=dict)
+    comm_bytes_inter_node: dict[str, float] = field(default_factory=dict)  # of those, to another node
     score: float = 0.0
 
     @property
@@ -194,9 +197,25 @@ def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_by
     }
 
 
+def inter_node_bytes(layout: Layout, gpus_per_node: int | None, sent: dict[str, float]) -> dict[str, float]:
+    """Of ``sent`` (bytes per axis of the most loaded rank), those that cross a node boundary by
+    ``parallel.comm``'s ring model: an axis's bytes all cross on a rank whose next rank in the group
+    (the next stage, for pp) sits on another node, and some rank of the layout has one wherever a
+    group spans nodes."""
+    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
+    crossing = {}
+    for axis in sent:
+        rings = topology.groups(axis)
+        pairs = [(ring[i], ring[i + 1]) for ring in rings for i in range(len(ring) - 1)]
+        if axis != "pp":  # a collective's ring closes; the pipeline sends forward and back along a line
+            pairs += [(ring[-1], ring[0]) for ring in rings if len(ring) > 1]
+        crossing[axis] = sent[axis] if any(topology.node(a) != topology.node(b) for a, b in pairs) else 0.0
+    return crossing
+
+
 def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compute_bytes: int,
                 bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
-                grad_bytes: int | None = None) -> Plan:
+                grad_bytes: int | None = None, gpus_per_node: int | None = None) -> Plan:
     micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
     states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold, grad_bytes)
                  for stage in range(layout.pp))
@@ -204,6 +223,7 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
                       for stage in range(layout.pp))
     plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
                 comm_bytes(config, layout, micro_batches, compute_bytes, grad_bytes))
+    plan.comm_bytes_inter_node = inter_node_bytes(layout, gpus_per_node, plan.comm_bytes)
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
     recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
@@ -242,11 +262,11 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first."""
     plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
-                         grad_bytes)
+                         grad_bytes, gpus_per_node)
              for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
                                              layers_per_stage)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
-    return sorted(fitting, key=lambda p: (p.score, p.comm_bytes["dp"] + p.comm_bytes["pp"], p.total_bytes))
+    return sorted(fitting, key=lambda p: (p.score, sum(p.comm_bytes_inter_node.values()), p.total_bytes))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,20 +297,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
-                           "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes, "score": p.score}
+                           "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes,
+                           "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score}
                           for p in plans], indent=1))
         return
     params = num_parameters(config.model)
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
     print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
-          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / tp / pp")
+          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / tp / pp "
+          "(to another node)")
     for p in plans:
         layout, gib = p.layout, 2**30
         print(f"{layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.zero_stage:>4} {str(layout.recompute):>9} "
               f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | {p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
-              f"{p.comm_bytes['dp'] / gib:.2f} / {p.comm_bytes['tp'] / gib:.2f} / {p.comm_bytes['pp'] / gib:.2f}")
+              + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
+                           for axis in ("dp", "tp", "pp")))
     if not plans:
         print("nothing fits: add devices, or allow more memory per device")
 

@@ -7,6 +7,11 @@ all groups of the process, keyed by operation and by axis (n = group size, S = t
     all_gather      (n-1)/n S_out      broadcast       (n-1)/n S
     p2p             S per send
 
+Bytes that cross a node boundary are counted again, per operation, by the same ring model: in a
+collective a rank sends everything to the next rank of its group (group order), so all of its bytes
+cross when that rank sits on another node and none otherwise; a point-to-point send crosses when its
+destination does. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them.
+
 A group of one rank sends nothing and makes no call. ``async_op=True`` returns a handle with
 ``wait()`` so callers can overlap communication with compute.
 """
@@ -14,63 +19,17 @@ A group of one rank sends nothing and makes no call. ``async_op=True`` returns a
 from __future__ import annotations
 
 import pickle
-from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
-OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
+from parallel.comm_stats import OPERATIONS, CommStats  # noqa: F401  (the counters every caller passes around)
 
 # torch >= 2.13 renamed the flat-tensor collectives; the old names still work on older releases
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CommStats:
-    """Bytes sent and calls made by this process, per (operation, axis).
-
-    Owns plain counters only; it never communicates. Read with ``bytes_by_operation()`` /
-    ``bytes_by_axis()`` / ``snapshot()`` and clear with ``reset()`` (the trainer does both once per
-    iteration).
-    """
-
-    def __init__(self) -> None:
-        self._bytes: dict[tuple[str, str], float] = defaultdict(float)
-        self._calls: dict[tuple[str, str], int] = defaultdict(int)
-
-    def add(self, operation: str, axis: str, nbytes: float) -> None:
-        self._bytes[(operation, axis)] += nbytes
-        self._calls[(operation, axis)] += 1
-
-    def bytes_by_operation(self) -> dict[str, int]:
-        """Bytes sent per operation (every operation listed, 0 when unused)."""
-        totals = dict.fromkeys(OPERATIONS, 0.0)
-        for (operation, _), nbytes in self._bytes.items():
-            totals[operation] += nbytes
-        return {op: int(round(v)) for op, v in totals.items()}
-
-    def bytes_by_axis(self) -> dict[str, int]:
-        totals: dict[str, float] = defaultdict(float)
-        for (_, axis), nbytes in self._bytes.items():
-            totals[axis] += nbytes
-        return {axis: int(round(v)) for axis, v in totals.items()}
-
-    def total_bytes(self) -> int:
-        return int(round(sum(self._bytes.values())))
-
-    def snapshot(self) -> dict:
-        """Bytes and calls keyed by "operation/axis", plus per-operation totals."""
-        return {
-            "by_operation": self.bytes_by_operation(),
-            "by_axis": self.bytes_by_axis(),
-            "bytes": {f"{op}/{axis}": int(round(v)) for (op, axis), v in self._bytes.items()},
-            "calls": {f"{op}/{axis}": n for (op, axis), n in self._calls.items()},
-        }
-
-    def reset(self) -> None:
-        self._bytes.clear()
-        self._calls.clear()
 
 
 @dataclass
@@ -95,6 +54,20 @@ class AxisGroup:
     def rank(self) -> int:
         """This process's index inside the group."""
         return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
+
+    @cached_property
+    def ring_crosses_node(self) -> bool:
+        """Whether this rank's ring neighbour (the next rank of the group) is on another node: then every
+        byte it sends in a collective of this group crosses one (the ring model)."""
+        return self.size > 1 and self.crosses_node(self.ranks[(self.rank + 1) % self.size])
+
+    def crosses_node(self, peer: int) -> bool:
+        """Whether global rank ``peer`` is on another node than this process."""
+        return self.stats.node(peer) != self.stats.node(dist.get_rank())
+
+    def count(self, operation: str, nbytes: float) -> None:
+        """Count a collective of this group sending ``nbytes`` from this rank."""
+        self.stats.add(operation, self.axis, nbytes, self.ring_crosses_node)
 
 
 def as_axis_group(group, axis: str = "dp", stats: CommStats | None = None) -> AxisGroup:
@@ -161,7 +134,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, asy
     """In-place all-reduce (SUM by default; gloo has no AVG: divide afterwards)."""
     if group.size == 1:
         return _Completed() if async_op else None
-    group.stats.add("all_reduce", group.axis, 2 * _ring_fraction(group) * _nbytes(tensor))
+    group.count("all_reduce", 2 * _ring_fraction(group) * _nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group.group, async_op=async_op)
 
 
@@ -179,7 +152,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
-    group.stats.add("reduce_scatter", group.axis, _ring_fraction(group) * _nbytes(input))
+    group.count("reduce_scatter", _ring_fraction(group) * _nbytes(input))
     if op == dist.ReduceOp.SUM and dist.get_backend(group.group) == "gloo":
         ring = _RingReduceScatter(_flat(output), _flat(input), group)
         return ring if async_op else ring.wait()
@@ -274,7 +247,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _Completed() if async_op else None
-    group.stats.add("all_gather", group.axis, _ring_fraction(group) * _nbytes(output))
+    group.count("all_gather", _ring_fraction(group) * _nbytes(output))
     if dist.get_backend(group.group) == "gloo" and _nbytes(output) >= RING_ALL_GATHER_BYTES:
         ring = _RingAllGather(_flat(output), _flat(input), group)
         return ring if async_op else ring.wait()
@@ -327,13 +300,13 @@ def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool =
         raise ValueError(f"broadcast source rank {src} is not in the {group.axis} group {list(group.ranks)}")
     if group.size == 1:
         return _Completed() if async_op else None
-    group.stats.add("broadcast", group.axis, _ring_fraction(group) * _nbytes(tensor))
+    group.count("broadcast", _ring_fraction(group) * _nbytes(tensor))
     return dist.broadcast(tensor, src=src, group=group.group, async_op=async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group: AxisGroup) -> None:
     """Blocking send to global rank ``dst``."""
-    group.stats.add("p2p", group.axis, _nbytes(tensor))
+    group.stats.add("p2p", group.axis, _nbytes(tensor), group.crosses_node(dst))
     dist.send(tensor, dst=dst, group=group.group)
 
 
@@ -352,8 +325,8 @@ def batch_isend_irecv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tu
     """
     ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer, tag in recvs]
-    for tensor, _, _ in sends:
-        group.stats.add("p2p", group.axis, _nbytes(tensor))
+    for tensor, peer, _ in sends:
+        group.stats.add("p2p", group.axis, _nbytes(tensor), group.crosses_node(peer))
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -134,7 +134,7 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None) ->
                          f"(pp {topology.pp} x dp {topology.dp} x tp {topology.tp}): launch {topology.world_size} "
                          f"processes or change the parallel sizes")
     topology.warn_if_tp_spans_nodes()
-    stats = CommStats()
+    stats = CommStats(topology.gpus_per_node)  # nodes of --gpus-per-node ranks, else the launcher's
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     mine: dict[str, AxisGroup] = {}
     for axis in AXES:

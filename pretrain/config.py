@@ -36,7 +36,9 @@ class ParallelConfig:
         "layers of the first pipeline stage (the others split the rest evenly)"))
     decoder_last_pipeline_num_layers: int | None = field(default=None, metadata=flag(
         "layers of the last pipeline stage (the others split the rest evenly)"))
-    gpus_per_node: int | None = field(default=None, metadata=flag("devices per node, to warn when tp spans nodes"))
+    gpus_per_node: int | None = field(default=None, metadata=flag(
+        "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): which bytes cross nodes (comm_bytes_inter_node), "
+        "and a warning when tp spans nodes"))
     distributed_timeout_s: float = field(default=600.0, metadata=flag(
         "seconds a collective may wait before the run fails (never a silent hang)",
         aliases={"--distributed-timeout-minutes": 60.0}))

@@ -63,9 +63,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def gather_per_rank(groups: ParallelGroups, mine: dict, comm_bytes: dict[str, int]) -> list[dict]:
-    """Every rank's ``RANK_FIELDS`` and comm bytes, in rank order (a collective over the world)."""
-    values = [float(mine[name]) for name in RANK_FIELDS] + [float(comm_bytes[op]) for op in OPERATIONS]
+def gather_per_rank(groups: ParallelGroups, mine: dict, comm_bytes: dict[str, int],
+                    inter_node: dict[str, int]) -> list[dict]:
+    """Every rank's ``RANK_FIELDS``, comm bytes and the comm bytes of those that crossed a node boundary,
+    in rank order (a collective over the world)."""
+    values = ([float(mine[name]) for name in RANK_FIELDS] + [float(comm_bytes[op]) for op in OPERATIONS]
+              + [float(inter_node[op]) for op in OPERATIONS])
     local = torch.tensor(values, dtype=torch.float64)
     everyone = torch.empty(groups.world.size * local.numel(), dtype=torch.float64)
     comm.all_gather_into_tensor(everyone, local, groups.world)
@@ -73,6 +76,8 @@ def gather_per_rank(groups: ParallelGroups, mine: dict, comm_bytes: dict[str, in
     for row in everyone.view(groups.world.size, -1).tolist():
         entry = {name: int(row[i]) for i, name in enumerate(RANK_FIELDS)}
         entry["comm_bytes"] = {op: int(row[len(RANK_FIELDS) + i]) for i, op in enumerate(OPERATIONS)}
+        entry["comm_bytes_inter_node"] = {op: int(row[len(RANK_FIELDS) + len(OPERATIONS) + i])
+                                          for i, op in enumerate(OPERATIONS)}
         rows.append(entry)
     return rows
 
@@ -139,6 +144,7 @@ class MetricsWriter:
             for entry in record.get("per_rank", []):
                 flat[f"rank{entry['rank']}/model_state_bytes"] = entry["model_state_bytes"]
                 flat[f"rank{entry['rank']}/comm_bytes"] = sum(entry["comm_bytes"].values())
+                flat[f"rank{entry['rank']}/comm_bytes_inter_node"] = sum(entry["comm_bytes_inter_node"].values())
                 flat[f"rank{entry['rank']}/peak_mem_bytes"] = entry["peak_mem_bytes"]
             self.wandb_run.log(flat, step=record["iteration"])
         if self.tensorboard is not None:
@@ -164,6 +170,20 @@ def model_state_table(per_rank: list[dict], stage: int, dp: int, dtype) -> str:
         lines.append(f"  rank {entry['rank']:>3}: {entry['parameters']:>12,} params  expected "
                      f"{expected / 2**20:10.2f} MiB  measured {entry['model_state_bytes'] / 2**20:10.2f} + "
                      f"{entry['offloaded_bytes'] / 2**20:.2f} MiB  ({held / expected:.3f}x)")
+    return "\n".join(lines)
+
+
+def comm_table(per_rank: list[dict], node_size: int | None) -> str:
+    """Per rank: the bytes the first step sent, per operation, and of those the bytes that crossed a node
+    boundary (``parallel.comm``'s ring model; nodes of ``node_size`` consecutive ranks)."""
+    nodes = f"nodes of {node_size} ranks" if node_size else "one node"
+    used = [op for op in OPERATIONS if any(entry["comm_bytes"][op] for entry in per_rank)]
+    lines = [f"bytes sent per rank in the first step (MiB, all / to another node; {nodes}): "
+             + (", ".join(used) if used else "nothing")]
+    for entry in per_rank:
+        cells = [f"{entry['comm_bytes'][op] / 2**20:.2f} / {entry['comm_bytes_inter_node'][op] / 2**20:.2f}"
+                 for op in used]
+        lines.append(f"  rank {entry['rank']:>3}: " + "  ".join(f"{op} {cell}" for op, cell in zip(used, cells)))
     return "\n".join(lines)
 
 

@@ -30,6 +30,8 @@ class TensorboardLog:
             self.writer.add_scalar("memory/model-state-bytes", max(r["model_state_bytes"] for r in ranks), step)
             for operation in ranks[0]["comm_bytes"]:
                 self.writer.add_scalar(f"comm-bytes/{operation}", sum(r["comm_bytes"][operation] for r in ranks), step)
+                self.writer.add_scalar(f"comm-bytes-inter-node/{operation}",
+                                       sum(r["comm_bytes_inter_node"][operation] for r in ranks), step)
 
     def close(self) -> None:
         self.writer.close()

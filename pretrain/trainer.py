@@ -27,8 +27,8 @@ from pretrain.checkpoint_args import checkpoint_to_load, loads_weights_only, ste
 from pretrain.config import Config
 from pretrain.lr_schedule import build_lr_schedule
 from pretrain.megatron_flags import describe_ignored
-from pretrain.metrics import (MetricsWriter, gather_per_rank, model_state_table, peak_flops, peak_memory_bytes,
-                              print_rank0, reset_peak_memory)
+from pretrain.metrics import (MetricsWriter, comm_table, gather_per_rank, model_state_table, peak_flops,
+                              peak_memory_bytes, print_rank0, reset_peak_memory)
 from pretrain.param_groups import adamw_factory, parameter_groups
 from pretrain.progress import TrainingProgress
 from pretrain.run_control import RunControl
@@ -188,7 +188,7 @@ class Trainer:
         return self._dp_mean(sum(losses) / len(losses))
 
     def _record(self, iteration: int, loss: float, lr: float, batch_size: int, result: zero.StepResult,
-                step_time: float, comm_bytes: dict[str, int], peak_mem: int) -> dict:
+                step_time: float, comm_bytes: tuple[dict[str, int], dict[str, int]], peak_mem: int) -> dict:
         """The metrics line of ``iteration`` (a collective over the world: every rank calls it)."""
         tokens = batch_size * self.config.model.seq_length
         mine = {"rank": self.groups.rank, "parameters": self.num_parameters,
@@ -202,7 +202,7 @@ class Trainer:
             "loss": loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
             "skipped": result.skipped, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
             "tflops_per_rank": self.flops_per_token * tokens / step_time / self.groups.topology.world_size / 1e12,
-            "per_rank": gather_per_rank(self.groups, mine, comm_bytes),
+            "per_rank": gather_per_rank(self.groups, mine, *comm_bytes),
         }
         peak = peak_flops(self.device, self.dtype)
         if peak is not None:  # model FLOPs utilisation against the device's data-sheet peak
@@ -245,7 +245,8 @@ class Trainer:
                     torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
                 step_time = time.perf_counter() - step_start
                 self.progress.advance(batch_size)
-                comm_bytes = self.groups.stats.bytes_by_operation()  # the step's traffic only
+                comm_bytes = (self.groups.stats.bytes_by_operation(),  # the step's traffic only
+                              self.groups.stats.inter_node_bytes_by_operation())
                 peak_mem = peak_memory_bytes(self.device)
                 loss = self._dp_mean(local_loss)
                 self._check_bad_step(iteration, loss, step)
@@ -258,6 +259,7 @@ class Trainer:
                     if iteration == self.start_iteration + 1 and self.is_logger:
                         print(model_state_table(record["per_rank"], config.zero.zero_stage, self.groups.topology.dp,
                                                 self.dtype), flush=True)
+                        print(comm_table(record["per_rank"], self.groups.stats.node_size), flush=True)
                     if valid is not None:
                         result.valid_losses[iteration] = valid
                         record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from launch.plan import Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout
+from launch.plan import Layout, inter_node_bytes, layer_elements, main as plan_main, parse_bytes, plan, plan_layout
 from models.counting import num_parameters
 from pretrain.arguments import parse_config
 from tests.pretrain.test_architectures import LLAMA
@@ -64,6 +64,15 @@ def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
                "--world-size", "64", "--memory-per-device", "80GiB", "--json", "--top", "3"])
     printed = json.loads(capsys.readouterr().out)
     assert len(printed) == 3 and all(entry["zero_stage"] == 3 for entry in printed)
+    # 64 ranks on 8 nodes: tp inside a node never crosses; dp groups (stride tp) span nodes and cross
+    for entry in printed:
+        sent, crossing = entry["comm_bytes_per_step"], entry["comm_bytes_inter_node_per_step"]
+        assert crossing["tp"] == 0 and crossing["dp"] == sent["dp"] > 0
+    one = Layout(tp=2, pp=2, dp=2, zero_stage=3)  # 8 ranks: pp stage 0 = ranks 0-3, stage 1 = ranks 4-7
+    sent = {"dp": 1.0, "tp": 2.0, "pp": 3.0}
+    assert inter_node_bytes(one, 4, sent) == {"dp": 0.0, "tp": 0.0, "pp": 3.0}
+    assert inter_node_bytes(one, 8, sent) == {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    assert inter_node_bytes(one, 2, sent) == {"dp": 1.0, "tp": 0.0, "pp": 3.0}
 
 
 PRESET_WORLDS = {"gpt-125m": 8, "gpt-350m": 8, "gpt-1.3b": 16, "gpt-2.7b": 32, "gpt-6.7b": 64, "gpt-13b": 128,

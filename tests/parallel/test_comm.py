@@ -81,6 +81,30 @@ def test_byte_counters_equal_ring_model(world_size):
             assert calls["all_reduce/dp"] == 1 and calls["reduce_scatter/dp"] == 2
 
 
+def _inter_node_bytes(rank, world_size):
+    """Two nodes of two ranks, tp 2 x dp 2: the dp ring [r, r + 2] always crosses, the tp ring [0, 1]
+    never; over the world [0..3] only ranks 1 and 3 send to another node; a send crosses with its target."""
+    groups = create_process_groups(Topology(world_size, tp=2, gpus_per_node=2))
+    for group in (groups.dp, groups.tp, groups.world):
+        comm.all_reduce(torch.ones(16), group)
+    comm.all_gather_into_tensor(torch.empty(8), torch.ones(2), groups.world)
+    out, into = torch.ones(3), torch.empty(3)
+    handles = comm.batch_isend_irecv([(out, (rank + 1) % 4, 0)], [(into, (rank - 1) % 4, 0)], groups.world)
+    for handle in handles:
+        handle.wait()
+    return groups.stats.snapshot()
+
+
+def test_inter_node_bytes_by_the_ring_model():
+    for rank, snapshot in enumerate(run_world(4, _inter_node_bytes)):
+        crossing = snapshot["inter_node_by_operation"]
+        world_crosses = rank in (1, 3)
+        assert crossing["all_reduce"] == 64 + (2 * 3 / 4 * 64 if world_crosses else 0)  # the dp ring's 2 * 1/2 * 64
+        assert crossing["all_gather"] == (3 / 4 * 32 if world_crosses else 0)
+        assert crossing["p2p"] == (12 if world_crosses else 0)
+        assert snapshot["by_operation"]["all_reduce"] == 64 + 64 + 96
+
+
 def _groups_of_a_3d_grid(rank, world_size):
     groups = create_process_groups(Topology(world_size, tp=2, pp=2))
     result = {}

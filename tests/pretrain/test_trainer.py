@@ -68,7 +68,8 @@ def test_metrics_file_evaluation_and_offline_wandb(tmp_path, stdlib_corpus, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     results = run_world(2, _train, [["--metrics-file", str(metrics), "--eval-interval", "5", "--eval-iters", "1",
-                                     "--wandb-project", "tests", "--wandb-dir", str(tmp_path / "wandb")]],
+                                     "--wandb-project", "tests", "--wandb-dir", str(tmp_path / "wandb"),
+                                     "--gpus-per-node", "1"]],
                         stdlib_corpus)
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
@@ -88,6 +89,8 @@ def test_metrics_file_evaluation_and_offline_wandb(tmp_path, stdlib_corpus, monk
             assert entry["buffer_pool_bytes"] == 0  # stage 0 all-reduces the gradient buffers in place
             # stage 0 sends 2 P (N-1)/N elements of gradient per step (ring all-reduce), fp32
             assert entry["comm_bytes"]["all_reduce"] == pytest.approx(2 * params * 4 * 0.5, rel=0.01)
+            # one rank per node: each rank's ring neighbour is on the other node, so every byte crosses
+            assert entry["comm_bytes_inter_node"] == entry["comm_bytes"]
     assert results[0][0][2].keys() == {5, 10}
 
 
