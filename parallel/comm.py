@@ -105,7 +105,7 @@ class DetachedGroup:
         raise RuntimeError(f"a detached {self.axis} group of {self.size} has no processes to communicate with")
 
 
-class _Completed:
+class Completed:
     """Handle of an operation that needed no communication."""
 
     def wait(self) -> bool:
@@ -133,7 +133,7 @@ def _ring_fraction(group: AxisGroup) -> float:
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce (SUM by default; gloo has no AVG: divide afterwards)."""
     if group.size == 1:
-        return _Completed() if async_op else None
+        return Completed() if async_op else None
     group.count("all_reduce", 2 * _ring_fraction(group) * _nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group.group, async_op=async_op)
 
@@ -151,7 +151,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
                          f"elements, output {output.numel()}; input must be exactly size x output")
     if group.size == 1:
         output.copy_(input.view_as(output))
-        return _Completed() if async_op else None
+        return Completed() if async_op else None
     group.count("reduce_scatter", _ring_fraction(group) * _nbytes(input))
     if op == dist.ReduceOp.SUM and dist.get_backend(group.group) == "gloo":
         ring = _RingReduceScatter(_flat(output), _flat(input), group)
@@ -246,7 +246,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
                          f"elements, input {input.numel()}; output must be exactly size x input")
     if group.size == 1:
         output.copy_(input.view_as(output))
-        return _Completed() if async_op else None
+        return Completed() if async_op else None
     group.count("all_gather", _ring_fraction(group) * _nbytes(output))
     if dist.get_backend(group.group) == "gloo" and _nbytes(output) >= RING_ALL_GATHER_BYTES:
         ring = _RingAllGather(_flat(output), _flat(input), group)
@@ -299,7 +299,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool =
     if src not in group.ranks:
         raise ValueError(f"broadcast source rank {src} is not in the {group.axis} group {list(group.ranks)}")
     if group.size == 1:
-        return _Completed() if async_op else None
+        return Completed() if async_op else None
     group.count("broadcast", _ring_fraction(group) * _nbytes(tensor))
     return dist.broadcast(tensor, src=src, group=group.group, async_op=async_op)
 

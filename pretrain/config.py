@@ -59,6 +59,9 @@ class ZeroConfig:
     overlap_param_gather: bool = field(default=False, metadata=flag(
         "stages 1-2: the all-gather of the updated parameters after a step runs bucket by bucket behind the "
         "next forward (each module waits only for its own buckets) instead of before it"))
+    zero_quantized_weights: bool = field(default=False, metadata=flag(
+        "ZeRO++'s qwZ, stages 1-3: the parameter all-gathers send block-wise int8 values with an fp32 scale "
+        "per 256 elements (about half of bf16's bytes, a quarter of fp32's); the fp32 masters stay exact"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "under --bf16, accumulate and reduce gradients in bf16 (half the gradient memory and traffic) "
         "instead of in fp32 main gradients (the default, as Megatron's)"))

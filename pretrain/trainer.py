@@ -112,7 +112,7 @@ class Trainer:
             offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
             sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param,
             main_grads_in_fp32=not config.zero.grad_reduce_in_bf16,
-            overlap_param_gather=config.zero.overlap_param_gather)
+            overlap_param_gather=config.zero.overlap_param_gather, quantized_weights=config.zero.zero_quantized_weights)
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()

@@ -126,6 +126,9 @@ def _validate_offload(config: Config, topology: Topology) -> None:
     if zero.offload_optimizer != "none" and zero.zero_stage == 0:
         raise ConfigError(f"--offload-optimizer {zero.offload_optimizer} needs --zero-stage 1, 2 or 3: stage 0 "
                           "keeps no optimizer shard to offload")
+    if zero.zero_quantized_weights and zero.zero_stage == 0:
+        raise ConfigError("--zero-quantized-weights needs --zero-stage 1, 2 or 3: stage 0 all-reduces gradients "
+                          "and gathers no parameters; add --zero-stage 3 (or 1, 2) or drop the flag")
     optimizer_files, param_files = zero.offload_optimizer == "nvme", zero.offload_param == "nvme"
     if not (optimizer_files or param_files):
         if zero.nvme_path is not None:

@@ -13,6 +13,7 @@ from torch import nn
 from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
+from parallel.quantization import quantized_all_gather
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction, staged_bucket_size
 from parallel.zero.masters import MasterShards
@@ -20,13 +21,16 @@ from parallel.zero.masters import MasterShards
 
 class FlatStorage:
     """Owns the flat buffers (parameters become views into them), their gradient sync and the post-step
-    all-gathers (left in flight behind the next forward with ``overlap``). Never steps and never
-    holds a master: it hands each bucket chunk to ``MasterShards`` as a slot.
+    all-gathers (left in flight behind the next forward with ``overlap``; with ``quantized_weights`` sent
+    as block-wise int8, ``parallel.quantization``). Never steps and never holds a master: it hands each
+    bucket chunk to ``MasterShards`` as a slot.
     """
 
     def __init__(self, groups: list[list[nn.Parameter]], stage: int, dp: AxisGroup, bucket_size: int,
-                 device: torch.device, grad_dtype, model_parallel: ModelParallelGroups, pool: BufferPool):
-        self.stage, self.dp = stage, dp
+                 device: torch.device, grad_dtype, model_parallel: ModelParallelGroups, pool: BufferPool,
+                 quantized_weights: bool = False):
+        self.stage, self.dp, self.quantized_weights = stage, dp, quantized_weights
+        self._all_gather = quantized_all_gather if quantized_weights else comm.all_gather_into_tensor
         self.shard = dp.rank if stage > 0 else 0
         self.buffers: list[FlatParameterBuffer] = []
         self.group_of: list[int] = []  # the parameter group of each buffer
@@ -52,7 +56,7 @@ class FlatStorage:
 
     def add_slots(self, masters: MasterShards, master_groups: list[dict]) -> None:
         """Master slots over each bucket chunk this rank owns (stage 0: each whole bucket), cut to the
-        masters' largest size."""
+        masters' largest size (never views of the chunks when the gather quantizes: it overwrites them)."""
         for index, buffer in enumerate(self.buffers):
             segments = buffer.segments(self.shard)
             for bucket in buffer.buckets:
@@ -61,7 +65,7 @@ class FlatStorage:
                             lambda i=index, b=bucket: self.grad_sync.shard_grad(i, b),
                             [(s.param, s.offset, s.length) for s in segments if s.bucket == bucket.index],
                             [(p, buffer.offsets[p] - bucket.start, p.shape) for p in bucket.params],
-                            sharded=self.stage > 0, start=low - bucket.start)
+                            sharded=self.stage > 0, start=low - bucket.start, aliasable=not self.quantized_weights)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.grad_sync.no_sync()
@@ -91,7 +95,7 @@ class FlatStorage:
         for index, buffer in reversed(list(enumerate(self.buffers))):
             for bucket in reversed(buffer.buckets):
                 low, high = bucket.chunk_range(self.shard)
-                self._gathers[index, bucket.index] = comm.all_gather_into_tensor(
+                self._gathers[index, bucket.index] = self._all_gather(
                     buffer.data[bucket.start:bucket.end], buffer.data[low:high], self.dp, async_op=True)
         if not overlap:
             self.wait()

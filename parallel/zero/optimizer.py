@@ -70,6 +70,10 @@ class ZeroOptimizer:
     or not (None: ``default_sub_group_size`` of this rank's shard, so that the step's buffers hold a small
     part of what lives in the files at every model size). ``offload_param="nvme"`` (stage 3) keeps the
     parameter shards in swap files, read ahead of their gathers. ``close()`` removes the swap files.
+
+    ``quantized_weights`` (ZeRO++'s qwZ, stages 1-3): the parameter all-gathers send block-wise int8 with
+    fp32 scales (``parallel.quantization``); every rank computes with the same dequantized weights while
+    the masters stay exact.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
@@ -79,7 +83,7 @@ class ZeroOptimizer:
                  prefetch_budget: int | None = 0, buffer_pool: BufferPool | None = None,
                  offload_optimizer: str = "none",
                  nvme_path: str | None = None, sub_group_size: int | None = None, offload_param: str = "none",
-                 main_grads_in_fp32: bool = True, overlap_param_gather: bool = False):
+                 main_grads_in_fp32: bool = True, overlap_param_gather: bool = False, quantized_weights: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         if offload_optimizer not in ("none", "cpu", "nvme"):
@@ -91,6 +95,8 @@ class ZeroOptimizer:
             raise ValueError(f"--offload-param {offload_param} is not available: choose none or nvme")
         if offload_param == "nvme" and stage != 3:
             raise ValueError("--offload-param nvme needs --zero-stage 3 (only stage 3 shards the parameters)")
+        if quantized_weights and stage == 0:
+            raise ValueError("--zero-quantized-weights needs --zero-stage 1, 2 or 3 (stage 0 gathers no parameters)")
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
         self.main_grads_in_fp32, self.overlap_param_gather = main_grads_in_fp32, overlap_param_gather
         self.model_parallel = model_parallel or ModelParallelGroups()
@@ -102,11 +108,13 @@ class ZeroOptimizer:
         master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}} for group in param_groups]
         self.buffer_pool = buffer_pool or BufferPool(device)
         self.flat = FlatStorage([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
-                                bucket_size, device, self.grad_dtype, self.model_parallel, self.buffer_pool)
+                                bucket_size, device, self.grad_dtype, self.model_parallel, self.buffer_pool,
+                                quantized_weights)
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,
-                                           self.buffer_pool, device, prefetch_budget, self.grad_dtype)
+                                           self.buffer_pool, device, prefetch_budget, self.grad_dtype,
+                                           quantized_weights)
         shard_numel = self.flat.shard_numel() + (self.units.shard_numel() if self.units is not None else 0)
         self.sub_group_size = default_sub_group_size(shard_numel) if sub_group_size is None else sub_group_size
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where

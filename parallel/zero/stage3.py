@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from parallel import comm
 from parallel.buffers import BufferPool, SlotPool
 from parallel.comm import AxisGroup
+from parallel.quantization import quantized_all_gather
 from parallel.zero.flat_buffer import initial_value, pieces_within, point_at
 from parallel.zero.masters import MasterShards
 from parallel.zero.staged_reduction import StagedReduceScatter
@@ -100,7 +101,8 @@ class ParameterUnit:
 
 
 class ShardedParameters:
-    """Owns the units, their shards and gradient shards, and the gather / free / reduce machinery.
+    """Owns the units, their shards and gradient shards, and the gather / free / reduce machinery (the
+    gathers sent as block-wise int8 with ``quantized_weights``, ``parallel.quantization``).
 
     ``shards[dtype]`` and ``grad_shards[dtype]`` hold this rank's chunks of every unit of that dtype
     back to back. Never steps an optimizer; never keeps a full parameter alive beyond its module's
@@ -109,8 +111,11 @@ class ShardedParameters:
 
     def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
                  pool: BufferPool, device: torch.device, prefetch_budget: int | None = 0,
-                 grad_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype):
+                 grad_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
+                 quantized_weights: bool = False):
         self.dp, self.pool = dp, pool
+        # the shard is the gather's source, never its output: it stays exact (and may be the master)
+        self._all_gather = quantized_all_gather if quantized_weights else comm.all_gather_into_tensor
         self.space: SwapSpace | None = None  # the shards' swap files (--offload-param nvme)
         self._reads: dict[int, tuple[SlotPool, torch.Tensor, Future]] = {}
         self._stores: list[Future] = []
@@ -266,7 +271,7 @@ class ShardedParameters:
         if unit.gathered or unit.handle is not None:
             return
         full = unit.materialize()
-        unit.handle = comm.all_gather_into_tensor(full, self._source(unit), self.dp, async_op=True)
+        unit.handle = self._all_gather(full, self._source(unit), self.dp, async_op=True)
         self.live_elements += unit.numel
         self.max_live_elements = max(self.max_live_elements, self.live_elements)
 

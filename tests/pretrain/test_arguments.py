@@ -73,6 +73,7 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--zero-stage", "2", "--offload-param", "nvme", "--nvme-path", "/tmp"], 1,
      "--offload-param nvme needs --zero-stage 3"),
     (["--zero-stage", "3", "--offload-param", "cpu"], 1, "--offload-param cpu is not available in this build"),
+    (["--zero-quantized-weights"], 2, "--zero-quantized-weights needs --zero-stage 1, 2 or 3"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "need 0 <= min-lr <= lr"),
     (["--global-batch-size", "8", "--step-batch-size-schedule", "0:4 1K:8"], 1,
      "--step-batch-size-schedule sets the global batch at every step: drop --global-batch-size"),
