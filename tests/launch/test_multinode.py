@@ -35,6 +35,13 @@ def test_two_nodes_over_loopback_train_like_one_node(stdlib_corpus, tmp_path):
         _, errors = node.communicate(timeout=300)
         assert node.returncode == 0, errors[-3000:]
     assert _losses(tmp_path / "two.jsonl") == _losses(tmp_path / "one.jsonl")  # bit for bit
+    # nodes from the launcher's LOCAL_WORLD_SIZE: on one node nothing crosses; on two of two ranks (dp 2 x tp 2)
+    # each data-parallel ring joins the nodes, every tensor-parallel ring stays inside one
+    for name, crossing in (("one", False), ("two", True)):
+        for entry in json.loads(open(tmp_path / f"{name}.jsonl").readline())["per_rank"]:
+            inter, sent = entry["comm_bytes_inter_node"], entry["comm_bytes"]
+            assert (inter["reduce_scatter"] + inter["all_reduce"] > 0) == crossing, (name, entry)
+            assert sum(inter.values()) < sum(sent.values())  # the tp all-reduces never cross
     # one log per node; the node the rendezvous made first holds global rank 0, which prints the progress
     logs = [(tmp_path / "logs" / f"node-{node}.log").read_text() for node in range(2)]
     assert sum("iter      4/4" in log for log in logs) == 1
