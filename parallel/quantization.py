@@ -86,3 +86,9 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisG
                comm.all_gather_into_tensor(all_scales, scales, group, async_op=True)]
     gather = _QuantizedGather(output, all_quantized, all_scales, handles, input.numel(), block)
     return gather if async_op else gather.wait()
+
+
+def weight_all_gather(quantized: bool):
+    """The all-gather a ZeRO storage sends its parameters with: this module's (``--zero-quantized-weights``)
+    or ``comm``'s exact one; both take ``(output, input, group, async_op=...)``."""
+    return quantized_all_gather if quantized else comm.all_gather_into_tensor

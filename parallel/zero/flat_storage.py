@@ -13,7 +13,7 @@ from torch import nn
 from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
-from parallel.quantization import quantized_all_gather
+from parallel.quantization import weight_all_gather
 from parallel.zero.flat_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction, staged_bucket_size
 from parallel.zero.masters import MasterShards
@@ -30,7 +30,7 @@ class FlatStorage:
                  device: torch.device, grad_dtype, model_parallel: ModelParallelGroups, pool: BufferPool,
                  quantized_weights: bool = False):
         self.stage, self.dp, self.quantized_weights = stage, dp, quantized_weights
-        self._all_gather = quantized_all_gather if quantized_weights else comm.all_gather_into_tensor
+        self._all_gather = weight_all_gather(quantized_weights)
         self.shard = dp.rank if stage > 0 else 0
         self.buffers: list[FlatParameterBuffer] = []
         self.group_of: list[int] = []  # the parameter group of each buffer

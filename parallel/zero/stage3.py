@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from parallel import comm
 from parallel.buffers import BufferPool, SlotPool
 from parallel.comm import AxisGroup
-from parallel.quantization import quantized_all_gather
+from parallel.quantization import weight_all_gather
 from parallel.zero.flat_buffer import initial_value, pieces_within, point_at
 from parallel.zero.masters import MasterShards
 from parallel.zero.staged_reduction import StagedReduceScatter
@@ -115,7 +115,7 @@ class ShardedParameters:
                  quantized_weights: bool = False):
         self.dp, self.pool = dp, pool
         # the shard is the gather's source, never its output: it stays exact (and may be the master)
-        self._all_gather = quantized_all_gather if quantized_weights else comm.all_gather_into_tensor
+        self._all_gather = weight_all_gather(quantized_weights)
         self.space: SwapSpace | None = None  # the shards' swap files (--offload-param nvme)
         self._reads: dict[int, tuple[SlotPool, torch.Tensor, Future]] = {}
         self._stores: list[Future] = []
