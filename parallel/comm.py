@@ -5,12 +5,12 @@ all groups of the process, keyed by operation and by axis (n = group size, S = t
 
     all_reduce      2 (n-1)/n S        reduce_scatter  (n-1)/n S_in
     all_gather      (n-1)/n S_out      broadcast       (n-1)/n S
-    p2p             S per send
+    all_to_all      (n-1)/n S_in       p2p             S per send
 
 Bytes that cross a node boundary are counted again, per operation, by the same ring model: in a
 collective a rank sends everything to the next rank of its group (group order), so all of its bytes
 cross when that rank sits on another node and none otherwise; a point-to-point send crosses when its
-destination does. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them.
+destination does, and so does an all-to-all's part for each rank. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them.
 
 A group of one rank sends nothing and makes no call. ``async_op=True`` returns a handle with
 ``wait()`` so callers can overlap communication with compute.
@@ -67,7 +67,7 @@ class AxisGroup:
 
     def count(self, operation: str, nbytes: float) -> None:
         """Count a collective of this group sending ``nbytes`` from this rank."""
-        self.stats.add(operation, self.axis, nbytes, self.ring_crosses_node)
+        self.stats.add(operation, self.axis, nbytes, nbytes if self.ring_crosses_node else 0.0)
 
 
 def as_axis_group(group, axis: str = "dp", stats: CommStats | None = None) -> AxisGroup:
@@ -294,6 +294,21 @@ def all_gather_object(value, group: AxisGroup, device: torch.device) -> list:
     return [pickle.loads(rows[i, :int(lengths[i])].numpy().tobytes()) for i in range(group.size)]
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False):
+    """Part j of ``input`` (n equal parts along dim 0) goes to the group's rank j; part i of ``output``
+    comes from rank i (both contiguous, of equal sizes, not overlapping)."""
+    if input.numel() != output.numel() or input.numel() % group.size:
+        raise ValueError(f"all_to_all over {group.axis} (size {group.size}): input has {input.numel()} elements, "
+                         f"output {output.numel()}; both must be equal and divisible by the size")
+    if group.size == 1:
+        output.copy_(input)
+        return Completed() if async_op else None
+    part = _nbytes(input) / group.size
+    crossing = sum(part for peer in group.ranks if group.crosses_node(peer))
+    group.stats.add("all_to_all", group.axis, _ring_fraction(group) * _nbytes(input), crossing)
+    return dist.all_to_all_single(_flat(output), _flat(input), group=group.group, async_op=async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False):
     """Broadcast ``tensor`` from global rank ``src`` to every rank of the group."""
     if src not in group.ranks:
@@ -306,7 +321,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool =
 
 def send(tensor: torch.Tensor, dst: int, group: AxisGroup) -> None:
     """Blocking send to global rank ``dst``."""
-    group.stats.add("p2p", group.axis, _nbytes(tensor), group.crosses_node(dst))
+    group.stats.add("p2p", group.axis, _nbytes(tensor), _nbytes(tensor) if group.crosses_node(dst) else 0.0)
     dist.send(tensor, dst=dst, group=group.group)
 
 
@@ -326,7 +341,7 @@ def batch_isend_irecv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tu
     ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer, tag in recvs]
     for tensor, peer, _ in sends:
-        group.stats.add("p2p", group.axis, _nbytes(tensor), group.crosses_node(peer))
+        group.stats.add("p2p", group.axis, _nbytes(tensor), _nbytes(tensor) if group.crosses_node(peer) else 0.0)
     return dist.batch_isend_irecv(ops) if ops else []
 
 

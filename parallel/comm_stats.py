@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
+OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "p2p")
 
 
 class CommStats:
@@ -36,12 +36,12 @@ class CommStats:
         """The node of global ``rank`` (0 for every rank when the node size is unknown)."""
         return 0 if self.node_size is None else rank // self.node_size
 
-    def add(self, operation: str, axis: str, nbytes: float, inter_node: bool = False) -> None:
-        """Count one call sending ``nbytes``; ``inter_node``: they all cross a node boundary."""
+    def add(self, operation: str, axis: str, nbytes: float, inter_node: float = 0.0) -> None:
+        """Count one call sending ``nbytes``, ``inter_node`` of them to another node."""
         self._bytes[(operation, axis)] += nbytes
         self._calls[(operation, axis)] += 1
         if inter_node:
-            self._inter_node[(operation, axis)] += nbytes
+            self._inter_node[(operation, axis)] += inter_node
 
     def bytes_by_operation(self) -> dict[str, int]:
         """Bytes sent per operation (every operation listed, 0 when unused)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,19 @@ class ParallelGroups:
     mp: AxisGroup
     embedding: AxisGroup
     world: AxisGroup
+    # per partition size K (``create_process_groups(dp_partitions=...)``): the run of K data-parallel ranks
+    # this rank is in ("dp_partK") and the dp ranks at its place in every other run ("dp_replicaK")
+    dp_partition_groups: dict[int, tuple[AxisGroup, AxisGroup]] = field(default_factory=dict)
+
+    def dp_partition(self, size: int) -> tuple[AxisGroup, AxisGroup]:
+        """(partition, replica) groups of ``size`` (``Topology.dp_partitions``); the whole dp group and a
+        group of one for ``size`` = dp."""
+        if size == self.dp.size:
+            return self.dp, AxisGroup("dp_replica", (self.rank,), None, self.stats)
+        if size not in self.dp_partition_groups:
+            raise KeyError(f"no data-parallel partitions of {size} ranks were created: pass dp_partitions="
+                           f"({size},) to create_process_groups")
+        return self.dp_partition_groups[size]
 
     @property
     def pp_rank(self) -> int:
@@ -118,13 +131,16 @@ class ParallelGroups:
         return self.pp_rank == self.topology.pp - 1
 
 
-def create_process_groups(topology: Topology, timeout_s: float | None = None) -> ParallelGroups:
+def create_process_groups(topology: Topology, timeout_s: float | None = None,
+                          dp_partitions: tuple[int, ...] = ()) -> ParallelGroups:
     """Create all groups of ``topology`` and return the ones this rank belongs to.
 
     Raises ValueError (before any group is created, so nothing hangs) when the launcher's world size
     differs from the topology's. Single-rank groups get no torch group: they never communicate.
     ``timeout_s`` bounds every collective of the groups (torch does not pass the world group's timeout
     on: without it a silent peer stalls a group's collective for torch's default of 30 minutes).
+    ``dp_partitions``: sizes K for which the data-parallel groups are also cut into runs of K ranks and
+    replica groups across the runs (``ParallelGroups.dp_partition``).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call parallel.process_groups.init_distributed() first")
@@ -149,5 +165,13 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None) ->
         # one collective on a GPU tensor creates the pipeline group's NCCL communicator (a barrier would
         # run on the gloo half of the "cpu:gloo,cuda:nccl" backend and create nothing)
         comm.all_reduce(torch.zeros(1, device=default_device()), mine["pp"])
+    partitions = {}
+    for size in sorted(set(dp_partitions) - {topology.dp}):
+        for axis, groups in zip((f"dp_part{size}", f"dp_replica{size}"), topology.dp_partitions(size)):
+            for ranks in groups:
+                handle = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                if rank in ranks:
+                    partitions.setdefault(size, []).append(AxisGroup(axis, tuple(ranks), handle, stats))
     world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
-    return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world, **mine)
+    return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world,
+                          dp_partition_groups={size: tuple(pair) for size, pair in partitions.items()}, **mine)

@@ -1,4 +1,5 @@
-"""Block-wise int8 quantization, and the all-gather that sends it (ZeRO++'s quantized weights, qwZ).
+"""Block-wise int8 quantization, and the collectives that send it: ZeRO++'s quantized weight all-gather
+(qwZ) and quantized gradient reduce-scatter (qgZ).
 
 A flat tensor is cut into blocks of ``BLOCK`` elements (the last one zero-padded); each block is sent as
 int8 values ``round(x / scale)`` in [-127, 127] with one fp32 ``scale = max|x| / 127`` (1 for an
@@ -25,22 +26,30 @@ def blocks(numel: int, block: int = BLOCK) -> int:
     return -(-numel // block)
 
 
+def quantize_rows(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [rows, blocks * block], fp32 scales [rows, blocks]) of the 2-D ``values`` (any float dtype),
+    each row cut into blocks of its own (zero-padded at its end). A block holding an inf or a NaN gets a
+    non-finite scale, so it dequantizes to non-finite values: an fp16 overflow stays visible."""
+    rows, columns = values.shape
+    count = blocks(columns, block)
+    padded = torch.zeros(rows, count * block, dtype=torch.float32, device=values.device)
+    padded[:, :columns] = values
+    padded = padded.view(rows, count, block)
+    scales = padded.abs().amax(dim=2) / LEVELS
+    scales = scales.masked_fill(scales == 0, 1.0)
+    quantized = torch.round(padded / scales[..., None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    return quantized.view(rows, -1), scales
+
+
 def quantize(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [blocks * block], fp32 scales [blocks]) of the flat ``values`` (any float dtype)."""
-    flat = values.reshape(-1)
-    count = blocks(flat.numel(), block)
-    padded = torch.zeros(count * block, dtype=torch.float32, device=values.device)
-    padded[:flat.numel()] = flat
-    padded = padded.view(count, block)
-    scales = padded.abs().amax(dim=1) / LEVELS
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    quantized = torch.round(padded / scales[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    return quantized.view(-1), scales
+    quantized, scales = quantize_rows(values.reshape(1, -1), block)
+    return quantized.view(-1), scales.view(-1)
 
 
 def dequantize(quantized: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Write the values of ``quantize``'s output into the flat ``out`` (its first ``out.numel()`` elements)."""
-    values = quantized.view(-1, block).to(torch.float32) * scales[:, None]
+    values = quantized.view(-1, block).to(torch.float32) * scales.view(-1)[:, None]
     out.view(-1).copy_(values.view(-1)[:out.numel()])
     return out
 
@@ -86,6 +95,81 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisG
                comm.all_gather_into_tensor(all_scales, scales, group, async_op=True)]
     gather = _QuantizedGather(output, all_quantized, all_scales, handles, input.numel(), block)
     return gather if async_op else gather.wait()
+
+
+class _HierarchicalReduceScatter:
+    """A quantized reduce-scatter level by level: the first level's all-to-all is in flight from the
+    start; ``wait`` finishes it, sums in fp32, and runs the further levels (each one sends the partial
+    sums, quantized again, to the ranks of the next group)."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, levels: list[AxisGroup], block: int):
+        self.output, self.levels, self.block, self.done = output, levels, block, False
+        self.chunk = output.numel()
+        self.sizes = [level.size for level in levels]
+        # input as [s_k-1, ..., s_1, s_0, chunk] (the innermost level varies fastest along the ranks)
+        self.partial = input.reshape(*reversed(self.sizes), self.chunk)
+        self.step = self._post(0)
+
+    def _post(self, index: int):
+        """Quantize each part of ``partial`` for the ranks of level ``index`` and start its all-to-all."""
+        level = self.levels[index]
+        parts = self.partial.movedim(-2, 0).reshape(level.size, -1)  # row j: what level rank j sums
+        quantized, scales = quantize_rows(parts, self.block)
+        received = torch.empty_like(quantized), torch.empty_like(scales)
+        handles = [comm.all_to_all_single(received[0], quantized, level, async_op=True),
+                   comm.all_to_all_single(received[1], scales, level, async_op=True)]
+        return handles, received, parts.shape[1]
+
+    def wait(self) -> None:
+        if self.done:
+            return None
+        for index in range(len(self.levels)):
+            handles, (quantized, scales), columns = self.step
+            for handle in handles:
+                handle.wait()
+            total = torch.zeros(columns, dtype=torch.float32, device=self.output.device)
+            row = torch.empty(columns, dtype=torch.float32, device=self.output.device)
+            for values, row_scales in zip(quantized, scales):  # one row's fp32 temporary at a time
+                total += dequantize(values, row_scales, row, self.block)
+            self.partial = total.view(*reversed(self.sizes[index + 1:]), self.chunk)
+            if index + 1 < len(self.levels):
+                self.step = self._post(index + 1)
+        self.output.view(-1).add_(self.partial.view(-1).to(self.output.dtype))
+        self.done = True
+        return None
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def hierarchy_rank(levels: list[AxisGroup]) -> int:
+    """This rank's index in the group the ``levels`` make up, the first (innermost) varying fastest."""
+    index, stride = 0, 1
+    for level in levels:
+        index += level.rank * stride
+        stride *= level.size
+    return index
+
+
+def quantized_reduce_scatter_add(output: torch.Tensor, input: torch.Tensor, levels: list[AxisGroup],
+                                 async_op: bool = False, block: int = BLOCK):
+    """ZeRO++'s quantized gradients (qgZ): add this rank's chunk of the sum of ``input`` over the ranks of
+    ``levels`` (e.g. [the data-parallel ranks of a node, the ranks across nodes]; chunk i of ``input``
+    belongs to ``hierarchy_rank`` i) into ``output``. Each level is an all-to-all of block-wise int8
+    values with fp32 scales, intra-node first: the inter-node level sends the node's partial sums, 1/s_0 of
+    the input, at a byte an element. Summed in fp32; ``input`` may be reused once this returns."""
+    total = 1
+    for level in levels:
+        total *= level.size
+    if input.numel() != output.numel() * total:
+        raise ValueError(f"quantized reduce-scatter over {'x'.join(str(level.size) for level in levels)} ranks: "
+                         f"input has {input.numel()} elements, output {output.numel()}")
+    levels = [level for level in levels if level.size > 1]
+    if not levels:
+        output.view(-1).add_(input.view(-1).to(output.dtype))
+        return comm.Completed() if async_op else None
+    handle = _HierarchicalReduceScatter(output, input, levels, block)
+    return handle if async_op else handle.wait()
 
 
 def weight_all_gather(quantized: bool):

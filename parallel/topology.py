@@ -95,6 +95,30 @@ class Topology:
             return [sorted({grid[0][d][t], grid[-1][d][t]}) for d in range(self.dp) for t in range(self.tp)]
         raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
 
+    def dp_partitions(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every data-parallel group cut into runs of ``size`` consecutive dp ranks (ZeRO++'s hpZ
+        partitions, HSDP's shard groups, the dp ranks of a node), and the groups across the runs: the
+        ranks at the same place in each run (the replicas). Both in a fixed order shared by all ranks."""
+        if size < 1 or self.dp % size:
+            raise ValueError(f"a partition of {size} data-parallel ranks does not divide dp {self.dp}")
+        partitions, replicas = [], []
+        for ranks in self.groups("dp"):
+            runs = [ranks[start:start + size] for start in range(0, len(ranks), size)]
+            partitions += runs
+            replicas += [list(across) for across in zip(*runs)]
+        return partitions, replicas
+
+    def dp_ranks_per_node(self, node_size: int | None) -> int:
+        """The most consecutive ranks of a data-parallel group that always share a node of ``node_size``
+        ranks (a divisor of dp; dp when the nodes are unknown or one node holds every group)."""
+        if node_size is None:
+            return self.dp
+        for count in range(self.dp, 0, -1):
+            if self.dp % count == 0 and all(len({rank // node_size for rank in ranks[start:start + count]}) == 1
+                                            for ranks in self.groups("dp") for start in range(0, self.dp, count)):
+                return count
+        return 1
+
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The ranks of the ``axis`` group that contains ``rank``."""
         for ranks in self.groups(axis):

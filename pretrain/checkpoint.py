@@ -35,6 +35,7 @@ from parallel.process_groups import ParallelGroups, default_device
 from parallel.tensor.random import RNGTracker
 from parallel.topology import Topology
 from parallel.zero.optimizer import ZeroOptimizer
+from parallel.zero.saved_state import saved_loss_scaler
 from pretrain import reshard
 from pretrain.progress import TrainingProgress
 
@@ -327,7 +328,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
                 rng = state["rng"]
         _, _, states = read_rank_files(directory, step)
         source, what = reshard.CheckpointPieces(states), f"{checkpoint} (layout {manifest['layout']})"
-        scaler = ZeroOptimizer.saved_loss_scaler(states[0]["optimizer"])
+        scaler = saved_loss_scaler(states[0]["optimizer"])
     try:
         with optimizer.states_in_memory():
             reshard.load(source, optimizer, names, groups.tp_rank, groups.topology.tp, weights_only, scaler)

@@ -62,6 +62,14 @@ class ZeroConfig:
     zero_quantized_weights: bool = field(default=False, metadata=flag(
         "ZeRO++'s qwZ, stages 1-3: the parameter all-gathers send block-wise int8 values with an fp32 scale "
         "per 256 elements (about half of bf16's bytes, a quarter of fp32's); the fp32 masters stay exact"))
+    zero_quantized_gradients: bool = field(default=False, metadata=flag(
+        "ZeRO++'s qgZ, stages 2-3: the gradient reduce-scatter becomes an all-to-all of block-wise int8 "
+        "gradients within each node, then one of the node's partial sums across nodes, summed in fp32 "
+        "(a byte an element, and 1/(dp ranks per node) of the gradients leave a node)"))
+    zero_hpz_partition_size: int = field(default=1, metadata=flag(
+        "ZeRO++'s hpZ, stage 3: keep a secondary copy of the parameters sharded over groups of this many "
+        "data-parallel ranks (a node's), so that backward's gathers (and later micro-batches') stay within the "
+        "group; costs 1/K of the parameters per rank; 1 = off"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "under --bf16, accumulate and reduce gradients in bf16 (half the gradient memory and traffic) "
         "instead of in fp32 main gradients (the default, as Megatron's)"))

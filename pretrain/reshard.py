@@ -20,6 +20,7 @@ from torch import nn
 from parallel.param_meta import meta
 from parallel.zero.masters import MasterPiece
 from parallel.zero.optimizer import ZeroOptimizer
+from parallel.zero.saved_state import saved_kinds, saved_piece, saved_scalars
 
 
 class ReshardError(ValueError):
@@ -55,7 +56,7 @@ class CheckpointPieces:
         for state in states:
             for piece in state["pieces"]:
                 self.by_name[piece["name"]].append((state, piece))
-        self.kinds = sorted(set().union(*(ZeroOptimizer.saved_kinds(state["optimizer"]) for state in states)))
+        self.kinds = sorted(set().union(*(saved_kinds(state["optimizer"]) for state in states)))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole parameter's shape (tensor-parallel slices joined, vocabulary padding removed)."""
@@ -72,7 +73,7 @@ class CheckpointPieces:
     def scalars(self, name: str) -> dict:
         """The optimizer's per-parameter scalars (e.g. Adam's step count) of ``name``."""
         state, piece = self.by_name[name][0]
-        return ZeroOptimizer.saved_scalars(state["optimizer"], piece["state"])
+        return saved_scalars(state["optimizer"], piece["state"])
 
     def whole(self, name: str, kind: str = "master") -> torch.Tensor:
         """The whole parameter ``name``: its fp32 masters, or optimizer state ``kind`` (zero where the
@@ -87,7 +88,7 @@ class CheckpointPieces:
             if rank not in slices:
                 slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
                 filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
-            source = ZeroOptimizer.saved_piece(state["optimizer"], piece["master"], piece["state"], kind)
+            source = saved_piece(state["optimizer"], piece["master"], piece["state"], kind)
             span = slice(piece["start"], piece["start"] + piece["length"])
             filled[rank][span] = True
             if source is not None:

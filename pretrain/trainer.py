@@ -56,7 +56,14 @@ class Trainer:
 
     def __init__(self, config: Config, topology: Topology, device: torch.device):
         self.config, self.device = config, device
-        self.groups: ParallelGroups = create_process_groups(topology, config.parallel.distributed_timeout_s)
+        hpz = config.zero.zero_hpz_partition_size
+        # qgZ's levels: the data-parallel ranks of a node, then those across nodes
+        per_node = topology.dp_ranks_per_node(topology.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+                                              or None)
+        two_levels = config.zero.zero_quantized_gradients and 1 < per_node < topology.dp
+        self.groups: ParallelGroups = create_process_groups(
+            topology, config.parallel.distributed_timeout_s,
+            dp_partitions=tuple(size for size, used in ((hpz, hpz > 1), (per_node, two_levels)) if used))
         self.is_logger = self.groups.rank == 0
         self.control = RunControl(config, self.groups.world)
         train, opt = config.training, config.optimizer
@@ -96,7 +103,8 @@ class Trainer:
         compute_bytes = torch.finfo(self.dtype).bits // 8
         self.expected_state_bytes = expected_parameter_state_bytes(
             self.model.parameters(), config.zero.zero_stage, topology.dp, compute_bytes,
-            config.zero.zero_persistence_threshold, gradient_bytes(compute_bytes, not config.zero.grad_reduce_in_bf16))
+            config.zero.zero_persistence_threshold, gradient_bytes(compute_bytes, not config.zero.grad_reduce_in_bf16),
+            hpz)
         _, self.optimizer = zero.initialize(
             self.model, adamw_factory(opt), stage=config.zero.zero_stage, group=self.groups.dp,
             param_groups=parameter_groups(self.model, opt),
@@ -112,7 +120,10 @@ class Trainer:
             offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
             sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param,
             main_grads_in_fp32=not config.zero.grad_reduce_in_bf16,
-            overlap_param_gather=config.zero.overlap_param_gather, quantized_weights=config.zero.zero_quantized_weights)
+            overlap_param_gather=config.zero.overlap_param_gather, quantized_weights=config.zero.zero_quantized_weights,
+            secondary_partition=self.groups.dp_partition(hpz)[0] if hpz > 1 else None,
+            quantized_gradients=(list(self.groups.dp_partition(per_node)) if two_levels else [self.groups.dp])
+            if config.zero.zero_quantized_gradients else None)
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()

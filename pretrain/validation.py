@@ -67,6 +67,7 @@ def validate(config: Config, world_size: int) -> Topology:
     if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
         raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
     _validate_data(config)
+    _validate_zero_plus_plus(config, topology)
     _validate_offload(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology
 
@@ -116,6 +117,26 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
             raise ConfigError(f"a global batch of {size}: {error}") from None
 
 
+def _validate_zero_plus_plus(config: Config, topology: Topology) -> None:
+    """ZeRO++'s communication options: which stages they need, which sizes divide dp."""
+    zero = config.zero
+    if zero.zero_quantized_weights and zero.zero_stage == 0:
+        raise ConfigError("--zero-quantized-weights needs --zero-stage 1, 2 or 3: stage 0 all-reduces gradients "
+                          "and gathers no parameters; add --zero-stage 3 (or 1, 2) or drop the flag")
+    if zero.zero_quantized_gradients and zero.zero_stage not in (2, 3):
+        raise ConfigError(f"--zero-quantized-gradients needs --zero-stage 2 or 3: stage {zero.zero_stage} "
+                          f"{'all-reduces' if zero.zero_stage == 0 else 'reduce-scatters'} the gradients in place "
+                          "in their flat buffer; add --zero-stage 3 (or 2) or drop the flag")
+    hpz = zero.zero_hpz_partition_size
+    if hpz < 1 or topology.dp % hpz:
+        raise ConfigError(f"--zero-hpz-partition-size {hpz} must divide the data-parallel size {topology.dp} "
+                          f"(world {topology.world_size} / (tp {topology.tp} x pp {topology.pp})): choose a divisor, "
+                          "usually the data-parallel ranks of one node")
+    if hpz > 1 and zero.zero_stage != 3:
+        raise ConfigError(f"--zero-hpz-partition-size {hpz} needs --zero-stage 3: only stage 3 gathers the "
+                          "parameters in forward and backward; add --zero-stage 3 or drop the flag")
+
+
 def _validate_offload(config: Config, topology: Topology) -> None:
     zero, train = config.zero, config.training
     if zero.offload_param == "cpu":
@@ -126,9 +147,6 @@ def _validate_offload(config: Config, topology: Topology) -> None:
     if zero.offload_optimizer != "none" and zero.zero_stage == 0:
         raise ConfigError(f"--offload-optimizer {zero.offload_optimizer} needs --zero-stage 1, 2 or 3: stage 0 "
                           "keeps no optimizer shard to offload")
-    if zero.zero_quantized_weights and zero.zero_stage == 0:
-        raise ConfigError("--zero-quantized-weights needs --zero-stage 1, 2 or 3: stage 0 all-reduces gradients "
-                          "and gathers no parameters; add --zero-stage 3 (or 1, 2) or drop the flag")
     optimizer_files, param_files = zero.offload_optimizer == "nvme", zero.offload_param == "nvme"
     if not (optimizer_files or param_files):
         if zero.nvme_path is not None:

@@ -40,7 +40,9 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
     ``nvme_path`` (a directory for the swap files), ``sub_group_size`` (elements stepped at a time from
     the files, and the largest master; default: a twentieth of the rank's shard); ``main_grads_in_fp32`` (default True: 16-bit parameters' gradients are accumulated and
     reduced in fp32; False: in the parameters' dtype); ``quantized_weights`` (stages 1-3: parameter all-gathers
-    sent as block-wise int8, ZeRO++'s qwZ). Call ``optimizer.close()`` at the end to remove the swap files.
+    sent as block-wise int8, ZeRO++'s qwZ), ``secondary_partition`` (stage 3, ZeRO++'s hpZ: an ``AxisGroup`` of K
+    data-parallel ranks within a node, e.g. ``ParallelGroups.dp_partition(K)[0]``, holding a secondary copy of
+    the parameters that every gather but a step's first of a unit comes from). Call ``optimizer.close()`` at the end to remove the swap files.
     """
     if stage == 3:
         options["unit_modules"] = unit_modules(module, options.get("unit_modules"))

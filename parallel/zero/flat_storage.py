@@ -22,13 +22,14 @@ from parallel.zero.masters import MasterShards
 class FlatStorage:
     """Owns the flat buffers (parameters become views into them), their gradient sync and the post-step
     all-gathers (left in flight behind the next forward with ``overlap``; with ``quantized_weights`` sent
-    as block-wise int8, ``parallel.quantization``). Never steps and never holds a master: it hands each
+    as block-wise int8, ``parallel.quantization``; stages 2-3 reduce the gradients as int8 with
+    ``quantized_gradients``). Never steps and never holds a master: it hands each
     bucket chunk to ``MasterShards`` as a slot.
     """
 
     def __init__(self, groups: list[list[nn.Parameter]], stage: int, dp: AxisGroup, bucket_size: int,
                  device: torch.device, grad_dtype, model_parallel: ModelParallelGroups, pool: BufferPool,
-                 quantized_weights: bool = False):
+                 quantized_weights: bool = False, quantized_gradients: list[AxisGroup] | None = None):
         self.stage, self.dp, self.quantized_weights = stage, dp, quantized_weights
         self._all_gather = weight_all_gather(quantized_weights)
         self.shard = dp.rank if stage > 0 else 0
@@ -46,7 +47,7 @@ class FlatStorage:
                 self.group_of.append(index)
         for buffer in self.buffers:  # every replica starts from data-parallel rank 0's weights
             comm.broadcast(buffer.data, src=dp.ranks[0], group=dp)
-        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), model_parallel, pool)
+        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), model_parallel, pool, quantized_gradients)
         self._gathers: dict[tuple[int, int], object] = {}  # (buffer, bucket) -> all-gather in flight
         self._hooks: list = []
 

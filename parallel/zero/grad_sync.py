@@ -10,7 +10,8 @@ stage:
     stage 2  no flat gradient buffer: each gradient is copied into its bucket's staging slot as it
              arrives and freed; a full bucket is reduce-scattered into this rank's gradient shard
              (which keeps the earlier micro-batches' sum); this happens on every micro-batch, so no
-             full gradient outlives its copy
+             full gradient outlives its copy (sent as int8 by a hierarchical all-to-all with
+             ``quantized_gradients``, ZeRO++'s qgZ)
 
 Stages 0 and 1 reduce only on the last micro-batch (backwards before it run inside ``no_sync``).
 Deferred buckets (sequence-parallel and tied-embedding weights) wait for ``finish``: their
@@ -88,7 +89,8 @@ class GradientSync:
     """
 
     def __init__(self, buffers: list[FlatParameterBuffer], dp: AxisGroup, stage: int,
-                 model_parallel: ModelParallelGroups, pool: BufferPool):
+                 model_parallel: ModelParallelGroups, pool: BufferPool,
+                 quantized_gradients: list[AxisGroup] | None = None):
         self.buffers, self.dp, self.stage, self.model_parallel = buffers, dp, stage, model_parallel
         self.enabled = True
         self.grad_shards = [torch.zeros(b.numel // dp.size, dtype=b.grad_dtype, device=b.device) for b in buffers] \
@@ -105,7 +107,8 @@ class GradientSync:
         if stage == 2:
             for dtype in {b.grad_dtype for b in buffers}:
                 largest = max(k.numel for b in buffers if b.grad_dtype == dtype for k in b.buckets)
-                self._staging[dtype] = StagedReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp)
+                self._staging[dtype] = StagedReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp,
+                                                           quantized_gradients)
         self._launched: set[tuple[int, int]] = set()
         self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it
         self._deferred: dict[nn.Parameter, torch.Tensor] = {}  # stage 2: deferred gradients in the gradient dtype

@@ -51,12 +51,18 @@ def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: 
 
 
 def expected_parameter_state_bytes(params: Iterable[nn.Parameter], stage: int, dp: int, compute_bytes: int,
-                                   persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
-    """Model-state bytes of this rank's ``params`` as the optimizer keeps them at ``stage``."""
+                                   persistence_threshold: int = 100_000, grad_bytes: int | None = None,
+                                   secondary_partition: int = 1) -> float:
+    """Model-state bytes of this rank's ``params`` as the optimizer keeps them at ``stage`` (with hpZ's
+    secondary partition over ``secondary_partition`` ranks, stage 3's sharded parameters once more in the
+    compute dtype, 1/K of them)."""
     total = 0.0
     for param in params:
-        kept = 2 if stage == 3 and not sharded_at_stage_3(param, persistence_threshold) else stage
-        total += expected_model_state_bytes(kept, param.numel(), dp, compute_bytes, grad_bytes)
+        sharded = stage == 3 and sharded_at_stage_3(param, persistence_threshold)
+        total += expected_model_state_bytes(stage if sharded or stage < 3 else 2, param.numel(), dp, compute_bytes,
+                                            grad_bytes)
+        if sharded and 1 < secondary_partition < dp:
+            total += compute_bytes * param.numel() / secondary_partition
     return total
 
 

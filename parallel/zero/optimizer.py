@@ -25,9 +25,9 @@ from parallel import comm
 from parallel.buffers import BufferPool
 from parallel.comm import AxisGroup
 from parallel.process_groups import module_device
-from parallel.param_meta import counts_once_here
 from parallel.zero.auto_wrap import group_units
 from parallel.zero.flat_storage import FlatStorage
+from parallel.zero.grad_norm import global_norm
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
@@ -73,7 +73,11 @@ class ZeroOptimizer:
 
     ``quantized_weights`` (ZeRO++'s qwZ, stages 1-3): the parameter all-gathers send block-wise int8 with
     fp32 scales (``parallel.quantization``); every rank computes with the same dequantized weights while
-    the masters stay exact.
+    the masters stay exact. ``secondary_partition`` (ZeRO++'s hpZ, stage 3): a group of K data-parallel
+    ranks within a node that keeps a secondary partition of the gathered parameters, so that every gather
+    but a step's first of each unit stays within it. ``quantized_gradients`` (ZeRO++'s qgZ, stages 2-3): the
+    groups [node, across nodes] whose hierarchical all-to-all of int8 gradients replaces the reduce-scatter
+    (``parallel.quantization.quantized_reduce_scatter_add``).
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
@@ -83,7 +87,8 @@ class ZeroOptimizer:
                  prefetch_budget: int | None = 0, buffer_pool: BufferPool | None = None,
                  offload_optimizer: str = "none",
                  nvme_path: str | None = None, sub_group_size: int | None = None, offload_param: str = "none",
-                 main_grads_in_fp32: bool = True, overlap_param_gather: bool = False, quantized_weights: bool = False):
+                 main_grads_in_fp32: bool = True, overlap_param_gather: bool = False, quantized_weights: bool = False,
+                 secondary_partition: AxisGroup | None = None, quantized_gradients: list[AxisGroup] | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         if offload_optimizer not in ("none", "cpu", "nvme"):
@@ -97,6 +102,12 @@ class ZeroOptimizer:
             raise ValueError("--offload-param nvme needs --zero-stage 3 (only stage 3 shards the parameters)")
         if quantized_weights and stage == 0:
             raise ValueError("--zero-quantized-weights needs --zero-stage 1, 2 or 3 (stage 0 gathers no parameters)")
+        if quantized_gradients is not None and stage < 2:
+            raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3 (stage {stage} reduces the "
+                             "gradients in place in the flat buffer)")
+        if secondary_partition is not None and secondary_partition.size > 1 and stage != 3:
+            raise ValueError(f"--zero-hpz-partition-size {secondary_partition.size} needs --zero-stage 3 (only stage 3 "
+                             "gathers parameters in forward and backward)")
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
         self.main_grads_in_fp32, self.overlap_param_gather = main_grads_in_fp32, overlap_param_gather
         self.model_parallel = model_parallel or ModelParallelGroups()
@@ -109,12 +120,12 @@ class ZeroOptimizer:
         self.buffer_pool = buffer_pool or BufferPool(device)
         self.flat = FlatStorage([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
                                 bucket_size, device, self.grad_dtype, self.model_parallel, self.buffer_pool,
-                                quantized_weights)
+                                quantized_weights, quantized_gradients)
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,
                                            self.buffer_pool, device, prefetch_budget, self.grad_dtype,
-                                           quantized_weights)
+                                           quantized_weights, secondary_partition, quantized_gradients)
         shard_numel = self.flat.shard_numel() + (self.units.shard_numel() if self.units is not None else 0)
         self.sub_group_size = default_sub_group_size(shard_numel) if sub_group_size is None else sub_group_size
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where
@@ -190,23 +201,10 @@ class ZeroOptimizer:
             comm.all_reduce(value, self.model_parallel.model_parallel, op=op)
 
     def _global_norm(self, tensors: list[torch.Tensor], scale: float, device: torch.device) -> float:
-        """L2 norm over the whole model of ``tensors`` (one per slot, laid out as its segments), divided by
-        ``scale``: each parameter once, wherever its chunks live (each segment's norm computed where the
-        segment is, with no temporary of its size; the norms combined on ``device``)."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for slot, tensor in zip(self.slots, tensors):
-            for param, offset, length in slot.segments:
-                if counts_once_here(param, tp_rank):
-                    by_device.setdefault(tensor.device, []).append(tensor[offset:offset + length])
-        # one foreach norm per device, in fp32 whatever the gradients' dtype (16-bit norms overflow or round)
-        norms = [norm.to(device) for segments in by_device.values()
-                 for norm in torch._foreach_norm(segments, 2, dtype=torch.float32)]
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-        if norms:
-            total += (torch.linalg.vector_norm(torch.stack(norms)) / scale).square()
-        self._global_sum(total, over_dp=self.stage > 0)  # stage 0: every dp rank holds the same sum
-        return total.sqrt().item()
+        # stage 0: every dp rank holds the same sum
+        return global_norm(self.slots, tensors, scale, device, tp_rank,
+                           lambda total: self._global_sum(total, over_dp=self.stage > 0))
 
     def parameter_norm(self) -> float:
         """L2 norm of the fp32 master weights over the whole model (Megatron's --log-params-norm); a
@@ -251,7 +249,7 @@ class ZeroOptimizer:
         """The stepped values reach every rank: stage-3 shards into their files (NVMe), whole-kept buckets
         all-gathered (stages 1-3; stage-3 units are gathered when their module next runs)."""
         if self.units is not None:
-            self.units.flush()
+            self.units.stepped()
         self.flat.gather(overlap)
 
     def master_pieces(self) -> list[MasterPiece]:
@@ -297,34 +295,9 @@ class ZeroOptimizer:
             self.loss_scaler.load_state_dict(loss_scaler)
         self.masters_to_parameters()
 
-    @staticmethod
-    def saved_piece(state: dict, master: int, state_index: int, kind: str) -> torch.Tensor | None:
-        """Master ``master`` (kind "master") or per-element state ``kind`` of torch-optimizer state
-        ``state_index`` in a ``state_dict()`` of any layout (None where the optimizer never stepped)."""
-        if kind == "master":
-            return state["masters"][master]
-        return state["optimizer"]["state"].get(state_index, {}).get(kind)
-
-    @staticmethod
-    def saved_scalars(state: dict, state_index: int) -> dict:
-        """The per-parameter scalars (Adam's step) of torch-optimizer state ``state_index`` in a ``state_dict()``."""
-        return {key: value for key, value in state["optimizer"]["state"].get(state_index, {}).items()
-                if not is_per_element(value)}
-
-    @staticmethod
-    def saved_kinds(state: dict) -> set[str]:
-        """The per-element optimizer states (Adam's two moments) a ``state_dict()`` holds."""
-        return {kind for per_master in state["optimizer"]["state"].values() for kind, value in per_master.items()
-                if is_per_element(value)}
-
-    @staticmethod
-    def saved_loss_scaler(state: dict) -> dict:
-        return state["loss_scaler"]
-
     def parameter_shapes(self) -> list[tuple[nn.Parameter, torch.Size]]:
         """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields them."""
         return [(param, shape) for pieces in self.master.ranges() for param, _, shape in pieces[0].layout]
-
 
     def whole_masters(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Every parameter's full fp32 value from the masters, one bucket or unit at a time (its shards
@@ -402,6 +375,8 @@ class ZeroOptimizer:
                 target.copy_(source)
         self.optimizer.load_state_dict(state["optimizer"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
+        if self.units is not None:
+            self.units.stepped()
 
     def model_state_bytes(self) -> int:
         """Bytes this rank holds for parameters, gradients, master copies and optimizer states (measured;

@@ -17,6 +17,12 @@ data-parallel rank as it happens (a mismatch raises naming both modules instead 
 on later steps to prefetch the next units while the current one computes, within a budget of live
 parameter elements. With the shards in swap files (``swap_out``, ZeRO-Infinity) each gather reads its
 shard from the file into a pool slot, and the next units' shards are read ahead in the recorded order.
+
+With a secondary partition (ZeRO++'s hpZ, ``secondary`` a group of K data-parallel ranks within a node)
+each rank also keeps 1/K of every unit's gathered values: a gather from the primary shards (over all of
+dp, across nodes) leaves its copy there, and every later gather until the next step (backward's, the
+next micro-batches') collects the unit from the secondary shards over the K ranks alone. The secondary
+values are the primary gather's output, so they are the same numbers (dequantized ones under qwZ).
 """
 
 from __future__ import annotations
@@ -33,76 +39,17 @@ from parallel import comm
 from parallel.buffers import BufferPool, SlotPool
 from parallel.comm import AxisGroup
 from parallel.quantization import weight_all_gather
-from parallel.zero.flat_buffer import initial_value, pieces_within, point_at
+from parallel.zero.flat_buffer import pieces_within
 from parallel.zero.masters import MasterShards
+from parallel.zero.parameter_unit import ParameterUnit
 from parallel.zero.staged_reduction import StagedReduceScatter
 from parallel.zero.swap import SwapSpace
 
 
-class ParameterUnit:
-    """The sharded parameters of one module: this rank's chunk, the flat full tensor (gathered or
-    freed) and the per-parameter offsets. Never communicates by itself."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], group: int,
-                 dp: AxisGroup, device: torch.device):
-        self.index, self.name, self.module, self.params, self.group = index, name, module, params, group
-        self.dtype, self.device = params[0].dtype, device
-        used = sum(p.numel() for p in params)
-        self.numel = -(-used // dp.size) * dp.size
-        self.chunk = self.numel // dp.size
-        self.offsets, self.shapes, offset = {}, {}, 0
-        for param in params:  # shapes are kept: a freed parameter is empty
-            self.offsets[param], self.shapes[param] = offset, param.shape
-            offset += param.numel()
-        self.handle = None
-        # a shard read from a swap file, in flight: its host slot, and the event after its copy to the device
-        self.source: tuple[SlotPool, torch.Tensor, torch.cuda.Event | None] | None = None
-        self.ready = 0
-
-    def size(self, param: nn.Parameter) -> int:
-        return self.shapes[param].numel()
-
-    def span(self, param: nn.Parameter) -> slice:
-        """Where ``param``'s elements sit in the unit's flat tensor."""
-        return slice(self.offsets[param], self.offsets[param] + self.size(param))
-
-    def shard_into(self, shard: torch.Tensor, dp: AxisGroup) -> None:
-        """Build the unit's full values (a model on the meta device is materialised here, one unit at a
-        time), keep this rank's chunk in ``shard``, then free the rest."""
-        full = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        for param in self.params:
-            full[self.span(param)].copy_(initial_value(param).reshape(-1))
-        comm.broadcast(full, src=dp.ranks[0], group=dp)  # every rank starts from dp rank 0's weights
-        shard.copy_(full[dp.rank * self.chunk:(dp.rank + 1) * self.chunk])
-        self.full = full
-        self.views = {param: full[self.span(param)].view(self.shapes[param]) for param in self.params}
-        for param in self.params:
-            point_at(param, self.views[param])
-        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.free()
-
-    @property
-    def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
-
-    def free(self) -> None:
-        """Drop the full values; the parameters become empty (reading one is an error, not garbage)."""
-        self.full.untyped_storage().resize_(0)
-        for param in self.params:
-            param.data = self._placeholder
-
-    def materialize(self) -> torch.Tensor:
-        """Give the flat tensor its storage back (contents undefined until gathered) and the parameters
-        their views of it."""
-        self.full.untyped_storage().resize_(self.numel * self.full.element_size())
-        for param in self.params:
-            param.data = self.views[param]
-        return self.full.data  # a fresh version counter: writing it never invalidates saved tensors
-
-
 class ShardedParameters:
-    """Owns the units, their shards and gradient shards, and the gather / free / reduce machinery (the
-    gathers sent as block-wise int8 with ``quantized_weights``, ``parallel.quantization``).
+    """Owns the units, their shards, secondary shards (hpZ) and gradient shards, and the gather / free /
+    reduce machinery (the primary gathers sent as block-wise int8 with ``quantized_weights``, the gradient
+    reductions with ``quantized_gradients``, ``parallel.quantization``).
 
     ``shards[dtype]`` and ``grad_shards[dtype]`` hold this rank's chunks of every unit of that dtype
     back to back. Never steps an optimizer; never keeps a full parameter alive beyond its module's
@@ -112,8 +59,11 @@ class ShardedParameters:
     def __init__(self, units: list[tuple[str, nn.Module, list[nn.Parameter], int]], dp: AxisGroup,
                  pool: BufferPool, device: torch.device, prefetch_budget: int | None = 0,
                  grad_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
-                 quantized_weights: bool = False):
+                 quantized_weights: bool = False, secondary: AxisGroup | None = None,
+                 quantized_gradients: list[AxisGroup] | None = None):
         self.dp, self.pool = dp, pool
+        # hpZ: the group of the secondary partition (None: every gather is over dp)
+        self.secondary = secondary if secondary is not None and 1 < secondary.size < dp.size else None
         # the shard is the gather's source, never its output: it stays exact (and may be the master)
         self._all_gather = weight_all_gather(quantized_weights)
         self.space: SwapSpace | None = None  # the shards' swap files (--offload-param nvme)
@@ -128,15 +78,20 @@ class ShardedParameters:
             else prefetch_budget
         self.shards: dict[torch.dtype, torch.Tensor] = {}
         self.grad_shards: dict[torch.dtype, torch.Tensor] = {}
+        self.secondary_shards: dict[torch.dtype, torch.Tensor] = {}
         self.chunk_offset: dict[int, int] = {}
+        self.secondary_offset: dict[int, int] = {}
         for dtype in {u.dtype for u in self.units}:
             members = [u for u in self.units if u.dtype == dtype]
             self.shards[dtype] = torch.empty(sum(u.chunk for u in members), dtype=dtype, device=device)
             self.grad_shards[dtype] = torch.zeros(self.shards[dtype].numel(), dtype=grad_dtype(dtype), device=device)
-            offset = 0
+            offset = secondary_offset = 0
             for unit in members:
-                self.chunk_offset[unit.index] = offset
+                self.chunk_offset[unit.index], self.secondary_offset[unit.index] = offset, secondary_offset
                 offset += unit.chunk
+                secondary_offset += unit.numel // self.secondary.size if self.secondary else 0
+            if self.secondary is not None:
+                self.secondary_shards[dtype] = torch.empty(secondary_offset, dtype=dtype, device=device)
         for unit in self.units:
             unit.shard_into(self.shard(unit), dp)
         self.order: list[int] | None = None  # recorded gather order (after the first step)
@@ -153,7 +108,7 @@ class ShardedParameters:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._staging = {dtype: StagedReduceScatter(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
                                                     max(u.numel for u in self.units if u.dtype == dtype),
-                                                    grad_dtype(dtype), dp)
+                                                    grad_dtype(dtype), dp, quantized_gradients)
                          for dtype in {u.dtype for u in self.units}}
 
     def shard_numel(self) -> int:
@@ -173,8 +128,9 @@ class ShardedParameters:
                         aliasable=aliasable)
 
     def held(self) -> list[torch.Tensor]:
-        """The shards and gradient shards (for the byte count; gathered parameters are transient)."""
-        return list(self.shards.values()) + list(self.grad_shards.values())
+        """The shards, secondary shards and gradient shards (for the byte count; gathered parameters are
+        transient)."""
+        return list(self.shards.values()) + list(self.secondary_shards.values()) + list(self.grad_shards.values())
 
     def shard(self, unit: ParameterUnit) -> torch.Tensor:
         offset = self.chunk_offset[unit.index]
@@ -262,6 +218,19 @@ class ShardedParameters:
             self._shards_resident = False
             self.swap_out(self.space)
 
+    def secondary_shard(self, unit: ParameterUnit) -> torch.Tensor:
+        """This rank's chunk of ``unit`` in the secondary partition (hpZ)."""
+        size = unit.numel // self.secondary.size
+        offset = self.secondary_offset[unit.index]
+        return self.secondary_shards[unit.dtype][offset:offset + size]
+
+    def stepped(self) -> None:
+        """The shards took new values (a step, a load): wait for their files (NVMe) and forget the
+        secondary copies, so that each unit's next gather is from the primary shards again."""
+        self.flush()
+        for unit in self.units:
+            unit.secondary_valid = False
+
     def grad_shard(self, unit: ParameterUnit) -> torch.Tensor:
         offset = self.chunk_offset[unit.index]
         return self.grad_shards[unit.dtype][offset:offset + unit.chunk]
@@ -271,7 +240,11 @@ class ShardedParameters:
         if unit.gathered or unit.handle is not None:
             return
         full = unit.materialize()
-        unit.handle = self._all_gather(full, self._source(unit), self.dp, async_op=True)
+        if unit.secondary_valid:
+            unit.handle = comm.all_gather_into_tensor(full, self.secondary_shard(unit), self.secondary, async_op=True)
+        else:
+            unit.handle = self._all_gather(full, self._source(unit), self.dp, async_op=True)
+            unit.refresh_secondary = self.secondary is not None
         self.live_elements += unit.numel
         self.max_live_elements = max(self.max_live_elements, self.live_elements)
 
@@ -304,6 +277,10 @@ class ShardedParameters:
         if unit.handle is not None:
             unit.handle.wait()
             unit.handle = None
+        if unit.refresh_secondary:
+            size = unit.numel // self.secondary.size
+            self.secondary_shard(unit).copy_(unit.full[self.secondary.rank * size:(self.secondary.rank + 1) * size])
+            unit.refresh_secondary, unit.secondary_valid = False, True
         if unit.source is not None:
             slots, buffer, copied = unit.source
             if copied is not None:

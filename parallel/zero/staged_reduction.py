@@ -6,12 +6,15 @@ the data-parallel size (gloo has no average), add the shard's value so far into 
 of the staging, and reduce-scatter asynchronously, straight into the shard, while backward goes on
 (the sum over ranks then holds the earlier micro-batches once; a slot holds no received chunk). A slot is
 ``open``ed for a key, filled piece by piece as gradients arrive, then ``start``ed; ``launch`` does all
-three at once. At most one reduction per key is in flight, and two slots per dtype alternate (a key
+three at once. With ``quantized_levels`` (ZeRO++'s qgZ) the reduction is instead the hierarchical
+all-to-all of int8 gradients (``parallel.quantization.quantized_reduce_scatter_add``), whose sum is added
+into the shard after it arrives (the shard itself is never quantized). At most one reduction per key is in flight, and two slots per dtype alternate (a key
 that finds both slots still open gets an area of its own).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Hashable
 
 import torch
@@ -19,14 +22,20 @@ import torch
 from parallel import comm
 from parallel.buffers import BufferPool, StagingRing
 from parallel.comm import AxisGroup
+from parallel.quantization import hierarchy_rank, quantized_reduce_scatter_add
 
 
 class StagedReduceScatter:
     """Owns the staging slots of one gradient dtype and the reductions in flight through them. Never
     keeps a gradient beyond its reduction and never writes a shard before its reduction completed."""
 
-    def __init__(self, pool: BufferPool, name: str, largest: int, dtype: torch.dtype, dp: AxisGroup):
-        self.dp = dp
+    def __init__(self, pool: BufferPool, name: str, largest: int, dtype: torch.dtype, dp: AxisGroup,
+                 quantized_levels: list[AxisGroup] | None = None):
+        self.dp, self.levels = dp, quantized_levels
+        if quantized_levels is not None and (math.prod(level.size for level in quantized_levels) != dp.size
+                                             or hierarchy_rank(quantized_levels) != dp.rank):
+            raise ValueError(f"the quantized gradient levels ({' x '.join(level.axis for level in quantized_levels)}) "
+                             f"do not make up the {dp.axis} group of {dp.size} in its order")
         self._ring = StagingRing(pool, name, largest, dtype)
         self._in_flight: dict[Hashable, object] = {}
         self._open: dict[Hashable, tuple] = {}  # key -> (staging, slot or None, shard)
@@ -48,6 +57,9 @@ class StagedReduceScatter:
         if self.dp.size > 1:
             staging.div_(self.dp.size)
         into = shard()
+        if self.levels is not None:
+            self._in_flight[key] = quantized_reduce_scatter_add(into, staging, self.levels, async_op=True)
+            return
         staging.view(self.dp.size, -1)[self.dp.rank].add_(into)
         self._in_flight[key] = comm.reduce_scatter_tensor(into, staging, self.dp, async_op=True)
 

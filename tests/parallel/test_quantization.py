@@ -1,12 +1,14 @@
-"""Block-wise int8 quantization: the round-trip error per block is within half a step, and a quantized
-all-gather leaves every rank with every chunk's dequantized local blocks, bit for bit."""
+"""Block-wise int8 quantization: the round-trip error per block is within half a step, a quantized
+all-gather leaves every rank with every chunk's dequantized local blocks, bit for bit, and the quantized
+hierarchical reduce-scatter stays within the sum of its levels' rounding bounds."""
 
 import pytest
 import torch
 
 from parallel import comm
 from parallel.process_groups import create_process_groups
-from parallel.quantization import BLOCK, LEVELS, blocks, dequantize, quantize, quantized_all_gather
+from parallel.quantization import (BLOCK, LEVELS, blocks, dequantize, quantize, quantized_all_gather,
+                                   quantized_reduce_scatter_add)
 from parallel.topology import Topology
 from tests.world import run_world
 
@@ -67,3 +69,51 @@ def test_quantized_all_gather_equals_the_dequantized_local_blocks():
     values, out = _values(2 * BLOCK, seed=7)[:BLOCK + 1], torch.empty(BLOCK + 1)
     assert quantized_all_gather(out, values, alone, async_op=True).is_completed()
     assert torch.equal(out, dequantize(*quantize(values), torch.empty(BLOCK + 1)))
+
+
+def test_a_non_finite_value_makes_its_block_non_finite():
+    """An fp16 overflow (inf) or a NaN in a gradient survives quantization: the overflow check still sees it."""
+    for bad in (float("inf"), float("nan")):
+        values = torch.ones(2 * BLOCK)
+        values[3] = bad
+        restored = dequantize(*quantize(values), torch.empty(2 * BLOCK))
+        assert not torch.isfinite(restored[:BLOCK]).any() and torch.equal(restored[BLOCK:], values[BLOCK:])
+
+
+def _reduce_scatters(rank, world_size):
+    groups = create_process_groups(Topology(world_size, gpus_per_node=2), dp_partitions=(2,))
+    node, across = groups.dp_partition(2)
+    chunk = 3 * BLOCK + 10
+    inputs = [_values(chunk * world_size, seed=200 + r) for r in range(world_size)]
+    exact = torch.stack(inputs).sum(0).view(world_size, chunk)[rank]
+    results = {}
+    for name, levels in (("node, across", [node, across]), ("one level", [groups.dp])):
+        groups.stats.reset()
+        out = torch.full((chunk,), 0.5)  # the shard's value so far: the sum is added into it
+        handle = quantized_reduce_scatter_add(out, inputs[rank].clone(), levels, async_op=True)
+        handle.wait()
+        results[name] = (out - 0.5 - exact, groups.stats.snapshot())
+    # bound: each level rounds every value it sends by at most half a step of its block, max|block| / 254
+    largest = torch.stack(inputs).abs().max()
+    return results, float(largest), chunk
+
+
+def test_quantized_reduce_scatter_is_within_its_levels_rounding_and_sends_a_byte_an_element():
+    n = 4
+    for rank, (results, largest, chunk) in enumerate(run_world(n, _reduce_scatters)):
+        error, snapshot = results["node, across"]
+        # level 1: 4 inputs rounded once; level 2: 2 partial sums (each at most 2 x largest) rounded again
+        bound = (n * largest + 2 * (2 * largest)) / LEVELS / 2
+        assert 0 < error.abs().max() <= bound, (float(error.abs().max()), bound)
+        assert snapshot["by_operation"]["reduce_scatter"] == 0
+        per_part = blocks(2 * chunk) * (BLOCK + 4)  # int8 values and scales of each level's part (2 chunks, then 1)
+        assert snapshot["bytes"]["all_to_all/dp_part2"] == per_part  # half of it stays on this rank
+        assert snapshot["bytes"]["all_to_all/dp_replica2"] == blocks(chunk) * (BLOCK + 4)
+        # the node's partial sums cross, never the inputs (nodes of 2 consecutive ranks)
+        assert snapshot["inter_node_by_operation"]["all_to_all"] == blocks(chunk) * (BLOCK + 4)
+        one_level, _ = results["one level"]
+        assert 0 < one_level.abs().max() <= n * largest / LEVELS / 2
+    alone = comm.AxisGroup("dp", (0,), None, comm.CommStats())  # one rank: the input is added, exactly
+    out = torch.ones(5)
+    assert quantized_reduce_scatter_add(out, torch.arange(5.0), [alone], async_op=True).is_completed()
+    assert torch.equal(out, torch.arange(5.0) + 1)
