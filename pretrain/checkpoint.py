@@ -79,9 +79,13 @@ def _fsync_directory(path: str) -> None:
         os.close(descriptor)
 
 
-def layout_of(topology: Topology, zero_stage: int) -> dict:
-    return {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp,
-            "zero_stage": zero_stage}
+def layout_of(topology: Topology, zero_stage: int, shard_size: int | None = None) -> dict:
+    """What a same-layout load must match (``shard_size``: a MiCS / HSDP shard group smaller than dp)."""
+    layout = {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp,
+              "zero_stage": zero_stage}
+    if shard_size is not None and shard_size != topology.dp:
+        layout["zero_shard_size"] = shard_size
+    return layout
 
 
 def save(directory: str, progress: TrainingProgress, groups: ParallelGroups, optimizer: ZeroOptimizer,
@@ -152,7 +156,8 @@ def _publish(directory: str, staging: str, final: str, name: str, progress: Trai
                      "sha256": file_sha256(os.path.join(staging, entry))}
              for entry in sorted(os.listdir(staging))}
     manifest = {"format": RANK_FORMAT, **progress.state_dict(),
-                "layout": layout_of(groups.topology, optimizer.stage), "config": config, "files": files}
+                "layout": layout_of(groups.topology, optimizer.stage, optimizer.dp.size), "config": config,
+                "files": files}
     write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
     _fsync_directory(staging)
     shutil.rmtree(final, ignore_errors=True)
@@ -313,7 +318,7 @@ def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names
         weights_only, scaler = True, None
     else:
         _check_format(checkpoint, manifest)
-        if manifest["layout"] == layout_of(groups.topology, optimizer.stage) and not weights_only:
+        if manifest["layout"] == layout_of(groups.topology, optimizer.stage, optimizer.dp.size) and not weights_only:
             path = _verified(checkpoint, manifest, f"rank_{groups.rank:05d}.pt")
             state = _read(path)
             mine = reshard.describe(optimizer, names, groups.tp_rank, groups.topology.tp)

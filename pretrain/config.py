@@ -66,6 +66,10 @@ class ZeroConfig:
         "ZeRO++'s qgZ, stages 2-3: the gradient reduce-scatter becomes an all-to-all of block-wise int8 "
         "gradients within each node, then one of the node's partial sums across nodes, summed in fp32 "
         "(a byte an element, and 1/(dp ranks per node) of the gradients leave a node)"))
+    zero_shard_size: int | None = field(default=None, metadata=flag(
+        "MiCS / HSDP, stages 1-3: shard the model states within groups of this many data-parallel ranks (a "
+        "node's) and replicate them across the groups; gradients are reduce-scattered within a group, then "
+        "all-reduced across its replicas (default: the data-parallel size, one group)"))
     zero_hpz_partition_size: int = field(default=1, metadata=flag(
         "ZeRO++'s hpZ, stage 3: keep a secondary copy of the parameters sharded over groups of this many "
         "data-parallel ranks (a node's), so that backward's gathers (and later micro-batches') stay within the "

@@ -52,7 +52,7 @@ def local_problems(config: Config, topology: Topology, rank: int) -> list[str]:
     if directory is not None:
         try:
             checkpoint.verify(directory, step_to_load(config, directory),
-                              checkpoint.layout_of(topology, config.zero.zero_stage), rank,
+                              checkpoint.layout_of(topology, config.zero.zero_stage, config.zero.zero_shard_size), rank,
                               loads_weights_only(config, directory))
         except checkpoint.CheckpointError as error:
             problems.append(str(error))

@@ -61,9 +61,12 @@ class Trainer:
         per_node = topology.dp_ranks_per_node(topology.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
                                               or None)
         two_levels = config.zero.zero_quantized_gradients and 1 < per_node < topology.dp
+        shard = config.zero.zero_shard_size or topology.dp  # MiCS / HSDP: the optimizer's group is one shard group
         self.groups: ParallelGroups = create_process_groups(
             topology, config.parallel.distributed_timeout_s,
-            dp_partitions=tuple(size for size, used in ((hpz, hpz > 1), (per_node, two_levels)) if used))
+            dp_partitions=tuple(size for size, used in ((hpz, hpz > 1), (per_node, two_levels),
+                                                        (shard, shard < topology.dp)) if used))
+        shard_group, replicas = self.groups.dp_partition(shard)
         self.is_logger = self.groups.rank == 0
         self.control = RunControl(config, self.groups.world)
         train, opt = config.training, config.optimizer
@@ -102,11 +105,11 @@ class Trainer:
         # what the optimizer will hold for these parameters, by the rule it shards them with
         compute_bytes = torch.finfo(self.dtype).bits // 8
         self.expected_state_bytes = expected_parameter_state_bytes(
-            self.model.parameters(), config.zero.zero_stage, topology.dp, compute_bytes,
+            self.model.parameters(), config.zero.zero_stage, shard, compute_bytes,
             config.zero.zero_persistence_threshold, gradient_bytes(compute_bytes, not config.zero.grad_reduce_in_bf16),
             hpz)
         _, self.optimizer = zero.initialize(
-            self.model, adamw_factory(opt), stage=config.zero.zero_stage, group=self.groups.dp,
+            self.model, adamw_factory(opt), stage=config.zero.zero_stage, group=shard_group, replicas=replicas,
             param_groups=parameter_groups(self.model, opt),
             bucket_size=config.zero.zero_bucket_size, clip_grad=opt.clip_grad,
             model_parallel=ModelParallelGroups(tp=self.groups.tp, model_parallel=self.groups.mp,

@@ -127,6 +127,18 @@ def _validate_zero_plus_plus(config: Config, topology: Topology) -> None:
         raise ConfigError(f"--zero-quantized-gradients needs --zero-stage 2 or 3: stage {zero.zero_stage} "
                           f"{'all-reduces' if zero.zero_stage == 0 else 'reduce-scatters'} the gradients in place "
                           "in their flat buffer; add --zero-stage 3 (or 2) or drop the flag")
+    shard = zero.zero_shard_size
+    if shard is not None:
+        if shard < 1 or topology.dp % shard:
+            raise ConfigError(f"--zero-shard-size {shard} must divide the data-parallel size {topology.dp} (world "
+                              f"{topology.world_size} / (tp {topology.tp} x pp {topology.pp})): choose a divisor, "
+                              "usually the data-parallel ranks of one node")
+        if shard < topology.dp and zero.zero_stage == 0:
+            raise ConfigError(f"--zero-shard-size {shard} needs --zero-stage 1, 2 or 3: stage 0 shards nothing")
+        if shard < topology.dp and (zero.zero_hpz_partition_size > 1 or zero.zero_quantized_gradients):
+            raise ConfigError(f"--zero-shard-size {shard} is not combined with --zero-hpz-partition-size or "
+                              "--zero-quantized-gradients here: a shard group of one node already keeps the "
+                              "gathers and reduce-scatters in the node; choose one of the two ways")
     hpz = zero.zero_hpz_partition_size
     if hpz < 1 or topology.dp % hpz:
         raise ConfigError(f"--zero-hpz-partition-size {hpz} must divide the data-parallel size {topology.dp} "

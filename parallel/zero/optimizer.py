@@ -77,7 +77,9 @@ class ZeroOptimizer:
     ranks within a node that keeps a secondary partition of the gathered parameters, so that every gather
     but a step's first of each unit stays within it. ``quantized_gradients`` (ZeRO++'s qgZ, stages 2-3): the
     groups [node, across nodes] whose hierarchical all-to-all of int8 gradients replaces the reduce-scatter
-    (``parallel.quantization.quantized_reduce_scatter_add``).
+    (``parallel.quantization.quantized_reduce_scatter_add``). ``replicas`` (MiCS / HSDP, stages 1-3): ``dp``
+    is then one shard group, and ``replicas`` the ranks that hold this rank's shard in the other groups;
+    the reduced gradient shards are all-reduced over it before the step (each replica steps the same).
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
@@ -88,7 +90,8 @@ class ZeroOptimizer:
                  offload_optimizer: str = "none",
                  nvme_path: str | None = None, sub_group_size: int | None = None, offload_param: str = "none",
                  main_grads_in_fp32: bool = True, overlap_param_gather: bool = False, quantized_weights: bool = False,
-                 secondary_partition: AxisGroup | None = None, quantized_gradients: list[AxisGroup] | None = None):
+                 secondary_partition: AxisGroup | None = None, quantized_gradients: list[AxisGroup] | None = None,
+                 replicas: AxisGroup | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
         if offload_optimizer not in ("none", "cpu", "nvme"):
@@ -102,6 +105,9 @@ class ZeroOptimizer:
             raise ValueError("--offload-param nvme needs --zero-stage 3 (only stage 3 shards the parameters)")
         if quantized_weights and stage == 0:
             raise ValueError("--zero-quantized-weights needs --zero-stage 1, 2 or 3 (stage 0 gathers no parameters)")
+        if replicas is not None and replicas.size > 1 and stage == 0:
+            raise ValueError(f"a shard group of {dp.size} with {replicas.size} replicas needs --zero-stage 1, 2 or 3 "
+                             "(stage 0 shards nothing)")
         if quantized_gradients is not None and stage < 2:
             raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3 (stage {stage} reduces the "
                              "gradients in place in the flat buffer)")
@@ -109,6 +115,7 @@ class ZeroOptimizer:
             raise ValueError(f"--zero-hpz-partition-size {secondary_partition.size} needs --zero-stage 3 (only stage 3 "
                              "gathers parameters in forward and backward)")
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         self.main_grads_in_fp32, self.overlap_param_gather = main_grads_in_fp32, overlap_param_gather
         self.model_parallel = model_parallel or ModelParallelGroups()
         self.loss_scaler = loss_scaler or ConstantLossScaler()
@@ -219,6 +226,11 @@ class ZeroOptimizer:
         if self.units is not None:
             self.units.finish()
         grads = [slot.grad() for slot in self.slots]  # reduced, in the gradient dtype, still scaled
+        if self.replicas is not None:  # the shard group's sums, summed over its replicas (pre-divided by dp)
+            for handle in [comm.all_reduce(grad, self.replicas, async_op=True) for grad in grads]:
+                handle.wait()
+            for grad in grads:
+                grad.div_(self.replicas.size)
         device = grads[0].device if grads else module_device(self.module)
         overflow = torch.zeros(1, dtype=torch.float32, device=device)
         if isinstance(self.loss_scaler, DynamicLossScaler):  # decided on the device: no host read per shard

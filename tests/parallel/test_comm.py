@@ -48,6 +48,11 @@ def _every_collective(rank, world_size):
     comm.broadcast(b, src=n - 1, group=group)
     assert torch.all(b == n - 1)
     expected["broadcast"] = (n - 1) / n * 16 * 4
+    # all-to-all: part j to rank j, (n-1)/n * S
+    sent, received = torch.arange(3.0 * n) + 100 * rank, torch.empty(3 * n)
+    comm.all_to_all_single(received, sent, group)
+    assert received.tolist() == [100.0 * r + 3 * rank + i for r in range(n) for i in range(3)]
+    expected["all_to_all"] = (n - 1) / n * sent.numel() * 4
     # p2p ring: S per send
     expected["p2p"] = 0
     if n > 1:

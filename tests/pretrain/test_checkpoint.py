@@ -51,9 +51,10 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
 @pytest.mark.parity
 def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_path):
     """Saved at tp2 x dp2 with ZeRO-2, resumed at pp2 x dp2 with ZeRO-3 (optimizer and parameters on
-    NVMe), at dp4 with ZeRO-1, at pp2 (interleaved, v = 2) x tp2 with ZeRO-0, and in its own layout with
-    other buckets and master pieces; saved at pp2 x tp2 and resumed with v = 2 (the same sizes): each
-    continues the original run's trajectory."""
+    NVMe), at dp4 with ZeRO-1, at pp2 (interleaved, v = 2) x tp2 with ZeRO-0, at dp4 with ZeRO-3 in shard
+    groups of 2, and in its own layout with other buckets and master pieces; saved at pp2 x tp2 and
+    resumed with v = 2 (the same sizes); saved at dp4 in shard groups of 2 and resumed at plain ZeRO-3:
+    each continues the original run's trajectory."""
     saved = str(tmp_path / "tp2dp2")
     original = [*_tp(2), "--zero-stage", "2", "--lr-decay-iters", "20"]
     (tmp_path / "swap").mkdir()
@@ -69,11 +70,20 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
     pipeline, interleaved = str(tmp_path / "pp2tp2"), [*_pp(2, "interleaved", "--virtual-pipeline-size", "2")]
     layouts += [[*_pp(2), *_tp(2), "--lr-decay-iters", "20", "--train-iters", "10", "--save", pipeline],
                 [*interleaved, *_tp(2), "--lr-decay-iters", "20", "--train-iters", "20", "--load", pipeline]]
+    # MiCS / HSDP at dp 4: shard groups of 2 resume the ZeRO-2 checkpoint; one saved with shard groups
+    # resumes at plain ZeRO-3
+    mics, shard_groups = str(tmp_path / "mics"), ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
+    layouts += [[*shard_groups, "--zero-shard-size", "2", "--lr-decay-iters", "20", "--train-iters", "20",
+                 "--load", saved],
+                [*shard_groups, "--zero-shard-size", "2", "--lr-decay-iters", "20", "--train-iters", "10",
+                 "--save", mics],
+                [*shard_groups, "--lr-decay-iters", "20", "--train-iters", "20", "--load", mics]]
     for rank_results in run_world(4, _train, layouts, stdlib_corpus, timeout_s=600):
         straight = rank_results[0]
-        for resumed in rank_results[2:6] + rank_results[7:]:  # other layouts: another summation order
+        for resumed in rank_results[2:6] + rank_results[7:9] + rank_results[10:]:  # another summation order
             assert_trajectory_close(resumed[0], straight[0][10:], "re-cut: loss")
             assert_trajectory_close(resumed[1], straight[1][10:], "re-cut: grad norm")
+        assert_trajectory_close(rank_results[9][0], straight[0][:10], "shard groups: loss")
 
 
 def _load_only(rank, world_size, directory, corpus):
