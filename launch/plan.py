@@ -41,6 +41,8 @@ from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
+from launch.link_model import Links, Transfer, ZeroOptions, communication_seconds, parse_bandwidth, ring, zero_transfers
+from models.counting import flops_per_token
 from pretrain.arguments import ConfigError, parse_config
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -69,6 +71,7 @@ class Layout:
     offload_optimizer: str = "none"
     sequence_parallel: bool = False
     layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
+    zero: ZeroOptions = ZeroOptions()  # ZeRO++ / MiCS
 
     def layers_on(self, stage: int, num_layers: int) -> int:
         return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
@@ -86,6 +89,8 @@ class Plan:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     comm_bytes_inter_node: dict[str, float] = field(default_factory=dict)  # of those, to another node
     score: float = 0.0
+    transfers: list[Transfer] = field(default_factory=list, repr=False)  # what the link model times
+    step_seconds: float | None = None  # predicted by the link model (``links`` given)
 
     @property
     def total_bytes(self) -> float:
@@ -102,11 +107,12 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
                       persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
     params = _stage_parameters(config, layout, stage)
-    total = expected_parameter_state_bytes(params, layout.zero_stage, layout.dp, compute_bytes, persistence_threshold,
-                                           grad_bytes)
+    shard = layout.zero.shard_size or layout.dp
+    total = expected_parameter_state_bytes(params, layout.zero_stage, shard, compute_bytes, persistence_threshold,
+                                           grad_bytes, layout.zero.hpz)
     if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
         total -= sum(p.numel() for p in params) * optimizer_state_bytes(compute_bytes) / (
-            layout.dp if layout.zero_stage else 1)
+            shard if layout.zero_stage else 1)
     return total
 
 
@@ -176,64 +182,76 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
     return staging + gathers + recompute
 
 
-def comm_bytes(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
-               grad_bytes: int | None = None) -> dict[str, float]:
-    """Bytes one rank sends per step on each axis (ring model, as parallel.comm counts them)."""
+def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
+              grad_bytes: int | None = None, gpus_per_node: int | None = None) -> list[Transfer]:
+    """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
+    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.link_model.zero_transfers``: stage
+    0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages 1-2
+    all-gather the parameters once after the step, stage 3 in forward and in backward of every
+    micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's
+    four all-reduces (or their sequence-parallel halves) of each layer's activations in forward and
+    backward, the pipeline's activation and gradient sends."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
-    n, t, m = layout.dp, layout.tp, micro_batches
-    # gradients (in the gradient dtype): stage 0 all-reduces once (two ring passes), stage 1 reduce-scatters
-    # once, stages 2-3 every micro-batch; parameters (compute dtype): stages 1-2 all-gather once after the
-    # step, stage 3 gathers in forward and in backward of every micro-batch
-    gradient_passes = {0: 2, 1: 1, 2: m, 3: m}[layout.zero_stage]
-    gather_passes = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero_stage]
+    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
+    node = (lambda rank: rank // gpus_per_node) if gpus_per_node else (lambda rank: 0)
+    t, m = layout.tp, micro_batches
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = layout.layers_on(0, config.num_layers)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
-    return {
-        "dp": (gradient_passes * grad_bytes + gather_passes * compute_bytes) * psi * (n - 1) / n,
-        "tp": 4 * 2 * (t - 1) / t * sbh * layers * micro_batches * recompute,
-        "pp": 2 * sbh * micro_batches if layout.pp > 1 else 0.0,
-    }
+    found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes, layout.zero, gpus_per_node)
+    found.append(ring("all_reduce", "tp", topology.groups("tp"), node, 2 * (t - 1) / t * sbh * recompute,
+                      4 * layers * m))
+    if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
+        found.append(Transfer("p2p", "pp", 2 * sbh * m,
+                              2 * sbh * m if any(node(a) != node(b) for g in topology.groups("pp")
+                                                  for a, b in zip(g, g[1:])) else 0.0, 2 * m))
+    return found
 
 
-def inter_node_bytes(layout: Layout, gpus_per_node: int | None, sent: dict[str, float]) -> dict[str, float]:
-    """Of ``sent`` (bytes per axis of the most loaded rank), those that cross a node boundary by
-    ``parallel.comm``'s ring model: an axis's bytes all cross on a rank whose next rank in the group
-    (the next stage, for pp) sits on another node, and some rank of the layout has one wherever a
-    group spans nodes."""
-    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
-    crossing = {}
-    for axis in sent:
-        rings = topology.groups(axis)
-        pairs = [(ring[i], ring[i + 1]) for ring in rings for i in range(len(ring) - 1)]
-        if axis != "pp":  # a collective's ring closes; the pipeline sends forward and back along a line
-            pairs += [(ring[-1], ring[0]) for ring in rings if len(ring) > 1]
-        crossing[axis] = sent[axis] if any(topology.node(a) != topology.node(b) for a, b in pairs) else 0.0
-    return crossing
+def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:
+    """Bytes a rank sends per step on each axis (dp: every data-parallel group, hpZ's and shard groups
+    included); with ``crossing``, those of the transfers that leave a node (on a rank whose ring
+    neighbour is on another node: the most loaded)."""
+    sent = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    for transfer in found:
+        if not crossing or transfer.leaving_node > 0:
+            sent[transfer.axis if transfer.axis in sent else "dp"] += transfer.per_rank * transfer.count
+    return sent
 
 
 def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compute_bytes: int,
                 bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
-                grad_bytes: int | None = None, gpus_per_node: int | None = None) -> Plan:
+                grad_bytes: int | None = None, gpus_per_node: int | None = None, links: Links | None = None,
+                device_flops: float = 100e12) -> Plan:
+    """What ``layout`` costs; with ``links``, its step time: the compute (the model's FLOPs per token at
+    ``device_flops`` per device, over the pipeline bubble and recompute) plus the link model's
+    communication."""
     micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
     states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold, grad_bytes)
                  for stage in range(layout.pp))
     activations = max(activation_bytes(config, layout, stage, micro_batches, compute_bytes)
                       for stage in range(layout.pp))
+    found = transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node)
     plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
-                comm_bytes(config, layout, micro_batches, compute_bytes, grad_bytes))
-    plan.comm_bytes_inter_node = inter_node_bytes(layout, gpus_per_node, plan.comm_bytes)
+                sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
     recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
     plan.score = recompute_cost * offload_cost / (1 - bubble)
+    if links is not None:
+        world = layout.tp * layout.pp * layout.dp
+        compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device_flops
+        plan.step_seconds = compute * plan.score + communication_seconds(found, links)
+        plan.score = plan.step_seconds
     return plan
 
 
 def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int,
                       zero_stage: int | None, tp: int | None, pp: int | None,
-                      layers_per_stage: tuple[int, ...] | None = None) -> list[Layout]:
+                      layers_per_stage: tuple[int, ...] | None = None, zero_plus_plus: bool = False) -> list[Layout]:
+    """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
+    ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks."""
     layouts = []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
         try:
@@ -250,23 +268,61 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                 for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
                     for recompute in (None, "selective", "full"):
                         for offload in ("none", "cpu") if stage else ("none",):
-                            layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1,
-                                                  layers_per_stage=layers_per_stage
-                                                  if layers_per_stage and p == len(layers_per_stage) else None))
+                            for options in zero_variants(stage, Topology(world_size, t, p, gpus_per_node), gpus_per_node)\
+                                    if zero_plus_plus else [ZeroOptions()]:
+                                layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1,
+                                                      layers_per_stage=layers_per_stage
+                                                      if layers_per_stage and p == len(layers_per_stage) else None,
+                                                      zero=options))
     return layouts
+
+
+def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
+    """ZeRO++ / MiCS settings worth trying at ``stage`` when data-parallel groups span nodes (K = the dp
+    ranks of a node)."""
+    k = topology.dp_ranks_per_node(gpus_per_node)
+    if k == topology.dp:  # every data-parallel group within one node
+        return [ZeroOptions()]
+    if stage == 2:
+        return [ZeroOptions(), ZeroOptions(quantized_gradients=True)]
+    if stage != 3:
+        return [ZeroOptions()]
+    if k == 1:  # one dp rank per node: no partition fits in a node, quantizing is what is left
+        return [ZeroOptions(), ZeroOptions(quantized_weights=True, quantized_gradients=True)]
+    return [ZeroOptions(), ZeroOptions(hpz=k), ZeroOptions(hpz=k, quantized_weights=True),
+            ZeroOptions(hpz=k, quantized_weights=True, quantized_gradients=True),
+            ZeroOptions(quantized_weights=True, quantized_gradients=True), ZeroOptions(shard_size=k)]
 
 
 def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
-         grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None) -> list[Plan]:
-    """The layouts that fit ``memory_per_device``, best first."""
+         grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
+         links: Links | None = None, device_flops: float = 100e12) -> list[Plan]:
+    """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
+    ZeRO++ and shard groups among the candidates)."""
     plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
-                         grad_bytes, gpus_per_node)
+                         grad_bytes, gpus_per_node, links, device_flops)
              for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
-                                             layers_per_stage)]
+                                             layers_per_stage, zero_plus_plus=links is not None)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, sum(p.comm_bytes_inter_node.values()), p.total_bytes))
+
+
+def zero_advice(plans: list[Plan]) -> str | None:
+    """Which ZeRO stage and ZeRO++ options the link model prefers, among layouts that fit (ranked by
+    predicted step time): whether ZeRO-2 beats ZeRO-3, and what to turn on at stage 3."""
+    two, three = (next((p for p in plans if p.layout.zero_stage == stage), None) for stage in (2, 3))
+    plain3 = next((p for p in plans if p.layout.zero_stage == 3 and p.layout.zero == ZeroOptions()), None)
+    if two is None or three is None:
+        return None
+    options = f" with {three.layout.zero.label()}" if three.layout.zero != ZeroOptions() else ""
+    versus = f", plain ZeRO-3 {plain3.step_seconds:.3f} s" if plain3 is not None and plain3 is not three else ""
+    if two.step_seconds < three.step_seconds:
+        return (f"on these links ZeRO-2 beats ZeRO-3: {two.step_seconds:.3f} s a step ({two.layout.zero.label()}) "
+                f"against {three.step_seconds:.3f} s for the best ZeRO-3{options}{versus}")
+    return (f"on these links ZeRO-3{options} is fastest: {three.step_seconds:.3f} s a step against "
+            f"{two.step_seconds:.3f} s for the best ZeRO-2{versus}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -276,6 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-per-device", default="80GiB", help="e.g. 80GiB, 40GB")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 400Gbit, 50GB/s: "
+                        "rank layouts by predicted step time (launch.link_model), ZeRO++ and shard groups included")
+    parser.add_argument("--intra-node-bandwidth", default="200GB/s", help="between two ranks of a node")
+    parser.add_argument("--link-latency", type=float, default=10e-6, help="seconds per message step")
+    parser.add_argument("--device-flops", type=float, default=300e12,
+                        help="model FLOP/s one device sustains (e.g. 40%% of a bf16 peak)")
     args, model_flags = parser.parse_known_args(argv)
     try:
         config = parse_config(model_flags)
@@ -289,31 +351,39 @@ def main(argv: list[str] | None = None) -> None:
              "tp": parallel.tensor_model_parallel_size if "--tensor-model-parallel-size" in model_flags else None,
              "pp": parallel.pipeline_model_parallel_size if "--pipeline-model-parallel-size" in model_flags else None}
     compute_bytes = 2 if train.bf16 or train.fp16 else 4
+    links = Links(parse_bandwidth(args.intra_node_bandwidth), parse_bandwidth(args.inter_node_bandwidth),
+                  args.link_latency) if args.inter_node_bandwidth else None
     plans = plan(config.model, args.world_size, args.gpus_per_node, parse_bytes(args.memory_per_device),
                  train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
                  persistence_threshold=zero.zero_persistence_threshold,
                  grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
-                 layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None)[:args.top]
+                 layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
+                 device_flops=args.device_flops)
+    advice = zero_advice(plans) if links is not None else None
+    plans = plans[:args.top]
     if args.json:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
                            "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes,
-                           "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score}
-                          for p in plans], indent=1))
+                           "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score,
+                           "step_seconds": p.step_seconds} for p in plans], indent=1))
         return
     params = num_parameters(config.model)
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
     print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
           f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / tp / pp "
-          "(to another node)")
+          "(to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
         layout, gib = p.layout, 2**30
         print(f"{layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.zero_stage:>4} {str(layout.recompute):>9} "
               f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | {p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
               + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
-                           for axis in ("dp", "tp", "pp")))
+                           for axis in ("dp", "tp", "pp"))
+              + (f" | {layout.zero.label():>14} | {p.step_seconds:.3f}" if links else ""))
+    if advice:
+        print(advice)
     if not plans:
         print("nothing fits: add devices, or allow more memory per device")
 
