@@ -31,7 +31,23 @@ from torch.utils.data import Dataset
 
 from data.sampler import collate
 
-with warnings.catch_warnings():
+
+
+@contextlib.contextmanager
+def _without_torch_compile():
+    """megatron.core's package import decorates its fused kernels with ``torch.compile`` (its
+    ``jit_fuser``), which imports dynamo and inductor: about 2 s of every process's start on this CPU. The
+    datasets use none of those kernels, so while they are imported the decorator leaves functions as they
+    are (megatron's own ``disable_jit_fuser``; ``enable_jit_fuser`` restores it for later decorations)."""
+    compile_ = torch.compile
+    torch.compile = lambda model=None, **options: model if model is not None else (lambda function: function)
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
+with warnings.catch_warnings(), _without_torch_compile():
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,

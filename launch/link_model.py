@@ -139,11 +139,11 @@ def communication_seconds(transfers: list[Transfer], links: Links) -> float:
 
 
 def parse_bandwidth(text: str) -> float:
-    """'100Gbit', '10 Gbit/s', '25GB/s', '1e9' (bytes/s) -> bytes per second."""
+    """'100Gbit', '10 Gbit/s', '1gbit' (tc's spelling), '25GB/s', '1e9' (bytes/s) -> bytes per second."""
     stripped = text.replace(" ", "").removesuffix("/s").removesuffix("ps")
     units = {"Tbit": 1e12 / 8, "Gbit": 1e9 / 8, "Mbit": 1e6 / 8, "TB": 1e12, "GB": 1e9, "MB": 1e6,
              "GiB": 2**30, "MiB": 2**20}
     for unit in sorted(units, key=len, reverse=True):
-        if stripped.endswith(unit):
+        if stripped.lower().endswith(unit.lower()) and (unit.endswith("bit") or stripped.endswith(unit)):
             return float(stripped[:-len(unit)]) * units[unit]
     return float(stripped)

@@ -1,0 +1,140 @@
+"""Step time of ZeRO-2, ZeRO-3, ZeRO-3 + hpZ, ZeRO-3 + hpZ + qwZ + qgZ and ZeRO-3 in shard groups of a
+node, on two emulated nodes of 2 ranks joined by a truly slow link, beside the link model's prediction.
+
+    sudo python -m launch.bench_slow_link [--rates 1gbit 10gbit] [--iters 6] [--hidden-size 512]
+
+The nodes are network namespaces joined by a veth pair shaped with tc (``launch.netns_link``): ranks 0-1
+in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a
+node stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs
+back to back. Measured: the median step time after the first iteration, and the bytes that left node 0
+in the last step (the trainer's comm_bytes_inter_node of ranks 0 and 1). Predicted at a rate:
+``launch.plan.transfers`` timed by ``launch.link_model`` on the links as probed (TCP bytes per second and
+latency across the pair and on a node's loopback), plus the configuration's compute taken from its runs
+at the other rates (their step time less the model's communication there, averaged): a prediction never
+sees the run it predicts, and it tests the link model, not a FLOP estimate. (An unshaped pair is no
+reference on 2 cores: its fast transfers keep the receiving ranks busy on the CPU the others compute on,
+and its steps come out slower than at 10 Gbit/s.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from launch.bench_world import write_table
+from launch.link_model import Links, ZeroOptions, communication_seconds
+from launch.netns_link import LinkSetupError, TwoNodes
+from launch.plan import Layout, transfers
+from pretrain.arguments import parse_config
+from parallel.process_groups import free_port
+
+CONFIGURATIONS = {
+    "ZeRO-2": (2, ZeroOptions(), []),
+    "ZeRO-3": (3, ZeroOptions(), []),
+    "ZeRO-3 + hpZ": (3, ZeroOptions(hpz=2), ["--zero-hpz-partition-size", "2"]),
+    "ZeRO-3 + hpZ + qwZ + qgZ": (3, ZeroOptions(2, True, True), ["--zero-hpz-partition-size", "2",
+                                                                 "--zero-quantized-weights",
+                                                                 "--zero-quantized-gradients"]),
+    "ZeRO-3, shard size = node": (3, ZeroOptions(shard_size=2), ["--zero-shard-size", "2"]),
+}
+RANKS, PER_NODE = 4, 2
+
+
+def train(nodes: TwoNodes, flags: list[str], directory: str) -> list[dict]:
+    """One run of ``python -m pretrain`` on the two nodes; rank 0's metrics lines."""
+    metrics, port = os.path.join(directory, "metrics.jsonl"), free_port()
+    processes = []
+    for rank in range(RANKS):
+        node = rank // PER_NODE
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank % PER_NODE),
+                   LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR=nodes.address(0), MASTER_PORT=str(port),
+                   GLOO_SOCKET_IFNAME=nodes.interface(node), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+        log = open(os.path.join(directory, f"rank{rank}.log"), "w")
+        processes.append((nodes.popen(node, [sys.executable, "-m", "pretrain", *flags, "--metrics-file", metrics],
+                                      env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()), log))
+    failed = []
+    for rank, (process, log) in enumerate(processes):
+        if process.wait():
+            failed.append(rank)
+        log.close()
+    if failed:
+        with open(os.path.join(directory, f"rank{failed[0]}.log")) as handle:
+            sys.exit(f"run failed on ranks {failed}: {' '.join(flags)}\n{handle.read()[-3000:]}")
+    with open(metrics) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def measure(lines: list[dict]) -> tuple[float, float, float]:
+    """(median step seconds after the first, bytes that left node 0 in the last step, final loss)."""
+    leaving = sum(sum(rank["comm_bytes_inter_node"].values()) for rank in lines[-1]["per_rank"][:PER_NODE])
+    return statistics.median(line["step_time_s"] for line in lines[1:]), leaving, lines[-1]["loss"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.bench_slow_link", description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"], help="tc rates of the link (two or more)")
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--configurations", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS))
+    parser.add_argument("--output", default="runs/bench/slow_link.md")
+    args = parser.parse_args(argv)
+    chosen = {name: CONFIGURATIONS[name] for name in args.configurations}
+    model = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
+             "8", "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16",
+             "--default-corpus-vocab-size", "4096", "--zero-persistence-threshold", "1000", "--train-iters",
+             str(args.iters), "--log-interval", "1", "--eval-interval", str(args.iters), "--eval-iters", "1",
+             "--sample-prompt", ""]
+    config = parse_config(model + ["--vocab-size", "4096"])
+    micro_batches = 8 // RANKS
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    links: dict[str, Links] = {}
+    rates = args.rates
+    if len(rates) < 2:
+        parser.error("--rates needs at least two rates: each is predicted from the runs at the others")
+    try:
+        for rate in rates:
+            with TwoNodes(rate) as nodes:
+                across, latency = nodes.probe(0, 1)
+                links[rate] = Links(nodes.probe(0, 0)[0], across, latency)
+            print(f"link {rate}: {across * 8 / 1e9:.2f} Gbit/s across, latency "
+                  f"{latency * 1e6:.0f} us, loopback {links[rate].intra_node * 8 / 1e9:.1f} Gbit/s", flush=True)
+        # a configuration's runs back to back, so that the machine's drifting speed hits its rates alike
+        for name, (stage, _, flags) in chosen.items():
+            for rate in rates:
+                with TwoNodes(rate) as nodes, tempfile.TemporaryDirectory() as directory:
+                    results[name, rate] = measure(train(nodes, model + ["--zero-stage", str(stage), *flags],
+                                                        directory))
+                print(f"  {name} at {rate}: {results[name, rate][0]:.3f} s a step", flush=True)
+    except LinkSetupError as error:
+        sys.exit(f"error: {error}")
+    rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces joined by "
+            f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median after the "
+            "first; predicted = launch.link_model on the probed links + the configuration's compute from its runs "
+            "at the other rates", "",
+            "| configuration | MiB leaving node 0 per step (counted / model) | "
+            + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",
+            "|---" * (3 + 3 * len(rates)) + "|"]
+    for name, (stage, options, _) in chosen.items():
+        found = transfers(config.model, Layout(1, 1, RANKS, stage, zero=options), micro_batches, 2, 4,
+                          gpus_per_node=PER_NODE)
+        _, leaving, loss = results[name, rates[0]]
+        compute = {rate: results[name, rate][0] - communication_seconds(found, links[rate]) for rate in rates}
+        cells = [name, f"{leaving / 2**20:.1f} / {sum(t.leaving_node * t.count for t in found) / 2**20:.1f}"]
+        for rate in rates:
+            others = [compute[other] for other in rates if other != rate]
+            measured = results[name, rate][0]
+            predicted = sum(others) / len(others) + communication_seconds(found, links[rate])
+            cells += [f"{measured:.3f}", f"{predicted:.3f}", f"{(predicted - measured) / measured:+.0%}"]
+        rows.append("| " + " | ".join(cells + [f"{loss:.4f}"]) + " |")
+    write_table(args.output, rows)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
