@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration and rate, alternating the "
+                        "rates; each cell is their median step")
     parser.add_argument("--configurations", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS))
     parser.add_argument("--output", default="runs/bench/slow_link.md")
     args = parser.parse_args(argv)
@@ -106,16 +108,21 @@ def main(argv: list[str] | None = None) -> None:
                   f"{latency * 1e6:.0f} us, loopback {links[rate].intra_node * 8 / 1e9:.1f} Gbit/s", flush=True)
         # a configuration's runs back to back, so that the machine's drifting speed hits its rates alike
         for name, (stage, _, flags) in chosen.items():
+            runs: dict[str, list[tuple[float, float, float]]] = {rate: [] for rate in rates}
+            for _ in range(args.repeats):
+                for rate in rates:
+                    with TwoNodes(rate) as nodes, tempfile.TemporaryDirectory() as directory:
+                        runs[rate].append(measure(train(nodes, model + ["--zero-stage", str(stage), *flags],
+                                                        directory)))
+                    print(f"  {name} at {rate}: {runs[rate][-1][0]:.3f} s a step", flush=True)
             for rate in rates:
-                with TwoNodes(rate) as nodes, tempfile.TemporaryDirectory() as directory:
-                    results[name, rate] = measure(train(nodes, model + ["--zero-stage", str(stage), *flags],
-                                                        directory))
-                print(f"  {name} at {rate}: {results[name, rate][0]:.3f} s a step", flush=True)
+                step = statistics.median(run[0] for run in runs[rate])
+                results[name, rate] = (step, *runs[rate][-1][1:])
     except LinkSetupError as error:
         sys.exit(f"error: {error}")
     rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces joined by "
             f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median after the "
-            "first; predicted = launch.link_model on the probed links + the configuration's compute from its runs "
+            f"first (of {args.repeats} runs: their median); predicted = launch.link_model on the probed links + the configuration's compute from its runs "
             "at the other rates", "",
             "| configuration | MiB leaving node 0 per step (counted / model) | "
             + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",

@@ -34,6 +34,7 @@ from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
 from parallel.zero.memory import sharded_at_stage_3, storage_bytes
 from parallel.zero.offload import SwappedOptimizerStates, default_sub_group_size, is_per_element
 from parallel.zero.stage3 import ShardedParameters
+from parallel.zero.stage_options import check_stage_options
 from parallel.zero.swap import SwapSpace
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -92,28 +93,8 @@ class ZeroOptimizer:
                  main_grads_in_fp32: bool = True, overlap_param_gather: bool = False, quantized_weights: bool = False,
                  secondary_partition: AxisGroup | None = None, quantized_gradients: list[AxisGroup] | None = None,
                  replicas: AxisGroup | None = None):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
-        if offload_optimizer not in ("none", "cpu", "nvme"):
-            raise ValueError(f"--offload-optimizer {offload_optimizer} is unknown: choose none, cpu or nvme")
-        if offload_optimizer != "none" and stage == 0:
-            raise ValueError(f"--offload-optimizer {offload_optimizer} needs --zero-stage 1, 2 or 3 (stage 0 keeps "
-                             "no optimizer shard to offload)")
-        if offload_param not in ("none", "nvme"):
-            raise ValueError(f"--offload-param {offload_param} is not available: choose none or nvme")
-        if offload_param == "nvme" and stage != 3:
-            raise ValueError("--offload-param nvme needs --zero-stage 3 (only stage 3 shards the parameters)")
-        if quantized_weights and stage == 0:
-            raise ValueError("--zero-quantized-weights needs --zero-stage 1, 2 or 3 (stage 0 gathers no parameters)")
-        if replicas is not None and replicas.size > 1 and stage == 0:
-            raise ValueError(f"a shard group of {dp.size} with {replicas.size} replicas needs --zero-stage 1, 2 or 3 "
-                             "(stage 0 shards nothing)")
-        if quantized_gradients is not None and stage < 2:
-            raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3 (stage {stage} reduces the "
-                             "gradients in place in the flat buffer)")
-        if secondary_partition is not None and secondary_partition.size > 1 and stage != 3:
-            raise ValueError(f"--zero-hpz-partition-size {secondary_partition.size} needs --zero-stage 3 (only stage 3 "
-                             "gathers parameters in forward and backward)")
+        check_stage_options(stage, dp, offload_optimizer, offload_param, quantized_weights, secondary_partition,
+                            quantized_gradients, replicas)
         self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         self.main_grads_in_fp32, self.overlap_param_gather = main_grads_in_fp32, overlap_param_gather
