@@ -147,6 +147,7 @@ def test_quantized_gradients_stay_near_the_exact_run_and_zero_plus_plus_sends_un
     assert everything <= 0.3 * plain, (everything, plain)
 
 
+@pytest.mark.parity
 def test_shard_groups_with_replicas_reproduce_zero_3_and_keep_gathers_in_the_node(two_nodes):
     """Shard groups of 2 (one node each) replicated across the nodes: the losses and parameters of plain
     ZeRO-3 over dp 4 within 1e-5 (another summation order), every gather and reduce-scatter within the
