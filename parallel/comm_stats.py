@@ -11,6 +11,14 @@ from collections import defaultdict
 OPERATIONS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "p2p")
 
 
+def node_size_of(given: int | None = None) -> int | None:
+    """Ranks per node: ``given`` (e.g. --gpus-per-node), else the launcher's LOCAL_WORLD_SIZE, else None
+    (unknown: one node)."""
+    if given is None and os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return given
+
+
 class CommStats:
     """Bytes sent and calls made by this process, per (operation, axis), and the bytes of those that
     crossed a node boundary.
@@ -23,11 +31,10 @@ class CommStats:
     """
 
     def __init__(self, node_size: int | None = None) -> None:
-        if node_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-            node_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        if node_size is not None and node_size < 1:
-            raise ValueError(f"node size {node_size}: a node holds at least one rank")
-        self.node_size = node_size
+        size = node_size_of(node_size)
+        if size is not None and size < 1:
+            raise ValueError(f"node size {size}: a node holds at least one rank")
+        self.node_size = size
         self._bytes: dict[tuple[str, str], float] = defaultdict(float)
         self._inter_node: dict[tuple[str, str], float] = defaultdict(float)
         self._calls: dict[tuple[str, str], int] = defaultdict(int)

@@ -12,6 +12,8 @@ never quantized.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parallel import comm
@@ -158,9 +160,7 @@ def quantized_reduce_scatter_add(output: torch.Tensor, input: torch.Tensor, leve
     belongs to ``hierarchy_rank`` i) into ``output``. Each level is an all-to-all of block-wise int8
     values with fp32 scales, intra-node first: the inter-node level sends the node's partial sums, 1/s_0 of
     the input, at a byte an element. Summed in fp32; ``input`` may be reused once this returns."""
-    total = 1
-    for level in levels:
-        total *= level.size
+    total = math.prod(level.size for level in levels)
     if input.numel() != output.numel() * total:
         raise ValueError(f"quantized reduce-scatter over {'x'.join(str(level.size) for level in levels)} ranks: "
                          f"input has {input.numel()} elements, output {output.numel()}")

@@ -17,6 +17,7 @@ from models.stages import build_stage
 from parallel import comm, zero
 from parallel.buffers import BufferPool
 from parallel.checkpointing import RecomputePolicy, apply_recompute
+from parallel.comm_stats import node_size_of
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
@@ -58,8 +59,7 @@ class Trainer:
         self.config, self.device = config, device
         hpz = config.zero.zero_hpz_partition_size
         # qgZ's levels: the data-parallel ranks of a node, then those across nodes
-        per_node = topology.dp_ranks_per_node(topology.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-                                              or None)
+        per_node = topology.dp_ranks_per_node(node_size_of(topology.gpus_per_node))
         two_levels = config.zero.zero_quantized_gradients and 1 < per_node < topology.dp
         shard = config.zero.zero_shard_size or topology.dp  # MiCS / HSDP: the optimizer's group is one shard group
         self.groups: ParallelGroups = create_process_groups(
