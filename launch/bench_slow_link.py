@@ -8,10 +8,12 @@ in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link
 node stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs
 back to back. Measured: the median step time after the first iteration, and the bytes that left node 0
 in the last step (the trainer's comm_bytes_inter_node of ranks 0 and 1). Predicted at a rate:
-``launch.plan.transfers`` timed by ``launch.link_model`` on the links as probed (TCP bytes per second and
-latency across the pair and on a node's loopback), plus the configuration's compute taken from its runs
-at the other rates (their step time less the model's communication there, averaged): a prediction never
-sees the run it predicts, and it tests the link model, not a FLOP estimate. (An unshaped pair is no
+``launch.plan.transfers`` on gloo timed by ``launch.link_model.step_seconds`` on the links as probed (TCP
+bytes per second and latency across the pair and on a node's loopback) around the configuration's
+compute taken from its runs at the other rates (the compute that the overlap model turns into the
+measured step there, a third of it forward; averaged; it includes the quantize passes, which do not
+depend on the link): a prediction never sees the run it predicts, and it tests the link model, not a
+FLOP estimate. (An unshaped pair is no
 reference on 2 cores: its fast transfers keep the receiving ranks busy on the CPU the others compute on,
 and its steps come out slower than at 10 Gbit/s.)
 """
@@ -27,7 +29,7 @@ import sys
 import tempfile
 
 from launch.bench_world import write_table
-from launch.link_model import Links, ZeroOptions, communication_seconds
+from launch.link_model import Links, Transfer, ZeroOptions, step_seconds
 from launch.netns_link import LinkSetupError, TwoNodes
 from launch.plan import Layout, transfers
 from pretrain.arguments import parse_config
@@ -73,6 +75,20 @@ def measure(lines: list[dict]) -> tuple[float, float, float]:
     """(median step seconds after the first, bytes that left node 0 in the last step, final loss)."""
     leaving = sum(sum(rank["comm_bytes_inter_node"].values()) for rank in lines[-1]["per_rank"][:PER_NODE])
     return statistics.median(line["step_time_s"] for line in lines[1:]), leaving, lines[-1]["loss"]
+
+
+def predicted_step(found: list[Transfer], links: Links, compute: float, micro_batches: int) -> float:
+    return step_seconds(found, links, compute / 3, 2 * compute / 3, micro_batches)
+
+
+def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: int) -> float:
+    """The compute whose predicted step on ``links`` is the measured ``step`` (the prediction grows with
+    the compute; bisection)."""
+    low, high = 0.0, step
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted_step(found, links, middle, micro_batches) < step else (low, middle)
+    return (low + high) / 2
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,21 +138,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {error}")
     rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces joined by "
             f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median after the "
-            f"first (of {args.repeats} runs: their median); predicted = launch.link_model on the probed links + the configuration's compute from its runs "
-            "at the other rates", "",
+            f"first (of {args.repeats} runs: their median); predicted = launch.link_model's overlap model on gloo on the probed links around the "
+            "configuration's compute from its runs at the other rates", "",
             "| configuration | MiB leaving node 0 per step (counted / model) | "
             + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",
             "|---" * (3 + 3 * len(rates)) + "|"]
     for name, (stage, options, _) in chosen.items():
         found = transfers(config.model, Layout(1, 1, RANKS, stage, zero=options), micro_batches, 2, 4,
-                          gpus_per_node=PER_NODE)
+                          gpus_per_node=PER_NODE, backend="gloo", bucket_size=config.zero.zero_bucket_size)
         _, leaving, loss = results[name, rates[0]]
-        compute = {rate: results[name, rate][0] - communication_seconds(found, links[rate]) for rate in rates}
+        compute = {rate: compute_of(results[name, rate][0], found, links[rate], micro_batches) for rate in rates}
         cells = [name, f"{leaving / 2**20:.1f} / {sum(t.leaving_node * t.count for t in found) / 2**20:.1f}"]
         for rate in rates:
             others = [compute[other] for other in rates if other != rate]
             measured = results[name, rate][0]
-            predicted = sum(others) / len(others) + communication_seconds(found, links[rate])
+            predicted = predicted_step(found, links[rate], sum(others) / len(others), micro_batches)
             cells += [f"{measured:.3f}", f"{predicted:.3f}", f"{(predicted - measured) / measured:+.0%}"]
         rows.append("| " + " | ".join(cells + [f"{loss:.4f}"]) + " |")
     write_table(args.output, rows)

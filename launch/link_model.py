@@ -9,15 +9,25 @@ per sequential message step: a node's ranks share its link to the other nodes.
 
 ``zero_transfers`` lists a step's data-parallel transfers for ZeRO stages 0-3 with ZeRO++'s options
 (``ZeroOptions``: the secondary partition hpZ, quantized weights qwZ, quantized gradients qgZ) and
-MiCS / HSDP shard groups, as ``parallel.zero`` sends them. Step time = compute + communication, summed:
-gloo advances its rings only when waited on, so on CPUs little of it overlaps; on GPUs with NCCL the
-sum is an upper bound. Predictions only: nothing here measures.
+MiCS / HSDP shard groups, as ``parallel.zero`` sends them, each placed where it runs: in the forward
+or the backward pass (the gathers a pass needs, the reductions it produces, the stage 1-2 gather the
+next forward waits for module by module under --overlap-param-gather) or exposed (waited where it
+starts: the replicas' all-reduce, tensor-parallel activations). ``step_seconds`` is the overlap
+model: a pass takes the longer of its compute and the link time hidden behind it, and the rest of
+every transfer adds on. How much of a collective can hide is the backend's (``hidden_share``): NCCL
+runs each on a stream of its own, so all but a pass's first gather / last reduction (one of its
+pieces: a unit, a layer each, at stage 3; a bucket at stages 0-2); our gloo rings post their first
+step at once and run the others inside ``wait()``, so 1 / steps of that, and nothing of stage 3's
+prefetched gathers (their first step shares the link with the current unit's wait); the quantized
+reduce-scatter's second level runs inside ``wait()`` on either. The quantize / dequantize passes are compute
+(``quantized_elements`` at a device's ``quantize_rate``). Predictions only: nothing here measures.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.quantization import BLOCK
 from parallel.topology import Topology
@@ -36,25 +46,40 @@ class Links:
 
 
 @dataclass(frozen=True)
+class Device:
+    """What a device computes: model FLOP/s it sustains, elements per second it quantizes or dequantizes
+    (ZeRO++'s passes), and the collective backend its ranks use ("nccl" or "gloo")."""
+
+    flops: float = 300e12
+    quantize_rate: float = 100e9
+    backend: str = "nccl"
+
+
+@dataclass(frozen=True)
 class ZeroOptions:
-    """ZeRO++ and MiCS settings of a layout (the trainer's --zero-hpz-partition-size,
-    --zero-quantized-weights, --zero-quantized-gradients, --zero-shard-size; None: dp)."""
+    """ZeRO++, MiCS and overlap settings of a layout (the trainer's --zero-hpz-partition-size,
+    --zero-quantized-weights, --zero-quantized-gradients, --zero-shard-size (None: dp) and
+    --overlap-param-gather)."""
 
     hpz: int = 1
     quantized_weights: bool = False
     quantized_gradients: bool = False
     shard_size: int | None = None
+    overlap_param_gather: bool = False
 
     def label(self) -> str:
         parts = [f"hpZ {self.hpz}"] * (self.hpz > 1) + ["qwZ"] * self.quantized_weights \
-            + ["qgZ"] * self.quantized_gradients + [f"shard {self.shard_size}"] * (self.shard_size is not None)
+            + ["qgZ"] * self.quantized_gradients + [f"shard {self.shard_size}"] * (self.shard_size is not None) \
+            + ["overlap gather"] * self.overlap_param_gather
         return " + ".join(parts) or "-"
 
 
 @dataclass(frozen=True)
 class Transfer:
     """One kind of collective of a step: what it is, bytes a rank sends, bytes that leave the busiest
-    node, sequential message steps, and how many times a step runs it."""
+    node, sequential message steps, how many times a step runs it, the pass it runs in ("forward",
+    "backward", or "exposed": waited where it starts), the share of its link time that can run behind
+    that pass's compute, and the elements it quantizes or dequantizes per run."""
 
     operation: str
     axis: str
@@ -62,10 +87,31 @@ class Transfer:
     leaving_node: float
     steps: int
     count: int = 1
+    phase: str = "exposed"
+    overlap: float = 0.0
+    quantized_elements: float = 0.0
 
     def seconds(self, links: Links) -> float:
         return self.count * (max(self.per_rank / links.intra_node, self.leaving_node / links.inter_node)
                              + self.steps * links.latency)
+
+
+PASSES = ("forward", "backward")
+
+
+def hidden_share(backend: str, kind: str, steps: int, pieces: int) -> float:
+    """The share of a collective's link time that can run behind compute. ``kind``: "ring" (an
+    all-gather or reduce-scatter started ahead of the compute that follows it: our point-to-point rings
+    on gloo, which advance past their first step only in ``wait()``), "prefetch" (stage 3's gather of the
+    next unit, started just before this unit's gather is waited for: on gloo its first step shares the
+    link with that wait, so nothing hides; NCCL's stream runs it after this gather, behind this unit's
+    compute), "native" (the backend's own asynchronous collective) or "in wait" (run inside ``wait()``
+    by our code). A pass's first gather (or last reduction), one of its ``pieces``, has nothing to hide
+    behind."""
+    if kind == "in wait" or (kind == "prefetch" and backend == "gloo"):
+        return 0.0
+    started = 1 / max(steps, 1) if backend == "gloo" and kind == "ring" else 1.0
+    return started * (1 - 1 / max(pieces, 1))
 
 
 def _leaving(groups: list[list[int]], node, sent_to) -> float:
@@ -96,9 +142,12 @@ def all_to_all(axis: str, groups: list[list[int]], node, input_bytes: float, cou
 
 
 def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: int, compute_bytes: int,
-                   grad_bytes: int, options: ZeroOptions = ZeroOptions(), node_size: int | None = None) -> list[Transfer]:
+                   grad_bytes: int, options: ZeroOptions = ZeroOptions(), node_size: int | None = None,
+                   backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None) -> list[Transfer]:
     """The data-parallel transfers of one step for ``params`` parameters per rank (nodes of ``node_size``
-    consecutive ranks; default the topology's --gpus-per-node, else one node)."""
+    consecutive ranks; default the topology's --gpus-per-node, else one node), placed in the passes they
+    run in on ``backend``: stage 3's in ``pieces`` a pass (its units, a layer each), stages 0-2's in
+    buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
     node = lambda rank: rank // node_size  # noqa: E731
     dp, m = topology.dp, micro_batches
@@ -106,36 +155,75 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     shards, replicas = topology.dp_partitions(shard) if shard < dp else (topology.groups("dp"), None)
     weight_bytes = QUANTIZED_BYTES if options.quantized_weights else compute_bytes
     part = params * (shard - 1) / shard
+    dequantized = params * (1 + 1 / shard) if options.quantized_weights else 0.0  # own shard, then all of it
+    split = pieces if stage == 3 or not bucket_size else -(-params // bucket_size)
+
+    def placed(transfer: Transfer, phase: str, kind: str = "ring", quantized: float = 0.0) -> Transfer:
+        return replace(transfer, phase=phase, overlap=hidden_share(backend, kind, transfer.steps, split),
+                       quantized_elements=quantized)
+
+    if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
+        return [placed(ring("all_reduce", "dp", topology.groups("dp"), node, 2 * grad_bytes * params * (dp - 1) / dp),
+                       "backward", "native")]
     transfers = []
-    if stage == 0:
-        return [ring("all_reduce", "dp", topology.groups("dp"), node, 2 * grad_bytes * params * (dp - 1) / dp)]
     if stage == 3 and options.hpz > 1:  # a step's first gather of each unit over dp, the rest in the partition
         secondary = topology.dp_partitions(options.hpz)[0]
-        transfers += [ring("all_gather", "dp", shards, node, weight_bytes * part),
-                      ring("all_gather", f"dp_part{options.hpz}", secondary, node,
-                           compute_bytes * params * (options.hpz - 1) / options.hpz, 2 * m - 1)]
-    else:
-        transfers.append(ring("all_gather", "dp", shards, node, weight_bytes * part, 2 * m if stage == 3 else 1))
+        within = compute_bytes * params * (options.hpz - 1) / options.hpz
+        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part), "forward", "prefetch",
+                             dequantized),
+                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m - 1), "forward",
+                             "prefetch"),
+                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m), "backward",
+                             "prefetch")]
+    elif stage == 3:  # every micro-batch's forward and backward
+        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part, m), phase, "prefetch",
+                             dequantized) for phase in PASSES]
+    else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
+        transfers.append(placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
+                                "forward" if options.overlap_param_gather else "exposed", quantized=dequantized))
     reductions = m if stage >= 2 else 1
     per_node = topology.dp_ranks_per_node(node_size)
     if options.quantized_gradients and stage >= 2:
         levels = [topology.groups("dp")] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
-        remaining = params * QUANTIZED_BYTES
-        for index, groups in enumerate(levels):
-            transfers.append(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index], groups,
-                                        node, remaining, reductions))
-            remaining /= len(groups[0])
+        elements = float(params)
+        for index, groups in enumerate(levels):  # the first level in flight from the start, the others in wait()
+            transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index], groups,
+                                               node, elements * QUANTIZED_BYTES, reductions),
+                                    "backward", "native" if index == 0 else "in wait", 2 * elements))
+            elements /= len(groups[0])
     else:
-        transfers.append(ring("reduce_scatter", "dp", shards, node, grad_bytes * part, reductions))
+        transfers.append(placed(ring("reduce_scatter", "dp", shards, node, grad_bytes * part, reductions), "backward"))
     if replicas is not None:  # MiCS / HSDP: the gradient shards summed over the replicas once a step
         copies = dp // shard
         transfers.append(ring("all_reduce", f"dp_replica{shard}", replicas, node,
                               2 * grad_bytes * params / shard * (copies - 1) / copies))
-    return transfers
+    return [transfer for transfer in transfers if transfer.count > 0]
 
 
-def communication_seconds(transfers: list[Transfer], links: Links) -> float:
-    return sum(transfer.seconds(links) for transfer in transfers)
+def step_seconds(transfers: list[Transfer], links: Links, forward: float, backward: float, micro_batches: int,
+                 quantize_rate: float = math.inf) -> float:
+    """A step's time: ``forward`` and ``backward`` seconds of compute (all micro-batches; the quantize /
+    dequantize passes at ``quantize_rate`` elements per second add to the pass they run in), each pass
+    as long as the longer of its compute and the link time hidden behind it (a transfer hides at most
+    behind the micro-batches it runs in), plus every transfer's time that cannot hide."""
+    compute = {"forward": forward, "backward": backward}
+    exposed = 0.0
+    for transfer in transfers:
+        quantizing = transfer.count * transfer.quantized_elements / quantize_rate
+        if transfer.phase in compute:
+            compute[transfer.phase] += quantizing
+        else:
+            exposed += quantizing
+    hidden = dict.fromkeys(compute, 0.0)
+    for transfer in transfers:
+        seconds = transfer.seconds(links)
+        share = 0.0
+        if transfer.phase in compute:
+            share = min(transfer.overlap * seconds,
+                        compute[transfer.phase] * min(transfer.count, micro_batches) / micro_batches)
+            hidden[transfer.phase] += share
+        exposed += seconds - share
+    return sum(max(compute[phase], hidden[phase]) for phase in compute) + exposed
 
 
 def parse_bandwidth(text: str) -> float:

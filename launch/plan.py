@@ -34,14 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from models.config import GPTConfig
 from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
-from launch.link_model import Links, Transfer, ZeroOptions, communication_seconds, parse_bandwidth, ring, zero_transfers
+from launch.link_model import Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds, zero_transfers
 from models.counting import flops_per_token
 from pretrain.arguments import ConfigError, parse_config
 
@@ -183,14 +183,17 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
 
 
 def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
-              grad_bytes: int | None = None, gpus_per_node: int | None = None) -> list[Transfer]:
+              grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
+              bucket_size: int | None = None) -> list[Transfer]:
     """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
     parallel.comm counts them): ZeRO's data-parallel transfers (``launch.link_model.zero_transfers``: stage
     0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages 1-2
     all-gather the parameters once after the step, stage 3 in forward and in backward of every
     micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's
     four all-reduces (or their sequence-parallel halves) of each layer's activations in forward and
-    backward, the pipeline's activation and gradient sends."""
+    backward, the pipeline's activation and gradient sends (those two exposed: each is waited where it
+    starts). The data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3)
+    or a bucket of ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
     topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
@@ -199,7 +202,8 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = layout.layers_on(0, config.num_layers)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
-    found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes, layout.zero, gpus_per_node)
+    found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes, layout.zero, gpus_per_node,
+                           backend, layers, bucket_size)
     found.append(ring("all_reduce", "tp", topology.groups("tp"), node, 2 * (t - 1) / t * sbh * recompute,
                       4 * layers * m))
     if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
@@ -223,16 +227,18 @@ def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, flo
 def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compute_bytes: int,
                 bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
                 grad_bytes: int | None = None, gpus_per_node: int | None = None, links: Links | None = None,
-                device_flops: float = 100e12) -> Plan:
-    """What ``layout`` costs; with ``links``, its step time: the compute (the model's FLOPs per token at
-    ``device_flops`` per device, over the pipeline bubble and recompute) plus the link model's
-    communication."""
+                device: Device = Device()) -> Plan:
+    """What ``layout`` costs; with ``links``, its step time by the link model's overlap model: the compute
+    (the model's FLOPs per token at the ``device``'s FLOP/s, over the pipeline bubble and recompute; a
+    third of it forward, a quarter with full recompute; ZeRO++'s quantize passes at its quantize rate)
+    with the communication that hides behind it on its backend."""
     micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
     states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold, grad_bytes)
                  for stage in range(layout.pp))
     activations = max(activation_bytes(config, layout, stage, micro_batches, compute_bytes)
                       for stage in range(layout.pp))
-    found = transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node)
+    found = transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node, device.backend,
+                      bucket_size)
     plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
                 sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
@@ -241,8 +247,11 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     plan.score = recompute_cost * offload_cost / (1 - bubble)
     if links is not None:
         world = layout.tp * layout.pp * layout.dp
-        compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device_flops
-        plan.step_seconds = compute * plan.score + communication_seconds(found, links)
+        compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops
+        compute *= plan.score
+        forward = compute / (4 if layout.recompute == "full" else 3)
+        plan.step_seconds = step_seconds(found, links, forward, compute - forward, micro_batches,
+                                         device.quantize_rate)
         plan.score = plan.step_seconds
     return plan
 
@@ -279,7 +288,14 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
 
 def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
     """ZeRO++ / MiCS settings worth trying at ``stage`` when data-parallel groups span nodes (K = the dp
-    ranks of a node)."""
+    ranks of a node); at stages 1-2 each with and without the post-step gather behind the next forward."""
+    if stage in (1, 2):
+        return [replace(options, overlap_param_gather=overlap)
+                for options in _zero_plus_plus(stage, topology, gpus_per_node) for overlap in (False, True)]
+    return _zero_plus_plus(stage, topology, gpus_per_node)
+
+
+def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
     k = topology.dp_ranks_per_node(gpus_per_node)
     if k == topology.dp:  # every data-parallel group within one node
         return [ZeroOptions()]
@@ -298,11 +314,11 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
-         links: Links | None = None, device_flops: float = 100e12) -> list[Plan]:
+         links: Links | None = None, device: Device = Device()) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates)."""
     plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
-                         grad_bytes, gpus_per_node, links, device_flops)
+                         grad_bytes, gpus_per_node, links, device)
              for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
                                              layers_per_stage, zero_plus_plus=links is not None)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
@@ -336,8 +352,12 @@ def main(argv: list[str] | None = None) -> None:
                         "rank layouts by predicted step time (launch.link_model), ZeRO++ and shard groups included")
     parser.add_argument("--intra-node-bandwidth", default="200GB/s", help="between two ranks of a node")
     parser.add_argument("--link-latency", type=float, default=10e-6, help="seconds per message step")
-    parser.add_argument("--device-flops", type=float, default=300e12,
+    parser.add_argument("--device-flops", type=float, default=Device.flops,
                         help="model FLOP/s one device sustains (e.g. 40%% of a bf16 peak)")
+    parser.add_argument("--quantize-rate", type=float, default=Device.quantize_rate,
+                        help="elements a device quantizes or dequantizes per second (ZeRO++'s passes)")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                        help="collective backend: how much communication hides behind compute")
     args, model_flags = parser.parse_known_args(argv)
     try:
         config = parse_config(model_flags)
@@ -358,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
                  persistence_threshold=zero.zero_persistence_threshold,
                  grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
                  layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
-                 device_flops=args.device_flops)
+                 device=Device(args.device_flops, args.quantize_rate, args.backend))
     advice = zero_advice(plans) if links is not None else None
     plans = plans[:args.top]
     if args.json:
