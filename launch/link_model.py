@@ -200,6 +200,30 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     return [transfer for transfer in transfers if transfer.count > 0]
 
 
+def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
+    """ZeRO++ / MiCS settings worth trying at ``stage`` when data-parallel groups span nodes (K = the dp
+    ranks of a node); at stages 1-2 each with and without the post-step gather behind the next forward."""
+    if stage in (1, 2):
+        return [replace(options, overlap_param_gather=overlap)
+                for options in _zero_plus_plus(stage, topology, gpus_per_node) for overlap in (False, True)]
+    return _zero_plus_plus(stage, topology, gpus_per_node)
+
+
+def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
+    k = topology.dp_ranks_per_node(gpus_per_node)
+    if k == topology.dp:  # every data-parallel group within one node
+        return [ZeroOptions()]
+    if stage == 2:
+        return [ZeroOptions(), ZeroOptions(quantized_gradients=True)]
+    if stage != 3:
+        return [ZeroOptions()]
+    if k == 1:  # one dp rank per node: no partition fits in a node, quantizing is what is left
+        return [ZeroOptions(), ZeroOptions(quantized_weights=True, quantized_gradients=True)]
+    return [ZeroOptions(), ZeroOptions(hpz=k), ZeroOptions(hpz=k, quantized_weights=True),
+            ZeroOptions(hpz=k, quantized_weights=True, quantized_gradients=True),
+            ZeroOptions(quantized_weights=True, quantized_gradients=True), ZeroOptions(shard_size=k)]
+
+
 def step_seconds(transfers: list[Transfer], links: Links, forward: float, backward: float, micro_batches: int,
                  quantize_rate: float = math.inf) -> float:
     """A step's time: ``forward`` and ``backward`` seconds of compute (all micro-batches; the quantize /

@@ -34,14 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from models.config import GPTConfig
 from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
-from launch.link_model import Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds, zero_transfers
+from launch.link_model import (Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds,
+                               zero_transfers, zero_variants)
 from models.counting import flops_per_token
 from pretrain.arguments import ConfigError, parse_config
 
@@ -284,30 +285,6 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                                                       if layers_per_stage and p == len(layers_per_stage) else None,
                                                       zero=options))
     return layouts
-
-
-def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
-    """ZeRO++ / MiCS settings worth trying at ``stage`` when data-parallel groups span nodes (K = the dp
-    ranks of a node); at stages 1-2 each with and without the post-step gather behind the next forward."""
-    if stage in (1, 2):
-        return [replace(options, overlap_param_gather=overlap)
-                for options in _zero_plus_plus(stage, topology, gpus_per_node) for overlap in (False, True)]
-    return _zero_plus_plus(stage, topology, gpus_per_node)
-
-
-def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
-    k = topology.dp_ranks_per_node(gpus_per_node)
-    if k == topology.dp:  # every data-parallel group within one node
-        return [ZeroOptions()]
-    if stage == 2:
-        return [ZeroOptions(), ZeroOptions(quantized_gradients=True)]
-    if stage != 3:
-        return [ZeroOptions()]
-    if k == 1:  # one dp rank per node: no partition fits in a node, quantizing is what is left
-        return [ZeroOptions(), ZeroOptions(quantized_weights=True, quantized_gradients=True)]
-    return [ZeroOptions(), ZeroOptions(hpz=k), ZeroOptions(hpz=k, quantized_weights=True),
-            ZeroOptions(hpz=k, quantized_weights=True, quantized_gradients=True),
-            ZeroOptions(quantized_weights=True, quantized_gradients=True), ZeroOptions(shard_size=k)]
 
 
 def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
