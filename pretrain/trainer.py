@@ -71,7 +71,6 @@ class Trainer:
         self.control = RunControl(config, self.groups.world)
         train, opt = config.training, config.optimizer
         self.dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
-        torch.manual_seed(train.seed + 100 * self.groups.pp_rank)  # dropout: equal over tp and dp, not over stages
         self.schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
                                              train.rampup_batch_size, train.step_batch_size_schedule,
                                              config.model.seq_length)
@@ -136,6 +135,10 @@ class Trainer:
         self.start_iteration = 0
         self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
+        # the default stream (dropout outside tensor-parallel regions: equal over tp and dp, not over stages)
+        # is seeded after the model is built: building on the meta device (ZeRO-3) draws nothing from it,
+        # building in place (stages 0-2) does, and the masks must not depend on the ZeRO stage
+        torch.manual_seed(train.seed + 100 * self.groups.pp_rank)
         self._load_checkpoint()
 
     def _load_checkpoint(self) -> None:
