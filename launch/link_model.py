@@ -19,7 +19,7 @@ runs each on a stream of its own, so all but a pass's first gather / last reduct
 pieces: a unit, a layer each, at stage 3; a bucket at stages 0-2); our gloo rings post their first
 step at once and run the others inside ``wait()``, so 1 / steps of that, and nothing of stage 3's
 prefetched gathers (their first step shares the link with the current unit's wait); the quantized
-reduce-scatter's second level runs inside ``wait()`` on either. The quantize / dequantize passes are compute
+reduce-scatter's all-to-alls run on the backend's own threads or streams. The quantize / dequantize passes are compute
 (``quantized_elements`` at a device's ``quantize_rate``). Predictions only: nothing here measures.
 """
 
@@ -105,10 +105,9 @@ def hidden_share(backend: str, kind: str, steps: int, pieces: int) -> float:
     on gloo, which advance past their first step only in ``wait()``), "prefetch" (stage 3's gather of the
     next unit, started just before this unit's gather is waited for: on gloo its first step shares the
     link with that wait, so nothing hides; NCCL's stream runs it after this gather, behind this unit's
-    compute), "native" (the backend's own asynchronous collective) or "in wait" (run inside ``wait()``
-    by our code). A pass's first gather (or last reduction), one of its ``pieces``, has nothing to hide
-    behind."""
-    if kind == "in wait" or (kind == "prefetch" and backend == "gloo"):
+    compute) or "native" (the backend's own asynchronous collective). A pass's first gather (or last
+    reduction), one of its ``pieces``, has nothing to hide behind."""
+    if kind == "prefetch" and backend == "gloo":
         return 0.0
     started = 1 / max(steps, 1) if backend == "gloo" and kind == "ring" else 1.0
     return started * (1 - 1 / max(pieces, 1))
@@ -186,10 +185,10 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     if options.quantized_gradients and stage >= 2:
         levels = [topology.groups("dp")] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
         elements = float(params)
-        for index, groups in enumerate(levels):  # the first level in flight from the start, the others in wait()
+        for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
             transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index], groups,
                                                node, elements * QUANTIZED_BYTES, reductions),
-                                    "backward", "native" if index == 0 else "in wait", 2 * elements))
+                                    "backward", "native", 2 * elements))
             elements /= len(groups[0])
     else:
         transfers.append(placed(ring("reduce_scatter", "dp", shards, node, grad_bytes * part, reductions), "backward"))

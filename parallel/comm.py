@@ -114,6 +114,9 @@ class Completed:
     def is_completed(self) -> bool:
         return True
 
+    def advance(self) -> None:
+        """Nothing in flight to move on (as a staged reduction's handle)."""
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

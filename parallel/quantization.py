@@ -101,8 +101,9 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisG
 
 class _HierarchicalReduceScatter:
     """A quantized reduce-scatter level by level: the first level's all-to-all is in flight from the
-    start; ``wait`` finishes it, sums in fp32, and runs the further levels (each one sends the partial
-    sums, quantized again, to the ranks of the next group)."""
+    start; ``advance`` finishes the level in flight, sums it in fp32 and starts the next one (the partial
+    sums, quantized again, to the ranks of the next group); ``wait`` advances through the rest and adds
+    the sum into the output."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, levels: list[AxisGroup], block: int):
         self.output, self.levels, self.block, self.done = output, levels, block, False
@@ -110,6 +111,7 @@ class _HierarchicalReduceScatter:
         self.sizes = [level.size for level in levels]
         # input as [s_k-1, ..., s_1, s_0, chunk] (the innermost level varies fastest along the ranks)
         self.partial = input.reshape(*reversed(self.sizes), self.chunk)
+        self.index = 0
         self.step = self._post(0)
 
     def _post(self, index: int):
@@ -122,20 +124,32 @@ class _HierarchicalReduceScatter:
                    comm.all_to_all_single(received[1], scales, level, async_op=True)]
         return handles, received, parts.shape[1]
 
+    def _finish_level(self) -> None:
+        handles, (quantized, scales), columns = self.step
+        for handle in handles:
+            handle.wait()
+        total = torch.zeros(columns, dtype=torch.float32, device=self.output.device)
+        row = torch.empty(columns, dtype=torch.float32, device=self.output.device)
+        for values, row_scales in zip(quantized, scales):  # one row's fp32 temporary at a time
+            total += dequantize(values, row_scales, row, self.block)
+        self.partial = total.view(*reversed(self.sizes[self.index + 1:]), self.chunk)
+
+    def advance(self) -> None:
+        """Finish the level in flight and start the next, if one is left. Callers advance at the same point
+        on every rank (``StagedReduceScatter`` as the next reduction starts), so that every group sees
+        its collectives in one order."""
+        if self.done or self.index + 1 == len(self.levels):
+            return
+        self._finish_level()
+        self.index += 1
+        self.step = self._post(self.index)
+
     def wait(self) -> None:
         if self.done:
             return None
-        for index in range(len(self.levels)):
-            handles, (quantized, scales), columns = self.step
-            for handle in handles:
-                handle.wait()
-            total = torch.zeros(columns, dtype=torch.float32, device=self.output.device)
-            row = torch.empty(columns, dtype=torch.float32, device=self.output.device)
-            for values, row_scales in zip(quantized, scales):  # one row's fp32 temporary at a time
-                total += dequantize(values, row_scales, row, self.block)
-            self.partial = total.view(*reversed(self.sizes[index + 1:]), self.chunk)
-            if index + 1 < len(self.levels):
-                self.step = self._post(index + 1)
+        while self.index + 1 < len(self.levels):
+            self.advance()
+        self._finish_level()
         self.output.view(-1).add_(self.partial.view(-1).to(self.output.dtype))
         self.done = True
         return None

@@ -8,7 +8,8 @@ of the staging, and reduce-scatter asynchronously, straight into the shard, whil
 ``open``ed for a key, filled piece by piece as gradients arrive, then ``start``ed; ``launch`` does all
 three at once. With ``quantized_levels`` (ZeRO++'s qgZ) the reduction is instead the hierarchical
 all-to-all of int8 gradients (``parallel.quantization.quantized_reduce_scatter_add``), whose sum is added
-into the shard after it arrives (the shard itself is never quantized). At most one reduction per key is in flight, and two slots per dtype alternate (a key
+into the shard after it arrives (the shard itself is never quantized); each reduction's next level
+(the cross-node one) starts as the next reduction starts, on every rank alike, not inside ``wait``. At most one reduction per key is in flight, and two slots per dtype alternate (a key
 that finds both slots still open gets an area of its own).
 """
 
@@ -58,6 +59,8 @@ class StagedReduceScatter:
             staging.div_(self.dp.size)
         into = shard()
         if self.levels is not None:
+            for reduction in self._in_flight.values():  # the earlier ones' next levels run behind what follows
+                reduction.advance()
             self._in_flight[key] = quantized_reduce_scatter_add(into, staging, self.levels, async_op=True)
             return
         staging.view(self.dp.size, -1)[self.dp.rank].add_(into)

@@ -93,12 +93,25 @@ def _reduce_scatters(rank, world_size):
         handle = quantized_reduce_scatter_add(out, inputs[rank].clone(), levels, async_op=True)
         handle.wait()
         results[name] = (out - 0.5 - exact, groups.stats.snapshot())
+    # advanced (as the next reduction starts): the cross-node level is in flight before wait, same numbers
+    reference = torch.full((chunk,), 0.5)
+    quantized_reduce_scatter_add(reference, inputs[rank].clone(), [node, across])
+    groups.stats.reset()
+    out = torch.full((chunk,), 0.5)
+    handle = quantized_reduce_scatter_add(out, inputs[rank].clone(), [node, across], async_op=True)
+    handle.advance()
+    crossing_before_wait = groups.stats.snapshot()["bytes"].get("all_to_all/dp_replica2", 0)
+    handle.advance()  # nothing further to start
+    handle.wait()
+    results["advanced"] = (torch.equal(out, reference), crossing_before_wait)
     # bound: each level rounds every value it sends by at most half a step of its block, max|block| / 254
     largest = torch.stack(inputs).abs().max()
     return results, float(largest), chunk
 
 
 def test_quantized_reduce_scatter_is_within_its_levels_rounding_and_sends_a_byte_an_element():
+    """Also: ``advance`` starts the cross-node level before ``wait`` (what the staged reduction does as the
+    next one starts), with the same numbers, bit for bit."""
     n = 4
     for rank, (results, largest, chunk) in enumerate(run_world(n, _reduce_scatters)):
         error, snapshot = results["node, across"]
@@ -111,9 +124,12 @@ def test_quantized_reduce_scatter_is_within_its_levels_rounding_and_sends_a_byte
         assert snapshot["bytes"]["all_to_all/dp_replica2"] == blocks(chunk) * (BLOCK + 4)
         # the node's partial sums cross, never the inputs (nodes of 2 consecutive ranks)
         assert snapshot["inter_node_by_operation"]["all_to_all"] == blocks(chunk) * (BLOCK + 4)
+        assert results["advanced"] == (True, blocks(chunk) * (BLOCK + 4))
         one_level, _ = results["one level"]
         assert 0 < one_level.abs().max() <= n * largest / LEVELS / 2
     alone = comm.AxisGroup("dp", (0,), None, comm.CommStats())  # one rank: the input is added, exactly
     out = torch.ones(5)
-    assert quantized_reduce_scatter_add(out, torch.arange(5.0), [alone], async_op=True).is_completed()
+    handle = quantized_reduce_scatter_add(out, torch.arange(5.0), [alone], async_op=True)
+    handle.advance()
+    assert handle.is_completed()
     assert torch.equal(out, torch.arange(5.0) + 1)
