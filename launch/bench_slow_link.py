@@ -13,9 +13,8 @@ bytes per second and latency across the pair and on a node's loopback) around th
 compute taken from its runs at the other rates (the compute that the overlap model turns into the
 measured step there, a third of it forward; averaged; it includes the quantize passes, which do not
 depend on the link): a prediction never sees the run it predicts, and it tests the link model, not a
-FLOP estimate. (An unshaped pair is no
-reference on 2 cores: its fast transfers keep the receiving ranks busy on the CPU the others compute on,
-and its steps come out slower than at 10 Gbit/s.)
+FLOP estimate. (An unshaped pair is no reference on 2 cores: its fast transfers keep the receiving ranks
+busy on the CPU the others compute on, and its steps come out slower than at 10 Gbit/s.)
 """
 
 from __future__ import annotations
