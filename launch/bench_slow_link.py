@@ -76,17 +76,13 @@ def measure(lines: list[dict]) -> tuple[float, float, float]:
     return statistics.median(line["step_time_s"] for line in lines[1:]), leaving, lines[-1]["loss"]
 
 
-def predicted_step(found: list[Transfer], links: Links, compute: float, micro_batches: int) -> float:
-    return step_seconds(found, links, compute / 3, 2 * compute / 3, micro_batches)
-
-
 def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: int) -> float:
     """The compute whose predicted step on ``links`` is the measured ``step`` (the prediction grows with
     the compute; bisection)."""
     low, high = 0.0, step
     for _ in range(60):
         middle = (low + high) / 2
-        low, high = (middle, high) if predicted_step(found, links, middle, micro_batches) < step else (low, middle)
+        low, high = (middle, high) if step_seconds(found, links, middle, micro_batches) < step else (low, middle)
     return (low + high) / 2
 
 
@@ -151,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         for rate in rates:
             others = [compute[other] for other in rates if other != rate]
             measured = results[name, rate][0]
-            predicted = predicted_step(found, links[rate], sum(others) / len(others), micro_batches)
+            predicted = step_seconds(found, links[rate], sum(others) / len(others), micro_batches)
             cells += [f"{measured:.3f}", f"{predicted:.3f}", f"{(predicted - measured) / measured:+.0%}"]
         rows.append("| " + " | ".join(cells + [f"{loss:.4f}"]) + " |")
     write_table(args.output, rows)

@@ -19,8 +19,9 @@ runs each on a stream of its own, so all but a pass's first gather / last reduct
 pieces: a unit, a layer each, at stage 3; a bucket at stages 0-2); our gloo rings post their first
 step at once and run the others inside ``wait()``, so 1 / steps of that, and nothing of stage 3's
 prefetched gathers (their first step shares the link with the current unit's wait); the quantized
-reduce-scatter's all-to-alls run on the backend's own threads or streams. The quantize / dequantize passes are compute
-(``quantized_elements`` at a device's ``quantize_rate``). Predictions only: nothing here measures.
+reduce-scatter's all-to-alls run on the backend's own threads or streams. The quantize / dequantize
+passes are compute (``quantized_elements`` at a device's ``quantize_rate``). Predictions only: nothing
+here measures.
 """
 
 from __future__ import annotations
@@ -223,30 +224,30 @@ def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[
             ZeroOptions(quantized_weights=True, quantized_gradients=True), ZeroOptions(shard_size=k)]
 
 
-def step_seconds(transfers: list[Transfer], links: Links, forward: float, backward: float, micro_batches: int,
-                 quantize_rate: float = math.inf) -> float:
-    """A step's time: ``forward`` and ``backward`` seconds of compute (all micro-batches; the quantize /
-    dequantize passes at ``quantize_rate`` elements per second add to the pass they run in), each pass
-    as long as the longer of its compute and the link time hidden behind it (a transfer hides at most
-    behind the micro-batches it runs in), plus every transfer's time that cannot hide."""
-    compute = {"forward": forward, "backward": backward}
-    exposed = 0.0
+def step_seconds(transfers: list[Transfer], links: Links, compute: float, micro_batches: int,
+                 quantize_rate: float = math.inf, forward_share: float = 1 / 3) -> float:
+    """A step's time: ``compute`` seconds (all micro-batches; ``forward_share`` of it forward, a third
+    without recompute; the quantize / dequantize passes at ``quantize_rate`` elements per second add to
+    the pass they run in), each pass as long as the longer of its compute and the link time hidden
+    behind it (a transfer hides at most behind the micro-batches it runs in), plus every transfer's
+    time that cannot hide. Summed as: every transfer's time, plus the compute of each pass that the
+    link time hidden in it does not cover."""
+    compute = {"forward": compute * forward_share, "backward": compute * (1 - forward_share)}
+    total = 0.0
     for transfer in transfers:
         quantizing = transfer.count * transfer.quantized_elements / quantize_rate
         if transfer.phase in compute:
             compute[transfer.phase] += quantizing
         else:
-            exposed += quantizing
+            total += quantizing
     hidden = dict.fromkeys(compute, 0.0)
     for transfer in transfers:
         seconds = transfer.seconds(links)
-        share = 0.0
+        total += seconds
         if transfer.phase in compute:
-            share = min(transfer.overlap * seconds,
-                        compute[transfer.phase] * min(transfer.count, micro_batches) / micro_batches)
-            hidden[transfer.phase] += share
-        exposed += seconds - share
-    return sum(max(compute[phase], hidden[phase]) for phase in compute) + exposed
+            hidden[transfer.phase] += min(transfer.overlap * seconds, compute[transfer.phase]
+                                          * min(transfer.count, micro_batches) / micro_batches)
+    return total + sum(max(compute[phase] - hidden[phase], 0.0) for phase in compute)
 
 
 def parse_bandwidth(text: str) -> float:

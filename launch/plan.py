@@ -249,10 +249,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     if links is not None:
         world = layout.tp * layout.pp * layout.dp
         compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops
-        compute *= plan.score
-        forward = compute / (4 if layout.recompute == "full" else 3)
-        plan.step_seconds = step_seconds(found, links, forward, compute - forward, micro_batches,
-                                         device.quantize_rate)
+        plan.step_seconds = step_seconds(found, links, compute * plan.score, micro_batches, device.quantize_rate,
+                                         1 / 4 if layout.recompute == "full" else 1 / 3)
         plan.score = plan.step_seconds
     return plan
 

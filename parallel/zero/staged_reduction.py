@@ -9,8 +9,9 @@ of the staging, and reduce-scatter asynchronously, straight into the shard, whil
 three at once. With ``quantized_levels`` (ZeRO++'s qgZ) the reduction is instead the hierarchical
 all-to-all of int8 gradients (``parallel.quantization.quantized_reduce_scatter_add``), whose sum is added
 into the shard after it arrives (the shard itself is never quantized); each reduction's next level
-(the cross-node one) starts as the next reduction starts, on every rank alike, not inside ``wait``. At most one reduction per key is in flight, and two slots per dtype alternate (a key
-that finds both slots still open gets an area of its own).
+(the cross-node one) starts as the next reduction starts, on every rank alike, not inside ``wait``.
+At most one reduction per key is in flight, and two slots per dtype alternate (a key that finds both
+slots still open gets an area of its own).
 """
 
 from __future__ import annotations

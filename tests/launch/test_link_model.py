@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from launch.bench_slow_link import compute_of, predicted_step
+from launch.bench_slow_link import compute_of
 from launch.link_model import Device, Links, ZeroOptions, step_seconds, zero_transfers
 from launch.plan import Layout, plan_layout
 from parallel.topology import Topology
@@ -25,7 +25,7 @@ def test_a_pass_hides_the_share_its_backend_advances_and_no_more(backend):
     found = _zero_3(backend)
     total = sum(t.seconds(LINKS) for t in found)
     # nothing to hide behind: the serial sum
-    assert step_seconds(found, LINKS, 0.0, 0.0, 2) == pytest.approx(total)
+    assert step_seconds(found, LINKS, 0.0, 2) == pytest.approx(total)
     # compute long enough for every hidden share: compute plus what no pass can hide. On gloo a ring hides
     # its first step of 3, and a prefetched gather nothing (that step shares the link with the current
     # unit's wait); NCCL hides all but a pass's first gather / last reduction, one of its layers
@@ -37,23 +37,23 @@ def test_a_pass_hides_the_share_its_backend_advances_and_no_more(backend):
     assert [t.overlap for t in dp] == pytest.approx(shares)
     long = 100.0
     hidden = sum(share * t.seconds(LINKS) for share, t in zip(shares, dp))
-    assert step_seconds(found, LINKS, long, 2 * long, 2) == pytest.approx(3 * long + total - hidden)
+    assert step_seconds(found, LINKS, 3 * long, 2) == pytest.approx(3 * long + total - hidden)
     # in between: never below the compute, never above compute + the serial sum, and growing with compute
-    steps = [step_seconds(found, LINKS, c / 3, 2 * c / 3, 2) for c in (0.2, 0.5, 1.0, 2.0)]
+    steps = [step_seconds(found, LINKS, c, 2) for c in (0.2, 0.5, 1.0, 2.0)]
     assert steps == sorted(steps)
     for c, step in zip((0.2, 0.5, 1.0, 2.0), steps):
         assert max(c, total) <= step + 1e-12 and step <= c + total + 1e-12
 
 
 def test_nccl_hides_more_than_gloo_and_a_transfer_hides_only_behind_its_own_micro_batches():
-    gloo, nccl = (step_seconds(_zero_3(b), LINKS, 0.3, 0.6, 2) for b in ("gloo", "nccl"))
+    gloo, nccl = (step_seconds(_zero_3(b), LINKS, 0.9, 2) for b in ("gloo", "nccl"))
     assert nccl < gloo
     # stage 1 reduce-scatters once, in the last micro-batch's backward: of 4 micro-batches' backward
     # compute it can hide behind a quarter only
     stage1 = zero_transfers(Topology(4, 1, 1, 2), PARAMS, 1, 4, 2, 4, backend="nccl", pieces=LAYERS)
     reduce = next(t for t in stage1 if t.operation == "reduce_scatter")
     backward = 0.5 * reduce.seconds(LINKS)
-    alone = step_seconds([reduce], LINKS, 0.0, backward, 4)
+    alone = step_seconds([reduce], LINKS, backward, 4, forward_share=0.0)
     assert alone == pytest.approx(backward + reduce.seconds(LINKS) - backward / 4)
 
 
@@ -64,7 +64,7 @@ def test_the_quantize_passes_are_compute_of_the_pass_they_run_in():
     # quantizes and dequantizes the gradients at the node level (2x) and a half of them across (2 x 1/2)
     assert elements == pytest.approx(PARAMS * (1.25 + 2 * (2 + 1)))
     long = 100.0
-    fast, slow = (step_seconds(found, LINKS, long, 2 * long, 2, rate) for rate in (math.inf, 1e8))
+    fast, slow = (step_seconds(found, LINKS, 3 * long, 2, rate) for rate in (math.inf, 1e8))
     assert slow - fast == pytest.approx(elements / 1e8)
 
 
@@ -72,7 +72,7 @@ def test_the_benchmarks_compute_is_the_inverse_of_its_prediction():
     found = _zero_3("gloo", ZeroOptions(hpz=2))
     for measured in (0.9, 1.5, 3.0):
         compute = compute_of(measured, found, LINKS, 2)
-        assert predicted_step(found, LINKS, compute, 2) == pytest.approx(measured, rel=1e-9)
+        assert step_seconds(found, LINKS, compute, 2) == pytest.approx(measured, rel=1e-9)
 
 
 def test_the_planner_prices_the_quantize_passes_at_the_devices_rate():
