@@ -27,7 +27,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from models.config import GPTConfig
     from models.gpt import GPTModel
-    from parallel.checkpointing import RecomputePolicy, apply_recompute
+    from parallel.recompute import RecomputePolicy, apply_recompute
     from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
     from parallel.saved_activations import SavedActivationMeter
     from parallel.topology import Topology

@@ -23,7 +23,7 @@ from launch.bench_world import add_worker_arguments, run_world, write_result, wr
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
-    from models.stages import build_stage
+    from models.pipeline_stage import build_stage
     from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
     from parallel.saved_activations import SavedActivationMeter
     from pretrain.arguments import parse_config

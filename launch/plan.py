@@ -99,7 +99,7 @@ class Plan:
 
 
 def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> list:
-    """The parameters of pipeline ``stage``'s tp slice, as ``models.stages`` builds them (on meta)."""
+    """The parameters of pipeline ``stage``'s tp slice, as ``models.pipeline_stage`` builds them (on meta)."""
     return list(stage_model(config, layout.tp, layout.pp, stage, sequence_parallel=layout.sequence_parallel,
                             layers_per_stage=list(layout.layers_per_stage or []) or None).parameters())
 

@@ -1,6 +1,6 @@
 """What a GPT holds and costs, counted from the model itself rather than from a second formula.
 
-Every count builds the part in question exactly as training does (``models.stages``), on the meta
+Every count builds the part in question exactly as training does (``models.pipeline_stage``), on the meta
 device: shapes and parallel metadata, no memory and no values. So a new architecture option changes
 the counts by construction. Used by the trainer (parameters, FLOPs), the validation (swap-file
 sizes) and the memory planner (``launch.plan``).
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.config import GPTConfig
-from models.stages import stage_chunks
+from models.pipeline_stage import stage_chunks
 from parallel.comm import DetachedGroup
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 

@@ -35,7 +35,7 @@ from parallel.process_groups import ParallelGroups, default_device
 from parallel.tensor.random import RNGTracker
 from parallel.topology import Topology
 from parallel.zero.optimizer import ZeroOptimizer
-from parallel.zero.saved_state import saved_loss_scaler
+from parallel.zero.state_readers import saved_loss_scaler
 from pretrain import reshard
 from pretrain.progress import TrainingProgress
 

@@ -20,7 +20,7 @@ from torch import nn
 from parallel.param_meta import meta
 from parallel.zero.masters import MasterPiece
 from parallel.zero.optimizer import ZeroOptimizer
-from parallel.zero.saved_state import saved_kinds, saved_piece, saved_scalars
+from parallel.zero.state_readers import saved_kinds, saved_piece, saved_scalars
 
 
 class ReshardError(ValueError):

@@ -13,10 +13,10 @@ import torch
 
 from models.counting import flops_per_token, num_parameters
 from models.generate import context_window, generate
-from models.stages import build_stage
+from models.pipeline_stage import build_stage
 from parallel import comm, zero
-from parallel.buffers import BufferPool
-from parallel.checkpointing import RecomputePolicy, apply_recompute
+from parallel.buffer_pool import BufferPool
+from parallel.recompute import RecomputePolicy, apply_recompute
 from parallel.comm_stats import node_size_of
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter

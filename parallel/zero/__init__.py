@@ -35,7 +35,7 @@ def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, *, stage:
     repeated blocks, ``auto_wrap.repeated_blocks``),
     ``persistence_threshold`` (parameters up to this many elements stay whole), ``prefetch_budget``
     (elements of gathered parameters allowed alive when prefetching; None: twice the largest unit); ``buffer_pool`` (a
-    ``parallel.buffers.BufferPool`` shared with activation checkpointing; one of its own otherwise);
+    ``parallel.buffer_pool.BufferPool`` shared with activation checkpointing; one of its own otherwise);
     offload: ``offload_optimizer`` ("none", "cpu", "nvme"), ``offload_param`` ("none", "nvme"; stage 3),
     ``nvme_path`` (a directory for the swap files), ``sub_group_size`` (elements stepped at a time from
     the files, and the largest master; default: a twentieth of the rank's shard); ``main_grads_in_fp32`` (default True: 16-bit parameters' gradients are accumulated and

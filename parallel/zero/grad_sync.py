@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.buffers import BufferPool
+from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.param_meta import meta
-from parallel.zero.flat_buffer import Bucket, FlatParameterBuffer
-from parallel.zero.staged_reduction import StagedReduceScatter
+from parallel.zero.flat_parameter_buffer import Bucket, FlatParameterBuffer
+from parallel.zero.shard_reduce_scatter import StagedReduceScatter
 
 
 @dataclass

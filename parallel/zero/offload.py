@@ -18,7 +18,7 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
-from parallel.buffers import BufferPool
+from parallel.buffer_pool import BufferPool
 from parallel.zero.swap import SwapSpace
 
 

@@ -22,19 +22,19 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.buffers import BufferPool
+from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.process_groups import module_device
 from parallel.zero.auto_wrap import group_units
-from parallel.zero.flat_storage import FlatStorage
+from parallel.zero.replicated_parameters import FlatStorage
 from parallel.zero.grad_norm import global_norm
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
 from parallel.zero.memory import sharded_at_stage_3, storage_bytes
 from parallel.zero.offload import SwappedOptimizerStates, default_sub_group_size, is_per_element
-from parallel.zero.stage3 import ShardedParameters
-from parallel.zero.stage_options import check_stage_options
+from parallel.zero.sharded_parameters import ShardedParameters
+from parallel.zero.options import check_stage_options
 from parallel.zero.swap import SwapSpace
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]

@@ -1,6 +1,6 @@
 """One stage-3 unit: the sharded parameters of one module, and the flat tensor their full values live in
 while gathered (its storage resized to zero when freed, so that views autograd saved see the values
-again after the next gather). ``parallel.zero.stage3`` gathers, frees and reduces units."""
+again after the next gather). ``parallel.zero.sharded_parameters`` gathers, frees and reduces units."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.buffers import SlotPool
+from parallel.buffer_pool import SlotPool
 from parallel.comm import AxisGroup
-from parallel.zero.flat_buffer import initial_value, point_at
+from parallel.zero.flat_parameter_buffer import initial_value, point_at
 
 
 class ParameterUnit:

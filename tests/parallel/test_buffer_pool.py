@@ -6,8 +6,8 @@ import torch
 from models.config import GPTConfig
 from models.gpt import GPTModel
 from parallel import zero
-from parallel.buffers import BufferPool, StagingRing
-from parallel.checkpointing import RecomputePolicy, apply_recompute
+from parallel.buffer_pool import BufferPool, StagingRing
+from parallel.recompute import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
 from tests.parity import NO_DROPOUT
@@ -77,7 +77,7 @@ def test_no_allocation_after_the_first_iteration_and_high_water_independent_of_d
 
 def test_staged_reduction_gives_a_key_its_own_area_when_every_slot_is_still_open():
     from parallel.comm import DetachedGroup
-    from parallel.zero.staged_reduction import StagedReduceScatter
+    from parallel.zero.shard_reduce_scatter import StagedReduceScatter
 
     pool = BufferPool()
     staged = StagedReduceScatter(pool, "staging", 8, torch.float32, DetachedGroup("dp", 1))

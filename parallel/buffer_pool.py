@@ -7,7 +7,7 @@ Tensors that would otherwise be allocated anew every micro-batch come from the p
 - slots (``slots``): equal-sized buffers taken and given back, for activation checkpoints (kept from
   a layer's forward to its backward), the gathers that rebuild them, NVMe-offload sub-groups and
   parameter shards read from swap files. (ZeRO-3's gathered parameters keep a storage per unit:
-  autograd ties views saved in forward to it; see parallel/zero/stage3.py.)
+  autograd ties views saved in forward to it; see parallel/zero/sharded_parameters.py.)
 
 After the first iteration none of them allocates: memory does not fragment, and the footprint is set by
 the configuration (bucket size, sub-group size, micro-batches in flight), not by the model's depth.

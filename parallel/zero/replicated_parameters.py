@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.buffers import BufferPool
+from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.quantization import weight_all_gather
-from parallel.zero.flat_buffer import FlatParameterBuffer
+from parallel.zero.flat_parameter_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction, staged_bucket_size
 from parallel.zero.masters import MasterShards
 

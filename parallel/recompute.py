@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.buffers import BufferPool
+from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.tensor.random import RNGTracker
 

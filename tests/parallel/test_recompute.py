@@ -5,8 +5,8 @@ import torch
 
 from models.config import GPTConfig
 from models.gpt import GPTModel
-from parallel.buffers import BufferPool
-from parallel.checkpointing import RecomputePolicy, apply_recompute
+from parallel.buffer_pool import BufferPool
+from parallel.recompute import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology

@@ -22,7 +22,7 @@ from typing import Callable, Hashable
 import torch
 
 from parallel import comm
-from parallel.buffers import BufferPool, StagingRing
+from parallel.buffer_pool import BufferPool, StagingRing
 from parallel.comm import AxisGroup
 from parallel.quantization import hierarchy_rank, quantized_reduce_scatter_add
 

@@ -36,13 +36,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallel import comm
-from parallel.buffers import BufferPool, SlotPool
+from parallel.buffer_pool import BufferPool, SlotPool
 from parallel.comm import AxisGroup
 from parallel.quantization import weight_all_gather
-from parallel.zero.flat_buffer import pieces_within
+from parallel.zero.flat_parameter_buffer import pieces_within
 from parallel.zero.masters import MasterShards
 from parallel.zero.parameter_unit import ParameterUnit
-from parallel.zero.staged_reduction import StagedReduceScatter
+from parallel.zero.shard_reduce_scatter import StagedReduceScatter
 from parallel.zero.swap import SwapSpace
 
 
