@@ -26,9 +26,9 @@ def _worker(args: argparse.Namespace) -> None:
     from models.pipeline_stage import build_stage
     from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
     from parallel.saved_activations import SavedActivationMeter
-    from pretrain.arguments import parse_config
-    from pretrain.stage_runner import StageRunner
-    from pretrain.validation import validate
+    from pretrain.config.arguments import parse_config
+    from pretrain.training.pipeline_runner import StageRunner
+    from pretrain.startup.validation import validate
 
     flags = ["--num-layers", str(args.layers_per_chunk * args.pp * args.vp), "--hidden-size", str(args.hidden),
              "--num-attention-heads", "4", "--seq-length", str(args.seq), "--vocab-size", "128",

@@ -31,7 +31,7 @@ from launch.bench_world import write_table
 from launch.link_model import Links, Transfer, ZeroOptions, step_seconds
 from launch.netns_link import LinkSetupError, TwoNodes
 from launch.plan import Layout, transfers
-from pretrain.arguments import parse_config
+from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
 
 CONFIGURATIONS = {

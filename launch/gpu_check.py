@@ -39,9 +39,9 @@ COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "5
 
 def _train(flags: list[str], device: torch.device, workdir: str, name: str) -> list[dict]:
     """Train with ``flags`` in this process; return the metrics lines."""
-    from pretrain.arguments import parse_config
-    from pretrain.trainer import Trainer
-    from pretrain.validation import validate
+    from pretrain.config.arguments import parse_config
+    from pretrain.training.trainer import Trainer
+    from pretrain.startup.validation import validate
 
     metrics = os.path.join(workdir, f"{name}.jsonl")
     config = parse_config(COMMON + flags + ["--metrics-file", metrics, "--data-cache-path", workdir])
@@ -61,7 +61,7 @@ def check_versions(device: torch.device) -> None:
 
 def check_throughput(base: list[str], device: torch.device, workdir: str) -> None:
     from launch.plan import Layout, plan_layout
-    from pretrain.arguments import parse_config
+    from pretrain.config.arguments import parse_config
 
     records = _train(base, device, workdir, "throughput")
     timed = records[len(records) // 4:] or records  # past the first iterations (allocator, autotuning)

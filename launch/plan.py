@@ -44,7 +44,7 @@ from parallel.zero.grad_sync import staged_bucket_size
 from launch.link_model import (Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds,
                                zero_transfers, zero_variants)
 from models.counting import flops_per_token
-from pretrain.arguments import ConfigError, parse_config
+from pretrain.config.arguments import ConfigError, parse_config
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 

@@ -40,7 +40,7 @@ import yaml
 from data.tokenizer import build_tokenizer
 from launch.pretrain_run import run_pretrain
 from models.counting import flops_per_token, num_parameters
-from pretrain.arguments import parse_config
+from pretrain.config.arguments import parse_config
 
 COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens", "flops", "tokens_per_s",
            "model_state_bytes", "peak_mem_bytes"]

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     terminated: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from pretrain.arguments import ConfigError, parse_config
-    from pretrain.validation import validate
+    from pretrain.config.arguments import ConfigError, parse_config
+    from pretrain.startup.validation import validate
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     from parallel import peers
     from parallel.comm import as_axis_group
     from parallel.process_groups import init_distributed, shutdown_distributed
-    from pretrain.checkpoint import CheckpointError, SaveError
-    from pretrain.preflight import PreflightError, agree, local_problems
-    from pretrain.trainer import Trainer
+    from pretrain.checkpoint.checkpointer import CheckpointError, SaveError
+    from pretrain.startup.preflight import PreflightError, agree, local_problems
+    from pretrain.training.trainer import Trainer
 
     device = init_distributed(config.parallel.distributed_timeout_s)
     peers.register()

@@ -32,7 +32,7 @@ class WorldError(AssertionError):
 
 
 # imported once by the fork server; every rank starts with them loaded
-PRELOAD = ["torch", "torch.distributed", "pretrain.trainer"]
+PRELOAD = ["torch", "torch.distributed", "pretrain.training.trainer"]
 
 
 def _child(rank: int, world_size: int, port: int, collective_timeout_s: float, results, fn, args,

@@ -345,7 +345,7 @@ class ZeroOptimizer:
         """Everything this rank's optimizer owns, in this layout: the compute-precision parameters it holds
         (flat buffers, stage-3 shards), the fp32 masters, the torch optimizer's state and the loss scaler.
         Call it inside ``states_in_memory()`` under NVMe offload. Another layout re-cuts it by parameter
-        (``master_pieces``, ``pretrain.reshard``)."""
+        (``master_pieces``, ``pretrain.checkpoint.reshard``)."""
         self.flat.wait()
         return {"buffers": [buffer.data for buffer in self.buffers],
                 "unit_shards": {str(dtype): shard for dtype, shard in (self.units.shards.items() if self.units

@@ -1,4 +1,4 @@
-"""Readers of a ``ZeroOptimizer.state_dict()`` saved in any layout: what a re-cut (``pretrain.reshard``)
+"""Readers of a ``ZeroOptimizer.state_dict()`` saved in any layout: what a re-cut (``pretrain.checkpoint.reshard``)
 or a checkpoint load takes out of it, without building the optimizer that saved it."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from launch.bench_slow_link import compute_of
 from launch.link_model import Device, Links, ZeroOptions, step_seconds, zero_transfers
 from launch.plan import Layout, plan_layout
 from parallel.topology import Topology
-from pretrain.arguments import parse_config
+from pretrain.config.arguments import parse_config
 
 LINKS = Links(3e9, 0.12e9, 14e-6)  # 24 Gbit/s in a node, 0.96 Gbit/s across
 PARAMS, LAYERS = 14_000_000, 4

@@ -8,7 +8,7 @@ from launch.link_model import Links, ZeroOptions
 from launch.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout, sent_by_axis,
                          transfers)
 from models.counting import num_parameters
-from pretrain.arguments import parse_config
+from pretrain.config.arguments import parse_config
 from tests.pretrain.test_architectures import LLAMA
 from tests.pretrain.test_trainer import TINY, _pp, _tp, _train
 from tests.world import run_world
@@ -128,7 +128,7 @@ PRESET_WORLDS = {"gpt-125m": 8, "gpt-350m": 8, "gpt-1.3b": 16, "gpt-2.7b": 32, "
 
 
 def test_every_preset_is_valid_and_its_suggested_layout_fits_80gib():
-    from pretrain.validation import validate
+    from pretrain.startup.validation import validate
 
     for name, world in PRESET_WORLDS.items():
         config = parse_config(["--config", f"launch/configs/presets/{name}.yaml"])

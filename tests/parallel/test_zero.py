@@ -240,7 +240,7 @@ def _construction_peak(rank, world_size, on_meta):
     from models.config import GPTConfig
     from models.counting import num_parameters
     from models.gpt import GPTModel
-    from pretrain.metrics import peak_memory_bytes, reset_peak_memory
+    from pretrain.observability.metrics import peak_memory_bytes, reset_peak_memory
 
     # large blocks straight from mmap (glibc's M_MMAP_THRESHOLD): a freed unit goes back to the system,
     # so resident memory measures what is alive rather than what glibc keeps for reuse

@@ -19,7 +19,7 @@ def _die(how: int = signal.SIGKILL) -> None:
 def _arm(kind: str, number: int) -> None:
     import torch
 
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     if kind in ("iteration", "hang", "full"):
         train_step, started = Trainer.train_step, [0]

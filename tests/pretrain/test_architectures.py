@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from models.gpt import GPTModel
 from parallel.comm import AxisGroup, CommStats
-from pretrain.arguments import ConfigError, parse_config
-from pretrain.convert import main as convert
-from pretrain.validation import validate
+from pretrain.config.arguments import ConfigError, parse_config
+from pretrain.interop.convert import main as convert
+from pretrain.startup.validation import validate
 from tests.data.bpe_files import write_gpt2_files
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import TINY, _pp, _tp, _train
@@ -79,7 +79,7 @@ def test_a_corpus_preprocessed_with_megatrons_flags_trains(tmp_path, stdlib_corp
 def _train_with_flags(rank, world_size, flags):
     import torch
 
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     config = parse_config(TINY + flags)
     trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))

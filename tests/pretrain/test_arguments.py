@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from pretrain.arguments import ConfigError, parse_config
-from pretrain.validation import validate
+from pretrain.config.arguments import ConfigError, parse_config
+from pretrain.startup.validation import validate
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
 
@@ -169,7 +169,7 @@ def test_megatron_spellings_mean_our_settings():
     validate(uneven, 3)
     assert uneven.parallel.pipeline_layers_per_stage == [2, 4, 2]
     gpt2 = parse_config(TINY + ["--vocab-file", "v.json", "--merge-file", "m.txt"])
-    from pretrain.megatron_flags import resolve_settings
+    from pretrain.config.megatron_flags import resolve_settings
 
     resolve_settings(gpt2, 1)
     assert gpt2.data.tokenizer_type == "GPT2BPETokenizer"  # as pretrain_gpt infers it

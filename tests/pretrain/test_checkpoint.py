@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pretrain.checkpoint import CheckpointError, read_manifest
+from pretrain.checkpoint.checkpointer import CheckpointError, read_manifest
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import _pp, _tp, _train
 from tests.world import run_world
@@ -87,9 +87,9 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
 
 
 def _load_only(rank, world_size, directory, corpus):
-    from pretrain.arguments import ConfigError, parse_config
-    from pretrain.trainer import Trainer
-    from pretrain.validation import validate
+    from pretrain.config.arguments import ConfigError, parse_config
+    from pretrain.training.trainer import Trainer
+    from pretrain.startup.validation import validate
     from tests.pretrain.test_trainer import TINY
 
     prefix, tokenizer = corpus
@@ -167,8 +167,8 @@ def test_fine_tuning_flags_load_weights_only_or_keep_the_position(stdlib_corpus,
 
 
 def test_a_shape_flag_that_contradicts_the_checkpoint_is_refused(stdlib_corpus, tmp_path):
-    from pretrain.arguments import ConfigError, parse_config
-    from pretrain.validation import validate
+    from pretrain.config.arguments import ConfigError, parse_config
+    from pretrain.startup.validation import validate
     from tests.pretrain.test_trainer import TINY
 
     saved = str(tmp_path / "saved")

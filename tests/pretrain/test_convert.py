@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pretrain.convert import main as convert
+from pretrain.interop.convert import main as convert
 from tests.parity import TRAJECTORY_RTOL, assert_within
 from tests.pretrain.test_trainer import TINY, _pp, _tp
 from tests.world import run_world
@@ -16,9 +16,9 @@ TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(
 
 def _train_and_save(rank, world_size, corpus, directory, layout):
     """Three iterations, saved; on one process also the trained weights by name and the model's logits."""
-    from pretrain.arguments import parse_config
-    from pretrain.trainer import Trainer
-    from pretrain.validation import validate
+    from pretrain.config.arguments import parse_config
+    from pretrain.training.trainer import Trainer
+    from pretrain.startup.validation import validate
 
     prefix, tokenizer = corpus
     config = parse_config(TINY + layout + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",

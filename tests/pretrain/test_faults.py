@@ -12,10 +12,10 @@ import time
 import torch
 
 from launch.torchrun import RESTARTABLE
-from pretrain.checkpoint import newest_intact, read_manifest
+from pretrain.checkpoint.checkpointer import newest_intact, read_manifest
 
-from pretrain.arguments import parse_config
-from pretrain.validation import validate
+from pretrain.config.arguments import parse_config
+from pretrain.startup.validation import validate
 from tests.pretrain.test_trainer import TINY, _pp
 from tests.world import run_world
 
@@ -23,7 +23,7 @@ from tests.world import run_world
 def _train_with_nan_at(rank, world_size, corpus, nan_iterations, limit):
     """Train 6 iterations in dp2 x pp2 with the last stage's hidden states made NaN at ``nan_iterations``;
     return per iteration (loss, grad norm, skipped, a parameter checksum), or the error that stopped it."""
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     prefix, tokenizer = corpus
     config = parse_config(TINY + _pp(2) + ["--data-path", prefix, "--tokenizer-model", tokenizer,

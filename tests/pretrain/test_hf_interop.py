@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from pretrain.arguments import parse_config
-from pretrain.convert import main as convert
-from pretrain.validation import validate
+from pretrain.config.arguments import parse_config
+from pretrain.interop.convert import main as convert
+from pretrain.startup.validation import validate
 from tests.data.bpe_files import write_hf_directory
 from tests.data.synthetic import make_documents
 from tests.parity import ONE_STEP_RTOL, assert_trajectory_close, assert_within
@@ -54,7 +54,7 @@ def hf_models(tmp_path_factory):
 
 
 def _logits_in_layout(rank, world_size, checkpoint, layout):
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     config = parse_config(["--load", checkpoint, "--mock-data", "--seq-length", "16", "--micro-batch-size", "1",
                            "--train-iters", "1", "--sample-prompt", "", "--data-cache-path", checkpoint + "-cache",
@@ -99,7 +99,7 @@ def test_imported_models_give_transformers_logits_in_every_layout_and_export_bac
 
 
 def _fine_tune(rank, world_size, checkpoint, layouts):
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     results = []
     for layout in layouts:
@@ -159,7 +159,7 @@ def test_models_that_do_not_map_are_refused_naming_why(hf_models, tmp_path):
 
 
 def _first_sft_step(rank, world_size, checkpoint, data):
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     config = parse_config(["--pretrained-checkpoint", checkpoint, "--sft", "--data-path", data, "--split", "1,0,0",
                            "--seq-length", "24", "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from pretrain.arguments import parse_config
-from pretrain.validation import validate
+from pretrain.config.arguments import parse_config
+from pretrain.startup.validation import validate
 from tests.pretrain.test_trainer import TINY
 from tests.world import run_world
 
@@ -20,7 +20,7 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
 
 def _syncs_per_step(rank, world_size, corpus, layouts):
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     prefix, tokenizer = corpus
     counts = []

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pretrain.arguments import ConfigError, parse_config
+from pretrain.config.arguments import ConfigError, parse_config
 from tests.data.bpe_files import write_gpt2_files
 from tests.data.synthetic import make_documents, write_jsonl
 

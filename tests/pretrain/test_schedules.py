@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from pretrain.batch_schedule import BatchSchedule, build_batch_schedule, parse_step_schedule
-from pretrain.config import OptimizerConfig
-from pretrain.lr_schedule import build_lr_schedule
+from pretrain.training.batch_schedule import BatchSchedule, build_batch_schedule, parse_step_schedule
+from pretrain.config.schema import OptimizerConfig
+from pretrain.training.lr_schedule import build_lr_schedule
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import TINY, _train
 from tests.world import run_world

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pretrain.arguments import parse_config
-from pretrain.validation import validate
+from pretrain.config.arguments import parse_config
+from pretrain.startup.validation import validate
 from tests.parity import NO_DROPOUT_FLAGS, assert_trajectory_close
 from tests.world import run_world
 
@@ -19,7 +19,7 @@ def _train(rank, world_size, layouts, corpus, base=TINY):
     """Run each layout (a list of flags added to ``base``) in this world; return its losses and grad norms."""
     import torch.distributed as dist
 
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     prefix, tokenizer = corpus
     results = []

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from pretrain.config import OptimizerConfig
+from pretrain.config.schema import OptimizerConfig
 
 EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight")
 

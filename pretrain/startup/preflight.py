@@ -17,9 +17,9 @@ import torch
 from parallel import comm
 from parallel.comm import AxisGroup
 from parallel.topology import Topology
-from pretrain import checkpoint
-from pretrain.checkpoint_args import checkpoint_to_load, loads_weights_only, step_to_load
-from pretrain.config import Config
+from pretrain.checkpoint import checkpointer
+from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
+from pretrain.config.schema import Config
 
 
 class PreflightError(RuntimeError):
@@ -51,10 +51,10 @@ def local_problems(config: Config, topology: Topology, rank: int) -> list[str]:
     directory = checkpoint_to_load(config)
     if directory is not None:
         try:
-            checkpoint.verify(directory, step_to_load(config, directory),
-                              checkpoint.layout_of(topology, config.zero.zero_stage, config.zero.zero_shard_size), rank,
+            checkpointer.verify(directory, step_to_load(config, directory),
+                              checkpointer.layout_of(topology, config.zero.zero_stage, config.zero.zero_shard_size), rank,
                               loads_weights_only(config, directory))
-        except checkpoint.CheckpointError as error:
+        except checkpointer.CheckpointError as error:
             problems.append(str(error))
     return problems
 

@@ -22,20 +22,20 @@ from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes, gradient_bytes
-from pretrain import checkpoint
-from pretrain.batch_schedule import build_batch_schedule
-from pretrain.checkpoint_args import checkpoint_to_load, loads_weights_only, step_to_load
-from pretrain.config import Config
-from pretrain.lr_schedule import build_lr_schedule
-from pretrain.megatron_flags import describe_ignored
-from pretrain.metrics import (MetricsWriter, comm_table, gather_per_rank, model_state_table, peak_flops,
+from pretrain.checkpoint import checkpointer
+from pretrain.training.batch_schedule import build_batch_schedule
+from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
+from pretrain.config.schema import Config
+from pretrain.training.lr_schedule import build_lr_schedule
+from pretrain.config.megatron_flags import describe_ignored
+from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank, model_state_table, peak_flops,
                               peak_memory_bytes, print_rank0, reset_peak_memory)
-from pretrain.param_groups import adamw_factory, parameter_groups
-from pretrain.progress import TrainingProgress
-from pretrain.run_control import RunControl
-from pretrain.stage_runner import StageRunner
-from pretrain.training_data import TrainingData
-from pretrain.wandb_run import start_wandb
+from pretrain.training.param_groups import adamw_factory, parameter_groups
+from pretrain.training.progress import TrainingProgress
+from pretrain.training.run_control import RunControl
+from pretrain.training.pipeline_runner import StageRunner
+from pretrain.training.training_data import TrainingData
+from pretrain.observability.wandb_run import start_wandb
 
 
 @dataclass
@@ -152,7 +152,7 @@ class Trainer:
                 print_rank0(self.is_logger, f"no checkpoint under --load {ckpt.load} yet: training from iteration 0")
             return
         starts_over = directory != ckpt.load or ckpt.finetune
-        manifest, rng = checkpoint.load(directory, self.groups, self.optimizer, self.parameter_names,
+        manifest, rng = checkpointer.load(directory, self.groups, self.optimizer, self.parameter_names,
                                         weights_only=loads_weights_only(self.config, directory),
                                         step=step_to_load(self.config, directory))
         if starts_over or manifest.get("kind") == "weights":
@@ -233,7 +233,7 @@ class Trainer:
         wandb_run = start_wandb(config) if self.is_logger else None
         tensorboard = None
         if self.is_logger and config.logging.tensorboard_dir:
-            from pretrain.tensorboard_log import TensorboardLog
+            from pretrain.observability.tensorboard_log import TensorboardLog
 
             tensorboard = TensorboardLog(config.logging.tensorboard_dir)
         writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger, tensorboard=tensorboard)
@@ -324,7 +324,7 @@ class Trainer:
 
     def save(self) -> None:
         ckpt = self.config.checkpoint
-        path = checkpoint.save(ckpt.save, self.progress, self.groups, self.optimizer, self.parameter_names,
+        path = checkpointer.save(ckpt.save, self.progress, self.groups, self.optimizer, self.parameter_names,
                                self.model[0].rng,
                                self.config.to_dict(), ckpt.save_keep_last, ckpt.save_retain_interval)
         print_rank0(self.is_logger, f"saved checkpoint {path}")

@@ -1,8 +1,8 @@
 """Convert checkpoints: any layout of ours to one file or to Hugging Face, and Hugging Face to ours.
 
-    python -m pretrain.convert --load DIR --output OUT.safetensors [--with-optimizer-states]
-    python -m pretrain.convert --load DIR --output HF_DIR --to hf
-    python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
+    python -m pretrain.interop.convert --load DIR --output OUT.safetensors [--with-optimizer-states]
+    python -m pretrain.interop.convert --load DIR --output HF_DIR --to hf
+    python -m pretrain.interop.convert --from-hf HF_DIR --output CKPT_DIR
 
 ``consolidated`` (default): one safetensors file of the whole model's fp32 weights under their
 layout-independent names (vocabulary padding removed; the names of a single-process GPTModel), with the
@@ -10,7 +10,7 @@ iteration and the model config as metadata, and optionally every per-element opt
 (``optimizer.<state>.<name>``). ``hf``: a directory that ``transformers`` loads as GPT2LMHeadModel or
 LlamaForCausalLM (Qwen2ForCausalLM with query/key/value biases), with its tokenizer; refused, naming the
 option, when neither expresses the model. ``--from-hf``: a Hugging Face GPT-2, Llama, Mistral or Qwen2
-directory as a weights-only checkpoint of ours (``pretrain.hf_checkpoint``). All stream: one parameter
+directory as a weights-only checkpoint of ours (``pretrain.interop.hf_checkpoint``). All stream: one parameter
 is rebuilt (or read) at a time.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint import WEIGHTS_FILE, CheckpointError, read_manifest, read_rank_files
-from pretrain.reshard import CheckpointPieces, ReshardError, WeightsFile
+from pretrain.checkpoint.checkpointer import WEIGHTS_FILE, CheckpointError, read_manifest, read_rank_files
+from pretrain.checkpoint.reshard import CheckpointPieces, ReshardError, WeightsFile
 
 
 def _model_config(manifest: dict) -> GPTConfig:
@@ -79,7 +79,7 @@ def _checkpoint_tokenizer(checkpoint: str, manifest: dict):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.interop.convert", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="checkpoint directory (its newest complete checkpoint)")
     source.add_argument("--from-hf", help="a Hugging Face model directory to import as a checkpoint of ours")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--to", choices=["consolidated", "hf"], default="consolidated")
     parser.add_argument("--with-optimizer-states", action="store_true", help="consolidated: add the optimizer states")
     args = parser.parse_args(argv)
-    from pretrain.hf_checkpoint import export_hf, import_hf
+    from pretrain.interop.hf_checkpoint import export_hf, import_hf
 
     try:
         if args.from_hf:

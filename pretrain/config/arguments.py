@@ -15,8 +15,8 @@ import typing
 
 import yaml
 
-from pretrain.config import Config, all_fields
-from pretrain.megatron_flags import add_megatron_flags, resolve_megatron_flags
+from pretrain.config.schema import Config, all_fields
+from pretrain.config.megatron_flags import add_megatron_flags, resolve_megatron_flags
 
 
 class ConfigError(ValueError):

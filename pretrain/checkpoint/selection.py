@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 
 from models.config import GPTConfig
-from pretrain.checkpoint import CheckpointError, exists, read_manifest
-from pretrain.config import Config
+from pretrain.checkpoint.checkpointer import CheckpointError, exists, read_manifest
+from pretrain.config.schema import Config
 
 # what the run may set freely whatever it loads: init, padding
 NOT_ARCHITECTURE = {"init_method_std", "make_vocab_size_divisible_by"}
@@ -60,7 +60,7 @@ def apply_checkpoint_args(config: Config) -> None:
     if directory is None:
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
             raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no checkpoint "
-                             "there (no 'latest' pointer); import one with python -m pretrain.convert --from-hf")
+                             "there (no 'latest' pointer); import one with python -m pretrain.interop.convert --from-hf")
         return
     try:
         path, manifest = read_manifest(directory, step_to_load(config, directory))

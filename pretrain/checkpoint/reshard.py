@@ -125,7 +125,7 @@ def _my_slice(whole: torch.Tensor, piece: MasterPiece, tp_rank: int, tp_size: in
 
 class WeightsFile:
     """The whole fp32 weights of a model in one safetensors file under layout-independent names (what
-    ``pretrain.convert`` writes and a Hugging Face import makes): a source of masters for ``load`` with
+    ``pretrain.interop.convert`` writes and a Hugging Face import makes): a source of masters for ``load`` with
     no optimizer state. Opened memory-mapped; each parameter is read when asked for, and only the
     rank's slices are kept."""
 

@@ -17,7 +17,7 @@ the files, writes the manifest, renames the directory to ``iter_N`` and only the
 atomically, so a crash at any point leaves the previous checkpoint as ``latest`` and loadable. Loading
 reads ``latest``, checks the manifest and the checksum of every file it reads, and uses
 ``torch.load(weights_only=True)`` only. A checkpoint of another layout (dp, tp, pp, ZeRO stage, virtual
-stages) is re-cut by parameter name (``pretrain.reshard``).
+stages) is re-cut by parameter name (``pretrain.checkpoint.reshard``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from parallel.tensor.random import RNGTracker
 from parallel.topology import Topology
 from parallel.zero.optimizer import ZeroOptimizer
 from parallel.zero.state_readers import saved_loss_scaler
-from pretrain import reshard
-from pretrain.progress import TrainingProgress
+from pretrain.checkpoint import reshard
+from pretrain.training.progress import TrainingProgress
 
 
 WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
@@ -305,7 +305,7 @@ def read_rank_files(directory: str, step: int | None = None) -> tuple[str, dict,
 def load(directory: str, groups: ParallelGroups, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str],
          weights_only: bool = False, step: int | None = None) -> tuple[dict, dict | None]:
     """Restore this rank's state from the newest checkpoint; return (manifest, random states). A
-    checkpoint of another layout is re-cut by parameter name (``pretrain.reshard``); its random
+    checkpoint of another layout is re-cut by parameter name (``pretrain.checkpoint.reshard``); its random
     states do not apply (None) unless this rank holds the same parameters as the rank that saved it. ``weights_only`` (fine-tuning, and a checkpoint that holds weights only,
     such as a Hugging Face import) loads the model and leaves the optimizer fresh. ``step``: the
     checkpoint of that iteration instead of the newest (--ckpt-step)."""

@@ -6,7 +6,7 @@ checkpoint of ours (any layout) as one, tokenizer files included. Both stream on
     export: a checkpoint -> DIR/{config.json, generation_config.json, model.safetensors, tokenizer files}
 
 The imported checkpoint records the architecture (a ``--load`` of it needs no shape flags) and its
-tokenizer; it loads into any layout as fine-tuning does (``pretrain.checkpoint``).
+tokenizer; it loads into any layout as fine-tuning does (``pretrain.checkpoint.checkpointer``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from models.config import GPTConfig
 from models.counting import stage_model
 from parallel.param_meta import meta
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint import WEIGHTS_FILE, CheckpointError, file_sha256, write_durably
-from pretrain.hf_models import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
+from pretrain.checkpoint.checkpointer import WEIGHTS_FILE, CheckpointError, file_sha256, write_durably
+from pretrain.interop.hf_names import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model")

@@ -275,8 +275,8 @@ SECTIONS = {
 
 @dataclass
 class Config:
-    """The whole run: one dataclass per concern. Owns values only; ``pretrain.arguments`` fills it and
-    ``pretrain.validation`` checks it."""
+    """The whole run: one dataclass per concern. Owns values only; ``pretrain.config.arguments`` fills it and
+    ``pretrain.startup.validation`` checks it."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

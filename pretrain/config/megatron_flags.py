@@ -1,6 +1,6 @@
 """Megatron-LM's command line beyond this project's own flags: what is accepted and ignored, what is refused.
 
-A flag whose meaning exists here is an ordinary setting (``pretrain.config``; some under Megatron's
+A flag whose meaning exists here is an ordinary setting (``pretrain.config.schema``; some under Megatron's
 other spellings, as aliases). The other flags of Megatron's GPT and Llama example scripts and GPT
 functional tests fall in three groups, each entry with its reason:
 
@@ -110,7 +110,7 @@ REFUSED = [
             "--rl-offload-optimizer-during-inference:0", "--rl-partial-rollouts:0", "--rl-sequence-packing-algo",
             "--rl-submission-granularity", "--rl-training-cuda-graphs:0", "--rl-use-sequence-packing:0", off=(None,)),
     *_flags("an option of Megatron's inference scripts, not of training (sample here with --sample-prompt, or "
-            "export with python -m pretrain.convert --to hf)", "--prompts:+", "--prompt-file",
+            "export with python -m pretrain.interop.convert --to hf)", "--prompts:+", "--prompt-file",
             "--prompt-file-num-truncate", "--temperature", "--top_k", "--top_p", "--top-n-logprobs",
             "--num-tokens-to-generate", "--return-log-probs:0", "--termination-id", "--stop-words:+", "--output-path",
             "--output-every-n-results", "--max-tokens-to-oom", "--flash-decode:0", "--enable-chunked-prefill:0",

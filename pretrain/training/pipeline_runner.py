@@ -14,7 +14,7 @@ from parallel.pipeline.p2p import StageExchange
 from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule_steps
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
-from pretrain.config import Config
+from pretrain.config.schema import Config
 
 
 class GradientOwner(Protocol):

@@ -17,7 +17,7 @@ import torch
 
 from parallel import comm
 from parallel.comm import AxisGroup
-from pretrain.config import Config
+from pretrain.config.schema import Config
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,15 @@ flag and the fix) before anything could hang.
 from __future__ import annotations
 
 from models.counting import num_parameters
-from pretrain.batch_schedule import build_batch_schedule
-from pretrain.checkpoint_args import apply_checkpoint_args
-from pretrain.megatron_flags import resolve_settings
+from pretrain.training.batch_schedule import build_batch_schedule
+from pretrain.checkpoint.selection import apply_checkpoint_args
+from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
 from parallel.zero.swap import check_swap_directory
-from pretrain.arguments import ConfigError
-from pretrain.config import Config
+from pretrain.config.arguments import ConfigError
+from pretrain.config.schema import Config
 
 
 def validate(config: Config, world_size: int) -> Topology:

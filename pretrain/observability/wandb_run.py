@@ -5,7 +5,7 @@ from __future__ import annotations
 import netrc
 import os
 
-from pretrain.config import Config
+from pretrain.config.schema import Config
 
 
 def wandb_is_configured_online() -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.config import OptimizerConfig
+from pretrain.config.schema import OptimizerConfig
 
 
 @dataclass(frozen=True)
