@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Full fine-tuning of a Hugging Face model on this machine's CPU, the whole path: a random Llama-class
-# model made with transformers (python -m launch.finetune_demo make), imported, fine-tuned on a small
+# model made with transformers (python -m launch.examples.finetune_demo make), imported, fine-tuned on a small
 # SFT set with ZeRO-3 in bf16 on 2 processes, exported back to Hugging Face, and asked held-out prompts
 # through transformers' text-generation pipeline. Creates .venv when missing; extra arguments go to
 # pretrain (e.g. --train-iters 100). WORK (default runs/finetune) holds everything it writes.
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 . launch/venv.sh
 WORK=${WORK:-runs/finetune}
 rm -rf "$WORK"
-python -m launch.finetune_demo make "$WORK"
+python -m launch.examples.finetune_demo make "$WORK"
 python -m pretrain.interop.convert --from-hf "$WORK/hf" --output "$WORK/imported"
 python -m launch.torchrun --nproc 2 --pretrained-checkpoint "$WORK/imported" --sft --data-path "$WORK/train.jsonl" \
     --split 1,0,0 --seq-length 12 --micro-batch-size 8 --global-batch-size 16 --zero-stage 3 --bf16 \
@@ -17,4 +17,4 @@ python -m launch.torchrun --nproc 2 --pretrained-checkpoint "$WORK/imported" --s
     --hidden-dropout 0 --attention-dropout 0 --log-interval 50 --sample-prompt "" --save "$WORK/finetuned" \
     --data-cache-path "$WORK/cache" "$@"
 python -m pretrain.interop.convert --load "$WORK/finetuned" --to hf --output "$WORK/hf-finetuned"
-python -m launch.finetune_demo answer "$WORK/hf-finetuned" "$WORK/heldout.jsonl"
+python -m launch.examples.finetune_demo answer "$WORK/hf-finetuned" "$WORK/heldout.jsonl"

@@ -2,7 +2,7 @@
 
 import os
 
-from launch import bench_activations, bench_pipeline, bench_zero
+from launch.bench import activations as bench_activations, pipeline as bench_pipeline, zero as bench_zero
 
 
 def test_zero_benchmark_compares_every_system_on_the_same_losses(tmp_path, monkeypatch):
@@ -30,7 +30,7 @@ def test_pipeline_and_activation_benchmarks_write_their_tables(tmp_path):
 
 
 def test_offload_benchmark_runs_every_system_to_the_same_loss(tmp_path, monkeypatch):
-    from launch import bench_offload
+    from launch.bench import offload as bench_offload
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -42,7 +42,7 @@ def test_offload_benchmark_runs_every_system_to_the_same_loss(tmp_path, monkeypa
 
 
 def test_one_process_benchmark_times_both_loops_on_the_same_corpus(tmp_path, stdlib_corpus):
-    from launch import bench_one_process
+    from launch.bench import one_process as bench_one_process
 
     output = tmp_path / "one_process.md"
     cache = os.path.dirname(os.path.dirname(stdlib_corpus[0]))  # the fixture's corpus, built once

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from launch.bench_slow_link import compute_of
-from launch.link_model import Device, Links, ZeroOptions, step_seconds, zero_transfers
-from launch.plan import Layout, plan_layout
+from launch.bench.slow_link import compute_of
+from launch.tools.link_model import Device, Links, ZeroOptions, step_seconds, zero_transfers
+from launch.tools.plan import Layout, plan_layout
 from parallel.topology import Topology
 from pretrain.config.arguments import parse_config
 

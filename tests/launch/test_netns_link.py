@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from launch.netns_link import LinkSetupError, TwoNodes
+from launch.bench.netns_link import LinkSetupError, TwoNodes
 
 
 def test_the_shaped_pair_carries_its_rate_and_is_removed_after():

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from launch.link_model import Links, ZeroOptions
-from launch.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout, sent_by_axis,
+from launch.tools.link_model import Links, ZeroOptions
+from launch.tools.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout, sent_by_axis,
                          transfers)
 from models.counting import num_parameters
 from pretrain.config.arguments import parse_config
@@ -152,7 +152,7 @@ ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_layers_saved_activations_follow_its_architecture(dtype):
-    """launch.plan's per-layer accounting against the bytes one block keeps for backward, measured."""
+    """launch.tools.plan's per-layer accounting against the bytes one block keeps for backward, measured."""
     import torch
 
     from models.config import GPTConfig

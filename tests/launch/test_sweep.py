@@ -5,7 +5,7 @@ import csv
 
 import yaml
 
-from launch import sweep
+from launch.tools import sweep
 
 
 def test_sweep_writes_table_and_plot_and_resumes(stdlib_corpus, tmp_path, monkeypatch, capsys):

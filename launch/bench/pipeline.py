@@ -1,6 +1,6 @@
 """Measure the pipeline bubble: the fraction of a step each stage spends waiting for its neighbours.
 
-    python -m launch.bench_pipeline [--pp 2] [--micro-batches 4 8 16] [--output runs/bench/pipeline.md]
+    python -m launch.bench.pipeline [--pp 2] [--micro-batches 4 8 16] [--output runs/bench/pipeline.md]
 
 For each schedule (1f1b, and interleaved with --vp chunks) and micro-batch count m, a world of pp
 processes runs forward + backward of a GPT on synthetic tokens (no optimizer); each stage times the
@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from launch.bench_world import add_worker_arguments, run_world, write_result, write_table
+from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -72,7 +72,7 @@ def _ideal(schedule: str, pp: int, m: int, vp: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_pipeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.pipeline", description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vp", type=int, default=2, help="model chunks per stage for the interleaved rows")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = ["| schedule | p | v | m | measured idle per stage | mean | ideal |", "|---|---|---|---|---|---|---|"]
     for m in args.micro_batches:
         for schedule, vp in (("1f1b", 1), ("interleaved", args.vp)):
-            results = run_world("launch.bench_pipeline", args.pp, [
+            results = run_world("launch.bench.pipeline", args.pp, [
                 "--worker", "--worker-schedule", schedule, "--worker-micro-batches", str(m), "--pp", str(args.pp),
                 "--vp", str(vp), "--layers-per-chunk", str(args.layers_per_chunk), "--hidden", str(args.hidden),
                 "--seq", str(args.seq), "--steps", str(args.steps)])

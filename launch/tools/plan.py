@@ -1,6 +1,6 @@
 """Memory planner: which layouts of a GPT fit a cluster, best first, with bytes per device.
 
-    python -m launch.plan [model flags as for pretrain] --world-size 64 --gpus-per-node 8 \\
+    python -m launch.tools.plan [model flags as for pretrain] --world-size 64 --gpus-per-node 8 \\
         --memory-per-device 80GiB [--zero-stage S] [--tensor-model-parallel-size T] \\
         [--pipeline-model-parallel-size P] [--json]
 
@@ -41,7 +41,7 @@ from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
-from launch.link_model import (Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds,
+from launch.tools.link_model import (Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds,
                                zero_transfers, zero_variants)
 from models.counting import flops_per_token
 from pretrain.config.arguments import ConfigError, parse_config
@@ -187,7 +187,7 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
               grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
               bucket_size: int | None = None) -> list[Transfer]:
     """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
-    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.link_model.zero_transfers``: stage
+    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.tools.link_model.zero_transfers``: stage
     0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages 1-2
     all-gather the parameters once after the step, stage 3 in forward and in backward of every
     micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's
@@ -317,14 +317,14 @@ def zero_advice(plans: list[Plan]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.tools.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--memory-per-device", default="80GiB", help="e.g. 80GiB, 40GB")
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 400Gbit, 50GB/s: "
-                        "rank layouts by predicted step time (launch.link_model), ZeRO++ and shard groups included")
+                        "rank layouts by predicted step time (launch.tools.link_model), ZeRO++ and shard groups included")
     parser.add_argument("--intra-node-bandwidth", default="200GB/s", help="between two ranks of a node")
     parser.add_argument("--link-latency", type=float, default=10e-6, help="seconds per message step")
     parser.add_argument("--device-flops", type=float, default=Device.flops,

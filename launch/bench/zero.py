@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 against torch DDP, ZeroRedundancyOptimizer and FSDP2, in one run.
 
-    python -m launch.bench_zero [--dp 2 4] [--model plain|ours] [--worlds one|separate]
+    python -m launch.bench.zero [--dp 2 4] [--model plain|ours] [--worlds one|separate]
                                 [--output runs/bench/zero.md]
 
 Every system trains the same GPT (fp32, AdamW) on the same synthetic batches and is measured per
@@ -10,7 +10,7 @@ the bytes the process wrote to its sockets per step (read from /proc/self/io: wh
 the same instrument for every system), our collectives' ring-model count, and the final loss (all
 systems must agree). Step time is a ratio to DDP measured in the same run.
 
-``--model plain`` (the default) is a GPT that is not the project's (``launch.plain_gpt``: what a
+``--model plain`` (the default) is a GPT that is not the project's (``launch.bench.plain_gpt``: what a
 newcomer writes in plain torch), wrapped by each system from outside; ``--model ours`` is
 ``models.gpt``. ``--worlds separate`` runs each system in its own torchrun world, one after the other,
 as a user would, and also reports each rank's peak resident memory (every byte the process ever
@@ -25,7 +25,7 @@ import resource
 import statistics
 import time
 
-from launch.bench_world import add_worker_arguments, run_world, write_result, write_table
+from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
 
 
 def _written_bytes() -> int:
@@ -42,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from launch.plain_gpt import PlainGPT
+    from launch.bench.plain_gpt import PlainGPT
     from models.config import GPTConfig
     from models.gpt import GPTModel
     from parallel import zero
@@ -151,10 +151,10 @@ SYSTEMS = ["torch DDP", "torch ZeroRedundancyOptimizer", "ours stage 0", "ours s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_zero", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.zero", description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", choices=["plain", "ours"], default="plain",
-                        help="plain: launch.plain_gpt, a GPT that is not ours; ours: models.gpt")
+                        help="plain: launch.bench.plain_gpt, a GPT that is not ours; ours: models.gpt")
     parser.add_argument("--worlds", choices=["one", "separate"], default="separate",
                         help="separate: each system in its own torchrun world; one: all alternating in one")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM")
@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> None:
             "| socket MiB/rank/step | counted MiB/rank/step | final loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for dp in args.dp:
         if args.worlds == "one":
-            ranks = run_world("launch.bench_zero", dp, forwarded + ["--systems", *args.systems])
+            ranks = run_world("launch.bench.zero", dp, forwarded + ["--systems", *args.systems])
         else:
             ranks = [{} for _ in range(dp)]
             for name in args.systems:
-                for mine, theirs in zip(ranks, run_world("launch.bench_zero", dp, forwarded + ["--systems", name])):
+                for mine, theirs in zip(ranks, run_world("launch.bench.zero", dp, forwarded + ["--systems", name])):
                     mine.update(theirs)
         ddp = statistics.mean(r["torch DDP"]["step_s"] for r in ranks) if "torch DDP" in ranks[0] else None
         for name in args.systems:

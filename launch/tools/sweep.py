@@ -1,4 +1,4 @@
-"""Scaling-study sweeps: ``python -m launch.sweep SWEEP.yaml`` trains a grid of runs and tabulates them.
+"""Scaling-study sweeps: ``python -m launch.tools.sweep SWEEP.yaml`` trains a grid of runs and tabulates them.
 
 The grid is model sizes x layouts x learning rates x seeds, every run at the same tokens per step
 (global batch = tokens_per_step / seq_length). Each run is one ``python -m pretrain`` on its layout's
@@ -64,7 +64,7 @@ def load_sweep(path: str) -> dict:
         sweep = yaml.safe_load(handle)
     missing = [key for key in REQUIRED if key not in (sweep or {})]
     if missing:
-        raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.sweep --help)")
+        raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.tools.sweep --help)")
     if sweep["tokens_per_step"] % sweep["seq_length"]:
         raise ValueError(f"{path}: tokens_per_step {sweep['tokens_per_step']} is not a multiple of seq_length "
                          f"{sweep['seq_length']}")
@@ -149,7 +149,7 @@ def plot(sweep: dict, table: str, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.sweep", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m launch.tools.sweep", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("sweep", help="the sweep's YAML file")
     args = parser.parse_args(argv)

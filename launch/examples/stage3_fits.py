@@ -1,6 +1,6 @@
 """Show a GPT that plain data parallelism cannot hold on this machine training at dp 8 with ZeRO-3.
 
-    python -m launch.stage3_fits [--hidden-size 1536 --num-layers 8] [--iters 2]
+    python -m launch.examples.stage3_fits [--hidden-size 1536 --num-layers 8] [--iters 2]
 
 Prints the model-state bytes that dp 8 needs per machine without sharding (8 replicas of 16 bytes per
 parameter with Adam in fp32: parameters, gradients, two moments) against the machine's memory, then
@@ -18,7 +18,7 @@ from models.counting import num_parameters
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.stage3_fits", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.examples.stage3_fits", description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=1536)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--iters", type=int, default=2)

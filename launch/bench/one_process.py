@@ -1,6 +1,6 @@
 """One process, the project against a 60-line plain torch loop, on nanoGPT's CPU recipe for shakespeare_char.
 
-    python -m launch.bench_one_process [--iters 2000] [--pairs 2] [--sequential] [--output runs/bench/one_process.md]
+    python -m launch.bench.one_process [--iters 2000] [--pairs 2] [--sequential] [--output runs/bench/one_process.md]
 
 The recipe (nanoGPT's config/train_shakespeare_char.py with its CPU overrides): 4 layers, 4 heads, width
 128, block 64, batch 12, no dropout, AdamW (lr 1e-3, betas 0.9 / 0.99, weight decay 0.1 on matrices),
@@ -10,7 +10,7 @@ a small sentencepiece vocabulary; both sides read the same token file, train on 
 its tokens (whole documents) and are evaluated on the rest (20 batches at the end).
 
 "ours" is ``python -m pretrain`` in a world of one (models.gpt, the ZeRO optimizer, the trainer); "plain"
-is ``launch.plain_gpt`` trained by ``_plain_loop`` below, what a newcomer writes. Each runs in its own
+is ``launch.bench.plain_gpt`` trained by ``_plain_loop`` below, what a newcomer writes. Each runs in its own
 process. This machine's speed drifts by 10-20% within minutes, so by default the two run at the same
 time, each pinned to a core of its own, and the second pair swaps the cores (``--sequential`` runs them
 one after the other). The time per iteration is the loop's wall time (batches, forward, backward,
@@ -28,20 +28,20 @@ import subprocess
 import sys
 import tempfile
 
-from launch.bench_world import write_table
+from launch.bench.world import write_table
 
 RECIPE = {"layers": 4, "heads": 4, "width": 128, "block": 64, "batch": 12, "lr": 1e-3, "min_lr": 1e-4,
           "beta2": 0.99, "weight_decay": 0.1, "warmup": 100, "clip": 1.0, "eval_iters": 20}
 
 
 def _plain_loop(args: argparse.Namespace) -> dict:
-    """nanoGPT's training loop, in plain torch, on ``launch.plain_gpt``."""
+    """nanoGPT's training loop, in plain torch, on ``launch.bench.plain_gpt``."""
     import time
 
     import numpy
     import torch
 
-    from launch.plain_gpt import PlainGPT
+    from launch.bench.plain_gpt import PlainGPT
 
     torch.manual_seed(1337)
     r = RECIPE
@@ -123,7 +123,7 @@ def _finish(name: str, process: subprocess.Popen) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_one_process", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.one_process", description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=2000, help="training iterations (the recipe: 2000)")
     parser.add_argument("--pairs", type=int, default=2, help="times to run both (the second swaps their cores)")
     parser.add_argument("--sequential", action="store_true", help="run the two one after the other, unpinned")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     args.split = f"{train_documents},{len(ends) - train_documents},0"  # Megatron's split: documents in order
     corpus_flags = ["--default-corpus-vocab-size", args.vocab, "--default-corpus-max-bytes", args.corpus_bytes,
                     "--data-cache-dir", args.cache_dir]
-    plain_command = [sys.executable, "-m", "launch.bench_one_process", "--plain-worker", "--iters", str(args.iters),
+    plain_command = [sys.executable, "-m", "launch.bench.one_process", "--plain-worker", "--iters", str(args.iters),
                      "--log-interval", str(args.log_interval),
                      "--vocab", str(args.vocab), "--data", prefix, "--dtype", documents.index.dtype.__name__,
                      "--valid-start", str(valid_start)]

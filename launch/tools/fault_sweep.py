@@ -1,4 +1,4 @@
-"""Bad inputs and faults against the command line, as a new user meets them: ``python -m launch.fault_sweep
+"""Bad inputs and faults against the command line, as a new user meets them: ``python -m launch.tools.fault_sweep
 [--out runs/faults]``. Each case runs a 2-process job (or the preprocessing CLI) on a tiny GPT and the
 stdlib corpus, and the table says per case: the exit status, the seconds it took, whether it trained an
 iteration before stopping, whether a traceback was printed, and the first ``error:`` line. Faults are
@@ -175,7 +175,7 @@ def cases(space: Workspace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.fault_sweep", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.tools.fault_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/faults", help="where sweep.md and sweep.json go")
     parser.add_argument("--only", help="run the cases whose name contains this text")
     args = parser.parse_args(argv)

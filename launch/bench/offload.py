@@ -1,7 +1,7 @@
 """Peak memory and step time of ZeRO-2/3 with the optimizer and parameters in memory, on the CPU, or in
 NVMe swap files, on a GPT whose optimizer states dominate its model states.
 
-    python -m launch.bench_offload [--hidden-size 1024 --num-layers 16] [--zero-stage 2 3] [--dp 2]
+    python -m launch.bench.offload [--hidden-size 1024 --num-layers 16] [--zero-stage 2 3] [--dp 2]
                                    [--iters 4] [--nvme-path DIR]
 
 Each configuration trains the same GPT from the same seed (so the losses must agree) on ``--dp``
@@ -18,7 +18,7 @@ import argparse
 import os
 import tempfile
 
-from launch.bench_world import write_table
+from launch.bench.world import write_table
 from launch.pretrain_run import run_pretrain
 from models.config import GPTConfig
 from models.counting import num_parameters
@@ -32,7 +32,7 @@ SYSTEMS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_offload", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.offload", description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)

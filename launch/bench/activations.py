@@ -1,6 +1,6 @@
 """Saved-activation bytes per micro-batch and step time for each recompute policy, beside the formulas.
 
-    python -m launch.bench_activations [--tp 2] [--layers 4 8 16] [--output runs/bench/activations.md]
+    python -m launch.bench.activations [--tp 2] [--layers 4 8 16] [--output runs/bench/activations.md]
 
 On a tensor-parallel world of --tp processes, the transformer layers of a GPT (no embedding or loss,
 so only layers count) run forward + backward on one micro-batch under: no recompute, selective
@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-from launch.bench_world import add_worker_arguments, run_world, write_result, write_table
+from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
 
 POLICIES = ("none", "selective", "full", "full+partitioned")
 
@@ -62,7 +62,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_activations", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.activations", description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--hidden", type=int, default=256)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     forwarded = ["--worker", "--tp", str(args.tp), "--hidden", str(args.hidden), "--heads", str(args.heads),
                  "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
                  "--layers", *map(str, args.layers)]
-    result = run_world("launch.bench_activations", args.tp, forwarded)[0]
+    result = run_world("launch.bench.activations", args.tp, forwarded)[0]
     s, b, h, a, t = args.seq, args.batch, args.hidden, args.heads, args.tp
     sbh = s * b * h
     korthikanti = {"none": sbh * (10 + 24 / t + 5 * a * s / (h * t)), "selective": sbh * (10 + 24 / t),

@@ -1,8 +1,8 @@
 """The pieces of ``launch/finetune_job.sh``: a small task, a small Llama to fine-tune on it, and the check.
 
-    python -m launch.finetune_demo make DIR     # DIR/train.jsonl, DIR/heldout.jsonl and DIR/hf: a random
+    python -m launch.examples.finetune_demo make DIR     # DIR/train.jsonl, DIR/heldout.jsonl and DIR/hf: a random
                                                 # Llama-class model with its tokenizer, saved by transformers
-    python -m launch.finetune_demo answer HF_DIR HELDOUT.jsonl   # transformers generates the answers
+    python -m launch.examples.finetune_demo answer HF_DIR HELDOUT.jsonl   # transformers generates the answers
 
 The task: reverse three letters ("cab=" -> "bac"), 400 training prompts; the held-out prompts are
 words the training set never shows, so answering them means the mapping was learned. The tokenizer
@@ -76,7 +76,7 @@ def answer(hf_dir: str, heldout: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.finetune_demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.examples.finetune_demo", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("make")
     made.add_argument("directory")

@@ -1,7 +1,7 @@
 """Train a GPT whose model states exceed this machine's memory: ZeRO-3 with the optimizer states, fp32
 masters and parameter shards in NVMe swap files (ZeRO-Infinity).
 
-    python -m launch.infinity_fits [--hidden-size 2560 --num-layers 24] [--iters 3] [--nvme-path DIR]
+    python -m launch.examples.infinity_fits [--hidden-size 2560 --num-layers 24] [--iters 3] [--nvme-path DIR]
 
 Prints the model-state bytes the GPT needs (16 bytes per parameter in bf16 with fp32 masters and Adam)
 against the machine's memory, trains it for a few iterations and reports, per iteration, the step
@@ -19,7 +19,7 @@ from models.counting import num_parameters
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.infinity_fits", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.examples.infinity_fits", description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=2560)
     parser.add_argument("--num-layers", type=int, default=24)
     parser.add_argument("--heads", type=int, default=20)

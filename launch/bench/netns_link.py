@@ -18,7 +18,7 @@ import subprocess
 import sys
 import uuid
 
-from launch.link_model import parse_bandwidth
+from launch.tools.link_model import parse_bandwidth
 
 PROBE = r"""
 import socket, sys, time

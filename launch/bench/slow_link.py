@@ -1,14 +1,14 @@
 """Step time of ZeRO-2, ZeRO-3, ZeRO-3 + hpZ, ZeRO-3 + hpZ + qwZ + qgZ and ZeRO-3 in shard groups of a
 node, on two emulated nodes of 2 ranks joined by a truly slow link, beside the link model's prediction.
 
-    sudo python -m launch.bench_slow_link [--rates 1gbit 10gbit] [--iters 6] [--hidden-size 512]
+    sudo python -m launch.bench.slow_link [--rates 1gbit 10gbit] [--iters 6] [--hidden-size 512]
 
-The nodes are network namespaces joined by a veth pair shaped with tc (``launch.netns_link``): ranks 0-1
+The nodes are network namespaces joined by a veth pair shaped with tc (``launch.bench.netns_link``): ranks 0-1
 in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a
 node stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs
 back to back. Measured: the median step time after the first iteration, and the bytes that left node 0
 in the last step (the trainer's comm_bytes_inter_node of ranks 0 and 1). Predicted at a rate:
-``launch.plan.transfers`` on gloo timed by ``launch.link_model.step_seconds`` on the links as probed (TCP
+``launch.tools.plan.transfers`` on gloo timed by ``launch.tools.link_model.step_seconds`` on the links as probed (TCP
 bytes per second and latency across the pair and on a node's loopback) around the configuration's
 compute taken from its runs at the other rates (the compute that the overlap model turns into the
 measured step there, a third of it forward; averaged; it includes the quantize passes, which do not
@@ -27,10 +27,10 @@ import subprocess
 import sys
 import tempfile
 
-from launch.bench_world import write_table
-from launch.link_model import Links, Transfer, ZeroOptions, step_seconds
-from launch.netns_link import LinkSetupError, TwoNodes
-from launch.plan import Layout, transfers
+from launch.bench.world import write_table
+from launch.tools.link_model import Links, Transfer, ZeroOptions, step_seconds
+from launch.bench.netns_link import LinkSetupError, TwoNodes
+from launch.tools.plan import Layout, transfers
 from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
 
@@ -87,7 +87,7 @@ def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_slow_link", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.slow_link", description=__doc__.split("\n")[0])
     parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"], help="tc rates of the link (two or more)")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {error}")
     rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces joined by "
             f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median after the "
-            f"first (of {args.repeats} runs: their median); predicted = launch.link_model's overlap model on gloo on the probed links around the "
+            f"first (of {args.repeats} runs: their median); predicted = launch.tools.link_model's overlap model on gloo on the probed links around the "
             "configuration's compute from its runs at the other rates", "",
             "| configuration | MiB leaving node 0 per step (counted / model) | "
             + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",

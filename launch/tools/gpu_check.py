@@ -1,11 +1,11 @@
 """One-shot check of a GPU machine, in one process (under 8 minutes on one H200):
 
-    python -m launch.gpu_check            # on a GPU: 1.3B GPT, ZeRO stages and offload, flash attention
-    python -m launch.gpu_check --smoke    # the same checks on a tiny GPT on the CPU (CI runs this)
+    python -m launch.tools.gpu_check            # on a GPU: 1.3B GPT, ZeRO stages and offload, flash attention
+    python -m launch.tools.gpu_check --smoke    # the same checks on a tiny GPT on the CPU (CI runs this)
 
 1. torch, CUDA and NCCL versions and the process-group backend;
 2. a 1.3B GPT (GPT-3 XL) in bf16, dp = tp = pp = 1, micro-batch 4, 20 iterations on mock data: tokens/s,
-   MFU against the device's data-sheet peak, and peak memory beside ``launch.plan``'s prediction;
+   MFU against the device's data-sheet peak, and peak memory beside ``launch.tools.plan``'s prediction;
 3. ZeRO stages 0-3 and the optimizer offloaded to the CPU and to NVMe swap files, 5 iterations each, against
    the in-memory stage-0 run (bf16 losses within 1e-3 relative: other kernels step the offloaded masters);
 4. the flash scaled-dot-product-attention kernel runs our attention, forward and backward.
@@ -60,7 +60,7 @@ def check_versions(device: torch.device) -> None:
 
 
 def check_throughput(base: list[str], device: torch.device, workdir: str) -> None:
-    from launch.plan import Layout, plan_layout
+    from launch.tools.plan import Layout, plan_layout
     from pretrain.config.arguments import parse_config
 
     records = _train(base, device, workdir, "throughput")
@@ -127,7 +127,7 @@ def check_flash_attention(device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.tools.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on the CPU: the checks, not the numbers")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
