@@ -16,8 +16,8 @@ import sysconfig
 from typing import Iterator, List, Optional, Tuple
 
 from data.preprocess import preprocess
-from data.sentencepiece_tokenizer import train_tokenizer
-from data.tokenizer import TokenizerSpec
+from data.tokenizers.sentencepiece_tokenizer import train_tokenizer
+from data.tokenizers.spec import TokenizerSpec
 
 EXCLUDED_DIRECTORIES = frozenset({"site-packages", "test", "tests", "idlelib"})
 MAX_FILE_BYTES = 1 << 20

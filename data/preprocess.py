@@ -28,7 +28,7 @@ import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from data.documents import read_documents
-from data.tokenizer import TokenizerSpec, add_tokenizer_arguments, build_tokenizer, spec_from_arguments
+from data.tokenizers.spec import TokenizerSpec, add_tokenizer_arguments, build_tokenizer, spec_from_arguments
 
 _worker_tokenizer = None
 

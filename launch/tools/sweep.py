@@ -37,7 +37,7 @@ import sys
 
 import yaml
 
-from data.tokenizer import build_tokenizer
+from data.tokenizers.spec import build_tokenizer
 from launch.pretrain_run import run_pretrain
 from models.counting import flops_per_token, num_parameters
 from pretrain.config.arguments import parse_config

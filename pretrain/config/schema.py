@@ -11,7 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from data.tokenizer import TOKENIZER_TYPES, TokenizerSpec
+from data.tokenizers.spec import TOKENIZER_TYPES, TokenizerSpec
 from models.config import GPTConfig, flag
 
 

@@ -58,7 +58,7 @@ def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str, wi
 
 def _checkpoint_tokenizer(checkpoint: str, manifest: dict):
     """The tokenizer a checkpoint was trained or imported with, or None when it names none."""
-    from data.tokenizer import TokenizerSpec, build_tokenizer
+    from data.tokenizers.spec import TokenizerSpec, build_tokenizer
 
     recorded = manifest.get("tokenizer")
     if recorded is not None:  # an import: its files sit in the checkpoint

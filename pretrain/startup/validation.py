@@ -210,7 +210,7 @@ def _validate_data(config: Config) -> None:
                               "(to use the built-in corpus)")
         vocab = data.default_corpus_vocab_size
     else:
-        from data.tokenizer import TokenizerSpec, build_tokenizer
+        from data.tokenizers.spec import TokenizerSpec, build_tokenizer
 
         if data.sft:
             if data.data_path is None:

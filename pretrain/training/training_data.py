@@ -12,7 +12,7 @@ import os
 
 from data.gpt_dataset import batch_reader, build_gpt_datasets
 from data.sampler import DataParallelSampler, micro_batches
-from data.tokenizer import TokenizerSpec, build_tokenizer
+from data.tokenizers.spec import TokenizerSpec, build_tokenizer
 from pretrain.config.schema import Config
 
 

@@ -4,8 +4,8 @@ tokenizer trained on it, and indexed datasets of the corpus's two halves."""
 import pytest
 
 from data.preprocess import preprocess
-from data.sentencepiece_tokenizer import SentencePieceTokenizer, train_tokenizer
-from data.tokenizer import TokenizerSpec
+from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_tokenizer
+from data.tokenizers.spec import TokenizerSpec
 
 from .synthetic import VOCAB_SIZE, make_documents, write_jsonl
 

@@ -7,7 +7,7 @@ import time
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from data.default_corpus import ensure_default_corpus, standard_library_sources
-from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
+from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 
 VOCAB_SIZE = 400
 MAX_BYTES = 300_000

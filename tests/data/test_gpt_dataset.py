@@ -9,7 +9,7 @@ import shutil
 
 from data.gpt_dataset import batch_reader, build_gpt_datasets, check_indexed_files, check_token_ids, parse_data_path
 from data.sampler import DataParallelSampler, collate, micro_batches
-from data.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
+from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 
 from ..world import run_world
 

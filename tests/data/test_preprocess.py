@@ -7,7 +7,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from data.preprocess import preprocess
-from data.tokenizer import TokenizerSpec
+from data.tokenizers.spec import TokenizerSpec
 
 from .synthetic import write_jsonl
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from data.sft_dataset import SFTDataError, SFTDataset, build_sft_datasets, encode_example, read_sft_file
-from data.tokenizer import NullTokenizer
+from data.tokenizers.spec import NullTokenizer
 
 
 class _Chars:

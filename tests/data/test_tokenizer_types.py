@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from data.tokenizer import TokenizerSpec, build_tokenizer
+from data.tokenizers.spec import TokenizerSpec, build_tokenizer
 
 from .bpe_files import write_gpt2_files, write_hf_directory
 

@@ -65,7 +65,7 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
         theirs = model(TOKENS).logits
     torch.testing.assert_close(theirs, logits, rtol=1e-4, atol=1e-4)
     # the tokenizer goes along: sentencepiece as a tokenizer.json, its ids and special ids in range
-    from data.sentencepiece_tokenizer import SentencePieceTokenizer
+    from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
     ours = SentencePieceTokenizer(stdlib_corpus[1])
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

@@ -1,15 +1,15 @@
 """The tokenizers a run can read its data with, chosen by Megatron's ``--tokenizer-type``.
 
-    SentencePieceTokenizer   --tokenizer-model X.model          (the default; ``data.sentencepiece_tokenizer``)
-    GPT2BPETokenizer         --vocab-file vocab.json --merge-file merges.txt   (``data.bpe_tokenizers``)
-    HuggingFaceTokenizer     --tokenizer-model DIR or tokenizer.json           (``data.bpe_tokenizers``)
+    SentencePieceTokenizer   --tokenizer-model X.model          (the default; ``data.tokenizers.sentencepiece_tokenizer``)
+    GPT2BPETokenizer         --vocab-file vocab.json --merge-file merges.txt   (``data.tokenizers.byte_level_bpe``)
+    HuggingFaceTokenizer     --tokenizer-model DIR or tokenizer.json           (``data.tokenizers.byte_level_bpe``)
     NullTokenizer            --vocab-size V: text is space-separated ids; V is the end of document
 
 Every tokenizer has ``vocab_size``, ``eod`` / ``eod_id``, ``pad``, ``encode(text)``, ``decode(ids)``
 and ``unique_identifiers`` (which key megatron-core's dataset caches by the tokenizer's content).
 ``build_tokenizer(TokenizerSpec(...))`` raises ValueError naming the flag and the fix.
 
-CLI: `python -m data.tokenizer --input FILE... --vocab-size N --output-prefix P` trains a sentencepiece
+CLI: `python -m data.tokenizers.spec --input FILE... --vocab-size N --output-prefix P` trains a sentencepiece
 model `P.model` on the documents of FILE... (text files, or .jsonl with a "text" field).
 """
 
@@ -118,12 +118,12 @@ def build_tokenizer(spec: TokenizerSpec):
     """The tokenizer ``spec`` names, loaded (ValueError naming the flag when it cannot be)."""
     spec.check()
     if spec.tokenizer_type == "SentencePieceTokenizer":
-        from data.sentencepiece_tokenizer import SentencePieceTokenizer
+        from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
         return SentencePieceTokenizer(spec.tokenizer_model)
     if spec.tokenizer_type == "NullTokenizer":
         return NullTokenizer(spec.vocab_size)
-    from data.bpe_tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer
+    from data.tokenizers.byte_level_bpe import GPT2BPETokenizer, HuggingFaceTokenizer
 
     if spec.tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(spec.vocab_file, spec.merge_file)
@@ -145,9 +145,9 @@ def spec_from_arguments(args: argparse.Namespace) -> TokenizerSpec:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: train a sentencepiece tokenizer and print the model path and vocabulary size."""
-    from data.sentencepiece_tokenizer import SentencePieceTokenizer, train_tokenizer
+    from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_tokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m data.tokenizer",
+    parser = argparse.ArgumentParser(prog="python -m data.tokenizers.spec",
                                      description="Train a sentencepiece BPE tokenizer on documents.")
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
                         help="text files (one document each) or .jsonl files (one per line)")
