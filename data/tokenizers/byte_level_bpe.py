@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from data.tokenizers.spec import SpecialIds, write_hugging_face_files
+from data.tokenizers.base import SpecialIds, write_hugging_face_files
 
 GPT2_END_OF_TEXT = "<|endoftext|>"
 # end-of-document tokens of common tokenizers, tried when a tokenizer.json comes without its config

@@ -7,7 +7,7 @@ trainer reads text one line at a time, so a newline never occurs inside a learne
 encoded through byte fallback as the piece `<0x0A>`, one token per newline, exactly like any
 character outside the vocabulary (tabs, rare unicode) is encoded as its UTF-8 bytes.
 
-CLI (in `data.tokenizers.spec`): `python -m data.tokenizers.spec --input FILE... --vocab-size N --output-prefix P`
+CLI (`data/tokenizers/__main__.py`): `python -m data.tokenizers --input FILE... --vocab-size N --output-prefix P`
 writes `P.model`.
 """
 
@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, List, Sequence
 import sentencepiece
 
 from data.documents import read_documents
-from data.tokenizers.spec import SpecialIds, write_hugging_face_files
+from data.tokenizers.base import SpecialIds, write_hugging_face_files
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 SEED = 1234
@@ -111,7 +111,7 @@ class SentencePieceTokenizer(SpecialIds):
         except OSError as error:
             raise ValueError(
                 f"--tokenizer-model {model_path}: cannot read it ({error.strerror}); "
-                "train one with python -m data.tokenizers.spec"
+                "train one with python -m data.tokenizers"
             ) from None
         self._processor = sentencepiece.SentencePieceProcessor()
         try:
@@ -119,12 +119,12 @@ class SentencePieceTokenizer(SpecialIds):
         except RuntimeError:  # sentencepiece's message is its parser's internals
             raise ValueError(
                 f"--tokenizer-model {model_path}: not a sentencepiece model (the file does not parse as one); "
-                "give the .model file the data was preprocessed with, or train one with python -m data.tokenizers.spec"
+                "give the .model file the data was preprocessed with, or train one with python -m data.tokenizers"
             ) from None
         if self._processor.eos_id() < 0:
             raise ValueError(
                 f"--tokenizer-model {model_path}: the model has no end-of-document (eos) piece; "
-                "train it with python -m data.tokenizers.spec, which reserves one"
+                "train it with python -m data.tokenizers, which reserves one"
             )
         self.model_path = model_path
         self.vocab_size = self._processor.vocab_size()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from data.sft_dataset import SFTDataError, SFTDataset, build_sft_datasets, encode_example, read_sft_file
-from data.tokenizers.spec import NullTokenizer
+from data.tokenizers.null import NullTokenizer
 
 
 class _Chars:

@@ -46,7 +46,7 @@ def test_training_is_deterministic(tmp_path, corpus_jsonl, tokenizer_model):
 def test_cli_writes_model(tmp_path, corpus_jsonl):
     prefix = str(tmp_path / "cli")
     result = subprocess.run(
-        [sys.executable, "-m", "data.tokenizers.spec", "--input", corpus_jsonl,
+        [sys.executable, "-m", "data.tokenizers", "--input", corpus_jsonl,
          "--vocab-size", "350", "--output-prefix", prefix],
         capture_output=True, text=True, check=True,
     )
@@ -63,7 +63,7 @@ def test_missing_or_invalid_model(tmp_path):
         Tokenizer(str(garbage))
     assert str(error.value) == (f"--tokenizer-model {garbage}: not a sentencepiece model (the file does not parse "
                                 "as one); give the .model file the data was preprocessed with, or train one with "
-                                "python -m data.tokenizers.spec")  # once, without sentencepiece's internals
+                                "python -m data.tokenizers")  # once, without sentencepiece's internals
 
 
 def test_bad_training_arguments(tmp_path, corpus_jsonl):
