@@ -10,11 +10,11 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/finetune}
 rm -rf "$WORK"
 python -m launch.examples.finetune_demo make "$WORK"
-python -m pretrain.interop.convert --from-hf "$WORK/hf" --output "$WORK/imported"
+python -m pretrain.convert --from-hf "$WORK/hf" --output "$WORK/imported"
 python -m launch.torchrun --nproc 2 --pretrained-checkpoint "$WORK/imported" --sft --data-path "$WORK/train.jsonl" \
     --split 1,0,0 --seq-length 12 --micro-batch-size 8 --global-batch-size 16 --zero-stage 3 --bf16 \
     --train-iters 300 --lr 3e-3 --min-lr 1e-4 --lr-warmup-iters 10 --lr-decay-style cosine --weight-decay 0 \
     --hidden-dropout 0 --attention-dropout 0 --log-interval 50 --sample-prompt "" --save "$WORK/finetuned" \
     --data-cache-path "$WORK/cache" "$@"
-python -m pretrain.interop.convert --load "$WORK/finetuned" --to hf --output "$WORK/hf-finetuned"
+python -m pretrain.convert --load "$WORK/finetuned" --to hf --output "$WORK/hf-finetuned"
 python -m launch.examples.finetune_demo answer "$WORK/hf-finetuned" "$WORK/heldout.jsonl"

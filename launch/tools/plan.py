@@ -1,6 +1,6 @@
 """Memory planner: which layouts of a GPT fit a cluster, best first, with bytes per device.
 
-    python -m launch.tools.plan [model flags as for pretrain] --world-size 64 --gpus-per-node 8 \\
+    python -m launch.plan [model flags as for pretrain] --world-size 64 --gpus-per-node 8 \\
         --memory-per-device 80GiB [--zero-stage S] [--tensor-model-parallel-size T] \\
         [--pipeline-model-parallel-size P] [--json]
 
@@ -317,7 +317,7 @@ def zero_advice(plans: list[Plan]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.tools.plan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--memory-per-device", default="80GiB", help="e.g. 80GiB, 40GB")

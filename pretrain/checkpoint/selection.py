@@ -60,7 +60,7 @@ def apply_checkpoint_args(config: Config) -> None:
     if directory is None:
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
             raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no checkpoint "
-                             "there (no 'latest' pointer); import one with python -m pretrain.interop.convert --from-hf")
+                             "there (no 'latest' pointer); import one with python -m pretrain.convert --from-hf")
         return
     try:
         path, manifest = read_manifest(directory, step_to_load(config, directory))

@@ -110,7 +110,7 @@ REFUSED = [
             "--rl-offload-optimizer-during-inference:0", "--rl-partial-rollouts:0", "--rl-sequence-packing-algo",
             "--rl-submission-granularity", "--rl-training-cuda-graphs:0", "--rl-use-sequence-packing:0", off=(None,)),
     *_flags("an option of Megatron's inference scripts, not of training (sample here with --sample-prompt, or "
-            "export with python -m pretrain.interop.convert --to hf)", "--prompts:+", "--prompt-file",
+            "export with python -m pretrain.convert --to hf)", "--prompts:+", "--prompt-file",
             "--prompt-file-num-truncate", "--temperature", "--top_k", "--top_p", "--top-n-logprobs",
             "--num-tokens-to-generate", "--return-log-probs:0", "--termination-id", "--stop-words:+", "--output-path",
             "--output-every-n-results", "--max-tokens-to-oom", "--flash-decode:0", "--enable-chunked-prefill:0",

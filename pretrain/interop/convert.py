@@ -1,8 +1,8 @@
 """Convert checkpoints: any layout of ours to one file or to Hugging Face, and Hugging Face to ours.
 
-    python -m pretrain.interop.convert --load DIR --output OUT.safetensors [--with-optimizer-states]
-    python -m pretrain.interop.convert --load DIR --output HF_DIR --to hf
-    python -m pretrain.interop.convert --from-hf HF_DIR --output CKPT_DIR
+    python -m pretrain.convert --load DIR --output OUT.safetensors [--with-optimizer-states]
+    python -m pretrain.convert --load DIR --output HF_DIR --to hf
+    python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
 
 ``consolidated`` (default): one safetensors file of the whole model's fp32 weights under their
 layout-independent names (vocabulary padding removed; the names of a single-process GPTModel), with the
@@ -79,7 +79,7 @@ def _checkpoint_tokenizer(checkpoint: str, manifest: dict):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.interop.convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.convert", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="checkpoint directory (its newest complete checkpoint)")
     source.add_argument("--from-hf", help="a Hugging Face model directory to import as a checkpoint of ours")
