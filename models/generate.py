@@ -2,7 +2,7 @@
 
 ``generate`` only needs a function from a token list to the next token's full-vocabulary logits
 that returns the same values on every rank; ``single_stage_logits(model)`` makes one for a model that
-is not pipelined (tensor-parallel or not), ``pretrain.training.pipeline_runner.StageRunner.next_token_logits`` for
+is not pipelined (tensor-parallel or not), ``pretrain.training.pipeline_runner.PipelineRunner.next_token_logits`` for
 a pipeline.
 """
 

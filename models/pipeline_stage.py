@@ -24,7 +24,7 @@ def stage_chunks(config: GPTConfig, tp: AxisGroup, pp: int, stage: int, *, seed:
         for chunk in range(vp))
 
 
-def build_stage(config: GPTConfig, groups: ParallelGroups, *, seed: int, vp: int = 1,
+def build_pipeline_stage(config: GPTConfig, groups: ParallelGroups, *, seed: int, vp: int = 1,
                 sequence_parallel: bool = False, layers_per_stage: list[int] | None = None) -> nn.ModuleList:
     """This rank's model chunks, with one dropout stream for all chunks of the stage."""
     stage = groups.pp_rank

@@ -136,7 +136,7 @@ class _HierarchicalReduceScatter:
 
     def advance(self) -> None:
         """Finish the level in flight and start the next, if one is left. Callers advance at the same point
-        on every rank (``StagedReduceScatter`` as the next reduction starts), so that every group sees
+        on every rank (``ShardReduceScatter`` as the next reduction starts), so that every group sees
         its collectives in one order."""
         if self.done or self.index + 1 == len(self.levels):
             return

@@ -23,11 +23,11 @@ from launch.bench.world import add_worker_arguments, run_world, write_result, wr
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
-    from models.pipeline_stage import build_stage
+    from models.pipeline_stage import build_pipeline_stage
     from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
     from parallel.saved_activations import SavedActivationMeter
     from pretrain.config.arguments import parse_config
-    from pretrain.training.pipeline_runner import StageRunner
+    from pretrain.training.pipeline_runner import PipelineRunner
     from pretrain.startup.validation import validate
 
     flags = ["--num-layers", str(args.layers_per_chunk * args.pp * args.vp), "--hidden-size", str(args.hidden),
@@ -42,8 +42,8 @@ def _worker(args: argparse.Namespace) -> None:
     topology = validate(config, int(os.environ["WORLD_SIZE"]))  # shape checks; the data is synthetic
     device = init_distributed()
     groups = create_process_groups(topology)
-    chunks = build_stage(config.model, groups, seed=0, vp=args.vp)
-    runner = StageRunner(config, groups, chunks, device, SavedActivationMeter())
+    chunks = build_pipeline_stage(config.model, groups, seed=0, vp=args.vp)
+    runner = PipelineRunner(config, groups, chunks, device, SavedActivationMeter())
 
     def synthetic_batches():
         generator = torch.Generator().manual_seed(0)

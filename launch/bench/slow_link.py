@@ -28,20 +28,20 @@ import sys
 import tempfile
 
 from launch.bench.world import write_table
-from launch.tools.link_model import Links, Transfer, ZeroOptions, step_seconds
+from launch.tools.link_model import Links, Transfer, ZeroCommOptions, step_seconds
 from launch.bench.netns_link import LinkSetupError, TwoNodes
 from launch.tools.plan import Layout, transfers
 from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
 
 CONFIGURATIONS = {
-    "ZeRO-2": (2, ZeroOptions(), []),
-    "ZeRO-3": (3, ZeroOptions(), []),
-    "ZeRO-3 + hpZ": (3, ZeroOptions(hpz=2), ["--zero-hpz-partition-size", "2"]),
-    "ZeRO-3 + hpZ + qwZ + qgZ": (3, ZeroOptions(2, True, True), ["--zero-hpz-partition-size", "2",
+    "ZeRO-2": (2, ZeroCommOptions(), []),
+    "ZeRO-3": (3, ZeroCommOptions(), []),
+    "ZeRO-3 + hpZ": (3, ZeroCommOptions(hpz=2), ["--zero-hpz-partition-size", "2"]),
+    "ZeRO-3 + hpZ + qwZ + qgZ": (3, ZeroCommOptions(2, True, True), ["--zero-hpz-partition-size", "2",
                                                                  "--zero-quantized-weights",
                                                                  "--zero-quantized-gradients"]),
-    "ZeRO-3, shard size = node": (3, ZeroOptions(shard_size=2), ["--zero-shard-size", "2"]),
+    "ZeRO-3, shard size = node": (3, ZeroCommOptions(shard_size=2), ["--zero-shard-size", "2"]),
 }
 RANKS, PER_NODE = 4, 2
 

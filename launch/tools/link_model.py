@@ -8,7 +8,7 @@ takes ``max(per rank / intra-node bandwidth, leaving the node / inter-node bandw
 per sequential message step: a node's ranks share its link to the other nodes.
 
 ``zero_transfers`` lists a step's data-parallel transfers for ZeRO stages 0-3 with ZeRO++'s options
-(``ZeroOptions``: the secondary partition hpZ, quantized weights qwZ, quantized gradients qgZ) and
+(``ZeroCommOptions``: the secondary partition hpZ, quantized weights qwZ, quantized gradients qgZ) and
 MiCS / HSDP shard groups, as ``parallel.zero`` sends them, each placed where it runs: in the forward
 or the backward pass (the gathers a pass needs, the reductions it produces, the stage 1-2 gather the
 next forward waits for module by module under --overlap-param-gather) or exposed (waited where it
@@ -57,7 +57,7 @@ class Device:
 
 
 @dataclass(frozen=True)
-class ZeroOptions:
+class ZeroCommOptions:
     """ZeRO++, MiCS and overlap settings of a layout (the trainer's --zero-hpz-partition-size,
     --zero-quantized-weights, --zero-quantized-gradients, --zero-shard-size (None: dp) and
     --overlap-param-gather)."""
@@ -142,7 +142,7 @@ def all_to_all(axis: str, groups: list[list[int]], node, input_bytes: float, cou
 
 
 def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: int, compute_bytes: int,
-                   grad_bytes: int, options: ZeroOptions = ZeroOptions(), node_size: int | None = None,
+                   grad_bytes: int, options: ZeroCommOptions = ZeroCommOptions(), node_size: int | None = None,
                    backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None) -> list[Transfer]:
     """The data-parallel transfers of one step for ``params`` parameters per rank (nodes of ``node_size``
     consecutive ranks; default the topology's --gpus-per-node, else one node), placed in the passes they
@@ -200,7 +200,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     return [transfer for transfer in transfers if transfer.count > 0]
 
 
-def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
+def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroCommOptions]:
     """ZeRO++ / MiCS settings worth trying at ``stage`` when data-parallel groups span nodes (K = the dp
     ranks of a node); at stages 1-2 each with and without the post-step gather behind the next forward."""
     if stage in (1, 2):
@@ -209,19 +209,19 @@ def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[Ze
     return _zero_plus_plus(stage, topology, gpus_per_node)
 
 
-def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroOptions]:
+def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroCommOptions]:
     k = topology.dp_ranks_per_node(gpus_per_node)
     if k == topology.dp:  # every data-parallel group within one node
-        return [ZeroOptions()]
+        return [ZeroCommOptions()]
     if stage == 2:
-        return [ZeroOptions(), ZeroOptions(quantized_gradients=True)]
+        return [ZeroCommOptions(), ZeroCommOptions(quantized_gradients=True)]
     if stage != 3:
-        return [ZeroOptions()]
+        return [ZeroCommOptions()]
     if k == 1:  # one dp rank per node: no partition fits in a node, quantizing is what is left
-        return [ZeroOptions(), ZeroOptions(quantized_weights=True, quantized_gradients=True)]
-    return [ZeroOptions(), ZeroOptions(hpz=k), ZeroOptions(hpz=k, quantized_weights=True),
-            ZeroOptions(hpz=k, quantized_weights=True, quantized_gradients=True),
-            ZeroOptions(quantized_weights=True, quantized_gradients=True), ZeroOptions(shard_size=k)]
+        return [ZeroCommOptions(), ZeroCommOptions(quantized_weights=True, quantized_gradients=True)]
+    return [ZeroCommOptions(), ZeroCommOptions(hpz=k), ZeroCommOptions(hpz=k, quantized_weights=True),
+            ZeroCommOptions(hpz=k, quantized_weights=True, quantized_gradients=True),
+            ZeroCommOptions(quantized_weights=True, quantized_gradients=True), ZeroCommOptions(shard_size=k)]
 
 
 def step_seconds(transfers: list[Transfer], links: Links, compute: float, micro_batches: int,

@@ -41,7 +41,7 @@ from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
-from launch.tools.link_model import (Device, Links, Transfer, ZeroOptions, parse_bandwidth, ring, step_seconds,
+from launch.tools.link_model import (Device, Links, Transfer, ZeroCommOptions, parse_bandwidth, ring, step_seconds,
                                zero_transfers, zero_variants)
 from models.counting import flops_per_token
 from pretrain.config.arguments import ConfigError, parse_config
@@ -72,7 +72,7 @@ class Layout:
     offload_optimizer: str = "none"
     sequence_parallel: bool = False
     layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
-    zero: ZeroOptions = ZeroOptions()  # ZeRO++ / MiCS
+    zero: ZeroCommOptions = ZeroCommOptions()  # ZeRO++ / MiCS
 
     def layers_on(self, stage: int, num_layers: int) -> int:
         return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
@@ -277,7 +277,7 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                     for recompute in (None, "selective", "full"):
                         for offload in ("none", "cpu") if stage else ("none",):
                             for options in zero_variants(stage, Topology(world_size, t, p, gpus_per_node), gpus_per_node)\
-                                    if zero_plus_plus else [ZeroOptions()]:
+                                    if zero_plus_plus else [ZeroCommOptions()]:
                                 layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1,
                                                       layers_per_stage=layers_per_stage
                                                       if layers_per_stage and p == len(layers_per_stage) else None,
@@ -304,10 +304,10 @@ def zero_advice(plans: list[Plan]) -> str | None:
     """Which ZeRO stage and ZeRO++ options the link model prefers, among layouts that fit (ranked by
     predicted step time): whether ZeRO-2 beats ZeRO-3, and what to turn on at stage 3."""
     two, three = (next((p for p in plans if p.layout.zero_stage == stage), None) for stage in (2, 3))
-    plain3 = next((p for p in plans if p.layout.zero_stage == 3 and p.layout.zero == ZeroOptions()), None)
+    plain3 = next((p for p in plans if p.layout.zero_stage == 3 and p.layout.zero == ZeroCommOptions()), None)
     if two is None or three is None:
         return None
-    options = f" with {three.layout.zero.label()}" if three.layout.zero != ZeroOptions() else ""
+    options = f" with {three.layout.zero.label()}" if three.layout.zero != ZeroCommOptions() else ""
     versus = f", plain ZeRO-3 {plain3.step_seconds:.3f} s" if plain3 is not None and plain3 is not three else ""
     if two.step_seconds < three.step_seconds:
         return (f"on these links ZeRO-2 beats ZeRO-3: {two.step_seconds:.3f} s a step ({two.layout.zero.label()}) "

@@ -36,7 +36,7 @@ from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.param_meta import meta
 from parallel.zero.flat_parameter_buffer import Bucket, FlatParameterBuffer
-from parallel.zero.shard_reduce_scatter import StagedReduceScatter
+from parallel.zero.shard_reduce_scatter import ShardReduceScatter
 
 
 @dataclass
@@ -103,11 +103,11 @@ class GradientSync:
         self._ready: dict[tuple[int, int], int] = {}
         self._in_flight: dict[tuple[int, int], object] = {}  # stages 0-1: in-place reductions
         # stage 2: two staging slots per gradient dtype in the buffer pool (one filling, one being reduced)
-        self._staging: dict[torch.dtype, StagedReduceScatter] = {}
+        self._staging: dict[torch.dtype, ShardReduceScatter] = {}
         if stage == 2:
             for dtype in {b.grad_dtype for b in buffers}:
                 largest = max(k.numel for b in buffers if b.grad_dtype == dtype for k in b.buckets)
-                self._staging[dtype] = StagedReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp,
+                self._staging[dtype] = ShardReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp,
                                                            quantized_gradients)
         self._launched: set[tuple[int, int]] = set()
         self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it

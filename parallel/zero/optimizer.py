@@ -26,7 +26,7 @@ from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.process_groups import module_device
 from parallel.zero.auto_wrap import group_units
-from parallel.zero.replicated_parameters import FlatStorage
+from parallel.zero.replicated_parameters import ReplicatedParameters
 from parallel.zero.grad_norm import global_norm
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -53,7 +53,7 @@ class StepResult:
 class ZeroOptimizer:
     """Data-parallel training with ZeRO stage 0, 1, 2 or 3 over ``dp``.
 
-    The step on top of the storages: ``flat`` (``FlatStorage``: the whole-kept parameters in flat buffers,
+    The step on top of the storages: ``flat`` (``ReplicatedParameters``: the whole-kept parameters in flat buffers,
     their reductions and post-step gathers), ``units`` (``ShardedParameters``, stage 3), ``master``
     (``MasterShards``: one fp32 master per shard slot), the wrapped torch optimizer (which only ever sees
     this rank's masters), the loss scaler and the swap files. Owns the step itself: overflow, the global
@@ -106,7 +106,7 @@ class ZeroOptimizer:
         sharded = (lambda p: sharded_at_stage_3(p, persistence_threshold)) if stage == 3 else (lambda p: False)
         master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}} for group in param_groups]
         self.buffer_pool = buffer_pool or BufferPool(device)
-        self.flat = FlatStorage([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
+        self.flat = ReplicatedParameters([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
                                 bucket_size, device, self.grad_dtype, self.model_parallel, self.buffer_pool,
                                 quantized_weights, quantized_gradients)
         self.units = None

@@ -19,7 +19,7 @@ from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_mod
 from parallel.zero.masters import MasterShards
 
 
-class FlatStorage:
+class ReplicatedParameters:
     """Owns the flat buffers (parameters become views into them), their gradient sync and the post-step
     all-gathers (left in flight behind the next forward with ``overlap``; with ``quantized_weights`` sent
     as block-wise int8, ``parallel.quantization``; stages 2-3 reduce the gradients as int8 with

@@ -27,7 +27,7 @@ from parallel.comm import AxisGroup
 from parallel.quantization import hierarchy_rank, quantized_reduce_scatter_add
 
 
-class StagedReduceScatter:
+class ShardReduceScatter:
     """Owns the staging slots of one gradient dtype and the reductions in flight through them. Never
     keeps a gradient beyond its reduction and never writes a shard before its reduction completed."""
 

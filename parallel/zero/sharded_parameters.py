@@ -42,7 +42,7 @@ from parallel.quantization import weight_all_gather
 from parallel.zero.flat_parameter_buffer import pieces_within
 from parallel.zero.masters import MasterShards
 from parallel.zero.parameter_unit import ParameterUnit
-from parallel.zero.shard_reduce_scatter import StagedReduceScatter
+from parallel.zero.shard_reduce_scatter import ShardReduceScatter
 from parallel.zero.swap import SwapSpace
 
 
@@ -106,7 +106,7 @@ class ShardedParameters:
             self._hooks.append(unit.module.register_forward_hook(self._after_forward(unit)))
             for param in unit.params:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._staging = {dtype: StagedReduceScatter(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
+        self._staging = {dtype: ShardReduceScatter(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
                                                     max(u.numel for u in self.units if u.dtype == dtype),
                                                     grad_dtype(dtype), dp, quantized_gradients)
                          for dtype in {u.dtype for u in self.units}}

@@ -48,7 +48,7 @@ def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.
     return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
-class StageRunner:
+class PipelineRunner:
     """Runs global batches through this rank's model chunks with the configured pipeline schedule.
 
     Owns the chunks' execution (forward and backward steps), the exchange with neighbouring stages, and

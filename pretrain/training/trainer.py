@@ -13,7 +13,7 @@ import torch
 
 from models.counting import flops_per_token, num_parameters
 from models.generate import context_window, generate
-from models.pipeline_stage import build_stage
+from models.pipeline_stage import build_pipeline_stage
 from parallel import comm, zero
 from parallel.buffer_pool import BufferPool
 from parallel.recompute import RecomputePolicy, apply_recompute
@@ -33,7 +33,7 @@ from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_pe
 from pretrain.training.param_groups import adamw_factory, parameter_groups
 from pretrain.training.progress import TrainingProgress
 from pretrain.training.run_control import RunControl
-from pretrain.training.pipeline_runner import StageRunner
+from pretrain.training.pipeline_runner import PipelineRunner
 from pretrain.training.training_data import TrainingData
 from pretrain.observability.wandb_run import start_wandb
 
@@ -88,7 +88,7 @@ class Trainer:
         # materialised from its initialisation recipe and sharded in zero.initialize
         sharded = config.zero.zero_stage == 3
         with torch.device("meta") if sharded else contextlib.nullcontext():
-            self.model = build_stage(config.model, self.groups, seed=train.seed,
+            self.model = build_pipeline_stage(config.model, self.groups, seed=train.seed,
                                      vp=config.parallel.virtual_pipeline_size or 1,
                                      sequence_parallel=config.parallel.sequence_parallel,
                                      layers_per_stage=config.parallel.pipeline_layers_per_stage)
@@ -129,7 +129,7 @@ class Trainer:
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()
-        self.runner = StageRunner(config, self.groups, self.model, device, self.activation_meter,
+        self.runner = PipelineRunner(config, self.groups, self.model, device, self.activation_meter,
                                   self.optimizer)
         self.progress = TrainingProgress()  # the data position; the LR schedule follows it
         self.start_iteration = 0

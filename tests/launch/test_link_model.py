@@ -6,7 +6,7 @@ import math
 import pytest
 
 from launch.bench.slow_link import compute_of
-from launch.tools.link_model import Device, Links, ZeroOptions, step_seconds, zero_transfers
+from launch.tools.link_model import Device, Links, ZeroCommOptions, step_seconds, zero_transfers
 from launch.tools.plan import Layout, plan_layout
 from parallel.topology import Topology
 from pretrain.config.arguments import parse_config
@@ -15,7 +15,7 @@ LINKS = Links(3e9, 0.12e9, 14e-6)  # 24 Gbit/s in a node, 0.96 Gbit/s across
 PARAMS, LAYERS = 14_000_000, 4
 
 
-def _zero_3(backend: str, options: ZeroOptions = ZeroOptions(), micro_batches: int = 2):
+def _zero_3(backend: str, options: ZeroCommOptions = ZeroCommOptions(), micro_batches: int = 2):
     return zero_transfers(Topology(4, 1, 1, 2), PARAMS, 3, micro_batches, 2, 4, options, backend=backend,
                           pieces=LAYERS)
 
@@ -58,7 +58,7 @@ def test_nccl_hides_more_than_gloo_and_a_transfer_hides_only_behind_its_own_micr
 
 
 def test_the_quantize_passes_are_compute_of_the_pass_they_run_in():
-    found = _zero_3("nccl", ZeroOptions(2, True, True))
+    found = _zero_3("nccl", ZeroCommOptions(2, True, True))
     elements = sum(t.count * t.quantized_elements for t in found)
     # qwZ: the first gather quantizes its shard and dequantizes all (1 + 1/4); qgZ: each of 2 micro-batches
     # quantizes and dequantizes the gradients at the node level (2x) and a half of them across (2 x 1/2)
@@ -69,7 +69,7 @@ def test_the_quantize_passes_are_compute_of_the_pass_they_run_in():
 
 
 def test_the_benchmarks_compute_is_the_inverse_of_its_prediction():
-    found = _zero_3("gloo", ZeroOptions(hpz=2))
+    found = _zero_3("gloo", ZeroCommOptions(hpz=2))
     for measured in (0.9, 1.5, 3.0):
         compute = compute_of(measured, found, LINKS, 2)
         assert step_seconds(found, LINKS, compute, 2) == pytest.approx(measured, rel=1e-9)
@@ -81,9 +81,9 @@ def test_the_planner_prices_the_quantize_passes_at_the_devices_rate():
     are fastest and hpZ + qwZ + qgZ loses to hpZ alone; at a GPU's rate it is fastest."""
     model = parse_config(["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length",
                           "64", "--vocab-size", "4096", "--bf16"]).model
-    runs = {"shard groups": (3, ZeroOptions(shard_size=2)), "ZeRO-2": (2, ZeroOptions()),
-            "hpZ": (3, ZeroOptions(hpz=2)), "hpZ + qwZ + qgZ": (3, ZeroOptions(2, True, True)),
-            "ZeRO-3": (3, ZeroOptions())}
+    runs = {"shard groups": (3, ZeroCommOptions(shard_size=2)), "ZeRO-2": (2, ZeroCommOptions()),
+            "hpZ": (3, ZeroCommOptions(hpz=2)), "hpZ + qwZ + qgZ": (3, ZeroCommOptions(2, True, True)),
+            "ZeRO-3": (3, ZeroCommOptions())}
 
     def seconds(quantize_rate: float) -> dict[str, float]:
         device = Device(1.4e10, quantize_rate, "gloo")

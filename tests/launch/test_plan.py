@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from launch.tools.link_model import Links, ZeroOptions
+from launch.tools.link_model import Links, ZeroCommOptions
 from launch.tools.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout, sent_by_axis,
                          transfers)
 from models.counting import num_parameters
@@ -27,10 +27,10 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
     "dp4 stage 3 bf16 hpZ + qwZ + qgZ": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16",
                                           "--gpus-per-node", "2", "--zero-hpz-partition-size", "2",
                                           "--zero-quantized-weights", "--zero-quantized-gradients"],
-                                         Layout(1, 1, 4, 3, zero=ZeroOptions(2, True, True))),
+                                         Layout(1, 1, 4, 3, zero=ZeroCommOptions(2, True, True))),
     "dp4 stage 3 bf16 shard groups of 2": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16",
                                             "--gpus-per-node", "2", "--zero-shard-size", "2"],
-                                           Layout(1, 1, 4, 3, zero=ZeroOptions(shard_size=2))),
+                                           Layout(1, 1, 4, 3, zero=ZeroCommOptions(shard_size=2))),
 }
 DATA_PARALLEL_ONLY = [name for name, (_, layout) in LAYOUTS.items() if layout.tp == layout.pp == 1]
 
@@ -111,8 +111,8 @@ def test_link_model_prefers_zero_2_on_a_slow_link_and_zero_plus_plus_when_ranks_
     for links in (Links(200e9, 1.25e9, 10e-6), Links(200e9, 400e9, 10e-6)):
         zero2, zero3, zero_plus_plus = (plan_layout(config.model, Layout(1, 1, 16, stage, zero=options), 64, 2,
                                                     gpus_per_node=8, links=links).step_seconds
-                                        for stage, options in ((2, ZeroOptions()), (3, ZeroOptions()),
-                                                               (3, ZeroOptions(8, True, True))))
+                                        for stage, options in ((2, ZeroCommOptions()), (3, ZeroCommOptions()),
+                                                               (3, ZeroCommOptions(8, True, True))))
         gaps.append((zero3 - zero2, zero_plus_plus - zero3))
     (slow, slow_quantized), (fast, fast_quantized) = gaps
     assert slow > 0 and fast < 0.1 * slow, gaps

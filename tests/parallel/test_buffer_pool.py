@@ -77,10 +77,10 @@ def test_no_allocation_after_the_first_iteration_and_high_water_independent_of_d
 
 def test_staged_reduction_gives_a_key_its_own_area_when_every_slot_is_still_open():
     from parallel.comm import DetachedGroup
-    from parallel.zero.shard_reduce_scatter import StagedReduceScatter
+    from parallel.zero.shard_reduce_scatter import ShardReduceScatter
 
     pool = BufferPool()
-    staged = StagedReduceScatter(pool, "staging", 8, torch.float32, DetachedGroup("dp", 1))
+    staged = ShardReduceScatter(pool, "staging", 8, torch.float32, DetachedGroup("dp", 1))
     shards = {key: torch.full((4,), 10.0) for key in "abc"}  # earlier micro-batches, kept
     areas = {key: staged.open(key, 4, lambda key=key: shards[key]) for key in "abc"}  # a, b fill both slots
     arena = pool.view("staging", 0, 16, torch.float32)
