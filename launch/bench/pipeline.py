@@ -23,10 +23,10 @@ from launch.bench.world import add_worker_arguments, run_world, write_result, wr
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
-    from models.pipeline_stage import build_pipeline_stage
-    from parallel.process_groups import create_process_groups, init_distributed, shutdown_distributed
+    from parallel.process_groups import init_distributed, shutdown_distributed
     from parallel.saved_activations import SavedActivationMeter
     from pretrain.config.arguments import parse_config
+    from pretrain.training.build import build_groups, build_model
     from pretrain.training.pipeline_runner import PipelineRunner
     from pretrain.startup.validation import validate
 
@@ -41,8 +41,8 @@ def _worker(args: argparse.Namespace) -> None:
     config = parse_config(flags)
     topology = validate(config, int(os.environ["WORLD_SIZE"]))  # shape checks; the data is synthetic
     device = init_distributed()
-    groups = create_process_groups(topology)
-    chunks = build_pipeline_stage(config.model, groups, seed=0, vp=args.vp)
+    groups = build_groups(config, topology)
+    chunks = build_model(config, groups, device)
     runner = PipelineRunner(config, groups, chunks, device, SavedActivationMeter())
 
     def synthetic_batches():

@@ -78,8 +78,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     def ours(stage):
         model, blocks, loss = new_model()
-        _, optimizer = zero.initialize(model, adamw, stage=stage, group=groups.dp, bucket_size=bucket_elements,
-                                       unit_modules=blocks)
+        _, optimizer = zero.initialize(model, adamw, zero.ZeroOptions(stage=stage, bucket_size=bucket_elements),
+                                       groups.dp, unit_modules=blocks)
         return model, lambda tokens: loss(model, tokens), optimizer, lambda: optimizer.model_state_bytes()
 
     def fsdp2():

@@ -23,18 +23,17 @@ from torch import nn
 
 from parallel import comm
 from parallel.buffer_pool import BufferPool
-from parallel.comm import AxisGroup
 from parallel.process_groups import module_device
 from parallel.zero.auto_wrap import group_units
 from parallel.zero.replicated_parameters import ReplicatedParameters
 from parallel.zero.grad_norm import global_norm
-from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
 from parallel.zero.memory import sharded_at_stage_3, storage_bytes
 from parallel.zero.offload import SwappedOptimizerStates, default_sub_group_size, is_per_element
 from parallel.zero.sharded_parameters import ShardedParameters
-from parallel.zero.options import check_stage_options
+from parallel.zero.groups import ZeroGroups
+from parallel.zero.options import ZeroOptions
 from parallel.zero.swap import SwapSpace
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -51,91 +50,66 @@ class StepResult:
 
 
 class ZeroOptimizer:
-    """Data-parallel training with ZeRO stage 0, 1, 2 or 3 over ``dp``.
+    """Data-parallel training with ZeRO stage 0, 1, 2 or 3 (``ZeroOptions``) over ``ZeroGroups``.
 
-    The step on top of the storages: ``flat`` (``ReplicatedParameters``: the whole-kept parameters in flat buffers,
-    their reductions and post-step gathers), ``units`` (``ShardedParameters``, stage 3), ``master``
-    (``MasterShards``: one fp32 master per shard slot), the wrapped torch optimizer (which only ever sees
-    this rank's masters), the loss scaler and the swap files. Owns the step itself: overflow, the global
-    norm, clipping, the update and publishing it. ``zero_grad`` follows torch (``set_to_none``). It never
-    changes which parameters a module has, and never communicates outside ``dp`` except for the norm and
-    the overflow decision.
+    Owns the step over its storages: ``flat`` (``ReplicatedParameters``: parameters kept whole, in flat
+    buffers), ``units`` (``ShardedParameters``, stage 3), ``master`` (``MasterShards``: this rank's fp32
+    masters), the wrapped torch optimizer (which sees only those masters), the loss scaler and the swap
+    files. It never changes which parameters a module has, and never communicates outside its groups.
 
-    Stage 3 shards the parameters of ``unit_modules`` (each parameter belongs to the innermost one
-    holding it; the rest to ``module``) above ``persistence_threshold`` elements; smaller ones, and
-    those whose gradients need a tensor/pipeline reduction first, stay whole as in stage 2.
-
-    Offload (stages 1-3): ``offload_optimizer="cpu"`` keeps the masters, states and step on the CPU;
-    ``"nvme"`` keeps them in swap files under ``nvme_path``, stepped ``sub_group_size`` elements at a
-    time (``SwappedOptimizerStates``). Masters are cut to at most ``sub_group_size`` elements, offloaded
-    or not (None: ``default_sub_group_size`` of this rank's shard, so that the step's buffers hold a small
-    part of what lives in the files at every model size). ``offload_param="nvme"`` (stage 3) keeps the
-    parameter shards in swap files, read ahead of their gathers. ``close()`` removes the swap files.
-
-    ``quantized_weights`` (ZeRO++'s qwZ, stages 1-3): the parameter all-gathers send block-wise int8 with
-    fp32 scales (``parallel.quantization``); every rank computes with the same dequantized weights while
-    the masters stay exact. ``secondary_partition`` (ZeRO++'s hpZ, stage 3): a group of K data-parallel
-    ranks within a node that keeps a secondary partition of the gathered parameters, so that every gather
-    but a step's first of each unit stays within it. ``quantized_gradients`` (ZeRO++'s qgZ, stages 2-3): the
-    groups [node, across nodes] whose hierarchical all-to-all of int8 gradients replaces the reduce-scatter
-    (``parallel.quantization.quantized_reduce_scatter_add``). ``replicas`` (MiCS / HSDP, stages 1-3): ``dp``
-    is then one shard group, and ``replicas`` the ranks that hold this rank's shard in the other groups;
-    the reduced gradient shards are all-reduced over it before the step (each replica steps the same).
+    Stage 3 shards the parameters of ``unit_modules`` above the persistence threshold; smaller ones, and
+    those whose gradients need a tensor/pipeline reduction first, stay whole as in stage 2. Masters are
+    cut to at most ``sub_group_size`` elements, offloaded or not, so that runs with and without offload
+    step the same masters bit for bit. ``close()`` removes the swap files.
     """
 
-    def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, dp: AxisGroup, *, stage: int,
-                 param_groups: list[dict] | None = None, bucket_size: int = 40_000_000, clip_grad: float = 0.0,
-                 model_parallel: ModelParallelGroups | None = None, loss_scaler=None,
-                 unit_modules: list[nn.Module] | None = None, persistence_threshold: int = 100_000,
-                 prefetch_budget: int | None = 0, buffer_pool: BufferPool | None = None,
-                 offload_optimizer: str = "none",
-                 nvme_path: str | None = None, sub_group_size: int | None = None, offload_param: str = "none",
-                 main_grads_in_fp32: bool = True, overlap_param_gather: bool = False, quantized_weights: bool = False,
-                 secondary_partition: AxisGroup | None = None, quantized_gradients: list[AxisGroup] | None = None,
-                 replicas: AxisGroup | None = None):
-        check_stage_options(stage, dp, offload_optimizer, offload_param, quantized_weights, secondary_partition,
-                            quantized_gradients, replicas)
-        self.module, self.dp, self.stage, self.clip_grad = module, dp, stage, clip_grad
-        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
-        self.main_grads_in_fp32, self.overlap_param_gather = main_grads_in_fp32, overlap_param_gather
-        self.model_parallel = model_parallel or ModelParallelGroups()
+    def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, options: ZeroOptions,
+                 groups: ZeroGroups, *, param_groups: list[dict] | None = None, loss_scaler=None,
+                 unit_modules: list[nn.Module] | None = None, buffer_pool: BufferPool | None = None):
+        groups.check(options)
+        self.module, self.options, self.groups = module, options, groups
+        self.dp, self.stage, self.clip_grad = groups.shard, options.stage, options.clip_grad
+        self.replicas, self.model_parallel = groups.replicas, groups.model_parallel
+        self.main_grads_in_fp32 = options.main_grads_in_fp32
         self.loss_scaler = loss_scaler or ConstantLossScaler()
+        dp, stage = self.dp, self.stage
         param_groups = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
         self.params = [p for group in param_groups for p in group["params"]]
         device = module_device(module)
-        sharded = (lambda p: sharded_at_stage_3(p, persistence_threshold)) if stage == 3 else (lambda p: False)
+        sharded = (lambda p: sharded_at_stage_3(p, options.persistence_threshold)) if stage == 3 else (lambda p: False)
         master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}} for group in param_groups]
         self.buffer_pool = buffer_pool or BufferPool(device)
         self.flat = ReplicatedParameters([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
-                                bucket_size, device, self.grad_dtype, self.model_parallel, self.buffer_pool,
-                                quantized_weights, quantized_gradients)
+                                         options.bucket_size, device, self.grad_dtype, self.model_parallel,
+                                         self.buffer_pool, options.quantized_weights, groups.gradient_levels)
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,
-                                           self.buffer_pool, device, prefetch_budget, self.grad_dtype,
-                                           quantized_weights, secondary_partition, quantized_gradients)
+                                           self.buffer_pool, device, options.prefetch_budget, self.grad_dtype,
+                                           options.quantized_weights, groups.secondary_partition,
+                                           groups.gradient_levels)
         shard_numel = self.flat.shard_numel() + (self.units.shard_numel() if self.units is not None else 0)
-        self.sub_group_size = default_sub_group_size(shard_numel) if sub_group_size is None else sub_group_size
+        self.sub_group_size = options.sub_group_size or default_sub_group_size(shard_numel)
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where
         # a sub-group holds whole masters: none is larger than one; cut so with or without offload, as
         # DeepSpeed cuts its fp32 groups, so that both runs step the same masters bit for bit)
-        self.master = MasterShards(torch.device("cpu") if offload_optimizer != "none" else None, device,
+        self.master = MasterShards(torch.device("cpu") if options.offload_optimizer != "none" else None, device,
                                    piece=self.sub_group_size)
         self.flat.add_slots(self.master, master_groups)
         if self.units is not None:
-            self.units.add_slots(self.master, master_groups, dp.rank, aliasable=offload_param == "none")
-        if overlap_param_gather and stage in (1, 2):
+            self.units.add_slots(self.master, master_groups, dp.rank, aliasable=options.offload_param == "none")
+        if options.overlap_param_gather and stage in (1, 2):
             self.flat.wait_in_forward(module)
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
         self.swapped = None
-        if offload_optimizer == "nvme":
-            space = SwapSpace(nvme_path, f"zero-optimizer-pid{os.getpid()}")
+        if options.offload_optimizer == "nvme":
+            space = SwapSpace(options.nvme_path, f"zero-optimizer-pid{os.getpid()}")
             self._close_swap = weakref.finalize(self, space.close)  # swap files are scratch: gone with us
             resident = {i for i, slot in enumerate(self.slots) if slot.aliased}
             self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident, space, self.buffer_pool,
                                                   self.sub_group_size)
-        if offload_param == "nvme":
-            space = SwapSpace(nvme_path, f"zero-params-pid{os.getpid()}")
+        if options.offload_param == "nvme":
+            space = SwapSpace(options.nvme_path, f"zero-params-pid{os.getpid()}")
             self._close_param_swap = weakref.finalize(self, space.close)
             self.units.swap_out(space)
 
@@ -235,7 +209,7 @@ class ZeroOptimizer:
             for index, master in enumerate(self.masters):
                 master.grad = None
                 self.master.write_back(index)  # up to the accelerator behind the step's remaining work
-        self._publish(overlap=self.overlap_param_gather and self.stage < 3)
+        self._publish(overlap=self.options.overlap_param_gather and self.stage < 3)
         return StepResult(grad_norm=norm, loss_scale=scale)
 
     def _publish(self, overlap: bool = False) -> None:

@@ -16,11 +16,12 @@ from parallel.topology import Topology
 from parallel.zero.swap import check_swap_directory
 from pretrain.config.arguments import ConfigError
 from pretrain.config.schema import Config
+from pretrain.training.build import zero_options
 
 
 def validate(config: Config, world_size: int) -> Topology:
     """Raise ConfigError for any setting that cannot work with ``world_size`` processes; return the layout."""
-    par, train, opt, model = config.parallel, config.training, config.optimizer, config.model
+    par, train, model = config.parallel, config.training, config.model
     try:
         topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                             par.gpus_per_node)
@@ -33,12 +34,6 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} divisible by "
                           f"--tensor-model-parallel-size {topology.tp}")
     _validate_pipeline(config, topology)
-    if config.zero.zero_bucket_size < 1:
-        raise ConfigError(f"--zero-bucket-size must be >= 1 element, got {config.zero.zero_bucket_size}")
-    if config.zero.zero_sub_group_size is not None and config.zero.zero_sub_group_size < 1:
-        raise ConfigError(f"--zero-sub-group-size must be >= 1 element, got {config.zero.zero_sub_group_size}")
-    if config.zero.zero_persistence_threshold < 0 or (config.zero.zero_prefetch_budget or 0) < 0:
-        raise ConfigError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
     recompute = config.recompute
     if (recompute.partition_activations or recompute.activations_on_cpu) and recompute.recompute_granularity is None:
         raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
@@ -67,8 +62,7 @@ def validate(config: Config, world_size: int) -> Topology:
     if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
         raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
     _validate_data(config)
-    _validate_zero_plus_plus(config, topology)
-    _validate_offload(config, topology)  # after the data: the vocabulary sizes the swap files
+    _validate_zero(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology
 
 
@@ -117,53 +111,15 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
             raise ConfigError(f"a global batch of {size}: {error}") from None
 
 
-def _validate_zero_plus_plus(config: Config, topology: Topology) -> None:
-    """ZeRO++'s communication options: which stages they need, which sizes divide dp."""
-    zero = config.zero
-    if zero.zero_quantized_weights and zero.zero_stage == 0:
-        raise ConfigError("--zero-quantized-weights needs --zero-stage 1, 2 or 3: stage 0 all-reduces gradients "
-                          "and gathers no parameters; add --zero-stage 3 (or 1, 2) or drop the flag")
-    if zero.zero_quantized_gradients and zero.zero_stage not in (2, 3):
-        raise ConfigError(f"--zero-quantized-gradients needs --zero-stage 2 or 3: stage {zero.zero_stage} "
-                          f"{'all-reduces' if zero.zero_stage == 0 else 'reduce-scatters'} the gradients in place "
-                          "in their flat buffer; add --zero-stage 3 (or 2) or drop the flag")
-    shard = zero.zero_shard_size
-    if shard is not None:
-        if shard < 1 or topology.dp % shard:
-            raise ConfigError(f"--zero-shard-size {shard} must divide the data-parallel size {topology.dp} (world "
-                              f"{topology.world_size} / (tp {topology.tp} x pp {topology.pp})): choose a divisor, "
-                              "usually the data-parallel ranks of one node")
-        if shard < topology.dp and zero.zero_stage == 0:
-            raise ConfigError(f"--zero-shard-size {shard} needs --zero-stage 1, 2 or 3: stage 0 shards nothing")
-        if shard < topology.dp and (zero.zero_hpz_partition_size > 1 or zero.zero_quantized_gradients):
-            raise ConfigError(f"--zero-shard-size {shard} is not combined with --zero-hpz-partition-size or "
-                              "--zero-quantized-gradients here: a shard group of one node already keeps the "
-                              "gathers and reduce-scatters in the node; choose one of the two ways")
-    hpz = zero.zero_hpz_partition_size
-    if hpz < 1 or topology.dp % hpz:
-        raise ConfigError(f"--zero-hpz-partition-size {hpz} must divide the data-parallel size {topology.dp} "
-                          f"(world {topology.world_size} / (tp {topology.tp} x pp {topology.pp})): choose a divisor, "
-                          "usually the data-parallel ranks of one node")
-    if hpz > 1 and zero.zero_stage != 3:
-        raise ConfigError(f"--zero-hpz-partition-size {hpz} needs --zero-stage 3: only stage 3 gathers the "
-                          "parameters in forward and backward; add --zero-stage 3 or drop the flag")
-
-
-def _validate_offload(config: Config, topology: Topology) -> None:
+def _validate_zero(config: Config, topology: Topology) -> None:
+    """ZeRO's own rules (``ZeroOptions.check``), then room for its swap files on this node."""
     zero, train = config.zero, config.training
-    if zero.offload_param == "cpu":
-        raise ConfigError("--offload-param cpu is not available in this build: use --offload-param nvme (stage 3) "
-                          "or none")
-    if zero.offload_param == "nvme" and zero.zero_stage != 3:
-        raise ConfigError("--offload-param nvme needs --zero-stage 3: only stage 3 shards the parameters")
-    if zero.offload_optimizer != "none" and zero.zero_stage == 0:
-        raise ConfigError(f"--offload-optimizer {zero.offload_optimizer} needs --zero-stage 1, 2 or 3: stage 0 "
-                          "keeps no optimizer shard to offload")
+    try:
+        zero_options(config).check(topology.dp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     optimizer_files, param_files = zero.offload_optimizer == "nvme", zero.offload_param == "nvme"
     if not (optimizer_files or param_files):
-        if zero.nvme_path is not None:
-            raise ConfigError("--nvme-path is only used with --offload-optimizer nvme or --offload-param nvme: "
-                              "add one or drop --nvme-path")
         return
     # the processes of this node write Adam's two fp32 moments (and fp32 masters under bf16/fp16, or
     # when the parameters are in files too), and the parameter shards
@@ -177,7 +133,7 @@ def _validate_offload(config: Config, topology: Topology) -> None:
 
 
 def _validate_pipeline(config: Config, topology: Topology) -> None:
-    par, train = config.parallel, config.training
+    par = config.parallel
     vp = par.virtual_pipeline_size or 1
     if vp < 1:
         raise ConfigError(f"--virtual-pipeline-size must be >= 1, got {vp}")

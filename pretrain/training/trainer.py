@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -13,15 +12,12 @@ import torch
 
 from models.counting import flops_per_token, num_parameters
 from models.generate import context_window, generate
-from models.pipeline_stage import build_pipeline_stage
 from parallel import comm, zero
 from parallel.buffer_pool import BufferPool
-from parallel.recompute import RecomputePolicy, apply_recompute
-from parallel.comm_stats import node_size_of
-from parallel.process_groups import ParallelGroups, create_process_groups
+from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
-from parallel.zero import DynamicLossScaler, ModelParallelGroups, expected_parameter_state_bytes, gradient_bytes
+from parallel.zero import expected_parameter_state_bytes, gradient_bytes
 from pretrain.checkpoint import checkpointer
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
@@ -30,7 +26,8 @@ from pretrain.training.lr_schedule import build_lr_schedule
 from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank, model_state_table, peak_flops,
                               peak_memory_bytes, print_rank0, reset_peak_memory)
-from pretrain.training.param_groups import adamw_factory, parameter_groups
+from pretrain.training.build import (build_groups, build_model, build_optimizer, build_recompute, compute_dtype,
+                                     zero_options)
 from pretrain.training.progress import TrainingProgress
 from pretrain.training.run_control import RunControl
 from pretrain.training.pipeline_runner import PipelineRunner
@@ -57,80 +54,27 @@ class Trainer:
 
     def __init__(self, config: Config, topology: Topology, device: torch.device):
         self.config, self.device = config, device
-        hpz = config.zero.zero_hpz_partition_size
-        # qgZ's levels: the data-parallel ranks of a node, then those across nodes
-        per_node = topology.dp_ranks_per_node(node_size_of(topology.gpus_per_node))
-        two_levels = config.zero.zero_quantized_gradients and 1 < per_node < topology.dp
-        shard = config.zero.zero_shard_size or topology.dp  # MiCS / HSDP: the optimizer's group is one shard group
-        self.groups: ParallelGroups = create_process_groups(
-            topology, config.parallel.distributed_timeout_s,
-            dp_partitions=tuple(size for size, used in ((hpz, hpz > 1), (per_node, two_levels),
-                                                        (shard, shard < topology.dp)) if used))
-        shard_group, replicas = self.groups.dp_partition(shard)
+        self.groups: ParallelGroups = build_groups(config, topology)
         self.is_logger = self.groups.rank == 0
         self.control = RunControl(config, self.groups.world)
-        train, opt = config.training, config.optimizer
-        self.dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
-        self.schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
-                                             train.rampup_batch_size, train.step_batch_size_schedule,
-                                             config.model.seq_length)
-        self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples,
-                                             self.schedule.final_batch_size)
-        self.decoupled_lr_schedule = None if opt.decoupled_lr is None else build_lr_schedule(
-            dataclass_replace(opt, lr=opt.decoupled_lr, min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
-                              else opt.min_lr), train.train_iters, train.train_samples, self.schedule.final_batch_size)
-        self.eval_batch_size = train.eval_global_batch_size or self.schedule.final_batch_size
-        self.data = TrainingData(config, self.schedule.samples_after(train.train_iters),
-                                 train.eval_iters * self.eval_batch_size if train.eval_interval else 0,
+        self._build_schedules(topology)
+        train = config.training
+        eval_samples = train.eval_iters * self.eval_batch_size if train.eval_interval else 0
+        self.data = TrainingData(config, self.schedule.samples_after(train.train_iters), eval_samples,
                                  self.groups.dp_rank, topology.dp)
         self.tokenizer = self.data.tokenizer
-        # ZeRO-3 builds the model on the meta device: no rank ever holds it whole; each unit is
-        # materialised from its initialisation recipe and sharded in zero.initialize
-        sharded = config.zero.zero_stage == 3
-        with torch.device("meta") if sharded else contextlib.nullcontext():
-            self.model = build_pipeline_stage(config.model, self.groups, seed=train.seed,
-                                     vp=config.parallel.virtual_pipeline_size or 1,
-                                     sequence_parallel=config.parallel.sequence_parallel,
-                                     layers_per_stage=config.parallel.pipeline_layers_per_stage)
-        self.model.to(self.dtype) if sharded else self.model.to(device, self.dtype)
+        self.dtype = compute_dtype(config)
+        self.model = build_model(config, self.groups, device)
         self.buffer_pool = BufferPool(device)  # ZeRO-R: checkpoints, gradient staging and stage-3 gathers
-        recompute = config.recompute
-        apply_recompute(self.model, RecomputePolicy(recompute.recompute_granularity, recompute.recompute_num_layers,
-                                                    recompute.recompute_method, recompute.partition_activations,
-                                                    recompute.activations_on_cpu), self.groups.tp,
-                        self.buffer_pool)
+        build_recompute(self.model, config, self.groups, self.buffer_pool)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = flops_per_token(config.model)
-        # what the optimizer will hold for these parameters, by the rule it shards them with
-        compute_bytes = torch.finfo(self.dtype).bits // 8
-        self.expected_state_bytes = expected_parameter_state_bytes(
-            self.model.parameters(), config.zero.zero_stage, shard, compute_bytes,
-            config.zero.zero_persistence_threshold, gradient_bytes(compute_bytes, not config.zero.grad_reduce_in_bf16),
-            hpz)
-        _, self.optimizer = zero.initialize(
-            self.model, adamw_factory(opt), stage=config.zero.zero_stage, group=shard_group, replicas=replicas,
-            param_groups=parameter_groups(self.model, opt),
-            bucket_size=config.zero.zero_bucket_size, clip_grad=opt.clip_grad,
-            model_parallel=ModelParallelGroups(tp=self.groups.tp, model_parallel=self.groups.mp,
-                                               embedding=self.groups.embedding),
-            loss_scaler=DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
-                                          hysteresis=train.hysteresis, min_scale=train.min_loss_scale)
-            if train.fp16 else None,
-            unit_modules=[*self.model, *(block for chunk in self.model for block in chunk.layers)],
-            persistence_threshold=config.zero.zero_persistence_threshold,
-            prefetch_budget=config.zero.zero_prefetch_budget, buffer_pool=self.buffer_pool,
-            offload_optimizer=config.zero.offload_optimizer, nvme_path=config.zero.nvme_path,
-            sub_group_size=config.zero.zero_sub_group_size, offload_param=config.zero.offload_param,
-            main_grads_in_fp32=not config.zero.grad_reduce_in_bf16,
-            overlap_param_gather=config.zero.overlap_param_gather, quantized_weights=config.zero.zero_quantized_weights,
-            secondary_partition=self.groups.dp_partition(hpz)[0] if hpz > 1 else None,
-            quantized_gradients=(list(self.groups.dp_partition(per_node)) if two_levels else [self.groups.dp])
-            if config.zero.zero_quantized_gradients else None)
+        self.expected_state_bytes = self._expected_state_bytes()  # before ZeRO: by the rule it shards with
+        self.optimizer = build_optimizer(self.model, config, self.groups, self.buffer_pool)
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()
-        self.runner = PipelineRunner(config, self.groups, self.model, device, self.activation_meter,
-                                  self.optimizer)
+        self.runner = PipelineRunner(config, self.groups, self.model, device, self.activation_meter, self.optimizer)
         self.progress = TrainingProgress()  # the data position; the LR schedule follows it
         self.start_iteration = 0
         self.stopped_early: str | None = None
@@ -140,6 +84,28 @@ class Trainer:
         # building in place (stages 0-2) does, and the masks must not depend on the ZeRO stage
         torch.manual_seed(train.seed + 100 * self.groups.pp_rank)
         self._load_checkpoint()
+
+    def _build_schedules(self, topology: Topology) -> None:
+        """The batch-size schedule and the learning-rate schedules it sizes."""
+        train, opt = self.config.training, self.config.optimizer
+        self.schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
+                                             train.rampup_batch_size, train.step_batch_size_schedule,
+                                             self.config.model.seq_length)
+        final = self.schedule.final_batch_size
+        self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples, final)
+        self.decoupled_lr_schedule = None if opt.decoupled_lr is None else build_lr_schedule(
+            dataclass_replace(opt, lr=opt.decoupled_lr, min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
+                              else opt.min_lr), train.train_iters, train.train_samples, final)
+        self.eval_batch_size = train.eval_global_batch_size or final
+
+    def _expected_state_bytes(self) -> int:
+        """What the optimizer will hold for this rank's parameters, by the rule it shards them with."""
+        options, compute_bytes = zero_options(self.config), torch.finfo(self.dtype).bits // 8
+        return expected_parameter_state_bytes(self.model.parameters(), options.stage,
+                                              options.shard_size or self.groups.dp.size, compute_bytes,
+                                              options.persistence_threshold,
+                                              gradient_bytes(compute_bytes, options.main_grads_in_fp32),
+                                              options.hpz_partition_size)
 
     def _load_checkpoint(self) -> None:
         """Resume --load, or start from --pretrained-checkpoint's weights (Megatron's fine-tuning flags:

@@ -44,9 +44,10 @@ def _pool_use(rank, world_size):
             pool = BufferPool()
             if stage == 3:  # checkpoints share the pool with the gathers they trigger again in backward
                 apply_recompute(torch.nn.ModuleList([model]), RecomputePolicy("full", 1), groups.tp, pool)
-            _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
-                                           group=groups.dp, bucket_size=2_000, unit_modules=list(model.layers),
-                                           persistence_threshold=1000, buffer_pool=pool)
+            _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-3),
+                                           zero.ZeroOptions(stage=stage, bucket_size=2_000,
+                                                            persistence_threshold=1000), groups.dp,
+                                           unit_modules=list(model.layers), buffer_pool=pool)
             counts = []
             for step in range(4):
                 tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))

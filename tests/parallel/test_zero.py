@@ -38,7 +38,8 @@ def _train(module, optimizer, data, dp_rank, dp_size, micro_batches):
     for inputs, targets in data:
         mine = inputs.chunk(dp_size)[dp_rank].chunk(micro_batches), targets.chunk(dp_size)[dp_rank].chunk(micro_batches)
         for index, (x, y) in enumerate(zip(*mine)):
-            loss = nn.functional.mse_loss(module(x.to(next(module.parameters()).dtype)).float(), y) / micro_batches
+            loss = nn.functional.mse_loss(module(x.to(next(module.parameters()).dtype)).float(),
+                                          y) / micro_batches
             with optimizer.no_sync() if index < micro_batches - 1 else torch.enable_grad():
                 optimizer.scale_loss(loss).backward()
         result = optimizer.step()
@@ -57,8 +58,8 @@ def _alone() -> AxisGroup:
 
 @pytest.fixture(scope="module")
 def reference():
-    module, optimizer = zero.initialize(model := _model(), _adam, stage=0, group=_alone(), param_groups=_groups(model),
-                                        clip_grad=0.5)
+    module, optimizer = zero.initialize(model := _model(), _adam, zero.ZeroOptions(stage=0, clip_grad=0.5),
+                                        _alone(), param_groups=_groups(model))
     _train(module, optimizer, _data(6, 8), 0, 1, micro_batches=4)
     return _full_params(module, optimizer)
 
@@ -70,15 +71,17 @@ def _stages_world(rank, world_size, cases):
         model = _model()
         numel = sum(p.numel() for p in model.parameters())
         whole = sum(p.numel() for p in model.parameters() if p.numel() <= 16)
-        module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=bucket_size,
-                                            param_groups=_groups(model), clip_grad=0.5,
-                                            unit_modules=list(model), persistence_threshold=16)
+        module, optimizer = zero.initialize(model, _adam,
+                                            zero.ZeroOptions(stage=stage, bucket_size=bucket_size,
+                                                             clip_grad=0.5, persistence_threshold=16),
+                                            groups.dp, param_groups=_groups(model), unit_modules=list(model))
         micro = 4 // world_size
         _train(module, optimizer, _data(5, 8), rank, world_size, micro_batches=micro)
         groups.stats.reset()
         _train(module, optimizer, _data(6, 8)[5:], rank, world_size, micro_batches=micro)
         sent = groups.stats.bytes_by_operation()
-        out.append((_full_params(module, optimizer), sent, optimizer.model_state_bytes(), numel, whole, micro))
+        out.append((_full_params(module, optimizer), sent, optimizer.model_state_bytes(), numel,
+                    whole, micro))
     return out
 
 
@@ -89,7 +92,8 @@ def test_stages_0_1_2_reproduce_one_process_with_accumulation(reference):
         for per_case in run_world(world_size, _stages_world, cases):
             for (stage, bucket), (params, sent, _, numel, whole, micro) in zip(cases, per_case):
                 # 11 AdamW steps from reductions over dp ranks: another summation order than one process
-                assert_tensors_close(params, reference, f"dp{world_size} stage {stage} bucket {bucket}: parameters")
+                assert_tensors_close(params, reference,
+                                     f"dp{world_size} stage {stage} bucket {bucket}: parameters")
                 ring = (world_size - 1) / world_size
                 if stage == 0:  # one all-reduce of all gradients per step
                     assert sent["all_reduce"] == pytest.approx(2 * ring * numel * 4, rel=0.02)
@@ -110,8 +114,10 @@ def _bf16_bytes(rank, world_size):
     for fp32_grads in (True, False):
         for stage in (0, 1, 2, 3):
             model = _model(width=1024, dtype=torch.bfloat16)
-            module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=100_000,
-                                                unit_modules=list(model), main_grads_in_fp32=fp32_grads)
+            module, optimizer = zero.initialize(model, _adam,
+                                                zero.ZeroOptions(stage=stage, bucket_size=100_000,
+                                                                 main_grads_in_fp32=fp32_grads), groups.dp,
+                                                unit_modules=list(model))
             _train(module, optimizer, _data(1, 8), rank, world_size, micro_batches=1)
             groups.stats.reset()
             _train(module, optimizer, _data(2, 8)[1:], rank, world_size, micro_batches=1)
@@ -144,7 +150,8 @@ def _fp16_overflow(rank, world_size, hysteresis):
     groups = create_process_groups(Topology(world_size))
     model = _model(dtype=torch.float16)
     scaler = zero.DynamicLossScaler(scale=1024.0, hysteresis=hysteresis)
-    module, optimizer = zero.initialize(model, _adam, stage=2, group=groups.dp, loss_scaler=scaler)
+    module, optimizer = zero.initialize(model, _adam, zero.ZeroOptions(stage=2), groups.dp,
+                                        loss_scaler=scaler)
     before = [p.detach().clone() for p in module.parameters()]
     if rank == 1:  # only one rank sees the overflow: one inf in the first weight's gradient
         poison = torch.zeros_like(next(module.parameters()))
@@ -167,7 +174,8 @@ def test_fp16_overflow_on_one_rank_makes_every_rank_skip_and_back_off():
         assert results == [(True, 1024.0, 512.0), (True, 512.0, 256.0)]
         assert unchanged
     for (results, unchanged) in run_world(2, _fp16_overflow, 2):
-        assert results == [(True, 1024.0, 1024.0), (True, 1024.0, 512.0)]  # hysteresis 2: backs off on the 2nd
+        assert results == [(True, 1024.0, 1024.0),
+                           (True, 1024.0, 512.0)]  # hysteresis 2: backs off on the 2nd
 
 
 def _deep_model() -> nn.Module:
@@ -180,8 +188,10 @@ def _live_parameters(rank, world_size, budgets):
     peaks = []
     for budget in budgets:
         model = _deep_model()
-        module, optimizer = zero.initialize(model, _adam, stage=3, group=groups.dp, unit_modules=list(model),
-                                            persistence_threshold=32, prefetch_budget=budget)
+        module, optimizer = zero.initialize(model, _adam,
+                                            zero.ZeroOptions(stage=3, persistence_threshold=32,
+                                                             prefetch_budget=budget), groups.dp,
+                                            unit_modules=list(model))
         for step in range(3):
             x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
             module(x).square().mean().backward()
@@ -207,8 +217,8 @@ def test_prefetch_keeps_live_parameters_within_the_budget():
 def _diverging_ranks(rank, world_size):
     groups = create_process_groups(Topology(world_size))
     model = _deep_model()
-    module, optimizer = zero.initialize(model, _adam, stage=3, group=groups.dp, unit_modules=list(model),
-                                        persistence_threshold=32)
+    module, optimizer = zero.initialize(model, _adam, zero.ZeroOptions(stage=3, persistence_threshold=32),
+                                        groups.dp, unit_modules=list(model))
     x = torch.randn(4, 32)
     if rank == 1:
         x = model[1](x)  # rank 1 runs layer 1 before the sequence: the gather orders differ
@@ -218,15 +228,16 @@ def _diverging_ranks(rank, world_size):
 def test_ranks_gathering_different_modules_fail_with_names_not_a_hang():
     from tests.world import WorldError
 
-    with pytest.raises(WorldError, match=r"ZeRO-3 ranks diverged: this rank gathers (0|1) while another gathers (0|1)"):
+    with pytest.raises(WorldError,
+                       match=r"ZeRO-3 ranks diverged: this rank gathers (0|1) while another gathers (0|1)"):
         run_world(2, _diverging_ranks, timeout_s=60)
 
 
 def test_bad_stage_and_bucket_size_are_refused():
     with pytest.raises(ValueError, match="--zero-stage 5 is unknown"):
-        zero.initialize(_model(), _adam, stage=5, group=_alone())
+        zero.initialize(_model(), _adam, zero.ZeroOptions(stage=5), _alone())
     with pytest.raises(ValueError, match="--zero-bucket-size must be >= 1"):
-        zero.initialize(_model(), _adam, stage=1, group=_alone(), bucket_size=0)
+        zero.initialize(_model(), _adam, zero.ZeroOptions(stage=1, bucket_size=0), _alone())
 
 
 def _resident_bytes() -> int:
@@ -258,7 +269,8 @@ def _construction_peak(rank, world_size, on_meta):
     before = _resident_bytes()
     with torch.device("meta") if on_meta else torch.device("cpu"):
         model = GPTModel(config, groups.tp, seed=0)
-    _, optimizer = zero.initialize(model, _adam, stage=3, group=groups.dp, unit_modules=list(model.layers))
+    _, optimizer = zero.initialize(model, _adam, zero.ZeroOptions(stage=3), groups.dp,
+                                   unit_modules=list(model.layers))
     peak = peak_memory_bytes(cpu) - before
     unit = max(u.numel for u in optimizer.units.units) * 4
     full = _full_params(model, optimizer)
@@ -289,9 +301,10 @@ def _accumulation_world(rank, world_size, stages, steps, per_rank):
                                          (torch.bfloat16, False, per_rank), (torch.bfloat16, True, 1),
                                          (torch.bfloat16, True, per_rank)]:
             model = _model(width=64, dtype=torch.bfloat16).to(dtype)
-            module, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
-                                                group=groups.dp, unit_modules=list(model), persistence_threshold=16,
-                                                main_grads_in_fp32=fp32_grads)
+            module, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-3),
+                                                zero.ZeroOptions(stage=stage, persistence_threshold=16,
+                                                                 main_grads_in_fp32=fp32_grads), groups.dp,
+                                                unit_modules=list(model))
             losses, first_grad = [], None
             for inputs, targets in data:
                 mine = inputs.chunk(world_size)[rank].chunk(micro), targets.chunk(world_size)[rank].chunk(micro)
@@ -339,8 +352,10 @@ def _overlapped_gathers(rank, world_size):
     for stage in (1, 2):
         for overlap in (False, True):
             model = _model(width=64)
-            module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=500,
-                                                param_groups=_groups(model), overlap_param_gather=overlap)
+            module, optimizer = zero.initialize(model, _adam,
+                                                zero.ZeroOptions(stage=stage, bucket_size=500,
+                                                                 overlap_param_gather=overlap), groups.dp,
+                                                param_groups=_groups(model))
             in_flight = []
             for inputs, targets in _data(4, 8):
                 x, y = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]

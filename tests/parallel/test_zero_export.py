@@ -13,7 +13,8 @@ from parallel.zero.export import export_fp32_state_dict
 from tests.parity import NO_DROPOUT, ONE_STEP_RTOL, assert_within
 from tests.world import run_world
 
-CONFIG = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128, **NO_DROPOUT)
+CONFIG = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128,
+                   **NO_DROPOUT)
 
 
 def _batch(seed):
@@ -24,9 +25,10 @@ def _batch(seed):
 def _train_and_export(rank, world_size, stage, directory):
     groups = create_process_groups(Topology(world_size))
     model = GPTModel(CONFIG, groups.tp, seed=0)
-    _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-2), stage=stage, group=groups.dp,
-                                   unit_modules=list(model.layers), persistence_threshold=64, bucket_size=500,
-                                   sub_group_size=200)  # masters cut below a bucket: export joins the pieces
+    # masters cut below a bucket: export joins the pieces
+    options = zero.ZeroOptions(stage=stage, persistence_threshold=64, bucket_size=500, sub_group_size=200)
+    _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-2), options, groups.dp,
+                                   unit_modules=list(model.layers))
     for step in range(3):
         tokens, positions = _batch(step)
         mine = tokens.chunk(world_size)[rank]

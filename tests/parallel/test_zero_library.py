@@ -28,7 +28,8 @@ class Block(nn.Module):
     def forward(self, x):
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v,
+                                                         is_causal=True).transpose(1, 2).reshape(b, s, h))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -78,14 +79,16 @@ def _library_world(rank, world_size):
     for stage in (0, 1, 2, 3):
         for name, group in (("world", None), ("ProcessGroup", pair)):
             # DeepSpeed's stage3_param_persistence_threshold, low enough to shard this small model's blocks
-            module, optimizer = zero.initialize(PlainGPT(), _adamw, stage=stage, group=group,
-                                                persistence_threshold=1000)
+            module, optimizer = zero.initialize(PlainGPT(), _adamw,
+                                                zero.ZeroOptions(stage=stage,
+                                                                 persistence_threshold=1000), group)
             batches = _batches(6, rank, world_size)
             losses = _steps(module, optimizer, batches[:3])
             # a state_dict round trip: a fresh model and optimizer take over after three steps
             state = optimizer.state_dict()
-            fresh, restored = zero.initialize(PlainGPT(), _adamw, stage=stage, group=group,
-                                              persistence_threshold=1000)
+            fresh, restored = zero.initialize(PlainGPT(), _adamw,
+                                              zero.ZeroOptions(stage=stage,
+                                                               persistence_threshold=1000), group)
             restored.load_state_dict(state)
             losses += _steps(fresh, restored, batches[3:])
             units = len(restored.units.units) if restored.units is not None else 0
@@ -100,7 +103,8 @@ def test_zero_initialize_on_a_plain_torch_gpt_at_every_stage_without_project_obj
         reference, weights, _ = runs[0, "world"]
         for (stage, name), (losses, params, units) in runs.items():
             case = f"stage {stage} over the {name} group"
-            assert all(abs(a - b) <= TRAJECTORY_RTOL * abs(b) for a, b in zip(losses, reference)), (case, losses)
+            assert all(abs(a - b) <= TRAJECTORY_RTOL * abs(b) for a,
+                       b in zip(losses, reference)), (case, losses)
             assert_tensors_close(params, weights, case)
             if stage == 3:
                 assert units >= 3, case  # the three blocks found as units (and the rest)

@@ -24,9 +24,10 @@ def _train(groups, stage, dtype, swap_root, **offload):
     """Eight steps of AdamW on a 24-layer GPT (masters of at most 3,000 elements, offloaded or not: the
     same cut steps the same masters); the losses, final parameters and what was held where."""
     model = GPTModel(CONFIG, groups.tp, seed=0).to(dtype)
-    _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.1), stage=stage,
-                                   group=groups.dp, bucket_size=4_000, unit_modules=list(model.layers),
-                                   persistence_threshold=100, clip_grad=1.0, sub_group_size=3_000, **offload)
+    options = zero.ZeroOptions(stage=stage, bucket_size=4_000, persistence_threshold=100, clip_grad=1.0,
+                               sub_group_size=3_000, **offload)
+    _, optimizer = zero.initialize(model, lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.1), options,
+                                   groups.dp, unit_modules=list(model.layers))
     losses, held = [], []
     for step in range(8):
         tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step + 10 * groups.dp_rank))

@@ -20,9 +20,10 @@ def _quantized_weights(rank, world_size):
     for stage in (1, 2, 3):
         for quantized in (False, True):
             model = _model(width=128)
-            options = {"unit_modules": list(model), "persistence_threshold": 16} if stage == 3 else {}
-            module, optimizer = zero.initialize(model, _adam, stage=stage, group=groups.dp, bucket_size=2000,
-                                                param_groups=_groups(model), quantized_weights=quantized, **options)
+            options = zero.ZeroOptions(stage=stage, bucket_size=2000, persistence_threshold=16,
+                                       quantized_weights=quantized)
+            module, optimizer = zero.initialize(model, _adam, options, groups.dp, param_groups=_groups(model),
+                                                unit_modules=list(model))
             losses = []
             for inputs, targets in _data(6, 8):
                 groups.stats.reset()  # the last step's bytes (the first also checks stage 3's gather order)
@@ -75,13 +76,14 @@ def _zero_plus_plus(rank, world_size):
     for name, case in CASES.items():
         model = _model(width=128)
         stage = case.get("stage", 3)
-        options = {"unit_modules": list(model), "persistence_threshold": 0} if stage == 3 else {}
-        module, optimizer = zero.initialize(
-            model, _adam, stage=stage, group=node if case.get("shard") else groups.dp, param_groups=_groups(model),
-            bucket_size=5000, replicas=across if case.get("shard") else None,
-            secondary_partition=node if case.get("secondary") else None,
-            quantized_weights=case.get("quantized_weights", False),
-            quantized_gradients=[node, across] if case.get("quantized_gradients") else None, **options)
+        options = zero.ZeroOptions(stage=stage, bucket_size=5000, persistence_threshold=0,
+                                   quantized_weights=case.get("quantized_weights", False),
+                                   quantized_gradients=case.get("quantized_gradients", False),
+                                   hpz_partition_size=2 if case.get("secondary") else 1,
+                                   shard_size=2 if case.get("shard") else None)
+        module, optimizer = zero.initialize(model, _adam, options,
+                                            zero.ZeroGroups.from_parallel_groups(groups, options),
+                                            param_groups=_groups(model), unit_modules=list(model))
         losses = []
         for inputs, targets in _data(4, 8 * MICRO_BATCHES):
             groups.stats.reset()  # the last step's bytes (the first also checks the gather order)
@@ -123,7 +125,8 @@ def test_secondary_partition_keeps_the_numbers_and_gathers_across_nodes_once_a_s
                 assert torch.equal(a, b), name
         assert results["hpz"]["crossing"]["all_gather"] * 2 * MICRO_BATCHES == results["zero3"]["crossing"]["all_gather"]
         assert results["hpz"]["held"] - results["zero3"]["held"] == results["zero3"]["unit_numel"] // 2 * 4  # fp32
-    assert _crossing(two_nodes, "zero3", "all_gather") > 0  # the ring of dp 4 crosses nodes from ranks 1 and 3
+    assert _crossing(two_nodes, "zero3",
+                     "all_gather") > 0  # the ring of dp 4 crosses nodes from ranks 1 and 3
     for other in two_nodes[1:]:  # replicas compute with identical weights
         for a, b in zip(two_nodes[0]["hpz+qwz"]["params"], other["hpz+qwz"]["params"]):
             assert torch.equal(a, b)
@@ -136,9 +139,11 @@ def test_quantized_gradients_stay_near_the_exact_run_and_zero_plus_plus_sends_un
     for quantized, exact in (("qgz", "zero3"), ("zero2+qgz", "zero2")):
         results = two_nodes[0][quantized]
         assert results["sent"]["reduce_scatter"] == 0 and results["sent"]["all_to_all"] > 0, quantized
-        assert _crossing(two_nodes, quantized, "all_to_all") < 0.3 * _crossing(two_nodes, exact, "reduce_scatter")
+        assert _crossing(two_nodes, quantized, "all_to_all") < 0.3 * _crossing(two_nodes, exact,
+                                                                               "reduce_scatter")
         losses, exact_losses = results["losses"], two_nodes[0][exact]["losses"]
-        assert max(abs(a - b) / b for a, b in zip(losses, exact_losses)) < 0.02, (quantized, losses, exact_losses)
+        assert max(abs(a - b) / b for a, b in zip(losses, exact_losses)) < 0.02, (quantized, losses,
+                                                                                  exact_losses)
         assert any(not torch.equal(a, b) for a, b in zip(results["params"], two_nodes[0][exact]["params"]))
         for other in two_nodes[1:]:
             for a, b in zip(results["params"], other[quantized]["params"]):
@@ -154,13 +159,13 @@ def test_shard_groups_with_replicas_reproduce_zero_3_and_keep_gathers_in_the_nod
     node; only the replicas' all-reduce of the gradient shards crosses, fewer bytes than plain's."""
     for results in two_nodes:
         assert_trajectory_close(results["shard2"]["losses"], results["zero3"]["losses"], "shard groups: loss")
-        assert_tensors_close(results["shard2"]["params"], results["zero3"]["params"], "shard groups: parameters")
+        assert_tensors_close(results["shard2"]["params"], results["zero3"]["params"],
+                             "shard groups: parameters")
         assert results["shard2"]["crossing"]["all_gather"] == results["shard2"]["crossing"]["reduce_scatter"] == 0
     assert 0 < _crossing(two_nodes, "shard2") < _crossing(two_nodes, "zero3")
 
 
 def test_secondary_partition_needs_stage_3():
-    node = AxisGroup("dp_part2", (0, 1), None, CommStats())
     with pytest.raises(ValueError, match="--zero-hpz-partition-size 2 needs --zero-stage 3"):
-        zero.initialize(model := _model(), _adam, stage=2, group=AxisGroup("dp", (0,), None, CommStats()),
-                        param_groups=_groups(model), secondary_partition=node)
+        zero.initialize(_model(), _adam, zero.ZeroOptions(stage=2, hpz_partition_size=2),
+                        AxisGroup("dp", (0, 1), None, CommStats()))
