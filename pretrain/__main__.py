@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     from parallel import peers
     from parallel.comm import as_axis_group
     from parallel.process_groups import init_distributed, shutdown_distributed
-    from pretrain.checkpoint.checkpointer import CheckpointError, SaveError
+    from pretrain.checkpoint.catalog import CheckpointError
+    from pretrain.checkpoint.checkpointer import SaveError
     from pretrain.startup.preflight import PreflightError, agree, local_problems
     from pretrain.training.trainer import Trainer
 

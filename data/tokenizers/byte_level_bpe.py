@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import OrderedDict
@@ -18,19 +17,12 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from data.file_digest import files_sha256
 from data.tokenizers.base import SpecialIds, write_hugging_face_files
 
 GPT2_END_OF_TEXT = "<|endoftext|>"
 # end-of-document tokens of common tokenizers, tried when a tokenizer.json comes without its config
 KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>")
-
-
-def _sha256(*paths: str) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            digest.update(handle.read())
-    return digest.hexdigest()
 
 
 class _ByteLevelBPE(SpecialIds):
@@ -79,7 +71,7 @@ class GPT2BPETokenizer(_ByteLevelBPE):
         tokenizer.add_special_tokens([GPT2_END_OF_TEXT])
         self.special_tokens = {"bos_token": GPT2_END_OF_TEXT, "eos_token": GPT2_END_OF_TEXT,
                                "unk_token": GPT2_END_OF_TEXT}
-        super().__init__(tokenizer, eod, _sha256(vocab_file, merge_file))
+        super().__init__(tokenizer, eod, files_sha256(vocab_file, merge_file))
 
 
 class HuggingFaceTokenizer(_ByteLevelBPE):
@@ -102,7 +94,7 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
                              "directory save_pretrained wrote, with its tokenizer_config.json")
         self.special_tokens = {**_configured_special(os.path.dirname(file)), "eos_token": candidates[0]}
         self.chat_template = _configured_chat_template(os.path.dirname(file))
-        super().__init__(tokenizer, tokenizer.token_to_id(candidates[0]), _sha256(file))
+        super().__init__(tokenizer, tokenizer.token_to_id(candidates[0]), files_sha256(file))
 
 
 def _configured_special(directory: str) -> dict[str, str]:

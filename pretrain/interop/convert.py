@@ -22,7 +22,7 @@ import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint.checkpointer import WEIGHTS_FILE, CheckpointError, read_manifest, read_rank_files
+from pretrain.checkpoint.catalog import MODEL, WEIGHTS_FILE, CheckpointError, read_manifest, read_rank_files
 from pretrain.checkpoint.reshard import CheckpointPieces, ReshardError, WeightsFile
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             pieces = WeightsFile(os.path.join(checkpoint, WEIGHTS_FILE))
         else:
             _, manifest, states = read_rank_files(args.load)
-            pieces = CheckpointPieces(states)
+            pieces = CheckpointPieces([rank_file[MODEL] for rank_file in states])
         if args.to == "hf":
             try:
                 tokenizer = _checkpoint_tokenizer(checkpoint, manifest)

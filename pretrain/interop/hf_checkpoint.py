@@ -21,7 +21,8 @@ from models.config import GPTConfig
 from models.counting import stage_model
 from parallel.param_meta import meta
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint.checkpointer import WEIGHTS_FILE, CheckpointError, file_sha256, write_durably
+from data.file_digest import files_sha256
+from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_names import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -111,7 +112,7 @@ def import_hf(hf_dir: str, output: str) -> str:
     writer.close()
     tokenizer = _copy_tokenizer(hf_dir, os.path.join(staging, "tokenizer"))
     files = {WEIGHTS_FILE: {"bytes": os.path.getsize(os.path.join(staging, WEIGHTS_FILE)),
-                            "sha256": file_sha256(os.path.join(staging, WEIGHTS_FILE))}}
+                            "sha256": files_sha256(os.path.join(staging, WEIGHTS_FILE))}}
     manifest = {"kind": "weights", "iteration": 0, "consumed_samples": 0, "layout": None, "files": files,
                 "config": {name: getattr(config, name) for name in GPTConfig.__dataclass_fields__},
                 "tokenizer": tokenizer, "source": f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}"}

@@ -19,6 +19,8 @@ from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes
 from pretrain.checkpoint import checkpointer
+from pretrain.checkpoint.catalog import MODEL
+from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
 from pretrain.config.schema import Config
@@ -118,17 +120,19 @@ class Trainer:
                 print_rank0(self.is_logger, f"no checkpoint under --load {ckpt.load} yet: training from iteration 0")
             return
         starts_over = directory != ckpt.load or ckpt.finetune
-        manifest, rng = checkpointer.load(directory, self.groups, self.optimizer, self.parameter_names,
-                                        weights_only=loads_weights_only(self.config, directory),
-                                        step=step_to_load(self.config, directory))
+        states = self.checkpoint_states()
+        if starts_over:  # the weights alone
+            states = {MODEL: states[MODEL]}
+        elif ckpt.no_load_rng:
+            del states["rng"]
+        manifest = checkpointer.load(directory, states, self.groups,
+                                     weights_only=loads_weights_only(self.config, directory),
+                                     step=step_to_load(self.config, directory))
         if starts_over or manifest.get("kind") == "weights":
             print_rank0(self.is_logger, f"fine-tuning from the weights of {directory} ({manifest.get('source', 'ours')}"
                         f", iteration {manifest['iteration']}): a fresh optimizer, from iteration 0")
             return
-        self.progress.load_state_dict(manifest)
         self.start_iteration = self.progress.iteration
-        if rng is not None and not ckpt.no_load_rng:  # the same layout: the stage's dropout streams and the default
-            self.model[0].rng.load_state_dict(rng)
         print_rank0(self.is_logger, f"resumed from {directory} at iteration {self.start_iteration}, sample "
                     f"{self.progress.consumed_samples} (global batch {self.schedule.batch_size(self.progress.consumed_samples)})"
                     + (", with a fresh optimizer" if ckpt.no_load_optim else ""))
@@ -288,11 +292,16 @@ class Trainer:
                 f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The run stops "
                 f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
 
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """What a checkpoint of this run holds, by owner: the one place a new checkpointed state is added."""
+        return {MODEL: ZeroModelState(self.optimizer, self.parameter_names, self.groups),
+                "progress": RunState(self.progress),  # the data position; the LR schedule follows it
+                "rng": self.model[0].rng}  # the stage's dropout streams and the default generator
+
     def save(self) -> None:
         ckpt = self.config.checkpoint
-        path = checkpointer.save(ckpt.save, self.progress, self.groups, self.optimizer, self.parameter_names,
-                               self.model[0].rng,
-                               self.config.to_dict(), ckpt.save_keep_last, ckpt.save_retain_interval)
+        path = checkpointer.save(ckpt.save, self.progress.iteration, self.checkpoint_states(), self.groups,
+                                 self.config.to_dict(), ckpt.save_keep_last, ckpt.save_retain_interval)
         print_rank0(self.is_logger, f"saved checkpoint {path}")
 
     def sample(self) -> str | None:

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pretrain.checkpoint.checkpointer import CheckpointError, read_manifest
+from pretrain.checkpoint.catalog import CheckpointError, read_manifest
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import _pp, _tp, _train
 from tests.world import run_world
@@ -43,7 +43,7 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
             assert first[0] + resumed[0] == straight[0], ("nvme", stage)  # as in memory, bit for bit
     assert os.listdir(tmp_path / "swap") == []  # swap files are scratch, removed at the end
     checkpoint, manifest = read_manifest(str(tmp_path / "stage3"))
-    assert manifest["iteration"] == 4 and manifest["consumed_samples"] == 32
+    assert manifest["iteration"] == 4 and manifest["states"]["progress"]["consumed_samples"] == 32
     assert manifest["layout"] == {"world_size": 8, "tp": 2, "pp": 2, "dp": 2, "zero_stage": 3}
     assert sorted(manifest["files"]) == [f"rank_{r:05d}.pt" for r in range(8)]
 
@@ -133,7 +133,7 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
 
     older = {key: value for key, value in forged.items() if key != "format"}  # a rank-file format 1 checkpoint
     json.dump(older, open(manifest_path, "w"))
-    assert "rank files are in format 1 and this version reads format 2" in \
+    assert "rank files are in format 1 and this version reads formats 2 and 3" in \
         run_world(1, _load_only, directory, stdlib_corpus)[0]
 
     open(manifest_path, "w").write("{not json")
@@ -148,6 +148,35 @@ def test_an_unfinished_save_never_becomes_latest(stdlib_corpus, tmp_path):
     checkpoint, manifest = read_manifest(directory)
     assert checkpoint.endswith("iter_0000002") and manifest["iteration"] == 2
     assert run_world(1, _load_only, directory, stdlib_corpus) == ["loaded"]
+
+
+def _as_format_2(checkpoint: str) -> None:
+    """Rewrite a checkpoint as the previous release wrote it: rank files {pieces, optimizer, rng} and the
+    data position at the manifest's top level."""
+    from data.file_digest import files_sha256
+
+    manifest_path = os.path.join(checkpoint, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    for entry in manifest["files"]:
+        path = os.path.join(checkpoint, entry)
+        states = torch.load(path, weights_only=True)["states"]
+        torch.save({**states["model"], "rng": states["rng"]}, path)
+        manifest["files"][entry] = {"bytes": os.path.getsize(path), "sha256": files_sha256(path)}
+    manifest.update(manifest.pop("states")["progress"], format=2)
+    json.dump(manifest, open(manifest_path, "w"))
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_exactly(stdlib_corpus, tmp_path):
+    """A format-2 checkpoint (before the rank files held named states) is read, upgraded as it is read,
+    and resumes bit for bit: the same losses and gradient norms as the straight run."""
+    directory = str(tmp_path / "ckpt")
+    flags = ["--zero-stage", "2", "--lr-decay-iters", "20"]
+    (straight, _), = run_world(1, _train, [flags + ["--train-iters", "6"],
+                                           flags + ["--train-iters", "3", "--save", directory]], stdlib_corpus)
+    _as_format_2(read_manifest(directory)[0])
+    assert read_manifest(directory)[1]["format"] == 2
+    (resumed,), = run_world(1, _train, [flags + ["--train-iters", "6", "--load", directory]], stdlib_corpus)
+    assert resumed[0] == straight[0][3:] and resumed[1] == straight[1][3:]
 
 
 def test_fine_tuning_flags_load_weights_only_or_keep_the_position(stdlib_corpus, tmp_path):

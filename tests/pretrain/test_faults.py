@@ -12,7 +12,7 @@ import time
 import torch
 
 from launch.torchrun import RESTARTABLE
-from pretrain.checkpoint.checkpointer import newest_intact, read_manifest
+from pretrain.checkpoint.catalog import newest_intact, read_manifest
 
 from pretrain.config.arguments import parse_config
 from pretrain.startup.validation import validate

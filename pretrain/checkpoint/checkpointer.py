@@ -1,0 +1,186 @@
+"""Save and load a checkpoint over named stateful owners; never half-written.
+
+Each rank writes its file into ``iter_N.tmp`` (fsynced); after every rank has finished, rank 0 hashes
+the files, writes the manifest, renames the directory to ``iter_N`` and only then replaces ``latest``
+atomically, so a crash at any point leaves the previous checkpoint as ``latest`` and loadable. A
+checkpoint of another layout (dp, tp, pp, ZeRO stage, virtual stages) is re-cut by parameter name
+(``pretrain.checkpoint.reshard``). Where each state goes is ``pretrain.checkpoint.stateful``'s rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from data.file_digest import files_sha256
+from parallel import comm
+from parallel.process_groups import ParallelGroups, default_device
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError, check_format, exists,
+                                         fsync_directory, iteration_name, latest_name, read_manifest, read_rank_file,
+                                         read_rank_files, run_states, verified, write_durably)
+from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
+
+
+class SaveError(CheckpointError):
+    """A save that failed on some rank, raised alike on every rank (the previous checkpoint stays latest)."""
+
+
+def _split(states: dict[str, Stateful]) -> tuple[ZeroModelState, dict[str, Stateful], dict[str, Stateful]]:
+    """(the model state, the run-scoped states, the other rank-scoped states)."""
+    model = states.get(MODEL)
+    if not isinstance(model, ZeroModelState):
+        raise TypeError(f"a checkpoint's states need a ZeroModelState under {MODEL!r}")
+    run = {name: state for name, state in states.items() if isinstance(state, RunState)}
+    rank = {name: state for name, state in states.items() if name != MODEL and name not in run}
+    return model, run, rank
+
+
+def save(directory: str, iteration: int, states: dict[str, Stateful], groups: ParallelGroups, config: dict,
+         keep_last: int = 0, retain_interval: int | None = None) -> str:
+    """Write the checkpoint of ``iteration`` (a collective over the world); return its final path. Each
+    state is written by its own ``state_dict()``: run-scoped ones into the manifest, the rest into the
+    rank file. Then prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the
+    checkpoints at its multiples besides the newest."""
+    model, run, rank_states = _split(states)
+    name = iteration_name(iteration)
+    final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+
+    def agreed(problem: str | None) -> None:  # every rank learns of any rank's failure: no one waits alone
+        failed = [(rank, text) for rank, text in enumerate(comm.all_gather_object(problem, groups.world,
+                                                                                    default_device())) if text]
+        if failed:
+            if groups.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            kept = f"{os.path.join(directory, latest_name(directory))} is still the latest checkpoint, intact" \
+                if exists(directory) else "no earlier checkpoint exists"
+            rank, text = failed[0]
+            raise SaveError(f"saving iteration {iteration} failed on rank {rank}: {text}; {kept}. "
+                            f"Free space under --save {directory} (or choose another) and resume with --load")
+
+    problem = None
+    if groups.rank == 0:
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
+            os.makedirs(staging)
+        except OSError as error:
+            problem = f"{error.strerror or error}: {staging}"
+    agreed(problem)
+    path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
+    with model.in_memory():
+        content = {"states": {MODEL: model.state_dict(), **{n: s.state_dict() for n, s in rank_states.items()}}}
+        problem = _write_rank_file(path, content)
+    agreed(problem)
+    problem = None
+    if groups.rank == 0:
+        manifest = {"format": RANK_FORMAT, "iteration": iteration,
+                    "states": {n: s.state_dict() for n, s in run.items()}, "layout": model.layout(),
+                    "config": config}
+        try:
+            _publish(directory, staging, final, manifest, keep_last, retain_interval)
+        except OSError as error:
+            problem = f"{error.strerror or error}: {error.filename or staging}"
+    agreed(problem)
+    return final
+
+
+def _write_rank_file(path: str, content: dict) -> str | None:
+    """Write ``content`` durably to ``path``; the problem as text if the disk refused it."""
+    try:  # through a Python file: a full disk or a file-size limit is an OSError that says so
+        with open(path + ".part", "wb") as handle:
+            torch.save(content, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(path + ".part", path)
+    except (OSError, RuntimeError) as error:  # torch's zip writer re-raises a failed write as a RuntimeError
+        cause = error if isinstance(error, OSError) else error.__context__
+        if not isinstance(cause, OSError):
+            raise
+        return f"cannot write {path} ({cause.strerror or cause})"
+    return None
+
+
+def _publish(directory: str, staging: str, final: str, manifest: dict, keep_last: int,
+             retain_interval: int | None) -> None:
+    """Rank 0, once every rank file is down: the manifest, the rename, ``latest``, then pruning."""
+    manifest["files"] = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
+                                 "sha256": files_sha256(os.path.join(staging, entry))}
+                         for entry in sorted(os.listdir(staging))}
+    write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
+    fsync_directory(staging)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    write_durably(os.path.join(directory, "latest"), os.path.basename(final).encode())
+    fsync_directory(directory)
+    kept = sorted(entry for entry in os.listdir(directory)
+                  if entry.startswith("iter_") and not entry.endswith(".tmp"))
+    dropped = set(kept[:-keep_last]) if keep_last > 0 else set()
+    if retain_interval:
+        dropped |= {entry for entry in kept[:-1] if int(entry[len("iter_"):]) % retain_interval}
+    for old in sorted(dropped):
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, weights_only: bool = False,
+         step: int | None = None) -> dict:
+    """Restore ``states`` from the newest checkpoint (or iteration ``step``'s: --ckpt-step); return its
+    manifest. The model state loads in place in the same layout and is re-cut by parameter name
+    otherwise; run-scoped states load in any layout; the other rank states only where this rank holds
+    the parameters of the rank that saved them. ``weights_only`` (fine-tuning, and a checkpoint that
+    holds weights only, such as a Hugging Face import) loads the weights alone."""
+    model, run, rank_states = _split(states)
+    checkpoint, manifest = read_manifest(directory, step)
+    if manifest.get("kind") == "weights":
+        source = reshard.WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE))
+        _recut(model, source, f"{checkpoint} (weights)", weights_only=True)
+        return manifest
+    check_format(checkpoint, manifest)
+    mine = None
+    if manifest["layout"] == model.layout() and not weights_only:
+        entry = f"rank_{groups.rank:05d}.pt"
+        mine = read_rank_file(checkpoint, manifest, entry)
+        if model.loads_in_place(mine[MODEL]):
+            with model.in_memory():
+                _load_in_place(model, mine[MODEL], os.path.join(checkpoint, entry))
+        else:  # other layers here (virtual or uneven stages), or other buckets or master pieces: re-cut
+            _recut_files(model, directory, step, weights_only)
+    else:
+        _recut_files(model, directory, step, weights_only)
+    if mine is not None and model.holds_the_same(mine[MODEL]):
+        for name, state in rank_states.items():
+            if name in mine:
+                state.load_state_dict(mine[name])
+    saved_run = run_states(manifest)
+    for name, state in run.items():
+        if name in saved_run:
+            state.load_state_dict(saved_run[name])
+    return manifest
+
+
+def _load_in_place(model: ZeroModelState, saved: dict, path: str) -> None:
+    try:
+        model.load_state_dict(saved)
+    except KeyError as error:
+        raise CheckpointError(f"{path}: its optimizer state has no {error} entry (a rank file of another "
+                              "version of this stack?)") from None
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+
+
+def _recut_files(model: ZeroModelState, directory: str, step: int | None, weights_only: bool) -> None:
+    """Re-cut the model state out of every rank file of the checkpoint."""
+    checkpoint, manifest, files = read_rank_files(directory, step)
+    saved = [states[MODEL] for states in files]
+    _recut(model, reshard.CheckpointPieces(saved), f"{checkpoint} (layout {manifest['layout']})", weights_only,
+           saved)
+
+
+def _recut(model: ZeroModelState, source, what: str, weights_only: bool, saved: list[dict] | None = None) -> None:
+    try:
+        with model.in_memory():
+            model.load_recut(source, weights_only, saved)
+    except reshard.ReshardError as error:
+        raise CheckpointError(f"{what}: cannot be re-cut for this run: {error}") from None
