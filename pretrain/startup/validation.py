@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from models.counting import num_parameters
 from pretrain.training.batch_schedule import build_batch_schedule
-from pretrain.checkpoint.selection import apply_checkpoint_args
+from pretrain.startup.checkpoint_architecture import apply_checkpoint_args
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule

@@ -1,0 +1,73 @@
+"""The architecture and tokenizer that a checkpoint records, applied to the run that loads it.
+
+Megatron's ``--use-checkpoint-args``, always on: the model settings the flags (or YAML) left unset are
+taken from the checkpoint to be loaded (``--load``, else ``--pretrained-checkpoint``); one they set
+differently stops the run before any process group exists, naming the flag and both values. The
+sequence length and dropout are taken when not given, and may be changed. A Hugging Face import also
+brings its tokenizer, used when no tokenizer flag is given.
+"""
+
+from __future__ import annotations
+
+import os
+
+from models.config import GPTConfig
+from pretrain.checkpoint.catalog import CheckpointError, exists, read_manifest
+from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
+from pretrain.config.schema import Config
+
+# what the run may set freely whatever it loads: init, padding
+NOT_ARCHITECTURE = {"init_method_std", "make_vocab_size_divisible_by"}
+# taken from the checkpoint when not given (an imported Llama trains without dropout), never refused
+INHERITED = {"seq_length", "hidden_dropout", "attention_dropout"}
+# settings whose default depends on others: compared by the value they take
+EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups",
+             "position_embedding_type": "position_embedding", "max_position_embeddings": "max_positions"}
+TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+
+def apply_checkpoint_args(config: Config) -> None:
+    """Take the loaded checkpoint's architecture (and an import's tokenizer) into ``config``; ValueError
+    naming the flag that contradicts it."""
+    directory = checkpoint_to_load(config)
+    step, load = config.checkpoint.ckpt_step, config.checkpoint.load
+    if step is not None and (not load or directory != load):  # read_manifest names the saved ones
+        if not load:
+            raise ValueError(f"--ckpt-step {step} picks a checkpoint under --load: add --load DIR")
+        try:
+            read_manifest(load, step)
+        except CheckpointError as error:
+            raise ValueError(str(error)) from None
+    if directory is None:
+        if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
+            raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no checkpoint "
+                             "there (no 'latest' pointer); import one with python -m pretrain.convert --from-hf")
+        return
+    try:
+        path, manifest = read_manifest(directory, step_to_load(config, directory))
+    except CheckpointError as error:
+        raise ValueError(str(error)) from None
+    fields = GPTConfig.__dataclass_fields__
+    recorded = {name: value for name, value in manifest["config"].items() if name in fields}
+    saved = GPTConfig(**recorded)
+    model = config.model
+    for name in fields:
+        if name in NOT_ARCHITECTURE or name not in recorded:
+            continue
+        if name in config.given and name in INHERITED:
+            continue
+        if name in config.given:
+            theirs, ours = (getattr(saved, EFFECTIVE[name]), getattr(model, EFFECTIVE[name])) if name in EFFECTIVE \
+                else (recorded[name], getattr(model, name))
+            if name == "vocab_size" and config.data.tokenizer_type == "NullTokenizer":
+                ours += 1  # a NullTokenizer's --vocab-size V makes a model of V + 1 (its end of document)
+            if theirs != ours:
+                raise ValueError(f"--{name.replace('_', '-')} {ours} contradicts the checkpoint {path}, whose model "
+                                 f"has {theirs}: drop the flag (the model's shape comes from the checkpoint)")
+        else:
+            setattr(model, name, saved.max_positions if name == "max_position_embeddings" else recorded[name])
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer and not any(name in config.given for name in TOKENIZER):
+        for name, value in tokenizer.items():
+            setattr(config.data, name, value if name == "tokenizer_type" else os.path.join(path, value))
