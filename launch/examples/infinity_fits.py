@@ -3,7 +3,8 @@ masters and parameter shards in NVMe swap files (ZeRO-Infinity).
 
     python -m launch.examples.infinity_fits [--hidden-size 2560 --num-layers 24] [--iters 3] [--nvme-path DIR]
 
-Prints the model-state bytes the GPT needs (16 bytes per parameter in bf16 with fp32 masters and Adam)
+Prints the model-state bytes the GPT needs (``parallel.zero.memory``'s price in bf16: the parameter, an fp32
+main gradient, an fp32 master and Adam's two moments, 18 bytes a parameter)
 against the machine's memory, trains it for a few iterations and reports, per iteration, the step
 time, peak resident memory, model states held in memory and bytes in swap files.
 """
@@ -16,6 +17,7 @@ import tempfile
 from launch.pretrain_run import machine_memory_bytes, run_pretrain
 from models.config import GPTConfig
 from models.counting import num_parameters
+from parallel.zero.memory import expected_model_state_bytes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,8 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
                        seq_length=128, vocab_size=4096)
     params, memory = num_parameters(config), machine_memory_bytes()
-    print(f"GPT of {params / 1e9:.2f}B parameters: model states {16 * params / 2**30:.1f} GiB (16 bytes per "
-          f"parameter), this machine has {memory / 2**30:.1f} GiB of memory", flush=True)
+    states = expected_model_state_bytes(0, params, 1, 2)  # bf16, whole: what all ranks hold together at stage 3
+    print(f"GPT of {params / 1e9:.2f}B parameters: model states {states / 2**30:.1f} GiB ({states / params:.0f} "
+          f"bytes per parameter), this machine has {memory / 2**30:.1f} GiB of memory", flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:
         lines = run_pretrain(args.nproc, [
             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),

@@ -2,8 +2,9 @@
 
     python -m launch.examples.stage3_fits [--hidden-size 1536 --num-layers 8] [--iters 2]
 
-Prints the model-state bytes that dp 8 needs per machine without sharding (8 replicas of 16 bytes per
-parameter with Adam in fp32: parameters, gradients, two moments) against the machine's memory, then
+Prints the model-state bytes that dp 8 needs per machine without sharding (8 replicas of what
+``parallel.zero.memory`` prices at stage 0 in fp32: parameters, gradients, Adam's two moments, 16 bytes
+a parameter) against the machine's memory, then
 trains the same GPT for a few iterations with --zero-stage 3 on 8 processes and reports what the
 ranks measured (model-state bytes, peak resident memory), read from the metrics file.
 """
@@ -15,6 +16,7 @@ import argparse
 from launch.pretrain_run import machine_memory_bytes, run_pretrain
 from models.config import GPTConfig
 from models.counting import num_parameters
+from parallel.zero.memory import expected_model_state_bytes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,10 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     config = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=16,
                        seq_length=128, vocab_size=4096)
     params, memory = num_parameters(config), machine_memory_bytes()
-    replicas = 16 * params * args.dp
+    replicas = expected_model_state_bytes(0, params, args.dp, 4) * args.dp
+    per_rank = expected_model_state_bytes(3, params, args.dp, 4)
     print(f"GPT of {params / 1e6:.0f}M parameters; plain data parallelism at dp {args.dp} holds "
           f"{replicas / 2**30:.1f} GiB of model states on this machine ({memory / 2**30:.1f} GiB): "
-          f"{'does not fit' if replicas > memory else 'fits'}; ZeRO-3 needs {16 * params / 2**30:.1f} GiB in all")
+          f"{'does not fit' if replicas > memory else 'fits'}; ZeRO-3 needs {per_rank * args.dp / 2**30:.1f} GiB in all")
     last = run_pretrain(args.dp, [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads", "16",
         "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", str(args.dp),
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ranks = last["per_rank"]
     print(f"trained {args.iters} iterations at dp {args.dp} with ZeRO-3, {last['step_time_s']:.1f} s/iteration, "
           f"loss {last['loss']:.3f}: model states {max(r['model_state_bytes'] for r in ranks) / 2**20:.0f} MiB "
-          f"per rank (16P/N = {16 * params / args.dp / 2**20:.0f} MiB), peak resident "
+          f"per rank (predicted {per_rank / 2**20:.0f} MiB), peak resident "
           f"{sum(r['peak_mem_bytes'] for r in ranks) / 2**30:.1f} GiB during the last iteration, summed over ranks")
 
 
