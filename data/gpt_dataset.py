@@ -90,13 +90,15 @@ def build_gpt_datasets(
     if len(num_samples) != 3 or any(count < 0 for count in num_samples):
         raise ValueError(f"num_samples {num_samples}: expected three non-negative sample counts")
     blend, blends, dataset_class = None, None, GPTDataset
-    split = split.strip("'\" ")  # a shell array may hand over the quotes too ("--split '99,1,0'"), as Megatron allows
+    # a shell array may hand over the quotes too ("--split '99,1,0'"), as Megatron allows
+    split = split.strip("'\" ")
     if per_split is not None:
         blends = []
         for name, paths, count in zip(SPLIT_NAMES, per_split, num_samples):
             if count > 0 and not paths:
                 raise ValueError(f"--{name}-data-path is missing: the run asks for {count} {name} samples")
-            one = parse_data_path(paths) if paths and count > 0 else None  # a split asked for nothing: not built
+            # a split asked for nothing: not built
+            one = parse_data_path(paths) if paths and count > 0 else None
             for prefix in one[0] if one else []:
                 _check_indexed_dataset(prefix, tokenizer, "1", [(0.0, 1.0)], (count, 0, 0))
             blends.append(one)
@@ -205,7 +207,8 @@ def check_split_weights(split: str, wanted: Sequence[bool]) -> None:
     for name, bounds, needed in zip(SPLIT_NAMES, _parse_split(split.strip("'\" ")), wanted):
         if needed and bounds is None:
             fix = " or no --eval-interval" if name == "valid" else ""
-            raise ValueError(f"--split {split}: the {name} split has weight 0 but the run reads {name} samples; give "
+            raise ValueError(f"--split {split}: the {name} split has weight 0 but the run reads {name} "
+                             "samples; give "
                              f"it a weight (e.g. --split 969,30,1){fix}")
 
 
@@ -250,11 +253,13 @@ def check_indexed_files(prefix: str, flag: str = "--data-path") -> IndexedDatase
     expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
     actual = os.path.getsize(prefix + ".bin")
     if actual != expected:
-        raise ValueError(f"{flag} {prefix}: {prefix}.bin has {actual} bytes where its index describes {expected} "
+        raise ValueError(f"{flag} {prefix}: {prefix}.bin has {actual} bytes where its index describes "
+                         f"{expected} "
                          f"(truncated, or the pair of another run); {rebuild}")
     tokens = int(numpy.asarray(lengths, dtype=numpy.int64).sum())
     if len(lengths) == 0 or tokens == 0:
-        raise ValueError(f"{flag} {prefix}: holds {len(lengths)} documents and {tokens} tokens: nothing to train "
+        raise ValueError(f"{flag} {prefix}: holds {len(lengths)} documents and {tokens} tokens: nothing "
+                         "to train "
                          "on; preprocess an input with text")
     return dataset
 
@@ -280,7 +285,8 @@ def check_token_ids(prefix: str, dataset: IndexedDataset, vocab_size: int, flag:
     del ids
     if largest >= vocab_size:
         raise ValueError(f"{flag} {prefix}: holds token id {largest}, beyond the tokenizer's vocabulary of "
-                         f"{vocab_size} (made with another tokenizer?); preprocess it with this tokenizer, or "
+                         f"{vocab_size} (made with another tokenizer?); preprocess it with this "
+                         "tokenizer, or "
                          "give the tokenizer it was made with")
 
 

@@ -74,7 +74,8 @@ def preprocess(
             if not tokens_from.get(path):
                 found = "the file is empty" if os.path.getsize(path) == 0 else \
                     "only empty documents" if path in tokens_from else "no documents"
-                raise ValueError(f"--input {path}: no tokens ({found}): nothing to train on; give a file with "
+                raise ValueError(f"--input {path}: no tokens ({found}): nothing to train on; give a "
+                                 "file with "
                                  "text, or leave it out")
         builder.finalize(temporary_idx)
         if os.path.exists(idx_path):
@@ -116,7 +117,8 @@ def _tokenized_documents(
     with multiprocessing.get_context("spawn").Pool(
         workers, initializer=_load_worker_tokenizer, initargs=(spec,)
     ) as pool:
-        yield from ((paths.popleft(), ids, size) for ids, size in pool.imap(_encode_in_worker, texts(), chunksize=16))
+        yield from ((paths.popleft(), ids, size) for ids,
+                    size in pool.imap(_encode_in_worker, texts(), chunksize=16))
 
 
 def _load_worker_tokenizer(spec: TokenizerSpec) -> None:
@@ -179,10 +181,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--append-eod", action="store_true",
                         help="append the end-of-document id to every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    parser.add_argument("--split-sentences", action="store_true", help="refused: needs nltk's sentence splitter")
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="refused: needs nltk's sentence splitter")
     for flag in ("--partitions", "--log-interval"):
         parser.add_argument(flag, type=int, help="accepted for Megatron's scripts; no effect here")
-    parser.add_argument("--keep-newlines", action="store_true", help="accepted for Megatron's scripts; no effect")
+    parser.add_argument("--keep-newlines", action="store_true",
+                        help="accepted for Megatron's scripts; no effect")
     parser.add_argument("--lang", help="accepted for Megatron's scripts (sentence splitting); no effect")
     args = parser.parse_args(argv)
     if args.split_sentences:
@@ -190,11 +194,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                      "documents, as GPT pretraining reads them")
     plain = [path for path in args.input if not path.endswith((".jsonl", ".json"))]
     if plain and args.json_keys != ["text"]:
-        parser.error(f"--json-keys {' '.join(args.json_keys)}: {plain[0]} is a plain text file (one document, "
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {plain[0]} is a plain text file (one "
+                     "document, "
                      "under the key text); give .jsonl inputs or drop --json-keys")
     for key in args.json_keys:
         try:
-            stats = preprocess(args.input, spec_from_arguments(args), output_prefix_for(args.output_prefix, key),
+            stats = preprocess(args.input, spec_from_arguments(args),
+                               output_prefix_for(args.output_prefix, key),
                                args.append_eod, args.workers, key)
         except ValueError as error:  # bad input data: one line, no usage text
             sys.stderr.write(f"error: {error}\n")

@@ -149,7 +149,8 @@ class SFTDataset(torch.utils.data.Dataset):
                 "position_ids": torch.arange(self.seq_length, dtype=torch.long)}
 
 
-def build_sft_datasets(paths: list[str], split: str, seq_length: int, seed: int, num_samples: Tuple[int, int, int],
+def build_sft_datasets(paths: list[str], split: str, seq_length: int, seed: int,
+                       num_samples: Tuple[int, int, int],
                        tokenizer) -> tuple[Optional[SFTDataset], Optional[SFTDataset], Optional[SFTDataset]]:
     """(train, valid, test) SFT datasets: the examples of ``paths`` cut into consecutive ranges by the
     ``--split`` weights, each read for its number of samples."""
@@ -168,7 +169,8 @@ def build_sft_datasets(paths: list[str], split: str, seq_length: int, seed: int,
             datasets.append(None)
             continue
         if end <= begin:
-            raise SFTDataError(f"--split {split}: the {name} split of {len(examples)} SFT examples is empty; give "
+            raise SFTDataError(f"--split {split}: the {name} split of {len(examples)} SFT examples is "
+                               "empty; give "
                                "it a larger weight or more examples")
         datasets.append(SFTDataset(examples[begin:end], seq_length, count, seed, pad))
     return tuple(datasets)

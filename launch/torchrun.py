@@ -58,7 +58,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
             return said[0] if said else 128 - failures[0][1].exitcode  # the workers printed their error lines
         rank, failure = killed[0]
         name = signal.Signals(-failure.exitcode).name
-        sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was ended by {name}"
+        sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was ended "
+                         f"by {name}"
                          + (" (kill -9, the out-of-memory killer, or torchrun once it ignored SIGTERM)" if name == "SIGKILL"
                             else "") + "\n")
         return 128 - failure.exitcode

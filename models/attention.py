@@ -48,7 +48,8 @@ class SelfAttention(nn.Module):
         self.q_norm, self.k_norm = ((build_norm(config, d, partial_gradient=tp.size > 1),
                                      build_norm(config, d, partial_gradient=tp.size > 1))
                                     if config.qk_layernorm else (None, None))
-        self.proj = RowParallelLinear(heads * d, h, tp, WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
+        self.proj = RowParallelLinear(heads * d, h, tp,
+                                      WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
                                       .scaled_for_residual(config.num_layers), bias=bias,
                                       sequence_parallel=sequence_parallel)
 

@@ -18,7 +18,8 @@ class GPTConfig:
     num_layers: int = field(default=4, metadata=flag("transformer blocks"))
     hidden_size: int = field(default=256, metadata=flag("model width h"))
     num_attention_heads: int = field(default=4, metadata=flag("attention heads a; tp must divide it"))
-    ffn_hidden_size: int | None = field(default=None, metadata=flag("MLP width (default 4h); tp must divide it"))
+    ffn_hidden_size: int | None = field(default=None,
+                                        metadata=flag("MLP width (default 4h); tp must divide it"))
     seq_length: int = field(default=256, metadata=flag("tokens per sample s"))
     max_position_embeddings: int | None = field(
         default=None, metadata=flag("positions the model can take (default seq-length); >= --seq-length"))
@@ -30,20 +31,25 @@ class GPTConfig:
         "learned absolute positions, rotary (rope) or none (learned is an alias of learned_absolute)",
         choices=["learned_absolute", "learned", "rope", "none"]))
     use_rotary_position_embeddings: bool = field(
-        default=False, metadata=flag("rotary positions (Megatron's older spelling of --position-embedding-type rope)"))
+        default=False,
+        metadata=flag("rotary positions (Megatron's older spelling of --position-embedding-type rope)"))
     rotary_base: float = field(default=10000.0, metadata=flag("rotary embedding base (Llama-3: 500000)"))
     rotary_percent: float = field(default=1.0, metadata=flag("fraction of each head's channels that rotate"))
     rotary_interleaved: bool = field(default=False, metadata=flag(
         "rotate pairs of adjacent channels (RoFormer's layout) instead of the two halves"))
-    normalization: str = field(default="LayerNorm", metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
+    normalization: str = field(default="LayerNorm",
+                               metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
     layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon", aliases=["--norm-epsilon"]))
     apply_layernorm_1p: bool = field(default=False, metadata=flag(
         "norm weights stored as offsets from 1 (initialised at 0; the norm scales by 1 + weight)"))
-    qk_layernorm: bool = field(default=False, metadata=flag("normalise queries and keys per head before attention"))
+    qk_layernorm: bool = field(default=False,
+                               metadata=flag("normalise queries and keys per head before attention"))
     swiglu: bool = field(default=False, metadata=flag(
-        "gated SiLU MLP: silu(x W_gate) * (x W_up) -> W_down (default --ffn-hidden-size: 8h/3 rounded down to 64)"))
+        "gated SiLU MLP: silu(x W_gate) * (x W_up) -> W_down (default --ffn-hidden-size: 8h/3 rounded "
+        "down to 64)"))
     squared_relu: bool = field(default=False, metadata=flag("squared ReLU MLP activation instead of GELU"))
-    openai_gelu: bool = field(default=False, metadata=flag("GELU's tanh approximation (OpenAI's GPT-2) instead of erf"))
+    openai_gelu: bool = field(default=False,
+                              metadata=flag("GELU's tanh approximation (OpenAI's GPT-2) instead of erf"))
     group_query_attention: bool = field(
         default=False, metadata=flag("grouped-query attention: --num-query-groups key/value heads"))
     num_query_groups: int | None = field(default=None, metadata=flag(
@@ -52,8 +58,10 @@ class GPTConfig:
         "channels per attention head (default --hidden-size / --num-attention-heads)"))
     untie_embeddings_and_output_weights: bool = field(
         default=False, metadata=flag("an output layer of its own instead of the word embedding's transpose"))
-    disable_bias_linear: bool = field(default=False, metadata=flag("no biases in the attention and MLP linears"))
-    add_qkv_bias: bool = field(default=False, metadata=flag("a bias on the query/key/value projection even with "
+    disable_bias_linear: bool = field(default=False,
+                                      metadata=flag("no biases in the attention and MLP linears"))
+    add_qkv_bias: bool = field(default=False,
+                               metadata=flag("a bias on the query/key/value projection even with "
                                                              "--disable-bias-linear (Qwen2)"))
     hidden_dropout: float = field(default=0.1, metadata=flag("dropout on residual branches and embeddings"))
     attention_dropout: float = field(default=0.1, metadata=flag("dropout on attention probabilities"))
@@ -101,11 +109,13 @@ class GPTConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Raise ValueError naming the flag for any shape the model (at this tp) cannot take."""
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--num-attention-heads {self.num_attention_heads} does not divide --hidden-size "
+            raise ValueError(f"--num-attention-heads {self.num_attention_heads} does not divide "
+                             "--hidden-size "
                              f"{self.hidden_size}: choose a head count that divides it, or give --kv-channels")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
@@ -113,10 +123,12 @@ class GPTConfig:
             raise ValueError("--swiglu and --squared-relu are two MLP activations: choose one")
         self._validate_attention(tp)
         if self.ffn_size < 1:
-            raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 rounded down to "
+            raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "
+                             "rounded down to "
                              f"64, 0 at --hidden-size {self.hidden_size}): give --ffn-hidden-size")
         if self.ffn_size % tp:
-            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size {self.ffn_size}: "
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size "
+                             f"{self.ffn_size}: "
                              "choose a width that tp divides")
         if self.max_positions < self.seq_length:
             raise ValueError(f"--seq-length {self.seq_length} is beyond --max-position-embeddings "
@@ -128,10 +140,12 @@ class GPTConfig:
     def _validate_attention(self, tp: int) -> None:
         heads, groups = self.num_attention_heads, self.query_groups
         if self.num_query_groups is not None and not self.group_query_attention:
-            raise ValueError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention (without it "
+            raise ValueError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention "
+                             "(without it "
                              "every head has its own keys and values): add it, or drop --num-query-groups")
         if groups < 1 or heads % groups:
-            raise ValueError(f"--num-query-groups {groups} does not divide --num-attention-heads {heads}: each group "
+            raise ValueError(f"--num-query-groups {groups} does not divide --num-attention-heads {heads}: "
+                             "each group "
                              "serves an equal share of the query heads")
         if groups % tp:
             raise ValueError(f"--tensor-model-parallel-size {tp} does not divide "
@@ -142,8 +156,10 @@ class GPTConfig:
         if self.position_embedding == "rope":
             rotated = self.rotary_channels
             if rotated < 2 or rotated % 2:
-                raise ValueError(f"rotary positions turn pairs of channels: --rotary-percent {self.rotary_percent} "
-                                 f"of a head's {self.head_dim} channels is {rotated}; choose one that gives an even "
+                raise ValueError("rotary positions turn pairs of channels: --rotary-percent "
+                                 f"{self.rotary_percent} "
+                                 f"of a head's {self.head_dim} channels is {rotated}; choose one that gives "
+                                 "an even "
                                  "number (>= 2)")
             if self.rotary_base <= 0:
                 raise ValueError(f"--rotary-base must be > 0, got {self.rotary_base}")

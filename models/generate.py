@@ -1,10 +1,9 @@
 """Sample text from a GPT: greedy or temperature + top-k, on one model or a whole pipeline.
 
-``generate`` only needs a function from a token list to the next token's full-vocabulary logits
-that returns the same values on every rank; ``single_stage_logits(model)`` makes one for a model that
-is not pipelined (tensor-parallel or not), ``pretrain.training.pipeline_runner.PipelineRunner.next_token_logits`` for
-a pipeline.
-"""
+``generate`` only needs a function from a token list to the next token's full-vocabulary logits that returns
+the same values on every rank; ``single_stage_logits(model)`` makes one for a model that is not pipelined
+(tensor-parallel or not), ``pretrain.training.pipeline_runner.PipelineRunner.next_token_logits`` for a
+pipeline. """
 
 from __future__ import annotations
 
@@ -31,7 +30,8 @@ def single_stage_logits(model: GPTModel) -> NextTokenLogits:
     def logits(tokens: list[int]) -> torch.Tensor:
         device = next(model.parameters()).device
         length = len(tokens)
-        pad = -length % model.tp.size if model.sequence_parallel else 0  # causal: padding changes nothing before it
+        # causal: padding changes nothing before it
+        pad = -length % model.tp.size if model.sequence_parallel else 0
         ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
         positions = torch.arange(length + pad, device=device).unsqueeze(0)
         with torch.no_grad():

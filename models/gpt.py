@@ -138,7 +138,8 @@ class GPTModel(nn.Module):
             return vocab_parallel_logits(x, self.word_embedding.weight, self.tp, self.sequence_parallel)
         return self.output_layer(x)
 
-    def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
+                labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run this part. Input: ``tokens`` [b, s] on the first stage, else ``hidden`` from the previous
         stage. Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits

@@ -25,7 +25,8 @@ class MLP(nn.Module):
         self.activation = config.activation
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         bias = not config.disable_bias_linear
-        self.fc1 = ColumnParallelLinear(h, f, tp, WeightInit(seed, f"layers.{layer}.mlp.fc1.weight", std), bias=bias,
+        self.fc1 = ColumnParallelLinear(h, f, tp,
+                                        WeightInit(seed, f"layers.{layer}.mlp.fc1.weight", std), bias=bias,
                                         sequence_parallel=sequence_parallel,
                                         stacked=2 if self.activation == "swiglu" else 1)
         self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.mlp.fc2.weight", std)

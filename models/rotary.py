@@ -23,7 +23,8 @@ def rotary_tables(config: GPTConfig, positions: torch.Tensor,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
     """Turn the first channels of ``x`` [s, b, heads, d] by the tables; the others pass through."""
     rotated = cos.shape[-1]
     turning, passing = (x, None) if rotated == x.shape[-1] else (x[..., :rotated], x[..., rotated:])

@@ -53,7 +53,8 @@ class BufferPool:
         self.high_water[name] = max(self.high_water.get(name, 0), start + numel)
         return self._arenas[(name, dtype)][start:start + numel]
 
-    def slots(self, name: str, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> SlotPool:
+    def slots(self, name: str, numel: int, dtype: torch.dtype,
+              device: torch.device | None = None) -> SlotPool:
         """The slots of ``numel`` elements under ``name`` (one free list per size, dtype and device)."""
         device = torch.device(device or self.device)
         key = (name, numel, dtype, device)
@@ -104,7 +105,8 @@ class StagingRing:
         self._pending: list = [None] * slots
         self._next = 0
 
-    def take(self, numel: int, finish: callable, avoid: set[int] = frozenset()) -> tuple[torch.Tensor, int] | None:
+    def take(self, numel: int, finish: callable,
+             avoid: set[int] = frozenset()) -> tuple[torch.Tensor, int] | None:
         """(a view of ``numel`` elements of the next slot not in ``avoid``, its index), or None when every
         slot is avoided; ``finish`` is called before the slot's next use."""
         if numel > self.slot_numel:

@@ -7,10 +7,10 @@ all groups of the process, keyed by operation and by axis (n = group size, S = t
     all_gather      (n-1)/n S_out      broadcast       (n-1)/n S
     all_to_all      (n-1)/n S_in       p2p             S per send
 
-Bytes that cross a node boundary are counted again, per operation, by the same ring model: in a
-collective a rank sends everything to the next rank of its group (group order), so all of its bytes
-cross when that rank sits on another node and none otherwise; a point-to-point send crosses when its
-destination does, and so does an all-to-all's part for each rank. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them.
+Bytes that cross a node boundary are counted again, per operation, by the same ring model: in a collective a
+rank sends everything to the next rank of its group (group order), so all of its bytes cross when that rank
+sits on another node and none otherwise; a point-to-point send crosses when its destination does, and so does
+an all-to-all's part for each rank. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them.
 
 A group of one rank sends nothing and makes no call. ``async_op=True`` returns a handle with
 ``wait()`` so callers can overlap communication with compute.
@@ -224,7 +224,8 @@ class _RingReduceScatter(_Ring):
         self._post(partial, self.received)
 
     def _stepped(self) -> bool:
-        mine = self.chunks[(self.group.rank - self.step - 1) % self.group.size]  # its part of what was received
+        # its part of what was received
+        mine = self.chunks[(self.group.rank - self.step - 1) % self.group.size]
         if self.step < self.group.size - 1:
             self._send(mine + self.received)
             return False
@@ -235,7 +236,8 @@ class _RingReduceScatter(_Ring):
         return True
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False):
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+                           async_op: bool = False):
     """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order.
 
     On gloo, whose all-gather stages the whole output in a temporary of its own and copies it back,
@@ -301,7 +303,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: AxisGrou
     """Part j of ``input`` (n equal parts along dim 0) goes to the group's rank j; part i of ``output``
     comes from rank i (both contiguous, of equal sizes, not overlapping)."""
     if input.numel() != output.numel() or input.numel() % group.size:
-        raise ValueError(f"all_to_all over {group.axis} (size {group.size}): input has {input.numel()} elements, "
+        raise ValueError(f"all_to_all over {group.axis} (size {group.size}): input has {input.numel()} "
+                         "elements, "
                          f"output {output.numel()}; both must be equal and divisible by the size")
     if group.size == 1:
         output.copy_(input)
@@ -344,7 +347,8 @@ def batch_isend_irecv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tu
     ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer, tag in recvs]
     for tensor, peer, _ in sends:
-        group.stats.add("p2p", group.axis, _nbytes(tensor), _nbytes(tensor) if group.crosses_node(peer) else 0.0)
+        group.stats.add("p2p", group.axis, _nbytes(tensor),
+                        _nbytes(tensor) if group.crosses_node(peer) else 0.0)
     return dist.batch_isend_irecv(ops) if ops else []
 
 

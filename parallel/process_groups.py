@@ -143,11 +143,14 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
     replica groups across the runs (``ParallelGroups.dp_partition``).
     """
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call parallel.process_groups.init_distributed() first")
+        raise RuntimeError("torch.distributed is not initialised: call "
+                           "parallel.process_groups.init_distributed() first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size != topology.world_size:
-        raise ValueError(f"the launcher started {world_size} processes but the layout is for {topology.world_size} "
-                         f"(pp {topology.pp} x dp {topology.dp} x tp {topology.tp}): launch {topology.world_size} "
+        raise ValueError(f"the launcher started {world_size} processes but the layout is for "
+                         f"{topology.world_size} "
+                         f"(pp {topology.pp} x dp {topology.dp} x tp {topology.tp}): launch "
+                         f"{topology.world_size} "
                          f"processes or change the parallel sizes")
     topology.warn_if_tp_spans_nodes()
     stats = CommStats(topology.gpus_per_node)  # nodes of --gpus-per-node ranks, else the launcher's

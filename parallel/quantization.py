@@ -49,8 +49,10 @@ def quantize(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     return quantized.view(-1), scales.view(-1)
 
 
-def dequantize(quantized: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Write the values of ``quantize``'s output into the flat ``out`` (its first ``out.numel()`` elements)."""
+def dequantize(quantized: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+               block: int = BLOCK) -> torch.Tensor:
+    """Write the values of ``quantize``'s output into the flat ``out`` (its first ``out.numel()``
+    elements)."""
     values = quantized.view(-1, block).to(torch.float32) * scales.view(-1)[:, None]
     out.view(-1).copy_(values.view(-1)[:out.numel()])
     return out
@@ -70,7 +72,8 @@ class _QuantizedGather:
             handle.wait()
         size = self.scales.numel() // blocks(self.chunk, self.block)
         rows = self.output.view(size, self.chunk)
-        for rank, (values, scales) in enumerate(zip(self.quantized.view(size, -1), self.scales.view(size, -1))):
+        for rank, (values, scales) in enumerate(zip(self.quantized.view(size, -1),
+                                                    self.scales.view(size, -1))):
             dequantize(values, scales, rows[rank], self.block)
         self.done = True
         return None
@@ -176,7 +179,8 @@ def quantized_reduce_scatter_add(output: torch.Tensor, input: torch.Tensor, leve
     the input, at a byte an element. Summed in fp32; ``input`` may be reused once this returns."""
     total = math.prod(level.size for level in levels)
     if input.numel() != output.numel() * total:
-        raise ValueError(f"quantized reduce-scatter over {'x'.join(str(level.size) for level in levels)} ranks: "
+        raise ValueError("quantized reduce-scatter over "
+                         f"{'x'.join(str(level.size) for level in levels)} ranks: "
                          f"input has {input.numel()} elements, output {output.numel()}")
     levels = [level for level in levels if level.size > 1]
     if not levels:

@@ -61,7 +61,8 @@ class CheckpointStore:
         used = [(self.pool.slots("activation-checkpoints", kept.numel(), dtype, kept.device), kept)]
         kept_here = kept.to(device, non_blocking=True)
         if self.partition:
-            whole_slots = self.pool.slots("activation-gathers", kept.numel() * self.partition.size, dtype, device)
+            whole_slots = self.pool.slots("activation-gathers",
+                                          kept.numel() * self.partition.size, dtype, device)
             whole = whole_slots.take()
             comm.all_gather_into_tensor(whole, kept_here, self.partition)
             used.append((whole_slots, whole))
@@ -136,7 +137,8 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
                 layer.attention.recompute_core_with(_selective_runner(chunk.rng, store))
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
-            chunk.recompute_layers_with(_full_runner(chunk, policy, CheckpointStore(pool, partition, policy.offload)))
+            chunk.recompute_layers_with(_full_runner(chunk, policy,
+                                                     CheckpointStore(pool, partition, policy.offload)))
 
 
 def _selective_runner(tracker: RNGTracker, store: CheckpointStore):

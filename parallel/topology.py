@@ -140,8 +140,10 @@ class Topology:
         """Warn when a tensor-parallel group crosses nodes: every layer would all-reduce over the network."""
         spanning = self.tp_groups_spanning_nodes()
         if spanning:
-            warnings.warn(f"{len(spanning)} tensor-parallel group(s) span nodes (e.g. ranks {spanning[0]} with "
-                          f"--gpus-per-node {self.gpus_per_node}): choose --tensor-model-parallel-size dividing "
+            warnings.warn(f"{len(spanning)} tensor-parallel group(s) span nodes (e.g. ranks "
+                          f"{spanning[0]} with "
+                          f"--gpus-per-node {self.gpus_per_node}): choose --tensor-model-parallel-size "
+                          "dividing "
                           f"{self.gpus_per_node}", stacklevel=2)
 
     def describe(self) -> str:

@@ -37,7 +37,8 @@ def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
     if dead:
         return f"{', '.join(dead.values())} died during training (killed, or out of memory); the run stopped{resume}"
     if "imed out" in str(error):
-        return (f"a collective timed out after --distributed-timeout-s {config.parallel.distributed_timeout_s:g}: "
+        return ("a collective timed out after --distributed-timeout-s "
+                f"{config.parallel.distributed_timeout_s:g}: "
                 f"a peer stopped responding (hung, or stopped){resume}")
     where = f" (ranks {', '.join(map(str, remote))} run on other hosts)" if remote else ""
     return f"a peer closed its connection{where}; the launcher's summary says which rank ended and why{resume}"

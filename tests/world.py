@@ -49,13 +49,15 @@ def _child(rank: int, world_size: int, port: int, collective_timeout_s: float, r
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         value = fn(rank, world_size, *args)
-        results.put((rank, True, pickle.dumps(value)))  # plain bytes: tensors must not travel as shared memory
+        results.put((rank, True,
+                     pickle.dumps(value)))  # plain bytes: tensors must not travel as shared memory
         dist.destroy_process_group()
     except BaseException:  # report everything, including a gloo timeout, to the parent
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, collective_timeout_s: float | None = None) -> list:
+def run_world(world_size: int, fn, *args, timeout_s: float = 120.0,
+              collective_timeout_s: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank."""
     if not 1 <= world_size <= 8:
         raise ValueError(f"test worlds have 1 to 8 processes, not {world_size}")
@@ -64,7 +66,8 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, collective_t
     results = context.Queue()
     port = free_port()
     collective_timeout_s = collective_timeout_s or timeout_s
-    processes = [context.Process(target=_child, args=(rank, world_size, port, collective_timeout_s, results, fn, args,
+    processes = [context.Process(target=_child,
+                                 args=(rank, world_size, port, collective_timeout_s, results, fn, args,
                                                                 dict(os.environ)),
                                  daemon=False) for rank in range(world_size)]
     for process in processes:

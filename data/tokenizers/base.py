@@ -29,11 +29,13 @@ def write_hugging_face_files(directory: str, tokenizer, special: dict[str, str])
     os.makedirs(directory, exist_ok=True)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+                   "add_eos_token": False,
                    "clean_up_tokenization_spaces": False, **special}, handle, indent=1)
     with open(os.path.join(directory, "special_tokens_map.json"), "w") as handle:
         json.dump(special, handle, indent=1)
-    ids = {f"{name[:-len('_token')]}_token_id": tokenizer.token_to_id(token) for name, token in special.items()}
+    ids = {f"{name[:-len('_token')]}_token_id": tokenizer.token_to_id(token) for name,
+           token in special.items()}
     ids.pop("unk_token_id", None)
     return ids
 

@@ -54,7 +54,8 @@ class GPT2BPETokenizer(_ByteLevelBPE):
     def __init__(self, vocab_file: str, merge_file: str):
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not os.path.isfile(path):
-                raise ValueError(f"{flag} {path}: no such file (GPT2BPETokenizer reads GPT-2's vocab.json and "
+                raise ValueError(f"{flag} {path}: no such file (GPT2BPETokenizer reads GPT-2's "
+                                 "vocab.json and "
                                  "merges.txt)")
         try:
             bpe = models.BPE.from_file(vocab_file, merge_file)
@@ -67,7 +68,8 @@ class GPT2BPETokenizer(_ByteLevelBPE):
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
         eod = tokenizer.token_to_id(GPT2_END_OF_TEXT)
         if eod is None:
-            raise ValueError(f"--vocab-file {vocab_file}: has no {GPT2_END_OF_TEXT} token, GPT-2's end of document")
+            raise ValueError(f"--vocab-file {vocab_file}: has no {GPT2_END_OF_TEXT} token, GPT-2's end of "
+                             "document")
         tokenizer.add_special_tokens([GPT2_END_OF_TEXT])
         self.special_tokens = {"bos_token": GPT2_END_OF_TEXT, "eos_token": GPT2_END_OF_TEXT,
                                "unk_token": GPT2_END_OF_TEXT}
@@ -80,7 +82,8 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
     def __init__(self, path: str):
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise ValueError(f"--tokenizer-model {path}: no tokenizer.json there (HuggingFaceTokenizer reads a "
+            raise ValueError(f"--tokenizer-model {path}: no tokenizer.json there (HuggingFaceTokenizer "
+                             "reads a "
                              "tokenizer.json, or a directory that save_pretrained wrote)")
         try:
             tokenizer = Tokenizer.from_file(file)
@@ -90,7 +93,8 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
         candidates = [eos] if eos else [token for token in KNOWN_EOS if tokenizer.token_to_id(token) is not None]
         if not candidates or tokenizer.token_to_id(candidates[0]) is None:
             raise ValueError(f"--tokenizer-model {path}: no end-of-document token found (no eos_token in "
-                             f"tokenizer_config.json, none of {', '.join(KNOWN_EOS)} in the vocabulary); give the "
+                             f"tokenizer_config.json, none of {', '.join(KNOWN_EOS)} in the vocabulary); "
+                             "give the "
                              "directory save_pretrained wrote, with its tokenizer_config.json")
         self.special_tokens = {**_configured_special(os.path.dirname(file)), "eos_token": candidates[0]}
         self.chat_template = _configured_chat_template(os.path.dirname(file))

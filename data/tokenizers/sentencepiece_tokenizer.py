@@ -7,9 +7,8 @@ trainer reads text one line at a time, so a newline never occurs inside a learne
 encoded through byte fallback as the piece `<0x0A>`, one token per newline, exactly like any
 character outside the vocabulary (tabs, rare unicode) is encoded as its UTF-8 bytes.
 
-CLI (`data/tokenizers/__main__.py`): `python -m data.tokenizers --input FILE... --vocab-size N --output-prefix P`
-writes `P.model`.
-"""
+CLI (`data/tokenizers/__main__.py`): `python -m data.tokenizers --input FILE... --vocab-size N --output-prefix
+P` writes `P.model`. """
 
 import hashlib
 import io
@@ -118,8 +117,10 @@ class SentencePieceTokenizer(SpecialIds):
             self._processor.LoadFromSerializedProto(model_bytes)
         except RuntimeError:  # sentencepiece's message is its parser's internals
             raise ValueError(
-                f"--tokenizer-model {model_path}: not a sentencepiece model (the file does not parse as one); "
-                "give the .model file the data was preprocessed with, or train one with python -m data.tokenizers"
+                f"--tokenizer-model {model_path}: not a sentencepiece model (the file does not parse "
+                "as one); "
+                "give the .model file the data was preprocessed with, or train one with python -m "
+                "data.tokenizers"
             ) from None
         if self._processor.eos_id() < 0:
             raise ValueError(

@@ -42,7 +42,8 @@ class TokenizerSpec:
                              f"(--tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ...)")
         if kind == "GPT2BPETokenizer":
             if self.vocab_file is None:
-                raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file "
+                raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and "
+                                 "--merge-file "
                                  "merges.txt")
         elif self.vocab_file is not None:
             raise ValueError(f"--vocab-file / --merge-file are GPT-2 BPE files: add --tokenizer-type "
@@ -53,7 +54,8 @@ class TokenizerSpec:
         if kind in ("GPT2BPETokenizer", "NullTokenizer") and self.tokenizer_model is not None:
             raise ValueError(f"--tokenizer-model is not used by --tokenizer-type {kind}: drop it")
         if kind == "NullTokenizer" and (self.vocab_size is None or self.vocab_size < 1):
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size V (ids 0..V-1; V ends a document)")
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size V (ids 0..V-1; V ends a "
+                             "document)")
 
 
 def build_tokenizer(spec: TokenizerSpec):
@@ -77,11 +79,13 @@ def build_tokenizer(spec: TokenizerSpec):
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron's tokenizer flags, for tools that take them (``data.preprocess``)."""
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer")
-    parser.add_argument("--tokenizer-model", help="sentencepiece .model, or a Hugging Face tokenizer.json / directory")
+    parser.add_argument("--tokenizer-model",
+                        help="sentencepiece .model, or a Hugging Face tokenizer.json / directory")
     parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--vocab-size", type=int, help="NullTokenizer: ids below it; it ends a document")
 
 
 def spec_from_arguments(args: argparse.Namespace) -> TokenizerSpec:
-    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
+    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                         args.merge_file, args.vocab_size)

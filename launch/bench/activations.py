@@ -62,7 +62,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.activations", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.activations",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--hidden", type=int, default=256)
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         base = result[f"{layers}/none"]["step_s"]
         for name in POLICIES:
             entry = result[f"{layers}/{name}"]
-            rows.append(f"| {layers} | {name} | {entry['bytes'] / 2**20:.2f} | {layers * ours[name] / 2**20:.2f} | "
+            rows.append(f"| {layers} | {name} | {entry['bytes'] / 2**20:.2f} | "
+                        f"{layers * ours[name] / 2**20:.2f} | "
                         f"{layers * korthikanti[name] / 2**20:.2f} | {entry['step_s']:.3f} | "
                         f"{entry['step_s'] / base:.2f}x |")
             print(rows[-1], flush=True)

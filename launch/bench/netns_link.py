@@ -65,7 +65,8 @@ class TwoNodes:
         self.interfaces = (f"zv{tag}a", f"zv{tag}b")
         self.rate, self.subnet = rate, subnet
         # the bucket holds a millisecond of traffic: a larger one refills while the ranks compute and lets
-        # each collective's first burst through at the veth's own speed (a small model would never see the rate)
+        # each collective's first burst through at the veth's own speed (a small model would never see the
+        # rate)
         self.burst = f"{max(16 << 10, int(parse_bandwidth(rate) / 1000))}b" if rate else None
 
     def address(self, node: int) -> str:
@@ -93,9 +94,11 @@ class TwoNodes:
                 # a cluster's setting: TCP keeps its window across the pauses between collectives (the
                 # default restarts slow start after each idle moment, which a stream of collectives cut by
                 # compute would pay again and again, unlike an InfiniBand or RoCE link)
-                self._ip("ip", "netns", "exec", namespace, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
+                self._ip("ip", "netns", "exec", namespace, "sysctl", "-q", "-w",
+                         "net.ipv4.tcp_slow_start_after_idle=0")
                 if self.rate:
-                    self._ip("tc", "-n", namespace, "qdisc", "add", "dev", interface, "root", "tbf", "rate", self.rate,
+                    self._ip("tc", "-n", namespace, "qdisc", "add", "dev", interface, "root",
+                             "tbf", "rate", self.rate,
                              "burst", self.burst, "latency", "20ms")
         except LinkSetupError:
             self.__exit__(None, None, None)
@@ -113,15 +116,18 @@ class TwoNodes:
         """Start ``argv`` in node ``node``'s namespace."""
         return subprocess.Popen(self.command(node, argv), env=env, **kwargs)
 
-    def probe(self, source: int, target: int, nbytes: int = 64 << 20, port: int = 5599) -> tuple[float, float]:
+    def probe(self, source: int, target: int, nbytes: int = 64 << 20,
+              port: int = 5599) -> tuple[float, float]:
         """(bytes per second, one-way latency in seconds) of a TCP stream from node ``source`` to node
         ``target`` (the same node: its loopback)."""
         host = self.address(target) if source != target else "127.0.0.1"
-        server = self.popen(target, [sys.executable, "-c", PROBE, "server", host, str(port), str(nbytes)], os.environ,
+        server = self.popen(target,
+                            [sys.executable, "-c", PROBE, "server", host, str(port), str(nbytes)], os.environ,
                             stdout=subprocess.PIPE, text=True)
         try:
             server.stdout.readline()  # "ready"
-            client = subprocess.run(self.command(source, [sys.executable, "-c", PROBE, "client", host, str(port),
+            client = subprocess.run(self.command(source,
+                                                 [sys.executable, "-c", PROBE, "client", host, str(port),
                                                           str(nbytes)]), capture_output=True, text=True, check=True)
         finally:
             server.wait(timeout=60)

@@ -32,7 +32,8 @@ SYSTEMS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.offload", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.offload",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
@@ -49,13 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.iters < 2:
         parser.error("--iters must be >= 2: the first iteration (which creates the states) is not timed")
     params = num_parameters(GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                      num_attention_heads=args.heads, seq_length=args.seq, vocab_size=args.vocab))
+                                      num_attention_heads=args.heads, seq_length=args.seq,
+                                      vocab_size=args.vocab))
     rows = [f"GPT of {params / 1e6:.1f}M parameters, bf16 with fp32 masters and AdamW, dp {args.dp}, "
             f"{args.iters} iterations; per rank, last iteration", "",
             "| stage | system | step s | vs in memory | model states MiB | in swap files MiB | left memory "
             "| peak RSS MiB | final loss |", "|---|---|---|---|---|---|---|---|---|"]
     common = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-              "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size", "1",
+              "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
+              "--micro-batch-size", "1",
               "--global-batch-size", str(args.dp), "--train-iters", str(args.iters), "--bf16",
               "--log-interval", "1", "--default-corpus-vocab-size", str(args.vocab),
               "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                                        ("model_state_bytes", "offloaded_bytes", "peak_mem_bytes"))
                 reference = reference or (step, held)
                 left = f"{(reference[1] - held) / swapped:.0%}" if swapped else "-"
-                rows.append(f"| {stage} | {name} | {step:.2f} | {step / reference[0]:.2f}x | {held / 2**20:.1f} | "
+                rows.append(f"| {stage} | {name} | {step:.2f} | {step / reference[0]:.2f}x | "
+                            f"{held / 2**20:.1f} | "
                             f"{swapped / 2**20:.1f} | {left} | {peak / 2**20:.0f} | {lines[-1]['loss']:.6f} |")
                 print(rows[-1], flush=True)
         assert not os.listdir(swap), "a run left swap files behind"

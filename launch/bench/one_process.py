@@ -1,6 +1,7 @@
 """One process, the project against a 60-line plain torch loop, on nanoGPT's CPU recipe for shakespeare_char.
 
-    python -m launch.bench.one_process [--iters 2000] [--pairs 2] [--sequential] [--output runs/bench/one_process.md]
+    python -m launch.bench.one_process [--iters 2000] [--pairs 2] [--sequential] [--output
+    runs/bench/one_process.md]
 
 The recipe (nanoGPT's config/train_shakespeare_char.py with its CPU overrides): 4 layers, 4 heads, width
 128, block 64, batch 12, no dropout, AdamW (lr 1e-3, betas 0.9 / 0.99, weight decay 0.1 on matrices),
@@ -92,7 +93,8 @@ def _our_command(args: argparse.Namespace, corpus_flags: list[str], metrics: str
     flags = ["--num-layers", r["layers"], "--num-attention-heads", r["heads"], "--hidden-size", r["width"],
              "--seq-length", r["block"], "--micro-batch-size", r["batch"], "--global-batch-size", r["batch"],
              "--hidden-dropout", 0.0, "--attention-dropout", 0.0, "--lr", r["lr"], "--min-lr", r["min_lr"],
-             "--adam-beta2", r["beta2"], "--weight-decay", r["weight_decay"], "--lr-warmup-iters", r["warmup"],
+             "--adam-beta2", r["beta2"], "--weight-decay", r["weight_decay"],
+             "--lr-warmup-iters", r["warmup"],
              "--lr-decay-style", "cosine", "--clip-grad", r["clip"], "--train-iters", args.iters,
              "--split", args.split, "--eval-interval", args.iters, "--eval-iters", r["eval_iters"],
              "--log-interval", args.log_interval, "--metrics-file", metrics, "--seed", 1337, *corpus_flags]
@@ -123,16 +125,20 @@ def _finish(name: str, process: subprocess.Popen) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.one_process", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.one_process",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=2000, help="training iterations (the recipe: 2000)")
-    parser.add_argument("--pairs", type=int, default=2, help="times to run both (the second swaps their cores)")
+    parser.add_argument("--pairs", type=int, default=2,
+                        help="times to run both (the second swaps their cores)")
     parser.add_argument("--sequential", action="store_true", help="run the two one after the other, unpinned")
-    parser.add_argument("--log-interval", type=int, default=100, help="iterations between log lines (timed between)")
+    parser.add_argument("--log-interval", type=int, default=100,
+                        help="iterations between log lines (timed between)")
     parser.add_argument("--vocab", type=int, default=512, help="sentencepiece vocabulary of the corpus")
     parser.add_argument("--corpus-bytes", type=int, default=1_100_000, help="text size (shakespeare: 1.1 MB)")
     parser.add_argument("--cache-dir", default=os.path.join(".cache", "data"))
     parser.add_argument("--output", default="runs/bench/one_process.md")
-    parser.add_argument("--plain-worker", action="store_true", help="internal: run the plain loop, print JSON")
+    parser.add_argument("--plain-worker", action="store_true",
+                        help="internal: run the plain loop, print JSON")
     parser.add_argument("--data", help="internal: the token file's prefix")
     parser.add_argument("--dtype", help="internal: its numpy dtype")
     parser.add_argument("--valid-start", type=int, help="internal: the first validation token")
@@ -156,16 +162,20 @@ def main(argv: list[str] | None = None) -> None:
     train_documents = min(len(ends) - 1, int(numpy.searchsorted(ends, 0.9 * ends[-1])) + 1)
     valid_start = int(ends[train_documents - 1])
     if ends[-1] - valid_start <= RECIPE["block"] + 1:
-        parser.error(f"the corpus's last documents hold {ends[-1] - valid_start} tokens: too few to validate on; "
+        parser.error(f"the corpus's last documents hold {ends[-1] - valid_start} tokens: too few to "
+                     "validate on; "
                      "give a larger --corpus-bytes")
     args.split = f"{train_documents},{len(ends) - train_documents},0"  # Megatron's split: documents in order
-    corpus_flags = ["--default-corpus-vocab-size", args.vocab, "--default-corpus-max-bytes", args.corpus_bytes,
+    corpus_flags = ["--default-corpus-vocab-size", args.vocab,
+                    "--default-corpus-max-bytes", args.corpus_bytes,
                     "--data-cache-dir", args.cache_dir]
-    plain_command = [sys.executable, "-m", "launch.bench.one_process", "--plain-worker", "--iters", str(args.iters),
+    plain_command = [sys.executable, "-m", "launch.bench.one_process", "--plain-worker",
+                     "--iters", str(args.iters),
                      "--log-interval", str(args.log_interval),
                      "--vocab", str(args.vocab), "--data", prefix, "--dtype", documents.index.dtype.__name__,
                      "--valid-start", str(valid_start)]
-    rows = [f"nanoGPT's shakespeare_char CPU recipe on the stdlib corpus ({args.corpus_bytes:,} bytes, vocabulary "
+    rows = [f"nanoGPT's shakespeare_char CPU recipe on the stdlib corpus ({args.corpus_bytes:,} bytes, "
+            "vocabulary "
             f"{args.vocab}), {args.iters} iterations, one process, one thread each, "
             f"{'sequential' if args.sequential else 'at the same time on cores of their own'}; time per "
             f"iteration of the whole loop after iteration {args.log_interval}\n",

@@ -30,7 +30,8 @@ def _worker(args: argparse.Namespace) -> None:
     from pretrain.training.pipeline_runner import PipelineRunner
     from pretrain.startup.validation import validate
 
-    flags = ["--num-layers", str(args.layers_per_chunk * args.pp * args.vp), "--hidden-size", str(args.hidden),
+    flags = ["--num-layers", str(args.layers_per_chunk * args.pp * args.vp),
+             "--hidden-size", str(args.hidden),
              "--num-attention-heads", "4", "--seq-length", str(args.seq), "--vocab-size", "128",
              "--default-corpus-vocab-size", "128",
              "--micro-batch-size", "2", "--global-batch-size", str(2 * args.m), "--hidden-dropout", "0",
@@ -72,7 +73,8 @@ def _ideal(schedule: str, pp: int, m: int, vp: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.pipeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.pipeline",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vp", type=int, default=2, help="model chunks per stage for the interleaved rows")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
@@ -88,12 +90,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args)
         return
-    rows = ["| schedule | p | v | m | measured idle per stage | mean | ideal |", "|---|---|---|---|---|---|---|"]
+    rows = ["| schedule | p | v | m | measured idle per stage | mean | ideal |",
+            "|---|---|---|---|---|---|---|"]
     for m in args.micro_batches:
         for schedule, vp in (("1f1b", 1), ("interleaved", args.vp)):
             results = run_world("launch.bench.pipeline", args.pp, [
-                "--worker", "--worker-schedule", schedule, "--worker-micro-batches", str(m), "--pp", str(args.pp),
-                "--vp", str(vp), "--layers-per-chunk", str(args.layers_per_chunk), "--hidden", str(args.hidden),
+                "--worker", "--worker-schedule", schedule, "--worker-micro-batches", str(m),
+                "--pp", str(args.pp),
+                "--vp", str(vp), "--layers-per-chunk", str(args.layers_per_chunk),
+                "--hidden", str(args.hidden),
                 "--seq", str(args.seq), "--steps", str(args.steps)])
             idle = [r["idle"] for r in sorted(results, key=lambda r: r["stage"])]
             rows.append(f"| {schedule} | {args.pp} | {vp} | {m} | {' / '.join(f'{x:.3f}' for x in idle)} | "

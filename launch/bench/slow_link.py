@@ -4,18 +4,17 @@ node, on two emulated nodes of 2 ranks joined by a truly slow link, beside the l
     sudo python -m launch.bench.slow_link [--rates 1gbit 10gbit] [--iters 6] [--hidden-size 512]
 
 The nodes are network namespaces joined by a veth pair shaped with tc (``launch.bench.netns_link``): ranks 0-1
-in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a
-node stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs
-back to back. Measured: the median step time after the first iteration, and the bytes that left node 0
-in the last step (the trainer's comm_bytes_inter_node of ranks 0 and 1). Predicted at a rate:
-``launch.tools.plan.transfers`` on gloo timed by ``launch.tools.link_model.step_seconds`` on the links as probed (TCP
-bytes per second and latency across the pair and on a node's loopback) around the configuration's
-compute taken from its runs at the other rates (the compute that the overlap model turns into the
-measured step there, a third of it forward; averaged; it includes the quantize passes, which do not
-depend on the link): a prediction never sees the run it predicts, and it tests the link model, not a
-FLOP estimate. (An unshaped pair is no reference on 2 cores: its fast transfers keep the receiving ranks
-busy on the CPU the others compute on, and its steps come out slower than at 10 Gbit/s.)
-"""
+in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a node
+stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs back to
+back. Measured: the median step time after the first iteration, and the bytes that left node 0 in the last
+step (the trainer's comm_bytes_inter_node of ranks 0 and 1). Predicted at a rate:
+``launch.tools.plan.transfers`` on gloo timed by ``launch.tools.link_model.step_seconds`` on the links as
+probed (TCP bytes per second and latency across the pair and on a node's loopback) around the configuration's
+compute taken from its runs at the other rates (the compute that the overlap model turns into the measured
+step there, a third of it forward; averaged; it includes the quantize passes, which do not depend on the
+link): a prediction never sees the run it predicts, and it tests the link model, not a FLOP estimate. (An
+unshaped pair is no reference on 2 cores: its fast transfers keep the receiving ranks busy on the CPU the
+others compute on, and its steps come out slower than at 10 Gbit/s.) """
 
 from __future__ import annotations
 
@@ -56,7 +55,8 @@ def train(nodes: TwoNodes, flags: list[str], directory: str) -> list[dict]:
                    LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR=nodes.address(0), MASTER_PORT=str(port),
                    GLOO_SOCKET_IFNAME=nodes.interface(node), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
         log = open(os.path.join(directory, f"rank{rank}.log"), "w")
-        processes.append((nodes.popen(node, [sys.executable, "-m", "pretrain", *flags, "--metrics-file", metrics],
+        processes.append((nodes.popen(node,
+                                      [sys.executable, "-m", "pretrain", *flags, "--metrics-file", metrics],
                                       env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()), log))
     failed = []
     for rank, (process, log) in enumerate(processes):
@@ -87,18 +87,23 @@ def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.slow_link", description=__doc__.split("\n")[0])
-    parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"], help="tc rates of the link (two or more)")
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.slow_link",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"],
+                        help="tc rates of the link (two or more)")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration and rate, alternating the "
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per configuration and rate, alternating the "
                         "rates; each cell is their median step")
-    parser.add_argument("--configurations", nargs="+", choices=list(CONFIGURATIONS), default=list(CONFIGURATIONS))
+    parser.add_argument("--configurations", nargs="+", choices=list(CONFIGURATIONS),
+                        default=list(CONFIGURATIONS))
     parser.add_argument("--output", default="runs/bench/slow_link.md")
     args = parser.parse_args(argv)
     chosen = {name: CONFIGURATIONS[name] for name in args.configurations}
-    model = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
+    model = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads",
              "8", "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16",
              "--default-corpus-vocab-size", "4096", "--zero-persistence-threshold", "1000", "--train-iters",
              str(args.iters), "--log-interval", "1", "--eval-interval", str(args.iters), "--eval-iters", "1",
@@ -131,9 +136,12 @@ def main(argv: list[str] | None = None) -> None:
                 results[name, rate] = (step, *runs[rate][-1][1:])
     except LinkSetupError as error:
         sys.exit(f"error: {error}")
-    rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces joined by "
-            f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median after the "
-            f"first (of {args.repeats} runs: their median); predicted = launch.tools.link_model's overlap model on gloo on the probed links around the "
+    rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces "
+            "joined by "
+            f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median "
+            "after the "
+            f"first (of {args.repeats} runs: their median); predicted = launch.tools.link_model's overlap "
+            "model on gloo on the probed links around the "
             "configuration's compute from its runs at the other rates", "",
             "| configuration | MiB leaving node 0 per step (counted / model) | "
             + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",

@@ -78,7 +78,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     def ours(stage):
         model, blocks, loss = new_model()
-        _, optimizer = zero.initialize(model, adamw, zero.ZeroOptions(stage=stage, bucket_size=bucket_elements),
+        _, optimizer = zero.initialize(model, adamw,
+                                       zero.ZeroOptions(stage=stage, bucket_size=bucket_elements),
                                        groups.dp, unit_modules=blocks)
         return model, lambda tokens: loss(model, tokens), optimizer, lambda: optimizer.model_state_bytes()
 
@@ -112,8 +113,10 @@ def _worker(args: argparse.Namespace) -> None:
             return storage_bytes(tensors)
         return model, lambda tokens: loss(wrapped, tokens), optimizer, state_bytes
 
-    systems = {"torch DDP": lambda: torch_ddp(False), "torch ZeroRedundancyOptimizer": lambda: torch_ddp(True),
-               "ours stage 0": lambda: ours(0), "ours stage 1": lambda: ours(1), "ours stage 2": lambda: ours(2),
+    systems = {"torch DDP": lambda: torch_ddp(False),
+               "torch ZeroRedundancyOptimizer": lambda: torch_ddp(True),
+               "ours stage 0": lambda: ours(0), "ours stage 1": lambda: ours(1),
+               "ours stage 2": lambda: ours(2),
                "torch FSDP2 (per block)": fsdp2, "ours stage 3": lambda: ours(3)}
     built = {name: systems[name]() for name in args.systems}
     measured = {name: {"times": [], "written": [], "counted": []} for name in built}
@@ -166,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step over all ranks")
-    parser.add_argument("--bucket-mb", type=int, default=25, help="fused bucket size, the same for DDP and ours")
+    parser.add_argument("--bucket-mb", type=int, default=25,
+                        help="fused bucket size, the same for DDP and ours")
     parser.add_argument("--output", default="runs/bench/zero.md")
     add_worker_arguments(parser)
     args = parser.parse_args(argv)
@@ -180,14 +184,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = [f"model {args.model}, worlds {args.worlds}, {args.warmup} warm-up + {args.steps} timed steps, "
             f"global batch {args.global_batch} x {args.seq} tokens\n",
             "| dp | system | median step s | vs DDP | tokens/s | model-state MiB/rank | peak RSS MiB/rank "
-            "| socket MiB/rank/step | counted MiB/rank/step | final loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| socket MiB/rank/step | counted MiB/rank/step | final loss |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for dp in args.dp:
         if args.worlds == "one":
             ranks = run_world("launch.bench.zero", dp, forwarded + ["--systems", *args.systems])
         else:
             ranks = [{} for _ in range(dp)]
             for name in args.systems:
-                for mine, theirs in zip(ranks, run_world("launch.bench.zero", dp, forwarded + ["--systems", name])):
+                for mine, theirs in zip(ranks,
+                                        run_world("launch.bench.zero", dp, forwarded + ["--systems", name])):
                     mine.update(theirs)
         ddp = statistics.mean(r["torch DDP"]["step_s"] for r in ranks) if "torch DDP" in ranks[0] else None
         for name in args.systems:

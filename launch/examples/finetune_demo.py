@@ -49,8 +49,10 @@ def make(directory: str, seed: int = 0, hidden_size: int = 64) -> None:
                                          eos_token="</s>").save_pretrained(hf)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size,
-                                      intermediate_size=2 * hidden_size, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+                                      intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                                      num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False,
                                       bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
     transformers.LlamaForCausalLM(config).save_pretrained(hf)
     print(f"wrote {directory}: {len(train)} training and {len(heldout)} held-out prompts, a Llama of "
@@ -76,7 +78,8 @@ def answer(hf_dir: str, heldout: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.examples.finetune_demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.examples.finetune_demo",
+                                     description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("make")
     made.add_argument("directory")

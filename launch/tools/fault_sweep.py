@@ -1,8 +1,8 @@
-"""Bad inputs and faults against the command line, as a new user meets them: ``python -m launch.tools.fault_sweep
-[--out runs/faults]``. Each case runs a 2-process job (or the preprocessing CLI) on a tiny GPT and the
-stdlib corpus, and the table says per case: the exit status, the seconds it took, whether it trained an
-iteration before stopping, whether a traceback was printed, and the first ``error:`` line. Faults are
-injected by tests/pretrain/dying_pretrain.py (kill -9, SIGSTOP, a full disk). Writes ``sweep.md`` and
+"""Bad inputs and faults against the command line, as a new user meets them: ``python -m
+launch.tools.fault_sweep [--out runs/faults]``. Each case runs a 2-process job (or the preprocessing CLI) on a
+tiny GPT and the stdlib corpus, and the table says per case: the exit status, the seconds it took, whether it
+trained an iteration before stopping, whether a traceback was printed, and the first ``error:`` line. Faults
+are injected by tests/pretrain/dying_pretrain.py (kill -9, SIGSTOP, a full disk). Writes ``sweep.md`` and
 ``sweep.json`` under ``--out``.
 
 What a good answer looks like: a non-zero exit, one clear line naming the flag or file and the fix, no
@@ -137,11 +137,14 @@ def cases(space: Workspace):
         ("unsupported --fp8-format", job("--fp8-format", "hybrid")),
         ("--nvme-path missing", job("--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path",
                                     space.path("no-such-dir"))),
-        ("--tokenizer-model missing", job("--data-path", space.prefix, "--tokenizer-model", space.path("no.model"),
+        ("--tokenizer-model missing",
+         job("--data-path", space.prefix, "--tokenizer-model", space.path("no.model"),
                                           data=False)),
-        ("--tokenizer-model garbage", job("--data-path", space.prefix, "--tokenizer-model", space.prefix + ".idx",
+        ("--tokenizer-model garbage",
+         job("--data-path", space.prefix, "--tokenizer-model", space.prefix + ".idx",
                                           data=False)),
-        ("--data-path missing", job("--data-path", space.path("nothing"), "--tokenizer-model", space.tokenizer,
+        ("--data-path missing",
+         job("--data-path", space.path("nothing"), "--tokenizer-model", space.tokenizer,
                                     data=False)),
         ("truncated .bin", job("--data-path", space.damaged_data("cut", cut_bin=True), "--tokenizer-model",
                                space.tokenizer, data=False)),
@@ -159,23 +162,27 @@ def cases(space: Workspace):
         ("--load flipped byte in rank 1's file", damaged_rank_file),
         ("--load rank file missing", missing_rank_file),
         ("--ckpt-step that was never saved", lambda: run_job(space, ["--load", space.checkpoint("step"),
-                                                                     "--ckpt-step", "3", "--train-iters", "6"])),
+                                                                     "--ckpt-step", "3",
+                                                                     "--train-iters", "6"])),
         ("--hidden-size contradicts --load", lambda: run_job(space, ["--load", space.checkpoint("shape"),
-                                                                     "--hidden-size", "128", "--train-iters", "6"])),
+                                                                     "--hidden-size", "128",
+                                                                     "--train-iters", "6"])),
         ("preprocess: empty input", preprocess("--input", empty, "--output-prefix", space.path("p"),
                                                "--tokenizer-model", space.tokenizer)),
         ("preprocess: input missing", preprocess("--input", space.path("none.txt"), "--output-prefix",
                                                  space.path("p"), "--tokenizer-model", space.tokenizer)),
         ("kill -9 of rank 1 at iteration 3", job("--save", space.path("killed"), "--save-interval", "2",
                                                  die_at="iteration:3")),
-        ("disk full on rank 1 (RLIMIT_FSIZE) before save 4", job("--save", space.path("full"), "--save-interval",
+        ("disk full on rank 1 (RLIMIT_FSIZE) before save 4",
+         job("--save", space.path("full"), "--save-interval",
                                                                   "2", die_at="full:3")),
         ("rank 1 hangs (SIGSTOP), 10 s timeout", job("--distributed-timeout-s", "10", die_at="hang:3")),
     ]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.tools.fault_sweep", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.tools.fault_sweep",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/faults", help="where sweep.md and sweep.json go")
     parser.add_argument("--only", help="run the cases whose name contains this text")
     args = parser.parse_args(argv)
@@ -197,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = ["| case | exit | s | trained | traceback | message |", "|---|---|---|---|---|---|"]
     for row in rows:
         message = " / ".join(row["errors"]).replace(root, "$TMP").replace("|", "\\|") or "(none)"
-        lines.append(f"| {row['case']} | {row['exit']} | {row['seconds']} | {'yes' if row['trained'] else 'no'} | "
+        lines.append(f"| {row['case']} | {row['exit']} | {row['seconds']} | "
+                     f"{'yes' if row['trained'] else 'no'} | "
                      f"{'yes' if row['traceback'] else 'no'} | {message} |")
     with open(os.path.join(args.out, "sweep.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")

@@ -24,8 +24,10 @@ import time
 
 import torch
 
-FULL = ["--config", "launch/configs/presets/gpt-1.3b.yaml", "--micro-batch-size", "4", "--global-batch-size", "4",
-        "--zero-stage", "0", "--recompute-granularity", "selective", "--train-iters", "20", "--lr-warmup-iters", "2"]
+FULL = ["--config", "launch/configs/presets/gpt-1.3b.yaml", "--micro-batch-size", "4",
+        "--global-batch-size", "4",
+        "--zero-stage", "0", "--recompute-granularity", "selective", "--train-iters", "20",
+        "--lr-warmup-iters", "2"]
 ZERO = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
         "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--global-batch-size", "4", "--bf16",
         "--lr-warmup-iters", "1"]  # about 100M parameters: 11 runs of 5 iterations, NVMe included, in minutes
@@ -55,7 +57,8 @@ def check_versions(device: torch.device) -> None:
 
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | NCCL {nccl} | backend {dist.get_backend()} "
+    print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | NCCL {nccl} | backend "
+          f"{dist.get_backend()} "
           f"| device {name}", flush=True)
 
 
@@ -74,8 +77,10 @@ def check_throughput(base: list[str], device: torch.device, workdir: str) -> Non
     peak = max(r["peak_mem_bytes"] for r in last["per_rank"])
     mfu = f"MFU {sorted(r['mfu'] for r in timed)[len(timed) // 2]:.1%}" if "mfu" in last else "MFU n/a (peak unknown)"
     print(f"throughput: {last['per_rank'][0]['parameters']:,} "
-          f"parameters, median step {step:.3f} s, {train.global_batch_size * config.model.seq_length / step:,.0f} "
-          f"tokens/s, {mfu}; loss {records[0]['loss']:.3f} -> {last['loss']:.3f}; peak memory {peak / 2**30:.2f} GiB "
+          f"parameters, median step {step:.3f} s, "
+          f"{train.global_batch_size * config.model.seq_length / step:,.0f} "
+          f"tokens/s, {mfu}; loss {records[0]['loss']:.3f} -> {last['loss']:.3f}; peak memory "
+          f"{peak / 2**30:.2f} GiB "
           f"(planner {predicted.total_bytes / 2**30:.2f} GiB)", flush=True)
 
 
@@ -86,7 +91,8 @@ def check_zero(base: list[str], device: torch.device, workdir: str) -> bool:
         runs[f"stage {stage} + cpu offload"] = ["--zero-stage", str(stage), "--offload-optimizer", "cpu"]
         runs[f"stage {stage} + nvme offload"] = ["--zero-stage", str(stage), "--offload-optimizer", "nvme",
                                                  "--nvme-path", workdir]
-    runs["stage 3 + nvme parameters"] = ["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param", "nvme",
+    runs["stage 3 + nvme parameters"] = ["--zero-stage", "3", "--offload-optimizer", "nvme",
+                                         "--offload-param", "nvme",
                                          "--nvme-path", workdir]
     reference, ok = None, True
     for name, flags in runs.items():
@@ -96,7 +102,8 @@ def check_zero(base: list[str], device: torch.device, workdir: str) -> bool:
         reference = reference or losses
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
         ok &= worst <= 1e-3
-        print(f"zero {name:<28} losses {' '.join(f'{x:.4f}' for x in losses)} | worst relative difference to stage 0 "
+        print(f"zero {name:<28} losses {' '.join(f'{x:.4f}' for x in losses)} | worst relative difference to "
+              "stage 0 "
               f"{worst:.1e} {'ok' if worst <= 1e-3 else 'FAILED'} ({time.perf_counter() - started:.0f} s)", flush=True)
     return ok
 
@@ -127,8 +134,10 @@ def check_flash_attention(device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.tools.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny GPT on the CPU: the checks, not the numbers")
+    parser = argparse.ArgumentParser(prog="python -m launch.tools.gpu_check",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny GPT on the CPU: the checks, not the numbers")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("error: no GPU here; run with --smoke for the CPU version of the checks")

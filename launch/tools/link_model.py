@@ -126,7 +126,8 @@ def _leaving(groups: list[list[int]], node, sent_to) -> float:
     return max(leaving.values(), default=0.0)
 
 
-def ring(operation: str, axis: str, groups: list[list[int]], node, per_rank: float, count: int = 1) -> Transfer:
+def ring(operation: str, axis: str, groups: list[list[int]], node, per_rank: float,
+         count: int = 1) -> Transfer:
     """A ring collective over ``groups`` in which every rank sends ``per_rank`` bytes to the next."""
     size = len(groups[0])
     leaving = _leaving(groups, node, lambda group, i: [(group[(i + 1) % size], per_rank)]) if size > 1 else 0.0
@@ -142,7 +143,8 @@ def all_to_all(axis: str, groups: list[list[int]], node, input_bytes: float, cou
 
 
 def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: int, compute_bytes: int,
-                   grad_bytes: int, options: ZeroCommOptions = ZeroCommOptions(), node_size: int | None = None,
+                   grad_bytes: int, options: ZeroCommOptions = ZeroCommOptions(),
+                   node_size: int | None = None,
                    backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None) -> list[Transfer]:
     """The data-parallel transfers of one step for ``params`` parameters per rank (nodes of ``node_size``
     consecutive ranks; default the topology's --gpus-per-node, else one node), placed in the passes they
@@ -163,13 +165,16 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                        quantized_elements=quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
-        return [placed(ring("all_reduce", "dp", topology.groups("dp"), node, 2 * grad_bytes * params * (dp - 1) / dp),
+        return [placed(ring("all_reduce", "dp", topology.groups("dp"), node,
+                            2 * grad_bytes * params * (dp - 1) / dp),
                        "backward", "native")]
     transfers = []
-    if stage == 3 and options.hpz > 1:  # a step's first gather of each unit over dp, the rest in the partition
+    # a step's first gather of each unit over dp, the rest in the partition
+    if stage == 3 and options.hpz > 1:
         secondary = topology.dp_partitions(options.hpz)[0]
         within = compute_bytes * params * (options.hpz - 1) / options.hpz
-        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part), "forward", "prefetch",
+        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
+                             "forward", "prefetch",
                              dequantized),
                       placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m - 1), "forward",
                              "prefetch"),
@@ -180,7 +185,8 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                              dequantized) for phase in PASSES]
     else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
         transfers.append(placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
-                                "forward" if options.overlap_param_gather else "exposed", quantized=dequantized))
+                                "forward" if options.overlap_param_gather else "exposed",
+                                quantized=dequantized))
     reductions = m if stage >= 2 else 1
     per_node = topology.dp_ranks_per_node(node_size)
     if options.quantized_gradients and stage >= 2:

@@ -41,12 +41,14 @@ from models.counting import num_parameters, stage_model
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.topology import Topology
 from parallel.zero.grad_sync import staged_bucket_size
-from launch.tools.link_model import (Device, Links, Transfer, ZeroCommOptions, parse_bandwidth, ring, step_seconds,
+from launch.tools.link_model import (Device, Links, Transfer, ZeroCommOptions,
+                                     parse_bandwidth, ring, step_seconds,
                                zero_transfers, zero_variants)
 from models.counting import flops_per_token
 from pretrain.config.arguments import ConfigError, parse_config
 
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20,
+         "GiB": 2**30, "TiB": 2**40}
 
 
 def parse_bytes(text: str) -> int:
@@ -85,7 +87,8 @@ class Plan:
 
     layout: Layout
     model_state_bytes: float
-    activation_bytes: float  # kept for backward at the peak (what the trainer's saved_activation_bytes measures)
+    # kept for backward at the peak (what the trainer's saved_activation_bytes measures)
+    activation_bytes: float
     buffer_bytes: float  # ZeRO-R staging and gathers, and the recompute of one layer
     comm_bytes: dict[str, float] = field(default_factory=dict)
     comm_bytes_inter_node: dict[str, float] = field(default_factory=dict)  # of those, to another node
@@ -109,7 +112,8 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
     params = _stage_parameters(config, layout, stage)
     shard = layout.zero.shard_size or layout.dp
-    total = expected_parameter_state_bytes(params, layout.zero_stage, shard, compute_bytes, persistence_threshold,
+    total = expected_parameter_state_bytes(params, layout.zero_stage, shard, compute_bytes,
+                                           persistence_threshold,
                                            grad_bytes, layout.zero.hpz)
     if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
         total -= sum(p.numel() for p in params) * optimizer_state_bytes(compute_bytes) / (
@@ -122,15 +126,18 @@ def alive_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
     return min(micro_batches, pp - stage)
 
 
-def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int, compute_bytes: int) -> float:
+def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int,
+                     compute_bytes: int) -> float:
     """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring)."""
     s, b, h, t = config.seq_length, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
     per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
     saved = per_layer * layout.layers_on(stage, config.num_layers) * compute_bytes
-    if stage == layout.pp - 1:  # final norm input and output; the loss's saved logits over this rank's vocabulary
-        # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
+    # final norm input and output; the loss's saved logits over this rank's vocabulary
+    if stage == layout.pp - 1:
+        # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in
+        # fp32)
         saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * compute_bytes
     return saved * alive_micro_batches(layout.pp, stage, micro_batches)
 
@@ -187,14 +194,14 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
               grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
               bucket_size: int | None = None) -> list[Transfer]:
     """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
-    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.tools.link_model.zero_transfers``: stage
-    0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages 1-2
-    all-gather the parameters once after the step, stage 3 in forward and in backward of every
-    micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's
-    four all-reduces (or their sequence-parallel halves) of each layer's activations in forward and
-    backward, the pipeline's activation and gradient sends (those two exposed: each is waited where it
-    starts). The data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3)
-    or a bucket of ``bucket_size`` elements (stages 0-2) a piece."""
+    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.tools.link_model.zero_transfers``:
+    stage 0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages
+    1-2 all-gather the parameters once after the step, stage 3 in forward and in backward of every
+    micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's four
+    all-reduces (or their sequence-parallel halves) of each layer's activations in forward and backward, the
+    pipeline's activation and gradient sends (those two exposed: each is waited where it starts). The
+    data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
+    ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
     topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
@@ -203,7 +210,8 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = layout.layers_on(0, config.num_layers)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
-    found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes, layout.zero, gpus_per_node,
+    found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
+                           layout.zero, gpus_per_node,
                            backend, layers, bucket_size)
     found.append(ring("all_reduce", "tp", topology.groups("tp"), node, 2 * (t - 1) / t * sbh * recompute,
                       4 * layers * m))
@@ -240,7 +248,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
                       for stage in range(layout.pp))
     found = transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node, device.backend,
                       bucket_size)
-    plan = Plan(layout, states, activations, buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
+    plan = Plan(layout, states, activations,
+                buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
                 sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
     recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
@@ -249,7 +258,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     if links is not None:
         world = layout.tp * layout.pp * layout.dp
         compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops
-        plan.step_seconds = step_seconds(found, links, compute * plan.score, micro_batches, device.quantize_rate,
+        plan.step_seconds = step_seconds(found, links, compute * plan.score, micro_batches,
+                                         device.quantize_rate,
                                          1 / 4 if layout.recompute == "full" else 1 / 3)
         plan.score = plan.step_seconds
     return plan
@@ -257,7 +267,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
 
 def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int,
                       zero_stage: int | None, tp: int | None, pp: int | None,
-                      layers_per_stage: tuple[int, ...] | None = None, zero_plus_plus: bool = False) -> list[Layout]:
+                      layers_per_stage: tuple[int, ...] | None = None,
+                      zero_plus_plus: bool = False) -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
     ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks."""
     layouts = []
@@ -278,14 +289,16 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                         for offload in ("none", "cpu") if stage else ("none",):
                             for options in zero_variants(stage, Topology(world_size, t, p, gpus_per_node), gpus_per_node)\
                                     if zero_plus_plus else [ZeroCommOptions()]:
-                                layouts.append(Layout(t, p, dp, stage, recompute, micro, offload, sequence_parallel=t > 1,
+                                layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,
+                                                      sequence_parallel=t > 1,
                                                       layers_per_stage=layers_per_stage
                                                       if layers_per_stage and p == len(layers_per_stage) else None,
                                                       zero=options))
     return layouts
 
 
-def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float, global_batch_size: int,
+def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float,
+         global_batch_size: int,
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
@@ -294,7 +307,8 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
     ZeRO++ and shard groups among the candidates)."""
     plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
                          grad_bytes, gpus_per_node, links, device)
-             for layout in candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
+             for layout in candidate_layouts(config, world_size, gpus_per_node,
+                                             global_batch_size, zero_stage, tp, pp,
                                              layers_per_stage, zero_plus_plus=links is not None)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, sum(p.comm_bytes_inter_node.values()), p.total_bytes))
@@ -310,7 +324,8 @@ def zero_advice(plans: list[Plan]) -> str | None:
     options = f" with {three.layout.zero.label()}" if three.layout.zero != ZeroCommOptions() else ""
     versus = f", plain ZeRO-3 {plain3.step_seconds:.3f} s" if plain3 is not None and plain3 is not three else ""
     if two.step_seconds < three.step_seconds:
-        return (f"on these links ZeRO-2 beats ZeRO-3: {two.step_seconds:.3f} s a step ({two.layout.zero.label()}) "
+        return (f"on these links ZeRO-2 beats ZeRO-3: {two.step_seconds:.3f} s a step "
+                f"({two.layout.zero.label()}) "
                 f"against {three.step_seconds:.3f} s for the best ZeRO-3{options}{versus}")
     return (f"on these links ZeRO-3{options} is fastest: {three.step_seconds:.3f} s a step against "
             f"{two.step_seconds:.3f} s for the best ZeRO-2{versus}")
@@ -324,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=10, help="layouts to print")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 400Gbit, 50GB/s: "
-                        "rank layouts by predicted step time (launch.tools.link_model), ZeRO++ and shard groups included")
+                        "rank layouts by predicted step time (launch.tools.link_model), ZeRO++ and shard "
+                        "groups included")
     parser.add_argument("--intra-node-bandwidth", default="200GB/s", help="between two ranks of a node")
     parser.add_argument("--link-latency", type=float, default=10e-6, help="seconds per message step")
     parser.add_argument("--device-flops", type=float, default=Device.flops,
@@ -364,15 +380,19 @@ def main(argv: list[str] | None = None) -> None:
                            "step_seconds": p.step_seconds} for p in plans], indent=1))
         return
     params = num_parameters(config.model)
-    print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} per node, "
+    print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
+          "per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
     print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
-          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / tp / pp "
+          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / "
+          "tp / pp "
           "(to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
         layout, gib = p.layout, 2**30
-        print(f"{layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.zero_stage:>4} {str(layout.recompute):>9} "
-              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | {p.model_state_bytes / gib:>10.2f} "
+        print(f"{layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
+              f"{str(layout.recompute):>9} "
+              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
+              f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
               + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
                            for axis in ("dp", "tp", "pp"))

@@ -42,7 +42,8 @@ from launch.pretrain_run import run_pretrain
 from models.counting import flops_per_token, num_parameters
 from pretrain.config.arguments import parse_config
 
-COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens", "flops", "tokens_per_s",
+COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens",
+           "flops", "tokens_per_s",
            "model_state_bytes", "peak_mem_bytes"]
 REQUIRED = ("name", "output", "tokens_per_step", "seq_length", "train_iters", "models", "layouts")
 
@@ -66,16 +67,19 @@ def load_sweep(path: str) -> dict:
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.tools.sweep --help)")
     if sweep["tokens_per_step"] % sweep["seq_length"]:
-        raise ValueError(f"{path}: tokens_per_step {sweep['tokens_per_step']} is not a multiple of seq_length "
+        raise ValueError(f"{path}: tokens_per_step {sweep['tokens_per_step']} is not a multiple of "
+                         "seq_length "
                          f"{sweep['seq_length']}")
     return sweep
 
 
 def runs_of(sweep: dict) -> list[dict]:
     """Every run of the grid, in order: its name, model, layout, learning rate and seed."""
-    return [{"run": f"{model}-{layout}-lr{lr:g}-s{seed}", "model": model, "layout": layout, "lr": lr, "seed": seed}
+    return [{"run": f"{model}-{layout}-lr{lr:g}-s{seed}", "model": model, "layout": layout,
+             "lr": lr, "seed": seed}
             for model, layout, lr, seed in itertools.product(sweep["models"], sweep["layouts"],
-                                                             sweep.get("lrs", [3e-4]), sweep.get("seeds", [1]))]
+                                                             sweep.get("lrs", [3e-4]),
+                                                             sweep.get("seeds", [1]))]
 
 
 def finished_runs(table: str) -> set[str]:
@@ -94,7 +98,8 @@ def train_run(sweep: dict, run: dict) -> dict:
                 "global_batch_size": sweep["tokens_per_step"] // sweep["seq_length"],
                 "train_iters": sweep["train_iters"], "lr": run["lr"], "seed": run["seed"], "log_interval": 1}
     if sweep.get("wandb_project"):
-        settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"], wandb_exp_name=run["run"])
+        settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"],
+                        wandb_exp_name=run["run"])
     lines = run_pretrain(nproc, _flags(settings))
     with open(os.path.join(sweep["output"], "runs", f"{run['run']}.jsonl"), "w") as handle:
         handle.writelines(json.dumps(line) + "\n" for line in lines)
@@ -128,7 +133,8 @@ def plot(sweep: dict, table: str, path: str) -> None:
             with open(os.path.join(sweep["output"], "runs", f"{row['run']}.jsonl")) as handle:
                 lines = [json.loads(line) for line in handle]
             per_iteration = float(row["flops"]) / len(lines) if lines else 0
-            loss_axis.plot([per_iteration * line["iteration"] for line in lines], [line["loss"] for line in lines],
+            loss_axis.plot([per_iteration * line["iteration"] for line in lines],
+                           [line["loss"] for line in lines],
                            label=f"{model} ({int(row['parameters']) / 1e6:.2f}M)")
     loss_axis.set(xscale="log", xlabel="training FLOPs", ylabel="loss", title="loss vs compute")
     loss_axis.legend()

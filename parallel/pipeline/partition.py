@@ -9,20 +9,24 @@ norm, the tied output layer and the loss in the last chunk of the last stage.
 from __future__ import annotations
 
 
-def validate_partition(num_layers: int, pp: int, vp: int = 1, layers_per_stage: list[int] | None = None) -> None:
+def validate_partition(num_layers: int, pp: int, vp: int = 1,
+                       layers_per_stage: list[int] | None = None) -> None:
     """Raise ValueError naming the flags when the blocks cannot be split as asked."""
     if pp > num_layers:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}: every "
+        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers "
+                         f"{num_layers}: every "
                          f"stage needs at least one layer")
     if layers_per_stage is not None:
         if vp != 1:
-            raise ValueError("an explicit split of layers per stage cannot be combined with --virtual-pipeline-size")
+            raise ValueError("an explicit split of layers per stage cannot be combined with "
+                             "--virtual-pipeline-size")
         if len(layers_per_stage) != pp or sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
             raise ValueError(f"layers per stage {layers_per_stage} must be {pp} positive counts summing to "
                              f"--num-layers {num_layers}")
         return
     if num_layers % (pp * vp):
-        raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+        raise ValueError(f"--num-layers {num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {pp} x "
                          f"--virtual-pipeline-size {vp} = {pp * vp}: choose sizes whose product divides it")
 
 

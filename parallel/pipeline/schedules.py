@@ -43,7 +43,8 @@ def _forward_slot(k: int, pp: int, vp: int) -> tuple[int, int]:
     return within // pp, group * pp + within % pp
 
 
-def schedule_steps(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[tuple[Action, ...]]:
+def schedule_steps(kind: str, num_micro_batches: int, pp: int, stage: int,
+                   vp: int = 1) -> list[tuple[Action, ...]]:
     """The ordered steps of pipeline stage ``stage`` for one optimizer step (see the module docstring)."""
     m = num_micro_batches
     if kind == "gpipe":
@@ -91,7 +92,8 @@ ForwardStep = Callable[[int, int, torch.Tensor | None], torch.Tensor]
 BackwardStep = Callable[[int, int, torch.Tensor, torch.Tensor | None, bool], None]
 
 
-def plain_backward(chunk: int, micro_batch: int, output: torch.Tensor, grad: torch.Tensor | None, last: bool) -> None:
+def plain_backward(chunk: int, micro_batch: int, output: torch.Tensor, grad: torch.Tensor | None,
+                   last: bool) -> None:
     torch.autograd.backward(output, grad)
 
 

@@ -23,10 +23,12 @@ _LOW_PRECISION = {torch.bfloat16: torch.float32, torch.float16: torch.float32}  
 
 def _shifted(logits: torch.Tensor, vocab_start: int, valid_vocab: int, logits_max: torch.Tensor | None,
                  group: AxisGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits - global max in one buffer of at least fp32 (a copy: ``logits`` is never written), and the max."""
+    """logits - global max in one buffer of at least fp32 (a copy: ``logits`` is never written), and the
+    max."""
     width = logits.shape[-1]
     values = logits.to(_LOW_PRECISION.get(logits.dtype, logits.dtype), copy=True)
-    if vocab_start + width > valid_vocab:  # padded vocabulary entries (ids >= valid_vocab) take no probability
+    # padded vocabulary entries (ids >= valid_vocab) take no probability
+    if vocab_start + width > valid_vocab:
         values[..., max(valid_vocab - vocab_start, 0):] = float("-inf")
     if logits_max is None:
         logits_max = values.max(dim=-1).values

@@ -20,7 +20,8 @@ from parallel.zero.groups import ZeroGroups, dp_partitions
 from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer
 from parallel.zero.options import ZeroOptions
 
-__all__ = ["initialize", "ZeroOptions", "ZeroGroups", "dp_partitions", "ZeroOptimizer", "ModelParallelGroups", "StepResult", "DynamicLossScaler",
+__all__ = ["initialize", "ZeroOptions", "ZeroGroups", "dp_partitions", "ZeroOptimizer", "ModelParallelGroups",
+           "StepResult", "DynamicLossScaler",
            "ConstantLossScaler", "expected_model_state_bytes", "expected_parameter_state_bytes",
            "gradient_bytes", "optimizer_state_bytes"]
 

@@ -28,7 +28,8 @@ class StreamedSafetensors:
 
     DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
-    def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype = torch.float32,
+    def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...]]],
+                 dtype: torch.dtype = torch.float32,
                  metadata: dict[str, str] | None = None):
         self.path, self.dtype, self._pending = path, dtype, [(name, tuple(shape)) for name, shape in entries]
         header, offset = {"__metadata__": metadata} if metadata else {}, 0
@@ -71,7 +72,8 @@ def export_fp32_state_dict(module: nn.Module, optimizer: ZeroOptimizer, path: st
     names = {param: name for name, param in module.named_parameters()}
     writer = None
     if optimizer.dp.rank == 0:
-        writer = StreamedSafetensors(path, [(names[param], shape) for param, shape in optimizer.parameter_shapes()])
+        writer = StreamedSafetensors(path,
+                                     [(names[param], shape) for param, shape in optimizer.parameter_shapes()])
     try:
         for param, value in optimizer.whole_masters():
             if writer is not None:

@@ -30,7 +30,8 @@ def initial_value(param: nn.Parameter) -> torch.Tensor:
     if param.is_meta:
         init_fn = meta(param).init_fn
         if init_fn is None:
-            raise ValueError(f"a parameter of shape {tuple(param.shape)} was built on the meta device without "
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} was built on the meta device "
+                             "without "
                              "an init_fn to materialise it from (parallel.param_meta.declare)")
         return init_fn()
     return param.data
@@ -94,8 +95,10 @@ class FlatParameterBuffer:
     buckets. Never communicates and never steps an optimizer; it only lays memory out.
     """
 
-    def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1, keep_grad: bool = True,
-                 deferred: Callable[[nn.Parameter], bool] = lambda param: False, device: torch.device | None = None,
+    def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1,
+                 keep_grad: bool = True,
+                 deferred: Callable[[nn.Parameter], bool] = lambda param: False,
+                 device: torch.device | None = None,
                  grad_dtype: torch.dtype | None = None):
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")

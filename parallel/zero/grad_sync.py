@@ -111,7 +111,8 @@ class GradientSync:
                                                            quantized_gradients)
         self._launched: set[tuple[int, int]] = set()
         self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it
-        self._deferred: dict[nn.Parameter, torch.Tensor] = {}  # stage 2: deferred gradients in the gradient dtype
+        # stage 2: deferred gradients in the gradient dtype
+        self._deferred: dict[nn.Parameter, torch.Tensor] = {}
         # one rank whose gradients autograd accumulates in place in the buffer: nothing to reduce, no hook
         self._alone = dp.size == 1 and stage < 2 and all(b.grads_are_views for b in buffers)
         self._hooks = [] if self._alone else \

@@ -59,13 +59,16 @@ class ZeroGroups:
         options.check(self.dp_size)
         secondary = self.secondary_partition.size if self.secondary_partition is not None else 1
         if secondary != options.hpz_partition_size:
-            raise ValueError(f"hpz_partition_size {options.hpz_partition_size} needs a secondary partition of as many "
-                             f"ranks (ZeroGroups.secondary_partition holds {secondary}): build the groups with "
+            raise ValueError(f"hpz_partition_size {options.hpz_partition_size} needs a secondary partition "
+                             "of as many "
+                             f"ranks (ZeroGroups.secondary_partition holds {secondary}): build the "
+                             "groups with "
                              "ZeroGroups.from_parallel_groups")
         if (self.gradient_levels is not None) != options.quantized_gradients:
             raise ValueError("ZeroGroups.gradient_levels are given exactly when quantized_gradients is set")
         if self.replicas is not None and options.shard_size != self.shard.size:
-            raise ValueError(f"shard groups of {self.shard.size} with replicas need shard_size={self.shard.size}")
+            raise ValueError(f"shard groups of {self.shard.size} with replicas need "
+                             f"shard_size={self.shard.size}")
 
 
 def dp_partitions(topology: Topology, options: ZeroOptions) -> tuple[int, ...]:

@@ -40,7 +40,8 @@ class DynamicLossScaler:
             self._hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left}
+        return {"scale": self.scale, "clean_steps": self._clean_steps,
+                "hysteresis_left": self._hysteresis_left}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._clean_steps, self._hysteresis_left = (state["scale"], state["clean_steps"],

@@ -28,7 +28,8 @@ class ShardSlot:
     grad: Callable[[], torch.Tensor]
     master: nn.Parameter
     segments: list[tuple[nn.Parameter, int, int]]  # (parameter, offset in this slot, length)
-    layout: list[tuple[nn.Parameter, int, torch.Size]]  # every parameter of the whole range: (param, offset, shape)
+    # every parameter of the whole range: (param, offset, shape)
+    layout: list[tuple[nn.Parameter, int, torch.Size]]
     sharded: bool  # the slot is in this rank's chunk of a range split over dp (else in the whole range)
     start: int  # where ``data`` starts in its range (the layout's coordinates)
     store: Callable[[torch.Tensor, bool], None] | None = None  # keeps stepped values (stage 3; non-blocking?)
@@ -61,7 +62,8 @@ class MasterShards:
     loss scale and the clipping coefficient.
     """
 
-    def __init__(self, master_device: torch.device | None, compute_device: torch.device, piece: int | None = None):
+    def __init__(self, master_device: torch.device | None, compute_device: torch.device,
+                 piece: int | None = None):
         self.master_device, self.compute_device, self.piece = master_device, compute_device, piece
         self.slots: list[ShardSlot] = []
 
@@ -81,8 +83,10 @@ class MasterShards:
             high = min(low + size, data.numel())
             within = [(param, max(offset, low) - low, min(offset + length, high) - max(offset, low))
                       for param, offset, length in segments if offset < high and offset + length > low]
-            self._add(group, data[low:high], (lambda low=low, high=high: grad()[low:high]), within, layout, sharded,
-                      start + low, None if store is None else (lambda v, nb, low=low: store(v, nb, low)), aliasable)
+            self._add(group, data[low:high], (lambda low=low, high=high: grad()[low:high]),
+                      within, layout, sharded,
+                      start + low,
+                      None if store is None else (lambda v, nb, low=low: store(v, nb, low)), aliasable)
 
     def _add(self, group: dict, data: torch.Tensor, grad: Callable[[], torch.Tensor], segments, layout,
              sharded: bool, start: int, store, aliasable: bool) -> None:
@@ -91,7 +95,8 @@ class MasterShards:
             master = nn.Parameter(data)
         else:
             pinned = device.type == "cpu" and data.device.type != "cpu"
-            master = nn.Parameter(torch.empty(data.shape, dtype=torch.float32, device=device, pin_memory=pinned)
+            master = nn.Parameter(torch.empty(data.shape, dtype=torch.float32,
+                                              device=device, pin_memory=pinned)
                                   .copy_(data.detach()))
         group["params"].append(master)
         self.slots.append(ShardSlot(data, grad, master, segments, layout, sharded, start, store))
@@ -138,7 +143,8 @@ class MasterShards:
 
     def pieces(self, optimizer: torch.optim.Optimizer) -> list[MasterPiece]:
         """Where every parameter's elements sit in these masters (and which torch-optimizer state is each
-        master's). Checkpoints record it, so that another layout can re-cut masters and states by parameter."""
+        master's). Checkpoints record it, so that another layout can re-cut masters and states by
+        parameter."""
         state_index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         found = []
         for index, slot in enumerate(self.slots):

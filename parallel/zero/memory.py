@@ -59,7 +59,8 @@ def expected_parameter_state_bytes(params: Iterable[nn.Parameter], stage: int, d
     total = 0.0
     for param in params:
         sharded = stage == 3 and sharded_at_stage_3(param, persistence_threshold)
-        total += expected_model_state_bytes(stage if sharded or stage < 3 else 2, param.numel(), dp, compute_bytes,
+        total += expected_model_state_bytes(stage if sharded or stage < 3 else 2,
+                                            param.numel(), dp, compute_bytes,
                                             grad_bytes)
         if sharded and 1 < secondary_partition < dp:
             total += compute_bytes * param.numel() / secondary_partition

@@ -109,7 +109,8 @@ class SwappedOptimizerStates:
             master = self.masters[index]
             view = buffer[offset:offset + self._size(index)].view(self.shapes[index])
             if copy_in:  # a copy first: the old values may sit where the new layout puts another tensor
-                moves.append((view, (master.data if key is None else self.optimizer.state[master][key]).clone()))
+                moves.append((view,
+                              (master.data if key is None else self.optimizer.state[master][key]).clone()))
             if key is None:
                 master.data = view
             else:
@@ -146,7 +147,8 @@ class SwappedOptimizerStates:
         keys = sorted(k for k, v in state.items() if is_per_element(v))
         for key in keys:
             if state[key].shape != master.shape or state[key].dtype != master.dtype:
-                raise ValueError(f"NVMe offload swaps optimizer states shaped like their parameter (Adam, AdamW, "
+                raise ValueError("NVMe offload swaps optimizer states shaped like their parameter "
+                                 "(Adam, AdamW, "
                                  f"SGD with momentum); state {key!r} of {type(self.optimizer).__name__} is "
                                  f"{tuple(state[key].shape)} {state[key].dtype}")
         return keys

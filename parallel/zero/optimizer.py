@@ -1,13 +1,12 @@
 """The ZeRO optimizer for stages 0-3: flat buffers or sharded units, fp32 master shards, any optimizer,
 optionally offloaded to the CPU or to swap files (ZeRO-Offload / ZeRO-Infinity).
 
-Per flat buffer and bucket, this rank owns one chunk (stage 0: the whole bucket). The wrapped torch
-optimizer sees fp32 "master" tensors of at most ``sub_group_size`` elements each, cut from the owned
-chunks: views of the parameters themselves in fp32 training, fp32 copies under bf16/fp16. A step: finish the gradient reduction, unscale (fp16), agree
-on overflow over all ranks, take the global norm over every axis (each parameter counted once), clip,
-step the masters, write them back into the compute-precision parameters and (stages 1-2) all-gather
-every bucket so all ranks hold the full updated parameters again.
-"""
+Per flat buffer and bucket, this rank owns one chunk (stage 0: the whole bucket). The wrapped torch optimizer
+sees fp32 "master" tensors of at most ``sub_group_size`` elements each, cut from the owned chunks: views of
+the parameters themselves in fp32 training, fp32 copies under bf16/fp16. A step: finish the gradient
+reduction, unscale (fp16), agree on overflow over all ranks, take the global norm over every axis (each
+parameter counted once), clip, step the masters, write them back into the compute-precision parameters and
+(stages 1-2) all-gather every bucket so all ranks hold the full updated parameters again. """
 
 from __future__ import annotations
 
@@ -97,7 +96,8 @@ class ZeroOptimizer:
                                    piece=self.sub_group_size)
         self.flat.add_slots(self.master, master_groups)
         if self.units is not None:
-            self.units.add_slots(self.master, master_groups, dp.rank, aliasable=options.offload_param == "none")
+            self.units.add_slots(self.master, master_groups, dp.rank,
+                                 aliasable=options.offload_param == "none")
         if options.overlap_param_gather and stage in (1, 2):
             self.flat.wait_in_forward(module)
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
@@ -106,7 +106,8 @@ class ZeroOptimizer:
             space = SwapSpace(options.nvme_path, f"zero-optimizer-pid{os.getpid()}")
             self._close_swap = weakref.finalize(self, space.close)  # swap files are scratch: gone with us
             resident = {i for i, slot in enumerate(self.slots) if slot.aliased}
-            self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident, space, self.buffer_pool,
+            self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident,
+                                                  space, self.buffer_pool,
                                                   self.sub_group_size)
         if options.offload_param == "nvme":
             space = SwapSpace(options.nvme_path, f"zero-params-pid{os.getpid()}")
@@ -156,7 +157,8 @@ class ZeroOptimizer:
         if self.units is not None:
             self.units.zero()
 
-    def _global_sum(self, value: torch.Tensor, op=torch.distributed.ReduceOp.SUM, over_dp: bool = True) -> None:
+    def _global_sum(self, value: torch.Tensor, op=torch.distributed.ReduceOp.SUM,
+                    over_dp: bool = True) -> None:
         if over_dp:
             comm.all_reduce(value, self.dp, op=op)
         if self.model_parallel.model_parallel is not None:
@@ -172,7 +174,8 @@ class ZeroOptimizer:
         """L2 norm of the fp32 master weights over the whole model (Megatron's --log-params-norm); a
         collective over data and model parallelism."""
         with self.states_in_memory():
-            return self._global_norm([master.data for master in self.masters], 1.0, module_device(self.module))
+            return self._global_norm([master.data for master in self.masters], 1.0,
+                                     module_device(self.module))
 
     def step(self) -> StepResult:
         scale = self.loss_scale
@@ -247,7 +250,8 @@ class ZeroOptimizer:
                             target = self.masters[piece.master].data
                         else:
                             per_master = new_states.setdefault(piece.state, {})
-                            target = per_master.setdefault(kind, torch.zeros_like(self.masters[piece.master].data))
+                            target = per_master.setdefault(kind,
+                                                           torch.zeros_like(self.masters[piece.master].data))
                         target[piece.offset:piece.offset + piece.length].copy_(
                             local[piece.start:piece.start + piece.length])
                 if scalars is not None:
@@ -263,7 +267,8 @@ class ZeroOptimizer:
         self.masters_to_parameters()
 
     def parameter_shapes(self) -> list[tuple[nn.Parameter, torch.Size]]:
-        """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields them."""
+        """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields
+        them."""
         return [(param, shape) for pieces in self.master.ranges() for param, _, shape in pieces[0].layout]
 
     def whole_masters(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
@@ -274,7 +279,8 @@ class ZeroOptimizer:
             full = torch.cat([slot.master.data.reshape(-1) for slot in pieces]) if len(pieces) > 1 \
                 else first.master.data.reshape(-1)
             if first.sharded and self.dp.size > 1:
-                mine, full = full, torch.empty(full.numel() * self.dp.size, dtype=torch.float32, device=full.device)
+                mine, full = full, torch.empty(full.numel() * self.dp.size,
+                                               dtype=torch.float32, device=full.device)
                 comm.all_gather_into_tensor(full, mine.contiguous(), self.dp)
             for param, start, shape in first.layout:
                 yield param, full[start:start + shape.numel()].view(shape)

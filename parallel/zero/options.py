@@ -36,49 +36,61 @@ class ZeroOptions:
         stage = self.stage
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {stage} is unknown: choose 0, 1, 2 or 3")
-        for flag, value in (("--zero-bucket-size", self.bucket_size), ("--zero-sub-group-size", self.sub_group_size)):
+        for flag, value in (("--zero-bucket-size", self.bucket_size),
+                            ("--zero-sub-group-size", self.sub_group_size)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1 element, got {value}")
         if self.persistence_threshold < 0 or (self.prefetch_budget or 0) < 0:
             raise ValueError("--zero-persistence-threshold and --zero-prefetch-budget must be >= 0")
         self._check_offload()
         if self.quantized_weights and stage == 0:
-            raise ValueError("--zero-quantized-weights needs --zero-stage 1, 2 or 3: stage 0 all-reduces gradients "
+            raise ValueError("--zero-quantized-weights needs --zero-stage 1, 2 or 3: stage 0 all-reduces "
+                             "gradients "
                              "and gathers no parameters; add --zero-stage 3 (or 1, 2) or drop the flag")
         if self.quantized_gradients and stage < 2:
             raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3: stage {stage} "
-                             f"{'all-reduces' if stage == 0 else 'reduce-scatters'} the gradients in place in their "
+                             f"{'all-reduces' if stage == 0 else 'reduce-scatters'} the gradients in place "
+                             "in their "
                              "flat buffer; add --zero-stage 3 (or 2) or drop the flag")
         self._check_partitions(dp_size)
 
     def _check_offload(self) -> None:
         if self.offload_optimizer not in ("none", "cpu", "nvme"):
-            raise ValueError(f"--offload-optimizer {self.offload_optimizer} is unknown: choose none, cpu or nvme")
+            raise ValueError(f"--offload-optimizer {self.offload_optimizer} is unknown: choose none, "
+                             "cpu or nvme")
         if self.offload_optimizer != "none" and self.stage == 0:
-            raise ValueError(f"--offload-optimizer {self.offload_optimizer} needs --zero-stage 1, 2 or 3: stage 0 "
+            raise ValueError(f"--offload-optimizer {self.offload_optimizer} needs --zero-stage 1, 2 or 3: "
+                             "stage 0 "
                              "keeps no optimizer shard to offload")
         if self.offload_param not in ("none", "nvme"):
-            raise ValueError(f"--offload-param {self.offload_param} is not available in this build: use --offload-param nvme "
+            raise ValueError(f"--offload-param {self.offload_param} is not available in this build: use "
+                             "--offload-param nvme "
                              "(stage 3) or none")
         if self.offload_param == "nvme" and self.stage != 3:
             raise ValueError("--offload-param nvme needs --zero-stage 3: only stage 3 shards the parameters")
         if self.nvme_path is not None and "nvme" not in (self.offload_optimizer, self.offload_param):
-            raise ValueError("--nvme-path is only used with --offload-optimizer nvme or --offload-param nvme: "
+            raise ValueError("--nvme-path is only used with --offload-optimizer nvme or "
+                             "--offload-param nvme: "
                              "add one or drop --nvme-path")
 
     def _check_partitions(self, dp_size: int) -> None:
         shard, hpz = self.shard_size, self.hpz_partition_size
         for flag, size in (("--zero-shard-size", shard), ("--zero-hpz-partition-size", hpz)):
             if size is not None and (size < 1 or dp_size % size):
-                raise ValueError(f"{flag} {size} must divide the data-parallel size {dp_size} (world / (tp x pp)): "
+                raise ValueError(f"{flag} {size} must divide the data-parallel size {dp_size} (world / (tp "
+                                 "x pp)): "
                                  "choose a divisor, usually the data-parallel ranks of one node")
         if shard is not None and shard < dp_size:
             if self.stage == 0:
-                raise ValueError(f"--zero-shard-size {shard} needs --zero-stage 1, 2 or 3: stage 0 shards nothing")
+                raise ValueError(f"--zero-shard-size {shard} needs --zero-stage 1, 2 or 3: stage 0 "
+                                 "shards nothing")
             if hpz > 1 or self.quantized_gradients:
-                raise ValueError(f"--zero-shard-size {shard} is not combined with --zero-hpz-partition-size or "
-                                 "--zero-quantized-gradients here: a shard group of one node already keeps the "
+                raise ValueError(f"--zero-shard-size {shard} is not combined with "
+                                 "--zero-hpz-partition-size or "
+                                 "--zero-quantized-gradients here: a shard group of one node already "
+                                 "keeps the "
                                  "gathers and reduce-scatters in the node; choose one of the two ways")
         if hpz > 1 and self.stage != 3:
-            raise ValueError(f"--zero-hpz-partition-size {hpz} needs --zero-stage 3: only stage 3 gathers the "
+            raise ValueError(f"--zero-hpz-partition-size {hpz} needs --zero-stage 3: only stage 3 "
+                             "gathers the "
                              "parameters in forward and backward; add --zero-stage 3 or drop the flag")

@@ -47,7 +47,8 @@ class ReplicatedParameters:
                 self.group_of.append(index)
         for buffer in self.buffers:  # every replica starts from data-parallel rank 0's weights
             comm.broadcast(buffer.data, src=dp.ranks[0], group=dp)
-        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), model_parallel, pool, quantized_gradients)
+        self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), model_parallel, pool,
+                                      quantized_gradients)
         self._gathers: dict[tuple[int, int], object] = {}  # (buffer, bucket) -> all-gather in flight
         self._hooks: list = []
 
@@ -66,7 +67,8 @@ class ReplicatedParameters:
                             lambda i=index, b=bucket: self.grad_sync.shard_grad(i, b),
                             [(s.param, s.offset, s.length) for s in segments if s.bucket == bucket.index],
                             [(p, buffer.offsets[p] - bucket.start, p.shape) for p in bucket.params],
-                            sharded=self.stage > 0, start=low - bucket.start, aliasable=not self.quantized_weights)
+                            sharded=self.stage > 0, start=low - bucket.start,
+                            aliasable=not self.quantized_weights)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.grad_sync.no_sync()
@@ -114,13 +116,15 @@ class ReplicatedParameters:
 
     def wait_in_forward(self, module: nn.Module) -> None:
         """Forward pre-hooks: a module waits for the buckets that hold its own parameters (Megatron's
-        --overlap-param-gather). A parameter must be read in its own module's forward, as every layer here is."""
+        --overlap-param-gather). A parameter must be read in its own module's forward, as every layer here
+        is."""
         bucket_of = {param: (index, bucket.index) for index, buffer in enumerate(self.buffers)
                      for bucket in buffer.buckets for param in bucket.params}
         for owner in module.modules():
             keys = sorted({bucket_of[p] for p in owner.parameters(recurse=False) if p in bucket_of})
             if keys:
-                self._hooks.append(owner.register_forward_pre_hook(lambda _, args, keys=keys: self.wait(keys)))
+                self._hooks.append(owner.register_forward_pre_hook(lambda _, args,
+                                                                   keys=keys: self.wait(keys)))
 
     def held(self) -> list[torch.Tensor]:
         """The tensors this storage holds for parameters and gradients (for the byte count)."""

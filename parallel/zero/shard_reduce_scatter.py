@@ -36,7 +36,8 @@ class ShardReduceScatter:
         self.dp, self.levels = dp, quantized_levels
         if quantized_levels is not None and (math.prod(level.size for level in quantized_levels) != dp.size
                                              or hierarchy_rank(quantized_levels) != dp.rank):
-            raise ValueError(f"the quantized gradient levels ({' x '.join(level.axis for level in quantized_levels)}) "
+            raise ValueError("the quantized gradient levels "
+                             f"({' x '.join(level.axis for level in quantized_levels)}) "
                              f"do not make up the {dp.axis} group of {dp.size} in its order")
         self._ring = StagingRing(pool, name, largest, dtype)
         self._in_flight: dict[Hashable, object] = {}
@@ -60,7 +61,8 @@ class ShardReduceScatter:
             staging.div_(self.dp.size)
         into = shard()
         if self.levels is not None:
-            for reduction in self._in_flight.values():  # the earlier ones' next levels run behind what follows
+            # the earlier ones' next levels run behind what follows
+            for reduction in self._in_flight.values():
                 reduction.advance()
             self._in_flight[key] = quantized_reduce_scatter_add(into, staging, self.levels, async_op=True)
             return

@@ -84,7 +84,8 @@ class ShardedParameters:
         for dtype in {u.dtype for u in self.units}:
             members = [u for u in self.units if u.dtype == dtype]
             self.shards[dtype] = torch.empty(sum(u.chunk for u in members), dtype=dtype, device=device)
-            self.grad_shards[dtype] = torch.zeros(self.shards[dtype].numel(), dtype=grad_dtype(dtype), device=device)
+            self.grad_shards[dtype] = torch.zeros(self.shards[dtype].numel(),
+                                                  dtype=grad_dtype(dtype), device=device)
             offset = secondary_offset = 0
             for unit in members:
                 self.chunk_offset[unit.index], self.secondary_offset[unit.index] = offset, secondary_offset
@@ -115,7 +116,8 @@ class ShardedParameters:
         """Elements of this rank's shards of every unit."""
         return sum(unit.chunk for unit in self.units)
 
-    def add_slots(self, masters: MasterShards, master_groups: list[dict], shard: int, aliasable: bool) -> None:
+    def add_slots(self, masters: MasterShards, master_groups: list[dict], shard: int,
+                  aliasable: bool) -> None:
         """Master slots over each unit's shard on this rank, cut to the masters' largest size
         (``aliasable`` False: shards that will live in a swap file cannot be the masters)."""
         for unit in self.units:
@@ -124,7 +126,8 @@ class ShardedParameters:
                         pieces_within(ranges, shard * unit.chunk, (shard + 1) * unit.chunk),
                         [(p, unit.offsets[p], unit.shapes[p]) for p in unit.params], sharded=True,
                         start=shard * unit.chunk,
-                        store=lambda values, non_blocking, offset, u=unit: self.store(u, values, non_blocking, offset),
+                        store=lambda values, non_blocking, offset,
+                        u=unit: self.store(u, values, non_blocking, offset),
                         aliasable=aliasable)
 
     def held(self) -> list[torch.Tensor]:
@@ -149,7 +152,8 @@ class ShardedParameters:
     def _read(self, unit: ParameterUnit) -> None:
         """Start reading ``unit``'s shard from its file into a host pool slot (once)."""
         if unit.index not in self._reads:
-            slots = self.pool.slots(f"zero3-shard-reads-{unit.dtype}", unit.chunk, unit.dtype, torch.device("cpu"))
+            slots = self.pool.slots(f"zero3-shard-reads-{unit.dtype}", unit.chunk, unit.dtype,
+                                    torch.device("cpu"))
             buffer = slots.take()
             offset = self.chunk_offset[unit.index] * buffer.element_size()
             self._reads[unit.index] = (slots, buffer, self.space.read(f"shards-{unit.dtype}", buffer, offset))
@@ -177,7 +181,8 @@ class ShardedParameters:
             if not (self.units[index].gathered or self.units[index].handle is not None):
                 self._read(self.units[index])
 
-    def store(self, unit: ParameterUnit, values: torch.Tensor, non_blocking: bool = False, offset: int = 0) -> None:
+    def store(self, unit: ParameterUnit, values: torch.Tensor, non_blocking: bool = False,
+              offset: int = 0) -> None:
         """The optimizer stepped elements ``offset`` on of ``unit``'s shard: keep ``values`` (cast to the
         unit's dtype) there (asynchronously from pinned host memory if ``non_blocking``: the caller orders
         its next write)."""
@@ -241,7 +246,8 @@ class ShardedParameters:
             return
         full = unit.materialize()
         if unit.secondary_valid:
-            unit.handle = comm.all_gather_into_tensor(full, self.secondary_shard(unit), self.secondary, async_op=True)
+            unit.handle = comm.all_gather_into_tensor(full, self.secondary_shard(unit),
+                                                      self.secondary, async_op=True)
         else:
             unit.handle = self._all_gather(full, self._source(unit), self.dp, async_op=True)
             unit.refresh_secondary = self.secondary is not None
@@ -317,7 +323,8 @@ class ShardedParameters:
             tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output])
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.gather(unit), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(tensors,
+                                                              lambda grads: self.gather(unit), mode="any")
             return output
         return hook
 

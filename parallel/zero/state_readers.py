@@ -1,5 +1,6 @@
-"""Readers of a ``ZeroOptimizer.state_dict()`` saved in any layout: what a re-cut (``pretrain.checkpoint.reshard``)
-or a checkpoint load takes out of it, without building the optimizer that saved it."""
+"""Readers of a ``ZeroOptimizer.state_dict()`` saved in any layout: what a re-cut
+(``pretrain.checkpoint.reshard``) or a checkpoint load takes out of it, without building the optimizer that
+saved it."""
 
 from __future__ import annotations
 

@@ -86,9 +86,11 @@ class SwapSpace:
         data, done = _as_bytes(tensor), 0  # the tensor stays referenced until its transfer is done
         try:
             while done < len(data):  # both calls may move fewer bytes than asked
-                moved = operation(descriptor, data[done:] if operation is os.pwrite else [data[done:]], offset + done)
+                moved = operation(descriptor,
+                                  data[done:] if operation is os.pwrite else [data[done:]], offset + done)
                 if moved == 0:
-                    raise OSError(f"the file ends {offset + done} bytes in; a swap file is never shorter than "
+                    raise OSError(f"the file ends {offset + done} bytes in; a swap file is never "
+                                  "shorter than "
                                   "what was written to it")
                 done += moved
         except OSError as error:

@@ -76,7 +76,8 @@ def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
     if step is not None:
         name = iteration_name(step)
         if not os.path.isdir(os.path.join(directory, name)):
-            raise CheckpointError(f"--ckpt-step {step}: no checkpoint of iteration {step} under --load {directory} "
+            raise CheckpointError(f"--ckpt-step {step}: no checkpoint of iteration {step} under --load "
+                                  f"{directory} "
                                   f"(saved: {', '.join(map(str, saved_iterations(directory))) or 'none'}); give "
                                   "one of those or drop --ckpt-step")
     else:
@@ -170,8 +171,10 @@ def read_file(path: str) -> dict:
 def check_format(checkpoint: str, manifest: dict) -> None:
     found = manifest.get("format", 1)
     if found not in READABLE_FORMATS:
-        raise CheckpointError(f"{checkpoint}: its rank files are in format {found} and this version reads formats "
-                              f"{' and '.join(map(str, READABLE_FORMATS))}: load it with the version that wrote it "
+        raise CheckpointError(f"{checkpoint}: its rank files are in format {found} and this version reads "
+                              "formats "
+                              f"{' and '.join(map(str, READABLE_FORMATS))}: load it with the version that "
+                              "wrote it "
                               "and save it again")
 
 
@@ -188,7 +191,8 @@ def read_rank_file(checkpoint: str, manifest: dict, entry: str) -> dict:
     tensors used come off the disk); a format-2 file's parts are named as format 3 names them."""
     content = read_file(verified(checkpoint, manifest, entry))
     if manifest.get("format") == 2:
-        return {MODEL: {"pieces": content["pieces"], "optimizer": content["optimizer"]}, "rng": content["rng"]}
+        return {MODEL: {"pieces": content["pieces"], "optimizer": content["optimizer"]},
+                "rng": content["rng"]}
     return content["states"]
 
 

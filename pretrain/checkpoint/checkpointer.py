@@ -19,8 +19,10 @@ from data.file_digest import files_sha256
 from parallel import comm
 from parallel.process_groups import ParallelGroups, default_device
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError, check_format, exists,
-                                         fsync_directory, iteration_name, latest_name, read_manifest, read_rank_file,
+from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError,
+                                         check_format, exists,
+                                         fsync_directory, iteration_name, latest_name,
+                                         read_manifest, read_rank_file,
                                          read_rank_files, run_states, verified, write_durably)
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 
@@ -71,7 +73,8 @@ def save(directory: str, iteration: int, states: dict[str, Stateful], groups: Pa
     agreed(problem)
     path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
     with model.in_memory():
-        content = {"states": {MODEL: model.state_dict(), **{n: s.state_dict() for n, s in rank_states.items()}}}
+        content = {"states": {MODEL: model.state_dict(),
+                              **{n: s.state_dict() for n, s in rank_states.items()}}}
         problem = _write_rank_file(path, content)
     agreed(problem)
     problem = None
@@ -109,7 +112,8 @@ def _publish(directory: str, staging: str, final: str, manifest: dict, keep_last
     manifest["files"] = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
                                  "sha256": files_sha256(os.path.join(staging, entry))}
                          for entry in sorted(os.listdir(staging))}
-    write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode())
+    write_durably(os.path.join(staging, "manifest.json"),
+                  json.dumps(manifest, indent=1, default=str).encode())
     fsync_directory(staging)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
@@ -174,11 +178,13 @@ def _recut_files(model: ZeroModelState, directory: str, step: int | None, weight
     """Re-cut the model state out of every rank file of the checkpoint."""
     checkpoint, manifest, files = read_rank_files(directory, step)
     saved = [states[MODEL] for states in files]
-    _recut(model, reshard.CheckpointPieces(saved), f"{checkpoint} (layout {manifest['layout']})", weights_only,
+    _recut(model, reshard.CheckpointPieces(saved),
+           f"{checkpoint} (layout {manifest['layout']})", weights_only,
            saved)
 
 
-def _recut(model: ZeroModelState, source, what: str, weights_only: bool, saved: list[dict] | None = None) -> None:
+def _recut(model: ZeroModelState, source, what: str, weights_only: bool,
+           saved: list[dict] | None = None) -> None:
     try:
         with model.in_memory():
             model.load_recut(source, weights_only, saved)

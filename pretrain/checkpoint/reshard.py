@@ -33,7 +33,8 @@ def _tp_slice(param: nn.Parameter) -> tuple[int | None, int | None]:
     return meta(param).partition_dim, meta(param).unpadded_rows
 
 
-def describe(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int, tp_size: int) -> list[dict]:
+def describe(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int,
+             tp_size: int) -> list[dict]:
     """This rank's pieces: which elements of which named parameter each master range holds."""
     pieces = []
     for piece in optimizer.master_pieces():
@@ -97,7 +98,8 @@ class CheckpointPieces:
         ranks = list(range(first["tp_size"])) if first["tp_dim"] is not None else [min(slices)]
         for rank in ranks:
             if rank not in filled or not bool(filled[rank].all()):
-                raise ReshardError(f"{name}: the checkpoint lacks part of tensor-parallel slice {rank} (a rank "
+                raise ReshardError(f"{name}: the checkpoint lacks part of tensor-parallel slice {rank} "
+                                   "(a rank "
                                    "file of another run, or one missing)")
         if first["tp_dim"] is None:
             whole = slices[ranks[0]].view(first["shape"])
@@ -118,16 +120,17 @@ def _my_slice(whole: torch.Tensor, piece: MasterPiece, tp_rank: int, tp_size: in
     if dim is not None:
         whole = whole.chunk(tp_size, dim=dim)[tp_rank]
     if whole.shape != piece.shape:
-        raise ReshardError(f"its slice of shape {tuple(whole.shape)} cannot fill this model's {tuple(piece.shape)} "
+        raise ReshardError(f"its slice of shape {tuple(whole.shape)} cannot fill this model's "
+                           f"{tuple(piece.shape)} "
                            "(another model: compare the shape flags with the checkpoint's manifest config)")
     return whole.reshape(-1)
 
 
 class WeightsFile:
     """The whole fp32 weights of a model in one safetensors file under layout-independent names (what
-    ``pretrain.interop.convert`` writes and a Hugging Face import makes): a source of masters for ``load`` with
-    no optimizer state. Opened memory-mapped; each parameter is read when asked for, and only the
-    rank's slices are kept."""
+    ``pretrain.interop.convert`` writes and a Hugging Face import makes): a source of masters for ``load``
+    with no optimizer state. Opened memory-mapped; each parameter is read when asked for, and only the rank's
+    slices are kept."""
 
     kinds: tuple[str, ...] = ()  # no optimizer state
 

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(_flag_name(f.name), *same, dest=f.name, **kwargs)
             for alias, factor in (aliases.items() if isinstance(aliases, dict) else []):
                 if factor != 1:  # another unit: the value is scaled into ours
-                    group.add_argument(alias, dest=f.name, help=f"{_flag_name(f.name)} in other units (x {factor:g})",
+                    group.add_argument(alias, dest=f.name,
+                                       help=f"{_flag_name(f.name)} in other units (x {factor:g})",
                                        type=_scaled(base, factor))
     add_megatron_flags(parser)
     return parser
@@ -157,7 +158,8 @@ def load_yaml(path: str) -> dict:
         for key in unknown:
             close = nearest(str(key), known)
             hints.append(f"{key!r}" + (f" (did you mean {close!r}?)" if close else ""))
-        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(hints)}; keys are the flag names with _")
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(hints)}; keys are the flag "
+                          "names with _")
     return values
 
 

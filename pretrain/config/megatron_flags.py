@@ -41,39 +41,52 @@ def _flags(reason: str, *specs: str, off: tuple = ()) -> list[MegatronFlag]:
 IGNORED = [
     *_flags("selects Megatron's kernels or fusions; the computation is the same here",
             "--attention-backend", "--attention-softmax-in-fp32:0", "--apply-query-key-layer-scaling:0",
-            "--cross-entropy-loss-fusion:0", "--cross-entropy-fusion-impl", "--no-gradient-accumulation-fusion:0",
+            "--cross-entropy-loss-fusion:0", "--cross-entropy-fusion-impl",
+            "--no-gradient-accumulation-fusion:0",
             "--no-masked-softmax-fusion:0", "--no-persist-layer-norm:0", "--no-rope-fusion:0",
-            "--use-flashinfer-fused-rope:0", "--transformer-impl", "--use-mcore-models:0", "--te-rng-tracker:0",
-            "--cuda-graph-impl", "--enable-cuda-graph:0", "--deterministic-mode:0", "--first-last-layers-bf16:0"),
+            "--use-flashinfer-fused-rope:0", "--transformer-impl", "--use-mcore-models:0",
+            "--te-rng-tracker:0",
+            "--cuda-graph-impl", "--enable-cuda-graph:0", "--deterministic-mode:0",
+            "--first-last-layers-bf16:0"),
     *_flags("overlap and scheduling knobs of Megatron's kernels; they change timing, not results",
             "--tp-comm-overlap:0", "--tp-comm-overlap-cfg", "--defer-embedding-wgrad-compute:0",
             "--wgrad-deferral-limit", "--overlap-p2p-communication-warmup-flush:0",
             "--microbatch-group-size-per-virtual-pipeline-stage",
             "--overlap-param-gather-with-optimizer-step:0", "--ddp-average-in-collective:0",
-            "--disable-gloo-process-groups:0", "--data-parallel-sharding-strategy", "--megatron-fsdp-grad-comm-dtype",
+            "--disable-gloo-process-groups:0", "--data-parallel-sharding-strategy",
+            "--megatron-fsdp-grad-comm-dtype",
             "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype"),
-    *_flags("checkpoint formats and writers: checkpoints here are one verified file per rank plus a manifest, "
+    *_flags("checkpoint formats and writers: checkpoints here are one verified file per rank plus a "
+            "manifest, "
             "re-cut to any layout on load", "--ckpt-format", "--async-save:0", "--async-strategy",
             "--async-ckpt-use-cpu-shm:0", "--use-persistent-ckpt-worker:0", "--auto-detect-ckpt-format:0",
-            "--ckpt-assume-constant-structure:0", "--ckpt-fully-parallel-load:0", "--ckpt-fully-parallel-save:0",
-            "--no-ckpt-fully-parallel-save:0", "--dist-ckpt-optim-fully-reshardable:0", "--dist-ckpt-strictness",
-            "--verify-integrity:0", "--use-checkpoint-opt_param-scheduler:0", "--override-opt_param-scheduler:0",
+            "--ckpt-assume-constant-structure:0", "--ckpt-fully-parallel-load:0",
+            "--ckpt-fully-parallel-save:0",
+            "--no-ckpt-fully-parallel-save:0", "--dist-ckpt-optim-fully-reshardable:0",
+            "--dist-ckpt-strictness",
+            "--verify-integrity:0", "--use-checkpoint-opt_param-scheduler:0",
+            "--override-opt_param-scheduler:0",
             "--no-use-tokenizer-model-from-checkpoint-args:0"),
     *_flags("data-loader and memory-manager knobs: the data path here has no worker processes or masks",
             "--num-workers", "--no-mmap-bin-files:0", "--no-create-attention-mask-in-dataloader:0",
             "--empty-unused-memory-level", "--manual-gc:0", "--tiktoken-pattern"),
-    *_flags("profilers, timers and checks of Megatron's own; the metrics file, wandb and TensorBoard report here",
-            "--profile:0", "--profile-step-start", "--profile-step-end", "--timing-log-level", "--timing-log-option",
-            "--log-timers-to-tensorboard:0", "--log-memory-to-tensorboard:0", "--log-validation-ppl-to-tensorboard:0",
+    *_flags("profilers, timers and checks of Megatron's own; the metrics file, wandb and TensorBoard "
+            "report here",
+            "--profile:0", "--profile-step-start", "--profile-step-end", "--timing-log-level",
+            "--timing-log-option",
+            "--log-timers-to-tensorboard:0", "--log-memory-to-tensorboard:0",
+            "--log-validation-ppl-to-tensorboard:0",
             "--log-num-zeros-in-grad:0", "--log-progress:0", "--straggler-minmax-count", "--rerun-mode",
-            "--error-injection-rate", "--error-injection-type", "--check-weight-hash-across-dp-replicas-interval",
+            "--error-injection-rate", "--error-injection-type",
+            "--check-weight-hash-across-dp-replicas-interval",
             "--test-mode:0"),
     *_flags("the backend follows the device here (gloo on CPUs, NCCL on GPUs)", "--distributed-backend"),
     *_flags("meaningful only with fp8 (--fp8-format), which is refused", "--fp8-amax-compute-algo",
             "--fp8-amax-history-len", "--fp8-recipe", "--fp8-param-gather:0"),
     *_flags("meaningful only with context parallelism > 1, which is refused", "--cp-comm-type:+",
             "--hierarchical-context-parallel-sizes:+"),
-    *_flags("meaningful only with mixture-of-experts layers, which are refused", "--expert-tensor-parallel-size"),
+    *_flags("meaningful only with mixture-of-experts layers, which are refused",
+            "--expert-tensor-parallel-size"),
 ]
 
 IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero_stage", 3)}
@@ -86,11 +99,15 @@ REFUSED = [
             "--moe-router-score-function", "--moe-router-load-balancing-type:+", "--moe-aux-loss-coeff:+",
             "--moe-z-loss-coeff", "--moe-shared-expert-gate:0", "--moe-shared-expert-intermediate-size",
             "--moe-token-dispatcher-type", off=(None, "1")),
-    *_flags("this attention variant (multi-latent, gated delta net, linear, sparse indexer, output gate) is not "
+    *_flags("this attention variant (multi-latent, gated delta net, linear, sparse indexer, output "
+            "gate) is not "
             "supported", "--multi-latent-attention:0", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-            "--qk-pos-emb-head-dim", "--v-head-dim", "--experimental-attention-variant", "--linear-attention-freq",
-            "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
-            "--linear-value-head-dim", "--attention-output-gate:0", "--dsa-indexer-head-dim", "--dsa-indexer-n-heads",
+            "--qk-pos-emb-head-dim", "--v-head-dim", "--experimental-attention-variant",
+            "--linear-attention-freq",
+            "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-num-key-heads",
+            "--linear-num-value-heads",
+            "--linear-value-head-dim", "--attention-output-gate:0", "--dsa-indexer-head-dim",
+            "--dsa-indexer-n-heads",
             "--dsa-indexer-topk", "--dsa-indexer-loss-coeff", off=(None,)),
     *_flags("the embedding and loss always sit with the first and last stage's layers: give the split with "
             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers or "
@@ -100,23 +117,32 @@ REFUSED = [
     *_flags("several distributed-optimizer instances (sharding within groups) are not supported",
             "--num-distributed-optimizer-instances", off=("1",)),
     *_flags("fill-in-the-middle data, MuP, distillation and Transformer Engine exports are not supported",
-            "--fim-data:0", "--fim-rate", "--fim-spm-rate", "--use-mup:0", "--mup-base-hidden-size", "--export-kd-cfg",
+            "--fim-data:0", "--fim-rate", "--fim-spm-rate", "--use-mup:0",
+            "--mup-base-hidden-size", "--export-kd-cfg",
             "--export-kd-teacher-load", "--export-te-mcore-model:0", off=(None,)),
     *_flags("an option of Megatron's RL training, which this build does not have", "--perform-rl-step:0",
-            "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper", "--grpo-entropy-term-weight", "--grpo-group-size",
+            "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper", "--grpo-entropy-term-weight",
+            "--grpo-group-size",
             "--grpo-iterations", "--grpo-kl-beta", "--grpo-prompts-per-step", "--langrl-env-config",
             "--refit-method", "--rl-consumption-granularity", "--rl-generation-lag",
             "--rl-inference-pipeline-model-parallel-size", "--rl-inference-tensor-model-parallel-size",
-            "--rl-offload-optimizer-during-inference:0", "--rl-partial-rollouts:0", "--rl-sequence-packing-algo",
-            "--rl-submission-granularity", "--rl-training-cuda-graphs:0", "--rl-use-sequence-packing:0", off=(None,)),
-    *_flags("an option of Megatron's inference scripts, not of training (sample here with --sample-prompt, or "
+            "--rl-offload-optimizer-during-inference:0", "--rl-partial-rollouts:0",
+            "--rl-sequence-packing-algo",
+            "--rl-submission-granularity", "--rl-training-cuda-graphs:0",
+            "--rl-use-sequence-packing:0", off=(None,)),
+    *_flags("an option of Megatron's inference scripts, not of training (sample here with "
+            "--sample-prompt, or "
             "export with python -m pretrain.convert --to hf)", "--prompts:+", "--prompt-file",
             "--prompt-file-num-truncate", "--temperature", "--top_k", "--top_p", "--top-n-logprobs",
-            "--num-tokens-to-generate", "--return-log-probs:0", "--termination-id", "--stop-words:+", "--output-path",
-            "--output-every-n-results", "--max-tokens-to-oom", "--flash-decode:0", "--enable-chunked-prefill:0",
-            "--decode-only-cuda-graphs:0", "--use-legacy-static-engine:0", "--use-coordinator:0", "--async-mode:0",
+            "--num-tokens-to-generate", "--return-log-probs:0", "--termination-id",
+            "--stop-words:+", "--output-path",
+            "--output-every-n-results", "--max-tokens-to-oom", "--flash-decode:0",
+            "--enable-chunked-prefill:0",
+            "--decode-only-cuda-graphs:0", "--use-legacy-static-engine:0",
+            "--use-coordinator:0", "--async-mode:0",
             "--incoming-requests-per-sec", "--incoming-requests-per-step", "--inference-ckpt-non-strict:0",
-            "--inference-rng-tracker:0", "--inference-fuse-tp-communication:0", "--inference-logging-step-interval",
+            "--inference-rng-tracker:0", "--inference-fuse-tp-communication:0",
+            "--inference-logging-step-interval",
             "--inference-max-requests", "--inference-max-seq-length", "--inference-repeat-n",
             "--inference-dynamic-batching-async-sched-mode", "--inference-dynamic-batching-buffer-size-gb",
             "--inference-dynamic-batching-cuda-graph-sizing-distribution",
@@ -124,7 +150,8 @@ REFUSED = [
             "--inference-dynamic-batching-num-cuda-graphs", "--inference-dynamic-batching-prefix-caching:0",
             "--inference-dynamic-batching-prefix-caching-coordinator-policy",
             "--inference-dynamic-batching-prefix-caching-eviction-policy",
-            "--inference-dynamic-batching-sampling-backend", "--inference-dynamic-batching-unified-memory-level",
+            "--inference-dynamic-batching-sampling-backend",
+            "--inference-dynamic-batching-unified-memory-level",
             off=(None,)),
 ]
 
@@ -137,20 +164,22 @@ def _dest(name: str) -> str:
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     """Add every IGNORED, IMPLIED and REFUSED flag to ``parser`` (their values land under a prefix)."""
-    group = parser.add_argument_group("Megatron-LM flags accepted for its scripts (ignored, implied or refused)")
+    group = parser.add_argument_group("Megatron-LM flags accepted for its scripts (ignored, implied or "
+                                      "refused)")
     for flag in [*IGNORED, *REFUSED]:
         if flag.nargs == "0":
             group.add_argument(flag.name, dest=_dest(flag.name), action="store_true", help=flag.reason)
         else:
             group.add_argument(flag.name, dest=_dest(flag.name), nargs=flag.nargs, help=flag.reason)
     for name, (setting, value) in IMPLIED.items():
-        group.add_argument(name, dest=_dest(name), action="store_true", help=f"means --{setting.replace('_', '-')} "
+        group.add_argument(name, dest=_dest(name), action="store_true",
+                           help=f"means --{setting.replace('_', '-')} "
                                                                             f"{value}")
 
 
 def resolve_megatron_flags(args: dict) -> tuple[dict, list[str]]:
-    """Take the Megatron-only flags out of parsed ``args``: raise ValueError for a refused feature that is
-    on, turn implied flags into our settings, and return (the settings they imply, the ignored flags given)."""
+    """Take the Megatron-only flags out of parsed ``args``: raise ValueError for a refused feature that is on,
+    turn implied flags into our settings, and return (the settings they imply, the ignored flags given)."""
     implied: dict = {}
     ignored: list[str] = []
     for flag in REFUSED:
@@ -190,11 +219,13 @@ def resolve_settings(config, pipeline_stages: int) -> None:
         per_chunk = par.num_layers_per_virtual_pipeline_stage
         layers = config.model.num_layers
         if per_chunk < 1 or layers % (pipeline_stages * per_chunk):
-            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk}: --num-layers {layers} is not "
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk}: --num-layers "
+                             f"{layers} is not "
                              f"pipeline stages {pipeline_stages} x chunks of {per_chunk} layers")
         chunks = layers // (pipeline_stages * per_chunk)
         if par.virtual_pipeline_size not in (None, chunks):
-            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} makes {chunks} virtual stages, "
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} makes {chunks} virtual "
+                             "stages, "
                              f"--virtual-pipeline-size says {par.virtual_pipeline_size}: give one of them")
         par.virtual_pipeline_size = chunks
     if par.pipeline_schedule is None:
@@ -202,7 +233,8 @@ def resolve_settings(config, pipeline_stages: int) -> None:
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     if first is not None or last is not None:
         if par.pipeline_layers_per_stage is not None:
-            raise ValueError("--decoder-first/last-pipeline-num-layers and --pipeline-layers-per-stage both split "
+            raise ValueError("--decoder-first/last-pipeline-num-layers and --pipeline-layers-per-stage "
+                             "both split "
                              "the layers: give one")
         par.pipeline_layers_per_stage = _uneven_split(config.model.num_layers, pipeline_stages, first, last)
     if data.tokenizer_type is None:  # as Megatron's pretrain_gpt: GPT-2 BPE when its files are given
@@ -218,8 +250,10 @@ def _uneven_split(layers: int, stages: int, first: int | None, last: int | None)
     rest = layers - sum(fixed)
     if stages < 2 or any(count < 1 for count in fixed) or rest < 0 or (middle and rest % middle) or \
             (middle and rest < middle) or (not middle and rest):
-        raise ValueError(f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers {last}: "
-                         f"the other {middle} of {stages} stages cannot split the remaining {rest} of {layers} "
+        raise ValueError(f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers "
+                         f"{last}: "
+                         f"the other {middle} of {stages} stages cannot split the remaining {rest} of "
+                         f"{layers} "
                          "layers evenly")
     even = rest // middle if middle else 0
     return [first if first is not None else even] + [even] * (stages - 2) + [last if last is not None else even]

@@ -22,7 +22,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = field(default=1, metadata=flag("ranks splitting each layer (tp)"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag("pipeline stages (pp)"))
     virtual_pipeline_size: int | None = field(default=None, metadata=flag(
-        "model chunks per stage for the interleaved schedule", aliases=["--num-virtual-stages-per-pipeline-rank"]))
+        "model chunks per stage for the interleaved schedule",
+        aliases=["--num-virtual-stages-per-pipeline-rank"]))
     num_layers_per_virtual_pipeline_stage: int | None = field(default=None, metadata=flag(
         "layers per model chunk (Megatron's way to ask for virtual stages: layers / pp / this)"))
     sequence_parallel: bool = field(
@@ -37,7 +38,8 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = field(default=None, metadata=flag(
         "layers of the last pipeline stage (the others split the rest evenly)"))
     gpus_per_node: int | None = field(default=None, metadata=flag(
-        "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): which bytes cross nodes (comm_bytes_inter_node), "
+        "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): which bytes cross nodes "
+        "(comm_bytes_inter_node), "
         "and a warning when tp spans nodes"))
     distributed_timeout_s: float = field(default=600.0, metadata=flag(
         "seconds a collective may wait before the run fails (never a silent hang)",
@@ -72,12 +74,14 @@ class ZeroConfig:
         "all-reduced across its replicas (default: the data-parallel size, one group)"))
     zero_hpz_partition_size: int = field(default=1, metadata=flag(
         "ZeRO++'s hpZ, stage 3: keep a secondary copy of the parameters sharded over groups of this many "
-        "data-parallel ranks (a node's), so that backward's gathers (and later micro-batches') stay within the "
+        "data-parallel ranks (a node's), so that backward's gathers (and later micro-batches') stay "
+        "within the "
         "group; costs 1/K of the parameters per rank; 1 = off"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "under --bf16, accumulate and reduce gradients in bf16 (half the gradient memory and traffic) "
         "instead of in fp32 main gradients (the default, as Megatron's)"))
-    zero_bucket_size: int = field(default=20_000_000, metadata=flag("elements per fused communication bucket"))
+    zero_bucket_size: int = field(default=20_000_000,
+                                  metadata=flag("elements per fused communication bucket"))
     zero_persistence_threshold: int = field(default=100_000, metadata=flag(
         "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
     zero_prefetch_budget: int | None = field(default=None, metadata=flag(
@@ -85,7 +89,8 @@ class ZeroConfig:
         "(default: twice the largest unit, so the next block is always gathered while one computes)"))
     offload_optimizer: str = field(default="none", metadata=flag(
         "where the fp32 masters, optimizer states and the step live: with the parameters (none), in CPU "
-        "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3", choices=["none", "cpu", "nvme"]))
+        "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3",
+        choices=["none", "cpu", "nvme"]))
     zero_sub_group_size: int | None = field(default=None, metadata=flag(
         "the largest fp32 master, and with --offload-optimizer nvme the elements stepped at a time (at most "
         "three sub-groups in memory at once); default: a twentieth of the rank's shard, within 64K..1e8"))
@@ -93,7 +98,8 @@ class ZeroConfig:
         "stage 3: where the parameter shards live between gathers: in memory (none) or in swap files under "
         "--nvme-path (nvme), read ahead of their gathers", choices=["none", "cpu", "nvme"]))
     nvme_path: str | None = field(default=None, metadata=flag(
-        "directory on a local disk for the swap files (each process makes a private one inside, removed at exit)"))
+        "directory on a local disk for the swap files (each process makes a private one inside, removed "
+        "at exit)"))
 
 
 @dataclass
@@ -117,15 +123,18 @@ class RecomputeConfig:
 class OptimizerConfig:
     """AdamW and the learning-rate schedule."""
 
-    optimizer: str = field(default="adam", metadata=flag("adam (AdamW: decoupled weight decay, as Megatron's adam)",
+    optimizer: str = field(default="adam",
+                           metadata=flag("adam (AdamW: decoupled weight decay, as Megatron's adam)",
                                                           choices=["adam"]))
     lr: float = field(default=6e-4, metadata=flag("peak learning rate"))
     min_lr: float = field(default=0.0, metadata=flag("learning rate at the end of decay"))
     lr_warmup_init: float = field(default=0.0, metadata=flag("learning rate warm-up starts from"))
-    lr_warmup_iters: int = field(default=0, metadata=flag("iterations of linear warm-up (x the global batch, in "
+    lr_warmup_iters: int = field(default=0,
+                                 metadata=flag("iterations of linear warm-up (x the global batch, in "
                                                            "samples)"))
     lr_warmup_samples: int = field(default=0, metadata=flag("samples of linear warm-up"))
-    lr_warmup_fraction: float | None = field(default=None, metadata=flag("warm-up as a fraction of the decay length"))
+    lr_warmup_fraction: float | None = field(default=None,
+                                             metadata=flag("warm-up as a fraction of the decay length"))
     lr_decay_iters: int | None = field(default=None, metadata=flag(
         "iteration where decay ends (default: --train-iters)"))
     lr_decay_samples: int | None = field(default=None, metadata=flag(
@@ -136,7 +145,8 @@ class OptimizerConfig:
         "a learning rate of their own for the input embedding and the output layer"))
     decoupled_min_lr: float | None = field(default=None, metadata=flag("the --min-lr of --decoupled-lr"))
     weight_decay: float = field(default=0.01, metadata=flag("AdamW weight decay (never on norms and biases)"))
-    apply_wd_to_qk_layernorm: bool = field(default=False, metadata=flag("weight decay on the query/key norms too"))
+    apply_wd_to_qk_layernorm: bool = field(default=False,
+                                           metadata=flag("weight decay on the query/key norms too"))
     adam_beta1: float = field(default=0.9, metadata=flag("AdamW beta1"))
     adam_beta2: float = field(default=0.999, metadata=flag("AdamW beta2"))
     adam_eps: float = field(default=1e-8, metadata=flag("AdamW epsilon"))
@@ -155,15 +165,19 @@ class TrainingConfig:
         "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT in equal shares of SAMPLES "
         "samples up to --global-batch-size"))
     step_batch_size_schedule: str | None = field(default=None, metadata=flag(
-        "'THRESHOLD:BATCH ...' (spaces or commas; K/M/B/T suffixes): the global batch from THRESHOLD tokens on"))
+        "'THRESHOLD:BATCH ...' (spaces or commas; K/M/B/T suffixes): the global batch from THRESHOLD "
+        "tokens on"))
     train_iters: int | None = field(default=None, metadata=flag(
         "optimizer steps (default 100 without --train-samples)"))
-    train_samples: int | None = field(default=None, metadata=flag("train until this many samples are consumed"))
-    exit_interval: int | None = field(default=None, metadata=flag("save (with --save) and exit at iterations that "
+    train_samples: int | None = field(default=None,
+                                      metadata=flag("train until this many samples are consumed"))
+    exit_interval: int | None = field(default=None,
+                                      metadata=flag("save (with --save) and exit at iterations that "
                                                                    "this divides"))
     exit_duration_in_mins: float | None = field(default=None, metadata=flag(
         "save (with --save) and exit once the run has taken this many minutes"))
-    eval_interval: int | None = field(default=None, metadata=flag("evaluate every N iterations (default: never)"))
+    eval_interval: int | None = field(default=None,
+                                      metadata=flag("evaluate every N iterations (default: never)"))
     eval_iters: int = field(default=100, metadata=flag("validation global batches per evaluation"))
     eval_global_batch_size: int | None = field(default=None, metadata=flag(
         "samples per validation batch (default: the training batch at the end of its schedule)"))
@@ -178,7 +192,8 @@ class TrainingConfig:
     loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))
     hysteresis: int = field(default=2, metadata=flag("fp16: overflowing steps tolerated before backing off"))
     bad_step_limit: int = field(default=3, metadata=flag(
-        "stop after this many consecutive steps with a non-finite loss or gradient norm (each is skipped: the "
+        "stop after this many consecutive steps with a non-finite loss or gradient norm (each is "
+        "skipped: the "
         "parameters do not change; fp16 overflows are the loss scaler's business and do not count)"))
 
 
@@ -190,18 +205,22 @@ class DataConfig:
         "indexed dataset prefix(es), optionally weighted: W1 P1 W2 P2 (default: the built-in stdlib corpus)"))
     train_data_path: list[str] | None = field(default=None, metadata=flag(
         "the training split's own prefix(es), optionally weighted (with --valid-data-path, --test-data-path)"))
-    valid_data_path: list[str] | None = field(default=None, metadata=flag("the validation split's prefix(es)"))
+    valid_data_path: list[str] | None = field(default=None,
+                                              metadata=flag("the validation split's prefix(es)"))
     test_data_path: list[str] | None = field(default=None, metadata=flag("the test split's prefix(es)"))
     sft: bool = field(default=False, metadata=flag(
-        "supervised fine-tuning: --data-path names .jsonl files of conversations or prompt/response pairs; the "
+        "supervised fine-tuning: --data-path names .jsonl files of conversations or prompt/response "
+        "pairs; the "
         "loss counts the answers only (data.sft_dataset)"))
     mock_data: bool = field(default=False, metadata=flag(
-        "synthetic tokens (megatron-core's mock GPT dataset) instead of files; with --tokenizer-type NullTokenizer"))
+        "synthetic tokens (megatron-core's mock GPT dataset) instead of files; with --tokenizer-type "
+        "NullTokenizer"))
     tokenizer_type: str | None = field(default=None, metadata=flag(
         "how the data was tokenized, by Megatron's names (default: GPT2BPETokenizer with --vocab-file, else "
         "SentencePieceTokenizer)", choices=list(TOKENIZER_TYPES)))
     tokenizer_model: str | None = field(default=None, metadata=flag(
-        "SentencePieceTokenizer: the .model; HuggingFaceTokenizer: a tokenizer.json or the directory holding it"))
+        "SentencePieceTokenizer: the .model; HuggingFaceTokenizer: a tokenizer.json or the directory "
+        "holding it"))
     vocab_file: str | None = field(default=None, metadata=flag("GPT2BPETokenizer: GPT-2's vocab.json"))
     merge_file: str | None = field(default=None, metadata=flag("GPT2BPETokenizer: GPT-2's merges.txt"))
     split: str = field(default="969,30,1", metadata=flag("train,valid,test weights"))
@@ -240,7 +259,8 @@ class CheckpointConfig:
     no_load_optim: bool = field(default=False, metadata=flag("resume without the optimizer's states"))
     no_load_rng: bool = field(default=False, metadata=flag("resume without the random states"))
     use_checkpoint_args: bool = field(default=False, metadata=flag(
-        "the model's shape from the checkpoint (always done here: a shape flag that contradicts it is refused)"))
+        "the model's shape from the checkpoint (always done here: a shape flag that contradicts it is "
+        "refused)"))
 
 
 @dataclass
@@ -250,17 +270,21 @@ class LoggingConfig:
     log_interval: int = field(default=100, metadata=flag("iterations between console/metrics lines"))
     log_throughput: bool = field(default=False, metadata=flag(
         "tokens/s and TFLOP/s per rank on the console (they are always in the metrics file)"))
-    log_params_norm: bool = field(default=False, metadata=flag("the parameters' global L2 norm in every metrics "
+    log_params_norm: bool = field(default=False,
+                                  metadata=flag("the parameters' global L2 norm in every metrics "
                                                                 "line (a collective per logged step)"))
-    tensorboard_dir: str | None = field(default=None, metadata=flag("write a TensorBoard event file here (rank 0)"))
+    tensorboard_dir: str | None = field(default=None,
+                                        metadata=flag("write a TensorBoard event file here (rank 0)"))
     tensorboard_log_interval: int = field(default=1, metadata=flag("TensorBoard every N logged iterations"))
     metrics_file: str | None = field(default=None, metadata=flag("JSON-lines metrics written by rank 0"))
     wandb_project: str | None = field(default=None, metadata=flag("wandb project (offline unless wandb is "
                                                                    "configured online); none = no wandb"))
     wandb_exp_name: str | None = field(default=None, metadata=flag("wandb run name"))
-    wandb_group: str | None = field(default=None, metadata=flag("wandb group (e.g. the sweep the run belongs to)"))
+    wandb_group: str | None = field(default=None,
+                                    metadata=flag("wandb group (e.g. the sweep the run belongs to)"))
     wandb_entity: str | None = field(default=None, metadata=flag("wandb entity (team)"))
-    wandb_dir: str = field(default="runs", metadata=flag("directory for wandb files", aliases=["--wandb-save-dir"]))
+    wandb_dir: str = field(default="runs",
+                           metadata=flag("directory for wandb files", aliases=["--wandb-save-dir"]))
     sample_prompt: str | None = field(default="def ", metadata=flag("text to continue with the trained model "
                                                                      "at the end (empty = no sample)"))
     sample_tokens: int = field(default=64, metadata=flag("tokens to sample at the end"))

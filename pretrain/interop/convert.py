@@ -38,18 +38,21 @@ def _natural(name: str) -> list:
     return [rank] + [int(p) if p.isdigit() else p for p in parts[1:]]
 
 
-def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str, with_states: bool = False) -> None:
+def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str,
+                       with_states: bool = False) -> None:
     names = sorted(pieces.by_name, key=_natural)
     kinds = ["master"] + (list(pieces.kinds) if with_states else [])
     entries = [(name if kind == "master" else f"optimizer.{kind}.{name}", pieces.shape(name))
                for kind in kinds for name in names]
-    config = {key: value for key, value in manifest["config"].items() if key in GPTConfig.__dataclass_fields__}
+    config = {key: value for key,
+              value in manifest["config"].items() if key in GPTConfig.__dataclass_fields__}
     metadata = {"iteration": str(manifest["iteration"]), "model": json.dumps(config)}
     writer = StreamedSafetensors(output, entries, metadata=metadata)
     try:
         for kind in kinds:
             for name in names:
-                writer.write(name if kind == "master" else f"optimizer.{kind}.{name}", pieces.whole(name, kind))
+                writer.write(name if kind == "master" else f"optimizer.{kind}.{name}",
+                             pieces.whole(name, kind))
     except BaseException:
         writer.abort()
         raise
@@ -75,7 +78,8 @@ def _checkpoint_tokenizer(checkpoint: str, manifest: dict):
     vocab = settings.get("vocab_size")
     kind = settings.get("tokenizer_type") or "SentencePieceTokenizer"
     return build_tokenizer(TokenizerSpec(kind, settings.get("tokenizer_model"), settings.get("vocab_file"),
-                                         settings.get("merge_file"), vocab - 1 if kind == "NullTokenizer" else None))
+                                         settings.get("merge_file"),
+                                         vocab - 1 if kind == "NullTokenizer" else None))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,10 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="checkpoint directory (its newest complete checkpoint)")
     source.add_argument("--from-hf", help="a Hugging Face model directory to import as a checkpoint of ours")
-    parser.add_argument("--output", required=True, help="the .safetensors file, the directory for --to hf, or the "
+    parser.add_argument("--output", required=True,
+                        help="the .safetensors file, the directory for --to hf, or the "
                                                         "checkpoint directory for --from-hf")
     parser.add_argument("--to", choices=["consolidated", "hf"], default="consolidated")
-    parser.add_argument("--with-optimizer-states", action="store_true", help="consolidated: add the optimizer states")
+    parser.add_argument("--with-optimizer-states", action="store_true",
+                        help="consolidated: add the optimizer states")
     args = parser.parse_args(argv)
     from pretrain.interop.hf_checkpoint import export_hf, import_hf
 

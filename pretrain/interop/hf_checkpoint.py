@@ -25,7 +25,8 @@ from data.file_digest import files_sha256
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_names import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt",
                    "tokenizer.model")
 IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers some exports keep
 
@@ -39,20 +40,23 @@ class _HFTensors:
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as handle:
-                self.where = {name: os.path.join(directory, file) for name, file in json.load(handle)["weight_map"].items()}
+                self.where = {name: os.path.join(directory, file) for name,
+                              file in json.load(handle)["weight_map"].items()}
         elif os.path.isfile(os.path.join(directory, "model.safetensors")):
             path = os.path.join(directory, "model.safetensors")
             with safe_open(path, "pt") as handle:
                 self.where = {name: path for name in handle.keys()}
         else:
-            raise CheckpointError(f"--from-hf {directory}: no model.safetensors or model.safetensors.index.json "
+            raise CheckpointError(f"--from-hf {directory}: no model.safetensors or "
+                                  "model.safetensors.index.json "
                                   "(save the model with save_pretrained(safe_serialization=True))")
         self._open = {}
         self._safe_open = safe_open
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
-            raise CheckpointError(f"the Hugging Face model has no tensor {name} (a model of another architecture, "
+            raise CheckpointError(f"the Hugging Face model has no tensor {name} (a model of another "
+                                  "architecture, "
                                   "or a damaged save)")
         path = self.where[name]
         if path not in self._open:
@@ -90,20 +94,23 @@ def import_hf(hf_dir: str, output: str) -> str:
     unused = sorted(name for name in tensors.where if name not in used and not name.endswith(IGNORED_BUFFERS)
                     and not (name == "lm_head.weight" and not config.untie_embeddings_and_output_weights))
     if unused:
-        raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: {', '.join(unused[:5])}"
+        raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: "
+                              f"{', '.join(unused[:5])}"
                               + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))
     final = os.path.join(output, "iter_0000000")
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    writer = StreamedSafetensors(os.path.join(staging, WEIGHTS_FILE), [(ours, expected[ours]) for ours, _, _ in plan],
+    writer = StreamedSafetensors(os.path.join(staging, WEIGHTS_FILE),
+                                 [(ours, expected[ours]) for ours, _, _ in plan],
                                  metadata={"source": os.path.abspath(hf_dir)})
     try:
         for ours, theirs, transform in plan:
             tensor = transform(*(tensors.get(name).float() for name in theirs))
             if tuple(tensor.shape) != expected[ours]:
                 raise CheckpointError(f"--from-hf {hf_dir}: {' and '.join(theirs)} make {ours} of shape "
-                                      f"{tuple(tensor.shape)}; the architecture in config.json needs {expected[ours]}")
+                                      f"{tuple(tensor.shape)}; the architecture in config.json needs "
+                                      f"{expected[ours]}")
             writer.write(ours, tensor)
     except BaseException:
         writer.abort()
@@ -115,7 +122,8 @@ def import_hf(hf_dir: str, output: str) -> str:
                             "sha256": files_sha256(os.path.join(staging, WEIGHTS_FILE))}}
     manifest = {"kind": "weights", "iteration": 0, "consumed_samples": 0, "layout": None, "files": files,
                 "config": {name: getattr(config, name) for name in GPTConfig.__dataclass_fields__},
-                "tokenizer": tokenizer, "source": f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}"}
+                "tokenizer": tokenizer,
+                "source": f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}"}
     write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1).encode())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
@@ -160,7 +168,8 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str) -> None:
 
     shapes = [(theirs, tuple(transform(torch.empty(source.shape(name), device="meta")).shape))
               for theirs, name, transform in plan]
-    writer = StreamedSafetensors(os.path.join(directory, "model.safetensors"), shapes, metadata={"format": "pt"})
+    writer = StreamedSafetensors(os.path.join(directory, "model.safetensors"), shapes,
+                                 metadata={"format": "pt"})
     try:
         for theirs, name, transform in plan:
             writer.write(theirs, transform(ours(name)))

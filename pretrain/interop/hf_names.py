@@ -25,9 +25,11 @@ class HFMappingError(ValueError):
 def _rope_theta(hf: dict) -> float:
     parameters = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}  # the older spelling
-    for kind in (parameters.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))):
+    for kind in (parameters.get("rope_type", "default"),
+                 scaling.get("rope_type", scaling.get("type", "default"))):
         if kind != "default":
-            raise HFMappingError(f"rope scaling {kind!r} is not supported: only plain rotary positions map exactly")
+            raise HFMappingError(f"rope scaling {kind!r} is not supported: only plain rotary positions "
+                                 "map exactly")
     return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
@@ -36,14 +38,16 @@ def config_from_hf(hf: dict) -> GPTConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("add_cross_attention"):
-            raise HFMappingError("GPT-2 with scale_attn_by_inverse_layer_idx or cross-attention is not supported")
+            raise HFMappingError("GPT-2 with scale_attn_by_inverse_layer_idx or cross-attention is not "
+                                 "supported")
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise HFMappingError(f"GPT-2 activation_function {activation!r} is not supported (gelu, gelu_new)")
         return GPTConfig(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
                          ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], seq_length=hf["n_positions"],
                          max_position_embeddings=hf["n_positions"], vocab_size=hf["vocab_size"],
-                         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), openai_gelu=activation != "gelu",
+                         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                         openai_gelu=activation != "gelu",
                          hidden_dropout=0.0, attention_dropout=0.0,
                          untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
     if kind not in LLAMA_LIKE:
@@ -51,7 +55,8 @@ def config_from_hf(hf: dict) -> GPTConfig:
                              "MistralForCausalLM and Qwen2ForCausalLM are")
     for option in ("num_local_experts", "num_experts", "n_routed_experts"):
         if hf.get(option):
-            raise HFMappingError(f"{kind} with {option}={hf[option]}: mixture-of-experts layers are not supported")
+            raise HFMappingError(f"{kind} with {option}={hf[option]}: mixture-of-experts layers are not "
+                                 "supported")
     window = hf.get("sliding_window")
     if (window and window < hf["max_position_embeddings"] and (kind != "qwen2" or hf.get("use_sliding_window"))):
         raise HFMappingError(f"{kind} with sliding_window={window} (< max_position_embeddings "
@@ -62,13 +67,16 @@ def config_from_hf(hf: dict) -> GPTConfig:
         raise HFMappingError(f"{kind} with mlp_bias / attention_bias is not supported")
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
-    return GPTConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-                     ffn_hidden_size=hf["intermediate_size"], seq_length=min(hf["max_position_embeddings"], 4096),
+    return GPTConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                     num_attention_heads=heads,
+                     ffn_hidden_size=hf["intermediate_size"],
+                     seq_length=min(hf["max_position_embeddings"], 4096),
                      max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
                      position_embedding_type="rope", rotary_base=_rope_theta(hf),
                      rotary_percent=float(hf.get("partial_rotary_factor", 1.0)), normalization="RMSNorm",
                      layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
-                     group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
+                     group_query_attention=groups != heads,
+                     num_query_groups=groups if groups != heads else None,
                      kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, disable_bias_linear=True,
                      add_qkv_bias=kind == "qwen2", hidden_dropout=0.0, attention_dropout=0.0,
                      untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
@@ -82,19 +90,23 @@ def hf_kind(config: GPTConfig) -> str:
             "--swiglu / --squared-relu": (config.activation, "gelu"),
             "--num-query-groups": (config.query_groups, config.num_attention_heads),
             "--kv-channels": (config.head_dim, config.hidden_size // config.num_attention_heads),
-            "--disable-bias-linear": (config.disable_bias_linear, False), "--qk-layernorm": (config.qk_layernorm, False),
+            "--disable-bias-linear": (config.disable_bias_linear, False),
+            "--qk-layernorm": (config.qk_layernorm, False),
             "--add-qkv-bias": (config.add_qkv_bias, False)}
     llama = {"--position-embedding-type": (config.position_embedding, "rope"),
              "--normalization": (config.normalization, "RMSNorm"), "--swiglu": (config.activation, "swiglu"),
-             "--disable-bias-linear": (config.disable_bias_linear, True), "--qk-layernorm": (config.qk_layernorm, False),
-             "--rotary-interleaved": (config.rotary_interleaved, False), "--rotary-percent": (config.rotary_percent, 1.0)}
+             "--disable-bias-linear": (config.disable_bias_linear, True),
+             "--qk-layernorm": (config.qk_layernorm, False),
+             "--rotary-interleaved": (config.rotary_interleaved, False),
+             "--rotary-percent": (config.rotary_percent, 1.0)}
     misses = {name: [f"{flag} {value}" for flag, (value, wanted) in table.items() if value != wanted]
               for name, table in (("gpt2", gpt2), ("llama", llama))}
     if not misses["gpt2"]:
         return "gpt2"
     if not misses["llama"]:
         return "qwen2" if config.add_qkv_bias else "llama"
-    raise HFMappingError(f"neither GPT-2 ({', '.join(misses['gpt2'])}) nor Llama ({', '.join(misses['llama'])}) "
+    raise HFMappingError(f"neither GPT-2 ({', '.join(misses['gpt2'])}) nor Llama "
+                         f"({', '.join(misses['llama'])}) "
                          "can express this model: convert with --to consolidated instead")
 
 
@@ -103,7 +115,8 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
     kind, tied = hf_kind(config), not config.untie_embeddings_and_output_weights
     if kind == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
-                "n_positions": config.max_positions, "n_embd": config.hidden_size, "n_layer": config.num_layers,
+                "n_positions": config.max_positions, "n_embd": config.hidden_size,
+                "n_layer": config.num_layers,
                 "n_head": config.num_attention_heads, "n_inner": config.ffn_size,
                 "activation_function": "gelu_new" if config.openai_gelu else "gelu",
                 "layer_norm_epsilon": config.layernorm_epsilon, "resid_pdrop": config.hidden_dropout,
@@ -112,8 +125,10 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
     heads, groups = config.num_attention_heads, config.query_groups
     return {"model_type": kind, "architectures": [LLAMA_LIKE[kind]], "vocab_size": config.vocab_size,
             "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
-            "num_hidden_layers": config.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
-            "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_positions,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": heads,
+            "num_key_value_heads": groups,
+            "head_dim": config.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": config.max_positions,
             "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
             "rope_parameters": {"rope_theta": config.rotary_base, "rope_type": "default"},
             "attention_bias": kind == "qwen2", "mlp_bias": False, "tie_word_embeddings": tied,

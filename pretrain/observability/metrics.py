@@ -125,11 +125,14 @@ class MetricsWriter:
         if console:
             peak = max((r["peak_mem_bytes"] for r in record.get("per_rank", [])), default=0)
             norm = f" | params norm {record['params_norm']:.3f}" if "params_norm" in record else ""
-            print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+            print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr "
+                  f"{record['lr']:.3e} | "
                   f"grad norm {record['grad_norm']:.3f}{norm} | batch {record['batch_size']} | "
-                  f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} GFLOP/s/rank | "
+                  f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} "
+                  "GFLOP/s/rank | "
                   + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "") +
-                  f"peak mem {_human_bytes(peak)} | step {record['step_time_s']:.2f} s | ETA {_human_seconds(eta_s)}"
+                  f"peak mem {_human_bytes(peak)} | step {record['step_time_s']:.2f} s | ETA "
+                  f"{_human_seconds(eta_s)}"
                   + (" | skipped" if record["skipped"] else ""), flush=True)
         self.write(record)
 
@@ -183,7 +186,8 @@ def comm_table(per_rank: list[dict], node_size: int | None) -> str:
     for entry in per_rank:
         cells = [f"{entry['comm_bytes'][op] / 2**20:.2f} / {entry['comm_bytes_inter_node'][op] / 2**20:.2f}"
                  for op in used]
-        lines.append(f"  rank {entry['rank']:>3}: " + "  ".join(f"{op} {cell}" for op, cell in zip(used, cells)))
+        lines.append(f"  rank {entry['rank']:>3}: " + "  ".join(f"{op} {cell}" for op,
+                                                                cell in zip(used, cells)))
     return "\n".join(lines)
 
 

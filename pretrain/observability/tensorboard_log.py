@@ -8,7 +8,8 @@ class TensorboardLog:
     computes a metric: what it writes is what the metrics file holds."""
 
     SCALARS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
-               "batch_size": "batch-size", "params_norm": "params-norm", "tokens_per_s": "throughput/tokens-per-s",
+               "batch_size": "batch-size", "params_norm": "params-norm",
+               "tokens_per_s": "throughput/tokens-per-s",
                "tflops_per_rank": "throughput/tflops-per-rank", "mfu": "throughput/mfu",
                "step_time_s": "iteration-time",
                "valid_loss": "validation/lm loss", "valid_ppl": "validation/lm loss ppl"}
@@ -27,9 +28,11 @@ class TensorboardLog:
         ranks = record.get("per_rank", [])
         if ranks:
             self.writer.add_scalar("memory/peak-bytes", max(r["peak_mem_bytes"] for r in ranks), step)
-            self.writer.add_scalar("memory/model-state-bytes", max(r["model_state_bytes"] for r in ranks), step)
+            self.writer.add_scalar("memory/model-state-bytes",
+                                   max(r["model_state_bytes"] for r in ranks), step)
             for operation in ranks[0]["comm_bytes"]:
-                self.writer.add_scalar(f"comm-bytes/{operation}", sum(r["comm_bytes"][operation] for r in ranks), step)
+                self.writer.add_scalar(f"comm-bytes/{operation}",
+                                       sum(r["comm_bytes"][operation] for r in ranks), step)
                 self.writer.add_scalar(f"comm-bytes-inter-node/{operation}",
                                        sum(r["comm_bytes_inter_node"][operation] for r in ranks), step)
 

@@ -41,8 +41,10 @@ def apply_checkpoint_args(config: Config) -> None:
             raise ValueError(str(error)) from None
     if directory is None:
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
-            raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no checkpoint "
-                             "there (no 'latest' pointer); import one with python -m pretrain.convert --from-hf")
+            raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no "
+                             "checkpoint "
+                             "there (no 'latest' pointer); import one with python -m pretrain.convert "
+                             "--from-hf")
         return
     try:
         path, manifest = read_manifest(directory, step_to_load(config, directory))
@@ -63,7 +65,8 @@ def apply_checkpoint_args(config: Config) -> None:
             if name == "vocab_size" and config.data.tokenizer_type == "NullTokenizer":
                 ours += 1  # a NullTokenizer's --vocab-size V makes a model of V + 1 (its end of document)
             if theirs != ours:
-                raise ValueError(f"--{name.replace('_', '-')} {ours} contradicts the checkpoint {path}, whose model "
+                raise ValueError(f"--{name.replace('_', '-')} {ours} contradicts the checkpoint {path}, "
+                                 "whose model "
                                  f"has {theirs}: drop the flag (the model's shape comes from the checkpoint)")
         else:
             setattr(model, name, saved.max_positions if name == "max_position_embeddings" else recorded[name])

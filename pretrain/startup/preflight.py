@@ -53,7 +53,8 @@ def local_problems(config: Config, topology: Topology, rank: int) -> list[str]:
     if directory is not None:
         try:
             layout = layout_of(topology, config.zero.zero_stage, config.zero.zero_shard_size)
-            verify(directory, step_to_load(config, directory), layout, rank, loads_weights_only(config, directory))
+            verify(directory, step_to_load(config, directory), layout, rank,
+                   loads_weights_only(config, directory))
         except CheckpointError as error:
             problems.append(str(error))
     return problems

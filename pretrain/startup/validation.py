@@ -82,11 +82,13 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
         sample_based = [f for f, v in (("--lr-decay-iters", opt.lr_decay_iters), ("--lr-warmup-iters",
                                                                                  opt.lr_warmup_iters)) if v]
         if sample_based:
-            raise ConfigError(f"--train-samples counts in samples: use --lr-decay-samples / --lr-warmup-samples "
+            raise ConfigError("--train-samples counts in samples: use --lr-decay-samples / "
+                              "--lr-warmup-samples "
                               f"instead of {' and '.join(sample_based)}")
         train.train_iters = schedule.iterations_for(train.train_samples)
     else:
-        iteration_based = [f for f, v in (("--lr-decay-samples", opt.lr_decay_samples), ("--lr-warmup-samples",
+        iteration_based = [f for f,
+                           v in (("--lr-decay-samples", opt.lr_decay_samples), ("--lr-warmup-samples",
                                                                                         opt.lr_warmup_samples)) if v]
         if iteration_based:
             raise ConfigError(f"--train-iters counts in iterations: use --lr-decay-iters / --lr-warmup-iters "
@@ -95,7 +97,8 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
         raise ConfigError(f"the run has no iteration: --train-iters {train.train_iters} / --train-samples "
                           f"{train.train_samples} (a partial last batch is dropped)")
     if opt.lr_warmup_fraction is not None and (opt.lr_warmup_iters or opt.lr_warmup_samples):
-        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples are two warm-ups: give one")
+        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples are two "
+                          "warm-ups: give one")
     if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
         raise ConfigError(f"--lr {opt.lr} / --min-lr {opt.min_lr}: need 0 <= min-lr <= lr and lr > 0")
     if opt.decoupled_min_lr is not None and opt.decoupled_lr is None:
@@ -149,20 +152,24 @@ def _validate_data(config: Config) -> None:
     """One source of data (files, per-split files, mock tokens, or the built-in corpus), its files present,
     and the tokenizer that reads it; sets the model's vocabulary from the tokenizer when not given."""
     data, model = config.data, config.model
-    sources = [flag for flag, given in (("--data-path", data.data_path is not None), ("--mock-data", data.mock_data),
+    sources = [flag for flag,
+               given in (("--data-path", data.data_path is not None), ("--mock-data", data.mock_data),
                                         ("--train-data-path", data.train_data_path is not None)) if given]
     if len(sources) > 1:
         raise ConfigError(f"{' and '.join(sources)} are two sources of data: give one")
     if (data.valid_data_path or data.test_data_path) and data.train_data_path is None:
-        raise ConfigError("--valid-data-path / --test-data-path go with --train-data-path (or use --data-path "
+        raise ConfigError("--valid-data-path / --test-data-path go with --train-data-path (or use "
+                          "--data-path "
                           "with --split)")
-    chosen = [flag for flag, value in (("--tokenizer-model", data.tokenizer_model), ("--vocab-file", data.vocab_file),
+    chosen = [flag for flag,
+              value in (("--tokenizer-model", data.tokenizer_model), ("--vocab-file", data.vocab_file),
                                        ("--merge-file", data.merge_file)) if value is not None]
     if data.tokenizer_type != "SentencePieceTokenizer":
         chosen.append(f"--tokenizer-type {data.tokenizer_type}")
     if not sources:
         if chosen:
-            raise ConfigError(f"{chosen[0]} without --data-path: give the dataset it tokenized, or no tokenizer "
+            raise ConfigError(f"{chosen[0]} without --data-path: give the dataset it tokenized, or no "
+                              "tokenizer "
                               "(to use the built-in corpus)")
         vocab = data.default_corpus_vocab_size
     else:
@@ -170,7 +177,8 @@ def _validate_data(config: Config) -> None:
 
         if data.sft:
             if data.data_path is None:
-                raise ConfigError("--sft reads --data-path FILE.jsonl ... (conversations or prompt/response pairs)")
+                raise ConfigError("--sft reads --data-path FILE.jsonl ... (conversations or "
+                                  "prompt/response pairs)")
             from data.sft_dataset import SFTDataError, read_sft_file
 
             for path in data.data_path:
@@ -180,7 +188,8 @@ def _validate_data(config: Config) -> None:
                     raise ConfigError(str(error)) from None
         data_flags = [] if data.sft else [
             (flag, paths) for flag, paths in (("--data-path", data.data_path), ("--train-data-path",
-                                              data.train_data_path), ("--valid-data-path", data.valid_data_path),
+                                              data.train_data_path), ("--valid-data-path",
+                                                                      data.valid_data_path),
                                               ("--test-data-path", data.test_data_path)) if paths is not None]
         # every file whole before the tokenizer is asked about them; their ids once it is known
         opened = [found for flag, paths in data_flags for found in _opened_prefixes(flag, paths)]
@@ -209,7 +218,8 @@ def _validate_data(config: Config) -> None:
     if model.vocab_size is None:
         model.vocab_size = vocab
     elif vocab > model.vocab_size:
-        raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's vocabulary {vocab}: "
+        raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"{vocab}: "
                           f"use --vocab-size {vocab} or more (or leave it out)")
 
 

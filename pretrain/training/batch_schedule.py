@@ -39,7 +39,8 @@ class BatchSchedule:
         increments = (self.global_batch_size - start) // increment
         if increments == 0:
             return self.global_batch_size
-        return min(start + int(consumed_samples / (ramp_samples / increments)) * increment, self.global_batch_size)
+        return min(start + int(consumed_samples / (ramp_samples / increments)) * increment,
+                   self.global_batch_size)
 
     def micro_batches(self, consumed_samples: int) -> int:
         """Micro-batches per data-parallel rank in the step that starts at ``consumed_samples``."""
@@ -91,24 +92,29 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ..
         pairs = [item.split(":") for item in text.replace(",", " ").split()]
         steps = tuple((_count(threshold) // seq_length, _count(size)) for threshold, size in pairs)
     except ValueError:
-        raise ValueError(f"--step-batch-size-schedule {text!r}: expected 'TOKENS:BATCH ...', e.g. '0:16 2.4B:320'") \
+        raise ValueError(f"--step-batch-size-schedule {text!r}: expected 'TOKENS:BATCH ...', e.g. '0:16 "
+                         "2.4B:320'") \
             from None
     starts = [start for start, _ in steps]
     if not steps or starts[0] != 0 or starts != sorted(set(starts)) or any(size < 1 for _, size in steps):
-        raise ValueError(f"--step-batch-size-schedule {text!r}: thresholds start at 0 and increase, batches are >= 1")
+        raise ValueError(f"--step-batch-size-schedule {text!r}: thresholds start at 0 and increase, batches "
+                         "are >= 1")
     return steps
 
 
 def build_batch_schedule(global_batch_size: int | None, micro_batch_size: int, dp: int,
-                         rampup: list[int] | None, step_schedule: str | None, seq_length: int) -> BatchSchedule:
+                         rampup: list[int] | None, step_schedule: str | None,
+                         seq_length: int) -> BatchSchedule:
     """The schedule the flags describe; ValueError naming the flag for any batch that micro-batch x dp does
     not divide, or flags that contradict each other."""
     per_step = micro_batch_size * dp
     if step_schedule is not None:
         if global_batch_size is not None:
-            raise ValueError("--step-batch-size-schedule sets the global batch at every step: drop --global-batch-size")
+            raise ValueError("--step-batch-size-schedule sets the global batch at every step: drop "
+                             "--global-batch-size")
         if rampup is not None:
-            raise ValueError("--step-batch-size-schedule and --rampup-batch-size are two batch schedules: choose one")
+            raise ValueError("--step-batch-size-schedule and --rampup-batch-size are two batch schedules: "
+                             "choose one")
         steps = parse_step_schedule(step_schedule, seq_length)
         schedule = BatchSchedule(steps[-1][1], per_step, steps=steps)
         what = "--step-batch-size-schedule"
@@ -119,7 +125,8 @@ def build_batch_schedule(global_batch_size: int | None, micro_batch_size: int, d
                 raise ValueError(f"--rampup-batch-size {rampup}: expected START INCREMENT SAMPLES, all >= 1")
             start, increment, _ = rampup
             if start > global_batch_size or (global_batch_size - start) % increment:
-                raise ValueError(f"--rampup-batch-size {' '.join(map(str, rampup))}: from {start} in steps of "
+                raise ValueError(f"--rampup-batch-size {' '.join(map(str, rampup))}: from {start} in "
+                                 "steps of "
                                  f"{increment} it must reach --global-batch-size {global_batch_size}")
             what = "--rampup-batch-size"
         else:
@@ -128,6 +135,7 @@ def build_batch_schedule(global_batch_size: int | None, micro_batch_size: int, d
     for size in schedule.sizes():
         if size % per_step:
             batch = f"--global-batch-size {size}" if what == "--global-batch-size" else f"{what}: a global batch of {size}"
-            raise ValueError(f"{batch} is not divisible by --micro-batch-size {micro_batch_size} x data-parallel size "
+            raise ValueError(f"{batch} is not divisible by --micro-batch-size {micro_batch_size} x "
+                             "data-parallel size "
                              f"{dp} = {per_step}: use multiples of {per_step}")
     return schedule

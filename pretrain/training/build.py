@@ -52,12 +52,14 @@ def build_model(config: Config, groups: ParallelGroups, device: torch.device) ->
     sharded, par = config.zero.zero_stage == 3, config.parallel
     with torch.device("meta") if sharded else contextlib.nullcontext():
         model = build_pipeline_stage(config.model, groups, seed=config.training.seed,
-                                     vp=par.virtual_pipeline_size or 1, sequence_parallel=par.sequence_parallel,
+                                     vp=par.virtual_pipeline_size or 1,
+                                     sequence_parallel=par.sequence_parallel,
                                      layers_per_stage=par.pipeline_layers_per_stage)
     return model.to(compute_dtype(config)) if sharded else model.to(device, compute_dtype(config))
 
 
-def build_recompute(model: nn.ModuleList, config: Config, groups: ParallelGroups, buffer_pool: BufferPool) -> None:
+def build_recompute(model: nn.ModuleList, config: Config, groups: ParallelGroups,
+                    buffer_pool: BufferPool) -> None:
     """Activation recompute as the --recompute-* flags ask, its buffers from ``buffer_pool``."""
     r = config.recompute
     policy = RecomputePolicy(r.recompute_granularity, r.recompute_num_layers, r.recompute_method,
@@ -74,6 +76,7 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
     _, optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
                                    ZeroGroups.from_parallel_groups(groups, options),
                                    param_groups=parameter_groups(model, config.optimizer), loss_scaler=scaler,
-                                   unit_modules=[*model, *(block for chunk in model for block in chunk.layers)],
+                                   unit_modules=[*model,
+                                                 *(block for chunk in model for block in chunk.layers)],
                                    buffer_pool=buffer_pool)
     return optimizer

@@ -24,8 +24,10 @@ def adamw_factory(opt: OptimizerConfig):
         # 870K fp32 masters, one thread); otherwise the multi-tensor loop
         devices = {p.device.type for group in param_groups for p in group["params"]}
         fused = len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices())
-        return torch.optim.AdamW(param_groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                 weight_decay=opt.weight_decay, **({"fused": True} if fused else {"foreach": True}))
+        return torch.optim.AdamW(param_groups, lr=opt.lr,
+                                 betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                 weight_decay=opt.weight_decay,
+                                 **({"fused": True} if fused else {"foreach": True}))
     return make
 
 
@@ -41,4 +43,5 @@ def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
             decoupled = opt.decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
             groups.setdefault((decays, decoupled), []).append(param)
     return [{"params": params, "weight_decay": opt.weight_decay if decays else 0.0, "decoupled": decoupled}
-            for (decays, decoupled), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))]
+            for (decays, decoupled),
+            params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))]

@@ -76,7 +76,8 @@ class PipelineRunner:
         if self.pp == 1:
             return None
         local = seq_length // self.groups.tp.size if self.sequence_parallel else seq_length
-        return StageExchange(self.groups.pp, (local, batch, self.config.model.hidden_size), self.dtype, self.device)
+        return StageExchange(self.groups.pp, (local, batch, self.config.model.hidden_size),
+                             self.dtype, self.device)
 
     @property
     def reads_data(self) -> bool:
@@ -86,8 +87,9 @@ class PipelineRunner:
             train: bool = True, measure: bool = True) -> tuple[float, StepStats]:
         """Forward (and backward when ``train``) of one global batch of ``num_micro_batches`` micro-batches
         per data-parallel rank; returns (mean loss, stats). With ``measure`` (and ``train``) the meter counts
-        the activations saved for backward (a Python hook per saved tensor: only on steps that report it). The loss is the mean of the micro-batches'
-        means, or with --calculate-per-token-loss the mean over every loss token of the global batch."""
+        the activations saved for backward (a Python hook per saved tensor: only on steps that report it). The
+        loss is the mean of the micro-batches' means, or with --calculate-per-token-loss the mean over every
+        loss token of the global batch."""
         loaded: dict[int, dict] = {}
 
         def micro_batch(index: int) -> dict:

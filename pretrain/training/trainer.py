@@ -26,9 +26,11 @@ from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only
 from pretrain.config.schema import Config
 from pretrain.training.lr_schedule import build_lr_schedule
 from pretrain.config.megatron_flags import describe_ignored
-from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank, model_state_table, peak_flops,
+from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank,
+                                            model_state_table, peak_flops,
                               peak_memory_bytes, print_rank0, reset_peak_memory)
-from pretrain.training.build import (build_groups, build_model, build_optimizer, build_recompute, compute_dtype,
+from pretrain.training.build import (build_groups, build_model, build_optimizer,
+                                     build_recompute, compute_dtype,
                                      zero_options)
 from pretrain.training.progress import TrainingProgress
 from pretrain.training.run_control import RunControl
@@ -76,7 +78,8 @@ class Trainer:
         self.parameter_names = {param: name for chunk in self.model for param, name in
                                 chunk.global_parameter_names().items()}  # the same in every layout
         self.activation_meter = SavedActivationMeter()
-        self.runner = PipelineRunner(config, self.groups, self.model, device, self.activation_meter, self.optimizer)
+        self.runner = PipelineRunner(config, self.groups, self.model, device,
+                                     self.activation_meter, self.optimizer)
         self.progress = TrainingProgress()  # the data position; the LR schedule follows it
         self.start_iteration = 0
         self.stopped_early: str | None = None
@@ -96,7 +99,8 @@ class Trainer:
         final = self.schedule.final_batch_size
         self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples, final)
         self.decoupled_lr_schedule = None if opt.decoupled_lr is None else build_lr_schedule(
-            dataclass_replace(opt, lr=opt.decoupled_lr, min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
+            dataclass_replace(opt, lr=opt.decoupled_lr,
+                              min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
                               else opt.min_lr), train.train_iters, train.train_samples, final)
         self.eval_batch_size = train.eval_global_batch_size or final
 
@@ -117,7 +121,8 @@ class Trainer:
         directory = checkpoint_to_load(self.config)
         if directory is None:
             if ckpt.load:  # a job that restarts itself passes --load from its first start, before any save
-                print_rank0(self.is_logger, f"no checkpoint under --load {ckpt.load} yet: training from iteration 0")
+                print_rank0(self.is_logger,
+                            f"no checkpoint under --load {ckpt.load} yet: training from iteration 0")
             return
         starts_over = directory != ckpt.load or ckpt.finetune
         states = self.checkpoint_states()
@@ -129,12 +134,14 @@ class Trainer:
                                      weights_only=loads_weights_only(self.config, directory),
                                      step=step_to_load(self.config, directory))
         if starts_over or manifest.get("kind") == "weights":
-            print_rank0(self.is_logger, f"fine-tuning from the weights of {directory} ({manifest.get('source', 'ours')}"
+            print_rank0(self.is_logger,
+                        f"fine-tuning from the weights of {directory} ({manifest.get('source', 'ours')}"
                         f", iteration {manifest['iteration']}): a fresh optimizer, from iteration 0")
             return
         self.start_iteration = self.progress.iteration
         print_rank0(self.is_logger, f"resumed from {directory} at iteration {self.start_iteration}, sample "
-                    f"{self.progress.consumed_samples} (global batch {self.schedule.batch_size(self.progress.consumed_samples)})"
+                    f"{self.progress.consumed_samples} (global batch "
+                    f"{self.schedule.batch_size(self.progress.consumed_samples)})"
                     + (", with a fresh optimizer" if ckpt.no_load_optim else ""))
 
     def _batches(self, dataset, total_samples: int, consumed: int):
@@ -142,7 +149,8 @@ class Trainer:
         return self.data.batches(dataset, total_samples, consumed) if self.runner.reads_data else None
 
     def _dp_mean(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        tensor = torch.tensor([value], dtype=torch.float64,
+                              device=self.device)  # NCCL reduces device tensors only
         comm.all_reduce(tensor, self.groups.dp)
         return tensor.item() / self.groups.dp.size
 
@@ -185,7 +193,8 @@ class Trainer:
                 "saved_activation_bytes": self.activation_meter.peak_bytes,
                 "buffer_pool_bytes": self.buffer_pool.bytes(), "peak_mem_bytes": peak_mem}
         record = {
-            "iteration": iteration, "consumed_samples": self.progress.consumed_samples, "batch_size": batch_size,
+            "iteration": iteration, "consumed_samples": self.progress.consumed_samples,
+            "batch_size": batch_size,
             "loss": loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
             "skipped": result.skipped, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
             "tflops_per_rank": self.flops_per_token * tokens / step_time / self.groups.topology.world_size / 1e12,
@@ -206,13 +215,15 @@ class Trainer:
             from pretrain.observability.tensorboard_log import TensorboardLog
 
             tensorboard = TensorboardLog(config.logging.tensorboard_dir)
-        writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger, tensorboard=tensorboard)
+        writer = MetricsWriter(config.logging.metrics_file, wandb_run, enabled=self.is_logger,
+                               tensorboard=tensorboard)
         result = TrainResult(wandb_dir=wandb_run.dir if wandb_run else None)
         if config.ignored_flags:
             print_rank0(self.is_logger, describe_ignored(config.ignored_flags))
         micro = self.schedule.micro_batches(self.progress.consumed_samples)
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
-                    f"(model {num_parameters(config.model):,}) on {self.groups.topology.describe().splitlines()[0]}, "
+                    f"(model {num_parameters(config.model):,}) on "
+                    f"{self.groups.topology.describe().splitlines()[0]}, "
                     f"{micro} micro-batches of {train.micro_batch_size} per step"
                     + (f" (global batch {self.schedule.sizes()[0]} -> {self.schedule.final_batch_size})"
                        if len(self.schedule.sizes()) > 1 else ""))
@@ -242,9 +253,11 @@ class Trainer:
                 decision = self.control.after(iteration, first=iteration == self.start_iteration + 1)
                 valid = self.evaluate() if decision.evaluate else None
                 if decision.record:
-                    record = self._record(iteration, loss, lr, batch_size, step, step_time, comm_bytes, peak_mem)
+                    record = self._record(iteration, loss, lr, batch_size, step, step_time,
+                                          comm_bytes, peak_mem)
                     if iteration == self.start_iteration + 1 and self.is_logger:
-                        print(model_state_table(record["per_rank"], config.zero.zero_stage, self.groups.topology.dp,
+                        print(model_state_table(record["per_rank"], config.zero.zero_stage,
+                                                self.groups.topology.dp,
                                                 self.dtype), flush=True)
                         print(comm_table(record["per_rank"], self.groups.stats.node_size), flush=True)
                     if valid is not None:
@@ -254,7 +267,8 @@ class Trainer:
                                     f"perplexity {record['valid_ppl']:.2f}")
                     done = iteration - self.start_iteration
                     elapsed = time.perf_counter() - started
-                    record["elapsed_s"] = elapsed  # wall time since the first iteration began: the loop's own cost
+                    # wall time since the first iteration began: the loop's own cost
+                    record["elapsed_s"] = elapsed
                     writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration),
                                decision.console)
                 if decision.save:
@@ -284,12 +298,14 @@ class Trainer:
             return
         self.bad_steps.append(iteration)
         limit = self.config.training.bad_step_limit
-        print_rank0(self.is_logger, f"iteration {iteration}: loss {loss}, grad norm {step.grad_norm}: step skipped "
+        print_rank0(self.is_logger,
+                    f"iteration {iteration}: loss {loss}, grad norm {step.grad_norm}: step skipped "
                     f"({len(self.bad_steps)} in a row, the run stops at {limit})")
         if len(self.bad_steps) >= limit:
             raise FloatingPointError(
                 f"{limit} consecutive steps with a non-finite loss or gradient norm (iterations "
-                f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The run stops "
+                f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The "
+                "run stops "
                 f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
 
     def checkpoint_states(self) -> dict[str, Stateful]:

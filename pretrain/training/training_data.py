@@ -1,10 +1,10 @@
 """The data of a run: its tokenizer, its train and validation datasets, and each rank's micro-batches.
 
 Datasets come from ``--data-path`` (split by ``--split``), from ``--train/valid/test-data-path``, from
-megatron-core's mock GPT dataset (``--mock-data``), from SFT conversations (``--sft``: ``--data-path``
-names .jsonl files, ``data.sft_dataset``), or from the built-in stdlib corpus when none is given. Micro-batches are read in index order from the consumed-sample offset, so a resumed run reads
-exactly what an uninterrupted one would.
-"""
+megatron-core's mock GPT dataset (``--mock-data``), from SFT conversations (``--sft``: ``--data-path`` names
+.jsonl files, ``data.sft_dataset``), or from the built-in stdlib corpus when none is given. Micro-batches are
+read in index order from the consumed-sample offset, so a resumed run reads exactly what an uninterrupted one
+would. """
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class TrainingData:
         else:
             from data.default_corpus import ensure_default_corpus
 
-            prefix, tokenizer_model = ensure_default_corpus(data.data_cache_dir, data.default_corpus_vocab_size,
+            prefix, tokenizer_model = ensure_default_corpus(data.data_cache_dir,
+                                                            data.default_corpus_vocab_size,
                                                             data.default_corpus_max_bytes)
             prefixes, self.tokenizer = [prefix], build_tokenizer(TokenizerSpec("SentencePieceTokenizer",
                                                                                tokenizer_model))
@@ -50,5 +51,6 @@ class TrainingData:
 
     def batches(self, dataset, total_samples: int, consumed: int):
         """This rank's micro-batches of ``dataset`` from sample ``consumed`` up to ``total_samples``."""
-        sampler = DataParallelSampler(total_samples, consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
+        sampler = DataParallelSampler(total_samples, consumed, self.micro_batch_size,
+                                      self.dp_rank, self.dp_size)
         return micro_batches(dataset, sampler, batch_reader(dataset))

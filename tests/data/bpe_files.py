@@ -31,7 +31,8 @@ def write_hf_directory(directory: str, texts: list[str], vocab_size: int = 600) 
 
     tokenizer = _trained(texts, vocab_size, ["<s>", "</s>", "<pad>"])
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                             special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+                                                             special_tokens=[("<s>",
+                                                                              tokenizer.token_to_id("<s>"))])
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                             pad_token="<pad>").save_pretrained(directory)
     return directory

@@ -164,12 +164,15 @@ def test_damaged_or_foreign_data_files_are_named_before_reading_a_sample(tmp_pat
 
     cases = [
         (damaged("half", bin_bytes=lambda b: b[:len(b) // 2]), vocab,
-         r"half.bin has \d+ bytes where its index describes \d+ \(truncated, or the pair of another run\); rebuild"),
+         r"half.bin has \d+ bytes where its index describes \d+ \(truncated, or the pair of another "
+         r"run\); rebuild"),
         (damaged("garbage", idx_bytes=lambda b: os.urandom(200)), vocab,
-         r"garbage.idx is not a megatron index \(no MMIDIDX header\); rebuild it with python -m data.preprocess"),
+         r"garbage.idx is not a megatron index \(no MMIDIDX header\); rebuild it with python -m "
+         r"data.preprocess"),
         (damaged("short", idx_bytes=lambda b: b[:len(b) - 8]), vocab,
          r"short.idx is not a megatron index \(\d+ bytes where its counts need \d+\)"),
-        (source, 100, r"holds token id \d+, beyond the tokenizer's vocabulary of 100 \(made with another tokenizer"),
+        (source, 100,
+         r"holds token id \d+, beyond the tokenizer's vocabulary of 100 \(made with another tokenizer"),
     ]
     for prefix, vocab_size, message in cases:
         with pytest.raises(ValueError, match=f"^--train-data-path {prefix}: .*" + message):

@@ -101,7 +101,8 @@ def test_inputs_that_give_no_tokens_are_refused_by_name(tmp_path, sources, token
         with pytest.raises(ValueError, match=f"--input {bad}: no tokens \\({reason}\\): nothing to train on"):
             preprocess([sources[1], str(bad)], tokenizer_spec, str(tmp_path / "out"))
         assert sorted(os.listdir(tmp_path)) == ["blank.jsonl", "empty.txt"]  # nothing written
-    command = [sys.executable, "-m", "data.preprocess", "--input", str(empty), "--output-prefix", str(tmp_path / "o"),
+    command = [sys.executable, "-m", "data.preprocess", "--input", str(empty), "--output-prefix",
+               str(tmp_path / "o"),
                "--tokenizer-model", tokenizer_spec.tokenizer_model]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr == f"error: --input {empty}: no tokens (the file is empty): nothing " \

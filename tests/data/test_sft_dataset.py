@@ -28,11 +28,13 @@ def _text(ids, learn, counted=True):
 def test_only_the_answers_count():
     ids, learn = encode_example([("prompt", "2+2="), ("response", "4")], _Chars())
     assert _text(ids, learn) == "4|" and _text(ids, learn, False) == "2+2="
-    turns = [("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "bye"), ("assistant", "ciao")]
+    turns = [("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "bye"),
+             ("assistant", "ciao")]
     ids, learn = encode_example(turns, _Chars())
     assert _text(ids, learn) == "hello|ciao|"  # the default format: "<role>: <content>\n", answers end in eod
     assert _text(ids, learn, False) == "system: be brief\nuser: hi\nassistant: \nuser: bye\nassistant: \n"
-    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}"
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.role == 'assistant' %}{{ "
+                "eos_token }}"
                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
     ids, learn = encode_example(turns, _Chars(template))  # the tokenizer's own template
     assert _text(ids, learn) == "hello<e>ciao<e>"

@@ -61,8 +61,10 @@ def test_missing_or_invalid_model(tmp_path):
     garbage.write_bytes(b"not a model")
     with pytest.raises(ValueError) as error:
         Tokenizer(str(garbage))
-    assert str(error.value) == (f"--tokenizer-model {garbage}: not a sentencepiece model (the file does not parse "
-                                "as one); give the .model file the data was preprocessed with, or train one with "
+    assert str(error.value) == (f"--tokenizer-model {garbage}: not a sentencepiece model (the file does "
+                                "not parse "
+                                "as one); give the .model file the data was preprocessed with, or train "
+                                "one with "
                                 "python -m data.tokenizers")  # once, without sentencepiece's internals
 
 

@@ -27,7 +27,8 @@ def hf_directory(tmp_path_factory, documents):
 def test_gpt2_bpe_ids_equal_transformers_gpt2_tokenizer_fast(gpt2_files, documents):
     transformers = pytest.importorskip("transformers")
     vocab, merges = gpt2_files
-    theirs = transformers.GPT2TokenizerFast.from_pretrained(os.path.dirname(vocab))  # reads vocab.json, merges.txt
+    # reads vocab.json, merges.txt
+    theirs = transformers.GPT2TokenizerFast.from_pretrained(os.path.dirname(vocab))
     ours = build_tokenizer(TokenizerSpec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))
     for text in TEXTS + documents[:10]:
         assert ours.encode(text) == theirs(text)["input_ids"], text
@@ -57,10 +58,12 @@ def test_null_tokenizer_reads_ids():
     (TokenizerSpec("GPT2BPETokenizer", vocab_file="vocab.json"), "--vocab-file without --merge-file"),
     (TokenizerSpec("GPT2BPETokenizer", merge_file="merges.txt"), "--merge-file without --vocab-file"),
     (TokenizerSpec("GPT2BPETokenizer"), "GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file"),
-    (TokenizerSpec("SentencePieceTokenizer", "t.model", vocab_file="v", merge_file="m"), "add --tokenizer-type GPT2"),
+    (TokenizerSpec("SentencePieceTokenizer", "t.model", vocab_file="v", merge_file="m"),
+     "add --tokenizer-type GPT2"),
     (TokenizerSpec("HuggingFaceTokenizer"), "HuggingFaceTokenizer needs --tokenizer-model"),
     (TokenizerSpec("HuggingFaceTokenizer", tokenizer_model="/no/such"), "no tokenizer.json there"),
-    (TokenizerSpec("GPT2BPETokenizer", vocab_file="/no/v.json", merge_file="/no/m.txt"), "--vocab-file /no/v.json: no"),
+    (TokenizerSpec("GPT2BPETokenizer", vocab_file="/no/v.json", merge_file="/no/m.txt"),
+     "--vocab-file /no/v.json: no"),
     (TokenizerSpec("NullTokenizer"), "NullTokenizer needs --vocab-size"),
 ])
 def test_bad_tokenizer_flags_are_named(spec, message):

@@ -35,7 +35,8 @@ def test_offload_benchmark_runs_every_system_to_the_same_loss(tmp_path, monkeypa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     output = tmp_path / "offload.md"
-    bench_offload.main(["--hidden-size", "64", "--num-layers", "2", "--heads", "4", "--seq", "16", "--iters", "2",
+    bench_offload.main(["--hidden-size", "64", "--num-layers", "2", "--heads", "4", "--seq",
+                        "16", "--iters", "2",
                         "--nvme-path", str(tmp_path), "--sub-group-size", "5000", "--output", str(output)])
     rows = [line for line in output.read_text().splitlines() if line.startswith("| ") and "system" not in line]
     assert len(rows) == 4 and len({row.split("|")[-2] for row in rows}) == 1  # equal final losses
@@ -46,7 +47,8 @@ def test_one_process_benchmark_times_both_loops_on_the_same_corpus(tmp_path, std
 
     output = tmp_path / "one_process.md"
     cache = os.path.dirname(os.path.dirname(stdlib_corpus[0]))  # the fixture's corpus, built once
-    bench_one_process.main(["--iters", "30", "--log-interval", "10", "--pairs", "1", "--corpus-bytes", "400000",
+    bench_one_process.main(["--iters", "30", "--log-interval", "10", "--pairs", "1",
+                            "--corpus-bytes", "400000",
                             "--cache-dir", cache, "--output", str(output)])
     rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and float(rows[0][4].strip().rstrip("x")) > 0

@@ -79,7 +79,8 @@ def test_the_planner_prices_the_quantize_passes_at_the_devices_rate():
     """The slow-link benchmark's GPT on two nodes of 2 over 0.96 Gbit/s, plain ZeRO-3 slowest (as measured
     there): at the quantize rate of ranks sharing 2 CPU cores (1.4e8 elements/s) shard groups of a node
     are fastest and hpZ + qwZ + qgZ loses to hpZ alone; at a GPU's rate it is fastest."""
-    model = parse_config(["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length",
+    model = parse_config(["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads",
+                          "8", "--seq-length",
                           "64", "--vocab-size", "4096", "--bf16"]).model
     runs = {"shard groups": (3, ZeroCommOptions(shard_size=2)), "ZeRO-2": (2, ZeroCommOptions()),
             "hpZ": (3, ZeroCommOptions(hpz=2)), "hpZ + qwZ + qgZ": (3, ZeroCommOptions(2, True, True)),
@@ -87,7 +88,8 @@ def test_the_planner_prices_the_quantize_passes_at_the_devices_rate():
 
     def seconds(quantize_rate: float) -> dict[str, float]:
         device = Device(1.4e10, quantize_rate, "gloo")
-        return {name: plan_layout(model, Layout(1, 1, 4, stage, zero=options), 8, 2, persistence_threshold=1000,
+        return {name: plan_layout(model, Layout(1, 1, 4, stage, zero=options), 8, 2,
+                                  persistence_threshold=1000,
                                   grad_bytes=4, gpus_per_node=2, links=LINKS, device=device).step_seconds
                 for name, (stage, options) in runs.items()}
 

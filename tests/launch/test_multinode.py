@@ -21,22 +21,25 @@ def test_two_nodes_over_loopback_train_like_one_node(stdlib_corpus, tmp_path):
     flags = TINY + _tp(2) + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
                              f"{prefix}-cache", "--train-iters", "4", "--log-interval", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    one_node = subprocess.run([sys.executable, "-m", "launch.torchrun", "--nproc", "4", *flags, "--metrics-file",
+    one_node = subprocess.run([sys.executable, "-m", "launch.torchrun", "--nproc", "4",
+                               *flags, "--metrics-file",
                                str(tmp_path / "one.jsonl")], env=env, cwd=REPOSITORY, capture_output=True, text=True,
                               timeout=300)
     assert one_node.returncode == 0, one_node.stderr[-3000:]
 
     cluster = dict(env, NNODES="2", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    RDZV_ID="loopback", PYTHON=sys.executable, LOG_DIR=str(tmp_path / "logs"))
-    nodes = [subprocess.Popen(["bash", "launch/multinode.sh", *flags, "--metrics-file", str(tmp_path / "two.jsonl")],
-                              env=dict(cluster, NODE_NAME=str(node)), cwd=REPOSITORY, stdout=subprocess.DEVNULL,
+    nodes = [subprocess.Popen(["bash", "launch/multinode.sh", *flags, "--metrics-file",
+                               str(tmp_path / "two.jsonl")],
+                              env=dict(cluster, NODE_NAME=str(node)), cwd=REPOSITORY,
+                              stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for node in range(2)]
     for node in nodes:
         _, errors = node.communicate(timeout=300)
         assert node.returncode == 0, errors[-3000:]
     assert _losses(tmp_path / "two.jsonl") == _losses(tmp_path / "one.jsonl")  # bit for bit
-    # nodes from the launcher's LOCAL_WORLD_SIZE: on one node nothing crosses; on two of two ranks (dp 2 x tp 2)
-    # each data-parallel ring joins the nodes, every tensor-parallel ring stays inside one
+    # nodes from the launcher's LOCAL_WORLD_SIZE: on one node nothing crosses; on two of two ranks (dp 2 x tp
+    # 2) each data-parallel ring joins the nodes, every tensor-parallel ring stays inside one
     for name, crossing in (("one", False), ("two", True)):
         for entry in json.loads(open(tmp_path / f"{name}.jsonl").readline())["per_rank"]:
             inter, sent = entry["comm_bytes_inter_node"], entry["comm_bytes"]

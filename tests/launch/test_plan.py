@@ -5,7 +5,8 @@ import json
 import pytest
 
 from launch.tools.link_model import Links, ZeroCommOptions
-from launch.tools.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan, plan_layout, sent_by_axis,
+from launch.tools.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan,
+                               plan_layout, sent_by_axis,
                          transfers)
 from models.counting import num_parameters
 from pretrain.config.arguments import parse_config
@@ -15,20 +16,26 @@ from tests.world import run_world
 
 LAYOUTS = {  # flags -> the planner's layout (world of 4)
     "dp4 stage 0": ([], Layout(1, 1, 4, 0)),
-    "dp2 x tp2 + SP stage 2": ([*_tp(2, "--sequence-parallel"), "--zero-stage", "2"], Layout(2, 1, 2, 2, sequence_parallel=True)),
-    "pp2 x dp2 stage 3": ([*_pp(2), "--zero-stage", "3", "--zero-persistence-threshold", "0"], Layout(1, 2, 2, 3)),
-    "tp2 x pp2 stage 1 full recompute": ([*_tp(2), *_pp(2), "--zero-stage", "1", "--recompute-granularity", "full",
+    "dp2 x tp2 + SP stage 2": ([*_tp(2, "--sequence-parallel"), "--zero-stage", "2"],
+                               Layout(2, 1, 2, 2, sequence_parallel=True)),
+    "pp2 x dp2 stage 3": ([*_pp(2), "--zero-stage", "3", "--zero-persistence-threshold", "0"],
+                          Layout(1, 2, 2, 3)),
+    "tp2 x pp2 stage 1 full recompute": ([*_tp(2), *_pp(2), "--zero-stage", "1",
+                                          "--recompute-granularity", "full",
                                           "--recompute-num-layers", "1"],
                                          Layout(2, 2, 1, 1, recompute="full")),
-    "dp4 stage 3 bf16": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16"], Layout(1, 1, 4, 3)),
-    "pp2 (1 + 3 layers) x dp2 stage 2": ([*_pp(2), "--pipeline-layers-per-stage", "1", "3", "--zero-stage", "2"],
+    "dp4 stage 3 bf16": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16"],
+                         Layout(1, 1, 4, 3)),
+    "pp2 (1 + 3 layers) x dp2 stage 2": ([*_pp(2), "--pipeline-layers-per-stage", "1", "3",
+                                          "--zero-stage", "2"],
                                          Layout(1, 2, 2, 2, layers_per_stage=(1, 3))),
     # two nodes of 2: ZeRO++ and shard groups
     "dp4 stage 3 bf16 hpZ + qwZ + qgZ": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16",
                                           "--gpus-per-node", "2", "--zero-hpz-partition-size", "2",
                                           "--zero-quantized-weights", "--zero-quantized-gradients"],
                                          Layout(1, 1, 4, 3, zero=ZeroCommOptions(2, True, True))),
-    "dp4 stage 3 bf16 shard groups of 2": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16",
+    "dp4 stage 3 bf16 shard groups of 2": (["--zero-stage", "3",
+                                            "--zero-persistence-threshold", "0", "--bf16",
                                             "--gpus-per-node", "2", "--zero-shard-size", "2"],
                                            Layout(1, 1, 4, 3, zero=ZeroCommOptions(shard_size=2))),
 }
@@ -36,7 +43,8 @@ DATA_PARALLEL_ONLY = [name for name, (_, layout) in LAYOUTS.items() if layout.tp
 
 
 LLAMA_LAYOUTS = {f"llama dp2 x tp2 + SP stage {stage}": (
-    [*LLAMA, *_tp(2, "--sequence-parallel"), "--zero-stage", str(stage), "--zero-persistence-threshold", "1000",
+    [*LLAMA, *_tp(2, "--sequence-parallel"), "--zero-stage", str(stage),
+     "--zero-persistence-threshold", "1000",
      *(["--bf16"] if stage == 3 else [])], Layout(2, 1, 2, stage, sequence_parallel=True)) for stage in range(4)}
 
 
@@ -45,7 +53,8 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
     """Also the trainer's start-up table (each rank's expected model states) within 5% of what it holds,
     and, where only data parallelism communicates, the link model's bytes (per rank, and leaving a node)
     within 2% of those counted (block padding of the quantized collectives aside, the same ring model)."""
-    runs = [flags + ["--train-iters", "2", "--log-interval", "1", "--metrics-file", str(tmp_path / f"{i}.jsonl")]
+    runs = [flags + ["--train-iters", "2", "--log-interval", "1", "--metrics-file",
+                     str(tmp_path / f"{i}.jsonl")]
             for i, (flags, _) in enumerate(layouts.values())]
     run_world(4, _train, runs, stdlib_corpus, timeout_s=600)
     for i, (name, (flags, layout)) in enumerate(layouts.items()):
@@ -60,7 +69,8 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         states = max(r["model_state_bytes"] for r in ranks)
         activations = max(r["saved_activation_bytes"] for r in ranks)
         assert predicted.model_state_bytes == pytest.approx(states, rel=0.05), (name, predicted, states)
-        assert predicted.activation_bytes == pytest.approx(activations, rel=0.10), (name, predicted, activations)
+        assert predicted.activation_bytes == pytest.approx(activations, rel=0.10), (name,
+                                                                                    predicted, activations)
         if name in DATA_PARALLEL_ONLY:
             nodes = 2 if "--gpus-per-node" in flags else None
             found = transfers(config.model, layout, 8 // (2 * layout.dp), 2 if "--bf16" in flags else 4,
@@ -76,12 +86,14 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
 
 def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
     config = parse_config(["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-                           "--seq-length", "2048", "--vocab-size", "50257", "--global-batch-size", "512", "--bf16"])
+                           "--seq-length", "2048", "--vocab-size", "50257",
+                           "--global-batch-size", "512", "--bf16"])
     plans = plan(config.model, 64, 8, parse_bytes("80GiB"), 512)
     assert plans and all(p.total_bytes <= 80 * 2**30 for p in plans)
     assert [p.score for p in plans] == sorted(p.score for p in plans)
     assert not plan(config.model, 8, 8, parse_bytes("256MiB"), 512)  # 8 x 256 MiB cannot hold 1.3B parameters
-    plan_main(["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+    plan_main(["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+               "--seq-length", "2048",
                "--vocab-size", "50257", "--global-batch-size", "512", "--bf16", "--zero-stage", "3",
                "--world-size", "64", "--memory-per-device", "80GiB", "--json", "--top", "3"])
     printed = json.loads(capsys.readouterr().out)
@@ -104,12 +116,14 @@ def test_link_model_prefers_zero_2_on_a_slow_link_and_zero_plus_plus_when_ranks_
     parameter gathers across the link) and ZeRO-3 with hpZ + qwZ + qgZ over both; on a fast link the
     gap between the stages shrinks to what the node's own links cost, and the quantize passes cost more
     than the bytes they save."""
-    flags = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+    flags = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--seq-length", "1024",
              "--vocab-size", "50257", "--global-batch-size", "64", "--bf16"]
     config = parse_config(flags)
     gaps = []
     for links in (Links(200e9, 1.25e9, 10e-6), Links(200e9, 400e9, 10e-6)):
-        zero2, zero3, zero_plus_plus = (plan_layout(config.model, Layout(1, 1, 16, stage, zero=options), 64, 2,
+        zero2, zero3, zero_plus_plus = (plan_layout(config.model,
+                                                    Layout(1, 1, 16, stage, zero=options), 64, 2,
                                                     gpus_per_node=8, links=links).step_seconds
                                         for stage, options in ((2, ZeroCommOptions()), (3, ZeroCommOptions()),
                                                                (3, ZeroCommOptions(8, True, True))))
@@ -117,7 +131,8 @@ def test_link_model_prefers_zero_2_on_a_slow_link_and_zero_plus_plus_when_ranks_
     (slow, slow_quantized), (fast, fast_quantized) = gaps
     assert slow > 0 and fast < 0.1 * slow, gaps
     assert slow_quantized < 0 < fast_quantized, gaps
-    plan_main([*flags, "--world-size", "16", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+    plan_main([*flags, "--world-size", "16", "--tensor-model-parallel-size", "1",
+               "--pipeline-model-parallel-size",
                "1", "--inter-node-bandwidth", "10Gbit", "--top", "3"])
     printed = capsys.readouterr().out
     assert "on these links ZeRO-3 with hpZ 8 + qwZ + qgZ is fastest" in printed and "step s" in printed, printed
@@ -139,14 +154,17 @@ def test_every_preset_is_valid_and_its_suggested_layout_fits_80gib():
         predicted = plan_layout(config.model, layout, config.training.global_batch_size, 2)
         assert predicted.total_bytes <= 80 * 2**30, (name, predicted.total_bytes / 2**30)
         size = float(name.split("-")[-1][:-1]) * (1e9 if name[-1] == "b" else 1e6)
-        assert abs(num_parameters(config.model) - size) <= 0.25 * size, name  # the size in its name, within 25%
+        # the size in its name, within 25%
+        assert abs(num_parameters(config.model) - size) <= 0.25 * size, name
 
 
 ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
-                 "gqa + qk norms": {"group_query_attention": True, "num_query_groups": 2, "qk_layernorm": True},
+                 "gqa + qk norms": {"group_query_attention": True, "num_query_groups": 2,
+                                    "qk_layernorm": True},
                  "rmsnorm + squared relu": {"normalization": "RMSNorm", "squared_relu": True},
                  "llama": {"normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 160,
-                           "position_embedding_type": "rope", "group_query_attention": True, "num_query_groups": 2,
+                           "position_embedding_type": "rope", "group_query_attention": True,
+                           "num_query_groups": 2,
                            "disable_bias_linear": True, "qk_layernorm": True}}
 
 

@@ -104,7 +104,8 @@ def test_inter_node_bytes_by_the_ring_model():
     for rank, snapshot in enumerate(run_world(4, _inter_node_bytes)):
         crossing = snapshot["inter_node_by_operation"]
         world_crosses = rank in (1, 3)
-        assert crossing["all_reduce"] == 64 + (2 * 3 / 4 * 64 if world_crosses else 0)  # the dp ring's 2 * 1/2 * 64
+        # the dp ring's 2 * 1/2 * 64
+        assert crossing["all_reduce"] == 64 + (2 * 3 / 4 * 64 if world_crosses else 0)
         assert crossing["all_gather"] == (3 / 4 * 32 if world_crosses else 0)
         assert crossing["p2p"] == (12 if world_crosses else 0)
         assert snapshot["by_operation"]["all_reduce"] == 64 + 64 + 96

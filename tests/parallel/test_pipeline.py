@@ -34,8 +34,10 @@ def test_interleaved_partition_follows_megatron():
 
 
 @pytest.mark.parametrize("args, message", [
-    ((6, 4), "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4 x --virtual-pipeline-size 1"),
-    ((8, 2, 3), "--num-layers 8 is not divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-size 3"),
+    ((6, 4),
+     "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4 x --virtual-pipeline-size 1"),
+    ((8, 2, 3),
+     "--num-layers 8 is not divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-size 3"),
     ((2, 4), "--pipeline-model-parallel-size 4 is larger than --num-layers 2"),
     ((6, 2, 1, [2, 3]), "must be 2 positive counts summing to --num-layers 6"),
 ])
@@ -128,7 +130,8 @@ class SimulatedP2P:
                     continue
                 if recv.tag != send.tag:
                     self.failure = AssertionError(
-                        f"rank {send.rank} sent tag {send.tag} where rank {recv.rank} receives tag {recv.tag}: "
+                        f"rank {send.rank} sent tag {send.tag} where rank {recv.rank} receives tag "
+                        f"{recv.tag}: "
                         "NCCL matches in posting order and would deliver the wrong tensor")
                     self.lock.notify_all()
                     return

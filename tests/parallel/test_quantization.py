@@ -35,7 +35,8 @@ def test_round_trip_error_is_within_half_a_step_per_block(numel):
     error = (restored - values).abs()
     assert torch.all(error <= bound * (1 + 1e-6)), float((error / bound.clamp_min(1e-30)).max())
     assert torch.all(restored[values == 0] == 0)
-    assert error.max() > 0 or numel < BLOCK  # the bound is met by rounding, not by sending the values as they are
+    # the bound is met by rounding, not by sending the values as they are
+    assert error.max() > 0 or numel < BLOCK
     # in bf16: the same values rounded once more into the output's dtype
     restored_bf16 = dequantize(quantized, scales, torch.empty(numel, dtype=torch.bfloat16))
     assert torch.equal(restored_bf16, restored.to(torch.bfloat16))
@@ -72,7 +73,8 @@ def test_quantized_all_gather_equals_the_dequantized_local_blocks():
 
 
 def test_a_non_finite_value_makes_its_block_non_finite():
-    """An fp16 overflow (inf) or a NaN in a gradient survives quantization: the overflow check still sees it."""
+    """An fp16 overflow (inf) or a NaN in a gradient survives quantization: the overflow check still sees
+    it."""
     for bad in (float("inf"), float("nan")):
         values = torch.ones(2 * BLOCK)
         values[3] = bad
@@ -119,7 +121,8 @@ def test_quantized_reduce_scatter_is_within_its_levels_rounding_and_sends_a_byte
         bound = (n * largest + 2 * (2 * largest)) / LEVELS / 2
         assert 0 < error.abs().max() <= bound, (float(error.abs().max()), bound)
         assert snapshot["by_operation"]["reduce_scatter"] == 0
-        per_part = blocks(2 * chunk) * (BLOCK + 4)  # int8 values and scales of each level's part (2 chunks, then 1)
+        # int8 values and scales of each level's part (2 chunks, then 1)
+        per_part = blocks(2 * chunk) * (BLOCK + 4)
         assert snapshot["bytes"]["all_to_all/dp_part2"] == per_part  # half of it stays on this rank
         assert snapshot["bytes"]["all_to_all/dp_replica2"] == blocks(chunk) * (BLOCK + 4)
         # the node's partial sums cross, never the inputs (nodes of 2 consecutive ranks)

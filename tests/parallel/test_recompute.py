@@ -13,7 +13,8 @@ from parallel.topology import Topology
 from tests.parity import NO_DROPOUT, ONE_STEP_RTOL, assert_within
 from tests.world import run_world
 
-POLICIES = [RecomputePolicy("full"), RecomputePolicy("full", 2, "uniform"), RecomputePolicy("full", 1, "block"),
+POLICIES = [RecomputePolicy("full"), RecomputePolicy("full", 2, "uniform"),
+            RecomputePolicy("full", 1, "block"),
             RecomputePolicy("selective"), RecomputePolicy("full", partition=True),
             RecomputePolicy("full", 1, "block", partition=True, offload=True),
             RecomputePolicy("selective", partition=True)]
@@ -38,7 +39,8 @@ def _recompute_is_exact(rank, world_size):
         reference_loss, reference = _loss_and_grads(tp, RecomputePolicy(), dropout)
         for index, policy in enumerate(POLICIES):
             loss, grads = _loss_and_grads(tp, policy, dropout)
-            error = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-12) for g, r in zip(grads, reference))
+            error = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-12) for g,
+                        r in zip(grads, reference))
             worst[(dropout, index)] = (abs(loss - reference_loss) / reference_loss, error)
     return worst
 
@@ -48,7 +50,8 @@ def test_every_policy_reproduces_the_run_without_recompute_dropout_included():
     for worst in run_world(2, _recompute_is_exact):
         for (dropout, index), (loss_error, grad_error) in worst.items():
             assert_within(loss_error, f"recompute loss, dropout {dropout}, {POLICIES[index]}", ONE_STEP_RTOL)
-            assert_within(grad_error, f"recompute gradients, dropout {dropout}, {POLICIES[index]}", ONE_STEP_RTOL)
+            assert_within(grad_error,
+                          f"recompute gradients, dropout {dropout}, {POLICIES[index]}", ONE_STEP_RTOL)
 
 
 def _saved_bytes(rank, world_size):

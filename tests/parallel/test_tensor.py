@@ -16,7 +16,8 @@ from parallel.zero.grad_sync import ModelParallelGroups, reduce_model_parallel_g
 from tests.parity import NO_DROPOUT, ONE_STEP_RTOL, assert_within
 from tests.world import run_world
 
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500, **NO_DROPOUT)
+CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+              vocab_size=500, **NO_DROPOUT)
 
 
 def _alone() -> AxisGroup:
@@ -187,7 +188,8 @@ def test_gathered_gradients_match_tp1():
     measured against its largest entry; it comes out of the backward of every layer above it, so it
     gets ten times the loss's one-step bound."""
     cases = [(2, False, "learned"), (4, False, "rope"), (2, True, "learned"), (4, True, "learned"),
-             (2, False, "llama, 2 groups"), (2, True, "llama, 2 groups"), (4, True, "llama, 8 heads in 4 groups")]
+             (2, False, "llama, 2 groups"), (2, True, "llama, 2 groups"),
+             (4, True, "llama, 8 heads in 4 groups")]
     for per_case in run_world(4, _each, _gradients_match_tp1, cases):
         for case, (loss_error, grad_error) in zip(cases, per_case):
             assert_within(loss_error, f"tp loss {case}", ONE_STEP_RTOL)

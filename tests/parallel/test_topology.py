@@ -81,7 +81,8 @@ def test_tp_group_across_nodes_warns():
 
 
 def test_cli_prints_groups_and_nodes():
-    out = subprocess.run([sys.executable, "-m", "parallel.topology", "--world-size", "16", "--tp", "2", "--pp", "2",
+    out = subprocess.run([sys.executable, "-m", "parallel.topology", "--world-size", "16",
+                          "--tp", "2", "--pp", "2",
                           "--gpus-per-node", "8"], capture_output=True, text=True, check=True).stdout
     assert "world 16 = pp 2 x dp 4 x tp 2" in out
     assert "tp: [0@n0, 1@n0]" in out

@@ -261,7 +261,8 @@ def _construction_peak(rank, world_size, on_meta):
                        **NO_DROPOUT)
     for device in ("cpu", "meta"):  # load the libraries a first model touches before measuring
         with torch.device(device):
-            GPTModel(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16,
+            GPTModel(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               seq_length=4, vocab_size=16,
                                **NO_DROPOUT),
                      groups.tp, seed=0)
     cpu = torch.device("cpu")

@@ -17,7 +17,8 @@ from parallel.zero.swap import SwapError, SwapSpace, check_swap_directory
 from tests.parity import NO_DROPOUT
 from tests.world import run_world
 
-CONFIG = GPTConfig(num_layers=24, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128, **NO_DROPOUT)
+CONFIG = GPTConfig(num_layers=24, hidden_size=32, num_attention_heads=4, seq_length=16,
+                   vocab_size=128, **NO_DROPOUT)
 
 
 def _train(groups, stage, dtype, swap_root, **offload):
@@ -30,13 +31,15 @@ def _train(groups, stage, dtype, swap_root, **offload):
                                    groups.dp, unit_modules=list(model.layers))
     losses, held = [], []
     for step in range(8):
-        tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step + 10 * groups.dp_rank))
+        tokens = torch.randint(0, 128, (2, 16),
+                               generator=torch.Generator().manual_seed(step + 10 * groups.dp_rank))
         loss = model(tokens, torch.arange(16).expand(2, 16), labels=tokens).float().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        held.append((optimizer.model_state_bytes(), optimizer.offloaded_bytes(), optimizer.buffer_pool.allocations))
+        held.append((optimizer.model_state_bytes(), optimizer.offloaded_bytes(),
+                     optimizer.buffer_pool.allocations))
     with optimizer.gathered_parameters():
         params = [p.detach().clone() for p in model.parameters()]
     states = sum(t.numel() * t.element_size() for m in optimizer.masters for t in optimizer.optimizer.state[m].values()
@@ -58,7 +61,8 @@ def _offload_runs(rank, world_size, swap_root):
         if stage == 3:  # ZeRO-Infinity: the parameter shards in files too, read ahead of their gathers
             runs.append(_train(groups, stage, dtype, swap_root, offload_param="nvme", nvme_path=swap_root,
                                prefetch_budget=30_000))
-            runs.append(_train(groups, stage, dtype, swap_root, offload_optimizer="nvme", offload_param="nvme",
+            runs.append(_train(groups, stage, dtype, swap_root, offload_optimizer="nvme",
+                               offload_param="nvme",
                                nvme_path=swap_root))
         report[(stage, str(dtype))] = (reference, runs)
     return report
@@ -73,7 +77,8 @@ def test_optimizer_offload_reproduces_the_in_memory_run_exactly(tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(run[1], reference[1])), (stage, dtype, name)
                 assert [held[2] for held in run[2][1:]] == [run[2][1][2]] * 7  # no allocation after step 1
             in_memory, states = reference[2][-1][0], reference[3]
-            for nvme in runs[1::2]:  # the optimizer in files: its states (and bf16's fp32 masters) left memory
+            # the optimizer in files: its states (and bf16's fp32 masters) left memory
+            for nvme in runs[1::2]:
                 resident, offloaded, _ = nvme[2][-1]
                 assert in_memory - resident >= 0.8 * states, (stage, dtype, in_memory, resident, states)
                 assert offloaded >= states, (stage, dtype, offloaded, states)

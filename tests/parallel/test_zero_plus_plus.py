@@ -124,7 +124,8 @@ def test_secondary_partition_keeps_the_numbers_and_gathers_across_nodes_once_a_s
             for a, b in zip(results[name]["params"], results[exact]["params"]):
                 assert torch.equal(a, b), name
         assert results["hpz"]["crossing"]["all_gather"] * 2 * MICRO_BATCHES == results["zero3"]["crossing"]["all_gather"]
-        assert results["hpz"]["held"] - results["zero3"]["held"] == results["zero3"]["unit_numel"] // 2 * 4  # fp32
+        # fp32
+        assert results["hpz"]["held"] - results["zero3"]["held"] == results["zero3"]["unit_numel"] // 2 * 4
     assert _crossing(two_nodes, "zero3",
                      "all_gather") > 0  # the ring of dp 4 crosses nodes from ranks 1 and 3
     for other in two_nodes[1:]:  # replicas compute with identical weights

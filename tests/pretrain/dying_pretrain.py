@@ -28,7 +28,8 @@ def _arm(kind: str, number: int) -> None:
             started[0] += 1
             if self.start_iteration + started[0] == number:
                 if kind == "full":
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+                    resource.setrlimit(resource.RLIMIT_FSIZE,
+                                       (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
                 else:
                     _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
             return train_step(self, batches, measure)

@@ -19,7 +19,8 @@ from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import TINY, _pp, _tp, _train
 from tests.world import run_world
 
-LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--rotary-base", "500000",
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--rotary-base", "500000",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
          "--disable-bias-linear", "--qk-layernorm"]
 
@@ -28,7 +29,8 @@ def _assert_follows(results, reference, what, start=0):
     for rank_results in results:
         for index, (losses, norms, *_) in enumerate(rank_results):
             assert_trajectory_close(losses, reference[0][start:start + len(losses)], f"{what} {index}: loss")
-            assert_trajectory_close(norms, reference[1][start:start + len(norms)], f"{what} {index}: grad norm")
+            assert_trajectory_close(norms, reference[1][start:start + len(norms)],
+                                    f"{what} {index}: grad norm")
 
 
 @pytest.mark.parity
@@ -37,7 +39,8 @@ def test_llama_class_model_reproduces_the_single_process_run_in_every_layout(std
     assert losses[-1] < losses[0] - 0.3  # it learns
     saved = str(tmp_path / "interleaved")
     interleaved = _pp(2, "interleaved", "--virtual-pipeline-size", "2")
-    recompute_offload = ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--recompute-granularity", "full",
+    recompute_offload = ["--zero-stage", "3", "--zero-persistence-threshold", "0",
+                         "--recompute-granularity", "full",
                          "--offload-optimizer", "cpu"]
     two = run_world(2, _train, [LLAMA + _tp(2), LLAMA + _tp(2, "--sequence-parallel"), LLAMA + _pp(2),
                                 LLAMA + interleaved,
@@ -46,10 +49,13 @@ def test_llama_class_model_reproduces_the_single_process_run_in_every_layout(std
     _assert_follows(two, (losses, norms), "tp2 / tp2+SP / pp2 / pp2 interleaved / tp2 ZeRO-2 selective / "
                                           "dp2 ZeRO-3 full recompute, optimizer on the CPU")
     # the interleaved run saved at iteration 5 (decaying as for 10) is re-cut for dp2 x tp2 x pp2 ZeRO-3
-    run_world(2, _train, [LLAMA + interleaved + ["--train-iters", "5", "--lr-decay-iters", "10", "--save", saved]],
+    run_world(2, _train,
+              [LLAMA + interleaved + ["--train-iters", "5", "--lr-decay-iters", "10", "--save", saved]],
               stdlib_corpus)
-    grid = LLAMA + _pp(2) + _tp(2, "--sequence-parallel") + ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
-    straight, resumed = zip(*run_world(8, _train, [grid, grid + ["--load", saved]], stdlib_corpus, timeout_s=400))
+    grid = LLAMA + _pp(2) + _tp(2, "--sequence-parallel") + ["--zero-stage", "3",
+                                                             "--zero-persistence-threshold", "0"]
+    straight, resumed = zip(*run_world(8, _train, [grid, grid + ["--load", saved]],
+                                       stdlib_corpus, timeout_s=400))
     _assert_follows([[run] for run in straight], (losses, norms), "dp2 x tp2 x pp2 ZeRO-3")
     _assert_follows([[run] for run in resumed], (losses, norms), "re-cut to dp2 x tp2 x pp2 ZeRO-3", start=5)
     # and exported: one file that the single-process model of the same flags loads, every name and shape
@@ -68,7 +74,8 @@ def test_a_corpus_preprocessed_with_megatrons_flags_trains(tmp_path, stdlib_corp
     corpus = write_jsonl(tmp_path / "corpus.jsonl", documents)
     tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
     subprocess.run([sys.executable, "-m", "data.preprocess", "--input", corpus, "--output-prefix",
-                    str(tmp_path / "corpus"), "--json-keys", "text", *tokenizer, "--append-eod", "--workers", "2"],
+                    str(tmp_path / "corpus"), "--json-keys", "text", *tokenizer,
+                    "--append-eod", "--workers", "2"],
                    check=True, capture_output=True, text=True)
     flags = [*tokenizer, "--data-path", str(tmp_path / "corpus_text_document"), "--data-cache-dir",
              str(tmp_path / "cache"), "--train-iters", "6", "--split", "90,10,0"]
@@ -87,14 +94,17 @@ def _train_with_flags(rank, world_size, flags):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 does not divide --num-attention-"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-query-groups 3 does not divide --num-attention-"),
     (["--group-query-attention", "--num-query-groups", "2", *_tp(4)],
      "--tensor-model-parallel-size 4 does not divide --num-query-groups 2"),
     (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
     (["--swiglu", "--squared-relu"], "--swiglu and --squared-relu are two MLP activations"),
-    (["--vocab-file", "vocab.json", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file without --merge-file"),
+    (["--vocab-file", "vocab.json", "--tokenizer-type", "GPT2BPETokenizer"],
+     "--vocab-file without --merge-file"),
     (["--position-embedding-type", "rope", "--rotary-percent", "0.1"], "--rotary-percent 0.1 of a head's 16"),
-    (["--swiglu", "--ffn-hidden-size", "90", *_tp(4)], "--tensor-model-parallel-size 4 does not divide --ffn-hidden-"),
+    (["--swiglu", "--ffn-hidden-size", "90", *_tp(4)],
+     "--tensor-model-parallel-size 4 does not divide --ffn-hidden-"),
     (["--merge-file", "merges.txt"], "--merge-file without --vocab-file"),
 ])
 def test_bad_architecture_and_tokenizer_flags_are_named(stdlib_corpus, flags, message):

@@ -46,10 +46,12 @@ def test_wrong_yaml_type_is_named(tmp_path):
 @pytest.mark.parametrize("flags, world, message", [
     (["--tensor-model-parallel-size", "3"], 3,
      "--tensor-model-parallel-size 3 does not divide --num-attention-heads 8"),
-    (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--seq-length 64 is beyond --max-position-embeddings 32"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], 1,
+     "--seq-length 64 is beyond --max-position-embeddings 32"),
     (["--global-batch-size", "6", "--micro-batch-size", "2"], 2,
      "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", "2"], 3,
+     "world size 3 is not divisible by --tensor-model-parallel-size 2"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33",
       "--max-position-embeddings", "64"], 2, "--sequence-parallel needs --seq-length 33 divisible"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-model", "x.model"], 1,
@@ -59,7 +61,8 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--partition-activations"], 1, "add --recompute-granularity full or selective"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
      "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2",
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved",
+      "--virtual-pipeline-size", "2",
       "--global-batch-size", "4", "--micro-batch-size", "4", "--num-layers", "4"], 2,
      "--pipeline-schedule interleaved needs the micro-batches per step (1 = --global-batch-size"),
     (["--virtual-pipeline-size", "2"], 1, "--virtual-pipeline-size needs --pipeline-model-parallel-size > 1"),
@@ -69,16 +72,21 @@ def test_wrong_yaml_type_is_named(tmp_path):
      "--nvme-path /nonexistent/nvme does not exist or is not a directory"),
     (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/", "--num-layers", "256",
       "--hidden-size", "8192", "--num-attention-heads", "64"], 1, "GiB free but the swapped states need"),
-    (["--zero-stage", "2", "--nvme-path", "/tmp"], 1, "--nvme-path is only used with --offload-optimizer nvme"),
+    (["--zero-stage", "2", "--nvme-path", "/tmp"], 1,
+     "--nvme-path is only used with --offload-optimizer nvme"),
     (["--zero-stage", "2", "--offload-param", "nvme", "--nvme-path", "/tmp"], 1,
      "--offload-param nvme needs --zero-stage 3"),
-    (["--zero-stage", "3", "--offload-param", "cpu"], 1, "--offload-param cpu is not available in this build"),
+    (["--zero-stage", "3", "--offload-param", "cpu"], 1,
+     "--offload-param cpu is not available in this build"),
     (["--zero-quantized-weights"], 2, "--zero-quantized-weights needs --zero-stage 1, 2 or 3"),
     (["--zero-stage", "3", "--zero-hpz-partition-size", "3"], 4,
      "--zero-hpz-partition-size 3 must divide the data-parallel size 4"),
-    (["--zero-stage", "2", "--zero-hpz-partition-size", "2"], 4, "--zero-hpz-partition-size 2 needs --zero-stage 3"),
-    (["--zero-stage", "1", "--zero-quantized-gradients"], 2, "--zero-quantized-gradients needs --zero-stage 2 or 3"),
-    (["--zero-stage", "3", "--zero-shard-size", "3"], 4, "--zero-shard-size 3 must divide the data-parallel size 4"),
+    (["--zero-stage", "2", "--zero-hpz-partition-size", "2"], 4,
+     "--zero-hpz-partition-size 2 needs --zero-stage 3"),
+    (["--zero-stage", "1", "--zero-quantized-gradients"], 2,
+     "--zero-quantized-gradients needs --zero-stage 2 or 3"),
+    (["--zero-stage", "3", "--zero-shard-size", "3"], 4,
+     "--zero-shard-size 3 must divide the data-parallel size 4"),
     (["--zero-shard-size", "2"], 4, "--zero-shard-size 2 needs --zero-stage 1, 2 or 3"),
     (["--zero-stage", "3", "--zero-shard-size", "2", "--zero-hpz-partition-size", "2"], 4,
      "--zero-shard-size 2 is not combined with --zero-hpz-partition-size"),
@@ -86,10 +94,12 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--global-batch-size", "8", "--step-batch-size-schedule", "0:4 1K:8"], 1,
      "--step-batch-size-schedule sets the global batch at every step: drop --global-batch-size"),
     (["--global-batch-size", "16", "--micro-batch-size", "2", "--rampup-batch-size", "2", "2", "64"], 2,
-     "--rampup-batch-size: a global batch of 2 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+     "--rampup-batch-size: a global batch of 2 is not divisible by --micro-batch-size 2 x "
+     "data-parallel size 2"),
     (["--global-batch-size", "16", "--rampup-batch-size", "4", "5", "64"], 1,
      "from 4 in steps of 5 it must reach --global-batch-size 16"),
-    (["--train-iters", "10", "--train-samples", "100"], 1, "--train-iters and --train-samples both set the run's"),
+    (["--train-iters", "10", "--train-samples", "100"], 1,
+     "--train-iters and --train-samples both set the run's"),
     (["--train-samples", "100", "--lr-decay-iters", "10"], 1, "use --lr-decay-samples / --lr-warmup-samples"),
     (["--train-iters", "10", "--lr-warmup-samples", "10"], 1, "use --lr-decay-iters / --lr-warmup-iters"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], 1, "are two warm-ups: give one"),
@@ -106,7 +116,8 @@ def test_bad_settings_name_the_flag(flags, world, message):
 
 def test_tokenizer_that_does_not_fit_vocab_size(stdlib_corpus):
     prefix, tokenizer = stdlib_corpus
-    config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--vocab-size", "100"])
+    config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
+                                  "--vocab-size", "100"])
     with pytest.raises(ConfigError, match="--vocab-size 100 is smaller than the tokenizer's vocabulary 512"):
         validate(config, 1)
 
@@ -125,7 +136,8 @@ def test_every_rank_refuses_bad_input_before_any_group_exists(tmp_path):
         _, stderr = run.communicate(timeout=60)
         assert run.returncode == 2
         said.append(stderr)
-    assert said[0].startswith("error: --global-batch-size 3 is not divisible by --micro-batch-size 4 x data-parallel "
+    assert said[0].startswith("error: --global-batch-size 3 is not divisible by --micro-batch-size 4 x "
+                              "data-parallel "
                               "size 2") and said[0].count("\n") == 1
     assert said[1] == ""
 
@@ -150,10 +162,14 @@ def test_megatron_features_this_build_lacks_are_refused_at_parse(flags, message)
 
 
 def test_megatron_spellings_mean_our_settings():
-    config = parse_config(TINY + ["--norm-epsilon", "1e-6", "--distributed-timeout-minutes", "2", "--data-cache-path",
-                                  "cache", "--wandb-save-dir", "w", "--use-distributed-optimizer", "--num-layers", "8",
-                                  "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
-                                  "--context-parallel-size", "1", "--use-mcore-models", "--global-batch-size", "8"])
+    config = parse_config(TINY + ["--norm-epsilon", "1e-6", "--distributed-timeout-minutes", "2",
+                                  "--data-cache-path",
+                                  "cache", "--wandb-save-dir", "w", "--use-distributed-optimizer",
+                                  "--num-layers", "8",
+                                  "--pipeline-model-parallel-size", "2",
+                                  "--num-layers-per-virtual-pipeline-stage", "2",
+                                  "--context-parallel-size", "1", "--use-mcore-models",
+                                  "--global-batch-size", "8"])
     validate(config, 2)
     assert config.model.layernorm_epsilon == 1e-6 and config.parallel.distributed_timeout_s == 120.0
     assert config.data.data_cache_dir == "cache" and config.logging.wandb_dir == "w"
@@ -165,7 +181,8 @@ def test_megatron_spellings_mean_our_settings():
     validate(explicit, 1)
     assert explicit.zero.zero_stage == 2  # --zero-stage says otherwise
     uneven = parse_config(TINY + ["--num-layers", "8", "--pipeline-model-parallel-size", "3",
-                                  "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"])
+                                  "--decoder-first-pipeline-num-layers", "2",
+                                  "--decoder-last-pipeline-num-layers", "2"])
     validate(uneven, 3)
     assert uneven.parallel.pipeline_layers_per_stage == [2, 4, 2]
     gpt2 = parse_config(TINY + ["--vocab-file", "v.json", "--merge-file", "m.txt"])
@@ -181,6 +198,7 @@ def test_ckpt_step_needs_load_and_a_saved_iteration(tmp_path):
     (tmp_path / "iter_0000006.tmp").mkdir()  # an unfinished save is not offered
     with pytest.raises(ConfigError, match=r"^--ckpt-step 4 picks a checkpoint under --load: add --load DIR$"):
         validate(parse_config(TINY + ["--ckpt-step", "4"]), 1)
-    with pytest.raises(ConfigError, match=f"^--ckpt-step 3: no checkpoint of iteration 3 under --load {tmp_path} "
+    with pytest.raises(ConfigError,
+                       match=f"^--ckpt-step 3: no checkpoint of iteration 3 under --load {tmp_path} "
                        r"\(saved: 2, 4\); give one of those or drop --ckpt-step$"):
         validate(parse_config(TINY + ["--load", str(tmp_path), "--ckpt-step", "3"]), 1)

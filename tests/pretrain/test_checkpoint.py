@@ -11,7 +11,8 @@ from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import _pp, _tp, _train
 from tests.world import run_world
 
-GRID = [*_pp(2), *_tp(2, "--sequence-parallel"), "--lr-decay-iters", "20", "--zero-persistence-threshold", "0"]
+GRID = [*_pp(2), *_tp(2, "--sequence-parallel"), "--lr-decay-iters", "20",
+        "--zero-persistence-threshold", "0"]
 
 
 def _runs(stage, directory, half=4):
@@ -28,7 +29,8 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
     order, so no rounding can differ. Four iterations on each side cross warm-up and decay."""
     layouts = [run for stage in (0, 1, 2, 3) for run in _runs(stage, str(tmp_path / f"stage{stage}"))]
     (tmp_path / "swap").mkdir()
-    nvme = ["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "swap")]  # the default cut, as in memory
+    nvme = ["--offload-optimizer", "nvme", "--nvme-path",
+            str(tmp_path / "swap")]  # the default cut, as in memory
     for stage in (2, 3):  # optimizer states (stage 3: and parameter shards) in swap files: saved from them,
         infinity = ["--offload-param", "nvme"] if stage == 3 else []  # loaded back into them
         layouts += [run + nvme + infinity for run in _runs(stage, str(tmp_path / f"nvme{stage}"))[1:]]
@@ -58,9 +60,11 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
     saved = str(tmp_path / "tp2dp2")
     original = [*_tp(2), "--zero-stage", "2", "--lr-decay-iters", "20"]
     (tmp_path / "swap").mkdir()
-    infinity = ["--offload-optimizer", "nvme", "--offload-param", "nvme", "--nvme-path", str(tmp_path / "swap"),
+    infinity = ["--offload-optimizer", "nvme", "--offload-param", "nvme", "--nvme-path",
+                str(tmp_path / "swap"),
                 "--zero-sub-group-size", "5000"]  # the re-cut states go into swap files
-    others = [[*_pp(2), "--zero-stage", "3", "--zero-persistence-threshold", "0", *infinity], ["--zero-stage", "1"],
+    others = [[*_pp(2), "--zero-stage", "3", "--zero-persistence-threshold", "0", *infinity],
+              ["--zero-stage", "1"],
               [*_pp(2, "interleaved", "--virtual-pipeline-size", "2"), *_tp(2)],
               # the same layout cut into other buckets and master pieces: re-cut, not refused
               [*original, "--zero-bucket-size", "3000", "--zero-sub-group-size", "700"]]
@@ -131,7 +135,8 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
     json.dump(forged, open(manifest_path, "w"))
     assert "refused by torch.load(weights_only=True)" in run_world(1, _load_only, directory, stdlib_corpus)[0]
 
-    older = {key: value for key, value in forged.items() if key != "format"}  # a rank-file format 1 checkpoint
+    older = {key: value for key,
+             value in forged.items() if key != "format"}  # a rank-file format 1 checkpoint
     json.dump(older, open(manifest_path, "w"))
     assert "rank files are in format 1 and this version reads formats 2 and 3" in \
         run_world(1, _load_only, directory, stdlib_corpus)[0]
@@ -205,7 +210,8 @@ def test_a_shape_flag_that_contradicts_the_checkpoint_is_refused(stdlib_corpus, 
     prefix, tokenizer = stdlib_corpus
     config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved,
                                   "--hidden-size", "128"])
-    with pytest.raises(ConfigError, match=f"--hidden-size 128 contradicts the checkpoint {saved}/iter_0000001, "
+    with pytest.raises(ConfigError,
+                       match=f"--hidden-size 128 contradicts the checkpoint {saved}/iter_0000001, "
                                           "whose model has 64"):
         validate(config, 1)
     inherited = parse_config(["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved])

@@ -21,7 +21,8 @@ def _train_and_save(rank, world_size, corpus, directory, layout):
     from pretrain.startup.validation import validate
 
     prefix, tokenizer = corpus
-    config = parse_config(TINY + layout + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
+    config = parse_config(TINY + layout + ["--data-path", prefix, "--tokenizer-model",
+                                           tokenizer, "--data-cache-dir",
                                            f"{prefix}-cache", "--train-iters", "3", "--save", directory])
     trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
     trainer.train()
@@ -50,7 +51,8 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
 
     convert(["--load", grid, "--output", str(tmp_path / "grid.safetensors")])  # tp2 x pp2: the same model
     grid_weights = load_file(str(tmp_path / "grid.safetensors"))
-    assert {name: t.shape for name, t in grid_weights.items()} == {name: t.shape for name, t in weights.items()}
+    assert {name: t.shape for name, t in grid_weights.items()} == {name: t.shape for name,
+                                                                   t in weights.items()}
     # another layout sums in another order: the same weights up to float noise (Adam steps amplify it
     # on the tiniest gradients, so compare the whole model)
     difference = sum((grid_weights[name] - value).pow(2).sum() for name, value in weights.items()).sqrt()

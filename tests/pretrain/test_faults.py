@@ -58,7 +58,8 @@ def test_non_finite_steps_are_skipped_everywhere_and_stop_at_the_limit(stdlib_co
     for losses, history in skipped_twice:
         assert [h[1] for h in history] == [False, False, True, True, False, False]  # every rank skips alike
         assert history[2][2] == history[3][2] == history[1][2]  # skipped steps leave the parameters alone
-        assert history[4][2] != history[1][2] and all(loss == loss for loss in losses[4:])  # then it trains on
+        # then it trains on
+        assert history[4][2] != history[1][2] and all(loss == loss for loss in losses[4:])
     for message, history in stopped:  # the third bad step in a row stops every rank with the same message
         assert "3 consecutive steps with a non-finite loss or gradient norm (iterations 2-4" in message
         assert len(history) == 4
@@ -67,7 +68,8 @@ def test_non_finite_steps_are_skipped_everywhere_and_stop_at_the_limit(stdlib_co
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# torchrun run by our launcher (launch.torchrun.run_torchrun): the job ends with the workers' lines, no traceback
+# torchrun run by our launcher (launch.torchrun.run_torchrun): the job ends with the workers' lines, no
+# traceback
 TORCHRUN = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
 
 
@@ -77,13 +79,15 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extr
     finished process, seconds it took, its metrics lines, its checkpoint directory)."""
     prefix, tokenizer = corpus
     directory, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
-    flags = TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir", f"{prefix}-cache",
+    flags = TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
+                    "--data-cache-dir", f"{prefix}-cache",
                     "--train-iters", "8", "--save", str(directory), "--load", str(load or directory),
                     "--save-interval", "2", "--log-interval", "1", "--metrics-file", str(metrics),
                     "--distributed-timeout-s", str(timeout_s), *extra]
     command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2",
                f"--max-restarts={max_restarts}", "-m", "tests.pretrain.dying_pretrain", *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0", WANDB_MODE="disabled",
+    env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0",
+               WANDB_MODE="disabled",
                **RESTARTABLE)
     started = time.monotonic()
     job = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPOSITORY, timeout=300)
@@ -130,8 +134,10 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
     data[len(data) // 2] ^= 0xFF
     rank_file.write_bytes(bytes(data))
     job, _, lines, _ = _job(stdlib_corpus, tmp_path, "after-damage", load=damaged)
-    assert _errors(job) == [f"error: rank 1: {rank_file}: size or sha256 differs from the manifest (corrupted or "
-                            f"truncated); the newest intact checkpoint is {damaged}/iter_0000006: resume from it "
+    assert _errors(job) == [f"error: rank 1: {rank_file}: size or sha256 differs from the manifest "
+                            "(corrupted or "
+                            f"truncated); the newest intact checkpoint is {damaged}/iter_0000006: resume "
+                            "from it "
                             "with --ckpt-step 6"] and lines == [] and "iter " not in job.stdout
     job, _, lines, _ = _job(stdlib_corpus, tmp_path, "after-damage", load=damaged, extra=["--ckpt-step", "6"])
     assert job.returncode == 0, job.stderr[-3000:]
@@ -141,16 +147,20 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
 def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_checkpoint(stdlib_corpus, tmp_path):
     # rank 1's disk is full from iteration 5 on (RLIMIT_FSIZE): the save of 6 fails there, every rank stops
     job, _, lines, directory = _job(stdlib_corpus, tmp_path, "full", die_at="full:5")
-    assert _errors(job) == [f"error: saving iteration 6 failed on rank 1: cannot write {directory}/iter_0000006.tmp/"
+    assert _errors(job) == ["error: saving iteration 6 failed on rank 1: cannot write "
+                            f"{directory}/iter_0000006.tmp/"
                             f"rank_00001.pt (File too large); {directory}/iter_0000004 is still the latest "
-                            f"checkpoint, intact. Free space under --save {directory} (or choose another) and resume "
+                            f"checkpoint, intact. Free space under --save {directory} (or choose another) "
+                            "and resume "
                             "with --load"]
-    assert lines[-1]["iteration"] == 6 and sorted(os.listdir(directory)) == ["iter_0000002", "iter_0000004", "latest"]
+    assert lines[-1]["iteration"] == 6 and sorted(os.listdir(directory)) == ["iter_0000002",
+                                                                             "iter_0000004", "latest"]
     checkpoint, manifest = read_manifest(directory)
     assert manifest["iteration"] == 4 and newest_intact(directory, below=5) == (checkpoint, 4)
     # --save under a file: said before anything is built
     (tmp_path / "a-file").write_text("")
-    job, _, lines, _ = _job(stdlib_corpus, tmp_path, "unused", extra=["--save", str(tmp_path / "a-file" / "ckpt")])
+    job, _, lines, _ = _job(stdlib_corpus, tmp_path, "unused",
+                            extra=["--save", str(tmp_path / "a-file" / "ckpt")])
     assert _errors(job) == [f"error: ranks 0, 1: --save {tmp_path}/a-file/ckpt: cannot write there (Not a "
                             "directory); give a writable directory (it is created if missing)"] and lines == []
 

@@ -27,8 +27,10 @@ def _hf_model(kind: str, vocab: int):
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config)
-    options = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=32, rope_theta=500000.0, tie_word_embeddings=False)
+    options = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=32, rope_theta=500000.0,
+                   tie_word_embeddings=False)
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**options))
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**options))
@@ -56,8 +58,10 @@ def hf_models(tmp_path_factory):
 def _logits_in_layout(rank, world_size, checkpoint, layout):
     from pretrain.training.trainer import Trainer
 
-    config = parse_config(["--load", checkpoint, "--mock-data", "--seq-length", "16", "--micro-batch-size", "1",
-                           "--train-iters", "1", "--sample-prompt", "", "--data-cache-path", checkpoint + "-cache",
+    config = parse_config(["--load", checkpoint, "--mock-data", "--seq-length", "16",
+                           "--micro-batch-size", "1",
+                           "--train-iters", "1", "--sample-prompt", "", "--data-cache-path",
+                           checkpoint + "-cache",
                            *layout])
     trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
     trainer.model.eval()
@@ -120,7 +124,8 @@ def test_a_fine_tune_reproduces_the_single_process_fine_tune(hf_models, tmp_path
     convert(["--from-hf", hf_models["llama"][0], "--output", checkpoint])
     (losses, norms), = run_world(1, _fine_tune, checkpoint, [[]])[0]
     assert losses[-1] < losses[0]
-    layouts = [["--zero-stage", "3", "--zero-persistence-threshold", "0"], ["--tensor-model-parallel-size", "2"]]
+    layouts = [["--zero-stage", "3", "--zero-persistence-threshold", "0"],
+               ["--tensor-model-parallel-size", "2"]]
     for rank_results in run_world(2, _fine_tune, checkpoint, layouts):
         for (got_losses, got_norms), what in zip(rank_results, ("dp2 ZeRO-3", "tp2")):
             assert_trajectory_close(got_losses, losses, f"fine-tune {what}: loss")
@@ -129,10 +134,14 @@ def test_a_fine_tune_reproduces_the_single_process_fine_tune(hf_models, tmp_path
 
 def test_models_that_do_not_map_are_refused_naming_why(hf_models, tmp_path):
     directory, _ = hf_models["llama"]
-    for change, message in [({"model_type": "mixtral", "num_local_experts": 8}, "model_type 'mixtral' is not"),
-                            ({"model_type": "mistral", "sliding_window": 16}, "sliding-window attention is not"),
-                            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
-                            ({"intermediate_size": 64}, "make layers.0.mlp.fc1.weight of shape (2, 48, 32); the "
+    for change, message in [({"model_type": "mixtral", "num_local_experts": 8},
+                             "model_type 'mixtral' is not"),
+                            ({"model_type": "mistral", "sliding_window": 16},
+                             "sliding-window attention is not"),
+                            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+                             "rope scaling 'llama3'"),
+                            ({"intermediate_size": 64},
+                             "make layers.0.mlp.fc1.weight of shape (2, 48, 32); the "
                                                         "architecture in config.json needs (2, 64, 32)")]:
         broken = tmp_path / f"broken-{len(os.listdir(tmp_path))}"
         broken.mkdir()
@@ -161,7 +170,8 @@ def test_models_that_do_not_map_are_refused_naming_why(hf_models, tmp_path):
 def _first_sft_step(rank, world_size, checkpoint, data):
     from pretrain.training.trainer import Trainer
 
-    config = parse_config(["--pretrained-checkpoint", checkpoint, "--sft", "--data-path", data, "--split", "1,0,0",
+    config = parse_config(["--pretrained-checkpoint", checkpoint, "--sft", "--data-path",
+                           data, "--split", "1,0,0",
                            "--seq-length", "24", "--micro-batch-size", "2", "--global-batch-size", "4",
                            "--train-iters", "1", "--sample-prompt", ""])
     trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
@@ -175,7 +185,8 @@ def test_the_sft_loss_is_the_mean_over_answer_tokens_computed_by_hand(hf_models,
     convert(["--from-hf", directory, "--output", checkpoint])
     data = tmp_path / "sft.jsonl"
     lines = [{"prompt": "def f(x):", "response": " return x"},
-             {"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta gamma"}]},
+             {"messages": [{"role": "user", "content": "alpha"},
+                           {"role": "assistant", "content": "beta gamma"}]},
              {"prompt": "import os", "response": "\nimport sys"},
              {"messages": [{"role": "system", "content": "short"}, {"role": "user", "content": "grad"},
                            {"role": "assistant", "content": "rank"}, {"role": "user", "content": "shard"},
@@ -202,7 +213,8 @@ def test_the_fine_tune_job_learns_its_mapping_and_transformers_answers(tmp_path)
     import subprocess
 
     job = subprocess.run(["bash", "launch/finetune_job.sh"], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, WORK=str(tmp_path / "work"), OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
+                         env=dict(os.environ, WORK=str(tmp_path / "work"), OMP_NUM_THREADS="1",
+                                  WANDB_MODE="disabled"),
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert job.returncode == 0, job.stderr[-3000:]
     right = int(job.stdout.split("held-out prompts answered right: ")[1].split()[0])

@@ -70,9 +70,11 @@ def _argv(script: str, **environment: str) -> list[str]:
 
 def _torchrun(nproc: int, argv: list[str], tmp_path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "pretrain", *argv, "--sample-prompt", "", "--metrics-file", str(tmp_path / "metrics.jsonl")]
+               "-m", "pretrain", *argv, "--sample-prompt", "", "--metrics-file",
+               str(tmp_path / "metrics.jsonl")]
     environment = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    return subprocess.run(command, capture_output=True, text=True, env=environment, cwd=REPOSITORY, timeout=600)
+    return subprocess.run(command, capture_output=True, text=True, env=environment,
+                          cwd=REPOSITORY, timeout=600)
 
 
 def test_the_gpt3_example_trains_on_gpt2_bpe_data_with_its_batch_ramp_up(tmp_path):
@@ -80,7 +82,8 @@ def test_the_gpt3_example_trains_on_gpt2_bpe_data_with_its_batch_ramp_up(tmp_pat
     vocab, merges = write_gpt2_files(str(tmp_path / "gpt2"), documents)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", documents)
     subprocess.run([sys.executable, "-m", "data.preprocess", "--input", corpus, "--output-prefix",
-                    str(tmp_path / "my-gpt3"), "--vocab-file", vocab, "--merge-file", merges, "--tokenizer-type",
+                    str(tmp_path / "my-gpt3"), "--vocab-file", vocab, "--merge-file",
+                    merges, "--tokenizer-type",
                     "GPT2BPETokenizer", "--append-eod", "--workers", "2"], check=True, capture_output=True)
     argv = _argv(GPT3, DATA_PATH=str(tmp_path / "my-gpt3_text_document"), VOCAB_FILE=vocab, MERGE_FILE=merges,
                  CHECKPOINT_PATH=str(tmp_path / "checkpoints"), TENSORBOARD_LOGS_PATH=str(tmp_path / "tb"))
@@ -96,7 +99,8 @@ def test_the_gpt3_example_trains_on_gpt2_bpe_data_with_its_batch_ramp_up(tmp_pat
 
 
 def test_the_llama3_example_trains_on_mock_data_in_bf16_and_refuses_its_fp8_branch(tmp_path):
-    environment = dict(CHECKPOINT_PATH=str(tmp_path / "checkpoints"), TENSORBOARD_LOGS_PATH=str(tmp_path / "tb"),
+    environment = dict(CHECKPOINT_PATH=str(tmp_path / "checkpoints"),
+                       TENSORBOARD_LOGS_PATH=str(tmp_path / "tb"),
                        DATA_CACHE_PATH=str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match="--fp8-format hybrid: fp8 training is not supported"):
         parse_config(_argv(LLAMA3, DTYPE="fp8", **environment))
@@ -107,7 +111,8 @@ def test_the_llama3_example_trains_on_mock_data_in_bf16_and_refuses_its_fp8_bran
     assert lines[0]["lr"] == 0.0 and lines[1]["lr"] == pytest.approx(0.00015)  # 4 warm-up samples, from 0
     assert all(line["loss"] == line["loss"] for line in lines)
     ignored = job.stdout.split("Megatron flags accepted and ignored: ")[1].splitlines()[0]
-    for flag in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--profile", "--ckpt-format", "--num-workers",
+    for flag in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--profile",
+                 "--ckpt-format", "--num-workers",
                  "--tiktoken-pattern", "--no-mmap-bin-files"):
         assert flag in ignored, flag
     assert "--overlap-param-gather" not in ignored  # it means what it means in Megatron

@@ -35,11 +35,13 @@ def test_ramp_up_and_step_schedules_follow_megatron():
     # 126 increments of 8, one per 300000 / 126 = 2380.95 samples: the fifth after 11904.8
     assert ramp.batch_size(11904) == 16 + 4 * 8 and ramp.batch_size(11905) == 16 + 5 * 8
     steps = parse_step_schedule("0:16, 2.4B:320 4.8b:624", 2048)
-    assert steps == ((0, 16), (2_400_000_000 // 2048, 320), (4_800_000_000 // 2048, 624))  # thresholds in tokens
+    assert steps == ((0, 16), (2_400_000_000 // 2048, 320),
+                     (4_800_000_000 // 2048, 624))  # thresholds in tokens
     schedule = BatchSchedule(624, 8, steps=steps)
     assert schedule.batch_size(0) == 16 and schedule.batch_size(2_400_000_000 // 2048) == 320
     constant = BatchSchedule(8, 2)
-    assert constant.iterations_for(81) == 10 and constant.samples_after(10) == 80  # a partial batch is dropped
+    # a partial batch is dropped
+    assert constant.iterations_for(81) == 10 and constant.samples_after(10) == 80
     with pytest.raises(ValueError, match="thresholds start at 0"):
         parse_step_schedule("100:16", 32)
 
@@ -49,11 +51,13 @@ def test_sample_spellings_of_the_learning_rate_equal_the_iteration_ones():
                                                    lr_decay_style="cosine"), 10, None, 8)
     samples = build_lr_schedule(OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_samples=16, lr_decay_samples=64,
                                                 lr_decay_style="cosine"), 10, 80, 8)
-    fraction = build_lr_schedule(OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_fraction=0.25, lr_decay_iters=8,
+    fraction = build_lr_schedule(OptimizerConfig(lr=1.0, min_lr=0.1,
+                                                 lr_warmup_fraction=0.25, lr_decay_iters=8,
                                                  lr_decay_style="cosine"), 10, None, 8)
     rates = [iterations(8 * step) for step in range(10)]
     assert rates == [samples(8 * step) for step in range(10)] == [fraction(8 * step) for step in range(10)]
-    assert rates[0] == 0.0 and rates[2] == 1.0 and rates[8:] == [0.1, 0.1]  # Megatron's: from 0, min after decay
+    assert rates[0] == 0.0 and rates[2] == 1.0 and rates[8:] == [0.1,
+                                                                 0.1]  # Megatron's: from 0, min after decay
 
 
 RAMP = ["--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "24"]
@@ -62,17 +66,25 @@ RAMP = ["--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-s
 def test_runs_resume_mid_ramp_exit_early_and_match_their_twins(stdlib_corpus, tmp_path):
     ramp, exits = str(tmp_path / "ramp"), str(tmp_path / "exits")
     base = _without(TINY, "--train-iters", "--lr-warmup-iters")
-    iters = ["--train-iters", "10", "--lr-warmup-iters", "2"]  # TINY's, which its sample twin spells in samples
+    iters = ["--train-iters", "10", "--lr-warmup-iters",
+             "2"]  # TINY's, which its sample twin spells in samples
     layouts = [
-        iters + RAMP + ["--metrics-file", str(tmp_path / "straight.jsonl")],                  # 0: ramp, straight
-        iters + RAMP + ["--train-iters", "4", "--lr-decay-iters", "10", "--save", ramp],       # 1: mid-ramp, saved
+        iters + RAMP + ["--metrics-file",
+                        str(tmp_path / "straight.jsonl")],                  # 0: ramp, straight
+        iters + RAMP + ["--train-iters", "4", "--lr-decay-iters", "10", "--save",
+                        ramp],       # 1: mid-ramp, saved
         iters + RAMP + ["--load", ramp, "--metrics-file", str(tmp_path / "resumed.jsonl")],    # 2: resumed
-        iters,                                                                                 # 3: iteration-based
-        ["--train-samples", "80", "--lr-warmup-samples", "16"],                                # 4: its sample twin
-        iters + ["--calculate-per-token-loss"],                                                # 5: per-token loss
+        # 3: iteration-based
+        iters,
+        ["--train-samples", "80", "--lr-warmup-samples",
+         "16"],                                # 4: its sample twin
+        # 5: per-token loss
+        iters + ["--calculate-per-token-loss"],
         iters + ["--save", exits, "--exit-interval", "3"],                                     # 6: exits at 3
-        iters + ["--load", exits, "--save", exits, "--exit-duration-in-mins", "1e-9"],         # 7: ... then at 4
-        iters + ["--load", exits, "--save", exits],                                            # 8: ... to the end
+        iters + ["--load", exits, "--save", exits, "--exit-duration-in-mins",
+                 "1e-9"],         # 7: ... then at 4
+        iters + ["--load", exits, "--save",
+                 exits],                                            # 8: ... to the end
     ]
     results = run_world(2, _train, layouts, stdlib_corpus, base, timeout_s=300)[0]
     losses = [result[0] for result in results]
@@ -81,9 +93,11 @@ def test_runs_resume_mid_ramp_exit_early_and_match_their_twins(stdlib_corpus, tm
     resumed = [json.loads(line) for line in open(tmp_path / "resumed.jsonl")]
     assert [line["batch_size"] for line in straight if line["iteration"] in (1, 5, 10)] == [2, 4, 8]
     assert losses[1] + losses[2] == losses[0] and norms[1] + norms[2] == norms[0]  # bit for bit
-    assert resumed[0]["iteration"] == 5 and resumed[0]["consumed_samples"] == 2 + 2 + 2 + 2 + 4  # the exact sample
+    # the exact sample
+    assert resumed[0]["iteration"] == 5 and resumed[0]["consumed_samples"] == 2 + 2 + 2 + 2 + 4
     assert losses[4] == losses[3] and norms[4] == norms[3]  # --train-samples 80 is --train-iters 10 here
     assert_trajectory_close(losses[5], losses[3], "per-token loss: loss")  # every token counts alike here
     assert len(losses[6]) == 3 and len(losses[7]) == 1  # stopped at the interval, then by the clock
-    assert losses[6] + losses[7] + losses[8] == losses[3]  # each exit saved; the resumed runs continue exactly
+    # each exit saved; the resumed runs continue exactly
+    assert losses[6] + losses[7] + losses[8] == losses[3]
     assert sorted(os.listdir(exits)) == ["iter_0000003", "iter_0000004", "iter_0000010", "latest"]

@@ -56,7 +56,8 @@ def test_loss_falls_on_real_text(reference):
 
 @pytest.mark.parity
 def test_data_parallel_reproduces_the_single_process_run(reference, stdlib_corpus):
-    results = run_world(2, _train, [["--zero-stage", "0"], ["--zero-stage", "0", "--zero-bucket-size", "1000"]],
+    results = run_world(2, _train,
+                        [["--zero-stage", "0"], ["--zero-stage", "0", "--zero-bucket-size", "1000"]],
                         stdlib_corpus)
     for rank_results in results:
         for losses, norms, *_ in rank_results:
@@ -67,7 +68,8 @@ def test_metrics_file_evaluation_and_offline_wandb(tmp_path, stdlib_corpus, monk
     metrics = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    results = run_world(2, _train, [["--metrics-file", str(metrics), "--eval-interval", "5", "--eval-iters", "1",
+    results = run_world(2, _train,
+                        [["--metrics-file", str(metrics), "--eval-interval", "5", "--eval-iters", "1",
                                      "--wandb-project", "tests", "--wandb-dir", str(tmp_path / "wandb"),
                                      "--gpus-per-node", "1"]],
                         stdlib_corpus)
@@ -101,7 +103,8 @@ def _tp(size, *extra):
 @pytest.mark.parity
 def test_tensor_parallel_layouts_reproduce_the_single_process_run(reference, stdlib_corpus):
     two = run_world(2, _train, [_tp(2), _tp(2, "--sequence-parallel")], stdlib_corpus)
-    four = run_world(4, _train, [_tp(4), _tp(4, "--sequence-parallel"), _tp(2), _tp(2, "--sequence-parallel")],
+    four = run_world(4, _train,
+                     [_tp(4), _tp(4, "--sequence-parallel"), _tp(2), _tp(2, "--sequence-parallel")],
                      stdlib_corpus)
     for rank_results in two + four:
         for losses, norms, *_ in rank_results:
@@ -114,7 +117,8 @@ def _pp(size, schedule="1f1b", *extra):
 
 @pytest.mark.parity
 def test_pipeline_layouts_reproduce_the_single_process_run(reference, stdlib_corpus):
-    two = run_world(2, _train, [_pp(2, "gpipe"), _pp(2), _pp(2, "interleaved", "--virtual-pipeline-size", "2")],
+    two = run_world(2, _train,
+                    [_pp(2, "gpipe"), _pp(2), _pp(2, "interleaved", "--virtual-pipeline-size", "2")],
                     stdlib_corpus)
     four = run_world(4, _train, [_pp(4)], stdlib_corpus)
     for rank_results in two + four:
@@ -124,7 +128,8 @@ def test_pipeline_layouts_reproduce_the_single_process_run(reference, stdlib_cor
 
 @pytest.mark.parity
 def test_3d_grid_on_8_processes_reproduces_the_single_process_run(reference, stdlib_corpus):
-    results = run_world(8, _train, [_pp(2, "1f1b", *_tp(2, "--sequence-parallel"))], stdlib_corpus, timeout_s=300)
+    results = run_world(8, _train, [_pp(2, "1f1b", *_tp(2, "--sequence-parallel"))],
+                        stdlib_corpus, timeout_s=300)
     for rank_results in results:
         for losses, norms, *_ in rank_results:
             _assert_same_trajectory((losses, norms), reference, "dp2 x tp2 x pp2")
