@@ -29,7 +29,7 @@ import tempfile
 from launch.bench.world import write_table
 from launch.tools.link_model import Links, Transfer, ZeroCommOptions, step_seconds
 from launch.bench.netns_link import LinkSetupError, TwoNodes
-from launch.tools.plan import Layout, transfers
+from launch.tools.layout_price import Layout, transfers
 from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
 
@@ -82,7 +82,8 @@ def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: 
     low, high = 0.0, step
     for _ in range(60):
         middle = (low + high) / 2
-        low, high = (middle, high) if step_seconds(found, links, middle, micro_batches) < step else (low, middle)
+        low, high = ((middle, high) if step_seconds(found, links, middle, micro_batches) < step
+                     else (low, middle))
     return (low + high) / 2
 
 
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                 across, latency = nodes.probe(0, 1)
                 links[rate] = Links(nodes.probe(0, 0)[0], across, latency)
             print(f"link {rate}: {across * 8 / 1e9:.2f} Gbit/s across, latency "
-                  f"{latency * 1e6:.0f} us, loopback {links[rate].intra_node * 8 / 1e9:.1f} Gbit/s", flush=True)
+                  f"{latency * 1e6:.0f} us, loopback {links[rate].intra_node * 8 / 1e9:.1f} Gbit/s",
+                  flush=True)
         # a configuration's runs back to back, so that the machine's drifting speed hits its rates alike
         for name, (stage, _, flags) in chosen.items():
             runs: dict[str, list[tuple[float, float, float]]] = {rate: [] for rate in rates}
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         found = transfers(config.model, Layout(1, 1, RANKS, stage, zero=options), micro_batches, 2, 4,
                           gpus_per_node=PER_NODE, backend="gloo", bucket_size=config.zero.zero_bucket_size)
         _, leaving, loss = results[name, rates[0]]
-        compute = {rate: compute_of(results[name, rate][0], found, links[rate], micro_batches) for rate in rates}
+        compute = {rate: compute_of(results[name, rate][0], found, links[rate], micro_batches)
+                   for rate in rates}
         cells = [name, f"{leaving / 2**20:.1f} / {sum(t.leaving_node * t.count for t in found) / 2**20:.1f}"]
         for rate in rates:
             others = [compute[other] for other in rates if other != rate]

@@ -5,9 +5,8 @@ import json
 import pytest
 
 from launch.tools.link_model import Links, ZeroCommOptions
-from launch.tools.plan import (Layout, layer_elements, main as plan_main, parse_bytes, plan,
-                               plan_layout, sent_by_axis,
-                         transfers)
+from launch.tools.layout_price import Layout, layer_elements, sent_by_axis, transfers
+from launch.tools.plan import main as plan_main, parse_bytes, plan, plan_layout
 from models.counting import num_parameters
 from pretrain.config.arguments import parse_config
 from tests.pretrain.test_architectures import LLAMA
@@ -45,7 +44,8 @@ DATA_PARALLEL_ONLY = [name for name, (_, layout) in LAYOUTS.items() if layout.tp
 LLAMA_LAYOUTS = {f"llama dp2 x tp2 + SP stage {stage}": (
     [*LLAMA, *_tp(2, "--sequence-parallel"), "--zero-stage", str(stage),
      "--zero-persistence-threshold", "1000",
-     *(["--bf16"] if stage == 3 else [])], Layout(2, 1, 2, stage, sequence_parallel=True)) for stage in range(4)}
+     *(["--bf16"] if stage == 3 else [])], Layout(2, 1, 2, stage, sequence_parallel=True))
+    for stage in range(4)}
 
 
 @pytest.mark.parametrize("layouts", [LAYOUTS, LLAMA_LAYOUTS], ids=["gpt", "llama"])
@@ -58,7 +58,8 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
             for i, (flags, _) in enumerate(layouts.values())]
     run_world(4, _train, runs, stdlib_corpus, timeout_s=600)
     for i, (name, (flags, layout)) in enumerate(layouts.items()):
-        ranks = [json.loads(line) for line in (tmp_path / f"{i}.jsonl").read_text().splitlines()][-1]["per_rank"]
+        ranks = [json.loads(line)
+                 for line in (tmp_path / f"{i}.jsonl").read_text().splitlines()][-1]["per_rank"]
         config = parse_config(TINY + flags)
         config.model.vocab_size = 512  # the corpus tokenizer's
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
@@ -77,8 +78,10 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
                               gpus_per_node=nodes)  # 8 sequences, micro-batches of 2
             sent = max(sum(r["comm_bytes"].values()) for r in ranks)
             leaving = sum(sum(r["comm_bytes_inter_node"].values()) for r in ranks[:2])  # node 0's two ranks
-            assert sum(t.per_rank * t.count for t in found) == pytest.approx(sent, rel=0.02), (name, found, ranks)
-            assert sum(t.leaving_node * t.count for t in found) == pytest.approx(leaving, rel=0.02, abs=64), name
+            assert (sum(t.per_rank * t.count for t in found)
+                    == pytest.approx(sent, rel=0.02)), (name, found, ranks)
+            assert (sum(t.leaving_node * t.count for t in found)
+                    == pytest.approx(leaving, rel=0.02, abs=64)), name
         for rank in ranks:
             held = rank["model_state_bytes"] + rank["offloaded_bytes"]
             assert rank["expected_model_state_bytes"] == pytest.approx(held, rel=0.05), (name, rank)
@@ -135,7 +138,8 @@ def test_link_model_prefers_zero_2_on_a_slow_link_and_zero_plus_plus_when_ranks_
                "--pipeline-model-parallel-size",
                "1", "--inter-node-bandwidth", "10Gbit", "--top", "3"])
     printed = capsys.readouterr().out
-    assert "on these links ZeRO-3 with hpZ 8 + qwZ + qgZ is fastest" in printed and "step s" in printed, printed
+    assert ("on these links ZeRO-3 with hpZ 8 + qwZ + qgZ is fastest" in printed
+            and "step s" in printed), printed
 
 
 PRESET_WORLDS = {"gpt-125m": 8, "gpt-350m": 8, "gpt-1.3b": 16, "gpt-2.7b": 32, "gpt-6.7b": 64, "gpt-13b": 128,
@@ -186,8 +190,8 @@ def test_one_layers_saved_activations_follow_its_architecture(dtype):
         block = TransformerBlock(config, 0, AxisGroup("tp", (0,), None, CommStats()), seed=0,
                                  sequence_parallel=False).to(dtype)
         x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
-        rotary = rotary_tables(config, torch.arange(s).expand(b, s), dtype) if config.position_embedding == "rope" \
-            else None
+        rotary = (rotary_tables(config, torch.arange(s).expand(b, s), dtype)
+                  if config.position_embedding == "rope" else None)
         meter = SavedActivationMeter()
         with meter.recording():
             block(x, rotary).float().sum().backward()

@@ -1,0 +1,165 @@
+"""What one layout of a GPT costs on its most loaded device: model-state, activation and buffer bytes,
+and the ZeRO transfers of a step (``launch.tools.link_model``), as ``launch.tools.plan`` ranks them.
+Nothing here searches layouts or prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launch.tools.link_model import Transfer, ZeroCommOptions, ring, zero_transfers
+from models.config import GPTConfig
+from models.counting import stage_model
+from parallel.topology import Topology
+from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
+from parallel.zero.grad_sync import staged_bucket_size
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, optimizer
+    offload (none or cpu), sequence parallelism. A value, never checked against a model by itself."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    recompute: str | None = None
+    micro_batch_size: int = 1
+    offload_optimizer: str = "none"
+    sequence_parallel: bool = False
+    layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
+    zero: ZeroCommOptions = ZeroCommOptions()  # ZeRO++ / MiCS
+
+    def layers_on(self, stage: int, num_layers: int) -> int:
+        return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
+
+
+def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> list:
+    """The parameters of pipeline ``stage``'s tp slice, as ``models.pipeline_stage`` builds them (on meta)."""
+    return list(stage_model(config, layout.tp, layout.pp, stage, sequence_parallel=layout.sequence_parallel,
+                            layers_per_stage=list(layout.layers_per_stage or []) or None).parameters())
+
+
+def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
+                      persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
+    """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
+    params = _stage_parameters(config, layout, stage)
+    shard = layout.zero.shard_size or layout.dp
+    total = expected_parameter_state_bytes(params, layout.zero_stage, shard, compute_bytes,
+                                           persistence_threshold,
+                                           grad_bytes, layout.zero.hpz)
+    if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
+        total -= sum(p.numel() for p in params) * optimizer_state_bytes(compute_bytes) / (
+            shard if layout.zero_stage else 1)
+    return total
+
+
+def alive_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations 1F1B keeps on ``stage`` at its peak."""
+    return min(micro_batches, pp - stage)
+
+
+def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int,
+                     compute_bytes: int) -> float:
+    """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring)."""
+    s, b, h, t = config.seq_length, layout.micro_batch_size, config.hidden_size, layout.tp
+    sbh = s * b * h
+    split = t if layout.sequence_parallel else 1
+    per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
+    saved = per_layer * layout.layers_on(stage, config.num_layers) * compute_bytes
+    # final norm input and output; the loss's saved logits over this rank's vocabulary
+    if stage == layout.pp - 1:
+        # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in
+        # fp32)
+        saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * compute_bytes
+    return saved * alive_micro_batches(layout.pp, stage, micro_batches)
+
+
+def layer_elements(config: GPTConfig, layout: Layout) -> float:
+    """Elements one transformer layer keeps for backward per micro-batch without recompute, as our layer
+    saves them (selective recompute gains nothing here: the fused attention keeps no s^2 matrix), per
+    token, t = tp, a query heads and G key/value groups of d channels:
+
+    - each of the two norms: its input and its output (which the next linear keeps), 2h (split by t
+      under sequence parallelism);
+    - the QKV output, (a + 2G) d / t (attention reads keys and values as views of it), and the
+      attention output, a d / t;
+    - queries and keys made anew on the way: the queries' copy when groups share keys (a d / t, kept
+      unless rotary positions consume it), the query/key norms' outputs and the rotary outputs,
+      (a + G) d / t each, and the rotary cos and sin tables (2 x rotated channels, not split);
+    - the MLP: fc1's output and the activation's (2 f / t); SwiGLU keeps gate and up, silu(gate) and
+      the product, 4 f / t.
+    GPT-3's layer (LayerNorm, GELU, learned positions): 4 + 12 / t (x sbh)."""
+    t, h, f = layout.tp, config.hidden_size, config.ffn_size
+    heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
+    split = t if layout.sequence_parallel else 1
+    norms = 2 * 2 * h / split
+    attention = (heads + 2 * groups) * d + heads * d
+    rotary, normed = config.position_embedding == "rope", config.qk_layernorm
+    query_copy = heads * d if groups < heads else 0
+    if normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries and keys
+        attention += query_copy + (0 if rotary else (heads + groups) * d)
+    elif not rotary:
+        attention += query_copy  # attention itself keeps the copied queries
+    if rotary:  # rotation keeps only its tables; attention keeps the rotated queries and keys
+        attention += (heads + groups) * d + 2 * config.rotary_channels
+    mlp = (4 if config.activation == "swiglu" else 2) * f / t
+    return config.seq_length * layout.micro_batch_size * (norms + attention + mlp)
+
+
+def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int,
+                 grad_bytes: int | None = None) -> float:
+    """ZeRO-R staging (in the gradient dtype): two bucket slots at stage 2 (the bucket capped as the gradient
+    sync caps it), two block slots at stage 3, which also gathers a block; full recompute rebuilds one
+    layer's activations in backward."""
+    grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
+    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
+    block = sum(p.numel() for p in chunks[0].layers[0].parameters())
+    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    slot = staged_bucket_size(bucket_size, params, layout.dp) if layout.zero_stage == 2 else block
+    staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
+    gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
+    recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
+    return staging + gathers + recompute
+
+
+def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
+              grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
+              bucket_size: int | None = None) -> list[Transfer]:
+    """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
+    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.tools.link_model.zero_transfers``:
+    stage 0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages
+    1-2 all-gather the parameters once after the step, stage 3 in forward and in backward of every
+    micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's four
+    all-reduces (or their sequence-parallel halves) of each layer's activations in forward and backward, the
+    pipeline's activation and gradient sends (those two exposed: each is waited where it starts). The
+    data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
+    ``bucket_size`` elements (stages 0-2) a piece."""
+    grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
+    psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
+    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
+    node = (lambda rank: rank // gpus_per_node) if gpus_per_node else (lambda rank: 0)
+    t, m = layout.tp, micro_batches
+    sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
+    layers = layout.layers_on(0, config.num_layers)
+    recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
+    found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
+                           layout.zero, gpus_per_node,
+                           backend, layers, bucket_size)
+    found.append(ring("all_reduce", "tp", topology.groups("tp"), node, 2 * (t - 1) / t * sbh * recompute,
+                      4 * layers * m))
+    if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
+        found.append(Transfer("p2p", "pp", 2 * sbh * m,
+                              2 * sbh * m if any(node(a) != node(b) for g in topology.groups("pp")
+                                                  for a, b in zip(g, g[1:])) else 0.0, 2 * m))
+    return found
+
+
+def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:
+    """Bytes a rank sends per step on each axis (dp: every data-parallel group, hpZ's and shard groups
+    included); with ``crossing``, those of the transfers that leave a node (on a rank whose ring
+    neighbour is on another node: the most loaded)."""
+    sent = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    for transfer in found:
+        if not crossing or transfer.leaving_node > 0:
+            sent[transfer.axis if transfer.axis in sent else "dp"] += transfer.per_rank * transfer.count
+    return sent
