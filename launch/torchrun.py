@@ -60,8 +60,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         name = signal.Signals(-failure.exitcode).name
         sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was ended "
                          f"by {name}"
-                         + (" (kill -9, the out-of-memory killer, or torchrun once it ignored SIGTERM)" if name == "SIGKILL"
-                            else "") + "\n")
+                         + (" (kill -9, the out-of-memory killer, or torchrun once it ignored SIGTERM)"
+                            if name == "SIGKILL" else "") + "\n")
         return 128 - failure.exitcode
     return 0
 

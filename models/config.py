@@ -90,7 +90,8 @@ class GPTConfig:
         """learned_absolute, rope or none, whichever spelling the flags used."""
         if self.use_rotary_position_embeddings:
             return "rope"
-        return "learned_absolute" if self.position_embedding_type == "learned" else self.position_embedding_type
+        return ("learned_absolute" if self.position_embedding_type == "learned"
+                else self.position_embedding_type)
 
     @property
     def activation(self) -> str:
@@ -116,7 +117,8 @@ class GPTConfig:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} does not divide "
                              "--hidden-size "
-                             f"{self.hidden_size}: choose a head count that divides it, or give --kv-channels")
+                             f"{self.hidden_size}: choose a head count that divides it, "
+                             "or give --kv-channels")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
         if self.swiglu and self.squared_relu:
@@ -149,7 +151,8 @@ class GPTConfig:
                              "serves an equal share of the query heads")
         if groups % tp:
             raise ValueError(f"--tensor-model-parallel-size {tp} does not divide "
-                             + (f"--num-query-groups {groups}" if groups != heads else f"--num-attention-heads {heads}")
+                             + (f"--num-query-groups {groups}" if groups != heads
+                                else f"--num-attention-heads {heads}")
                              + ": each rank holds whole key/value groups; choose a tp that divides it")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")

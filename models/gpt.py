@@ -23,7 +23,8 @@ from models.rotary import rotary_tables
 from parallel.comm import AxisGroup
 from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from parallel.tensor.layers import VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits, with_init
+from parallel.tensor.layers import (VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits,
+                                    with_init)
 from parallel.tensor.mappings import scatter_to_sequence_parallel
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.tensor.weight_init import WeightInit
@@ -145,7 +146,8 @@ class GPTModel(nn.Module):
         stage. Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits
         slice [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        rotary = rotary_tables(self.config, position_ids, x.dtype) if self.config.position_embedding == "rope" else None
+        rotary = (rotary_tables(self.config, position_ids, x.dtype)
+                  if self.config.position_embedding == "rope" else None)
         if self.layer_runner is not None:
             x = self.layer_runner(x, rotary)
         else:

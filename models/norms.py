@@ -30,7 +30,8 @@ class _RMSNorm(torch.autograd.Function):
         grad = grad_out.to(wide)
         grad_weight = (grad * normalised).reshape(-1, x.shape[-1]).sum(0)
         grad_normalised = grad * weight.to(wide)
-        grad_x = inverse_rms * (grad_normalised - normalised * (grad_normalised * normalised).mean(-1, keepdim=True))
+        grad_x = inverse_rms * (grad_normalised
+                                - normalised * (grad_normalised * normalised).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
 

@@ -102,7 +102,8 @@ class DetachedGroup:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        raise RuntimeError(f"a detached {self.axis} group of {self.size} has no processes to communicate with")
+        raise RuntimeError(f"a detached {self.axis} group of {self.size} has no processes "
+                           "to communicate with")
 
 
 class Completed:

@@ -177,4 +177,5 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
                     partitions.setdefault(size, []).append(AxisGroup(axis, tuple(ranks), handle, stats))
     world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
     return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world,
-                          dp_partition_groups={size: tuple(pair) for size, pair in partitions.items()}, **mine)
+                          dp_partition_groups={size: tuple(pair) for size, pair in partitions.items()},
+                          **mine)

@@ -47,7 +47,8 @@ class CheckpointStore:
         """Copy what is stored of ``x`` into a slot (all of it, or this rank's padded 1/tp)."""
         flat, parts = x.detach().reshape(-1), self.partition.size if self.partition else 1
         length = -(-flat.numel() // parts)
-        piece = flat[self.partition.rank * length:(self.partition.rank + 1) * length] if self.partition else flat
+        piece = (flat[self.partition.rank * length:(self.partition.rank + 1) * length] if self.partition
+                 else flat)
         slot = self.pool.slots("activation-checkpoints", length, x.dtype,
                                torch.device("cpu") if self.offload else x.device).take()
         slot[:piece.numel()].copy_(piece, non_blocking=True)  # a pinned host slot: the copy runs behind the

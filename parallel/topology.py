@@ -82,7 +82,8 @@ class Topology:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis`` as a list of ranks, in a fixed order shared by all ranks."""
-        grid = [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)] for p in range(self.pp)]
+        grid = [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)]
+                for p in range(self.pp)]
         if axis == "tp":
             return [grid[p][d] for p in range(self.pp) for d in range(self.dp)]
         if axis == "dp":
@@ -114,8 +115,10 @@ class Topology:
         if node_size is None:
             return self.dp
         for count in range(self.dp, 0, -1):
-            if self.dp % count == 0 and all(len({rank // node_size for rank in ranks[start:start + count]}) == 1
-                                            for ranks in self.groups("dp") for start in range(0, self.dp, count)):
+            if self.dp % count == 0 and all(len({rank // node_size
+                                                 for rank in ranks[start:start + count]}) == 1
+                                            for ranks in self.groups("dp")
+                                            for start in range(0, self.dp, count)):
                 return count
         return 1
 

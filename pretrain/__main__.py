@@ -30,18 +30,21 @@ def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
     from parallel import peers
 
     dead, remote = peers.dead_peers()
-    if min(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - set(dead) - set(remote), default=rank) != rank:
+    if min(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - set(dead) - set(remote),
+           default=rank) != rank:
         return None  # a lower surviving rank of this host says it
     save = config.checkpoint.save
     resume = f"; resume with --load {save} once it is fixed" if save else ""
     if dead:
-        return f"{', '.join(dead.values())} died during training (killed, or out of memory); the run stopped{resume}"
+        return (f"{', '.join(dead.values())} died during training (killed, or out of memory); "
+                f"the run stopped{resume}")
     if "imed out" in str(error):
         return ("a collective timed out after --distributed-timeout-s "
                 f"{config.parallel.distributed_timeout_s:g}: "
                 f"a peer stopped responding (hung, or stopped){resume}")
     where = f" (ranks {', '.join(map(str, remote))} run on other hosts)" if remote else ""
-    return f"a peer closed its connection{where}; the launcher's summary says which rank ended and why{resume}"
+    return (f"a peer closed its connection{where}; the launcher's summary says which rank ended "
+            f"and why{resume}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -88,9 +88,11 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
         try:
             tokenizer = Tokenizer.from_file(file)
         except Exception as error:  # the library raises a plain Exception for malformed files
-            raise ValueError(f"--tokenizer-model {path}: not a Hugging Face tokenizer.json ({error})") from None
+            raise ValueError(f"--tokenizer-model {path}: not a Hugging Face tokenizer.json "
+                             f"({error})") from None
         eos = _configured_eos(os.path.dirname(file))
-        candidates = [eos] if eos else [token for token in KNOWN_EOS if tokenizer.token_to_id(token) is not None]
+        candidates = ([eos] if eos
+                      else [token for token in KNOWN_EOS if tokenizer.token_to_id(token) is not None])
         if not candidates or tokenizer.token_to_id(candidates[0]) is None:
             raise ValueError(f"--tokenizer-model {path}: no end-of-document token found (no eos_token in "
                              f"tokenizer_config.json, none of {', '.join(KNOWN_EOS)} in the vocabulary); "

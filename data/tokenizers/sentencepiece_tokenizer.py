@@ -154,7 +154,8 @@ class SentencePieceTokenizer(SpecialIds):
         for i, piece in enumerate(pieces):
             if processor.is_control(i) or processor.is_unknown(i) or processor.is_byte(i):
                 continue
-            pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+            pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                     if piece[:k] in vocab and piece[k:] in vocab]
             merges += [(processor.get_score(i), vocab[a], vocab[b], a, b) for a, b in pairs]
         merges.sort(key=lambda merge: (-merge[0], merge[1], merge[2]))
         tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges],

@@ -1,9 +1,13 @@
 """The tokenizers a run can read its data with, chosen by Megatron's ``--tokenizer-type``.
 
-    SentencePieceTokenizer   --tokenizer-model X.model          (the default; ``data.tokenizers.sentencepiece_tokenizer``)
-    GPT2BPETokenizer         --vocab-file vocab.json --merge-file merges.txt   (``data.tokenizers.byte_level_bpe``)
-    HuggingFaceTokenizer     --tokenizer-model DIR or tokenizer.json           (``data.tokenizers.byte_level_bpe``)
-    NullTokenizer            --vocab-size V: text is space-separated ids   (``data.tokenizers.null``)
+    SentencePieceTokenizer   --tokenizer-model X.model
+                             (the default; ``data.tokenizers.sentencepiece_tokenizer``)
+    GPT2BPETokenizer         --vocab-file vocab.json --merge-file merges.txt
+                             (``data.tokenizers.byte_level_bpe``)
+    HuggingFaceTokenizer     --tokenizer-model DIR or tokenizer.json
+                             (``data.tokenizers.byte_level_bpe``)
+    NullTokenizer            --vocab-size V: text is space-separated ids
+                             (``data.tokenizers.null``)
 
 Every tokenizer has ``vocab_size``, ``eod`` / ``eod_id``, ``pad``, ``encode(text)``, ``decode(ids)``
 and ``unique_identifiers`` (which key megatron-core's dataset caches by the tokenizer's content).
@@ -49,7 +53,8 @@ class TokenizerSpec:
             raise ValueError(f"--vocab-file / --merge-file are GPT-2 BPE files: add --tokenizer-type "
                              f"GPT2BPETokenizer (not {kind})")
         if kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and self.tokenizer_model is None:
-            what = "a sentencepiece .model" if kind == "SentencePieceTokenizer" else "a tokenizer.json or its directory"
+            what = ("a sentencepiece .model" if kind == "SentencePieceTokenizer"
+                    else "a tokenizer.json or its directory")
             raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model ({what})")
         if kind in ("GPT2BPETokenizer", "NullTokenizer") and self.tokenizer_model is not None:
             raise ValueError(f"--tokenizer-model is not used by --tokenizer-type {kind}: drop it")

@@ -34,7 +34,8 @@ if role == "server":
         got += len(connection.recv(1 << 20))
     connection.sendall(b"k")
 else:
-    connection = socket.create_connection((host, port)); connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    connection = socket.create_connection((host, port)); connection.setsockopt(socket.IPPROTO_TCP,
+                                                                               socket.TCP_NODELAY, 1)
     started = time.perf_counter()
     for _ in range(100):
         connection.sendall(b"p"); connection.recv(1)
@@ -128,7 +129,8 @@ class TwoNodes:
             server.stdout.readline()  # "ready"
             client = subprocess.run(self.command(source,
                                                  [sys.executable, "-c", PROBE, "client", host, str(port),
-                                                          str(nbytes)]), capture_output=True, text=True, check=True)
+                                                          str(nbytes)]),
+                                    capture_output=True, text=True, check=True)
         finally:
             server.wait(timeout=60)
         bandwidth, latency = client.stdout.split()

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                 left = f"{(reference[1] - held) / swapped:.0%}" if swapped else "-"
                 rows.append(f"| {stage} | {name} | {step:.2f} | {step / reference[0]:.2f}x | "
                             f"{held / 2**20:.1f} | "
-                            f"{swapped / 2**20:.1f} | {left} | {peak / 2**20:.0f} | {lines[-1]['loss']:.6f} |")
+                            f"{swapped / 2**20:.1f} | {left} | {peak / 2**20:.0f} | "
+                            f"{lines[-1]['loss']:.6f} |")
                 print(rows[-1], flush=True)
         assert not os.listdir(swap), "a run left swap files behind"
     write_table(args.output, rows)

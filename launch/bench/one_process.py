@@ -65,7 +65,8 @@ def _plain_loop(args: argparse.Namespace) -> dict:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": r["weight_decay"]},
-                                   {"params": others, "weight_decay": 0.0}], lr=r["lr"], betas=(0.9, r["beta2"]))
+                                   {"params": others, "weight_decay": 0.0}],
+                                  lr=r["lr"], betas=(0.9, r["beta2"]))
     timed_from = timed_to = None
     for it in range(args.iters):
         for group in optimizer.param_groups:
@@ -107,7 +108,8 @@ def _our_result(metrics: str, log_interval: int) -> dict:
         lines = [json.loads(line) for line in handle]
     timed = [line for line in lines if line["iteration"] % log_interval == 0 and "valid_loss" not in line]
     first, last = timed[0], timed[-1]
-    return {"iteration_s": (last["elapsed_s"] - first["elapsed_s"]) / (last["iteration"] - first["iteration"]),
+    return {"iteration_s": ((last["elapsed_s"] - first["elapsed_s"])
+                            / (last["iteration"] - first["iteration"])),
             "valid_loss": lines[-1]["valid_loss"], "timed": last["iteration"] - first["iteration"]}
 
 

@@ -72,7 +72,8 @@ def _worker(args: argparse.Namespace) -> None:
             blocks, loss = list(model.blocks), lambda run, tokens: run(tokens, tokens)
         else:
             model = GPTModel(config, groups.tp, seed=0)
-            blocks, loss = list(model.layers), lambda run, tokens: run(tokens, positions, labels=tokens).mean()
+            blocks, loss = (list(model.layers),
+                            lambda run, tokens: run(tokens, positions, labels=tokens).mean())
         sizes.append(sum(p.numel() for p in model.parameters()))
         return model, blocks, loss
 
@@ -108,8 +109,10 @@ def _worker(args: argparse.Namespace) -> None:
         local = optimizer.optim if sharded else optimizer
 
         def state_bytes():
-            tensors = [p.data for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-            tensors += [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+            tensors = ([p.data for p in model.parameters()]
+                       + [p.grad for p in model.parameters() if p.grad is not None])
+            tensors += [t for s in local.state.values() for t in s.values()
+                        if torch.is_tensor(t) and t.numel() > 1]
             return storage_bytes(tensors)
         return model, lambda tokens: loss(wrapped, tokens), optimizer, state_bytes
 
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         ddp = statistics.mean(r["torch DDP"]["step_s"] for r in ranks) if "torch DDP" in ranks[0] else None
         for name in args.systems:
             step = statistics.mean(r[name]["step_s"] for r in ranks)
-            rss = f"{max(r[name]['peak_rss'] for r in ranks) / 2**20:.0f}" if args.worlds == "separate" else "-"
+            rss = (f"{max(r[name]['peak_rss'] for r in ranks) / 2**20:.0f}" if args.worlds == "separate"
+                   else "-")
             rows.append(f"| {dp} | {name} | {step:.3f} | {f'{step / ddp:.3f}x' if ddp else '-'} | "
                         f"{args.global_batch * args.seq / step:,.0f} | "
                         f"{max(r[name]['state_bytes'] for r in ranks) / 2**20:.1f} | {rss} | "

@@ -1,6 +1,7 @@
 """The pieces of ``launch/finetune_job.sh``: a small task, a small Llama to fine-tune on it, and the check.
 
-    python -m launch.examples.finetune_demo make DIR     # DIR/train.jsonl, DIR/heldout.jsonl and DIR/hf: a random
+    python -m launch.examples.finetune_demo make DIR
+                                                # DIR/train.jsonl, DIR/heldout.jsonl and DIR/hf: a random
                                                 # Llama-class model with its tokenizer, saved by transformers
     python -m launch.examples.finetune_demo answer HF_DIR HELDOUT.jsonl   # transformers generates the answers
 
@@ -56,7 +57,8 @@ def make(directory: str, seed: int = 0, hidden_size: int = 64) -> None:
                                       bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
     transformers.LlamaForCausalLM(config).save_pretrained(hf)
     print(f"wrote {directory}: {len(train)} training and {len(heldout)} held-out prompts, a Llama of "
-          f"{sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters()):,} parameters in {hf}")
+          f"{sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters()):,} "
+          f"parameters in {hf}")
 
 
 def answer(hf_dir: str, heldout: str) -> float:

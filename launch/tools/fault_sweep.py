@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"case": name, "exit": code, "seconds": round(seconds, 1),
                          "trained": any(line.startswith("iter ") for line in stdout.splitlines()),
                          "traceback": "Traceback" in stderr, "errors": errors})
-            print(f"{name}: exit {code} in {seconds:.1f} s: {errors[0] if errors else stderr[-300:]!r}", flush=True)
+            print(f"{name}: exit {code} in {seconds:.1f} s: {errors[0] if errors else stderr[-300:]!r}",
+                  flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep.json"), "w") as handle:
         json.dump(rows, handle, indent=1)

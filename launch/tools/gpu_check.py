@@ -75,7 +75,8 @@ def check_throughput(base: list[str], device: torch.device, workdir: str) -> Non
     predicted = plan_layout(config.model, Layout(1, 1, 1, 0, config.recompute.recompute_granularity,
                                                  train.micro_batch_size), train.global_batch_size, 2)
     peak = max(r["peak_mem_bytes"] for r in last["per_rank"])
-    mfu = f"MFU {sorted(r['mfu'] for r in timed)[len(timed) // 2]:.1%}" if "mfu" in last else "MFU n/a (peak unknown)"
+    mfu = (f"MFU {sorted(r['mfu'] for r in timed)[len(timed) // 2]:.1%}" if "mfu" in last
+           else "MFU n/a (peak unknown)")
     print(f"throughput: {last['per_rank'][0]['parameters']:,} "
           f"parameters, median step {step:.3f} s, "
           f"{train.global_batch_size * config.model.seq_length / step:,.0f} "
@@ -104,7 +105,8 @@ def check_zero(base: list[str], device: torch.device, workdir: str) -> bool:
         ok &= worst <= 1e-3
         print(f"zero {name:<28} losses {' '.join(f'{x:.4f}' for x in losses)} | worst relative difference to "
               "stage 0 "
-              f"{worst:.1e} {'ok' if worst <= 1e-3 else 'FAILED'} ({time.perf_counter() - started:.0f} s)", flush=True)
+              f"{worst:.1e} {'ok' if worst <= 1e-3 else 'FAILED'} ({time.perf_counter() - started:.0f} s)",
+              flush=True)
     return ok
 
 

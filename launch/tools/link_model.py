@@ -69,9 +69,10 @@ class ZeroCommOptions:
     overlap_param_gather: bool = False
 
     def label(self) -> str:
-        parts = [f"hpZ {self.hpz}"] * (self.hpz > 1) + ["qwZ"] * self.quantized_weights \
-            + ["qgZ"] * self.quantized_gradients + [f"shard {self.shard_size}"] * (self.shard_size is not None) \
-            + ["overlap gather"] * self.overlap_param_gather
+        parts = ([f"hpZ {self.hpz}"] * (self.hpz > 1) + ["qwZ"] * self.quantized_weights
+                 + ["qgZ"] * self.quantized_gradients
+                 + [f"shard {self.shard_size}"] * (self.shard_size is not None)
+                 + ["overlap gather"] * self.overlap_param_gather)
         return " + ".join(parts) or "-"
 
 
@@ -130,7 +131,8 @@ def ring(operation: str, axis: str, groups: list[list[int]], node, per_rank: flo
          count: int = 1) -> Transfer:
     """A ring collective over ``groups`` in which every rank sends ``per_rank`` bytes to the next."""
     size = len(groups[0])
-    leaving = _leaving(groups, node, lambda group, i: [(group[(i + 1) % size], per_rank)]) if size > 1 else 0.0
+    leaving = (_leaving(groups, node, lambda group, i: [(group[(i + 1) % size], per_rank)]) if size > 1
+               else 0.0)
     return Transfer(operation, axis, per_rank if size > 1 else 0.0, leaving, size - 1, count)
 
 
@@ -176,13 +178,13 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
                              "forward", "prefetch",
                              dequantized),
-                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m - 1), "forward",
-                             "prefetch"),
-                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m), "backward",
-                             "prefetch")]
+                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m - 1),
+                             "forward", "prefetch"),
+                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m),
+                             "backward", "prefetch")]
     elif stage == 3:  # every micro-batch's forward and backward
-        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part, m), phase, "prefetch",
-                             dequantized) for phase in PASSES]
+        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part, m), phase,
+                             "prefetch", dequantized) for phase in PASSES]
     else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
         transfers.append(placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
                                 "forward" if options.overlap_param_gather else "exposed",
@@ -193,12 +195,13 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         levels = [topology.groups("dp")] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
         elements = float(params)
         for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
-            transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index], groups,
-                                               node, elements * QUANTIZED_BYTES, reductions),
+            transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index],
+                                               groups, node, elements * QUANTIZED_BYTES, reductions),
                                     "backward", "native", 2 * elements))
             elements /= len(groups[0])
     else:
-        transfers.append(placed(ring("reduce_scatter", "dp", shards, node, grad_bytes * part, reductions), "backward"))
+        transfers.append(placed(ring("reduce_scatter", "dp", shards, node, grad_bytes * part, reductions),
+                                "backward"))
     if replicas is not None:  # MiCS / HSDP: the gradient shards summed over the replicas once a step
         copies = dp // shard
         transfers.append(ring("all_reduce", f"dp_replica{shard}", replicas, node,

@@ -142,7 +142,8 @@ def plot(sweep: dict, table: str, path: str) -> None:
     width = 0.8 / max(len(models), 1)
     for index, model in enumerate(models):
         for axis, column, scale in ((speed_axis, "tokens_per_s", 1), (memory_axis, "peak_mem_bytes", 2**-20)):
-            values = [next((float(r[column]) * scale for r in rows if r["model"] == model and r["layout"] == layout), 0)
+            values = [next((float(r[column]) * scale for r in rows
+                            if r["model"] == model and r["layout"] == layout), 0)
                       for layout in layouts]
             axis.bar([i + index * width for i in range(len(layouts))], values, width, label=model)
     for axis, label in ((speed_axis, "tokens/s"), (memory_axis, "peak memory per rank (MiB)")):

@@ -65,7 +65,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             softmax, local_target, outside = ctx.saved_tensors
         else:
             logits, local_target, outside, logits_max, sum_exp = ctx.saved_tensors
-            softmax = _shifted(logits, *ctx.vocab, logits_max, ctx.group)[0].exp_().div_(sum_exp.unsqueeze(-1))
+            softmax = _shifted(logits, *ctx.vocab, logits_max,
+                               ctx.group)[0].exp_().div_(sum_exp.unsqueeze(-1))
         # d loss / d logits = softmax - one_hot(target), the one-hot only on the owning rank
         grad = softmax
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))

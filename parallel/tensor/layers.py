@@ -66,7 +66,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
         x_shard, weight = ctx.saved_tensors
         x_full = all_gather_dim0(x_shard, ctx.group)
         grad_x = reduce_scatter_dim0(grad_out.matmul(weight), ctx.group)
-        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(
+            x_full.reshape(-1, x_full.shape[-1]))
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None
 
@@ -86,9 +87,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         _divide(out_features, group.size, f"{init.name}: output features")
-        shape, dim = ((out_features, in_features), 0) if stacked == 1 else ((stacked, out_features, in_features), 1)
+        shape, dim = (((out_features, in_features), 0) if stacked == 1
+                      else ((stacked, out_features, in_features), 1))
         self.weight = _shard_parameter(lambda: init.full(shape, dtype), dim, group)
-        self.bias = _shard_parameter(lambda: torch.zeros(shape[:-1], dtype=dtype), dim, group) if bias else None
+        self.bias = (_shard_parameter(lambda: torch.zeros(shape[:-1], dtype=dtype), dim, group) if bias
+                     else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.flatten(0, -2)  # a view: [stacked * out/tp, in]

@@ -27,7 +27,8 @@ class WeightInit:
     std: float
 
     def full(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(self.name.encode())) % 2**63)
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(self.name.encode()))
+                                                  % 2**63)
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator).to(dtype)
 
     def scaled_for_residual(self, num_layers: int) -> "WeightInit":

@@ -48,7 +48,8 @@ class StreamedSafetensors:
         expected, shape = self._pending.pop(0)
         if name != expected or tuple(tensor.shape) != shape:
             raise ValueError(f"expected {expected} {shape} next, got {name} {tuple(tensor.shape)}")
-        self._handle.write(tensor.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
+        self._handle.write(tensor.detach().to("cpu", self.dtype).contiguous().view(torch.uint8)
+                           .numpy().tobytes())
 
     def abort(self) -> None:
         """Stop on an error: close and remove the unfinished ``.tmp`` file."""

@@ -132,8 +132,9 @@ class FlatParameterBuffer:
         self.grad_dtype = grad_dtype or self.dtype
         self.grad = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device) if keep_grad else None
         # each parameter's view of the flat gradient, made once (the backward hooks ask for it every step)
-        self._grad_views = {param: self.grad[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
-                            for param in self.params} if keep_grad else {}
+        self._grad_views = ({param: self.grad[self.offsets[param]:self.offsets[param]
+                                              + param.numel()].view_as(param)
+                             for param in self.params} if keep_grad else {})
         self.attach_grads()
 
     def _close_bucket(self, members: list[nn.Parameter], start: int, deferred: bool) -> int:

@@ -93,8 +93,8 @@ class GradientSync:
                  quantized_gradients: list[AxisGroup] | None = None):
         self.buffers, self.dp, self.stage, self.model_parallel = buffers, dp, stage, model_parallel
         self.enabled = True
-        self.grad_shards = [torch.zeros(b.numel // dp.size, dtype=b.grad_dtype, device=b.device) for b in buffers] \
-            if stage == 2 else None
+        self.grad_shards = ([torch.zeros(b.numel // dp.size, dtype=b.grad_dtype, device=b.device)
+                             for b in buffers] if stage == 2 else None)
         self._bucket_of: dict[nn.Parameter, tuple[int, Bucket]] = {}
         for index, buffer in enumerate(buffers):
             for bucket in buffer.buckets:

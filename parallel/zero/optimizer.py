@@ -75,10 +75,13 @@ class ZeroOptimizer:
         param_groups = param_groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
         self.params = [p for group in param_groups for p in group["params"]]
         device = module_device(module)
-        sharded = (lambda p: sharded_at_stage_3(p, options.persistence_threshold)) if stage == 3 else (lambda p: False)
-        master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}} for group in param_groups]
+        sharded = ((lambda p: sharded_at_stage_3(p, options.persistence_threshold)) if stage == 3
+                   else (lambda p: False))
+        master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}}
+                         for group in param_groups]
         self.buffer_pool = buffer_pool or BufferPool(device)
-        self.flat = ReplicatedParameters([[p for p in group["params"] if not sharded(p)] for group in param_groups], stage, dp,
+        self.flat = ReplicatedParameters([[p for p in group["params"] if not sharded(p)]
+                                          for group in param_groups], stage, dp,
                                          options.bucket_size, device, self.grad_dtype, self.model_parallel,
                                          self.buffer_pool, options.quantized_weights, groups.gradient_levels)
         self.units = None
@@ -92,8 +95,8 @@ class ZeroOptimizer:
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where
         # a sub-group holds whole masters: none is larger than one; cut so with or without offload, as
         # DeepSpeed cuts its fp32 groups, so that both runs step the same masters bit for bit)
-        self.master = MasterShards(torch.device("cpu") if options.offload_optimizer != "none" else None, device,
-                                   piece=self.sub_group_size)
+        self.master = MasterShards(torch.device("cpu") if options.offload_optimizer != "none" else None,
+                                   device, piece=self.sub_group_size)
         self.flat.add_slots(self.master, master_groups)
         if self.units is not None:
             self.units.add_slots(self.master, master_groups, dp.rank,
@@ -354,7 +357,8 @@ class ZeroOptimizer:
     def model_state_bytes(self) -> int:
         """Bytes this rank holds for parameters, gradients, master copies and optimizer states (measured;
         stage-3 parameters count as their shards: gathered copies are transient)."""
-        tensors = self.flat.held() + [m.data for m in self.masters] + (self.units.held() if self.units else [])
+        tensors = (self.flat.held() + [m.data for m in self.masters]
+                   + (self.units.held() if self.units else []))
         for state in self.optimizer.state.values():
             tensors += [t for t in state.values() if is_per_element(t)]
         swap_buffers = self.swapped.resident_bytes if self.swapped is not None else 0

@@ -15,7 +15,8 @@ from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup
 from parallel.quantization import weight_all_gather
 from parallel.zero.flat_parameter_buffer import FlatParameterBuffer
-from parallel.zero.grad_sync import GradientSync, ModelParallelGroups, needs_model_parallel_reduction, staged_bucket_size
+from parallel.zero.grad_sync import (GradientSync, ModelParallelGroups, needs_model_parallel_reduction,
+                                     staged_bucket_size)
 from parallel.zero.masters import MasterShards
 
 
@@ -42,8 +43,8 @@ class ReplicatedParameters:
                     if stage >= 2 else bucket_size
                 self.buffers.append(FlatParameterBuffer(members, size,
                                                         dp.size if stage > 0 else 1, keep_grad=stage < 2,
-                                                        deferred=needs_model_parallel_reduction, device=device,
-                                                        grad_dtype=grad_dtype(dtype)))
+                                                        deferred=needs_model_parallel_reduction,
+                                                        device=device, grad_dtype=grad_dtype(dtype)))
                 self.group_of.append(index)
         for buffer in self.buffers:  # every replica starts from data-parallel rank 0's weights
             comm.broadcast(buffer.data, src=dp.ranks[0], group=dp)

@@ -133,7 +133,8 @@ class ShardedParameters:
     def held(self) -> list[torch.Tensor]:
         """The shards, secondary shards and gradient shards (for the byte count; gathered parameters are
         transient)."""
-        return list(self.shards.values()) + list(self.secondary_shards.values()) + list(self.grad_shards.values())
+        return (list(self.shards.values()) + list(self.secondary_shards.values())
+                + list(self.grad_shards.values()))
 
     def shard(self, unit: ParameterUnit) -> torch.Tensor:
         offset = self.chunk_offset[unit.index]
@@ -271,7 +272,8 @@ class ShardedParameters:
             self._check_order(unit)
             self._recording.append(unit.index)
         self._start_gather(unit)
-        if self.order is not None and self._position < len(self.order) and self.order[self._position] == unit.index:
+        if (self.order is not None and self._position < len(self.order)
+                and self.order[self._position] == unit.index):
             self._position += 1
             if self.space is not None:
                 self._read_ahead(self._position)  # the next units' shards come off the disk
@@ -285,7 +287,8 @@ class ShardedParameters:
             unit.handle = None
         if unit.refresh_secondary:
             size = unit.numel // self.secondary.size
-            self.secondary_shard(unit).copy_(unit.full[self.secondary.rank * size:(self.secondary.rank + 1) * size])
+            self.secondary_shard(unit).copy_(unit.full[self.secondary.rank * size:
+                                                       (self.secondary.rank + 1) * size])
             unit.refresh_secondary, unit.secondary_valid = False, True
         if unit.source is not None:
             slots, buffer, copied = unit.source

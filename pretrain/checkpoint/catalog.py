@@ -78,13 +78,14 @@ def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
         if not os.path.isdir(os.path.join(directory, name)):
             raise CheckpointError(f"--ckpt-step {step}: no checkpoint of iteration {step} under --load "
                                   f"{directory} "
-                                  f"(saved: {', '.join(map(str, saved_iterations(directory))) or 'none'}); give "
-                                  "one of those or drop --ckpt-step")
+                                  f"(saved: {', '.join(map(str, saved_iterations(directory))) or 'none'}); "
+                                  "give one of those or drop --ckpt-step")
     else:
         try:
             name = latest_name(directory)
         except OSError as error:
-            raise CheckpointError(f"--load {directory}: no readable 'latest' pointer ({error.strerror})") from None
+            raise CheckpointError(f"--load {directory}: no readable 'latest' pointer "
+                                  f"({error.strerror})") from None
     path = os.path.join(directory, name, "manifest.json")
     try:
         with open(path) as handle:
@@ -201,4 +202,5 @@ def read_rank_files(directory: str, step: int | None = None) -> tuple[str, dict,
     every rank file's states."""
     checkpoint, manifest = read_manifest(directory, step)
     check_format(checkpoint, manifest)
-    return checkpoint, manifest, [read_rank_file(checkpoint, manifest, entry) for entry in rank_entries(manifest)]
+    return checkpoint, manifest, [read_rank_file(checkpoint, manifest, entry)
+                                  for entry in rank_entries(manifest)]

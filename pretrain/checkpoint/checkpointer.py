@@ -53,12 +53,13 @@ def save(directory: str, iteration: int, states: dict[str, Stateful], groups: Pa
 
     def agreed(problem: str | None) -> None:  # every rank learns of any rank's failure: no one waits alone
         failed = [(rank, text) for rank, text in enumerate(comm.all_gather_object(problem, groups.world,
-                                                                                    default_device())) if text]
+                                                                                  default_device())) if text]
         if failed:
             if groups.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
-            kept = f"{os.path.join(directory, latest_name(directory))} is still the latest checkpoint, intact" \
-                if exists(directory) else "no earlier checkpoint exists"
+            kept = (f"{os.path.join(directory, latest_name(directory))} is still the latest "
+                    "checkpoint, intact" if exists(directory)
+                    else "no earlier checkpoint exists")
             rank, text = failed[0]
             raise SaveError(f"saving iteration {iteration} failed on rank {rank}: {text}; {kept}. "
                             f"Free space under --save {directory} (or choose another) and resume with --load")

@@ -13,7 +13,8 @@ def checkpoint_to_load(config: Config) -> str | None:
     ckpt = config.checkpoint
     if ckpt.load and exists(ckpt.load, ckpt.ckpt_step):
         return ckpt.load
-    return ckpt.pretrained_checkpoint if ckpt.pretrained_checkpoint and exists(ckpt.pretrained_checkpoint) else None
+    return (ckpt.pretrained_checkpoint if ckpt.pretrained_checkpoint and exists(ckpt.pretrained_checkpoint)
+            else None)
 
 
 def loads_weights_only(config: Config, directory: str) -> bool:

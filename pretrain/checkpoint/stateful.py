@@ -100,4 +100,5 @@ class ZeroModelState:
 
 def _places(pieces: list[dict]) -> list[tuple]:
     """Where a rank's masters hold which elements of which parameter."""
-    return [tuple(piece[key] for key in ("name", "master", "state", "start", "offset", "length")) for piece in pieces]
+    return [tuple(piece[key] for key in ("name", "master", "state", "start", "offset", "length"))
+            for piece in pieces]

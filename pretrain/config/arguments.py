@@ -131,7 +131,8 @@ def _coerce(name: str, value, f: dataclasses.Field):
             raise TypeError
         value = base(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: {value!r} is not a valid {base.__name__} for {_flag_name(name)}") from None
+        raise ConfigError(f"{name}: {value!r} is not a valid {base.__name__} "
+                          f"for {_flag_name(name)}") from None
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(f"{name}: {value!r} is not one of {choices} ({_flag_name(name)})")

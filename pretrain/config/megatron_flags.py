@@ -238,7 +238,8 @@ def resolve_settings(config, pipeline_stages: int) -> None:
                              "the layers: give one")
         par.pipeline_layers_per_stage = _uneven_split(config.model.num_layers, pipeline_stages, first, last)
     if data.tokenizer_type is None:  # as Megatron's pretrain_gpt: GPT-2 BPE when its files are given
-        data.tokenizer_type = "GPT2BPETokenizer" if data.vocab_file or data.merge_file else "SentencePieceTokenizer"
+        data.tokenizer_type = ("GPT2BPETokenizer" if data.vocab_file or data.merge_file
+                               else "SentencePieceTokenizer")
     if train.train_iters is None and train.train_samples is None:
         train.train_iters = 100
 
@@ -256,4 +257,5 @@ def _uneven_split(layers: int, stages: int, first: int | None, last: int | None)
                          f"{layers} "
                          "layers evenly")
     even = rest // middle if middle else 0
-    return [first if first is not None else even] + [even] * (stages - 2) + [last if last is not None else even]
+    return ([first if first is not None else even] + [even] * (stages - 2)
+            + [last if last is not None else even])

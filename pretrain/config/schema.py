@@ -204,7 +204,8 @@ class DataConfig:
     data_path: list[str] | None = field(default=None, metadata=flag(
         "indexed dataset prefix(es), optionally weighted: W1 P1 W2 P2 (default: the built-in stdlib corpus)"))
     train_data_path: list[str] | None = field(default=None, metadata=flag(
-        "the training split's own prefix(es), optionally weighted (with --valid-data-path, --test-data-path)"))
+        "the training split's own prefix(es), optionally weighted (with --valid-data-path, "
+        "--test-data-path)"))
     valid_data_path: list[str] | None = field(default=None,
                                               metadata=flag("the validation split's prefix(es)"))
     test_data_path: list[str] | None = field(default=None, metadata=flag("the test split's prefix(es)"))

@@ -69,7 +69,8 @@ def _checkpoint_tokenizer(checkpoint: str, manifest: dict):
                  for key, value in recorded.items()}
         return build_tokenizer(TokenizerSpec(**files))
     settings = manifest["config"]
-    if not settings.get("data_path") and not settings.get("train_data_path") and not settings.get("mock_data"):
+    if (not settings.get("data_path") and not settings.get("train_data_path")
+            and not settings.get("mock_data")):
         from data.default_corpus import ensure_default_corpus
 
         _, model = ensure_default_corpus(settings["data_cache_dir"], settings["default_corpus_vocab_size"],

@@ -42,7 +42,8 @@ def config_from_hf(hf: dict) -> GPTConfig:
                                  "supported")
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-            raise HFMappingError(f"GPT-2 activation_function {activation!r} is not supported (gelu, gelu_new)")
+            raise HFMappingError(f"GPT-2 activation_function {activation!r} is not supported "
+                                 "(gelu, gelu_new)")
         return GPTConfig(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
                          ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], seq_length=hf["n_positions"],
                          max_position_embeddings=hf["n_positions"], vocab_size=hf["vocab_size"],
@@ -58,7 +59,8 @@ def config_from_hf(hf: dict) -> GPTConfig:
             raise HFMappingError(f"{kind} with {option}={hf[option]}: mixture-of-experts layers are not "
                                  "supported")
     window = hf.get("sliding_window")
-    if (window and window < hf["max_position_embeddings"] and (kind != "qwen2" or hf.get("use_sliding_window"))):
+    if (window and window < hf["max_position_embeddings"]
+            and (kind != "qwen2" or hf.get("use_sliding_window"))):
         raise HFMappingError(f"{kind} with sliding_window={window} (< max_position_embeddings "
                              f"{hf['max_position_embeddings']}): sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -177,10 +179,12 @@ def import_plan(config: GPTConfig, hf: dict) -> Iterator[tuple[str, list[str], T
             for kind in ("weight", "bias"):
                 yield f"{ours}.attention_norm.{kind}", [f"{theirs}.ln_1.{kind}"], same
                 yield f"{ours}.attention.qkv.{kind}", [f"{theirs}.attn.c_attn.{kind}"], c_attn
-                yield f"{ours}.attention.proj.{kind}", [f"{theirs}.attn.c_proj.{kind}"], t if kind == "weight" else same
+                yield (f"{ours}.attention.proj.{kind}", [f"{theirs}.attn.c_proj.{kind}"],
+                       t if kind == "weight" else same)
                 yield f"{ours}.mlp_norm.{kind}", [f"{theirs}.ln_2.{kind}"], same
                 yield f"{ours}.mlp.fc1.{kind}", [f"{theirs}.mlp.c_fc.{kind}"], t if kind == "weight" else same
-                yield f"{ours}.mlp.fc2.{kind}", [f"{theirs}.mlp.c_proj.{kind}"], t if kind == "weight" else same
+                yield (f"{ours}.mlp.fc2.{kind}", [f"{theirs}.mlp.c_proj.{kind}"],
+                       t if kind == "weight" else same)
         for kind in ("weight", "bias"):
             yield f"final_norm.{kind}", [f"transformer.ln_f.{kind}"], same
         if config.untie_embeddings_and_output_weights:

@@ -147,7 +147,8 @@ class MetricsWriter:
             for entry in record.get("per_rank", []):
                 flat[f"rank{entry['rank']}/model_state_bytes"] = entry["model_state_bytes"]
                 flat[f"rank{entry['rank']}/comm_bytes"] = sum(entry["comm_bytes"].values())
-                flat[f"rank{entry['rank']}/comm_bytes_inter_node"] = sum(entry["comm_bytes_inter_node"].values())
+                flat[f"rank{entry['rank']}/comm_bytes_inter_node"] = sum(
+                    entry["comm_bytes_inter_node"].values())
                 flat[f"rank{entry['rank']}/peak_mem_bytes"] = entry["peak_mem_bytes"]
             self.wandb_run.log(flat, step=record["iteration"])
         if self.tensorboard is not None:

@@ -60,8 +60,8 @@ def apply_checkpoint_args(config: Config) -> None:
         if name in config.given and name in INHERITED:
             continue
         if name in config.given:
-            theirs, ours = (getattr(saved, EFFECTIVE[name]), getattr(model, EFFECTIVE[name])) if name in EFFECTIVE \
-                else (recorded[name], getattr(model, name))
+            theirs, ours = ((getattr(saved, EFFECTIVE[name]), getattr(model, EFFECTIVE[name]))
+                            if name in EFFECTIVE else (recorded[name], getattr(model, name)))
             if name == "vocab_size" and config.data.tokenizer_type == "NullTokenizer":
                 ours += 1  # a NullTokenizer's --vocab-size V makes a model of V + 1 (its end of document)
             if theirs != ours:

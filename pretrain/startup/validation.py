@@ -35,7 +35,8 @@ def validate(config: Config, world_size: int) -> Topology:
                           f"--tensor-model-parallel-size {topology.tp}")
     _validate_pipeline(config, topology)
     recompute = config.recompute
-    if (recompute.partition_activations or recompute.activations_on_cpu) and recompute.recompute_granularity is None:
+    if ((recompute.partition_activations or recompute.activations_on_cpu)
+            and recompute.recompute_granularity is None):
         raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
                           "add --recompute-granularity full or selective")
     if recompute.recompute_num_layers is not None and recompute.recompute_num_layers < 1:
@@ -87,9 +88,8 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
                               f"instead of {' and '.join(sample_based)}")
         train.train_iters = schedule.iterations_for(train.train_samples)
     else:
-        iteration_based = [f for f,
-                           v in (("--lr-decay-samples", opt.lr_decay_samples), ("--lr-warmup-samples",
-                                                                                        opt.lr_warmup_samples)) if v]
+        iteration_based = [f for f, v in (("--lr-decay-samples", opt.lr_decay_samples),
+                                          ("--lr-warmup-samples", opt.lr_warmup_samples)) if v]
         if iteration_based:
             raise ConfigError(f"--train-iters counts in iterations: use --lr-decay-iters / --lr-warmup-iters "
                               f"instead of {' and '.join(iteration_based)} (or --train-samples)")
@@ -127,7 +127,8 @@ def _validate_zero(config: Config, topology: Topology) -> None:
     # the processes of this node write Adam's two fp32 moments (and fp32 masters under bf16/fp16, or
     # when the parameters are in files too), and the parameter shards
     mixed = train.bf16 or train.fp16
-    bytes_per_param = (8 + (4 if mixed or param_files else 0)) * optimizer_files + (2 if mixed else 4) * param_files
+    bytes_per_param = ((8 + (4 if mixed or param_files else 0)) * optimizer_files
+                       + (2 if mixed else 4) * param_files)
     local = min(topology.gpus_per_node or topology.world_size, topology.world_size) / topology.world_size
     try:
         check_swap_directory(zero.nvme_path, int(bytes_per_param * num_parameters(config.model) * local))

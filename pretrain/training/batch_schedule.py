@@ -134,7 +134,8 @@ def build_batch_schedule(global_batch_size: int | None, micro_batch_size: int, d
         schedule = BatchSchedule(global_batch_size, per_step, tuple(rampup) if rampup else None)
     for size in schedule.sizes():
         if size % per_step:
-            batch = f"--global-batch-size {size}" if what == "--global-batch-size" else f"{what}: a global batch of {size}"
+            batch = (f"--global-batch-size {size}" if what == "--global-batch-size"
+                     else f"{what}: a global batch of {size}")
             raise ValueError(f"{batch} is not divisible by --micro-batch-size {micro_batch_size} x "
                              "data-parallel size "
                              f"{dp} = {per_step}: use multiples of {per_step}")

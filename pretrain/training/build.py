@@ -71,8 +71,9 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
                     buffer_pool: BufferPool) -> zero.ZeroOptimizer:
     """AdamW under ZeRO over the data-parallel groups; each chunk and transformer block one stage-3 unit."""
     train, options = config.training, zero_options(config)
-    scaler = DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
-                               hysteresis=train.hysteresis, min_scale=train.min_loss_scale) if train.fp16 else None
+    scaler = (DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
+                                hysteresis=train.hysteresis, min_scale=train.min_loss_scale)
+              if train.fp16 else None)
     _, optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
                                    ZeroGroups.from_parallel_groups(groups, options),
                                    param_groups=parameter_groups(model, config.optimizer), loss_scaler=scaler,

@@ -138,7 +138,8 @@ class PipelineRunner:
 
     def _positions(self) -> torch.Tensor:
         train, model = self.config.training, self.config.model
-        return torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size, model.seq_length)
+        return torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size,
+                                                                         model.seq_length)
 
     def _loss_from_last_stage(self, losses: list[torch.Tensor]) -> float:
         """The step's loss on every pipeline rank: the last stage's micro-batch losses summed on the

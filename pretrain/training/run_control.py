@@ -56,7 +56,8 @@ class RunControl:
 
     def _evaluates(self, iteration: int) -> bool:
         train = self.config.training
-        return bool(train.eval_interval) and (iteration % train.eval_interval == 0 or iteration == train.train_iters)
+        return bool(train.eval_interval) and (iteration % train.eval_interval == 0
+                                              or iteration == train.train_iters)
 
     def records(self, iteration: int, first: bool = False) -> bool:
         """Whether ``iteration`` writes a metrics line at its interval (known before it runs; the line an
@@ -64,7 +65,8 @@ class RunControl:
         measures what only these lines report."""
         logging, last = self.config.logging, iteration == self.config.training.train_iters
         return (iteration % logging.log_interval == 0 or self._evaluates(iteration) or first or last
-                or (logging.tensorboard_dir is not None and iteration % logging.tensorboard_log_interval == 0))
+                or (logging.tensorboard_dir is not None
+                    and iteration % logging.tensorboard_log_interval == 0))
 
     def after(self, iteration: int, first: bool = False) -> Decision:
         """The decision after ``iteration`` (every rank calls it, in step); ``first``: the run's first
@@ -75,13 +77,13 @@ class RunControl:
                            else (False, False))
         stop = ("a preemption signal" if signalled else
                 f"--exit-duration-in-mins {train.exit_duration_in_mins}" if late else
-                f"--exit-interval {train.exit_interval}" if train.exit_interval and iteration % train.exit_interval
-                == 0 and not last else None)
+                f"--exit-interval {train.exit_interval}"
+                if train.exit_interval and iteration % train.exit_interval == 0 and not last else None)
         evaluate = self._evaluates(iteration)
         logging = config.logging
         console = iteration % logging.log_interval == 0 or evaluate or first or last or stop is not None
         record = self.records(iteration, first) or stop is not None
         interval = config.checkpoint.save_interval
-        save = bool(config.checkpoint.save) and (last or stop is not None or bool(interval and iteration % interval
-                                                                                    == 0))
+        save = bool(config.checkpoint.save) and (last or stop is not None
+                                                 or bool(interval and iteration % interval == 0))
         return Decision(record, console, evaluate, save, stop)

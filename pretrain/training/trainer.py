@@ -158,7 +158,8 @@ class Trainer:
         """Every group's rate for the step that starts now; returns the main one."""
         lr = self.lr_schedule(self.progress.consumed_samples)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.decoupled_lr_schedule(self.progress.consumed_samples) if group.get("decoupled") else lr
+            group["lr"] = (self.decoupled_lr_schedule(self.progress.consumed_samples)
+                           if group.get("decoupled") else lr)
         return lr
 
     def train_step(self, batches, measure: bool = True) -> tuple[float, zero.StepResult]:
@@ -168,8 +169,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)  # the gradient views stay attached
         if measure:
             self.activation_meter.reset()
-        loss, self.last_step_stats = self.runner.run(batches, self.schedule.micro_batches(self.progress.consumed_samples),
-                                                     measure=measure)
+        loss, self.last_step_stats = self.runner.run(
+            batches, self.schedule.micro_batches(self.progress.consumed_samples), measure=measure)
         return loss, self.optimizer.step()
 
     @torch.no_grad()
@@ -197,7 +198,8 @@ class Trainer:
             "batch_size": batch_size,
             "loss": loss, "lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
             "skipped": result.skipped, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-            "tflops_per_rank": self.flops_per_token * tokens / step_time / self.groups.topology.world_size / 1e12,
+            "tflops_per_rank": (self.flops_per_token * tokens / step_time / self.groups.topology.world_size
+                                / 1e12),
             "per_rank": gather_per_rank(self.groups, mine, *comm_bytes),
         }
         peak = peak_flops(self.device, self.dtype)

@@ -7,7 +7,8 @@ import torch
 
 import shutil
 
-from data.gpt_dataset import batch_reader, build_gpt_datasets, check_indexed_files, check_token_ids, parse_data_path
+from data.gpt_dataset import (batch_reader, build_gpt_datasets, check_indexed_files, check_token_ids,
+                              parse_data_path)
 from data.sampler import DataParallelSampler, collate, micro_batches
 from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer as Tokenizer
 

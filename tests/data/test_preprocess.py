@@ -90,7 +90,8 @@ def test_cli_matches_api(tmp_path, sources, tokenizer_model, tokenizer_spec):
     )
     assert "20 documents" in result.stdout
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"cli_text_document{suffix}").read_bytes() == (tmp_path / f"api{suffix}").read_bytes()
+        assert ((tmp_path / f"cli_text_document{suffix}").read_bytes()
+                == (tmp_path / f"api{suffix}").read_bytes())
 
 
 def test_inputs_that_give_no_tokens_are_refused_by_name(tmp_path, sources, tokenizer_spec):
@@ -105,5 +106,6 @@ def test_inputs_that_give_no_tokens_are_refused_by_name(tmp_path, sources, token
                str(tmp_path / "o"),
                "--tokenizer-model", tokenizer_spec.tokenizer_model]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr == f"error: --input {empty}: no tokens (the file is empty): nothing " \
-        "to train on; give a file with text, or leave it out\n"
+    assert run.returncode == 2 and run.stderr == (f"error: --input {empty}: no tokens (the file is empty): "
+                                                  "nothing to train on; give a file with text, "
+                                                  "or leave it out\n")

@@ -44,7 +44,8 @@ def test_only_the_answers_count():
 def test_examples_are_padded_not_packed_and_labels_shift():
     examples = [encode_example([("prompt", "ab"), ("response", "c")], _Chars())]
     sample = SFTDataset(examples, seq_length=6, num_samples=1, seed=0, pad_id=0)[0]
-    assert sample["tokens"].tolist() == [97, 98, 99, 0, 0, 0] and sample["labels"].tolist() == [98, 99, 0, 0, 0, 0]
+    assert (sample["tokens"].tolist() == [97, 98, 99, 0, 0, 0]
+            and sample["labels"].tolist() == [98, 99, 0, 0, 0, 0])
     assert sample["loss_mask"].tolist() == [0, 1, 1, 0, 0, 0]  # predict c and the eod, nothing of the padding
     assert sample["position_ids"].tolist() == list(range(6))  # every example starts at position 0
 

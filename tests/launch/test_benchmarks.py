@@ -38,7 +38,8 @@ def test_offload_benchmark_runs_every_system_to_the_same_loss(tmp_path, monkeypa
     bench_offload.main(["--hidden-size", "64", "--num-layers", "2", "--heads", "4", "--seq",
                         "16", "--iters", "2",
                         "--nvme-path", str(tmp_path), "--sub-group-size", "5000", "--output", str(output)])
-    rows = [line for line in output.read_text().splitlines() if line.startswith("| ") and "system" not in line]
+    rows = [line for line in output.read_text().splitlines()
+            if line.startswith("| ") and "system" not in line]
     assert len(rows) == 4 and len({row.split("|")[-2] for row in rows}) == 1  # equal final losses
 
 

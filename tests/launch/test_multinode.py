@@ -23,8 +23,8 @@ def test_two_nodes_over_loopback_train_like_one_node(stdlib_corpus, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     one_node = subprocess.run([sys.executable, "-m", "launch.torchrun", "--nproc", "4",
                                *flags, "--metrics-file",
-                               str(tmp_path / "one.jsonl")], env=env, cwd=REPOSITORY, capture_output=True, text=True,
-                              timeout=300)
+                               str(tmp_path / "one.jsonl")], env=env, cwd=REPOSITORY,
+                              capture_output=True, text=True, timeout=300)
     assert one_node.returncode == 0, one_node.stderr[-3000:]
 
     cluster = dict(env, NNODES="2", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),

@@ -48,7 +48,8 @@ def test_parameter_count_and_loss_at_init(positions, norm):
     labels = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
     loss = model(tokens, torch.arange(16).expand(2, 16), labels=labels)
     logits = model(tokens, torch.arange(16).expand(2, 16))[..., :300]
-    reference = F.cross_entropy(logits.reshape(-1, 300), labels.t().reshape(-1), reduction="none").view(16, 2).t()
+    reference = F.cross_entropy(logits.reshape(-1, 300), labels.t().reshape(-1),
+                                reduction="none").view(16, 2).t()
     torch.testing.assert_close(loss, reference)
     assert abs(loss.mean().item() - math.log(300)) < 0.5  # near-uniform prediction at init
 

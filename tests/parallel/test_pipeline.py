@@ -62,7 +62,8 @@ class Deadlock(Exception):
 
 class _Op:
     def __init__(self, rank, send, peer, tag, tensor, sequence):
-        self.rank, self.send, self.peer, self.tag, self.tensor, self.sequence = rank, send, peer, tag, tensor, sequence
+        self.rank, self.send, self.peer, self.tag, self.tensor, self.sequence = (rank, send, peer, tag,
+                                                                                 tensor, sequence)
         self.done = False
         self.batch = None
 

@@ -54,7 +54,8 @@ def _gathers(rank, world_size):
         results.append(torch.equal(out, expected))
         in_place = torch.full((chunk * world_size,), float("nan"), dtype=dtype)
         in_place[rank * chunk:(rank + 1) * chunk] = mine
-        quantized_all_gather(in_place, in_place[rank * chunk:(rank + 1) * chunk], groups.dp, async_op=True).wait()
+        quantized_all_gather(in_place, in_place[rank * chunk:(rank + 1) * chunk], groups.dp,
+                             async_op=True).wait()
         results.append(torch.equal(in_place, expected))
     sent = groups.stats.bytes_by_operation()["all_gather"]
     n = world_size

@@ -75,7 +75,8 @@ def _saved_bytes(rank, world_size):
     apply_recompute(torch.nn.ModuleList([model]), RecomputePolicy("full", 1, partition=True), tp, pool)
     allocations = []
     for _ in range(3):
-        model(None, torch.arange(64).expand(2, 64), hidden=torch.randn(64, 2, 64, requires_grad=True)).sum().backward()
+        model(None, torch.arange(64).expand(2, 64),
+              hidden=torch.randn(64, 2, 64, requires_grad=True)).sum().backward()
         allocations.append(pool.allocations)
     measured["pool"] = (allocations, dict(pool.high_water), dict(pool.in_use))
     return measured

@@ -29,7 +29,8 @@ def _cross_entropy_against_torch(rank, world_size, tp):
     logits = torch.randn(8, 3, 512, generator=generator, dtype=torch.float64)
     target = torch.randint(0, 500, (8, 3), generator=generator)
     full = logits.clone().requires_grad_()
-    reference = F.cross_entropy(full[..., :500].reshape(-1, 500), target.reshape(-1), reduction="none").view(8, 3)
+    reference = F.cross_entropy(full[..., :500].reshape(-1, 500), target.reshape(-1),
+                                reduction="none").view(8, 3)
     reference.sum().backward()
     group = create_process_groups(Topology(4, tp=tp)).tp
     shard = logits.chunk(tp, dim=-1)[group.rank].clone().requires_grad_()
@@ -140,7 +141,8 @@ class _FreshBuffers(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in inputs:
+            if (isinstance(t, torch.Tensor) and t.numel() == self.numel
+                    and t.untyped_storage().data_ptr() not in inputs):
                 self.made.append((str(func), t.dtype))
         return out
 

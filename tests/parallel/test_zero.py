@@ -36,7 +36,8 @@ def _groups(module):
 
 def _train(module, optimizer, data, dp_rank, dp_size, micro_batches):
     for inputs, targets in data:
-        mine = inputs.chunk(dp_size)[dp_rank].chunk(micro_batches), targets.chunk(dp_size)[dp_rank].chunk(micro_batches)
+        mine = (inputs.chunk(dp_size)[dp_rank].chunk(micro_batches),
+                targets.chunk(dp_size)[dp_rank].chunk(micro_batches))
         for index, (x, y) in enumerate(zip(*mine)):
             loss = nn.functional.mse_loss(module(x.to(next(module.parameters()).dtype)).float(),
                                           y) / micro_batches
@@ -98,14 +99,16 @@ def test_stages_0_1_2_reproduce_one_process_with_accumulation(reference):
                 if stage == 0:  # one all-reduce of all gradients per step
                     assert sent["all_reduce"] == pytest.approx(2 * ring * numel * 4, rel=0.02)
                 elif stage == 1:  # reduce-scatter once, all-gather once: the same bytes as stage 0
-                    assert sent["reduce_scatter"] == sent["all_gather"] == pytest.approx(ring * numel * 4, rel=0.02)
+                    assert (sent["reduce_scatter"] == sent["all_gather"]
+                            == pytest.approx(ring * numel * 4, rel=0.02))
                 elif stage == 2:  # reduce-scatters every micro-batch (no full gradient kept between them)
                     assert sent["reduce_scatter"] == pytest.approx(micro * ring * numel * 4, rel=0.02)
                     assert sent["all_gather"] == pytest.approx(ring * numel * 4, rel=0.02)
                 else:  # stage 3 gathers the sharded weights in forward and again in backward, per micro-batch
                     assert sent["reduce_scatter"] == pytest.approx(micro * ring * numel * 4, rel=0.05)
                     sharded = numel - whole
-                    assert sent["all_gather"] == pytest.approx((2 * micro * sharded + whole) * ring * 4, rel=0.05)
+                    assert sent["all_gather"] == pytest.approx((2 * micro * sharded + whole) * ring * 4,
+                                                               rel=0.05)
 
 
 def _bf16_bytes(rank, world_size):
@@ -275,7 +278,8 @@ def _construction_peak(rank, world_size, on_meta):
     peak = peak_memory_bytes(cpu) - before
     unit = max(u.numel for u in optimizer.units.units) * 4
     full = _full_params(model, optimizer)
-    return peak, optimizer.model_state_bytes(), unit, num_parameters(config) * 4, [p.sum().item() for p in full]
+    return (peak, optimizer.model_state_bytes(), unit, num_parameters(config) * 4,
+            [p.sum().item() for p in full])
 
 
 def test_stage3_builds_the_model_unit_by_unit_without_holding_it_whole():
@@ -308,7 +312,8 @@ def _accumulation_world(rank, world_size, stages, steps, per_rank):
                                                 unit_modules=list(model))
             losses, first_grad = [], None
             for inputs, targets in data:
-                mine = inputs.chunk(world_size)[rank].chunk(micro), targets.chunk(world_size)[rank].chunk(micro)
+                mine = (inputs.chunk(world_size)[rank].chunk(micro),
+                        targets.chunk(world_size)[rank].chunk(micro))
                 total = torch.zeros(())
                 for index, (x, y) in enumerate(zip(*mine)):
                     loss = nn.functional.mse_loss(module(x.to(dtype)).float(), y) / micro
@@ -376,6 +381,7 @@ def test_overlapped_parameter_gathers_run_behind_the_forward_and_change_no_numbe
         for stage in (1, 2):
             serial, serial_params, buckets = results[stage, False]
             overlapped, overlapped_params, _ = results[stage, True]
-            assert buckets > 1 and serial == [0] * 4 and overlapped == [0] + [buckets] * 3, (stage, overlapped)
+            assert (buckets > 1 and serial == [0] * 4
+                    and overlapped == [0] + [buckets] * 3), (stage, overlapped)
             for a, b in zip(serial_params, overlapped_params):
                 assert torch.equal(a, b)

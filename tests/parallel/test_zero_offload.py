@@ -42,10 +42,11 @@ def _train(groups, stage, dtype, swap_root, **offload):
                      optimizer.buffer_pool.allocations))
     with optimizer.gathered_parameters():
         params = [p.detach().clone() for p in model.parameters()]
-    states = sum(t.numel() * t.element_size() for m in optimizer.masters for t in optimizer.optimizer.state[m].values()
-                 if t.numel() > 1)
+    states = sum(t.numel() * t.element_size() for m in optimizer.masters
+                 for t in optimizer.optimizer.state[m].values() if t.numel() > 1)
     files = os.listdir(swap_root)
-    shards = sum(s.numel() * s.element_size() for s in optimizer.units.shards.values()) if optimizer.units else 0
+    shards = (sum(s.numel() * s.element_size() for s in optimizer.units.shards.values()) if optimizer.units
+              else 0)
     optimizer.close()
     return losses, params, held, states, files, shards
 
@@ -88,7 +89,8 @@ def test_optimizer_offload_reproduces_the_in_memory_run_exactly(tmp_path):
                 params_only, both = runs[2][2][-1], runs[3][2][-1]
                 assert params_only[1] >= shards and both[1] >= shards + states, (dtype, params_only, both)
                 # fp32: the master can no longer be the shard, so only both offloads together save the shard
-                assert params_only[0] <= in_memory and both[0] <= in_memory - shards - 0.8 * states, (dtype, both)
+                assert (params_only[0] <= in_memory
+                        and both[0] <= in_memory - shards - 0.8 * states), (dtype, both)
     assert os.listdir(tmp_path) == []  # closed: the swap files are gone
 
 

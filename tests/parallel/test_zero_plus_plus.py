@@ -87,7 +87,8 @@ def _zero_plus_plus(rank, world_size):
         losses = []
         for inputs, targets in _data(4, 8 * MICRO_BATCHES):
             groups.stats.reset()  # the last step's bytes (the first also checks the gather order)
-            mine = inputs.chunk(world_size)[rank].chunk(MICRO_BATCHES), targets.chunk(world_size)[rank].chunk(MICRO_BATCHES)
+            mine = (inputs.chunk(world_size)[rank].chunk(MICRO_BATCHES),
+                    targets.chunk(world_size)[rank].chunk(MICRO_BATCHES))
             for x, y in zip(*mine):
                 loss = nn.functional.mse_loss(module(x), y) / MICRO_BATCHES
                 loss.backward()
@@ -109,7 +110,8 @@ def two_nodes():
 
 def _crossing(ranks, name, operation=None):
     """Bytes sent to another node in the last step, summed over the ranks (one operation, or all)."""
-    return sum(r[name]["crossing"][operation] if operation else sum(r[name]["crossing"].values()) for r in ranks)
+    return sum(r[name]["crossing"][operation] if operation else sum(r[name]["crossing"].values())
+               for r in ranks)
 
 
 def test_secondary_partition_keeps_the_numbers_and_gathers_across_nodes_once_a_step(two_nodes):
@@ -123,7 +125,8 @@ def test_secondary_partition_keeps_the_numbers_and_gathers_across_nodes_once_a_s
             assert results[name]["losses"] == results[exact]["losses"], name
             for a, b in zip(results[name]["params"], results[exact]["params"]):
                 assert torch.equal(a, b), name
-        assert results["hpz"]["crossing"]["all_gather"] * 2 * MICRO_BATCHES == results["zero3"]["crossing"]["all_gather"]
+        assert (results["hpz"]["crossing"]["all_gather"] * 2 * MICRO_BATCHES
+                == results["zero3"]["crossing"]["all_gather"])
         # fp32
         assert results["hpz"]["held"] - results["zero3"]["held"] == results["zero3"]["unit_numel"] // 2 * 4
     assert _crossing(two_nodes, "zero3",
@@ -133,7 +136,8 @@ def test_secondary_partition_keeps_the_numbers_and_gathers_across_nodes_once_a_s
             assert torch.equal(a, b)
 
 
-def test_quantized_gradients_stay_near_the_exact_run_and_zero_plus_plus_sends_under_0_3x_across_nodes(two_nodes):
+def test_quantized_gradients_stay_near_the_exact_run_and_zero_plus_plus_sends_under_0_3x_across_nodes(
+        two_nodes):
     """--zero-quantized-gradients at stages 2 and 3: the reduce-scatter is replaced by two all-to-alls of
     int8 (within the node, then the node's partial sums across), replicas stay identical and the losses
     within 2% of the exact run; hpZ + qwZ + qgZ send under 0.3x plain ZeRO-3's bytes across nodes."""
@@ -162,7 +166,8 @@ def test_shard_groups_with_replicas_reproduce_zero_3_and_keep_gathers_in_the_nod
         assert_trajectory_close(results["shard2"]["losses"], results["zero3"]["losses"], "shard groups: loss")
         assert_tensors_close(results["shard2"]["params"], results["zero3"]["params"],
                              "shard groups: parameters")
-        assert results["shard2"]["crossing"]["all_gather"] == results["shard2"]["crossing"]["reduce_scatter"] == 0
+        assert (results["shard2"]["crossing"]["all_gather"]
+                == results["shard2"]["crossing"]["reduce_scatter"] == 0)
     assert 0 < _crossing(two_nodes, "shard2") < _crossing(two_nodes, "zero3")
 
 

@@ -45,7 +45,8 @@ def _arm(kind: str, number: int) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ["RANK"] == os.environ["DIE_RANK"] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if (os.environ["RANK"] == os.environ["DIE_RANK"]
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         kind, number = os.environ["DIE_AT"].split(":")
         _arm(kind, int(number))
     pretrain_main.main()

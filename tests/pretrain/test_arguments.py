@@ -21,7 +21,8 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     assert config.data.data_path == ["a", "b"]
     assert config.parallel.sequence_parallel is True
     assert config.model.num_layers == 4  # default
-    assert parse_config(["--config", str(config_file), "--no-sequence-parallel"]).parallel.sequence_parallel is False
+    assert parse_config(["--config", str(config_file),
+                         "--no-sequence-parallel"]).parallel.sequence_parallel is False
 
 
 def test_unknown_yaml_keys_and_flags_are_named_with_the_nearest_valid_name(tmp_path):
@@ -103,7 +104,8 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--train-samples", "100", "--lr-decay-iters", "10"], 1, "use --lr-decay-samples / --lr-warmup-samples"),
     (["--train-iters", "10", "--lr-warmup-samples", "10"], 1, "use --lr-decay-iters / --lr-warmup-iters"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], 1, "are two warm-ups: give one"),
-    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2", "--num-layers", "4"], 2,
+    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2",
+      "--num-layers", "4"], 2,
      "--num-layers-per-virtual-pipeline-stage 3: --num-layers 4 is not pipeline stages 2 x chunks of 3"),
     (["--mock-data", "--data-path", "x"], 1, "--data-path and --mock-data are two sources of data"),
 ])

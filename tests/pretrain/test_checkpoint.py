@@ -69,7 +69,8 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
               # the same layout cut into other buckets and master pieces: re-cut, not refused
               [*original, "--zero-bucket-size", "3000", "--zero-sub-group-size", "700"]]
     layouts = [original + ["--train-iters", "20"], original + ["--train-iters", "10", "--save", saved]]
-    layouts += [other + ["--lr-decay-iters", "20", "--train-iters", "20", "--load", saved] for other in others]
+    layouts += [other + ["--lr-decay-iters", "20", "--train-iters", "20", "--load", saved]
+                for other in others]
     # the same sizes and stage, only the virtual stages change: other layers sit on each rank, re-cut too
     pipeline, interleaved = str(tmp_path / "pp2tp2"), [*_pp(2, "interleaved", "--virtual-pipeline-size", "2")]
     layouts += [[*_pp(2), *_tp(2), "--lr-decay-iters", "20", "--train-iters", "10", "--save", pipeline],
@@ -177,7 +178,8 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(stdlib_corpus, tmp_
     directory = str(tmp_path / "ckpt")
     flags = ["--zero-stage", "2", "--lr-decay-iters", "20"]
     (straight, _), = run_world(1, _train, [flags + ["--train-iters", "6"],
-                                           flags + ["--train-iters", "3", "--save", directory]], stdlib_corpus)
+                                           flags + ["--train-iters", "3", "--save", directory]],
+                               stdlib_corpus)
     _as_format_2(read_manifest(directory)[0])
     assert read_manifest(directory)[1]["format"] == 2
     (resumed,), = run_world(1, _train, [flags + ["--train-iters", "6", "--load", directory]], stdlib_corpus)

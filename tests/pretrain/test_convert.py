@@ -44,7 +44,8 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
 
     convert(["--load", single, "--output", str(tmp_path / "single.safetensors"), "--with-optimizer-states"])
     consolidated = load_file(str(tmp_path / "single.safetensors"))
-    assert {name: t for name, t in consolidated.items() if not name.startswith("optimizer.")}.keys() == weights.keys()
+    assert ({name: t for name, t in consolidated.items() if not name.startswith("optimizer.")}.keys()
+            == weights.keys())
     for name, value in weights.items():
         assert torch.equal(consolidated[name], value), name  # the trained weights, exactly
         assert consolidated[f"optimizer.exp_avg_sq.{name}"].shape == value.shape

@@ -144,7 +144,8 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
     assert "at iteration 6" in job.stdout and lines[-1]["loss"] == final_loss
 
 
-def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_checkpoint(stdlib_corpus, tmp_path):
+def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_checkpoint(stdlib_corpus,
+                                                                                       tmp_path):
     # rank 1's disk is full from iteration 5 on (RLIMIT_FSIZE): the save of 6 fails there, every rank stops
     job, _, lines, directory = _job(stdlib_corpus, tmp_path, "full", die_at="full:5")
     assert _errors(job) == ["error: saving iteration 6 failed on rank 1: cannot write "
@@ -161,8 +162,9 @@ def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_chec
     (tmp_path / "a-file").write_text("")
     job, _, lines, _ = _job(stdlib_corpus, tmp_path, "unused",
                             extra=["--save", str(tmp_path / "a-file" / "ckpt")])
-    assert _errors(job) == [f"error: ranks 0, 1: --save {tmp_path}/a-file/ckpt: cannot write there (Not a "
-                            "directory); give a writable directory (it is created if missing)"] and lines == []
+    assert (_errors(job) == [f"error: ranks 0, 1: --save {tmp_path}/a-file/ckpt: cannot write there (Not a "
+                             "directory); give a writable directory (it is created if missing)"]
+            and lines == [])
 
 
 def test_a_hung_rank_ends_the_job_at_the_collective_timeout(stdlib_corpus, tmp_path):

@@ -73,7 +73,8 @@ LAYOUTS = [(1, []), (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-
 
 
 @pytest.mark.parity
-def test_imported_models_give_transformers_logits_in_every_layout_and_export_back_bit_for_bit(hf_models, tmp_path):
+def test_imported_models_give_transformers_logits_in_every_layout_and_export_back_bit_for_bit(hf_models,
+                                                                                              tmp_path):
     for kind, (directory, theirs) in hf_models.items():
         checkpoint = str(tmp_path / kind)
         convert(["--from-hf", directory, "--output", checkpoint])
@@ -99,7 +100,8 @@ def test_imported_models_give_transformers_logits_in_every_layout_and_export_bac
         with torch.no_grad():
             assert torch.equal(reloaded(torch.tensor([PROMPTS[0]])).logits[0, -1], theirs[0])
         tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
-        assert tokenizer.eos_token_id == json.load(open(os.path.join(exported, "config.json")))["eos_token_id"]
+        assert (tokenizer.eos_token_id
+                == json.load(open(os.path.join(exported, "config.json")))["eos_token_id"])
 
 
 def _fine_tune(rank, world_size, checkpoint, layouts):
@@ -148,8 +150,8 @@ def test_models_that_do_not_map_are_refused_naming_why(hf_models, tmp_path):
         for name in os.listdir(directory):
             os.symlink(os.path.join(directory, name), broken / name)
         os.remove(broken / "config.json")
-        (broken / "config.json").write_text(json.dumps({**json.load(open(os.path.join(directory, "config.json"))),
-                                                        **change}))
+        (broken / "config.json").write_text(json.dumps(
+            {**json.load(open(os.path.join(directory, "config.json"))), **change}))
         with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
             convert(["--from-hf", str(broken), "--output", str(tmp_path / "out")])
     from safetensors.torch import load_file, save_file

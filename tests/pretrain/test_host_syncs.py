@@ -26,7 +26,8 @@ def _syncs_per_step(rank, world_size, corpus, layouts):
     counts = []
     for flags in layouts:
         config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
-                                      "--data-cache-dir", f"{prefix}-cache", "--micro-batch-size", "1"] + flags)
+                                      "--data-cache-dir", f"{prefix}-cache", "--micro-batch-size", "1"]
+                              + flags)
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         batches = trainer._batches(trainer.data.train, 64, 0)
         trainer.train_step(batches)  # the first step records the stage-3 order and checks it

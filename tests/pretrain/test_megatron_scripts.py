@@ -27,7 +27,8 @@ MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-si
 DATA_ARGS=(--data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1)
 EVAL_AND_LOGGING_ARGS=(--log-interval 1 --save-interval 3 --eval-interval 3 --save $CHECKPOINT_PATH
     --load $CHECKPOINT_PATH --eval-iters 1 --tensorboard-dir $TENSORBOARD_LOGS_PATH)
-ALL=(${GPT_MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS[@]} ${EVAL_AND_LOGGING_ARGS[@]})
+ALL=(${GPT_MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS[@]}
+     ${EVAL_AND_LOGGING_ARGS[@]})
 """
 
 LLAMA3 = """
@@ -49,12 +50,13 @@ fi
 MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel)
 DDP_ARGS=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
 TRAINING_ARGS+=("${DDP_ARGS[@]}")
-DATA_ARGS_LIST=("--mock-data" "--tokenizer-type NullTokenizer" "--vocab-size 500" "--data-cache-path ${DATA_CACHE_PATH}"
-    "--tiktoken-pattern v2" "--split '99,1,0'" "--no-create-attention-mask-in-dataloader" "--no-mmap-bin-files"
-    "--num-workers 1")
-EVAL_AND_LOGGING_ARGS=(--log-interval 1 --eval-iters 2 --eval-interval 100 --save-interval 1000 --log-throughput
-    --profile --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
-    --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --tensorboard-dir "$TENSORBOARD_LOGS_PATH")
+DATA_ARGS_LIST=("--mock-data" "--tokenizer-type NullTokenizer" "--vocab-size 500"
+    "--data-cache-path ${DATA_CACHE_PATH}" "--tiktoken-pattern v2" "--split '99,1,0'"
+    "--no-create-attention-mask-in-dataloader" "--no-mmap-bin-files" "--num-workers 1")
+EVAL_AND_LOGGING_ARGS=(--log-interval 1 --eval-iters 2 --eval-interval 100 --save-interval 1000
+    --log-throughput --profile --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist
+    --distributed-timeout-minutes 60 --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH"
+    --tensorboard-dir "$TENSORBOARD_LOGS_PATH")
 ALL=(${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS_LIST[@]}
      ${EVAL_AND_LOGGING_ARGS[@]})
 """
