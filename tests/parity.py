@@ -54,7 +54,8 @@ def assert_trajectory_close(got: Sequence[float], want: Sequence[float], what: s
     errors = [relative_error(a, b) for a, b in zip(got, want)]
     _record(what, max(errors, default=0.0) / rtol, rtol)
     for i, (a, b, error) in enumerate(zip(got, want, errors)):
-        assert error <= rtol, f"{what} at iteration {i + 1}: {a} vs reference {b} (relative {error:.2e} > {rtol:g})"
+        assert error <= rtol, (f"{what} at iteration {i + 1}: {a} vs reference {b} "
+                               f"(relative {error:.2e} > {rtol:g})")
 
 
 def assert_tensors_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str,
@@ -70,7 +71,8 @@ def assert_tensors_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tenso
         errors.append((a - b).abs().max().item() / scale if scale else a.abs().max().item())
     _record(what, max(errors, default=0.0) / rtol, rtol)
     for index, error in enumerate(errors):
-        assert error <= rtol, f"{what}: tensor {index} differs by {error:.2e} of its largest entry (> {rtol:g})"
+        assert error <= rtol, (f"{what}: tensor {index} differs by {error:.2e} of its largest entry "
+                               f"(> {rtol:g})")
 
 
 def assert_within(error: float, what: str, rtol: float) -> None:
@@ -88,7 +90,8 @@ def summarize(path: str) -> list[str]:
             if row["check"] not in worst or row["worst"] > worst[row["check"]]["worst"]:
                 worst[row["check"]] = row
     rows = sorted(worst.values(), key=lambda row: -row["worst"])
-    return [f"{row['worst']:7.3f} of rtol {row['rtol']:g} ({row['capability']}): {row['check']}" for row in rows]
+    return [f"{row['worst']:7.3f} of rtol {row['rtol']:g} ({row['capability']}): {row['check']}"
+            for row in rows]
 
 
 if __name__ == "__main__":
