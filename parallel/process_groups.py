@@ -2,7 +2,7 @@
 
 ``init_distributed()`` starts the default group from the launcher's environment (torchrun sets
 RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): gloo on CPU, NCCL when a GPU is present.
-``create_process_groups(topology)`` then makes every tp, dp, pp, mp and embedding group (every rank
+``create_process_groups(topology)`` then makes every tp, cp, dp, dp-cp, pp, mp and embedding group (every rank
 creates every group in the same order, as torch requires) and returns this rank's ``ParallelGroups``,
 which is passed explicitly to whatever needs a group: there are no module-level globals.
 """
@@ -91,7 +91,9 @@ class ParallelGroups:
     rank: int
     stats: CommStats
     tp: AxisGroup
+    cp: AxisGroup
     dp: AxisGroup
+    dp_cp: AxisGroup  # data x context: the gradients' and ZeRO's group (the dp group itself when cp = 1)
     pp: AxisGroup
     mp: AxisGroup
     embedding: AxisGroup
@@ -101,10 +103,10 @@ class ParallelGroups:
     dp_partition_groups: dict[int, tuple[AxisGroup, AxisGroup]] = field(default_factory=dict)
 
     def dp_partition(self, size: int) -> tuple[AxisGroup, AxisGroup]:
-        """(partition, replica) groups of ``size`` (``Topology.dp_partitions``); the whole dp group and a
-        group of one for ``size`` = dp."""
-        if size == self.dp.size:
-            return self.dp, AxisGroup("dp_replica", (self.rank,), None, self.stats)
+        """(partition, replica) groups of ``size`` (``Topology.dp_partitions``); the whole dp x cp group and
+        a group of one for ``size`` = dp x cp."""
+        if size == self.dp_cp.size:
+            return self.dp_cp, AxisGroup("dp_replica", (self.rank,), None, self.stats)
         if size not in self.dp_partition_groups:
             raise KeyError(f"no data-parallel partitions of {size} ranks were created: pass dp_partitions="
                            f"({size},) to create_process_groups")
@@ -121,6 +123,10 @@ class ParallelGroups:
     @property
     def tp_rank(self) -> int:
         return self.topology.coords(self.rank)[2]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.topology.cp_rank(self.rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -149,7 +155,8 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
     if world_size != topology.world_size:
         raise ValueError(f"the launcher started {world_size} processes but the layout is for "
                          f"{topology.world_size} "
-                         f"(pp {topology.pp} x dp {topology.dp} x tp {topology.tp}): launch "
+                         f"(pp {topology.pp} x dp {topology.dp} x cp {topology.cp} x tp {topology.tp}): "
+                         "launch "
                          f"{topology.world_size} "
                          f"processes or change the parallel sizes")
     topology.warn_if_tp_spans_nodes()
@@ -157,6 +164,9 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     mine: dict[str, AxisGroup] = {}
     for axis in AXES:
+        if axis == "dp-cp" and topology.cp == 1:  # the data-parallel group itself: no second torch group
+            mine[axis] = mine["dp"]
+            continue
         for ranks in topology.groups(axis):
             handle = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
@@ -169,7 +179,7 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
         # run on the gloo half of the "cpu:gloo,cuda:nccl" backend and create nothing)
         comm.all_reduce(torch.zeros(1, device=default_device()), mine["pp"])
     partitions = {}
-    for size in sorted(set(dp_partitions) - {topology.dp}):
+    for size in sorted(set(dp_partitions) - {topology.dp_cp}):
         for axis, groups in zip((f"dp_part{size}", f"dp_replica{size}"), topology.dp_partitions(size)):
             for ranks in groups:
                 handle = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
@@ -178,4 +188,4 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
     world = AxisGroup("world", tuple(range(world_size)), dist.group.WORLD if world_size > 1 else None, stats)
     return ParallelGroups(topology=topology, rank=rank, stats=stats, world=world,
                           dp_partition_groups={size: tuple(pair) for size, pair in partitions.items()},
-                          **mine)
+                          **{axis.replace("-", "_"): group for axis, group in mine.items()})

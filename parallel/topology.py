@@ -1,21 +1,26 @@
-"""The grid of processes: pipeline x data x tensor, as pure rank algebra.
+"""The grid of processes: pipeline x data x context x tensor, as pure rank algebra.
 
-Rank order (megatron-core's default "tp-cp-ep-dp-pp" with cp = ep = 1):
+Rank order (megatron-core's default "tp-cp-ep-dp-pp" with ep = 1):
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so tensor-parallel peers are neighbours (same node, fastest link), then data-parallel peers, then
-pipeline stages. The whole grid is ``arange(world).reshape(pp, dp, tp)``; every group is a line or a
-plane of that array. Nothing here touches torch.distributed (see ``parallel.process_groups``).
+so tensor-parallel peers are neighbours (same node, fastest link), then context-parallel peers (they
+exchange keys and values every layer), then data-parallel peers, then pipeline stages. The whole grid
+is ``arange(world).reshape(pp, dp, cp, tp)``; every group is a line or a plane of that array. Nothing
+here touches torch.distributed (see ``parallel.process_groups``).
 
-Axes:
-    tp         ranks holding slices of the same layers (same pp, dp)
-    dp         ranks holding replicas (or ZeRO shards) of the same model slice (same pp, tp)
-    pp         the pipeline stages of one model replica (same dp, tp)
-    mp         model parallel: all tp x pp ranks of one replica (same dp)
-    embedding  the first and last pipeline stage of each (dp, tp) position (tied embedding)
+Axes (named as megatron-core's RankGenerator names them):
+    tp         ranks holding slices of the same layers (same pp, dp, cp)
+    cp         ranks holding pieces of the same sequences, replicas of the same model slice (same pp, dp, tp)
+    dp         ranks holding replicas (or ZeRO shards) of the same model slice, reading other samples
+               (same pp, cp, tp)
+    dp-cp      data x context: every rank of one model slice (same pp, tp); gradients are reduced and
+               ZeRO shards its states over this group, as Megatron's distributed optimizer does
+    pp         the pipeline stages of one model replica (same dp, cp, tp)
+    mp         model parallel: all tp x pp ranks of one replica (same dp, cp)
+    embedding  the first and last pipeline stage of each (dp, cp, tp) position (tied embedding)
 
-Run ``python -m parallel.topology --world-size 16 --tp 2 --pp 2 --gpus-per-node 8`` to print a grid.
+Run ``python -m parallel.topology --world-size 16 --tp 2 --pp 2 --cp 2 --gpus-per-node 8`` to print a grid.
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ import argparse
 import warnings
 from dataclasses import dataclass
 
-AXES = ("tp", "dp", "pp", "mp", "embedding")
+AXES = ("tp", "cp", "dp", "dp-cp", "pp", "mp", "embedding")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The layout of ``world_size`` ranks as a pp x dp x tp grid.
+    """The layout of ``world_size`` ranks as a pp x dp x cp x tp grid.
 
     Owns only integers: it never creates process groups and never reads the environment, so any
     layout (also one far larger than this machine) can be inspected and tested anywhere.
@@ -38,11 +43,13 @@ class Topology:
     world_size: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     gpus_per_node: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("world size", self.world_size), ("--tensor-model-parallel-size", self.tp),
-                            ("--pipeline-model-parallel-size", self.pp)):
+                            ("--pipeline-model-parallel-size", self.pp),
+                            ("--context-parallel-size", self.cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.tp > self.world_size:
@@ -51,74 +58,96 @@ class Topology:
         if self.pp > self.world_size:
             raise ValueError(f"--pipeline-model-parallel-size {self.pp} is larger than the world size "
                              f"{self.world_size}: use at most {self.world_size} or launch more processes")
-        if self.world_size % (self.tp * self.pp):
+        model = self.tp * self.cp * self.pp
+        if self.world_size % model:
+            context = f" x --context-parallel-size {self.cp}" if self.cp > 1 else ""
             raise ValueError(
-                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} "
-                f"x --pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}: launch a multiple of "
-                f"{self.tp * self.pp} processes or change tp/pp")
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp}"
+                f"{context} x --pipeline-model-parallel-size {self.pp} = {model}: launch a multiple of "
+                f"{model} processes or change tp/{'cp/' if self.cp > 1 else ''}pp")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: world / (tp * pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel size: world / (tp * cp * pp)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def dp_cp(self) -> int:
+        """The size of a data x context group: the ranks gradients are reduced and ZeRO shards over."""
+        return self.dp * self.cp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        """(pp_rank, dp_rank, tp_rank) of a global rank (its cp rank: ``cp_rank``)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
         return pp_rank, dp_rank, tp_rank
 
-    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        """Global rank at grid position (pp, dp, tp)."""
-        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+    def cp_rank(self, rank: int) -> int:
+        """The context-parallel coordinate of a global rank: which pieces of each sequence it holds."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        return (rank // self.tp) % self.cp
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        """Global rank at grid position (pp, dp, cp, tp)."""
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp),
+                                  ("cp", cp, self.cp)):
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} is outside 0..{size - 1}")
-        return tp + self.tp * (dp + self.dp * pp)
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis`` as a list of ranks, in a fixed order shared by all ranks."""
-        grid = [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)]
-                for p in range(self.pp)]
+        P, D, C, T = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
+        at = self.rank
         if axis == "tp":
-            return [grid[p][d] for p in range(self.pp) for d in range(self.dp)]
+            return [[at(p, d, t, c) for t in T] for p in P for d in D for c in C]
+        if axis == "cp":
+            return [[at(p, d, t, c) for c in C] for p in P for d in D for t in T]
         if axis == "dp":
-            return [[grid[p][d][t] for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+            return [[at(p, d, t, c) for d in D] for p in P for c in C for t in T]
+        if axis == "dp-cp":
+            return [[at(p, d, t, c) for d in D for c in C] for p in P for t in T]
         if axis == "pp":
-            return [[grid[p][d][t] for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+            return [[at(p, d, t, c) for p in P] for d in D for c in C for t in T]
         if axis == "mp":
-            return [[grid[p][d][t] for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+            return [[at(p, d, t, c) for p in P for t in T] for d in D for c in C]
         if axis == "embedding":
-            return [sorted({grid[0][d][t], grid[-1][d][t]}) for d in range(self.dp) for t in range(self.tp)]
+            return [sorted({at(0, d, t, c), at(self.pp - 1, d, t, c)}) for d in D for c in C for t in T]
         raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
 
     def dp_partitions(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Every data-parallel group cut into runs of ``size`` consecutive dp ranks (ZeRO++'s hpZ
-        partitions, HSDP's shard groups, the dp ranks of a node), and the groups across the runs: the
-        ranks at the same place in each run (the replicas). Both in a fixed order shared by all ranks."""
-        if size < 1 or self.dp % size:
-            raise ValueError(f"a partition of {size} data-parallel ranks does not divide dp {self.dp}")
+        """Every data x context group (the data-parallel group when cp = 1) cut into runs of ``size``
+        consecutive ranks (ZeRO++'s hpZ partitions, HSDP's shard groups, the ranks of a node), and the
+        groups across the runs: the ranks at the same place in each run (the replicas). Both in a fixed
+        order shared by all ranks."""
+        if size < 1 or self.dp_cp % size:
+            raise ValueError(f"a partition of {size} data-parallel ranks does not divide "
+                             f"{'dp x cp' if self.cp > 1 else 'dp'} {self.dp_cp}")
         partitions, replicas = [], []
-        for ranks in self.groups("dp"):
+        for ranks in self.groups("dp-cp"):
             runs = [ranks[start:start + size] for start in range(0, len(ranks), size)]
             partitions += runs
             replicas += [list(across) for across in zip(*runs)]
         return partitions, replicas
 
     def dp_ranks_per_node(self, node_size: int | None) -> int:
-        """The most consecutive ranks of a data-parallel group that always share a node of ``node_size``
-        ranks (a divisor of dp; dp when the nodes are unknown or one node holds every group)."""
+        """The most consecutive ranks of a data x context group that always share a node of ``node_size``
+        ranks (a divisor of dp x cp; all of them when the nodes are unknown or one node holds every
+        group)."""
+        size = self.dp_cp
         if node_size is None:
-            return self.dp
-        for count in range(self.dp, 0, -1):
-            if self.dp % count == 0 and all(len({rank // node_size
-                                                 for rank in ranks[start:start + count]}) == 1
-                                            for ranks in self.groups("dp")
-                                            for start in range(0, self.dp, count)):
+            return size
+        for count in range(size, 0, -1):
+            if size % count == 0 and all(len({rank // node_size
+                                              for rank in ranks[start:start + count]}) == 1
+                                         for ranks in self.groups("dp-cp")
+                                         for start in range(0, size, count)):
                 return count
         return 1
 
@@ -156,12 +185,14 @@ class Topology:
                 return str(ranks)
             return "[" + ", ".join(f"{r}@n{self.node(r)}" for r in ranks) + "]"
 
-        lines = [f"world {self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}"
+        context = f" x cp {self.cp}" if self.cp > 1 else ""
+        lines = [f"world {self.world_size} = pp {self.pp} x dp {self.dp}{context} x tp {self.tp}"
                  + (f", {self.gpus_per_node} per node" if self.gpus_per_node else "")]
         for axis in AXES:
             lines.append(f"{axis:>9}: " + " ".join(fmt(g) for g in self.groups(axis)))
-        lines.append("    ranks: " + " ".join(f"{r}=(pp{p},dp{d},tp{t})" for r in range(self.world_size)
-                                             for p, d, t in [self.coords(r)]))
+        lines.append("    ranks: " + " ".join(
+            f"{r}=(pp{p},dp{d}{f',cp{self.cp_rank(r)}' if self.cp > 1 else ''},tp{t})"
+            for r in range(self.world_size) for p, d, t in [self.coords(r)]))
         spanning = self.tp_groups_spanning_nodes()
         if spanning:
             lines.append(f"  warning: {len(spanning)} tensor-parallel group(s) span nodes")
@@ -173,10 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    parser.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        topology = Topology(args.world_size, args.tp, args.pp, args.gpus_per_node)
+        topology = Topology(args.world_size, args.tp, args.pp, args.cp, args.gpus_per_node)
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
     print(topology.describe())

@@ -136,7 +136,7 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
-    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node)
+    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node=gpus_per_node)
     node = (lambda rank: rank // gpus_per_node) if gpus_per_node else (lambda rank: 0)
     t, m = layout.tp, micro_batches
     sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes

@@ -136,7 +136,9 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                 for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
                     for recompute in (None, "selective", "full"):
                         for offload in ("none", "cpu") if stage else ("none",):
-                            for options in (zero_variants(stage, Topology(world_size, t, p, gpus_per_node),
+                            for options in (zero_variants(stage,
+                                                          Topology(world_size, t, p,
+                                                                   gpus_per_node=gpus_per_node),
                                                           gpus_per_node)
                                             if zero_plus_plus else [ZeroCommOptions()]):
                                 layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,

@@ -1,4 +1,5 @@
-"""The process groups a ZeRO optimizer talks over, cut from a run's data-parallel group."""
+"""The process groups a ZeRO optimizer talks over, cut from a run's data x context group (parameters are
+replicated over context parallelism as over data parallelism, so both reduce gradients and shard states)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ class ZeroGroups:
     @classmethod
     def from_parallel_groups(cls, groups: ParallelGroups, options: ZeroOptions) -> ZeroGroups:
         """The groups ``options`` asks for, out of a run's groups (created with ``dp_partitions``)."""
-        shard, replicas = groups.dp_partition(options.shard_size or groups.dp.size)
+        shard, replicas = groups.dp_partition(options.shard_size or groups.dp_cp.size)
         hpz, per_node = options.hpz_partition_size, _gradient_node_size(groups.topology)
         levels = None
         if options.quantized_gradients:
-            levels = groups.dp_partition(per_node) if 1 < per_node < groups.dp.size else (groups.dp,)
+            levels = groups.dp_partition(per_node) if 1 < per_node < groups.dp_cp.size else (groups.dp_cp,)
         return cls(shard, replicas if replicas.size > 1 else None,
                    groups.dp_partition(hpz)[0] if hpz > 1 else None, tuple(levels) if levels else None,
                    ModelParallelGroups(tp=groups.tp, model_parallel=groups.mp, embedding=groups.embedding))
@@ -75,8 +76,8 @@ def dp_partitions(topology: Topology, options: ZeroOptions) -> tuple[int, ...]:
     """The data-parallel partition sizes ``create_process_groups`` must cut for ``options``."""
     per_node = _gradient_node_size(topology)
     wanted = ((options.hpz_partition_size, options.hpz_partition_size > 1),
-              (per_node, options.quantized_gradients and 1 < per_node < topology.dp),
-              (options.shard_size, options.shard_size is not None and options.shard_size < topology.dp))
+              (per_node, options.quantized_gradients and 1 < per_node < topology.dp_cp),
+              (options.shard_size, options.shard_size is not None and options.shard_size < topology.dp_cp))
     return tuple(size for size, used in wanted if used)
 
 

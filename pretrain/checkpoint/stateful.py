@@ -45,10 +45,13 @@ class RunState:
 
 
 def layout_of(topology: Topology, zero_stage: int, shard_size: int | None = None) -> dict:
-    """What a same-layout load must match (``shard_size``: a MiCS / HSDP shard group smaller than dp)."""
+    """What a same-layout load must match (``shard_size``: a MiCS / HSDP shard group smaller than dp x cp;
+    ``cp`` only when context parallelism is on, so the layouts of earlier checkpoints stay equal)."""
     layout = {"world_size": topology.world_size, "tp": topology.tp, "pp": topology.pp, "dp": topology.dp,
               "zero_stage": zero_stage}
-    if shard_size is not None and shard_size != topology.dp:
+    if topology.cp > 1:
+        layout["cp"] = topology.cp
+    if shard_size is not None and shard_size != topology.dp_cp:
         layout["zero_shard_size"] = shard_size
     return layout
 

@@ -7,9 +7,9 @@ functional tests fall in three groups, each entry with its reason:
 - ``IGNORED``: it chooses an implementation (kernels, fusions, checkpoint formats, loader workers,
   profilers, timers) that has no meaning here; accepted with its value, and named in one start-up line.
 - ``IMPLIED``: another spelling of a setting of ours (``--use-megatron-fsdp`` is ZeRO stage 3).
-- ``REFUSED``: a feature this build does not have (fp8, context and expert parallelism, MoE, ...),
-  or an option of Megatron's inference and RL scripts: a run that sets it stops before any process
-  group exists, naming the flag. A value that means "off" (``--context-parallel-size 1``) is fine.
+- ``REFUSED``: a feature this build does not have (fp8, expert parallelism, MoE, ...), or an option
+  of Megatron's inference and RL scripts: a run that sets it stops before any process group exists,
+  naming the flag. A value that means "off" (``--num-experts 1``) is fine.
 """
 
 from __future__ import annotations
@@ -83,8 +83,6 @@ IGNORED = [
     *_flags("the backend follows the device here (gloo on CPUs, NCCL on GPUs)", "--distributed-backend"),
     *_flags("meaningful only with fp8 (--fp8-format), which is refused", "--fp8-amax-compute-algo",
             "--fp8-amax-history-len", "--fp8-recipe", "--fp8-param-gather:0"),
-    *_flags("meaningful only with context parallelism > 1, which is refused", "--cp-comm-type:+",
-            "--hierarchical-context-parallel-sizes:+"),
     *_flags("meaningful only with mixture-of-experts layers, which are refused",
             "--expert-tensor-parallel-size"),
 ]
@@ -93,7 +91,6 @@ IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero
 
 REFUSED = [
     *_flags("fp8 training is not supported (use --bf16)", "--fp8-format", off=(None,)),
-    *_flags("context parallelism is not supported", "--context-parallel-size", off=("1",)),
     *_flags("mixture-of-experts layers are not supported", "--num-experts", "--expert-model-parallel-size",
             "--moe-ffn-hidden-size", "--moe-grouped-gemm:0", "--moe-router-dtype", "--moe-router-topk",
             "--moe-router-score-function", "--moe-router-load-balancing-type:+", "--moe-aux-loss-coeff:+",

@@ -17,10 +17,19 @@ from models.config import GPTConfig, flag
 
 @dataclass
 class ParallelConfig:
-    """How the world is split: tp x pp model parallelism, the rest data parallelism."""
+    """How the world is split: tp x pp model parallelism, cp ranks splitting each sequence, the rest data
+    parallelism."""
 
     tensor_model_parallel_size: int = field(default=1, metadata=flag("ranks splitting each layer (tp)"))
     pipeline_model_parallel_size: int = field(default=1, metadata=flag("pipeline stages (pp)"))
+    context_parallel_size: int = field(default=1, metadata=flag(
+        "ranks splitting each sequence (cp): each holds 2 of its 2 x cp chunks (chunks i and 2cp-1-i)"))
+    cp_comm_type: list[str] = field(default_factory=lambda: ["p2p"], metadata=flag(
+        "how attention sees the other cp ranks' keys and values: p2p (ring attention), a2a (Ulysses "
+        "all-to-all to head sharding) or allgather; one value, or one per layer",
+        choices=["p2p", "a2a", "allgather", "a2a+p2p"]))
+    hierarchical_context_parallel_sizes: list[int] | None = field(default=None, metadata=flag(
+        "a2a+p2p's inner (all-to-all) and outer (ring) cp sizes: refused, a2a+p2p is not implemented"))
     virtual_pipeline_size: int | None = field(default=None, metadata=flag(
         "model chunks per stage for the interleaved schedule",
         aliases=["--num-virtual-stages-per-pipeline-rank"]))
@@ -231,6 +240,12 @@ class DataConfig:
         "vocabulary of the tokenizer trained on the built-in corpus"))
     default_corpus_max_bytes: int | None = field(default=None, metadata=flag(
         "cap on the built-in corpus size in bytes (default: all of the stdlib)"))
+    reset_attention_mask: bool = field(default=False, metadata=flag(
+        "documents packed into one sequence never attend across an end-of-document token"))
+    reset_position_ids: bool = field(default=False, metadata=flag(
+        "positions restart at 0 after each end-of-document token"))
+    eod_mask_loss: bool = field(default=False, metadata=flag(
+        "no loss on end-of-document tokens (as labels)"))
 
     def tokenizer_spec(self, model_vocab_size: int | None) -> TokenizerSpec:
         """The tokenizer of a validated run. A NullTokenizer's --vocab-size V becomes the model's

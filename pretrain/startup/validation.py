@@ -24,7 +24,7 @@ def validate(config: Config, world_size: int) -> Topology:
     par, train, model = config.parallel, config.training, config.model
     try:
         topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                            par.gpus_per_node)
+                            par.context_parallel_size, gpus_per_node=par.gpus_per_node)
         resolve_settings(config, topology.pp)
         apply_checkpoint_args(config)
         model.validate(topology.tp)
@@ -33,6 +33,7 @@ def validate(config: Config, world_size: int) -> Topology:
     if par.sequence_parallel and model.seq_length % topology.tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} divisible by "
                           f"--tensor-model-parallel-size {topology.tp}")
+    _validate_context(config, topology)
     _validate_pipeline(config, topology)
     recompute = config.recompute
     if ((recompute.partition_activations or recompute.activations_on_cpu)
@@ -118,7 +119,7 @@ def _validate_zero(config: Config, topology: Topology) -> None:
     """ZeRO's own rules (``ZeroOptions.check``), then room for its swap files on this node."""
     zero, train = config.zero, config.training
     try:
-        zero_options(config).check(topology.dp)
+        zero_options(config).check(topology.dp_cp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     optimizer_files, param_files = zero.offload_optimizer == "nvme", zero.offload_param == "nvme"
@@ -134,6 +135,34 @@ def _validate_zero(config: Config, topology: Topology) -> None:
         check_swap_directory(zero.nvme_path, int(bytes_per_param * num_parameters(config.model) * local))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _validate_context(config: Config, topology: Topology) -> None:
+    """Context parallelism's rules: the sequence cuts into 2 x cp chunks (and each rank's share into tp
+    pieces under sequence parallelism), one known --cp-comm-type or one per layer, a2a's heads divide."""
+    par, model, cp = config.parallel, config.model, topology.cp
+    kinds = par.cp_comm_type
+    if "a2a+p2p" in kinds or par.hierarchical_context_parallel_sizes is not None:
+        raise ConfigError("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes: hierarchical "
+                          "context parallelism is not implemented; use --cp-comm-type p2p, a2a or allgather")
+    if len(kinds) not in (1, model.num_layers):
+        raise ConfigError(f"--cp-comm-type has {len(kinds)} values: give one, or one per layer "
+                          f"(--num-layers {model.num_layers})")
+    if cp == 1:
+        return
+    if model.seq_length % (2 * cp):
+        raise ConfigError(f"--seq-length {model.seq_length} is not a multiple of 2 x --context-parallel-size "
+                          f"{cp} = {2 * cp}: each sequence is cut into 2 x cp chunks")
+    local = model.seq_length // cp
+    if par.sequence_parallel and local % topology.tp:
+        raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp}: each rank's "
+                          f"{local} tokens must divide by --tensor-model-parallel-size {topology.tp}")
+    if "a2a" in kinds:
+        heads, groups = model.num_attention_heads // topology.tp, model.query_groups // topology.tp
+        if heads % cp or groups % cp:
+            raise ConfigError(f"--cp-comm-type a2a gives each cp rank heads of its own: the {heads} query "
+                              f"heads and {groups} key/value groups per tensor-parallel rank must divide by "
+                              f"--context-parallel-size {cp} (use p2p or allgather, or another cp)")
 
 
 def _validate_pipeline(config: Config, topology: Topology) -> None:

@@ -16,7 +16,8 @@ PARAMS, LAYERS = 14_000_000, 4
 
 
 def _zero_3(backend: str, options: ZeroCommOptions = ZeroCommOptions(), micro_batches: int = 2):
-    return zero_transfers(Topology(4, 1, 1, 2), PARAMS, 3, micro_batches, 2, 4, options, backend=backend,
+    return zero_transfers(Topology(4, 1, 1, gpus_per_node=2), PARAMS, 3, micro_batches, 2, 4,
+                          options, backend=backend,
                           pieces=LAYERS)
 
 
@@ -50,7 +51,8 @@ def test_nccl_hides_more_than_gloo_and_a_transfer_hides_only_behind_its_own_micr
     assert nccl < gloo
     # stage 1 reduce-scatters once, in the last micro-batch's backward: of 4 micro-batches' backward
     # compute it can hide behind a quarter only
-    stage1 = zero_transfers(Topology(4, 1, 1, 2), PARAMS, 1, 4, 2, 4, backend="nccl", pieces=LAYERS)
+    stage1 = zero_transfers(Topology(4, 1, 1, gpus_per_node=2), PARAMS, 1, 4, 2, 4,
+                            backend="nccl", pieces=LAYERS)
     reduce = next(t for t in stage1 if t.operation == "reduce_scatter")
     backward = 0.5 * reduce.seconds(LINKS)
     alone = step_seconds([reduce], LINKS, backward, 4, forward_share=0.0)

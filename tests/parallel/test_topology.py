@@ -13,8 +13,9 @@ def _layouts(max_world: int):
     for world in range(1, max_world + 1):
         for tp in range(1, world + 1):
             for pp in range(1, world // tp + 1):
-                if world % (tp * pp) == 0:
-                    yield world, tp, pp
+                for cp in range(1, world // (tp * pp) + 1):
+                    if world % (tp * pp * cp) == 0:
+                        yield world, tp, pp, cp
 
 
 def test_groups_match_megatron_rank_generator():
@@ -22,15 +23,19 @@ def test_groups_match_megatron_rank_generator():
         warnings.simplefilter("ignore")
         from megatron.core.parallel_state import RankGenerator
 
-    checked = 0
-    for world, tp, pp in _layouts(64):
-        topology = Topology(world, tp, pp)
-        oracle = RankGenerator(tp=tp, ep=1, dp=topology.dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-        for axis in ("tp", "dp", "pp"):
-            assert sorted(topology.groups(axis)) == sorted(oracle.get_ranks(axis)), (world, tp, pp, axis)
+    checked = with_cp = 0
+    for world, tp, pp, cp in _layouts(64):
+        topology = Topology(world, tp, pp, cp)
+        oracle = RankGenerator(tp=tp, ep=1, dp=topology.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        for axis in ("tp", "cp", "dp", "pp", "dp-cp"):
+            assert sorted(topology.groups(axis)) == sorted(oracle.get_ranks(axis)), (world, tp, pp, cp, axis)
         assert sorted(topology.groups("mp")) == sorted(sorted(g) for g in oracle.get_ranks("tp-pp"))
+        for rank in range(world):  # the coordinates name the rank's place in each of its groups
+            p, d, t = topology.coords(rank)
+            assert topology.rank(p, d, t, topology.cp_rank(rank)) == rank
         checked += 1
-    assert checked > 500
+        with_cp += cp > 1
+    assert checked > 1000 and with_cp > 500
 
 
 def test_coords_and_rank_are_inverse_and_follow_the_formula():
@@ -66,6 +71,8 @@ def test_embedding_groups_are_first_and_last_stage():
     ((4, 1, 5), ["--pipeline-model-parallel-size 5 is larger"]),
     ((0, 1, 1), ["world size must be an integer >= 1"]),
     ((4, 0, 1), ["--tensor-model-parallel-size must be an integer >= 1"]),
+    ((12, 2, 2, 2), ["world size 12", "x --context-parallel-size 2 x", "= 8", "change tp/cp/pp"]),
+    ((4, 1, 1, 0), ["--context-parallel-size must be an integer >= 1"]),
 ])
 def test_bad_layouts_are_rejected_with_the_numbers_and_the_fix(args, words):
     with pytest.raises(ValueError) as error:
@@ -87,6 +94,11 @@ def test_cli_prints_groups_and_nodes():
     assert "world 16 = pp 2 x dp 4 x tp 2" in out
     assert "tp: [0@n0, 1@n0]" in out
     assert "pp: [0@n0, 8@n1]" in out
+    out = subprocess.run([sys.executable, "-m", "parallel.topology", "--world-size", "16", "--tp", "2",
+                          "--cp", "2", "--pp", "2"], capture_output=True, text=True, check=True).stdout
+    assert "world 16 = pp 2 x dp 2 x cp 2 x tp 2" in out
+    assert "cp: [0, 2] [1, 3]" in out and "dp-cp: [0, 2, 4, 6] [1, 3, 5, 7]" in out
+    assert "6=(pp0,dp1,cp1,tp0)" in out
     bad = subprocess.run([sys.executable, "-m", "parallel.topology", "--world-size", "6", "--tp", "4"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not divisible" in bad.stderr

@@ -154,7 +154,6 @@ def test_torchrun_job_with_bad_input_exits_non_zero(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not supported"),
     (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not supported"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),
 ])

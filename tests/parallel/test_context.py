@@ -1,0 +1,89 @@
+"""Context parallelism's attention against full attention on one process, and its sequence cut."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.context import ContextParallel, context_attention, document_mask, shard_sequence, token_indices
+from parallel.context.sharding import unshard_sequence
+from parallel.process_groups import create_process_groups
+from parallel.topology import Topology
+from tests.parity import ONE_STEP_RTOL, assert_tensors_close
+from tests.world import run_world
+
+BF16_RTOL = 3e-2  # bf16 inputs and outputs: a few of bf16's 2^-8 steps of the largest entry
+
+
+def test_zigzag_cut_balances_causal_work_and_round_trips():
+    assert token_indices(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert token_indices(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    whole = torch.arange(48).view(2, 24)
+    pieces = [shard_sequence(whole, 3, rank) for rank in range(3)]
+    assert torch.equal(unshard_sequence(pieces), whole)
+    for cp in (2, 4, 8):  # every rank attends to the same number of (query, key) chunk pairs
+        work = {sum(chunk + 1 for chunk in (rank, 2 * cp - 1 - rank)) for rank in range(cp)}
+        assert work == {2 * cp + 1}
+    with pytest.raises(ValueError,
+                       match="--seq-length 30 is not a multiple of 2 x --context-parallel-size 4"):
+        token_indices(30, 4, 0)
+
+
+def _documents(batch: int, length: int, generator) -> torch.Tensor:
+    """Each token's document: a few random boundaries per sequence."""
+    starts = torch.rand(batch, length, generator=generator) < 0.15
+    starts[:, 0] = False
+    return starts.long().cumsum(dim=1)
+
+
+def _reference(q, k, v, grad, documents):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    mask = document_mask(documents) if documents is not None else None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(grad)
+    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def _attention_against_one_process(rank, world_size):
+    """Output and input gradients of every comm type at cp 2 and 4 equal full attention's on this rank's
+    tokens: causal, grouped queries, an uneven head count, packed documents, fp32 and bf16."""
+    checked = []
+    for cp in (2, 4):
+        group = create_process_groups(Topology(world_size, cp=cp)).cp
+        for kind in ("p2p", "a2a", "allgather"):
+            for heads, groups in ((8, 8), (8, 4), (6, 3), (6, 2)):
+                if kind == "a2a" and groups % cp:
+                    continue  # refused: the key/value groups do not divide by cp
+                for dtype, documents_on in ((torch.float32, False), (torch.float32, True),
+                                            (torch.bfloat16, False)):
+                    generator = torch.Generator().manual_seed(heads * 10 + groups)
+                    b, length, d = 2, 32, 16
+                    q = torch.randn(b, heads, length, d, generator=generator).to(dtype)
+                    k, v = (torch.randn(b, groups, length, d, generator=generator).to(dtype) for _ in "kv")
+                    grad = torch.randn(b, heads, length, d, generator=generator).to(dtype)
+                    documents = _documents(b, length, generator) if documents_on else None
+                    want = _reference(q.float(), k.float(), v.float(), grad.float(), documents)
+                    mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_()
+                            for t in (q, k, v)]
+                    out = context_attention(*mine, ContextParallel(group, (kind,)), layer=0,
+                                            documents=documents)
+                    out.backward(shard_sequence(grad, cp, group.rank, dim=2))
+                    got = [out.detach(), *(t.grad for t in mine)]
+                    assert all(t.dtype == dtype for t in got)
+                    what = f"cp {cp} {kind} heads {heads}/{groups} {dtype} documents {documents_on}"
+                    assert_tensors_close([t.float() for t in got],
+                                         [shard_sequence(t, cp, group.rank, dim=2) for t in want], what,
+                                         ONE_STEP_RTOL if dtype == torch.float32 else BF16_RTOL)
+                    checked.append(what)
+        if cp == 4:
+            q, k = torch.zeros(1, 6, 8, 4), torch.zeros(1, 2, 8, 4)
+            with pytest.raises(ValueError,
+                               match="2 key/value groups per tensor-parallel rank do not divide by "
+                                                 "--context-parallel-size 4"):
+                context_attention(q, k, k, ContextParallel(group, ("a2a",)), layer=0)
+    return len(checked)
+
+
+def test_context_attention_equals_full_attention():
+    counts = run_world(4, _attention_against_one_process, timeout_s=300)
+    assert counts[0] == 2 * (3 * 4 - 1) * 3 - 3 * 1  # cp 4 skips a2a at 6/2 too
