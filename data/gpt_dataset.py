@@ -76,11 +76,16 @@ def build_gpt_datasets(
     tokenizer,
     cache_dir: str,
     per_split: Optional[Sequence[Optional[List[str]]]] = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
 ) -> Splits:
     """Build (train, valid, test): GPTDatasets, or BlendedDatasets for several prefixes, of at
     least `num_samples` samples each (None for a split weighted 0 in `--split` or asked for 0
     samples). `per_split`: each split's own --train/valid/test-data-path instead of `data_path` and
-    `--split`; neither: megatron-core's mock dataset (synthetic tokens, --mock-data). Validates every
+    `--split`; neither: megatron-core's mock dataset (synthetic tokens, --mock-data). The three
+    document flags are Megatron's, computed by megatron-core per sample (positions restarting after
+    each end-of-document token, no loss on it); `with_documents` adds what attention needs. Validates every
     flag before megatron-core runs; never orders samples by anything but the seed, the data, the split
     and the sizes."""
     if seq_length <= 0:
@@ -118,9 +123,9 @@ def build_gpt_datasets(
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
     # A split asked for no samples is not built at all (megatron-core would still build one
@@ -163,6 +168,22 @@ def _gpt_batch(dataset, indices: List[int]) -> Dict[str, torch.Tensor]:
     labels.masked_fill_(labels == pad, 0)
     position_ids = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+
+
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """[b, s] -> [b, s]: the index of each token's document in its sequence. An end-of-document token
+    ends its document (Megatron's --reset-attention-mask: no token after it sees it or anything before)."""
+    ends = (tokens == eod).long()
+    return ends.cumsum(dim=1) - ends
+
+
+def with_documents(read: Callable[[List[int]], Dict[str, torch.Tensor]],
+                   eod: int) -> Callable[[List[int]], Dict[str, torch.Tensor]]:
+    """``read`` whose batches also hold "documents" (``document_ids`` of their tokens)."""
+    def read_with_documents(indices: List[int]) -> Dict[str, torch.Tensor]:
+        batch = read(indices)
+        return {**batch, "documents": document_ids(batch["tokens"], eod)}
+    return read_with_documents
 
 
 def parse_data_path(data_path: Sequence[str]) -> Blend:

@@ -1,8 +1,10 @@
-"""Causal self-attention with grouped query heads, split across the tensor-parallel group by head."""
+"""Causal self-attention with grouped query heads, split across the tensor-parallel group by head, and
+over the context-parallel group by sequence."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +14,22 @@ from models.config import GPTConfig
 from models.norms import build_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup
+from parallel.context import ContextParallel, context_attention, document_mask
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor.random import RNGTracker
 from parallel.tensor.weight_init import WeightInit
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every layer reads besides its hidden state; nothing here needs a gradient. ``rotary``: the
+    (cos, sin) tables of this rank's tokens; ``documents``: each token's document ([b, S], the whole
+    sequence) when attention stays within documents; ``context``: the cp group when the hidden state holds
+    this rank's share of each sequence (None when it holds all of it)."""
+
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    documents: torch.Tensor | None = None
+    context: ContextParallel | None = None
 
 
 class SelfAttention(nn.Module):
@@ -31,7 +46,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         h, std, d = config.hidden_size, config.init_method_std, config.head_dim
         heads, groups = config.num_attention_heads, config.query_groups
-        self.rng = rng
+        self.rng, self.layer = rng, layer
         self.head_dim = d
         self.groups_per_rank = groups // tp.size
         self.queries_per_group = heads // groups
@@ -54,19 +69,23 @@ class SelfAttention(nn.Module):
                                       sequence_parallel=sequence_parallel)
 
     def recompute_core_with(self, runner) -> None:
-        """Run the attention core through ``runner(core, q, k, v)`` (selective recompute)."""
+        """Run the attention core through ``runner(core, q, k, v, inputs)`` (selective recompute)."""
         self.core_runner = runner
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v, q [b, heads, s, d] and k, v [b, groups, s, d]: the part
-        selective recompute redoes. Attention dropout draws from the per-tp-rank stream: each rank holds
-        different heads."""
+        selective recompute redoes (under context parallelism its recompute exchanges keys and values
+        again). Attention dropout draws from the per-tp (and per-cp) rank stream: each rank holds other
+        heads (and tokens)."""
         dropout = self.dropout if self.training else 0.0
+        if inputs.context is not None:
+            return context_attention(q, k, v, inputs.context, self.layer, dropout, self.rng, inputs.documents)
+        mask = document_mask(inputs.documents) if inputs.documents is not None else None
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                  enable_gqa=self.queries_per_group > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                  dropout_p=dropout, enable_gqa=self.queries_per_group > 1)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_per_rank * (queries_per_group + 2) * d]
         s, b = qkv.shape[:2]
         grouped = qkv.view(s, b, self.groups_per_rank, self.queries_per_group + 2, self.head_dim)
@@ -74,9 +93,10 @@ class SelfAttention(nn.Module):
         k, v = grouped[:, :, :, -2], grouped[:, :, :, -1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q = apply_rotary(q, *rotary, self.rotary_interleaved)
-            k = apply_rotary(k, *rotary, self.rotary_interleaved)
+        if inputs.rotary is not None:
+            q = apply_rotary(q, *inputs.rotary, self.rotary_interleaved)
+            k = apply_rotary(k, *inputs.rotary, self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
-        context = self.core_runner(self.core, q, k, v) if self.core_runner else self.core(q, k, v)
+        context = (self.core_runner(self.core, q, k, v, inputs) if self.core_runner
+                   else self.core(q, k, v, inputs))
         return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim))

@@ -15,12 +15,13 @@ import contextlib
 import torch
 from torch import nn
 
-from models.attention import SelfAttention
+from models.attention import LayerInputs, SelfAttention
 from models.config import GPTConfig
 from models.mlp import MLP
 from models.norms import build_norm
 from models.rotary import rotary_tables
 from parallel.comm import AxisGroup
+from parallel.context import ContextParallel
 from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import (VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits,
@@ -58,8 +59,8 @@ class TransformerBlock(nn.Module):
         with self.rng.fork() if self.fork_for_dropout else contextlib.nullcontext():
             return self.dropout(x)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        x = x + self._residual_dropout(self.attention(self.attention_norm(x), rotary))
+    def forward(self, x: torch.Tensor, inputs: LayerInputs = LayerInputs()) -> torch.Tensor:
+        x = x + self._residual_dropout(self.attention(self.attention_norm(x), inputs))
         return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -69,15 +70,18 @@ class GPTModel(nn.Module):
     Owns the parameters of its part only. Tied (the default), the word embedding is also the output
     layer; a last pipeline stage without the embedding holds its own copy (``output_layer``), kept equal
     to the first stage's by the pipeline's embedding-group all-reduce. Untied, ``output_layer`` is a
-    weight of its own on the last stage. Never communicates outside its tensor-parallel group.
+    weight of its own on the last stage. With ``context`` (cp > 1) its input holds this cp rank's share of
+    each sequence and attention exchanges keys and values over the cp group; it never communicates over
+    any other group than tp and cp.
     """
 
     def __init__(self, config: GPTConfig, tp: AxisGroup, *, seed: int, layer_indices: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 rng: RNGTracker | None = None):
+                 rng: RNGTracker | None = None, context: ContextParallel | None = None):
         super().__init__()
         config.validate(tp.size)
         self.config, self.tp, self.sequence_parallel = config, tp, sequence_parallel
+        self.context = context if context is not None and context.size > 1 else None
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not config.untie_embeddings_and_output_weights
         self.rng = rng or model_parallel_tracker(seed, tp.rank)
@@ -109,7 +113,7 @@ class GPTModel(nn.Module):
             declare(self.word_embedding.weight, tied_embedding=True)
 
     def recompute_layers_with(self, runner) -> None:
-        """Run the layers through ``runner(x, rotary)`` (full recompute; activation checkpointing)."""
+        """Run the layers through ``runner(x, inputs)`` (full recompute; activation checkpointing)."""
         self.layer_runner = runner
 
     def global_parameter_names(self) -> dict[nn.Parameter, str]:
@@ -141,18 +145,23 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                whole_sequence: bool = False) -> torch.Tensor:
         """Run this part. Input: ``tokens`` [b, s] on the first stage, else ``hidden`` from the previous
-        stage. Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits
-        slice [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
+        stage, with their ``position_ids`` [b, s]; under context parallelism this cp rank's share of each
+        sequence (``parallel.context.shard_sequence``) unless ``whole_sequence`` (sampling). ``documents``
+        [b, S]: each token's document over the whole sequence; attention then stays within documents.
+        Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits slice
+        [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rotary = (rotary_tables(self.config, position_ids, x.dtype)
                   if self.config.position_embedding == "rope" else None)
+        inputs = LayerInputs(rotary, documents, None if whole_sequence else self.context)
         if self.layer_runner is not None:
-            x = self.layer_runner(x, rotary)
+            x = self.layer_runner(x, inputs)
         else:
             for layer in self.layers:
-                x = layer(x, rotary)
+                x = layer(x, inputs)
         if not self.post_process:
             return x
         logits = self.logits(x)

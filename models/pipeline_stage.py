@@ -7,6 +7,7 @@ from torch import nn
 from models.config import GPTConfig
 from models.gpt import GPTModel
 from parallel.comm import AxisGroup
+from parallel.context import ContextParallel
 from parallel.pipeline.partition import chunk_layers
 from parallel.process_groups import ParallelGroups
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
@@ -14,20 +15,24 @@ from parallel.tensor.random import RNGTracker, model_parallel_tracker
 
 def stage_chunks(config: GPTConfig, tp: AxisGroup, pp: int, stage: int, *, seed: int, vp: int = 1,
                  sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
-                 rng: RNGTracker | None = None) -> nn.ModuleList:
+                 rng: RNGTracker | None = None, context: ContextParallel | None = None) -> nn.ModuleList:
     """The ``vp`` model chunks of pipeline stage ``stage``: chunk c holds the blocks of piece c * pp + stage;
     the embedding is in chunk 0 of stage 0, the output layer and loss in the last chunk of the last stage."""
     return nn.ModuleList(
-        GPTModel(config, tp, seed=seed, sequence_parallel=sequence_parallel, rng=rng,
+        GPTModel(config, tp, seed=seed, sequence_parallel=sequence_parallel, rng=rng, context=context,
                  layer_indices=chunk_layers(config.num_layers, pp, stage, chunk, vp, layers_per_stage),
                  pre_process=stage == 0 and chunk == 0, post_process=stage == pp - 1 and chunk == vp - 1)
         for chunk in range(vp))
 
 
 def build_pipeline_stage(config: GPTConfig, groups: ParallelGroups, *, seed: int, vp: int = 1,
-                sequence_parallel: bool = False, layers_per_stage: list[int] | None = None) -> nn.ModuleList:
-    """This rank's model chunks, with one dropout stream for all chunks of the stage."""
+                         sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
+                         cp_comm_type: tuple[str, ...] = ("p2p",)) -> nn.ModuleList:
+    """This rank's model chunks, with one dropout stream for all chunks of the stage (and of the cp rank:
+    each holds other tokens); attention over the cp group by ``cp_comm_type`` (one, or one per layer)."""
     stage = groups.pp_rank
+    context = ContextParallel(groups.cp, tuple(cp_comm_type)) if groups.cp.size > 1 else None
     return stage_chunks(config, groups.tp, groups.topology.pp, stage, seed=seed, vp=vp,
                         sequence_parallel=sequence_parallel, layers_per_stage=layers_per_stage,
-                        rng=model_parallel_tracker(seed, groups.tp_rank, stage))
+                        rng=model_parallel_tracker(seed, groups.tp_rank, stage, groups.cp_rank),
+                        context=context)

@@ -143,8 +143,8 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
 
 
 def _selective_runner(tracker: RNGTracker, store: CheckpointStore):
-    def run(core, q, k, v):
-        return checkpoint(core, (q, k, v), tracker=tracker, store=store)
+    def run(core, q, k, v, *rest):
+        return checkpoint(core, (q, k, v), *rest, tracker=tracker, store=store)
     return run
 
 
@@ -156,19 +156,19 @@ def _full_runner(chunk: nn.Module, policy: RecomputePolicy, store: CheckpointSto
     else:  # block: the first n layers checkpointed one by one, the others keep their activations
         spans = [([layer], i < n) for i, layer in enumerate(layers)]
 
-    def run(x, rotary):
+    def run(x, inputs):
         for span, recompute in spans:
             if recompute:
-                x = checkpoint(_sequence(span), (x,), rotary, tracker=chunk.rng, store=store)
+                x = checkpoint(_sequence(span), (x,), inputs, tracker=chunk.rng, store=store)
             else:
-                x = _sequence(span)(x, rotary)
+                x = _sequence(span)(x, inputs)
         return x
     return run
 
 
 def _sequence(layers: list[nn.Module]):
-    def run(x, rotary):
+    def run(x, inputs):
         for layer in layers:
-            x = layer(x, rotary)
+            x = layer(x, inputs)
         return x
     return run

@@ -87,8 +87,9 @@ class RNGTracker:
         self._states = {name: {k: v.clone() for k, v in state.items()} for name, state in states.items()}
 
 
-def model_parallel_tracker(seed: int, tp_rank: int, pp_rank: int = 0) -> RNGTracker:
-    """The tracker a model part uses: a tensor-parallel stream that differs per tp rank and per stage."""
+def model_parallel_tracker(seed: int, tp_rank: int, pp_rank: int = 0, cp_rank: int = 0) -> RNGTracker:
+    """The tracker a model part uses: a model-parallel stream that differs per tp rank, per stage and per
+    context-parallel rank (each holds other tokens of the sequence)."""
     tracker = RNGTracker()
-    tracker.add(TENSOR_PARALLEL_STREAM, seed + 2718 + tp_rank + 100 * pp_rank)
+    tracker.add(TENSOR_PARALLEL_STREAM, seed + 2718 + tp_rank + 100 * pp_rank + 1_000_003 * cp_rank)
     return tracker

@@ -187,6 +187,12 @@ def _validate_data(config: Config) -> None:
                                         ("--train-data-path", data.train_data_path is not None)) if given]
     if len(sources) > 1:
         raise ConfigError(f"{' and '.join(sources)} are two sources of data: give one")
+    document_flags = [flag for flag, on in (("--reset-attention-mask", data.reset_attention_mask),
+                                            ("--reset-position-ids", data.reset_position_ids),
+                                            ("--eod-mask-loss", data.eod_mask_loss)) if on]
+    if data.sft and document_flags:
+        raise ConfigError(f"{' / '.join(document_flags)} act on packed pretraining documents; --sft puts one "
+                          "conversation in each sequence and masks its loss itself: drop them")
     if (data.valid_data_path or data.test_data_path) and data.train_data_path is None:
         raise ConfigError("--valid-data-path / --test-data-path go with --train-data-path (or use "
                           "--data-path "

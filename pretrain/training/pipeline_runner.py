@@ -10,6 +10,7 @@ from torch import nn
 
 from models.generate import gather_vocab_logits
 from parallel import comm
+from parallel.context import shard_sequence
 from parallel.pipeline.p2p import StageExchange
 from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule_steps
 from parallel.process_groups import ParallelGroups
@@ -53,10 +54,13 @@ class PipelineRunner:
 
     Owns the chunks' execution (forward and backward steps), the exchange with neighbouring stages, and
     which micro-batches this stage reads (tokens on the first stage, labels on the last, nothing in
-    between). Backward starts from ``gradients.scale_loss(loss)`` and runs inside ``gradients.no_sync()``
+    between unless attention needs the documents or positions restart per document), and this cp rank's
+    cut of each sequence (its two zig-zag chunks of tokens, labels, loss mask and positions; documents
+    stay whole). Backward starts from ``gradients.scale_loss(loss)`` and runs inside ``gradients.no_sync()``
     until a chunk's last micro-batch: the optimizer owns the loss scale and when gradients sync, this
     runner is their one caller. Never steps the optimizer; the loss it returns is the unscaled
-    global-batch mean, the same on every rank of the pipeline.
+    global-batch mean over every token of each sequence (sums and token counts reduced over cp), the same
+    on every rank of the pipeline.
     """
 
     def __init__(self, config: Config, groups: ParallelGroups, chunks: nn.ModuleList, device: torch.device,
@@ -68,20 +72,30 @@ class PipelineRunner:
         self.kind = par.pipeline_schedule or ("interleaved" if self.vp > 1 else "1f1b")
         self.per_token_loss = train.calculate_per_token_loss
         self.sequence_parallel = par.sequence_parallel and groups.tp.size > 1
+        self.cp, self.cp_rank = groups.cp.size, groups.cp_rank
+        data = config.data
+        self.every_stage_reads = data.reset_attention_mask or data.reset_position_ids
         self.dtype = next(chunks.parameters()).dtype
-        self.executor = PipelineExecutor(self._exchange(model.seq_length, train.micro_batch_size), self.stage,
-                                         self.pp, self.vp)
+        self.executor = PipelineExecutor(self._exchange(model.seq_length // self.cp, train.micro_batch_size),
+                                         self.stage, self.pp, self.vp)
 
-    def _exchange(self, seq_length: int, batch: int) -> StageExchange | None:
+    def _exchange(self, length: int, batch: int) -> StageExchange | None:
+        """The pipeline exchange of [length, batch, hidden] activations (length: this rank's tokens)."""
         if self.pp == 1:
             return None
-        local = seq_length // self.groups.tp.size if self.sequence_parallel else seq_length
+        local = length // self.groups.tp.size if self.sequence_parallel else length
         return StageExchange(self.groups.pp, (local, batch, self.config.model.hidden_size),
                              self.dtype, self.device)
 
     @property
     def reads_data(self) -> bool:
-        return self.groups.is_first_stage or self.groups.is_last_stage
+        return self.groups.is_first_stage or self.groups.is_last_stage or self.every_stage_reads
+
+    def _cut(self, batch: dict) -> dict:
+        """This cp rank's share of a micro-batch: every [b, S] tensor but the documents, which attention
+        reads whole (they are the only tokens' metadata a rank needs for keys it does not hold)."""
+        return {key: value if key == "documents" else shard_sequence(value, self.cp, self.cp_rank)
+                for key, value in batch.items()}
 
     def run(self, batches: Iterator[dict] | None, num_micro_batches: int,
             train: bool = True, measure: bool = True) -> tuple[float, StepStats]:
@@ -94,21 +108,27 @@ class PipelineRunner:
 
         def micro_batch(index: int) -> dict:
             while index not in loaded:
-                loaded[len(loaded)] = {k: to_device(v, self.device) for k, v in next(batches).items()}
+                batch = next(batches)
+                loaded[len(loaded)] = self._cut({k: to_device(v, self.device) for k, v in batch.items()})
             return loaded[index]
 
         weight = self._per_token_weight(micro_batch, num_micro_batches) if self.per_token_loss else None
+        shares = self._sequence_shares(micro_batch, num_micro_batches) if weight is None else None
 
         def forward_step(chunk: int, index: int, received: torch.Tensor | None) -> torch.Tensor:
             model = self.chunks[chunk]
-            batch = micro_batch(index) if (model.pre_process or model.post_process) else None
+            reads = model.pre_process or model.post_process or self.every_stage_reads
+            batch = micro_batch(index) if reads else None
             positions = batch["position_ids"] if batch is not None else self._positions()
             with self.meter.recording((chunk, index)) if train and measure else contextlib.nullcontext():
                 out = model(batch["tokens"] if model.pre_process else None, positions,
-                            labels=batch["labels"] if model.post_process else None, hidden=received)
+                            labels=batch["labels"] if model.post_process else None, hidden=received,
+                            documents=batch.get("documents") if batch is not None else None)
             if model.post_process:
                 if weight is not None:  # this micro-batch's share of the global token mean
                     return (out.float() * batch["loss_mask"]).sum() * weight[0]
+                if shares is not None:  # this cp rank's share of the micro-batch's mean
+                    return (out.float() * batch["loss_mask"]).sum() * shares[index]
                 return masked_mean(out, batch["loss_mask"]) / num_micro_batches
             return out
 
@@ -133,20 +153,37 @@ class PipelineRunner:
             return None
         tokens = torch.stack([micro_batch(i)["loss_mask"].sum(dtype=torch.float64)
                               for i in range(num_micro_batches)]).sum().reshape(1)
-        comm.all_reduce(tokens, self.groups.dp)
-        return (self.groups.dp.size / tokens.clamp(min=1.0)).float()
+        comm.all_reduce(tokens, self.groups.dp_cp)  # gradients are averaged over dp x cp
+        return (self.groups.dp_cp.size / tokens.clamp(min=1.0)).float()
+
+    def _sequence_shares(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
+        """Under context parallelism, on the last stage: cp / (micro-batch i's loss tokens over the whole
+        sequences) / micro-batches, so that this rank's loss sum times it, averaged over cp (as gradients
+        are), is micro-batch i's mean over every token. One all-reduce of the counts per step."""
+        if self.cp == 1 or not self.groups.is_last_stage:
+            return None
+        tokens = torch.stack([micro_batch(i)["loss_mask"].sum(dtype=torch.float64)
+                              for i in range(num_micro_batches)])
+        comm.all_reduce(tokens, self.groups.cp)
+        return (self.cp / tokens.clamp(min=1.0) / num_micro_batches).float()
 
     def _positions(self) -> torch.Tensor:
+        """A middle stage's positions (it reads no data): 0..S-1, this cp rank's cut of them."""
         train, model = self.config.training, self.config.model
-        return torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size,
-                                                                         model.seq_length)
+        whole = torch.arange(model.seq_length, device=self.device).expand(train.micro_batch_size,
+                                                                          model.seq_length)
+        return shard_sequence(whole, self.cp, self.cp_rank)
 
     def _loss_from_last_stage(self, losses: list[torch.Tensor]) -> float:
         """The step's loss on every pipeline rank: the last stage's micro-batch losses summed on the
-        device, broadcast, and read by the host once (the only wait of the step for it)."""
+        device (and averaged over cp, each rank's being its share times cp), broadcast, and read by the
+        host once (the only wait of the step for it)."""
         value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
             value += torch.stack([loss.double() for loss in losses]).sum()
+        if self.cp > 1 and self.groups.is_last_stage:
+            comm.all_reduce(value, self.groups.cp)
+            value /= self.cp
         comm.broadcast(value, src=self.groups.pp.ranks[-1], group=self.groups.pp)
         return value.item()
 
@@ -162,7 +199,7 @@ class PipelineRunner:
         for model in self.chunks:
             if not model.pre_process:
                 hidden, _ = exchange.exchange(recv_forward=True)
-            out = model(ids if model.pre_process else None, positions, hidden=hidden)
+            out = model(ids if model.pre_process else None, positions, hidden=hidden, whole_sequence=True)
             if not model.post_process:
                 exchange.exchange(send_forward=out)
         vocab = self.config.model.vocab_size

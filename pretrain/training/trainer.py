@@ -84,10 +84,11 @@ class Trainer:
         self.start_iteration = 0
         self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
-        # the default stream (dropout outside tensor-parallel regions: equal over tp and dp, not over stages)
-        # is seeded after the model is built: building on the meta device (ZeRO-3) draws nothing from it,
-        # building in place (stages 0-2) does, and the masks must not depend on the ZeRO stage
-        torch.manual_seed(train.seed + 100 * self.groups.pp_rank)
+        # the default stream (dropout outside tensor-parallel regions: equal over tp and dp, not over stages
+        # or cp ranks, which hold other tokens) is seeded after the model is built: building on the meta
+        # device (ZeRO-3) draws nothing from it, building in place (stages 0-2) does, and the masks must
+        # not depend on the ZeRO stage
+        torch.manual_seed(train.seed + 100 * self.groups.pp_rank + 7919 * self.groups.cp_rank)
         self._load_checkpoint()
 
     def _build_schedules(self, topology: Topology) -> None:
@@ -108,7 +109,7 @@ class Trainer:
         """What the optimizer will hold for this rank's parameters, by the rule it shards them with."""
         options, compute_bytes = zero_options(self.config), torch.finfo(self.dtype).bits // 8
         return expected_parameter_state_bytes(self.model.parameters(), options.stage,
-                                              options.shard_size or self.groups.dp.size, compute_bytes,
+                                              options.shard_size or self.groups.dp_cp.size, compute_bytes,
                                               options.persistence_threshold,
                                               gradient_bytes(compute_bytes, options.main_grads_in_fp32),
                                               options.hpz_partition_size)

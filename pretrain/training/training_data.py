@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from data.gpt_dataset import batch_reader, build_gpt_datasets
+from data.gpt_dataset import batch_reader, build_gpt_datasets, with_documents
 from data.sampler import DataParallelSampler, micro_batches
 from data.tokenizers.spec import TokenizerSpec, build_tokenizer
 from pretrain.config.schema import Config
@@ -23,6 +23,7 @@ class TrainingData:
     def __init__(self, config: Config, train_samples: int, valid_samples: int, dp_rank: int, dp_size: int):
         data, train = config.data, config.training
         self.micro_batch_size, self.dp_rank, self.dp_size = train.micro_batch_size, dp_rank, dp_size
+        self.documents = data.reset_attention_mask
         per_split = None
         if data.data_path is not None or data.mock_data:
             prefixes = data.data_path
@@ -47,10 +48,15 @@ class TrainingData:
             return
         self.train, self.valid, _ = build_gpt_datasets(
             prefixes, data.split, config.model.seq_length, train.seed, (train_samples, valid_samples, 0),
-            self.tokenizer, os.path.join(data.data_cache_dir, "indices"), per_split=per_split)
+            self.tokenizer, os.path.join(data.data_cache_dir, "indices"), per_split=per_split,
+            reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+            eod_mask_loss=data.eod_mask_loss)
 
     def batches(self, dataset, total_samples: int, consumed: int):
         """This rank's micro-batches of ``dataset`` from sample ``consumed`` up to ``total_samples``."""
         sampler = DataParallelSampler(total_samples, consumed, self.micro_batch_size,
                                       self.dp_rank, self.dp_size)
-        return micro_batches(dataset, sampler, batch_reader(dataset))
+        read = batch_reader(dataset)
+        if self.documents:
+            read = with_documents(read, self.tokenizer.eod)
+        return micro_batches(dataset, sampler, read)

@@ -178,6 +178,7 @@ def test_one_layers_saved_activations_follow_its_architecture(dtype):
     import torch
 
     from models.config import GPTConfig
+    from models.attention import LayerInputs
     from models.gpt import TransformerBlock
     from models.rotary import rotary_tables
     from parallel.comm import AxisGroup, CommStats
@@ -194,6 +195,6 @@ def test_one_layers_saved_activations_follow_its_architecture(dtype):
                   if config.position_embedding == "rope" else None)
         meter = SavedActivationMeter()
         with meter.recording():
-            block(x, rotary).float().sum().backward()
+            block(x, LayerInputs(rotary)).float().sum().backward()
         predicted = layer_elements(config, Layout(1, 1, 1, 0, micro_batch_size=b)) * x.element_size()
         assert predicted == pytest.approx(meter.peak_bytes, rel=0.03), name
