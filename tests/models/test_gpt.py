@@ -89,3 +89,32 @@ def test_rms_norm_keeps_less_and_computes_torchs_rms_norm():
     one_plus = Norm("LayerNorm", 8, 1e-5, one_plus=True).double()  # weights start at 0: a scale of 1
     assert not one_plus.weight.any()
     torch.testing.assert_close(one_plus(x), F.layer_norm(x, (8,), eps=1e-5))
+
+
+@pytest.mark.parametrize("positions, norm", VARIANTS)
+def test_packed_documents_give_the_loss_of_each_document_alone(positions, norm):
+    """--reset-attention-mask and --reset-position-ids: three documents packed into one sequence (each
+    ended by its end-of-document token) have, token for token, the loss each has run on its own."""
+    from data.gpt_dataset import document_ids
+
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=200,
+                       position_embedding_type=positions, normalization=norm, **NO_DROPOUT)
+    model = GPTModel(config, _alone(), seed=0)
+    eod, generator = 199, torch.Generator().manual_seed(3)
+    lengths = (7, 11, 6)
+    pieces = [torch.cat([torch.randint(0, 199, (n - 1,), generator=generator), torch.tensor([eod])])
+              for n in lengths]
+    tokens = torch.cat(pieces).unsqueeze(0)
+    labels = torch.randint(0, 199, tokens.shape, generator=generator)
+    documents = document_ids(tokens, eod)
+    assert documents.tolist() == [[0] * 7 + [1] * 11 + [2] * 6]
+    restarted = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed = model(tokens, restarted, labels=labels, documents=documents)
+    alone, start = [], 0
+    for n in lengths:
+        alone.append(model(tokens[:, start:start + n], torch.arange(n).unsqueeze(0),
+                           labels=labels[:, start:start + n]))
+        start += n
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-6, atol=1e-6)
+    crossing = model(tokens, torch.arange(24).unsqueeze(0), labels=labels)  # one 24-token document
+    assert not torch.allclose(packed[:, 7:], crossing[:, 7:])

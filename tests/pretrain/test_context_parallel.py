@@ -1,7 +1,11 @@
 """Context parallelism in training: every layout it composes with reproduces one process's trajectory."""
 
+import subprocess
+import sys
+
 import pytest
 
+from tests.parity import assert_trajectory_close
 from tests.pretrain.test_architectures import LLAMA
 from tests.pretrain.test_trainer import _assert_same_trajectory, _pp, _tp, _train
 from tests.world import run_world
@@ -55,3 +59,56 @@ def test_context_parallel_layouts_reproduce_the_single_process_run(references, s
              "llama cp2 x dp2 x tp2 ZeRO-3 a2a": LLAMA + _cp(2, "allgather", "--zero-stage", "3") + _tp(2)}
     _assert_all_follow(run_world(8, _train, list(eight.values()), stdlib_corpus, timeout_s=600),
                        [references["gpt"]] * 2 + [references["llama"]], list(eight))
+
+
+@pytest.fixture(scope="module")
+def short_documents(stdlib_corpus, tmp_path_factory):
+    """(data prefix, tokenizer model) of short documents, several ending inside each 32-token sequence."""
+    import random
+
+    from tests.data.synthetic import WORDS, write_jsonl
+
+    _, tokenizer = stdlib_corpus
+    directory = tmp_path_factory.mktemp("short_documents")
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) for _ in range(1500)]
+    corpus = write_jsonl(directory / "short.jsonl", texts)
+    subprocess.run([sys.executable, "-m", "data.preprocess", "--input", corpus, "--output-prefix",
+                    str(directory / "short"), "--tokenizer-type", "SentencePieceTokenizer",
+                    "--tokenizer-model", tokenizer, "--append-eod"],
+                   check=True, capture_output=True, text=True)
+    return str(directory / "short_text_document"), tokenizer
+
+
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+
+
+@pytest.mark.parity
+def test_document_masking_reproduces_one_process_with_context_and_pipeline_parallelism(short_documents):
+    (plain, *_), (masked, *_), (llama, *_) = run_world(1, _train, [[], DOCUMENTS, LLAMA + DOCUMENTS],
+                                                       short_documents)[0]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(plain, masked))  # the masks change every step's loss
+    layouts = {"cp2 x tp2 SP": _cp(2) + _tp(2, "--sequence-parallel"), "pp2": _pp(2),
+               "cp2 a2a x pp2": _cp(2, "a2a") + _pp(2), "cp4 allgather": _cp(4, "allgather")}
+    runs = run_world(4, _train, [DOCUMENTS + flags for flags in layouts.values()]
+                     + [LLAMA + DOCUMENTS + _cp(2) + _tp(2)], short_documents, timeout_s=600)
+    references = [masked] * len(layouts) + [llama]
+    for rank_results in runs:
+        for (losses, *_), reference, name in zip(rank_results, references, [*layouts, "llama cp2 x tp2"]):
+            assert_trajectory_close(losses, reference, f"documents {name}: loss")
+
+
+@pytest.mark.parity
+def test_a_checkpoint_saved_at_cp2_x_tp2_resumes_at_cp1_and_cp4(references, stdlib_corpus, tmp_path):
+    saved = str(tmp_path / "cp2tp2")
+    run_world(4, _train, [LLAMA + _cp(2) + _tp(2) + ["--train-iters", "5", "--lr-decay-iters", "10",
+                                                     "--save", saved]], stdlib_corpus)
+    resumed = run_world(4, _train, [LLAMA + flags + ["--load", saved] for flags in
+                                    (_tp(2, "--zero-stage", "1"), _cp(4), _cp(2, "allgather") + _tp(2))],
+                        stdlib_corpus, timeout_s=600)
+    losses, norms = references["llama"]
+    for rank_results in resumed:
+        for (got, got_norms, *_), name in zip(rank_results,
+                                              ("cp1 x dp2 x tp2 ZeRO-1", "cp4", "cp2 x tp2 allgather")):
+            assert_trajectory_close(got, losses[5:], f"resumed at {name}: loss")
+            assert_trajectory_close(got_norms, norms[5:], f"resumed at {name}: grad norm")
