@@ -108,6 +108,23 @@ def test_wrong_yaml_type_is_named(tmp_path):
       "--num-layers", "4"], 2,
      "--num-layers-per-virtual-pipeline-stage 3: --num-layers 4 is not pipeline stages 2 x chunks of 3"),
     (["--mock-data", "--data-path", "x"], 1, "--data-path and --mock-data are two sources of data"),
+    (["--context-parallel-size", "3"], 3,
+     "--seq-length 32 is not a multiple of 2 x --context-parallel-size 3"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
+     "world size 6 is not divisible by --tensor-model-parallel-size 2 x --context-parallel-size 2 x "
+     "--pipeline-model-parallel-size 1 = 4"),
+    (["--context-parallel-size", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+      "--seq-length", "24"], 16, "each rank's 6 tokens must divide by --tensor-model-parallel-size 4"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--group-query-attention",
+      "--num-query-groups", "2"], 4, "the 8 query heads and 2 key/value groups per tensor-parallel rank must "
+                                     "divide by --context-parallel-size 4"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2,
+     "--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes: hierarchical context parallelism "
+     "is not"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p"], 2,
+     "--cp-comm-type has 3 values: give one, or one per layer (--num-layers 2)"),
+    (["--sft", "--data-path", "x.jsonl", "--reset-attention-mask"], 1,
+     "--reset-attention-mask act on packed pretraining documents; --sft puts one"),
 ])
 def test_bad_settings_name_the_flag(flags, world, message):
     config = parse_config(TINY + flags)
