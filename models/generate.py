@@ -35,7 +35,7 @@ def single_stage_logits(model: GPTModel) -> NextTokenLogits:
         ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
         positions = torch.arange(length + pad, device=device).unsqueeze(0)
         with torch.no_grad():
-            return gather_vocab_logits(model(ids, positions)[length - 1, 0], model)
+            return gather_vocab_logits(model(ids, positions, whole_sequence=True)[length - 1, 0], model)
     return logits
 
 

@@ -16,7 +16,8 @@ from parallel.zero.grad_sync import staged_bucket_size
 @dataclass(frozen=True)
 class Layout:
     """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, optimizer
-    offload (none or cpu), sequence parallelism. A value, never checked against a model by itself."""
+    offload (none or cpu), sequence parallelism, context parallelism (ring attention). A value, never
+    checked against a model by itself."""
 
     tp: int
     pp: int
@@ -28,6 +29,12 @@ class Layout:
     sequence_parallel: bool = False
     layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
     zero: ZeroCommOptions = ZeroCommOptions()  # ZeRO++ / MiCS
+    cp: int = 1  # --context-parallel-size: each rank holds S / cp tokens of every sequence
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks gradients are reduced and ZeRO shards over: dp x cp."""
+        return self.dp * self.cp
 
     def layers_on(self, stage: int, num_layers: int) -> int:
         return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
@@ -43,7 +50,7 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
                       persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
     params = _stage_parameters(config, layout, stage)
-    shard = layout.zero.shard_size or layout.dp
+    shard = layout.zero.shard_size or layout.data_ranks
     total = expected_parameter_state_bytes(params, layout.zero_stage, shard, compute_bytes,
                                            persistence_threshold,
                                            grad_bytes, layout.zero.hpz)
@@ -60,8 +67,9 @@ def alive_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
 
 def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int,
                      compute_bytes: int) -> float:
-    """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring)."""
-    s, b, h, t = config.seq_length, layout.micro_batch_size, config.hidden_size, layout.tp
+    """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring); a cp rank keeps
+    those of its S / cp tokens (ring attention saves what fused attention saves: q, k, v, output, lse)."""
+    s, b, h, t = config.seq_length / layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
     per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
@@ -103,7 +111,7 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
     if rotary:  # rotation keeps only its tables; attention keeps the rotated queries and keys
         attention += (heads + groups) * d + 2 * config.rotary_channels
     mlp = (4 if config.activation == "swiglu" else 2) * f / t
-    return config.seq_length * layout.micro_batch_size * (norms + attention + mlp)
+    return config.seq_length / layout.cp * layout.micro_batch_size * (norms + attention + mlp)
 
 
 def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int,
@@ -115,7 +123,7 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
     chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
     block = sum(p.numel() for p in chunks[0].layers[0].parameters())
     params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    slot = staged_bucket_size(bucket_size, params, layout.dp) if layout.zero_stage == 2 else block
+    slot = staged_bucket_size(bucket_size, params, layout.data_ranks) if layout.zero_stage == 2 else block
     staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
     recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
@@ -136,10 +144,11 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
-    topology = Topology(layout.tp * layout.pp * layout.dp, layout.tp, layout.pp, gpus_per_node=gpus_per_node)
+    topology = Topology(layout.tp * layout.pp * layout.dp * layout.cp, layout.tp, layout.pp, layout.cp,
+                        gpus_per_node=gpus_per_node)
     node = (lambda rank: rank // gpus_per_node) if gpus_per_node else (lambda rank: 0)
     t, m = layout.tp, micro_batches
-    sbh = config.seq_length * layout.micro_batch_size * config.hidden_size * compute_bytes
+    sbh = config.seq_length / layout.cp * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = layout.layers_on(0, config.num_layers)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
     found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
@@ -147,6 +156,10 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
                            backend, layers, bucket_size)
     found.append(ring("all_reduce", "tp", topology.groups("tp"), node, 2 * (t - 1) / t * sbh * recompute,
                       4 * layers * m))
+    if layout.cp > 1:  # ring attention's key/value blocks (and their gradients), every layer
+        forward, backward = context_bytes(config, layout, compute_bytes)
+        found.append(ring("p2p", "cp", topology.groups("cp"), node,
+                          (forward * (2 if layout.recompute == "full" else 1) + backward) * layers * m))
     if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
         found.append(Transfer("p2p", "pp", 2 * sbh * m,
                               2 * sbh * m if any(node(a) != node(b) for g in topology.groups("pp")
@@ -154,11 +167,30 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     return found
 
 
+def context_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
+                  comm_type: str = "p2p") -> tuple[float, float]:
+    """Bytes one rank sends over the cp group for one layer and micro-batch, (forward, backward), as
+    ``parallel.context`` sends them (KV: this rank's keys and values, 2 b (S/cp) (G/t) d elements):
+    p2p passes cp - 1 blocks on in forward, cp - 1 again in backward and the fp32 dK/dV accumulators cp
+    times; a2a sends (cp - 1)/cp of q, k, v and the output each way; allgather gathers K/V in forward and
+    reduce-scatters their gradients in backward, (cp - 1) KV each."""
+    n = layout.cp
+    tokens = config.seq_length / n * layout.micro_batch_size
+    heads, groups = config.num_attention_heads / layout.tp, config.query_groups / layout.tp
+    kv = 2 * tokens * groups * config.head_dim
+    if comm_type == "p2p":
+        return (n - 1) * kv * compute_bytes, ((n - 1) * kv * compute_bytes + n * kv * 4)
+    if comm_type == "a2a":
+        moved = tokens * (2 * heads + 2 * groups) * config.head_dim * compute_bytes * (n - 1) / n
+        return moved, moved
+    return (n - 1) * kv * compute_bytes, (n - 1) * kv * compute_bytes
+
+
 def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:
     """Bytes a rank sends per step on each axis (dp: every data-parallel group, hpZ's and shard groups
     included); with ``crossing``, those of the transfers that leave a node (on a rank whose ring
     neighbour is on another node: the most loaded)."""
-    sent = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    sent = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0}
     for transfer in found:
         if not crossing or transfer.leaving_node > 0:
             sent[transfer.axis if transfer.axis in sent else "dp"] += transfer.per_rank * transfer.count

@@ -154,9 +154,9 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
     node = lambda rank: rank // node_size  # noqa: E731
-    dp, m = topology.dp, micro_batches
+    dp, m = topology.dp_cp, micro_batches  # gradients and ZeRO's shards span data x context
     shard = options.shard_size or dp
-    shards, replicas = topology.dp_partitions(shard) if shard < dp else (topology.groups("dp"), None)
+    shards, replicas = topology.dp_partitions(shard) if shard < dp else (topology.groups("dp-cp"), None)
     weight_bytes = QUANTIZED_BYTES if options.quantized_weights else compute_bytes
     part = params * (shard - 1) / shard
     dequantized = params * (1 + 1 / shard) if options.quantized_weights else 0.0  # own shard, then all of it
@@ -167,7 +167,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                        quantized_elements=quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
-        return [placed(ring("all_reduce", "dp", topology.groups("dp"), node,
+        return [placed(ring("all_reduce", "dp", topology.groups("dp-cp"), node,
                             2 * grad_bytes * params * (dp - 1) / dp),
                        "backward", "native")]
     transfers = []
@@ -192,7 +192,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     reductions = m if stage >= 2 else 1
     per_node = topology.dp_ranks_per_node(node_size)
     if options.quantized_gradients and stage >= 2:
-        levels = [topology.groups("dp")] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
+        levels = [topology.groups("dp-cp")] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
         elements = float(params)
         for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
             transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index],
@@ -220,7 +220,7 @@ def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[Ze
 
 def _zero_plus_plus(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroCommOptions]:
     k = topology.dp_ranks_per_node(gpus_per_node)
-    if k == topology.dp:  # every data-parallel group within one node
+    if k == topology.dp_cp:  # every data-parallel group within one node
         return [ZeroCommOptions()]
     if stage == 2:
         return [ZeroCommOptions(), ZeroCommOptions(quantized_gradients=True)]

@@ -2,9 +2,9 @@
 
     python -m launch.plan [model flags as for pretrain] --world-size 64 --gpus-per-node 8 \\
         --memory-per-device 80GiB [--zero-stage S] [--tensor-model-parallel-size T] \\
-        [--pipeline-model-parallel-size P] [--json]
+        [--pipeline-model-parallel-size P] [--context-parallel-size C] [--json]
 
-For every layout (tp, pp, dp, ZeRO stage, recompute, micro-batch size, optimizer offload) it predicts,
+For every layout (tp, pp, cp, dp, ZeRO stage, recompute, micro-batch size, optimizer offload) it predicts,
 for the most loaded device (the first pipeline stage for activations, the heaviest stage for model
 states):
 
@@ -17,12 +17,14 @@ states):
   elements per GPT-3 layer, 16 sbh/t with sequence parallelism; sbh (or sbh/t) with full recompute of
   each layer, i.e. --recompute-num-layers 1), times
   the micro-batches 1F1B keeps alive, plus the last stage's logits and loss; with full recompute also
-  the transient of rebuilding one layer in backward;
+  the transient of rebuilding one layer in backward; a context-parallel rank keeps those of its S / cp
+  tokens (cp is tried for every divisor that cuts the sequence into 2 x cp chunks);
 - gradients are fp32 main gradients for 16-bit parameters (4 bytes each, staging and reductions
   included), unless --grad-reduce-in-bf16 keeps them in bf16;
 - buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
 - communication per step and axis by the ring model of ``parallel.comm``, and the part that crosses
-  nodes of ``--gpus-per-node`` ranks.
+  nodes of ``--gpus-per-node`` ranks; cp's ring attention blocks as ``layout_price.context_bytes``
+  counts them (exposed in the link model: how much of them hides behind attention is not modelled).
 
 Layouts that fit are ranked by a step-time proxy: recompute cost x offload cost / (1 - pipeline bubble),
 then the bytes sent to another node (``parallel.comm``'s ring model over the layout's groups).
@@ -105,7 +107,7 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
     plan.score = recompute_cost * offload_cost / (1 - bubble)
     if links is not None:
-        world = layout.tp * layout.pp * layout.dp
+        world = layout.tp * layout.pp * layout.dp * layout.cp
         compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops
         plan.step_seconds = step_seconds(found, links, compute * plan.score, micro_batches,
                                          device.quantize_rate,
@@ -114,10 +116,21 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     return plan
 
 
+def _context_sizes(config: GPTConfig, model_parallel: int, world_size: int, cp: int | None) -> list[int]:
+    """The cp sizes worth trying: those that cut the sequence into 2 x cp chunks and fit the world."""
+    if cp:
+        return [cp]
+    sizes, size = [], 1
+    while world_size % (model_parallel * size) == 0 and config.seq_length % (2 * size) == 0:
+        sizes.append(size)
+        size *= 2
+    return sizes or [1]
+
+
 def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int,
                       zero_stage: int | None, tp: int | None, pp: int | None,
                       layers_per_stage: tuple[int, ...] | None = None,
-                      zero_plus_plus: bool = False) -> list[Layout]:
+                      zero_plus_plus: bool = False, cp: int | None = None) -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
     ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks."""
     layouts = []
@@ -129,23 +142,32 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
         for p in ([pp] if pp else [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]):
             if world_size % (t * p):
                 continue
-            dp = world_size // (t * p)
-            for micro in (1, 2, 4, 8):
-                if global_batch_size % (micro * dp) or global_batch_size // (micro * dp) < p:
-                    continue
-                for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
-                    for recompute in (None, "selective", "full"):
-                        for offload in ("none", "cpu") if stage else ("none",):
-                            for options in (zero_variants(stage,
-                                                          Topology(world_size, t, p,
-                                                                   gpus_per_node=gpus_per_node),
-                                                          gpus_per_node)
-                                            if zero_plus_plus else [ZeroCommOptions()]):
-                                layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,
-                                                      sequence_parallel=t > 1,
-                                                      layers_per_stage=layers_per_stage
-                                                      if layers_per_stage and p == len(layers_per_stage)
-                                                      else None, zero=options))
+            for c in _context_sizes(config, t * p, world_size, cp):
+                layouts += _layouts_of(t, p, c, world_size // (t * p * c), gpus_per_node, global_batch_size,
+                                       zero_stage, layers_per_stage, zero_plus_plus)
+    return layouts
+
+
+def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int,
+                zero_stage: int | None, layers_per_stage: tuple[int, ...] | None,
+                zero_plus_plus: bool) -> list[Layout]:
+    """The layouts of one tp x pp x cp x dp grid: micro-batch sizes, ZeRO stages and options, recompute,
+    offload."""
+    layouts = []
+    for micro in (1, 2, 4, 8):
+        if global_batch_size % (micro * dp) or global_batch_size // (micro * dp) < p:
+            continue
+        for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
+            for recompute in (None, "selective", "full"):
+                for offload in ("none", "cpu") if stage else ("none",):
+                    for options in (zero_variants(stage, Topology(t * p * c * dp, t, p, c,
+                                                                  gpus_per_node=gpus_per_node), gpus_per_node)
+                                    if zero_plus_plus else [ZeroCommOptions()]):
+                        layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,
+                                              sequence_parallel=t > 1,
+                                              layers_per_stage=layers_per_stage
+                                              if layers_per_stage and p == len(layers_per_stage) else None,
+                                              zero=options, cp=c))
     return layouts
 
 
@@ -154,14 +176,14 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
-         links: Links | None = None, device: Device = Device()) -> list[Plan]:
+         links: Links | None = None, device: Device = Device(), cp: int | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates)."""
     plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
                          grad_bytes, gpus_per_node, links, device)
              for layout in candidate_layouts(config, world_size, gpus_per_node,
                                              global_batch_size, zero_stage, tp, pp,
-                                             layers_per_stage, zero_plus_plus=links is not None)]
+                                             layers_per_stage, zero_plus_plus=links is not None, cp=cp)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, sum(p.comm_bytes_inter_node.values()), p.total_bytes))
 
@@ -215,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
              "tp": (parallel.tensor_model_parallel_size
                     if "--tensor-model-parallel-size" in model_flags else None),
              "pp": (parallel.pipeline_model_parallel_size
-                    if "--pipeline-model-parallel-size" in model_flags else None)}
+                    if "--pipeline-model-parallel-size" in model_flags else None),
+             "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None}
     compute_bytes = 2 if train.bf16 or train.fp16 else 4
     links = Links(parse_bandwidth(args.intra_node_bandwidth), parse_bandwidth(args.inter_node_bandwidth),
                   args.link_latency) if args.inter_node_bandwidth else None
@@ -238,19 +261,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
           "per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
-    print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
+    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
           f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / "
-          "tp / pp "
-          "(to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
+          "tp / pp / cp (to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
         layout, gib = p.layout, 2**30
-        print(f"{layout.tp:>3} {layout.pp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
+        print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
               f"{str(layout.recompute):>9} "
               f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
               f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
               + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
-                           for axis in ("dp", "tp", "pp"))
+                           for axis in ("dp", "tp", "pp", "cp"))
               + (f" | {layout.zero.label():>14} | {p.step_seconds:.3f}" if links else ""))
     if advice:
         print(advice)

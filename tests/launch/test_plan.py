@@ -37,6 +37,10 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
                                             "--zero-persistence-threshold", "0", "--bf16",
                                             "--gpus-per-node", "2", "--zero-shard-size", "2"],
                                            Layout(1, 1, 4, 3, zero=ZeroCommOptions(shard_size=2))),
+    "cp2 x dp2 stage 2": (["--context-parallel-size", "2", "--zero-stage", "2"], Layout(1, 1, 2, 2, cp=2)),
+    "cp4 stage 1 bf16 full recompute": (["--context-parallel-size", "4", "--zero-stage", "1", "--bf16",
+                                         "--recompute-granularity", "full", "--recompute-num-layers", "1"],
+                                        Layout(1, 1, 1, 1, recompute="full", cp=4)),
 }
 DATA_PARALLEL_ONLY = [name for name, (_, layout) in LAYOUTS.items() if layout.tp == layout.pp == 1]
 
@@ -64,7 +68,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         config.model.vocab_size = 512  # the corpus tokenizer's
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
                         sequence_parallel=layout.sequence_parallel, layers_per_stage=layout.layers_per_stage,
-                        zero=layout.zero)
+                        zero=layout.zero, cp=layout.cp)
         predicted = plan_layout(config.model, layout, 8, 2 if "--bf16" in flags else 4,
                                 persistence_threshold=config.zero.zero_persistence_threshold)
         states = max(r["model_state_bytes"] for r in ranks)
@@ -108,10 +112,27 @@ def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
     one = Layout(tp=2, pp=2, dp=2, zero_stage=3)  # 8 ranks: pp stage 0 = ranks 0-3, stage 1 = ranks 4-7
     found = {node: transfers(config.model, one, 4, 2, gpus_per_node=node) for node in (2, 4, 8)}
     sent = sent_by_axis(found[8])
-    assert all(sent.values())
-    assert sent_by_axis(found[4], crossing=True) == {"dp": 0.0, "tp": 0.0, "pp": sent["pp"]}
-    assert sent_by_axis(found[8], crossing=True) == {"dp": 0.0, "tp": 0.0, "pp": 0.0}
-    assert sent_by_axis(found[2], crossing=True) == {"dp": sent["dp"], "tp": 0.0, "pp": sent["pp"]}
+    assert all(sent[axis] for axis in ("dp", "tp", "pp"))
+    assert sent["cp"] == 0 and sent_by_axis(found[4], crossing=True) == {"dp": 0.0, "tp": 0.0,
+                                                                         "pp": sent["pp"], "cp": 0.0}
+    assert sent_by_axis(found[8], crossing=True) == {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0}
+    assert sent_by_axis(found[2], crossing=True) == {"dp": sent["dp"], "tp": 0.0, "pp": sent["pp"], "cp": 0.0}
+
+
+def test_planner_proposes_context_parallelism_for_long_sequences():
+    """Llama-3 8B on 8 nodes of 8 x 80 GiB: at 8K tokens the best layouts keep whole sequences, at 128K the
+    best cuts them (whole, only full recompute fits); a cp rank keeps 1/cp of the activations (logits
+    included) and sends ring attention's blocks over the cp group."""
+    config = parse_config(["--config", "launch/configs/presets/llama3-8b.yaml"]).model
+    assert all(p.layout.cp == 1 for p in plan(config, 64, 8, parse_bytes("80GiB"), 128)[:3])
+    config.seq_length = config.max_position_embeddings = 131072
+    plans = plan(config, 64, 8, parse_bytes("80GiB"), 16)
+    assert plans and plans[0].layout.cp > 1
+    assert all(p.layout.cp > 1 or p.layout.recompute == "full" for p in plans)
+    one, two = (plan_layout(config, Layout(8, 1, 8 // cp, 1, sequence_parallel=True, cp=cp), 16, 2)
+                for cp in (1, 2))
+    assert two.activation_bytes == pytest.approx(one.activation_bytes / 2, rel=1e-9)
+    assert one.comm_bytes["cp"] == 0 and two.comm_bytes["cp"] > 0
 
 
 def test_link_model_prefers_zero_2_on_a_slow_link_and_zero_plus_plus_when_ranks_share_a_node(capsys):
@@ -143,7 +164,7 @@ def test_link_model_prefers_zero_2_on_a_slow_link_and_zero_plus_plus_when_ranks_
 
 
 PRESET_WORLDS = {"gpt-125m": 8, "gpt-350m": 8, "gpt-1.3b": 16, "gpt-2.7b": 32, "gpt-6.7b": 64, "gpt-13b": 128,
-                 "gpt-30b": 256, "gpt-175b": 1024, "llama3-8b": 64}
+                 "gpt-30b": 256, "gpt-175b": 1024, "llama3-8b": 64, "llama3-8b-32k": 64, "llama3-8b-128k": 64}
 
 
 def test_every_preset_is_valid_and_its_suggested_layout_fits_80gib():
@@ -154,10 +175,11 @@ def test_every_preset_is_valid_and_its_suggested_layout_fits_80gib():
         topology = validate(config, world)
         recompute = config.recompute.recompute_granularity
         layout = Layout(topology.tp, topology.pp, topology.dp, config.zero.zero_stage, recompute,
-                        config.training.micro_batch_size, sequence_parallel=config.parallel.sequence_parallel)
+                        config.training.micro_batch_size, sequence_parallel=config.parallel.sequence_parallel,
+                        cp=topology.cp)
         predicted = plan_layout(config.model, layout, config.training.global_batch_size, 2)
         assert predicted.total_bytes <= 80 * 2**30, (name, predicted.total_bytes / 2**30)
-        size = float(name.split("-")[-1][:-1]) * (1e9 if name[-1] == "b" else 1e6)
+        size = float(name.split("-")[1][:-1]) * (1e9 if name.split("-")[1][-1] == "b" else 1e6)
         # the size in its name, within 25%
         assert abs(num_parameters(config.model) - size) <= 0.25 * size, name
 

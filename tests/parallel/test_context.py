@@ -1,9 +1,12 @@
-"""Context parallelism's attention against full attention on one process, and its sequence cut."""
+"""Context parallelism's attention against full attention on one process, its bytes against the planner's
+formula, and its sequence cut."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from launch.tools.layout_price import Layout, context_bytes
+from models.config import GPTConfig
 from parallel.context import ContextParallel, context_attention, document_mask, shard_sequence, token_indices
 from parallel.context.sharding import unshard_sequence
 from parallel.process_groups import create_process_groups
@@ -65,9 +68,17 @@ def _attention_against_one_process(rank, world_size):
                     want = _reference(q.float(), k.float(), v.float(), grad.float(), documents)
                     mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_()
                             for t in (q, k, v)]
+                    group.stats.reset()
                     out = context_attention(*mine, ContextParallel(group, (kind,)), layer=0,
                                             documents=documents)
                     out.backward(shard_sequence(grad, cp, group.rank, dim=2))
+                    sent = group.stats.bytes_by_axis()["cp"]
+                    config = GPTConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                                       group_query_attention=groups < heads, num_query_groups=groups,
+                                       seq_length=length)  # what the planner prices this attention at
+                    predicted = sum(context_bytes(config, Layout(1, 1, 1, 0, micro_batch_size=b, cp=cp),
+                                                  q.element_size(), kind))
+                    assert sent == pytest.approx(predicted, rel=1e-9), (kind, cp, sent, predicted)
                     got = [out.detach(), *(t.grad for t in mine)]
                     assert all(t.dtype == dtype for t in got)
                     what = f"cp {cp} {kind} heads {heads}/{groups} {dtype} documents {documents_on}"
