@@ -6,6 +6,11 @@ softmax denominator. Shapes, grouped queries kept apart from their key/value gro
 per head): q [b, G, Q, s, d], k and v [b, G, t, d], out [b, G, Q, s, d], lse [b, G, Q, s]. Computed in
 fp32 whatever the inputs' dtype. ``mask`` (bool, True = visible) broadcasts to [b, 1, 1, s, t]; None
 means every key is visible. ``keep``: attention dropout's mask of kept probabilities, [b, G, Q, s, t].
+
+``fused_forward`` / ``fused_backward`` are the same on torch's fused CPU kernel (flash attention for
+the CPU, which returns the log-sum-exp and whose backward takes the merged output and log-sum-exp, as
+ring attention needs), for blocks that are whole or causal on the diagonal, without dropout. On other
+devices the blocks run on the explicit form above (no fused kernel for accelerators is wired here).
 """
 
 from __future__ import annotations
@@ -60,3 +65,38 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     safe = _finite(merged)
     weight, block_weight = torch.exp(lse - safe), torch.exp(block_lse - safe)
     return out * weight.unsqueeze(-1) + block_out * block_weight.unsqueeze(-1), merged
+
+
+def fused(q: torch.Tensor, mask_free: bool, keep: torch.Tensor | None) -> bool:
+    """Whether a block runs on the fused CPU kernel: on the CPU, no document mask, no dropout."""
+    return q.device.type == "cpu" and mask_free and keep is None
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q as [b, G Q, s, d]; k and v repeated for a group's Q queries (the kernel takes equal heads)."""
+    b, groups, queries, length, d = q.shape
+    def each(t):
+        return t.unsqueeze(2).expand(b, groups, queries, t.shape[2], d).reshape(b, groups * queries, -1, d)
+    return q.reshape(b, groups * queries, length, d), each(k), each(v)
+
+
+def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward`` of a whole (``causal`` False) or diagonal block on torch's flash kernel for the CPU."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_heads(q, k, v), 0.0, causal,
+                                                                         scale=scale)
+    return out.view(q.shape).float(), lse.reshape(q.shape[:4])
+
+
+def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   grad_out: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``backward`` on the fused kernel: ``grad_out`` and the merged ``out`` in q's dtype, merged ``lse``."""
+    b, groups, queries, length, d = q.shape
+    heads = _heads(q, k, v)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.reshape(heads[0].shape), *heads, out.reshape(heads[0].shape),
+        lse.reshape(b, groups * queries, length), 0.0, causal, scale=scale)
+    grad_q, grad_k, grad_v = (g.float() for g in grads)
+    return (grad_q.view(q.shape), grad_k.view(b, groups, queries, -1, d).sum(2),
+            grad_v.view(b, groups, queries, -1, d).sum(2))

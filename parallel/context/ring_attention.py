@@ -41,19 +41,41 @@ class _Transfer:
 
 def _pairs(queries: tuple[int, int], keys: tuple[int, int], length: int, documents: torch.Tensor | None,
            device: torch.device):
-    """(query half, key half, mask) for every pair of chunks that attend: causal on the diagonal, whole
-    below it, skipped above; with ``documents`` [b, S] also only within a document."""
+    """(query half, key half, diagonal, mask) for every pair of chunks that attend: causal on the
+    diagonal, whole below it, skipped above; ``mask`` only with ``documents`` [b, S] (attention within a
+    document, and causal on the diagonal), else None."""
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     for a, query_chunk in enumerate(queries):
         for b, key_chunk in enumerate(keys):
             if query_chunk < key_chunk:
                 continue
-            mask = causal if query_chunk == key_chunk else None
+            diagonal, mask = query_chunk == key_chunk, None
             if documents is not None:
-                same = (documents[:, query_chunk * length:(query_chunk + 1) * length, None]
+                mask = (documents[:, query_chunk * length:(query_chunk + 1) * length, None]
                         == documents[:, None, key_chunk * length:(key_chunk + 1) * length])
-                mask = same if mask is None else same & mask
-            yield a, b, None if mask is None else mask.view(-1, 1, 1, length, length)
+                mask = (mask & causal if diagonal else mask).view(-1, 1, 1, length, length)
+            yield a, b, diagonal, mask
+
+
+def _explicit_mask(q, k, diagonal, mask):
+    """The mask of the explicit form: the documents' (causal on the diagonal already), else the causal
+    one on the diagonal, else none."""
+    if mask is None and diagonal:
+        return torch.ones(q.shape[3], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return mask
+
+
+def _block_forward(q, k, v, scale, diagonal, mask, keep, dropout):
+    if block.fused(q, mask is None, keep):
+        return block.fused_forward(q, k, v, scale, diagonal)
+    return block.forward(q, k, v, scale, _explicit_mask(q, k, diagonal, mask), keep, dropout)
+
+
+def _block_backward(q, k, v, scale, diagonal, mask, keep, dropout, grad_out, out, lse, delta):
+    if block.fused(q, mask is None, keep):
+        return block.fused_backward(q, k, v, scale, diagonal, grad_out, out, lse)
+    return block.backward(q, k, v, scale, _explicit_mask(q, k, diagonal, mask), keep, dropout,
+                          grad_out.float(), lse, delta)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -67,13 +89,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = _Transfer(held, cp, KV) if step + 1 < n else None
             keys, values = held[0].split(length, dim=2), held[1].split(length, dim=2)
-            for a, b, mask in _pairs(mine, chunk_ids(n, (cp.rank - step) % n), length, documents, q.device):
+            for a, b, diagonal, mask in _pairs(mine, chunk_ids(n, (cp.rank - step) % n), length, documents,
+                                               q.device):
                 keep = None
                 if dropout > 0:
                     with rng.fork() if rng is not None else contextlib.nullcontext():
                         keep = torch.rand(queries[a].shape[:4] + (length,), device=q.device) >= dropout
                 keeps.append(keep)
-                part, part_lse = block.forward(queries[a], keys[b], values[b], scale, mask, keep, dropout)
+                part, part_lse = _block_forward(queries[a], keys[b], values[b], scale, diagonal, mask, keep,
+                                                dropout)
                 out[a], lse[a] = block.merge(out[a], lse[a], part, part_lse)
             if pending is not None:
                 held = pending.wait()
@@ -88,9 +112,10 @@ class _RingAttention(torch.autograd.Function):
         cp, scale, dropout, documents = ctx.cp, ctx.scale, ctx.dropout, ctx.documents
         n, mine = cp.size, chunk_ids(cp.size, cp.rank)
         length = q.shape[3] // 2
-        grad_out = grad_output.float()
-        delta = (grad_out * result.float()).sum(-1)
-        queries, grads, lses, deltas = (t.split(length, dim=3) for t in (q, grad_out, lse, delta))
+        grad_output = grad_output.to(q.dtype)
+        delta = (grad_output.float() * result.float()).sum(-1)
+        queries, grads, outs, lses, deltas = (t.split(length, dim=3)
+                                              for t in (q, grad_output, result, lse, delta))
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grad_queries = grad_q.split(length, dim=3)
         keeps = iter(ctx.keeps)
@@ -100,9 +125,10 @@ class _RingAttention(torch.autograd.Function):
             keys, values = held[0].split(length, dim=2), held[1].split(length, dim=2)
             grad_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
             grad_keys, grad_values = grad_kv[0].split(length, dim=2), grad_kv[1].split(length, dim=2)
-            for a, b, mask in _pairs(mine, chunk_ids(n, (cp.rank - step) % n), length, documents, q.device):
-                dq, dk, dv = block.backward(queries[a], keys[b], values[b], scale, mask, next(keeps), dropout,
-                                            grads[a], lses[a], deltas[a])
+            for a, b, diagonal, mask in _pairs(mine, chunk_ids(n, (cp.rank - step) % n), length, documents,
+                                               q.device):
+                dq, dk, dv = _block_backward(queries[a], keys[b], values[b], scale, diagonal, mask,
+                                             next(keeps), dropout, grads[a], outs[a], lses[a], deltas[a])
                 grad_queries[a].add_(dq)
                 grad_keys[b].add_(dk)
                 grad_values[b].add_(dv)

@@ -98,3 +98,63 @@ def _attention_against_one_process(rank, world_size):
 def test_context_attention_equals_full_attention():
     counts = run_world(4, _attention_against_one_process, timeout_s=300)
     assert counts[0] == 2 * (3 * 4 - 1) * 3 - 3 * 1  # cp 4 skips a2a at 6/2 too
+
+
+def _replayed_keep_mask(cp, length, shape, dropout, seed):
+    """The whole [b, G, Q, S, S] mask of kept attention probabilities that ring attention draws on every
+    cp rank (rank r's stream seeded seed + r), replayed in its order of steps and chunk pairs."""
+    from parallel.context.ring_attention import _pairs
+    from parallel.context.sharding import chunk_ids
+    from parallel.tensor.random import TENSOR_PARALLEL_STREAM, RNGTracker
+
+    chunk = length // (2 * cp)
+    keep = torch.zeros(*shape, length, length, dtype=torch.bool)
+    for rank in range(cp):
+        tracker = RNGTracker()
+        tracker.add(TENSOR_PARALLEL_STREAM, seed + rank)
+        mine = chunk_ids(cp, rank)
+        for step in range(cp):
+            theirs = chunk_ids(cp, (rank - step) % cp)
+            for a, b, _, _ in _pairs(mine, theirs, chunk, None, "cpu"):
+                with tracker.fork(TENSOR_PARALLEL_STREAM):
+                    drawn = torch.rand(*shape, chunk, chunk) >= dropout
+                rows, cols = mine[a] * chunk, theirs[b] * chunk
+                keep[..., rows:rows + chunk, cols:cols + chunk] = drawn
+    return keep
+
+
+def _ring_dropout_against_its_replay(rank, world_size):
+    """Ring attention with attention dropout: output and gradients equal the explicit attention of one
+    process under the same kept probabilities (each cp rank's stream replayed)."""
+    from parallel.tensor.random import TENSOR_PARALLEL_STREAM, RNGTracker
+
+    for cp in (2, 4):
+        group = create_process_groups(Topology(world_size, cp=cp)).cp
+        generator = torch.Generator().manual_seed(7)
+        b, heads, groups, length, d, dropout = 1, 4, 2, 16, 8, 0.3
+        q = torch.randn(b, heads, length, d, generator=generator)
+        k, v = (torch.randn(b, groups, length, d, generator=generator) for _ in "kv")
+        grad = torch.randn(b, heads, length, d, generator=generator)
+        keep = _replayed_keep_mask(cp, length, (b, groups, heads // groups), dropout, seed=100)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        grouped = full[0].view(b, groups, heads // groups, length, d)
+        scores = torch.einsum("bgqsd,bgtd->bgqst", grouped, full[1]) * d ** -0.5
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1) * keep / (1 - dropout)
+        want = torch.einsum("bgqst,bgtd->bgqsd", probs, full[2]).reshape(b, heads, length, d)
+        want.backward(grad)
+        tracker = RNGTracker()
+        tracker.add(TENSOR_PARALLEL_STREAM, 100 + group.rank)
+        mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        out = context_attention(*mine, ContextParallel(group, ("p2p",)), layer=0, dropout=dropout,
+                                rng=tracker)
+        out.backward(shard_sequence(grad, cp, group.rank, dim=2))
+        assert_tensors_close([out.detach(), *(t.grad for t in mine)],
+                             [shard_sequence(t, cp, group.rank, dim=2)
+                              for t in (want.detach(), *(t.grad for t in full))],
+                             f"cp {cp} ring attention with dropout", ONE_STEP_RTOL)
+    return True
+
+
+def test_ring_attention_dropout_follows_each_cp_ranks_stream():
+    assert all(run_world(4, _ring_dropout_against_its_replay))
