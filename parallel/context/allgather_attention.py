@@ -45,11 +45,12 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: A
     whole = torch.cat([first[c] if c < n else second[2 * n - 1 - c] for c in range(2 * n)], dim=-2)
     b, groups, queries, length, d = q.shape
     mine = token_indices(length * n, n, cp.rank, q.device)
-    mask = torch.arange(length * n, device=q.device)[None, :] <= mine[:, None]  # [s, S]
+    mask = torch.arange(length * n, device=q.device)[None, :] <= mine[:, None]  # [s, S]; kept 4-D below,
+    # the shape torch's fused kernels take (a 3-D mask falls back to the math path, which saves s x S)
     if documents is not None:
         mask = mask & (documents[:, mine, None] == documents[:, None, :])
     with rng.fork() if rng is not None and dropout > 0 else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q.flatten(1, 2), whole[0], whole[1],
-                                             attn_mask=mask.unsqueeze(-3),
+                                             attn_mask=mask.view(-1, 1, length, length * n),
                                              dropout_p=dropout, scale=scale, enable_gqa=queries > 1)
     return out.view(b, groups, queries, length, d)
