@@ -32,15 +32,14 @@ def _assert_all_follow(results, references, names):
 
 @pytest.mark.parity
 def test_context_parallel_layouts_reproduce_the_single_process_run(references, stdlib_corpus):
-    zero = [_cp(2, "p2p", "--zero-stage", str(stage)) for stage in (1, 2, 3)]
-    four = {"cp2 p2p": _cp(2), "cp2 a2a": _cp(2, "a2a"), "cp2 allgather": _cp(2, "allgather"),
-            "cp4 p2p": _cp(4), "cp4 a2a": _cp(4, "a2a"),
+    # all-gather attention runs in the per-layer case, the 8-rank grid, document masking and resume;
+    # ZeRO-2 in the 8-rank grid: each composition once keeps the test inside the suite's time
+    four = {"cp2 p2p": _cp(2), "cp2 a2a": _cp(2, "a2a"), "cp4 p2p": _cp(4),
             "cp2 x tp2 SP p2p": _cp(2) + _tp(2, "--sequence-parallel"),
-            "cp2 x tp2 SP a2a": _cp(2, "a2a") + _tp(2, "--sequence-parallel"),
             "cp2 x pp2 1f1b": _cp(2) + _pp(2),
             "cp2 x pp2 interleaved a2a": _cp(2, "a2a") + _pp(2, "interleaved",
                                                              "--virtual-pipeline-size", "2"),
-            **{f"cp2 x dp2 ZeRO-{stage}": flags for stage, flags in zip((1, 2, 3), zero)},
+            "cp2 x dp2 ZeRO-1": _cp(2, "p2p", "--zero-stage", "1"),
             "cp2 x dp2 ZeRO-3 full recompute": _cp(2, "p2p", "--zero-stage", "3", "--recompute-granularity",
                                                    "full"),
             "cp2 per-layer types, selective recompute": ["--context-parallel-size", "2", "--cp-comm-type",
@@ -48,7 +47,7 @@ def test_context_parallel_layouts_reproduce_the_single_process_run(references, s
                                                          "--recompute-granularity", "selective"]}
     _assert_all_follow(run_world(4, _train, list(four.values()), stdlib_corpus, timeout_s=600),
                        references["gpt"], list(four))
-    llama = {"llama cp2 p2p": _cp(2), "llama cp2 a2a": _cp(2, "a2a"), "llama cp4 p2p": _cp(4),
+    llama = {"llama cp4 p2p": _cp(4),
              "llama cp2 x tp2 SP": _cp(2) + _tp(2, "--sequence-parallel"),
              "llama cp2 x pp2 interleaved": _cp(2) + _pp(2, "interleaved", "--virtual-pipeline-size", "2"),
              "llama cp2 x dp2 ZeRO-3": _cp(2, "a2a", "--zero-stage", "3")}
