@@ -37,6 +37,30 @@ class GPTConfig:
     rotary_percent: float = field(default=1.0, metadata=flag("fraction of each head's channels that rotate"))
     rotary_interleaved: bool = field(default=False, metadata=flag(
         "rotate pairs of adjacent channels (RoFormer's layout) instead of the two halves"))
+    rope_scaling_type: str = field(default="none", metadata=flag(
+        "rotary frequency scaling for long contexts, as transformers' rope_type names it "
+        "(models/rope_scaling)",
+        choices=["none", "linear", "dynamic", "yarn", "llama3", "longrope"]))
+    use_rope_scaling: bool = field(default=False, metadata=flag(
+        "Llama 3.x's rope scaling (Megatron's flag; the same as --rope-scaling-type llama3)"))
+    rope_scaling_factor: float = field(default=8.0, metadata=flag(
+        "how many times the original context the scaled frequencies cover (Megatron's default 8)"))
+    rope_original_max_position_embeddings: int = field(default=8192, metadata=flag(
+        "the context the rotary base was trained at (Llama 3.1: 8192)"))
+    rope_low_freq_factor: float = field(default=1.0, metadata=flag("llama3: low-frequency factor"))
+    rope_high_freq_factor: float = field(default=4.0, metadata=flag("llama3: high-frequency factor"))
+    rope_beta_fast: float = field(default=32.0, metadata=flag("yarn: extrapolation boundary (rotations)"))
+    rope_beta_slow: float = field(default=1.0, metadata=flag("yarn: interpolation boundary (rotations)"))
+    rope_mscale: float | None = field(default=None, metadata=flag("yarn: mscale (DeepSeek's form)"))
+    rope_mscale_all_dim: float | None = field(default=None, metadata=flag("yarn: mscale_all_dim"))
+    rope_yarn_truncate: bool = field(default=True, metadata=flag(
+        "yarn: round the correction range to whole dims"))
+    rope_attention_factor: float | None = field(default=None, metadata=flag(
+        "yarn / longrope: the factor cos and sin are scaled by (default: from the scaling factor)"))
+    rope_short_factor: list[float] | None = field(default=None, metadata=flag(
+        "longrope: one factor per rotary channel pair, at or below the original context"))
+    rope_long_factor: list[float] | None = field(default=None, metadata=flag(
+        "longrope: one factor per rotary channel pair, beyond the original context"))
     normalization: str = field(default="LayerNorm",
                                metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
     layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon", aliases=["--norm-epsilon"]))
@@ -92,6 +116,11 @@ class GPTConfig:
             return "rope"
         return ("learned_absolute" if self.position_embedding_type == "learned"
                 else self.position_embedding_type)
+
+    @property
+    def rope_scaling(self) -> str:
+        """The rotary scaling kind, whichever spelling the flags used."""
+        return "llama3" if self.use_rope_scaling else self.rope_scaling_type
 
     @property
     def activation(self) -> str:
@@ -166,6 +195,27 @@ class GPTConfig:
                                  "number (>= 2)")
             if self.rotary_base <= 0:
                 raise ValueError(f"--rotary-base must be > 0, got {self.rotary_base}")
+            self._validate_rope_scaling()
+
+    def _validate_rope_scaling(self) -> None:
+        kind = self.rope_scaling
+        if kind == "none":
+            return
+        if self.rope_scaling_factor <= 0 or self.rope_original_max_position_embeddings <= 0:
+            raise ValueError(f"--rope-scaling-type {kind}: --rope-scaling-factor and "
+                             "--rope-original-max-position-embeddings must be > 0")
+        if kind == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError("--rope-scaling-type llama3: need 0 < --rope-low-freq-factor < "
+                             f"--rope-high-freq-factor, got {self.rope_low_freq_factor} and "
+                             f"{self.rope_high_freq_factor}")
+        if kind == "longrope":
+            pairs = self.rotary_channels // 2
+            for name, factors in (("--rope-short-factor", self.rope_short_factor),
+                                  ("--rope-long-factor", self.rope_long_factor)):
+                if factors is None or len(factors) != pairs:
+                    raise ValueError(f"--rope-scaling-type longrope: {name} needs one factor per rotary "
+                                     f"channel pair ({pairs}), got "
+                                     f"{'none' if factors is None else len(factors)}")
 
     @property
     def rotary_channels(self) -> int:

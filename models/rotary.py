@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.config import GPTConfig
+from models.rope_scaling import inverse_frequencies
 
 
 def rotary_tables(config: GPTConfig, positions: torch.Tensor,
@@ -13,14 +14,17 @@ def rotary_tables(config: GPTConfig, positions: torch.Tensor,
     in fp32 and given in ``dtype`` (the activations', as Megatron and Hugging Face apply them).
 
     Channel pair (i, i + r/2) of the r rotated channels turns by position / base^(2i/r) (Megatron's and
-    Hugging Face Llama's layout), or pair (2i, 2i + 1) with --rotary-interleaved (RoFormer's)."""
-    rotated = config.rotary_channels
-    exponents = torch.arange(0, rotated, 2, dtype=torch.int64, device=positions.device).float() / rotated
-    inverse = 1.0 / (config.rotary_base ** exponents)
+    Hugging Face Llama's layout), or pair (2i, 2i + 1) with --rotary-interleaved (RoFormer's); the
+    frequencies scaled as ``--rope-scaling-type`` says (``models.rope_scaling``), yarn's and longrope's
+    attention factor multiplying both tables as transformers does."""
+    inverse, attention_factor = inverse_frequencies(config, positions.device)
     angles = positions.t().float().unsqueeze(-1) * inverse  # [s, b, r/2]
     angles = (angles.repeat_interleave(2, dim=-1) if config.rotary_interleaved
               else torch.cat([angles, angles], dim=-1)).unsqueeze(2)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -22,15 +22,55 @@ class HFMappingError(ValueError):
     """A Hugging Face model or one of ours that the other side cannot express exactly; names why."""
 
 
-def _rope_theta(hf: dict) -> float:
-    parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}  # the older spelling
-    for kind in (parameters.get("rope_type", "default"),
-                 scaling.get("rope_type", scaling.get("type", "default"))):
-        if kind != "default":
-            raise HFMappingError(f"rope scaling {kind!r} is not supported: only plain rotary positions "
-                                 "map exactly")
-    return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+def _rope_fields(hf: dict) -> dict:
+    """Our rotary fields (base and scaling) for a config's ``rope_parameters`` (or the older
+    ``rope_scaling`` with ``rope_theta`` beside it); HFMappingError naming a rope_type we do not have."""
+    parameters = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFMappingError(f"rope_type {kind!r} is not supported: {', '.join(ROPE_TYPES)} are")
+    fields = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return fields
+    longest = hf["max_position_embeddings"]
+    original = parameters.get("original_max_position_embeddings",
+                              hf.get("original_max_position_embeddings", longest))
+    if kind == "dynamic":  # transformers scales dynamic NTK against max_position_embeddings
+        original = longest
+    factor = parameters.get("factor") or longest / original
+    fields.update(rope_scaling_type=kind, rope_scaling_factor=float(factor),
+                  rope_original_max_position_embeddings=int(original))
+    optional = {"low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
+                "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+                "mscale_all_dim": "rope_mscale_all_dim", "attention_factor": "rope_attention_factor",
+                "truncate": "rope_yarn_truncate", "short_factor": "rope_short_factor",
+                "long_factor": "rope_long_factor"}
+    fields.update({ours: parameters[theirs] for theirs, ours in optional.items()
+                   if parameters.get(theirs) is not None})
+    return fields
+
+
+def _rope_parameters(config: GPTConfig) -> dict:
+    """transformers' ``rope_parameters`` for our rotary fields (the inverse of ``_rope_fields``)."""
+    kind = config.rope_scaling
+    parameters = {"rope_theta": config.rotary_base, "rope_type": "default" if kind == "none" else kind}
+    if kind == "none":
+        return parameters
+    parameters["factor"] = config.rope_scaling_factor
+    if kind != "dynamic":
+        parameters["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
+    extra = {"llama3": {"low_freq_factor": config.rope_low_freq_factor,
+                        "high_freq_factor": config.rope_high_freq_factor},
+             "yarn": {"beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
+                      "mscale": config.rope_mscale, "mscale_all_dim": config.rope_mscale_all_dim,
+                      "attention_factor": config.rope_attention_factor,
+                      "truncate": config.rope_yarn_truncate},
+             "longrope": {"short_factor": config.rope_short_factor, "long_factor": config.rope_long_factor,
+                          "attention_factor": config.rope_attention_factor}}.get(kind, {})
+    return {**parameters, **{key: value for key, value in extra.items() if value is not None}}
 
 
 def config_from_hf(hf: dict) -> GPTConfig:
@@ -74,7 +114,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
                      ffn_hidden_size=hf["intermediate_size"],
                      seq_length=min(hf["max_position_embeddings"], 4096),
                      max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
-                     position_embedding_type="rope", rotary_base=_rope_theta(hf),
+                     position_embedding_type="rope", **_rope_fields(hf),
                      rotary_percent=float(hf.get("partial_rotary_factor", 1.0)), normalization="RMSNorm",
                      layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
                      group_query_attention=groups != heads,
@@ -132,7 +172,7 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
             "head_dim": config.head_dim, "hidden_act": "silu",
             "max_position_embeddings": config.max_positions,
             "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
-            "rope_parameters": {"rope_theta": config.rotary_base, "rope_type": "default"},
+            "rope_parameters": _rope_parameters(config),
             "attention_bias": kind == "qwen2", "mlp_bias": False, "tie_word_embeddings": tied,
             "attention_dropout": config.attention_dropout, "torch_dtype": "float32", **special}
 

@@ -31,8 +31,10 @@ def _hf_model(kind: str, vocab: int):
                    num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=32, rope_theta=500000.0,
                    tie_word_embeddings=False)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**options))
+    if kind == "llama":  # Llama 3.1's rope scaling, which changes both frequency pairs of a head here
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**options, rope_parameters=rope))
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**options))
 
 
@@ -140,8 +142,8 @@ def test_models_that_do_not_map_are_refused_naming_why(hf_models, tmp_path):
                              "model_type 'mixtral' is not"),
                             ({"model_type": "mistral", "sliding_window": 16},
                              "sliding-window attention is not"),
-                            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-                             "rope scaling 'llama3'"),
+                            ({"rope_parameters": {"rope_type": "proportional", "factor": 8.0}},
+                             "rope_type 'proportional' is not supported"),
                             ({"intermediate_size": 64},
                              "make layers.0.mlp.fc1.weight of shape (2, 48, 32); the "
                                                         "architecture in config.json needs (2, 64, 32)")]:
