@@ -7,14 +7,13 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.config import GPTConfig
-from models.norms import build_norm
+from models.norms import build_norm, build_split_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup
-from parallel.context import ContextParallel, context_attention, document_mask
+from parallel.context import ContextParallel, ScoreOptions, attend, context_attention, sequence_mask
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor.random import RNGTracker
 from parallel.tensor.weight_init import WeightInit
@@ -23,13 +22,15 @@ from parallel.tensor.weight_init import WeightInit
 @dataclass(frozen=True)
 class LayerInputs:
     """What every layer reads besides its hidden state; nothing here needs a gradient. ``rotary``: the
-    (cos, sin) tables of this rank's tokens; ``documents``: each token's document ([b, S], the whole
-    sequence) when attention stays within documents; ``context``: the cp group when the hidden state holds
-    this rank's share of each sequence (None when it holds all of it)."""
+    (cos, sin) tables of this rank's tokens; ``rotary_local``: those of the sliding-window layers where
+    they have a base of their own (Gemma 3), else None; ``documents``: each token's document ([b, S], the
+    whole sequence) when attention stays within documents; ``context``: the cp group when the hidden
+    state holds this rank's share of each sequence (None when it holds all of it)."""
 
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     documents: torch.Tensor | None = None
     context: ContextParallel | None = None
+    rotary_local: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SelfAttention(nn.Module):
@@ -37,8 +38,10 @@ class SelfAttention(nn.Module):
 
     Owns the fused QKV projection (column-parallel; its rows are ordered group by group, each group
     holding its a/G query heads, then its key, then its value head, so that a tp slice holds whole
-    groups: Megatron's layout, and head by head q, k, v when G = a), the optional per-head query and
-    key norms, and the output projection (row-parallel). It never holds other ranks' groups.
+    groups: Megatron's layout, and head by head q, k, v when G = a), the optional query and key norms
+    (per head, or over the whole projection, split across tp like the heads), and the output projection
+    (row-parallel). Its layer's window, scale and soft-capping (``ScoreOptions``) decide which keys a
+    query sees and how. It never holds other ranks' groups.
     """
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
@@ -53,16 +56,22 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = heads // tp.size
         self.dropout = config.attention_dropout
         self.rotary_interleaved = config.rotary_interleaved
+        self.scores = ScoreOptions(config.attention_scale, config.attention_window(layer),
+                                   config.attn_logit_softcapping)
         self.core_runner = None  # how the core runs when it is recomputed (``recompute_core_with``)
         bias = not config.disable_bias_linear
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
                                         WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
                                         bias=bias or config.add_qkv_bias,
                                         sequence_parallel=sequence_parallel)
-        # one norm over head_dim shared by all heads: each tp rank sees its own heads only
-        self.q_norm, self.k_norm = ((build_norm(config, d, partial_gradient=tp.size > 1),
-                                     build_norm(config, d, partial_gradient=tp.size > 1))
-                                    if config.qk_layernorm else (None, None))
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # a rank holds its heads' part
+            self.q_norm = build_split_norm(config, heads * d, tp)
+            self.k_norm = build_split_norm(config, groups * d, tp)
+        elif config.qk_layernorm:  # one norm over head_dim shared by all heads: a tp rank sees its own heads
+            self.q_norm, self.k_norm = (build_norm(config, d, partial_gradient=tp.size > 1),
+                                        build_norm(config, d, partial_gradient=tp.size > 1))
+        self.norm_per_head = config.qk_layernorm_scope == "head"
         self.proj = RowParallelLinear(heads * d, h, tp,
                                       WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
                                       .scaled_for_residual(config.num_layers), bias=bias,
@@ -73,17 +82,23 @@ class SelfAttention(nn.Module):
         self.core_runner = runner
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d), causal) v, q [b, heads, s, d] and k, v [b, groups, s, d]: the part
-        selective recompute redoes (under context parallelism its recompute exchanges keys and values
-        again). Attention dropout draws from the per-tp (and per-cp) rank stream: each rank holds other
-        heads (and tokens)."""
+        """softmax(q k^T scale, causal, within the layer's window) v, q [b, heads, s, d] and k, v
+        [b, groups, s, d]: the part selective recompute redoes (under context parallelism its recompute
+        exchanges keys and values again). Attention dropout draws from the per-tp (and per-cp) rank
+        stream: each rank holds other heads (and tokens)."""
         dropout = self.dropout if self.training else 0.0
         if inputs.context is not None:
-            return context_attention(q, k, v, inputs.context, self.layer, dropout, self.rng, inputs.documents)
-        mask = document_mask(inputs.documents) if inputs.documents is not None else None
+            return context_attention(q, k, v, inputs.context, self.layer, self.scores, dropout, self.rng,
+                                     inputs.documents)
+        mask = sequence_mask(q.shape[2], self.scores.window, inputs.documents, q.device)
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                  dropout_p=dropout, enable_gqa=self.queries_per_group > 1)
+            return attend(q, k, v, self.scores, mask, dropout)
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [s, b, heads, d] and k [s, b, groups, d] through their norms, per head or over the projection."""
+        if self.norm_per_head:
+            return self.q_norm(q), self.k_norm(k)
+        return self.q_norm(q.flatten(2)).view(q.shape), self.k_norm(k.flatten(2)).view(k.shape)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_per_rank * (queries_per_group + 2) * d]
@@ -92,10 +107,12 @@ class SelfAttention(nn.Module):
         q = grouped[:, :, :, :self.queries_per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
         k, v = grouped[:, :, :, -2], grouped[:, :, :, -1]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if inputs.rotary is not None:
-            q = apply_rotary(q, *inputs.rotary, self.rotary_interleaved)
-            k = apply_rotary(k, *inputs.rotary, self.rotary_interleaved)
+            q, k = self._normed(q, k)
+        rotary = (inputs.rotary_local if self.scores.window is not None and inputs.rotary_local is not None
+                  else inputs.rotary)
+        if rotary is not None:
+            q = apply_rotary(q, *rotary, self.rotary_interleaved)
+            k = apply_rotary(k, *rotary, self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
         context = (self.core_runner(self.core, q, k, v, inputs) if self.core_runner
                    else self.core(q, k, v, inputs))

@@ -61,16 +61,44 @@ class GPTConfig:
         "longrope: one factor per rotary channel pair, at or below the original context"))
     rope_long_factor: list[float] | None = field(default=None, metadata=flag(
         "longrope: one factor per rotary channel pair, beyond the original context"))
+    rotary_base_local: float | None = field(default=None, metadata=flag(
+        "rotary base of the sliding-window layers, unscaled (Gemma 3's local layers: 10000); default: "
+        "the same tables as every layer"))
+    window_size: list[int] | None = field(default=None, metadata=flag(
+        "sliding-window attention, Megatron's (LEFT, RIGHT): a query sees itself and the LEFT tokens before "
+        "it (RIGHT 0: causal; LEFT -1: no window)", nargs=2))
+    window_attn_skip_freq: list[int] | None = field(default=None, metadata=flag(
+        "which layers keep full attention under --window-size: N, every Nth layer (Gemma 2: 2, Gemma 3: 6); "
+        "or one 0/1 per layer, 1 = windowed (Megatron's)"))
+    softmax_scale: float | None = field(default=None, metadata=flag(
+        "the attention scores' scale (default 1/sqrt(--kv-channels); Gemma: query_pre_attn_scalar^-1/2)"))
+    attn_logit_softcapping: float | None = field(default=None, metadata=flag(
+        "cap the attention scores at +-C smoothly, C tanh(s / C) (Gemma 2: 50)"))
+    final_logit_softcapping: float | None = field(default=None, metadata=flag(
+        "cap the output logits at +-C smoothly, C tanh(z / C) (Gemma 2: 30)"))
+    embedding_multiplier: float = field(default=1.0, metadata=flag(
+        "the word embeddings' output is multiplied by this (Gemma: sqrt(--hidden-size))"))
     normalization: str = field(default="LayerNorm",
                                metadata=flag("norm layer", choices=["LayerNorm", "RMSNorm"]))
     layernorm_epsilon: float = field(default=1e-5, metadata=flag("norm epsilon", aliases=["--norm-epsilon"]))
     apply_layernorm_1p: bool = field(default=False, metadata=flag(
         "norm weights stored as offsets from 1 (initialised at 0; the norm scales by 1 + weight)"))
+    norm_placement: str = field(default="pre", metadata=flag(
+        "where the block's norms sit: before attention and the MLP (pre), before and after them (sandwich: "
+        "Gemma 2/3), or after them only, on the residual branch (post: OLMo 2)",
+        choices=["pre", "sandwich", "post"]))
     qk_layernorm: bool = field(default=False,
-                               metadata=flag("normalise queries and keys per head before attention"))
+                               metadata=flag("normalise queries and keys before attention"))
+    qk_layernorm_scope: str = field(default="head", metadata=flag(
+        "--qk-layernorm over each head's channels, one weight shared by the heads (Qwen3, Gemma 3), or over "
+        "the whole query / key projection, one weight per channel (OLMo 2; RMSNorm only)",
+        choices=["head", "projection"]))
     swiglu: bool = field(default=False, metadata=flag(
         "gated SiLU MLP: silu(x W_gate) * (x W_up) -> W_down (default --ffn-hidden-size: 8h/3 rounded "
         "down to 64)"))
+    geglu: bool = field(default=False, metadata=flag(
+        "gated GELU MLP: gelu(x W_gate) * (x W_up) -> W_down (Gemma; tanh GELU with --openai-gelu); "
+        "--ffn-hidden-size defaults as with --swiglu"))
     squared_relu: bool = field(default=False, metadata=flag("squared ReLU MLP activation instead of GELU"))
     openai_gelu: bool = field(default=False,
                               metadata=flag("GELU's tanh approximation (OpenAI's GPT-2) instead of erf"))
@@ -87,6 +115,10 @@ class GPTConfig:
     add_qkv_bias: bool = field(default=False,
                                metadata=flag("a bias on the query/key/value projection even with "
                                                              "--disable-bias-linear (Qwen2)"))
+    hf_model_type: str | None = field(default=None, metadata=flag(
+        "the Hugging Face model_type an export writes (an import records its own; default: the first that "
+        "expresses the model)", choices=["gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
+                                         "gemma2", "gemma3_text"]))
     hidden_dropout: float = field(default=0.1, metadata=flag("dropout on residual branches and embeddings"))
     attention_dropout: float = field(default=0.1, metadata=flag("dropout on attention probabilities"))
     init_method_std: float = field(
@@ -98,7 +130,7 @@ class GPTConfig:
         which keeps the parameters of its three matrices near those of two 4h ones)."""
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.gated else 4 * self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -124,7 +156,30 @@ class GPTConfig:
 
     @property
     def activation(self) -> str:
-        return "swiglu" if self.swiglu else "squared_relu" if self.squared_relu else "gelu"
+        if self.swiglu or self.geglu:
+            return "swiglu" if self.swiglu else "geglu"
+        return "squared_relu" if self.squared_relu else "gelu"
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (SwiGLU, GeGLU): fc1 holds the gate and up matrices."""
+        return self.swiglu or self.geglu
+
+    @property
+    def attention_scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5
+
+    def attention_window(self, layer: int) -> int | None:
+        """The keys a query of (global, 0-based) ``layer`` sees, itself included (transformers'
+        ``sliding_window``: keys i - W + 1 .. i), or None where the layer attends to the whole past.
+        Megatron's rule: windowed unless --window-attn-skip-freq N makes layer number ``layer + 1`` a
+        multiple of N, or its per-layer list says 0."""
+        if not self.window_size or self.window_size[0] < 0:
+            return None
+        skip = self.window_attn_skip_freq
+        if skip is not None and not (bool(skip[layer]) if len(skip) > 1 else (layer + 1) % skip[0]):
+            return None
+        return self.window_size[0] + 1
 
     @property
     def max_positions(self) -> int:
@@ -150,8 +205,9 @@ class GPTConfig:
                              "or give --kv-channels")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
-        if self.swiglu and self.squared_relu:
-            raise ValueError("--swiglu and --squared-relu are two MLP activations: choose one")
+        if sum((self.swiglu, self.geglu, self.squared_relu)) > 1:
+            raise ValueError("--swiglu, --geglu and --squared-relu are three MLP activations: choose one")
+        self._validate_options()
         self._validate_attention(tp)
         if self.ffn_size < 1:
             raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "
@@ -216,6 +272,35 @@ class GPTConfig:
                     raise ValueError(f"--rope-scaling-type longrope: {name} needs one factor per rotary "
                                      f"channel pair ({pairs}), got "
                                      f"{'none' if factors is None else len(factors)}")
+
+    def _validate_options(self) -> None:
+        """The window, soft-capping, scale, norm and embedding options."""
+        window = self.window_size
+        if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < -1):
+            raise ValueError(f"--window-size {' '.join(map(str, window))}: give LEFT RIGHT with LEFT >= 0 "
+                             "(or -1, no window) and RIGHT 0 (attention here is causal)")
+        skip = self.window_attn_skip_freq
+        if skip is not None:
+            if self.window_size is None:
+                raise ValueError("--window-attn-skip-freq chooses the full-attention layers among windowed "
+                                 "ones: add --window-size LEFT 0")
+            if (len(skip) == 1 and skip[0] < 1) or (len(skip) > 1 and (len(skip) != self.num_layers
+                                                                      or set(skip) - {0, 1})):
+                raise ValueError(f"--window-attn-skip-freq {' '.join(map(str, skip))}: give one N >= 1 or "
+                                 f"one 0/1 per layer ({self.num_layers})")
+        if self.rotary_base_local is not None and (self.position_embedding != "rope" or not window):
+            raise ValueError("--rotary-base-local is the base of the sliding-window layers' rotary "
+                             "positions: it needs --position-embedding-type rope and --window-size")
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rotary_base_local"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if not self.embedding_multiplier > 0:
+            raise ValueError(f"--embedding-multiplier must be > 0, got {self.embedding_multiplier}")
+        if self.qk_layernorm_scope == "projection" and self.normalization != "RMSNorm":
+            raise ValueError("--qk-layernorm-scope projection normalises over a projection split across "
+                             "tensor-parallel ranks, built for RMSNorm: add --normalization RMSNorm")
 
     @property
     def rotary_channels(self) -> int:

@@ -28,13 +28,15 @@ def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp:
 
 
 def _frozen(config: GPTConfig) -> tuple:
-    return tuple(sorted(vars(config).items()))
+    """The config as a hashable key (list fields as tuples)."""
+    return tuple(sorted((name, tuple(value) if isinstance(value, list) else value)
+                        for name, value in vars(config).items()))
 
 
 @functools.lru_cache(maxsize=64)
 def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_parallel: bool,
                  layers_per_stage: tuple[int, ...] | None) -> nn.ModuleList:
-    config = GPTConfig(**dict(frozen))
+    config = GPTConfig(**{name: list(value) if isinstance(value, tuple) else value for name, value in frozen})
     with torch.device("meta"):
         return stage_chunks(config, DetachedGroup("tp", tp), pp, stage, seed=0, vp=vp,
                             sequence_parallel=sequence_parallel,

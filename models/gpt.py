@@ -19,7 +19,7 @@ from models.attention import LayerInputs, SelfAttention
 from models.config import GPTConfig
 from models.mlp import MLP
 from models.norms import build_norm
-from models.rotary import rotary_tables
+from models.rotary import RotaryFrequencies, rotary_tables
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel
 from parallel.param_meta import declare
@@ -37,7 +37,9 @@ def _dropout(p: float) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)), with dropout on both residual branches.
+    """x + attn(norm(x)), then + mlp(norm(.)), with dropout on both residual branches; the norms where
+    --norm-placement puts them: before each sublayer (pre: ``attention_norm``, ``mlp_norm``), before and
+    after it (sandwich: ``attention_post_norm``, ``mlp_post_norm`` too), or after it only (post).
 
     Residual dropout draws from the default stream (equal on all tp ranks, whose activations are
     replicas), or from the per-tp-rank stream under sequence parallelism (each rank holds other tokens).
@@ -48,10 +50,14 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer = layer
         self.rng = rng or model_parallel_tracker(seed, tp.rank)
-        self.attention_norm = build_norm(config, config.hidden_size, sequence_parallel)
+        before, after = config.norm_placement != "post", config.norm_placement != "pre"
+        h = config.hidden_size
+        self.attention_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
         self.attention = SelfAttention(config, layer, tp, seed, sequence_parallel, self.rng)
-        self.mlp_norm = build_norm(config, config.hidden_size, sequence_parallel)
+        self.attention_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
+        self.mlp_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
         self.mlp = MLP(config, layer, tp, seed, sequence_parallel)
+        self.mlp_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
         self.dropout = _dropout(config.hidden_dropout)
         self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
 
@@ -60,8 +66,9 @@ class TransformerBlock(nn.Module):
             return self.dropout(x)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs = LayerInputs()) -> torch.Tensor:
-        x = x + self._residual_dropout(self.attention(self.attention_norm(x), inputs))
-        return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))
+        attended = self.attention_post_norm(self.attention(self.attention_norm(x), inputs))
+        x = x + self._residual_dropout(attended)
+        return x + self._residual_dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(x))))
 
 
 class GPTModel(nn.Module):
@@ -97,6 +104,7 @@ class GPTModel(nn.Module):
                     self.position_embedding.weight.copy_(positions.full((config.max_positions, h)))
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
+        self.frequencies = RotaryFrequencies(config)
         self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
         self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng)
@@ -131,17 +139,36 @@ class GPTModel(nn.Module):
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under sequence parallelism)."""
         x = self.word_embedding(tokens.t())
+        if self.config.embedding_multiplier != 1.0:  # rounded to the activations' dtype first, as Gemma does
+            x = x * torch.tensor(self.config.embedding_multiplier, device=x.device).to(x.dtype)
         if self.config.position_embedding == "learned_absolute":
             x = x + self.position_embedding(position_ids.t())
         x = self.embedding_dropout(x)
         return scatter_to_sequence_parallel(x, self.tp) if self.sequence_parallel else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, [s, b, padded_vocab / tp]."""
+        """This rank's vocabulary slice of the logits, [s, b, padded_vocab / tp], soft-capped with
+        --final-logit-softcapping."""
         x = self.final_norm(hidden)
         if self.tied and self.pre_process:
-            return vocab_parallel_logits(x, self.word_embedding.weight, self.tp, self.sequence_parallel)
-        return self.output_layer(x)
+            logits = vocab_parallel_logits(x, self.word_embedding.weight, self.tp, self.sequence_parallel)
+        else:
+            logits = self.output_layer(x)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype, whole_sequence: bool) -> dict:
+        """The rotary tables of this rank's tokens (``rotary``, and ``rotary_local`` where the windowed
+        layers have a base of their own), their frequencies picked by the whole input's length."""
+        if self.config.position_embedding != "rope":
+            return {}
+        length = position_ids.shape[1] * (self.context.size if self.context and not whole_sequence else 1)
+        tables = {"rotary": rotary_tables(self.config, position_ids, dtype,
+                                          self.frequencies(length, position_ids.device))}
+        if self.config.rotary_base_local is not None:
+            local = self.frequencies(length, position_ids.device, local=True)
+            tables["rotary_local"] = rotary_tables(self.config, position_ids, dtype, local)
+        return tables
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None,
@@ -154,9 +181,8 @@ class GPTModel(nn.Module):
         Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits slice
         [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        rotary = (rotary_tables(self.config, position_ids, x.dtype)
-                  if self.config.position_embedding == "rope" else None)
-        inputs = LayerInputs(rotary, documents, None if whole_sequence else self.context)
+        inputs = LayerInputs(documents=documents, context=None if whole_sequence else self.context,
+                             **self._rotary(position_ids, x.dtype, whole_sequence))
         if self.layer_runner is not None:
             x = self.layer_runner(x, inputs)
         else:

@@ -1,4 +1,5 @@
-"""The transformer's MLP: GELU, squared ReLU or SwiGLU, split across the tensor-parallel group by width."""
+"""The transformer's MLP: GELU, squared ReLU, SwiGLU or GeGLU, split across the tensor-parallel group by
+width."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from parallel.tensor.weight_init import WeightInit
 class MLP(nn.Module):
     """h -> ffn (column-parallel) -> activation -> h (row-parallel). Never holds the full ffn activation.
 
-    Under SwiGLU ``fc1`` holds the gate and up matrices stacked ([2, ffn/tp, h] per rank, each split by
-    width), so a rank computes silu(gate) * up on its own slice of both, whatever tp is.
+    Gated (SwiGLU, GeGLU) ``fc1`` holds the gate and up matrices stacked ([2, ffn/tp, h] per rank, each
+    split by width), so a rank computes act(gate) * up on its own slice of both, whatever tp is.
     """
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool):
@@ -28,7 +29,7 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(h, f, tp,
                                         WeightInit(seed, f"layers.{layer}.mlp.fc1.weight", std), bias=bias,
                                         sequence_parallel=sequence_parallel,
-                                        stacked=2 if self.activation == "swiglu" else 1)
+                                        stacked=2 if config.gated else 1)
         self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.mlp.fc2.weight", std)
                                      .scaled_for_residual(config.num_layers), bias=bias,
                                      sequence_parallel=sequence_parallel)
@@ -38,6 +39,9 @@ class MLP(nn.Module):
         if self.activation == "swiglu":
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
+        elif self.activation == "geglu":
+            gate, up = y.chunk(2, dim=-1)
+            y = F.gelu(gate, approximate=self.gelu_approximation) * up
         elif self.activation == "squared_relu":
             y = F.relu(y).square()
         else:

@@ -1,4 +1,5 @@
-"""The norm layers of the GPT: LayerNorm or RMSNorm, optionally with weights stored as offsets from 1."""
+"""The norm layers of the GPT: LayerNorm or RMSNorm, optionally with weights stored as offsets from 1,
+over channels a rank holds whole or (the query / key norms over a whole projection) split across tp."""
 
 from __future__ import annotations
 
@@ -7,47 +8,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import GPTConfig
+from parallel.comm import AxisGroup
+from parallel.param_meta import declare
 from parallel.tensor.layers import mark_sequence_parallel, with_init
-
-
-class _RMSNorm(torch.autograd.Function):
-    """y = x / rms(x) * w, computed in fp32 at least whatever x's dtype, keeping only x and the per-row
-    1 / rms for backward (as fused kernels do; torch's composite rms_norm also keeps the normalised x,
-    and an fp32 copy of a bf16 input)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        wide = torch.promote_types(x.dtype, torch.float32)
-        inverse_rms = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, inverse_rms)
-        return (x.to(wide) * inverse_rms * weight.to(wide)).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, inverse_rms = ctx.saved_tensors
-        wide = inverse_rms.dtype
-        normalised = x.to(wide) * inverse_rms
-        grad = grad_out.to(wide)
-        grad_weight = (grad * normalised).reshape(-1, x.shape[-1]).sum(0)
-        grad_normalised = grad * weight.to(wide)
-        grad_x = inverse_rms * (grad_normalised
-                                - normalised * (grad_normalised * normalised).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+from parallel.tensor.rms_norm import rms_norm
 
 
 class Norm(nn.Module):
     """LayerNorm (weight and bias) or RMSNorm (weight) over the last dimension.
 
     Owns its weight (and bias). With ``one_plus`` (Megatron's --apply-layernorm-1p) the weight is kept
-    as its offset from 1 and starts at 0, so weight decay pulls the scale towards 1, not 0. Never
+    as its offset from 1 and starts at 0, so weight decay pulls the scale towards 1, not 0. With
+    ``split_over`` (RMSNorm only) the ``size`` channels are split across that tp group: the rank holds
+    its slice of the weight and the norm's statistics are summed over the group. Otherwise it never
     communicates: a replica whose gradient is partial over tensor parallelism is only marked as such.
     """
 
-    def __init__(self, kind: str, size: int, eps: float, one_plus: bool = False):
+    def __init__(self, kind: str, size: int, eps: float, one_plus: bool = False,
+                 split_over: AxisGroup | None = None):
         super().__init__()
         self.kind, self.size, self.eps, self.one_plus = kind, size, eps, one_plus
+        self.split_over = split_over if split_over is not None and split_over.size > 1 else None
         start = 0.0 if one_plus else 1.0
-        self.weight = with_init(nn.Parameter(torch.full((size,), start)), lambda: torch.full((size,), start))
+        parts = 1 if self.split_over is None else self.split_over.size
+        self.weight = with_init(nn.Parameter(torch.full((size // parts,), start)),
+                                lambda: torch.full((size // parts,), start))
+        if self.split_over is not None:
+            declare(self.weight, tensor_parallel=True, partition_dim=0)
         self.bias = with_init(nn.Parameter(torch.zeros(size)), lambda: torch.zeros(size)) \
             if kind == "LayerNorm" else None
 
@@ -58,7 +45,7 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "LayerNorm":
             return F.layer_norm(x, (self.size,), self.scale(), self.bias, self.eps)
-        return _RMSNorm.apply(x, self.scale(), self.eps)
+        return rms_norm(x, self.scale(), self.eps, self.split_over, self.size)
 
 
 def build_norm(config: GPTConfig, size: int, partial_gradient: bool) -> Norm:
@@ -69,3 +56,9 @@ def build_norm(config: GPTConfig, size: int, partial_gradient: bool) -> Norm:
     for param in norm.parameters():
         mark_sequence_parallel(param, partial_gradient)
     return norm
+
+
+def build_split_norm(config: GPTConfig, size: int, tp: AxisGroup) -> Norm:
+    """The configured norm (RMSNorm) over ``size`` channels split evenly across ``tp``: a rank holds its
+    slice of them and of the weight."""
+    return Norm(config.normalization, size, config.layernorm_epsilon, config.apply_layernorm_1p, tp)

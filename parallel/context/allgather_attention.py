@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from parallel import comm
 from parallel.comm import AxisGroup
+from parallel.context.local_attention import ScoreOptions, attend, visible
 from parallel.context.sharding import token_indices
 
 
@@ -34,23 +34,21 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup, scale: float,
-                        dropout: float = 0.0, rng=None,
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup,
+                        options: ScoreOptions, dropout: float = 0.0, rng=None,
                         documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, G, Q, s, d] on the gathered k, v [b, G, s, d] (all in
-    zig-zag order); ``documents`` [b, S]: attention stays within a document. Returns [b, G, Q, s, d]."""
+    zig-zag order), scored as ``options`` say; ``documents`` [b, S]: attention stays within a document.
+    Returns [b, G, Q, s, d]."""
     n = cp.size
     gathered = _GatherSequence.apply(torch.stack([k, v]), cp)  # [source rank, 2, b, G, s, d]
     first, second = gathered.chunk(2, dim=-2)
     whole = torch.cat([first[c] if c < n else second[2 * n - 1 - c] for c in range(2 * n)], dim=-2)
     b, groups, queries, length, d = q.shape
-    mine = token_indices(length * n, n, cp.rank, q.device)
-    mask = torch.arange(length * n, device=q.device)[None, :] <= mine[:, None]  # [s, S]; kept 4-D below,
-    # the shape torch's fused kernels take (a 3-D mask falls back to the math path, which saves s x S)
-    if documents is not None:
-        mask = mask & (documents[:, mine, None] == documents[:, None, :])
+    # [b or 1, 1, s, S]: 4-D, the shape torch's fused kernels take (a 3-D mask falls back to the math
+    # path, which saves s x S)
+    mask = visible(token_indices(length * n, n, cp.rank, q.device), torch.arange(length * n, device=q.device),
+                   options.window, documents)
     with rng.fork() if rng is not None and dropout > 0 else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(q.flatten(1, 2), whole[0], whole[1],
-                                             attn_mask=mask.view(-1, 1, length, length * n),
-                                             dropout_p=dropout, scale=scale, enable_gqa=queries > 1)
+        out = attend(q.flatten(1, 2), whole[0], whole[1], options, mask, dropout)
     return out.view(b, groups, queries, length, d)

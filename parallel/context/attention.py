@@ -8,6 +8,7 @@ import torch
 
 from parallel.comm import AxisGroup
 from parallel.context.allgather_attention import allgather_attention
+from parallel.context.local_attention import ScoreOptions
 from parallel.context.ring_attention import ring_attention
 from parallel.context.ulysses_attention import ulysses_attention
 
@@ -37,28 +38,16 @@ class ContextParallel:
         return self.comm_types[layer] if len(self.comm_types) > 1 else self.comm_types[0]
 
 
-def document_mask(documents: torch.Tensor) -> torch.Tensor:
-    """[b, 1, S, S] bool: token i sees token j <= i of its own document (``documents`` [b, S] numbers each
-    token's document)."""
-    length = documents.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
-    return (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
-
-
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel, layer: int,
-                      dropout: float = 0.0, rng=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                      options: ScoreOptions, dropout: float = 0.0, rng=None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [b, H, s, d] on k, v [b, G, s, d] (H a multiple of G; s = S / cp tokens in this
-    rank's zig-zag order) as if the whole sequence were here; ``documents`` [b, S]: each token's document
-    over the whole sequence, attention staying within one. Returns [b, H, s, d]."""
+    rank's zig-zag order) as if the whole sequence were here, scored as ``options`` say (scale, sliding
+    window, soft-capping); ``documents`` [b, S]: each token's document over the whole sequence, attention
+    staying within one. Returns [b, H, s, d]."""
     b, heads, length, d = q.shape
     grouped = q.view(b, k.shape[1], heads // k.shape[1], length, d)
-    scale = d ** -0.5
-    kind = context.comm_type(layer)
-    if kind == "p2p":
-        out = ring_attention(grouped, k, v, context.group, scale, dropout, rng, documents)
-    elif kind == "a2a":
-        mask = document_mask(documents) if documents is not None else None
-        out = ulysses_attention(grouped, k, v, context.group, scale, dropout, rng, mask)
-    else:
-        out = allgather_attention(grouped, k, v, context.group, scale, dropout, rng, documents)
+    attention = {"p2p": ring_attention, "a2a": ulysses_attention,
+                 "allgather": allgather_attention}[context.comm_type(layer)]
+    out = attention(grouped, k, v, context.group, options, dropout, rng, documents)
     return out.reshape(b, heads, length, d)

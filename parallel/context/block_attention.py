@@ -4,12 +4,14 @@ The unit ring attention is built from: a rank's queries meet the key/value block
 one at a time, and the partial results merge exactly (``merge``) because each carries the log of its
 softmax denominator. Shapes, grouped queries kept apart from their key/value group (no copy of K/V
 per head): q [b, G, Q, s, d], k and v [b, G, t, d], out [b, G, Q, s, d], lse [b, G, Q, s]. Computed in
-fp32 whatever the inputs' dtype. ``mask`` (bool, True = visible) broadcasts to [b, 1, 1, s, t]; None
-means every key is visible. ``keep``: attention dropout's mask of kept probabilities, [b, G, Q, s, t].
+fp32 whatever the inputs' dtype, soft-capped where the layer's ``ScoreOptions`` say. ``mask``
+(bool, True = visible) broadcasts to [b, 1, 1, s, t]; None means every key is visible. ``keep``:
+attention dropout's mask of kept probabilities, [b, G, Q, s, t].
 
 ``fused_forward`` / ``fused_backward`` are the same on torch's fused CPU kernel (flash attention for
 the CPU, which returns the log-sum-exp and whose backward takes the merged output and log-sum-exp, as
-ring attention needs), for blocks that are whole or causal on the diagonal, without dropout. On other
+ring attention needs), for blocks that are whole or causal on the diagonal, without dropout or
+soft-capping. On other
 devices the blocks run on the explicit form above (no fused kernel for accelerators is wired here).
 """
 
@@ -17,9 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from parallel.context.local_attention import ScoreOptions
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    scores = torch.einsum("bgqsd,bgtd->bgqst", q.float(), k.float()) * scale
+
+def _scores(q: torch.Tensor, k: torch.Tensor, options: ScoreOptions) -> torch.Tensor:
+    """The block's soft-capped scores in fp32, before masking."""
+    return options.capped(torch.einsum("bgqsd,bgtd->bgqst", q.float(), k.float()) * options.scale)
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
 
 
@@ -28,10 +36,12 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-            keep: torch.Tensor | None, dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of softmax(q k^T scale) v over this block's keys; rows that see none give 0 and -inf."""
-    scores = _scores(q, k, scale, mask)
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: ScoreOptions,
+            mask: torch.Tensor | None, keep: torch.Tensor | None,
+            dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of softmax(capped(q k^T scale)) v over this block's keys; rows that see none give 0 and
+    -inf."""
+    scores = _masked(_scores(q, k, options), mask)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     if keep is not None:
@@ -39,20 +49,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
     return torch.einsum("bgqst,bgtd->bgqsd", probs, v.float()), lse
 
 
-def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-             keep: torch.Tensor | None, dropout: float, grad_out: torch.Tensor, lse: torch.Tensor,
-             delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: ScoreOptions,
+             mask: torch.Tensor | None, keep: torch.Tensor | None, dropout: float, grad_out: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block's share, given the merged output's gradient ``grad_out``, the merged
     ``lse`` and ``delta`` = rowsum(grad_out * merged out) (the softmax backward's correction)."""
-    probs = torch.exp(_scores(q, k, scale, mask) - _finite(lse).unsqueeze(-1))
+    scores = _scores(q, k, options)
+    probs = torch.exp(_masked(scores, mask) - _finite(lse).unsqueeze(-1))
     dropped = probs if keep is None else probs * keep / (1.0 - dropout)
     grad_v = torch.einsum("bgqst,bgqsd->bgtd", dropped, grad_out)
     grad_probs = torch.einsum("bgqsd,bgtd->bgqst", grad_out, v.float())
     if keep is not None:
         grad_probs = grad_probs * keep / (1.0 - dropout)
     grad_scores = probs * (grad_probs - delta.unsqueeze(-1))
-    grad_q = torch.einsum("bgqst,bgtd->bgqsd", grad_scores, k.float()) * scale
-    grad_k = torch.einsum("bgqst,bgqsd->bgtd", grad_scores, q.float()) * scale
+    if options.softcap is not None:  # d(C tanh(s / C)) / ds = 1 - tanh^2, from the unmasked capped scores
+        grad_scores = grad_scores * (1 - (scores / options.softcap).square())
+    grad_q = torch.einsum("bgqst,bgtd->bgqsd", grad_scores, k.float()) * options.scale
+    grad_k = torch.einsum("bgqst,bgqsd->bgtd", grad_scores, q.float()) * options.scale
     return grad_q, grad_k, grad_v
 
 
@@ -67,9 +80,10 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     return out * weight.unsqueeze(-1) + block_out * block_weight.unsqueeze(-1), merged
 
 
-def fused(q: torch.Tensor, mask_free: bool, keep: torch.Tensor | None) -> bool:
-    """Whether a block runs on the fused CPU kernel: on the CPU, no document mask, no dropout."""
-    return q.device.type == "cpu" and mask_free and keep is None
+def fused(q: torch.Tensor, options: ScoreOptions, mask_free: bool, keep: torch.Tensor | None) -> bool:
+    """Whether a block runs on the fused CPU kernel: on the CPU, no document or window mask, no dropout,
+    no soft-capping."""
+    return q.device.type == "cpu" and mask_free and keep is None and options.softcap is None
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

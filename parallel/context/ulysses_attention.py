@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from parallel import comm
 from parallel.comm import AxisGroup
+from parallel.context.local_attention import ScoreOptions, attend, sequence_mask
 
 
 class _SwapParts(torch.autograd.Function):
@@ -54,18 +54,17 @@ def _to_sequence(y: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
     return _SwapParts.apply(parts, cp).movedim(0, 1).flatten(1, 2)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup, scale: float,
-                      dropout: float = 0.0, rng=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup, options: ScoreOptions,
+                      dropout: float = 0.0, rng=None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence, q [b, G, Q, s, d] and k, v [b, G, s, d] in this rank's
-    zig-zag order; ``mask`` [b, 1, S, S] (bool, True = visible) replaces the causal mask (documents).
-    Returns [b, G, Q, s, d]."""
+    zig-zag order, scored as ``options`` say (scale, sliding window, soft-capping); ``documents`` [b, S]:
+    attention stays within a document. Returns [b, G, Q, s, d]."""
     if k.shape[1] % cp.size:
         raise ValueError(f"--cp-comm-type a2a: {k.shape[1]} key/value groups per tensor-parallel rank do not "
                          f"divide by --context-parallel-size {cp.size}")
     heads_q, heads_k, heads_v = (_to_heads(t, cp) for t in (q, k, v))
     b, groups, queries, length, d = heads_q.shape
+    mask = sequence_mask(length, options.window, documents, q.device)
     with rng.fork() if rng is not None and dropout > 0 else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(heads_q.flatten(1, 2), heads_k, heads_v, attn_mask=mask,
-                                             is_causal=mask is None, dropout_p=dropout, scale=scale,
-                                             enable_gqa=queries > 1)
+        out = attend(heads_q.flatten(1, 2), heads_k, heads_v, options, mask, dropout)
     return _to_sequence(out.view(b, groups, queries, length, d), cp)

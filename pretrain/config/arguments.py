@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 kwargs["type"] = base
                 if is_list:
-                    kwargs["nargs"] = "+"
+                    kwargs["nargs"] = f.metadata.get("nargs", "+")
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
             aliases = f.metadata.get("aliases", [])

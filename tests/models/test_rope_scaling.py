@@ -51,6 +51,12 @@ def test_rotary_tables_equal_transformers_rotary_embedding(kind):
     torch.testing.assert_close(ours_sin[:, 0, 0], sin[0], rtol=1e-6, atol=1e-6)
     plain_cos, _ = rotary_tables(_ours("none"), positions)
     assert (ours_cos - plain_cos).abs().max() > 1e-3  # the scaling changes the frequencies here
+    if kind in ("dynamic", "longrope"):  # an input within the original length: its own regime, as theirs
+        short = positions[:, :ORIGINAL // 2]
+        cos, _ = LlamaRotaryEmbedding(hf)(torch.zeros(1, short.shape[1], 16), short)
+        short_cos, _ = rotary_tables(_ours(kind, **fields), short)
+        torch.testing.assert_close(short_cos[:, 0, 0], cos[0], rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(short_cos, ours_cos[:short.shape[1]])  # another regime than the long input
 
 
 def test_use_rope_scaling_is_llama3_and_bad_longrope_factors_are_named():

@@ -3,11 +3,10 @@ formula, and its sequence cut."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from launch.tools.layout_price import Layout, context_bytes
 from models.config import GPTConfig
-from parallel.context import ContextParallel, context_attention, document_mask, shard_sequence, token_indices
+from parallel.context import ContextParallel, ScoreOptions, context_attention, shard_sequence, token_indices
 from parallel.context.sharding import unshard_sequence
 from parallel.process_groups import create_process_groups
 from parallel.topology import Topology
@@ -38,18 +37,33 @@ def _documents(batch: int, length: int, generator) -> torch.Tensor:
     return starts.long().cumsum(dim=1)
 
 
-def _reference(q, k, v, grad, documents):
+def _reference(q, k, v, grad, documents, window=None, softcap=None):
+    """Full attention on one process, written out: scores, cap, causal / window / document mask."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    mask = document_mask(documents) if documents is not None else None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    b, heads, length, d = q.shape
+    grouped = q.view(b, k.shape[1], heads // k.shape[1], length, d)
+    scores = torch.einsum("bgqsd,bgtd->bgqst", grouped, k) * d ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    mask = (j <= i) & ((i - j < window) if window is not None else True)
+    if documents is not None:
+        mask = mask & (documents[:, :, None] == documents[:, None, :])[:, None, None]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = torch.einsum("bgqst,bgtd->bgqsd", probs, v).reshape(b, heads, length, d)
     out.backward(grad)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
+# (dtype, packed documents, sliding window, soft-capping) of each case
+CASES = ((torch.float32, False, None, None), (torch.float32, True, None, None),
+         (torch.bfloat16, False, None, None), (torch.float32, True, 6, None), (torch.float32, False, 11, 3.0))
+
+
 def _attention_against_one_process(rank, world_size):
     """Output and input gradients of every comm type at cp 2 and 4 equal full attention's on this rank's
-    tokens: causal, grouped queries, an uneven head count, packed documents, fp32 and bf16."""
+    tokens: causal, grouped queries, an uneven head count, packed documents, a sliding window (cutting and
+    skipping chunk pairs), soft-capped scores, fp32 and bf16."""
     checked = []
     for cp in (2, 4):
         group = create_process_groups(Topology(world_size, cp=cp)).cp
@@ -57,20 +71,20 @@ def _attention_against_one_process(rank, world_size):
             for heads, groups in ((8, 8), (8, 4), (6, 3), (6, 2)):
                 if kind == "a2a" and groups % cp:
                     continue  # refused: the key/value groups do not divide by cp
-                for dtype, documents_on in ((torch.float32, False), (torch.float32, True),
-                                            (torch.bfloat16, False)):
+                for dtype, documents_on, window, softcap in CASES:
                     generator = torch.Generator().manual_seed(heads * 10 + groups)
                     b, length, d = 2, 32, 16
                     q = torch.randn(b, heads, length, d, generator=generator).to(dtype)
                     k, v = (torch.randn(b, groups, length, d, generator=generator).to(dtype) for _ in "kv")
                     grad = torch.randn(b, heads, length, d, generator=generator).to(dtype)
                     documents = _documents(b, length, generator) if documents_on else None
-                    want = _reference(q.float(), k.float(), v.float(), grad.float(), documents)
+                    want = _reference(q.float(), k.float(), v.float(), grad.float(), documents, window,
+                                      softcap)
                     mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_()
                             for t in (q, k, v)]
                     group.stats.reset()
-                    out = context_attention(*mine, ContextParallel(group, (kind,)), layer=0,
-                                            documents=documents)
+                    out = context_attention(*mine, ContextParallel(group, (kind,)), 0,
+                                            ScoreOptions(d ** -0.5, window, softcap), documents=documents)
                     out.backward(shard_sequence(grad, cp, group.rank, dim=2))
                     sent = group.stats.bytes_by_axis()["cp"]
                     config = GPTConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
@@ -81,7 +95,8 @@ def _attention_against_one_process(rank, world_size):
                     assert sent == pytest.approx(predicted, rel=1e-9), (kind, cp, sent, predicted)
                     got = [out.detach(), *(t.grad for t in mine)]
                     assert all(t.dtype == dtype for t in got)
-                    what = f"cp {cp} {kind} heads {heads}/{groups} {dtype} documents {documents_on}"
+                    what = (f"cp {cp} {kind} heads {heads}/{groups} {dtype} documents {documents_on} "
+                            f"window {window} softcap {softcap}")
                     assert_tensors_close([t.float() for t in got],
                                          [shard_sequence(t, cp, group.rank, dim=2) for t in want], what,
                                          ONE_STEP_RTOL if dtype == torch.float32 else BF16_RTOL)
@@ -91,13 +106,13 @@ def _attention_against_one_process(rank, world_size):
             with pytest.raises(ValueError,
                                match="2 key/value groups per tensor-parallel rank do not divide by "
                                                  "--context-parallel-size 4"):
-                context_attention(q, k, k, ContextParallel(group, ("a2a",)), layer=0)
+                context_attention(q, k, k, ContextParallel(group, ("a2a",)), 0, ScoreOptions(0.5))
     return len(checked)
 
 
 def test_context_attention_equals_full_attention():
     counts = run_world(4, _attention_against_one_process, timeout_s=300)
-    assert counts[0] == 2 * (3 * 4 - 1) * 3 - 3 * 1  # cp 4 skips a2a at 6/2 too
+    assert counts[0] == 2 * (3 * 4 - 1) * len(CASES) - len(CASES)  # cp 4 skips a2a at 6/2 too
 
 
 def _replayed_keep_mask(cp, length, shape, dropout, seed):
@@ -115,7 +130,7 @@ def _replayed_keep_mask(cp, length, shape, dropout, seed):
         mine = chunk_ids(cp, rank)
         for step in range(cp):
             theirs = chunk_ids(cp, (rank - step) % cp)
-            for a, b, _, _ in _pairs(mine, theirs, chunk, None, "cpu"):
+            for a, b, _, _ in _pairs(mine, theirs, chunk, None, None, "cpu"):
                 with tracker.fork(TENSOR_PARALLEL_STREAM):
                     drawn = torch.rand(*shape, chunk, chunk) >= dropout
                 rows, cols = mine[a] * chunk, theirs[b] * chunk
@@ -146,8 +161,8 @@ def _ring_dropout_against_its_replay(rank, world_size):
         tracker = RNGTracker()
         tracker.add(TENSOR_PARALLEL_STREAM, 100 + group.rank)
         mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        out = context_attention(*mine, ContextParallel(group, ("p2p",)), layer=0, dropout=dropout,
-                                rng=tracker)
+        out = context_attention(*mine, ContextParallel(group, ("p2p",)), 0, ScoreOptions(d ** -0.5),
+                                dropout=dropout, rng=tracker)
         out.backward(shard_sequence(grad, cp, group.rank, dim=2))
         assert_tensors_close([out.detach(), *(t.grad for t in mine)],
                              [shard_sequence(t, cp, group.rank, dim=2)

@@ -1,6 +1,7 @@
 """A Llama-class model (RMSNorm, SwiGLU, rope base 500000, grouped-query attention with 2 groups,
-untied output layer, no linear biases, query/key norms) against its single-process run in every
-layout, with recompute and offload, a checkpoint of it re-cut to another layout and exported; and a
+untied output layer, no linear biases, query/key norms; sliding windows of 8 tokens on every other
+layer, those turning by a rope base of their own, as Gemma 3's local layers) against its
+single-process run in every layout, with recompute and offload, a checkpoint of it re-cut to another layout and exported; and a
 corpus tokenized with GPT-2 BPE through Megatron's preprocessing flags."""
 
 import subprocess
@@ -22,7 +23,8 @@ from tests.world import run_world
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
          "--rotary-base", "500000",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
-         "--disable-bias-linear", "--qk-layernorm"]
+         "--disable-bias-linear", "--qk-layernorm",
+         "--window-size", "7", "0", "--window-attn-skip-freq", "2", "--rotary-base-local", "10000"]
 
 
 def _assert_follows(results, reference, what, start=0):
@@ -99,7 +101,16 @@ def _train_with_flags(rank, world_size, flags):
     (["--group-query-attention", "--num-query-groups", "2", *_tp(4)],
      "--tensor-model-parallel-size 4 does not divide --num-query-groups 2"),
     (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
-    (["--swiglu", "--squared-relu"], "--swiglu and --squared-relu are two MLP activations"),
+    (["--swiglu", "--squared-relu"], "--swiglu, --geglu and --squared-relu are three MLP activations"),
+    (["--window-size", "4", "2"], "--window-size 4 2: give LEFT RIGHT with LEFT >= 0"),
+    (["--window-size", "4", "0", "--window-attn-skip-freq", "1", "0", "1"],
+     r"--window-attn-skip-freq 1 0 1: give one N >= 1 or one 0/1 per layer \(4\)"),
+    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq chooses the full-attention layers"),
+    (["--position-embedding-type", "rope", "--rotary-base-local", "10000"],
+     "--rotary-base-local is the base of the sliding-window layers' rotary positions: it needs"),
+    (["--qk-layernorm", "--qk-layernorm-scope", "projection"],
+     "--qk-layernorm-scope projection normalises over a projection split across tensor-parallel ranks"),
+    (["--attn-logit-softcapping", "0"], "--attn-logit-softcapping must be > 0, got 0.0"),
     (["--vocab-file", "vocab.json", "--tokenizer-type", "GPT2BPETokenizer"],
      "--vocab-file without --merge-file"),
     (["--position-embedding-type", "rope", "--rotary-percent", "0.1"], "--rotary-percent 0.1 of a head's 16"),

@@ -1,0 +1,58 @@
+"""RMSNorm's forward and backward, over a last dimension a rank holds whole or split across the tp group.
+
+y = x / rms(x) * w, computed in fp32 at least whatever x's dtype, keeping only x and the per-row 1 / rms
+for backward (as fused kernels do; torch's composite rms_norm also keeps the normalised x, and an fp32
+copy of a bf16 input). Split (OLMo 2's query / key norms, taken over every head while a rank holds
+some heads' channels): the sum of squares is all-reduced over the group in forward, and the row's
+sum of grad * w * normalised in backward; each rank keeps its slice of the weight and its gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel import comm
+from parallel.comm import AxisGroup
+
+
+def _row_sum(x: torch.Tensor, group: AxisGroup | None) -> torch.Tensor:
+    """Sum over the last dimension, over every rank's part of it when split."""
+    total = x.sum(-1, keepdim=True)
+    if group is not None:
+        comm.all_reduce(total, group)
+    return total
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, group, size):
+        wide = torch.promote_types(x.dtype, torch.float32)
+        squares = x.to(wide).pow(2)
+        mean = squares.mean(-1, keepdim=True) if group is None else _row_sum(squares, group) / size
+        inverse_rms = torch.rsqrt(mean + eps)
+        ctx.save_for_backward(x, weight, inverse_rms)
+        ctx.group, ctx.size = group, size
+        return (x.to(wide) * inverse_rms * weight.to(wide)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, inverse_rms = ctx.saved_tensors
+        wide = inverse_rms.dtype
+        normalised = x.to(wide) * inverse_rms
+        grad = grad_out.to(wide)
+        grad_weight = (grad * normalised).reshape(-1, x.shape[-1]).sum(0)
+        grad_normalised = grad * weight.to(wide)
+        product = grad_normalised * normalised
+        mean = (product.mean(-1, keepdim=True) if ctx.group is None
+                else _row_sum(product, ctx.group) / ctx.size)
+        grad_x = inverse_rms * (grad_normalised - normalised * mean)
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, split_over: AxisGroup | None = None,
+             size: int | None = None) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension with ``weight``; ``split_over``: the tp group across which
+    that dimension (of ``size`` channels in all) is split, or None when this rank holds it whole."""
+    if split_over is not None and split_over.size == 1:
+        split_over = None
+    return _RMSNorm.apply(x, weight, eps, split_over, size)
