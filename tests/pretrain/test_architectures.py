@@ -1,8 +1,8 @@
 """A Llama-class model (RMSNorm, SwiGLU, rope base 500000, grouped-query attention with 2 groups,
 untied output layer, no linear biases, query/key norms; sliding windows of 8 tokens on every other
 layer, those turning by a rope base of their own, as Gemma 3's local layers) against its
-single-process run in every layout, with recompute and offload, a checkpoint of it re-cut to another layout and exported; and a
-corpus tokenized with GPT-2 BPE through Megatron's preprocessing flags."""
+single-process run in every layout, with recompute and offload, a checkpoint of it re-cut to another
+layout and exported; and a corpus tokenized with GPT-2 BPE through Megatron's preprocessing flags."""
 
 import subprocess
 import sys
