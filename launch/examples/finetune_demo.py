@@ -1,14 +1,15 @@
-"""The pieces of ``launch/finetune_job.sh``: a small task, a small Llama to fine-tune on it, and the check.
+"""The pieces of ``launch/finetune_job.sh``: a small task, a small model to fine-tune on it, and the check.
 
-    python -m launch.examples.finetune_demo make DIR
+    python -m launch.examples.finetune_demo make DIR [--family llama3.1]
                                                 # DIR/train.jsonl, DIR/heldout.jsonl and DIR/hf: a random
-                                                # Llama-class model with its tokenizer, saved by transformers
+                                                # model of the family (launch.examples.hf_families) with
+                                                # its tokenizer, saved by transformers
     python -m launch.examples.finetune_demo answer HF_DIR HELDOUT.jsonl   # transformers generates the answers
 
 The task: reverse three letters ("cab=" -> "bac"), 400 training prompts; the held-out prompts are
 words the training set never shows, so answering them means the mapping was learned. The tokenizer
-is one token per character (Hugging Face ``tokenizers``), the model is made from a config with
-``transformers`` (nothing is downloaded).
+is one token per character (Hugging Face ``tokenizers``), the model is made from its family's config
+class with ``transformers`` (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import os
 import random
 
+from launch.examples.hf_families import FAMILIES
+
 LETTERS = "abcdefgh"
 
 
@@ -26,10 +29,11 @@ def _examples(count: int, rng: random.Random) -> list[dict]:
     return [{"prompt": f"{word}=", "response": word[::-1]} for word in words]
 
 
-def make(directory: str, seed: int = 0, hidden_size: int = 64) -> None:
-    import torch
+def make(directory: str, family: str = "llama3.1", seed: int = 0, hidden_size: int = 64) -> None:
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from launch.examples.hf_families import make_model
 
     rng = random.Random(seed)
     train = _examples(400, rng)
@@ -48,17 +52,11 @@ def make(directory: str, seed: int = 0, hidden_size: int = 64) -> None:
     hf = os.path.join(directory, "hf")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
                                          eos_token="</s>").save_pretrained(hf)
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size,
-                                      intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                                      num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=False,
-                                      bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    print(f"wrote {directory}: {len(train)} training and {len(heldout)} held-out prompts, a Llama of "
-          f"{sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters()):,} "
-          f"parameters in {hf}")
+    model = make_model(family, len(vocab), hidden_size, window=8, bos=vocab["<s>"], eos=vocab["</s>"],
+                       seed=seed)
+    model.save_pretrained(hf)
+    print(f"wrote {directory}: {len(train)} training and {len(heldout)} held-out prompts, a {family} "
+          f"({type(model).__name__}) of {sum(p.numel() for p in model.parameters()):,} parameters in {hf}")
 
 
 def answer(hf_dir: str, heldout: str) -> float:
@@ -85,12 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("make")
     made.add_argument("directory")
+    made.add_argument("--family", default="llama3.1", choices=FAMILIES,
+                      help="the Hugging Face family of the model (launch.examples.hf_families)")
     answered = commands.add_parser("answer")
     answered.add_argument("hf_dir")
     answered.add_argument("heldout")
     args = parser.parse_args(argv)
     if args.command == "make":
-        make(args.directory)
+        make(args.directory, args.family)
     else:
         answer(args.hf_dir, args.heldout)
 

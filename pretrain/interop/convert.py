@@ -7,28 +7,24 @@
 ``consolidated`` (default): one safetensors file of the whole model's fp32 weights under their
 layout-independent names (vocabulary padding removed; the names of a single-process GPTModel), with the
 iteration and the model config as metadata, and optionally every per-element optimizer state
-(``optimizer.<state>.<name>``). ``hf``: a directory that ``transformers`` loads as GPT2LMHeadModel or
-LlamaForCausalLM (Qwen2ForCausalLM with query/key/value biases), with its tokenizer; refused, naming the
-option, when neither expresses the model. ``--from-hf``: a Hugging Face GPT-2, Llama, Mistral or Qwen2
-directory as a weights-only checkpoint of ours (``pretrain.interop.hf_checkpoint``). All stream: one parameter
-is rebuilt (or read) at a time.
+(``optimizer.<state>.<name>``). ``hf``: a directory that ``transformers`` loads as the class of the
+model's family (the one it was imported from, else the first that expresses it: GPT-2, Llama, Mistral,
+Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 2, Gemma 3), with its tokenizer; refused, naming the flags, when
+none expresses the model. ``--from-hf``: a Hugging Face directory of one of those families as a
+weights-only checkpoint of ours (``pretrain.interop.hf_checkpoint``). All stream: one parameter is
+rebuilt (or read) at a time.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint.catalog import MODEL, WEIGHTS_FILE, CheckpointError, read_manifest, read_rank_files
-from pretrain.checkpoint.reshard import CheckpointPieces, ReshardError, WeightsFile
-
-
-def _model_config(manifest: dict) -> GPTConfig:
-    fields = GPTConfig.__dataclass_fields__
-    return GPTConfig(**{key: value for key, value in manifest["config"].items() if key in fields})
+from pretrain.checkpoint.catalog import CheckpointError
+from pretrain.checkpoint.reshard import CheckpointPieces, ReshardError
+from pretrain.interop.saved_model import model_config, saved_tokenizer, saved_weights
 
 
 def _natural(name: str) -> list:
@@ -59,30 +55,6 @@ def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str,
     writer.close()
 
 
-def _checkpoint_tokenizer(checkpoint: str, manifest: dict):
-    """The tokenizer a checkpoint was trained or imported with, or None when it names none."""
-    from data.tokenizers.spec import TokenizerSpec, build_tokenizer
-
-    recorded = manifest.get("tokenizer")
-    if recorded is not None:  # an import: its files sit in the checkpoint
-        files = {key: os.path.join(checkpoint, value) if key != "tokenizer_type" else value
-                 for key, value in recorded.items()}
-        return build_tokenizer(TokenizerSpec(**files))
-    settings = manifest["config"]
-    if (not settings.get("data_path") and not settings.get("train_data_path")
-            and not settings.get("mock_data")):
-        from data.default_corpus import ensure_default_corpus
-
-        _, model = ensure_default_corpus(settings["data_cache_dir"], settings["default_corpus_vocab_size"],
-                                         settings.get("default_corpus_max_bytes"))
-        return build_tokenizer(TokenizerSpec("SentencePieceTokenizer", model))
-    vocab = settings.get("vocab_size")
-    kind = settings.get("tokenizer_type") or "SentencePieceTokenizer"
-    return build_tokenizer(TokenizerSpec(kind, settings.get("tokenizer_model"), settings.get("vocab_file"),
-                                         settings.get("merge_file"),
-                                         vocab - 1 if kind == "NullTokenizer" else None))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pretrain.convert", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -102,19 +74,14 @@ def main(argv: list[str] | None = None) -> None:
             path = import_hf(args.from_hf, args.output)
             print(f"wrote {path} from {args.from_hf}")
             return
-        checkpoint, manifest = read_manifest(args.load)
-        if manifest.get("kind") == "weights":
-            pieces = WeightsFile(os.path.join(checkpoint, WEIGHTS_FILE))
-        else:
-            _, manifest, states = read_rank_files(args.load)
-            pieces = CheckpointPieces([rank_file[MODEL] for rank_file in states])
+        checkpoint, manifest, pieces = saved_weights(args.load)
         if args.to == "hf":
             try:
-                tokenizer = _checkpoint_tokenizer(checkpoint, manifest)
+                tokenizer = saved_tokenizer(checkpoint, manifest)
             except ValueError as error:
                 print(f"warning: no tokenizer files written ({error})", file=sys.stderr)
                 tokenizer = None
-            export_hf(pieces, _model_config(manifest), tokenizer, args.output)
+            export_hf(pieces, model_config(manifest), tokenizer, args.output)
         else:
             write_consolidated(pieces, manifest, args.output, args.with_optimizer_states)
     except (CheckpointError, ReshardError) as error:

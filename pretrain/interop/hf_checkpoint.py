@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 
@@ -23,7 +24,8 @@ from parallel.param_meta import meta
 from parallel.zero.export import StreamedSafetensors
 from data.file_digest import files_sha256
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
-from pretrain.interop.hf_names import HFMappingError, config_from_hf, config_to_hf, export_plan, import_plan
+from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
+from pretrain.interop.hf_names import export_plan, import_plan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt",
@@ -76,41 +78,59 @@ def _expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+class HFModel:
+    """A Hugging Face model directory read as ours: its config mapped (``config``, refused by name before
+    any weight is read), and each of our parameters built from its tensors on request (``parameters``).
+    Owns the open files; keeps no tensor."""
+
+    def __init__(self, hf_dir: str):
+        try:
+            with open(os.path.join(hf_dir, "config.json")) as handle:
+                self.hf = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"--from-hf {hf_dir}: no readable config.json ({error})") from None
+        try:
+            self.config = config_from_hf(self.hf)
+        except HFMappingError as error:
+            raise CheckpointError(f"--from-hf {hf_dir}: {error}") from None
+        self.directory = hf_dir
+        self.tensors = _HFTensors(hf_dir)
+        self.expected = _expected_shapes(self.config)
+        self.plan = list(import_plan(self.config))
+        used = {name for _, theirs, _ in self.plan for name in theirs}
+        tied = not self.config.untie_embeddings_and_output_weights
+        unused = sorted(name for name in self.tensors.where if name not in used
+                        and not name.endswith(IGNORED_BUFFERS) and not (name == "lm_head.weight" and tied))
+        if unused:
+            raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: "
+                                  f"{', '.join(unused[:5])}"
+                                  + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))
+
+    def parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our name, its whole fp32 tensor) for every parameter, one at a time; CheckpointError naming
+        the tensors whose shapes the config does not give."""
+        for ours, theirs, join in self.plan:
+            tensor = join(*(self.tensors.get(name).float() for name in theirs))
+            if tuple(tensor.shape) != self.expected[ours]:
+                raise CheckpointError(f"--from-hf {self.directory}: {' and '.join(theirs)} make {ours} of "
+                                      f"shape {tuple(tensor.shape)}; the architecture in config.json needs "
+                                      f"{self.expected[ours]}")
+            yield ours, tensor
+
+
 def import_hf(hf_dir: str, output: str) -> str:
     """Write ``hf_dir``'s model as a weights-only checkpoint under ``output``; return its path."""
-    try:
-        with open(os.path.join(hf_dir, "config.json")) as handle:
-            hf = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"--from-hf {hf_dir}: no readable config.json ({error})") from None
-    try:
-        config = config_from_hf(hf)
-    except HFMappingError as error:
-        raise CheckpointError(f"--from-hf {hf_dir}: {error}") from None
-    tensors = _HFTensors(hf_dir)
-    expected = _expected_shapes(config)
-    plan = list(import_plan(config, hf))
-    used = {name for _, theirs, _ in plan for name in theirs}
-    unused = sorted(name for name in tensors.where if name not in used and not name.endswith(IGNORED_BUFFERS)
-                    and not (name == "lm_head.weight" and not config.untie_embeddings_and_output_weights))
-    if unused:
-        raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: "
-                              f"{', '.join(unused[:5])}"
-                              + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))
+    model = HFModel(hf_dir)
+    config, hf = model.config, model.hf
     final = os.path.join(output, "iter_0000000")
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     writer = StreamedSafetensors(os.path.join(staging, WEIGHTS_FILE),
-                                 [(ours, expected[ours]) for ours, _, _ in plan],
+                                 [(ours, model.expected[ours]) for ours, _, _ in model.plan],
                                  metadata={"source": os.path.abspath(hf_dir)})
     try:
-        for ours, theirs, transform in plan:
-            tensor = transform(*(tensors.get(name).float() for name in theirs))
-            if tuple(tensor.shape) != expected[ours]:
-                raise CheckpointError(f"--from-hf {hf_dir}: {' and '.join(theirs)} make {ours} of shape "
-                                      f"{tuple(tensor.shape)}; the architecture in config.json needs "
-                                      f"{expected[ours]}")
+        for ours, tensor in model.parameters():
             writer.write(ours, tensor)
     except BaseException:
         writer.abort()
@@ -140,12 +160,18 @@ def _copy_tokenizer(source: str, target: str) -> dict | None:
     os.makedirs(target)
     for name in present:
         shutil.copy(os.path.join(source, name), target)
+    return tokenizer_flags(present, "tokenizer")  # relative to the checkpoint
+
+
+def tokenizer_flags(present: list[str], folder: str) -> dict:
+    """The tokenizer flags that read the Hugging Face tokenizer files ``present`` in ``folder``."""
     if "tokenizer.json" in present:
-        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer"}
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": folder}
     if "vocab.json" in present and "merges.txt" in present:
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "tokenizer/vocab.json",
-                "merge_file": "tokenizer/merges.txt"}
-    return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "tokenizer/tokenizer.model"}
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.join(folder, "vocab.json"),
+                "merge_file": os.path.join(folder, "merges.txt")}
+    return {"tokenizer_type": "SentencePieceTokenizer",
+            "tokenizer_model": os.path.join(folder, "tokenizer.model")}
 
 
 def export_hf(source, config: GPTConfig, tokenizer, directory: str) -> None:

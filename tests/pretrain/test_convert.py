@@ -83,6 +83,7 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
 def test_hf_export_refuses_what_no_hugging_face_class_expresses(stdlib_corpus, tmp_path):
     directory = str(tmp_path / "rope")
     run_world(1, _train_and_save, stdlib_corpus, directory, ["--position-embedding-type", "rope"])
-    with pytest.raises(SystemExit, match="neither GPT-2 \\(--position-embedding-type rope\\) nor Llama "
-                                         "\\(--normalization LayerNorm, --swiglu gelu"):
+    with pytest.raises(SystemExit, match="no Hugging Face class expresses this model \\(gpt2: "
+                                         "--position-embedding-type rope; llama: --normalization LayerNorm, "
+                                         "--disable-bias-linear False, --swiglu \\(the MLP is gelu\\)\\)"):
         convert(["--load", directory, "--output", str(tmp_path / "hf"), "--to", "hf"])

@@ -1,0 +1,82 @@
+"""Tiny random models of every Hugging Face family the interop maps, made by transformers from each family's
+own config class (nothing is downloaded), each with the features that set the family apart switched on:
+rope scaling that changes the frequencies, sliding windows shorter than a test prompt, grouped queries,
+an explicit head_dim, biases, query/key norms, soft-capping, fused projections.
+
+    make_model(family, vocab_size, hidden_size=32, window=4, bos=None, eos=None) -> a transformers model
+
+``FAMILIES`` lists the names; ``launch/finetune_job.sh --family NAME`` and the interop tests use them.
+"""
+
+from __future__ import annotations
+
+FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3", "gemma2", "gemma3",
+            "phi3", "olmo2", "gpt2")
+
+
+def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
+    import transformers
+
+    heads, layers, positions = 4, 2, 64
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden // 2,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                  max_position_embeddings=positions, pad_token_id=0, **special)
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    if family == "llama3.1":
+        return transformers.LlamaConfig(**common, rope_parameters=llama3, tie_word_embeddings=False)
+    if family == "llama3.2":  # the small Llama 3.2: tied embeddings with llama3 rope
+        return transformers.LlamaConfig(**common, rope_parameters={**llama3, "factor": 32.0},
+                                        tie_word_embeddings=True)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=window, tie_word_embeddings=False)
+    if family == "mistral-nemo":  # head_dim independent of hidden / heads
+        return transformers.MistralConfig(**common, head_dim=2 * hidden // heads, sliding_window=None,
+                                          rope_theta=1_000_000.0, tie_word_embeddings=False)
+    if family == "qwen2.5":  # q/k/v biases; the second layer windowed
+        return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=window,
+                                        max_window_layers=1, tie_word_embeddings=True)
+    if family == "qwen3":  # per-head q/k norms, head_dim of its own, yarn
+        yarn = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0,
+                "original_max_position_embeddings": 16}
+        return transformers.Qwen3Config(**common, head_dim=2 * hidden // heads, tie_word_embeddings=False,
+                                        rope_parameters=yarn)
+    gemma = dict(head_dim=2 * hidden // heads, query_pre_attn_scalar=24, sliding_window=window,
+                 hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma2":  # sliding and global layers alternating, both soft-caps
+        return transformers.Gemma2Config(**common, **gemma, attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=4.0)
+    if family == "gemma3":  # q/k norms, a local rope base, linear scaling on the global layers
+        return transformers.Gemma3TextConfig(
+            **common, **gemma, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    if family == "phi3":  # fused qkv and gate_up, longrope, partial rotary (Phi-4-mini's 0.75 kind)
+        pairs = int(hidden // heads * 0.5) // 2
+        return transformers.Phi3Config(
+            **common, original_max_position_embeddings=16, sliding_window=window + 2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "short_factor": [1.0 + i / 4 for i in range(pairs)],
+                             "long_factor": [2.0 + i for i in range(pairs)]})
+    if family == "olmo2":  # norms after attention and the MLP, q/k norms over the whole projection
+        return transformers.Olmo2Config(**common, tie_word_embeddings=False)
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
+                                       n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       **special)
+    raise ValueError(f"--family {family}: choose from {', '.join(FAMILIES)}")
+
+
+def make_model(family: str, vocab_size: int, hidden_size: int = 32, window: int = 4, bos: int | None = None,
+               eos: int | None = None, seed: int = 0):
+    """A random ``family`` model from transformers' own classes (AutoModelForCausalLM.from_config)."""
+    import torch
+    import transformers
+
+    special = {key: value for key, value in (("bos_token_id", bos), ("eos_token_id", eos))
+               if value is not None}
+    torch.manual_seed(seed)
+    config = _config(family, vocab_size, hidden_size, window, special)
+    return transformers.AutoModelForCausalLM.from_config(config)

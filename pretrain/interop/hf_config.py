@@ -1,0 +1,378 @@
+"""Hugging Face ``config.json`` <-> our ``GPTConfig``, for every family whose models map exactly.
+
+A family is a ``model_type`` (GPT-2, Llama 3.x, Mistral / Mistral-Nemo, Qwen2 / 2.5, Qwen3, Gemma 2,
+Gemma 3 text, Phi-3 / Phi-4, OLMo 2): the features it fixes (``Family.features``: our field -> its value)
+and the keys it reads beside the shared decoder ones. An import sets those features and records the
+family (``hf_model_type``), so an export writes the same class back; a model trained from scratch is
+exported as the first family that expresses it. What no family expresses exactly (mixture-of-experts,
+multimodal towers, encoder-decoders, bidirectional or chunked attention, biases where a family has
+none) is refused naming the config key and its value, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from models.config import GPTConfig
+
+
+class HFMappingError(ValueError):
+    """A Hugging Face model or one of ours that the other side cannot express exactly; names why."""
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+LLAMA = {"norm_placement": "pre", "activation": "swiglu", "qk_layernorm": False, "add_qkv_bias": False}
+GEMMA = {"norm_placement": "sandwich", "activation": "geglu", "add_qkv_bias": False}
+# settings only some families have a key for: elsewhere they must keep these values
+EXTRAS = {"softmax_scale": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+          "embedding_multiplier": 1.0, "rotary_base_local": None}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face decoder class: its ``model_type`` and class name, the features of ours it fixes,
+    how its layers may be windowed (``none``, ``uniform``: every layer or none, ``per_layer``), its
+    default for tied embeddings, and the ``EXTRAS`` it has keys for. Holds no weights."""
+
+    model_type: str
+    architecture: str
+    features: dict
+    windows: str = "none"
+    tied_default: bool = False
+    extras: tuple[str, ...] = ()
+    qk_scope: str | None = field(default=None)
+
+
+FAMILIES = {family.model_type: family for family in (
+    Family("llama", "LlamaForCausalLM", LLAMA),
+    Family("mistral", "MistralForCausalLM", LLAMA, windows="uniform"),
+    Family("qwen2", "Qwen2ForCausalLM", {**LLAMA, "add_qkv_bias": True}, windows="per_layer"),
+    Family("qwen3", "Qwen3ForCausalLM", {**LLAMA, "qk_layernorm": True}, windows="per_layer",
+           qk_scope="head"),
+    Family("phi3", "Phi3ForCausalLM", LLAMA, windows="uniform"),
+    Family("olmo2", "Olmo2ForCausalLM", {**LLAMA, "norm_placement": "post", "qk_layernorm": True},
+           qk_scope="projection"),
+    Family("gemma2", "Gemma2ForCausalLM", {**GEMMA, "qk_layernorm": False}, windows="per_layer",
+           tied_default=True, extras=("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
+                                      "embedding_multiplier")),
+    Family("gemma3_text", "Gemma3ForCausalLM", {**GEMMA, "qk_layernorm": True}, windows="per_layer",
+           tied_default=True, qk_scope="head",
+           extras=("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
+                   "embedding_multiplier", "rotary_base_local")),
+)}
+DECODER = {"position_embedding": "rope", "normalization": "RMSNorm", "disable_bias_linear": True,
+           "rotary_interleaved": False}
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_vision_tower",
+                   "image_token_index", "image_token_id")
+
+
+# ------------------------------------------------------------------------------------------ rotary
+
+def _rope_fields(hf: dict, parameters: dict) -> dict:
+    """Our rotary fields (base and scaling) for rope ``parameters`` (``rope_parameters``, or the older
+    ``rope_scaling`` with ``rope_theta`` beside it); HFMappingError naming a rope_type we do not have."""
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFMappingError(f"rope_type {kind!r} is not supported: {', '.join(ROPE_TYPES)} are")
+    fields = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return fields
+    longest = hf["max_position_embeddings"]
+    original = parameters.get("original_max_position_embeddings",
+                              hf.get("original_max_position_embeddings", longest))
+    if kind == "dynamic":  # transformers scales dynamic NTK against max_position_embeddings
+        original = longest
+    factor = parameters.get("factor") or longest / original
+    fields.update(rope_scaling_type=kind, rope_scaling_factor=float(factor),
+                  rope_original_max_position_embeddings=int(original))
+    optional = {"low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
+                "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+                "mscale_all_dim": "rope_mscale_all_dim", "attention_factor": "rope_attention_factor",
+                "truncate": "rope_yarn_truncate", "short_factor": "rope_short_factor",
+                "long_factor": "rope_long_factor"}
+    fields.update({ours: parameters[theirs] for theirs, ours in optional.items()
+                   if parameters.get(theirs) is not None})
+    return fields
+
+
+def _rope_parameters(config: GPTConfig) -> dict:
+    """transformers' ``rope_parameters`` for our rotary fields (the inverse of ``_rope_fields``)."""
+    kind = config.rope_scaling
+    parameters = {"rope_theta": config.rotary_base, "rope_type": "default" if kind == "none" else kind}
+    if config.rotary_percent != 1.0:
+        parameters["partial_rotary_factor"] = config.rotary_percent
+    if kind == "none":
+        return parameters
+    parameters["factor"] = config.rope_scaling_factor
+    if kind != "dynamic":
+        parameters["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
+    extra = {"llama3": {"low_freq_factor": config.rope_low_freq_factor,
+                        "high_freq_factor": config.rope_high_freq_factor},
+             "yarn": {"beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
+                      "mscale": config.rope_mscale, "mscale_all_dim": config.rope_mscale_all_dim,
+                      "attention_factor": config.rope_attention_factor,
+                      "truncate": config.rope_yarn_truncate},
+             "longrope": {"short_factor": config.rope_short_factor, "long_factor": config.rope_long_factor,
+                          "attention_factor": config.rope_attention_factor}}.get(kind, {})
+    return {**parameters, **{key: value for key, value in extra.items() if value is not None}}
+
+
+def _rotary(hf: dict, kind: str) -> dict:
+    """The rotary fields of a decoder config; Gemma 3 keeps one set per layer type, the sliding-window
+    layers' unscaled with a base of their own."""
+    parameters = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if kind != "gemma3_text":
+        fields = _rope_fields(hf, parameters)
+    else:
+        local = parameters.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise HFMappingError(f"gemma3_text with rope_parameters.sliding_attention.rope_type="
+                                 f"{local['rope_type']!r}: the sliding-window layers' rotary positions "
+                                 "map unscaled only")
+        fields = _rope_fields(hf, {"rope_theta": 1_000_000.0, **(parameters.get("full_attention") or {})})
+        fields["rotary_base_local"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    fields["rotary_percent"] = float(parameters.get("partial_rotary_factor",
+                                                    hf.get("partial_rotary_factor", 1.0)))
+    return fields
+
+
+# ----------------------------------------------------------------------------------------- windows
+
+def _layer_types(hf: dict, kind: str, layers: int) -> list[str]:
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    if kind in ("gemma2", "gemma3_text"):
+        pattern = 2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if kind in ("qwen2", "qwen3"):
+        first = hf.get("max_window_layers", layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return ["sliding_attention"] * layers
+
+
+def _windows(hf: dict, kind: str, layers: int) -> dict:
+    """--window-size and --window-attn-skip-freq for the config's sliding window and layer types."""
+    window = hf.get("sliding_window")
+    if kind in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        window = None
+    if not window:
+        return {}
+    types = _layer_types(hf, kind, layers)
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise HFMappingError(f"{kind} with layer_types {unknown or types}: only sliding_attention and "
+                             f"full_attention layers map, one per layer ({layers})")
+    windowed = [layer_type == "sliding_attention" for layer_type in types]
+    if not any(windowed):
+        return {}
+    fields = {"window_size": [int(window) - 1, 0]}
+    if not all(windowed):
+        fields["window_attn_skip_freq"] = [int(w) for w in windowed]
+    return fields
+
+
+def _hf_windows(config: GPTConfig) -> tuple[int | None, list[str]]:
+    """(sliding_window, layer_types) of our windows."""
+    windows = [config.attention_window(layer) for layer in range(config.num_layers)]
+    window = next((w for w in windows if w is not None), None)
+    return window, ["full_attention" if w is None else "sliding_attention" for w in windows]
+
+
+# ------------------------------------------------------------------------------------- config in
+
+def _refuse_unmapped(hf: dict, kind) -> None:
+    for key in MOE_KEYS:
+        if hf.get(key):
+            raise HFMappingError(f"model_type {kind!r} with {key}={hf[key]}: mixture-of-experts layers are "
+                                 "not supported")
+    for key in MULTIMODAL_KEYS:
+        if hf.get(key) is not None:
+            raise HFMappingError(f"model_type {kind!r} with {key}: multimodal towers are not supported (a "
+                                 "text-only checkpoint of the same family is)")
+    if hf.get("is_encoder_decoder"):
+        raise HFMappingError(f"model_type {kind!r} with is_encoder_decoder=true: encoder-decoder models are "
+                             "not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise HFMappingError(f"model_type {kind!r} with use_bidirectional_attention=true: only causal "
+                             "attention maps")
+
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    """Our GPTConfig for a Hugging Face config.json; HFMappingError naming what has no exact counterpart."""
+    kind = hf.get("model_type")
+    _refuse_unmapped(hf, kind)
+    if kind == "gpt2":
+        return _gpt2_from_hf(hf)
+    if kind not in FAMILIES:
+        raise HFMappingError(f"model_type {kind!r} is not supported: gpt2, "
+                             f"{', '.join(FAMILIES)} are")
+    family = FAMILIES[kind]
+    activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    wanted = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu")}[family.features["activation"]]
+    if activation not in wanted:
+        raise HFMappingError(f"{kind} with hidden_act={activation!r}: {' or '.join(wanted)} map")
+    biases = {key: hf[key] for key in ("mlp_bias", "attention_bias") if hf.get(key)}
+    if biases and not (kind == "qwen2" and list(biases) == ["attention_bias"]):
+        key, value = next(iter(biases.items()))
+        raise HFMappingError(f"{kind} with {key}={value}: biases there are not supported")
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    layers, longest = hf["num_hidden_layers"], hf["max_position_embeddings"]
+    fields = dict(num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                  ffn_hidden_size=hf["intermediate_size"], seq_length=min(longest, 4096),
+                  max_position_embeddings=longest, vocab_size=hf["vocab_size"],
+                  position_embedding_type="rope", normalization="RMSNorm",
+                  layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), group_query_attention=groups != heads,
+                  num_query_groups=groups if groups != heads else None,
+                  kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, disable_bias_linear=True,
+                  hidden_dropout=0.0, attention_dropout=0.0, hf_model_type=kind,
+                  untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", family.tied_default),
+                  swiglu=family.features["activation"] == "swiglu",
+                  geglu=family.features["activation"] == "geglu",
+                  openai_gelu=activation == "gelu_pytorch_tanh",
+                  norm_placement=family.features["norm_placement"],
+                  qk_layernorm=family.features["qk_layernorm"], qk_layernorm_scope=family.qk_scope or "head",
+                  apply_layernorm_1p=kind.startswith("gemma"),  # Gemma stores norm weights as offsets from 1
+                  add_qkv_bias=family.features["add_qkv_bias"], **_rotary(hf, kind),
+                  **_windows(hf, kind, layers))
+    if kind.startswith("gemma"):
+        fields.update(softmax_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+                      attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                      final_logit_softcapping=hf.get("final_logit_softcapping"),
+                      embedding_multiplier=hf["hidden_size"] ** 0.5)
+    if family.windows == "uniform" and fields.get("window_attn_skip_freq"):
+        raise HFMappingError(f"{kind} with layer_types mixing sliding and full attention: {kind} windows "
+                             "every layer")
+    return GPTConfig(**fields)
+
+
+def _gpt2_from_hf(hf: dict) -> GPTConfig:
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("add_cross_attention"):
+        raise HFMappingError("GPT-2 with scale_attn_by_inverse_layer_idx or cross-attention is not "
+                             "supported")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise HFMappingError(f"GPT-2 activation_function {activation!r} is not supported "
+                             "(gelu, gelu_new)")
+    return GPTConfig(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+                     ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], seq_length=hf["n_positions"],
+                     max_position_embeddings=hf["n_positions"], vocab_size=hf["vocab_size"],
+                     layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                     openai_gelu=activation != "gelu", hidden_dropout=0.0, attention_dropout=0.0,
+                     hf_model_type="gpt2",
+                     untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
+
+
+# ------------------------------------------------------------------------------------ config out
+
+def _gpt2_misses(config: GPTConfig) -> list[str]:
+    wanted = {"--position-embedding-type": (config.position_embedding, "learned_absolute"),
+              "--normalization": (config.normalization, "LayerNorm"),
+              "--swiglu / --geglu / --squared-relu": (config.activation, "gelu"),
+              "--num-query-groups": (config.query_groups, config.num_attention_heads),
+              "--kv-channels": (config.head_dim, config.hidden_size // config.num_attention_heads),
+              "--disable-bias-linear": (config.disable_bias_linear, False),
+              "--qk-layernorm": (config.qk_layernorm, False), "--add-qkv-bias": (config.add_qkv_bias, False),
+              "--norm-placement": (config.norm_placement, "pre"), "--window-size": (config.window_size, None),
+              **{f"--{name.replace('_', '-')}": (getattr(config, name), value)
+                 for name, value in EXTRAS.items()}}
+    return [f"{flag} {value}" for flag, (value, want) in wanted.items() if value != want]
+
+
+def _miss(name: str, value, wanted) -> str:
+    """A setting a family cannot express, named by its flag."""
+    if name == "activation":
+        return f"--{wanted} (the MLP is {value})"
+    flag = "position-embedding-type" if name == "position_embedding" else name.replace("_", "-")
+    return f"--{flag} {value}"
+
+
+def _misses(config: GPTConfig, family: Family) -> list[str]:
+    """The flags of ``config`` that ``family`` cannot express, each with its value."""
+    wanted = {**DECODER, **family.features}
+    if family.qk_scope:
+        wanted["qk_layernorm_scope"] = family.qk_scope
+    wanted.update({name: value for name, value in EXTRAS.items() if name not in family.extras})
+    if "embedding_multiplier" in family.extras:
+        wanted["embedding_multiplier"] = config.hidden_size ** 0.5
+    misses = [_miss(name, getattr(config, name), value) for name, value in wanted.items()
+              if getattr(config, name) != value]
+    window, types = _hf_windows(config)
+    if window is not None and (family.windows == "none"
+                               or (family.windows == "uniform" and "full_attention" in types)):
+        misses.append(f"--window-size {config.window_size[0]} 0 (on {types.count('sliding_attention')} of "
+                      f"{len(types)} layers)")
+    if ("rotary_base_local" in family.extras and config.rotary_base_local is None and window is not None
+            and config.rope_scaling != "none"):  # its windowed layers turn unscaled
+        misses.append(f"--rope-scaling-type {config.rope_scaling} on windowed layers (give "
+                      "--rotary-base-local)")
+    return misses
+
+
+def hf_kind(config: GPTConfig) -> str:
+    """The Hugging Face ``model_type`` that expresses ``config`` exactly: the one it was imported from
+    (``hf_model_type``), else the first that can; HFMappingError naming the flags that stand in the way."""
+    if config.hf_model_type is not None:
+        misses = (_gpt2_misses(config) if config.hf_model_type == "gpt2"
+                  else _misses(config, FAMILIES[config.hf_model_type]))
+        if misses:
+            raise HFMappingError(f"--hf-model-type {config.hf_model_type} cannot express "
+                                 f"{', '.join(misses)}: convert with --to consolidated instead")
+        return config.hf_model_type
+    candidates = {"gpt2": _gpt2_misses(config), **{kind: _misses(config, f) for kind, f in FAMILIES.items()}}
+    for kind, misses in candidates.items():
+        if not misses:
+            return kind
+    nearest = sorted(candidates, key=lambda kind: len(candidates[kind]))[:2]
+    raise HFMappingError("no Hugging Face class expresses this model ("
+                         + "; ".join(f"{kind}: {', '.join(candidates[kind])}" for kind in nearest)
+                         + "): convert with --to consolidated instead")
+
+
+def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
+    """config.json of the Hugging Face model that expresses ``config``; ``special``: bos/eos/pad ids."""
+    kind, tied = hf_kind(config), not config.untie_embeddings_and_output_weights
+    if kind == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
+                "n_positions": config.max_positions, "n_embd": config.hidden_size,
+                "n_layer": config.num_layers,
+                "n_head": config.num_attention_heads, "n_inner": config.ffn_size,
+                "activation_function": "gelu_new" if config.openai_gelu else "gelu",
+                "layer_norm_epsilon": config.layernorm_epsilon, "resid_pdrop": config.hidden_dropout,
+                "embd_pdrop": config.hidden_dropout, "attn_pdrop": config.attention_dropout,
+                "tie_word_embeddings": tied, "torch_dtype": "float32", **special}
+    family = FAMILIES[kind]
+    activation = ("silu" if config.activation == "swiglu"
+                  else "gelu_pytorch_tanh" if config.openai_gelu else "gelu")
+    hf = {"model_type": kind, "architectures": [family.architecture], "vocab_size": config.vocab_size,
+          "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
+          "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
+          "num_key_value_heads": config.query_groups, "head_dim": config.head_dim,
+          "hidden_act": activation, "max_position_embeddings": config.max_positions,
+          "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
+          "rope_parameters": _rope_parameters(config), "attention_bias": config.add_qkv_bias,
+          "mlp_bias": False, "tie_word_embeddings": tied, "attention_dropout": config.attention_dropout,
+          "torch_dtype": "float32", **special}
+    window, types = _hf_windows(config)
+    hf["sliding_window"] = window
+    if family.windows == "per_layer":
+        hf["layer_types"] = types
+        if kind.startswith("qwen"):
+            hf.update(use_sliding_window=window is not None, max_window_layers=config.num_layers)
+    if kind == "phi3" and config.rope_scaling != "none":
+        hf["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
+    if kind.startswith("gemma"):
+        scalar = config.attention_scale ** -2
+        hf.update(hidden_activation=activation, query_pre_attn_scalar=round(scalar)
+                  if math.isclose(scalar, round(scalar)) else scalar,
+                  attn_logit_softcapping=config.attn_logit_softcapping,
+                  final_logit_softcapping=config.final_logit_softcapping)
+        if window is None:
+            hf["sliding_window"] = config.max_positions  # Gemma wants one; no layer uses it
+    if kind == "gemma3_text":
+        local = config.rotary_base_local or config.rotary_base
+        hf["rope_parameters"] = {"full_attention": _rope_parameters(config),
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    return hf
