@@ -27,6 +27,21 @@ def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp:
     return _stage_model(_frozen(config), tp, pp, stage, vp, sequence_parallel, layers)
 
 
+def stage_parameters(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
+                     sequence_parallel: bool = False,
+                     layers_per_stage: list[int] | None = None) -> tuple[nn.Parameter, ...]:
+    """The parameters of ``stage_model(config, tp, pp, stage, ...)``, listed once per model and layout (a
+    planner prices thousands of layouts; walking the module tree each time was most of its work)."""
+    layers = tuple(layers_per_stage) if layers_per_stage else None
+    return _stage_parameters(_frozen(config), tp, pp, stage, sequence_parallel, layers)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_parameters(frozen: tuple, tp: int, pp: int, stage: int, sequence_parallel: bool,
+                      layers_per_stage: tuple[int, ...] | None) -> tuple[nn.Parameter, ...]:
+    return tuple(_stage_model(frozen, tp, pp, stage, 1, sequence_parallel, layers_per_stage).parameters())
+
+
 def _frozen(config: GPTConfig) -> tuple:
     """The config as a hashable key (list fields as tuples)."""
     return tuple(sorted((name, tuple(value) if isinstance(value, list) else value)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from launch.tools.link_model import Transfer, ZeroCommOptions, ring, zero_transfers
 from models.config import GPTConfig
-from models.counting import stage_model
+from models.counting import stage_model, stage_parameters
 from parallel.topology import Topology
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
 from parallel.zero.grad_sync import staged_bucket_size
@@ -40,10 +40,10 @@ class Layout:
         return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
 
 
-def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> list:
+def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> tuple:
     """The parameters of pipeline ``stage``'s tp slice, as ``models.pipeline_stage`` builds them (on meta)."""
-    return list(stage_model(config, layout.tp, layout.pp, stage, sequence_parallel=layout.sequence_parallel,
-                            layers_per_stage=list(layout.layers_per_stage or []) or None).parameters())
+    return stage_parameters(config, layout.tp, layout.pp, stage, layout.sequence_parallel,
+                            list(layout.layers_per_stage or []) or None)
 
 
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
@@ -110,7 +110,7 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
         attention += query_copy  # attention itself keeps the copied queries
     if rotary:  # rotation keeps only its tables; attention keeps the rotated queries and keys
         attention += (heads + groups) * d + 2 * config.rotary_channels
-    mlp = (4 if config.activation == "swiglu" else 2) * f / t
+    mlp = (4 if config.gated else 2) * f / t
     return config.seq_length / layout.cp * layout.micro_batch_size * (norms + attention + mlp)
 
 
@@ -122,7 +122,8 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
     block = sum(p.numel() for p in chunks[0].layers[0].parameters())
-    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    params = sum(p.numel() for p in stage_parameters(config, layout.tp, layout.pp, 0,
+                                                      layout.sequence_parallel))
     slot = staged_bucket_size(bucket_size, params, layout.data_ranks) if layout.zero_stage == 2 else block
     staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
