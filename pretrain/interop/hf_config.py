@@ -332,8 +332,11 @@ def hf_kind(config: GPTConfig) -> str:
 
 
 def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
-    """config.json of the Hugging Face model that expresses ``config``; ``special``: bos/eos/pad ids."""
+    """config.json of the Hugging Face model that expresses ``config``; ``special``: bos/eos/pad ids, each
+    written (null where the tokenizer has none: a family's own default, Phi-3's pad id 32000 say, may lie
+    beyond the vocabulary)."""
     kind, tied = hf_kind(config), not config.untie_embeddings_and_output_weights
+    special = {**dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id")), **special}
     if kind == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
                 "n_positions": config.max_positions, "n_embd": config.hidden_size,

@@ -208,3 +208,12 @@ def test_mixture_of_experts_multimodal_and_unknown_configs_are_refused_naming_th
         with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")
                            .replace("[", r"\[").replace("]", r"\]")):
             convert(["--from-hf", str(broken), "--output", str(tmp_path / "out")])
+
+
+def test_an_export_names_every_special_id_so_no_family_default_lies_beyond_the_vocabulary():
+    from pretrain.interop.hf_config import config_from_hf, config_to_hf
+
+    phi3 = make_model("phi3", 12).config.to_dict()  # Phi-3's default pad id is 32000
+    written = config_to_hf(config_from_hf(phi3), {"bos_token_id": 1, "eos_token_id": 2})
+    assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (1, 2, None)
+    transformers.AutoConfig.for_model(**written)  # and transformers takes it
