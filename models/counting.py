@@ -64,6 +64,16 @@ def num_parameters(config: GPTConfig) -> int:
     return sum(p.numel() for p in stage_model(config).parameters())
 
 
+EMBEDDINGS = ("word_embedding.weight", "position_embedding.weight", "output_layer.weight")
+
+
+def non_embedding_parameters(config: GPTConfig) -> int:
+    """Parameters of the whole model without the token and position embeddings and the output layer
+    (Kaplan et al.'s N)."""
+    return sum(p.numel() for p, name in stage_model(config)[0].global_parameter_names().items()
+               if name not in EMBEDDINGS)
+
+
 def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token: 3 x the forward's (backward costs two forwards), the forward being
     2 FLOPs per weight of every matmul (attention, MLP, output layer, as built) plus the attention

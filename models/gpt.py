@@ -98,10 +98,9 @@ class GPTModel(nn.Module):
         if pre_process:
             self.word_embedding = VocabParallelEmbedding(config.vocab_size, padded, h, tp, word_init)
             if config.position_embedding == "learned_absolute":
-                self.position_embedding = nn.Embedding(config.max_positions, h)
                 positions = WeightInit(seed, "embedding.position.weight", std)
-                with torch.no_grad():
-                    self.position_embedding.weight.copy_(positions.full((config.max_positions, h)))
+                self.position_embedding = nn.Embedding(config.max_positions, h,  # no throw-away draw
+                                                       _weight=positions.full((config.max_positions, h)))
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
             self.embedding_dropout = _dropout(config.hidden_dropout)
         self.frequencies = RotaryFrequencies(config)

@@ -32,7 +32,8 @@ class WorldError(AssertionError):
 
 
 # imported once by the fork server; every rank starts with them loaded
-PRELOAD = ["torch", "torch.distributed", "pretrain.training.trainer"]
+PRELOAD = ["torch", "torch.distributed", "pretrain.training.trainer",
+           "torch._dynamo"]  # imported by torch's optimizers on first use: about a second per process
 
 
 def _child(rank: int, world_size: int, port: int, collective_timeout_s: float, results, fn, args,

@@ -167,6 +167,9 @@ def approach3(runs: Runs, starts: np.ndarray = GRID, screened: int = SCREENED) -
     if not found:
         raise FitError("Approach 3: no start of the grid reached a finite objective")
     objective, theta = found[0]
+    if not all(np.isfinite(list(_law(theta).values()))):
+        raise FitError(f"Approach 3 ran off to infinity ({_law(theta)}): the runs do not constrain the law; "
+                       "add sizes or budgets")
     distinct = []
     for _, candidate in found:
         if all(np.abs(candidate - other).max() > 1e-3 for other in distinct):
@@ -179,9 +182,12 @@ def approach3(runs: Runs, starts: np.ndarray = GRID, screened: int = SCREENED) -
 
 
 def _law(theta: np.ndarray) -> dict:
+    """A, B, E, alpha, beta of theta (a resample whose fit ran off to infinity gives inf: no interval
+    counts it)."""
     log_a, log_b, log_e, alpha, beta = map(float, theta)
-    return {"A": float(np.exp(log_a)), "B": float(np.exp(log_b)), "E": float(np.exp(log_e)), "alpha": alpha,
-            "beta": beta}
+    with np.errstate(over="ignore"):
+        return {"A": float(np.exp(log_a)), "B": float(np.exp(log_b)), "E": float(np.exp(log_e)),
+                "alpha": alpha, "beta": beta}
 
 
 def predicted_loss(law: dict, parameters, tokens):

@@ -1,19 +1,24 @@
-"""Scaling-study sweeps: ``python -m launch.tools.sweep SWEEP.yaml`` trains a grid of runs and tabulates them.
+"""Scaling-study sweeps: ``python -m launch.sweep SWEEP.yaml`` trains a grid of runs and tabulates them.
 
-The grid is model sizes x layouts x learning rates x seeds, every run at the same tokens per step
-(global batch = tokens_per_step / seq_length). Each run is one ``python -m pretrain`` on its layout's
-processes, a member of the wandb group named after the sweep (when ``wandb_project`` is set), and one
-row of ``OUTPUT/results.csv``: final loss, tokens, training FLOPs, tokens/s, model-state and peak
-memory per rank. Its per-iteration metrics stay in ``OUTPUT/runs/RUN.jsonl``. A row is written as soon
-as its run ends, so an interrupted sweep started again skips the finished runs. At the end
-``OUTPUT/sweep.png`` plots loss against training FLOPs per model size, and throughput and memory per
-layout. A sweep file::
+Two modes. ``grid`` (the default): model sizes x layouts x learning rates x seeds, every run for
+``train_iters`` at the same tokens per step. ``isoflop``: model sizes x compute ``budgets``, each run's
+iterations chosen so that its training FLOPs meet its budget (``launch.tools.isoflop``; sizes listed or
+from a depth/width rule), for ``python -m launch.scaling_law fit``. Each run is one ``python -m pretrain``
+on its layout's processes, a member of the wandb group named after the sweep (when ``wandb_project`` is
+set), and one row of ``OUTPUT/results.csv``: parameters with and without embeddings, the final training
+loss and, with ``eval_iters``, the held-out validation loss at the end (``val_loss``), tokens, the exact
+training FLOPs, tokens/s, model-state and peak memory per rank. Per-iteration metrics stay in
+``OUTPUT/runs/RUN.jsonl``; ``OUTPUT/sweep.json`` records the sweep (mode, budgets, the FLOPs formula,
+the wandb group). A row is written as soon as its run ends, so an interrupted sweep started again skips
+the finished runs. At the end ``OUTPUT/sweep.png`` plots loss against training FLOPs per model size, and
+throughput and memory per layout. A sweep file::
 
     name: cpu-scaling
     output: runs/sweeps/cpu-scaling
     tokens_per_step: 2048
     seq_length: 64
-    train_iters: 20
+    train_iters: 20                # grid mode
+    eval_iters: 8                  # validation batches at the end (omit: no val_loss)
     wandb_project: null            # a project name: every run joins group "cpu-scaling"
     common: {micro_batch_size: 2, lr_warmup_iters: 2}
     models:                        # name: model flags (as in a pretrain YAML)
@@ -24,6 +29,10 @@ layout. A sweep file::
       tp2: {nproc: 2, tensor_model_parallel_size: 2}
     lrs: [3.0e-3, 1.0e-3]
     seeds: [1]
+
+An IsoFLOP sweep replaces ``train_iters`` with ``mode: isoflop``, ``budgets: [FLOPs, ...]`` and
+optionally ``min_iters`` (default 20) / ``max_iters``, and may give ``sizes: {layers: [...],
+width_per_layer: W, head_dim: H}`` instead of ``models``.
 """
 
 from __future__ import annotations
@@ -39,13 +48,16 @@ import yaml
 
 from data.tokenizers.spec import build_tokenizer
 from launch.pretrain_run import run_pretrain
-from models.counting import flops_per_token, num_parameters
+from launch.tools.isoflop import FLOPS_FORMULA, generated_models, plan_budget
+from models.counting import flops_per_token, non_embedding_parameters, num_parameters
+from models.config import GPTConfig
 from pretrain.config.arguments import parse_config
 
-COLUMNS = ["run", "model", "layout", "lr", "seed", "parameters", "final_loss", "tokens",
-           "flops", "tokens_per_s",
+COLUMNS = ["run", "model", "layout", "lr", "seed", "budget", "train_iters", "parameters",
+           "non_embedding_parameters", "final_loss", "val_loss", "tokens", "flops", "tokens_per_s",
            "model_state_bytes", "peak_mem_bytes"]
-REQUIRED = ("name", "output", "tokens_per_step", "seq_length", "train_iters", "models", "layouts")
+REQUIRED = {"grid": ("name", "output", "tokens_per_step", "seq_length", "train_iters", "layouts"),
+            "isoflop": ("name", "output", "tokens_per_step", "seq_length", "budgets", "layouts")}
 
 
 def _flags(settings: dict) -> list[str]:
@@ -61,56 +73,97 @@ def _flags(settings: dict) -> list[str]:
 
 
 def load_sweep(path: str) -> dict:
+    """The sweep file, its models generated where it gives a size rule; ValueError naming what is wrong."""
     with open(path) as handle:
-        sweep = yaml.safe_load(handle)
-    missing = [key for key in REQUIRED if key not in (sweep or {})]
+        sweep = yaml.safe_load(handle) or {}
+    mode = sweep.setdefault("mode", "grid")
+    if mode not in REQUIRED:
+        raise ValueError(f"{path}: mode {mode!r}: choose grid or isoflop")
+    missing = [key for key in REQUIRED[mode] if key not in sweep]
+    if "models" not in sweep and "sizes" not in sweep:
+        missing.append("models (or sizes)")
     if missing:
-        raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.tools.sweep --help)")
+        raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.sweep --help)")
     if sweep["tokens_per_step"] % sweep["seq_length"]:
         raise ValueError(f"{path}: tokens_per_step {sweep['tokens_per_step']} is not a multiple of "
-                         "seq_length "
-                         f"{sweep['seq_length']}")
+                         f"seq_length {sweep['seq_length']}")
+    if "sizes" in sweep:
+        sweep["models"] = {**generated_models(sweep["sizes"]), **sweep.get("models", {})}
     return sweep
 
 
-def runs_of(sweep: dict) -> list[dict]:
-    """Every run of the grid, in order: its name, model, layout, learning rate and seed."""
-    return [{"run": f"{model}-{layout}-lr{lr:g}-s{seed}", "model": model, "layout": layout,
-             "lr": lr, "seed": seed}
-            for model, layout, lr, seed in itertools.product(sweep["models"], sweep["layouts"],
-                                                             sweep.get("lrs", [3e-4]),
-                                                             sweep.get("seeds", [1]))]
+def _settings(sweep: dict, run: dict) -> tuple[int, dict]:
+    """(processes, pretrain settings) of one run."""
+    layout = dict(sweep["layouts"][run["layout"]])
+    nproc = layout.pop("nproc", 1)
+    settings = {**sweep.get("common", {}), **sweep["models"][run["model"]], **layout,
+                "seq_length": sweep["seq_length"],
+                "global_batch_size": sweep["tokens_per_step"] // sweep["seq_length"],
+                "train_iters": run["train_iters"], "lr": run["lr"], "seed": run["seed"], "log_interval": 1}
+    if sweep.get("eval_iters"):  # one evaluation, after the last iteration
+        settings.update(eval_interval=run["train_iters"], eval_iters=sweep["eval_iters"])
+    return nproc, settings
+
+
+def model_config(sweep: dict, model: str) -> GPTConfig:
+    """The model a run of ``model`` trains, as pretrain reads its flags (vocabulary from its tokenizer)."""
+    config = parse_config(_flags({**sweep.get("common", {}), **sweep["models"][model],
+                                  "seq_length": sweep["seq_length"]}))
+    if config.model.vocab_size is None:  # the tokenizer's vocabulary (the built-in corpus's by default)
+        config.model.vocab_size = (build_tokenizer(config.data.tokenizer_spec(None)).vocab_size
+                                   if config.data.data_path else config.data.default_corpus_vocab_size)
+    return config.model
+
+
+def runs_of(sweep: dict) -> tuple[list[dict], list[str]]:
+    """Every run of the sweep, in order (name, model, layout, learning rate, seed, budget, iterations),
+    and why each size an IsoFLOP budget cannot hold is skipped."""
+    lrs, seeds = sweep.get("lrs", [3e-4]), sweep.get("seeds", [1])
+    if sweep["mode"] == "grid":
+        return [{"run": f"{model}-{layout}-lr{lr:g}-s{seed}", "model": model, "layout": layout, "lr": lr,
+                 "seed": seed, "budget": "", "train_iters": sweep["train_iters"]}
+                for model, layout, lr, seed in itertools.product(sweep["models"], sweep["layouts"], lrs,
+                                                                 seeds)], []
+    runs, skipped = [], []
+    for budget, model in itertools.product(sweep["budgets"], sweep["models"]):
+        iters, why = plan_budget(float(budget), model_config(sweep, model), sweep["tokens_per_step"],
+                                 sweep.get("min_iters", 20), sweep.get("max_iters"))
+        if why:
+            skipped.append(f"{model} at {float(budget):.3g} FLOPs: {why}")
+            continue
+        runs += [{"run": f"{model}-C{float(budget):.3g}-{layout}-lr{lr:g}-s{seed}", "model": model,
+                  "layout": layout, "lr": lr, "seed": seed, "budget": float(budget), "train_iters": iters}
+                 for layout, lr, seed in itertools.product(sweep["layouts"], lrs, seeds)]
+    return runs, skipped
 
 
 def finished_runs(table: str) -> set[str]:
+    """The runs a table already holds; ValueError for a table of other columns (an older sweep's)."""
     if not os.path.exists(table):
         return set()
     with open(table, newline="") as handle:
-        return {row["run"] for row in csv.DictReader(handle)}
+        reader = csv.DictReader(handle)
+        if reader.fieldnames != COLUMNS:
+            raise ValueError(f"{table} has the columns {', '.join(reader.fieldnames or [])}, not this "
+                             "sweep's: give the sweep another output")
+        return {row["run"] for row in reader}
 
 
 def train_run(sweep: dict, run: dict) -> dict:
     """Train one run; its row of the table."""
-    layout = dict(sweep["layouts"][run["layout"]])
-    nproc = layout.pop("nproc", 1)
-    model = sweep["models"][run["model"]]
-    settings = {**sweep.get("common", {}), **model, **layout, "seq_length": sweep["seq_length"],
-                "global_batch_size": sweep["tokens_per_step"] // sweep["seq_length"],
-                "train_iters": sweep["train_iters"], "lr": run["lr"], "seed": run["seed"], "log_interval": 1}
+    nproc, settings = _settings(sweep, run)
     if sweep.get("wandb_project"):
         settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"],
                         wandb_exp_name=run["run"])
     lines = run_pretrain(nproc, _flags(settings))
     with open(os.path.join(sweep["output"], "runs", f"{run['run']}.jsonl"), "w") as handle:
         handle.writelines(json.dumps(line) + "\n" for line in lines)
-    config = parse_config(_flags(settings))  # the model the run trained, as pretrain read it
-    if config.model.vocab_size is None:  # the tokenizer's vocabulary (the built-in corpus's by default)
-        config.model.vocab_size = (build_tokenizer(config.data.tokenizer_spec(None)).vocab_size
-                                   if config.data.data_path else config.data.default_corpus_vocab_size)
-    config = config.model
-    tokens = sweep["tokens_per_step"] * sweep["train_iters"]
+    config = model_config(sweep, run["model"])
+    tokens = sweep["tokens_per_step"] * run["train_iters"]
     timed = lines[1:] or lines
-    return {**run, "parameters": num_parameters(config), "final_loss": lines[-1]["loss"], "tokens": tokens,
+    return {**run, "parameters": num_parameters(config),
+            "non_embedding_parameters": non_embedding_parameters(config), "final_loss": lines[-1]["loss"],
+            "val_loss": lines[-1].get("valid_loss", ""), "tokens": tokens,
             "flops": flops_per_token(config) * tokens,
             "tokens_per_s": sum(line["tokens_per_s"] for line in timed) / len(timed),
             "model_state_bytes": max(r["model_state_bytes"] for r in lines[-1]["per_rank"]),
@@ -156,22 +209,30 @@ def plot(sweep: dict, table: str, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.tools.sweep", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m launch.sweep", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("sweep", help="the sweep's YAML file")
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep)
+        table = os.path.join(sweep["output"], "results.csv")
+        done = finished_runs(table)
+        runs, skipped = runs_of(sweep)
     except (OSError, ValueError, yaml.YAMLError) as error:
         sys.exit(f"error: {error}")
     os.makedirs(os.path.join(sweep["output"], "runs"), exist_ok=True)
-    table = os.path.join(sweep["output"], "results.csv")
-    done, runs = finished_runs(table), runs_of(sweep)
-    print(f"sweep {sweep['name']}: {len(runs)} runs, {len(done & {r['run'] for r in runs})} already finished")
+    with open(os.path.join(sweep["output"], "sweep.json"), "w") as handle:
+        json.dump({key: sweep.get(key) for key in ("name", "mode", "budgets", "tokens_per_step", "seq_length",
+                                                    "wandb_project")} | {"flops_formula": FLOPS_FORMULA},
+                  handle, indent=1)
+    print(f"sweep {sweep['name']} ({sweep['mode']}): {len(runs)} runs, "
+          f"{len(done & {r['run'] for r in runs})} already finished; {FLOPS_FORMULA}")
+    for why in skipped:
+        print(f"skipped: {why}")
     for number, run in enumerate(runs, 1):
         if run["run"] in done:
             continue
-        print(f"[{number}/{len(runs)}] {run['run']}", flush=True)
+        print(f"[{number}/{len(runs)}] {run['run']} ({run['train_iters']} iterations)", flush=True)
         row = train_run(sweep, run)
         fresh = not os.path.exists(table)
         with open(table, "a", newline="") as handle:  # one row per finished run: the sweep resumes here

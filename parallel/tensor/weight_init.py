@@ -27,9 +27,12 @@ class WeightInit:
     std: float
 
     def full(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        full = torch.empty(shape, dtype=torch.float32)
+        if full.is_meta:  # a model built on the meta device has shapes only (a draw there imports torch's
+            return full.to(dtype)  # decompositions and dynamo: about a second per process)
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(self.name.encode()))
                                                   % 2**63)
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator).to(dtype)
+        return full.normal_(0.0, self.std, generator=generator).to(dtype)
 
     def scaled_for_residual(self, num_layers: int) -> "WeightInit":
         """The GPT-2 / Megatron scaled init for projections that feed the residual stream."""

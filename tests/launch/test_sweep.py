@@ -1,36 +1,74 @@
-"""A small sweep runs end to end (2 model sizes x 2 layouts), writes its table and plot, and a second
-invocation skips the finished runs."""
+"""Sweeps run end to end and resume: a grid (one size, two layouts) writes its table and plot; an IsoFLOP
+sweep (sizes from a depth/width rule at one budget) sizes each run's iterations to its budget, skips the
+size the budget cannot hold, records the held-out loss and both parameter counts, and feeds the fit."""
 
 import csv
+import json
 
 import yaml
 
-from launch.tools import sweep
+from launch.tools import scaling_law, sweep
 
 
-def test_sweep_writes_table_and_plot_and_resumes(stdlib_corpus, tmp_path, monkeypatch, capsys):
+def _common(stdlib_corpus) -> dict:
+    prefix, tokenizer = stdlib_corpus
+    return {"micro_batch_size": 4, "vocab_size": 512, "data_path": prefix, "tokenizer_model": tokenizer,
+            "data_cache_dir": f"{prefix}-cache", "sample_prompt": "", "hidden_dropout": 0.0,
+            "attention_dropout": 0.0, "lr_decay_style": "cosine", "min_lr": 3e-4}
+
+
+def _rows(path) -> list[dict]:
+    return list(csv.DictReader(open(path)))
+
+
+def test_a_grid_sweep_writes_table_and_plot(stdlib_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    prefix, tokenizer = stdlib_corpus
     spec = {"name": "test", "output": str(tmp_path / "out"), "tokens_per_step": 256, "seq_length": 32,
-            "train_iters": 3, "common": {"micro_batch_size": 2, "vocab_size": 512, "data_path": prefix,
-                                        "tokenizer_model": tokenizer, "data_cache_dir": f"{prefix}-cache",
-                                        "sample_prompt": "", "hidden_dropout": 0.0, "attention_dropout": 0.0},
-            "models": {"2l-32": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2},
-                       "4l-64": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4}},
+            "train_iters": 3, "common": _common(stdlib_corpus),
+            "models": {"2l-32": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2}},
             "layouts": {"dp2": {"nproc": 2}, "tp2": {"nproc": 2, "tensor_model_parallel_size": 2}},
             "lrs": [3e-3], "seeds": [1]}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
     sweep.main([str(path)])
-    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
-    assert len(rows) == 4 and len({row["run"] for row in rows}) == 4
-    assert all(float(row["final_loss"]) > 0 and float(row["flops"]) > 0 for row in rows)
-    sizes = {row["model"]: int(row["parameters"]) for row in rows}
-    assert sizes["2l-32"] < sizes["4l-64"]
+    rows = _rows(tmp_path / "out" / "results.csv")
+    assert [row["layout"] for row in rows] == ["dp2", "tp2"] and all(row["val_loss"] == "" for row in rows)
+    assert rows[0]["parameters"] == rows[1]["parameters"] and float(rows[0]["final_loss"]) > 0
     assert (tmp_path / "out" / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    capsys.readouterr()
 
+
+def test_an_isoflop_sweep_meets_its_budgets_resumes_and_is_fitted(stdlib_corpus, tmp_path, monkeypatch,
+                                                                  capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    budgets = [2e9]
+    spec = {"name": "iso", "output": str(tmp_path / "iso"), "mode": "isoflop", "budgets": budgets,
+            "tokens_per_step": 256, "seq_length": 32, "min_iters": 10, "max_iters": 300, "eval_iters": 2,
+            "common": {**_common(stdlib_corpus), "lr_warmup_fraction": 0.1},
+            "sizes": {"layers": [1, 2, 3, 4, 5, 8], "width_per_layer": 8, "head_dim": 8},
+            "layouts": {"one": {"nproc": 1}}, "lrs": [3e-3], "seeds": [1]}
+    path = tmp_path / "iso.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep.main([str(path)])
+    printed = capsys.readouterr().out
+    assert "training FLOPs = tokens x models.counting.flops_per_token" in printed  # the formula, named
+    assert "skipped: 8l-64 at 2e+09 FLOPs: 3 iteration(s) < min_iters 10" in printed
+    rows = _rows(tmp_path / "iso" / "results.csv")
+    assert [row["model"] for row in rows] == ["1l-8", "2l-16", "3l-24", "4l-32", "5l-40"]
+    for row in rows:
+        flops, budget = float(row["flops"]), float(row["budget"])
+        assert abs(flops - budget) / budget < 0.05, row  # its iterations chosen to meet the budget
+        assert float(row["tokens"]) == int(row["train_iters"]) * 256
+        assert float(row["val_loss"]) > 0 and float(row["val_loss"]) != float(row["final_loss"])
+        assert 0 < int(row["non_embedding_parameters"]) < int(row["parameters"])
+    assert json.loads((tmp_path / "iso" / "sweep.json").read_text())["budgets"] == budgets
     sweep.main([str(path)])  # again: nothing left to train
-    assert "4 runs, 4 already finished" in capsys.readouterr().out
-    assert len(list(csv.DictReader(open(tmp_path / "out" / "results.csv")))) == 4
+    assert "5 runs, 5 already finished" in capsys.readouterr().out
+    scaling_law.main(["fit", str(tmp_path / "iso" / "results.csv"), "--output", str(tmp_path / "fit"),
+                      "--bootstrap", "5"])
+    fit = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    budget, = fit["approach2"]["budgets"]  # one budget: its vertex, and no power law (said)
+    assert budget["sizes"] == 5 and fit["approach2"]["a"] is None
+    assert "power laws need 2 budgets" in capsys.readouterr().out
+    assert fit["approach3"]["objective"] >= 0 and fit["input"]["loss_column"] == "val_loss"
