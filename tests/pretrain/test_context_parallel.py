@@ -7,7 +7,7 @@ import pytest
 
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_architectures import LLAMA
-from tests.pretrain.test_trainer import _assert_same_trajectory, _pp, _tp, _train
+from tests.pretrain.test_trainer import _assert_same_trajectory, _pp, _short, _tp, _train
 from tests.world import run_world
 
 
@@ -46,14 +46,14 @@ def test_context_parallel_layouts_reproduce_the_single_process_run(references, s
             "cp2 per-layer types, selective recompute": ["--context-parallel-size", "2", "--cp-comm-type",
                                                          "p2p", "a2a", "allgather", "p2p",
                                                          "--recompute-granularity", "selective"]}
-    _assert_all_follow(run_world(4, _train, list(four.values()), stdlib_corpus, timeout_s=600),
+    _assert_all_follow(run_world(4, _train, _short(four.values()), stdlib_corpus, timeout_s=600),
                        references["gpt"], list(four))
     llama = {"llama cp4 p2p": _cp(4),
              "llama cp2 x tp2 SP": _cp(2) + _tp(2, "--sequence-parallel"),
              "llama cp2 x pp2 interleaved": _cp(2) + _pp(2, "interleaved", "--virtual-pipeline-size", "2"),
              "llama cp2 x dp2 ZeRO-3": _cp(2, "a2a", "--zero-stage", "3")}
-    _assert_all_follow(run_world(4, _train, [LLAMA + flags for flags in llama.values()], stdlib_corpus,
-                                 timeout_s=600), references["llama"], list(llama))
+    _assert_all_follow(run_world(4, _train, _short(LLAMA + flags for flags in llama.values()),
+                                 stdlib_corpus, timeout_s=600), references["llama"], list(llama))
 
 
 @pytest.fixture(scope="module")
