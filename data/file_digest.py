@@ -13,3 +13,24 @@ def files_sha256(*paths: str) -> str:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+class HashingWriter:
+    """A binary file being written whose sha256 and size are taken from the bytes as they pass (one pass:
+    no read back). Owns the digest only; the caller owns, flushes and closes the file."""
+
+    def __init__(self, handle):
+        self.handle, self.size = handle, 0
+        self._digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        self.size += len(view)
+        return self.handle.write(view)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()

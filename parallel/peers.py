@@ -13,17 +13,12 @@ import socket
 
 import torch.distributed as dist
 
-
-def _store():
-    try:  # torch keeps the default group's store private; without it nothing can be named
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
+from parallel.process_groups import rendezvous_store
 
 
 def register() -> None:
     """Record this rank's host and pid (once per process, after the default group exists)."""
-    store = _store()
+    store = rendezvous_store()
     if store is not None:
         store.set(f"peer/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
 
@@ -46,7 +41,7 @@ def _gone(pid: int) -> bool:
 def dead_peers(timeout_s: float = 2.0) -> tuple[dict[int, str], list[int]]:
     """(the ranks on this host whose process is gone, each with a description such as "rank 1 (pid
     3922 on node-a)"; the ranks on other hosts, whose state this process cannot see)."""
-    store = _store()
+    store = rendezvous_store()
     if store is None or not dist.is_initialized():
         return {}, []
     store.set_timeout(datetime.timedelta(seconds=timeout_s))

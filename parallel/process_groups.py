@@ -70,6 +70,14 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def rendezvous_store():
+    """The default group's store (torch keeps it private), or None where there is none."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def free_port() -> int:
     """A TCP port on the loopback that is free now (for a rendezvous on this machine)."""
     import socket

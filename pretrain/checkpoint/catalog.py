@@ -17,6 +17,7 @@ A weights-only checkpoint (``"kind": "weights"``; a Hugging Face import) holds `
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -152,14 +153,23 @@ def newest_intact(directory: str, below: int) -> tuple[str, int] | None:
 
 
 def verified(checkpoint: str, manifest: dict, entry: str) -> str:
-    """The path of rank file ``entry`` once its size and sha256 match the manifest."""
+    """The path of rank file ``entry`` once its size and sha256 match the manifest (each file hashed once
+    per process: the start-up check's hash serves the read that follows)."""
     path = os.path.join(checkpoint, entry)
     recorded = manifest["files"].get(entry)
     if recorded is None or not os.path.exists(path):
         raise CheckpointError(f"{path}: missing from the checkpoint")
-    if os.path.getsize(path) != recorded["bytes"] or files_sha256(path) != recorded["sha256"]:
+    status = os.stat(path)
+    if status.st_size != recorded["bytes"] or _sha256(path, status.st_size,
+                                                      status.st_mtime_ns) != recorded["sha256"]:
         raise CheckpointError(f"{path}: size or sha256 differs from the manifest (corrupted or truncated)")
     return path
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256(path: str, size: int, modified_ns: int) -> str:
+    """The file's sha256, once per (path, size, modification time): a file changed since is hashed anew."""
+    return files_sha256(path)
 
 
 def read_file(path: str) -> dict:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
+from dataclasses import dataclass
 
 import torch
 
-from data.file_digest import files_sha256
+from data.file_digest import HashingWriter
 from parallel import comm
 from parallel.process_groups import ParallelGroups, default_device
 from pretrain.checkpoint import reshard
@@ -41,92 +43,136 @@ def _split(states: dict[str, Stateful]) -> tuple[ZeroModelState, dict[str, State
     return model, run, rank
 
 
+@dataclass(frozen=True)
+class Written:
+    """One rank file on disk: its entry name, size and sha256 (taken as it was written), or the problem
+    that stopped it."""
+
+    entry: str
+    bytes: int = 0
+    sha256: str = ""
+    problem: str | None = None
+
+
+class SaveAttempt:
+    """One save of ``iteration`` under ``directory``: its staging directory (made ready by rank 0 and
+    agreed over the world when the attempt begins), the world's agreement on each phase, and the
+    publishing. ``token`` names the attempt (an asynchronous save's store keys). Owns no state to save."""
+
+    def __init__(self, directory: str, iteration: int, groups: ParallelGroups):
+        self.directory, self.iteration, self.groups = directory, iteration, groups
+        name = iteration_name(iteration)
+        self.final, self.staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+        problem = None
+        if groups.rank == 0:
+            try:
+                shutil.rmtree(self.staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
+                os.makedirs(self.staging)
+            except OSError as error:
+                problem = f"{error.strerror or error}: {self.staging}"
+        self.token = self.agreed((problem, uuid.uuid4().hex if groups.rank == 0 else None))[0][1]
+
+    def agreed(self, value: tuple) -> list[tuple]:
+        """Every rank's ``(problem, ...)``; SaveError alike on every rank if any rank had a problem."""
+        values = comm.all_gather_object(value, self.groups.world, default_device())
+        failed = [(rank, v[0]) for rank, v in enumerate(values) if v[0]]
+        if failed:
+            self.fail(*failed[0])
+        return values
+
+    def fail(self, rank: int, problem: str) -> None:
+        """Raise the SaveError that every rank reports (rank 0 drops the staging directory first)."""
+        raise SaveError(self.failure(rank, problem))
+
+    def failure(self, rank: int, problem: str) -> str:
+        if self.groups.rank == 0:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        kept = (f"{os.path.join(self.directory, latest_name(self.directory))} is still the latest "
+                "checkpoint, intact" if exists(self.directory) else "no earlier checkpoint exists")
+        return (f"saving iteration {self.iteration} failed on rank {rank}: {problem}; {kept}. Free space "
+                f"under --save {self.directory} (or choose another) and resume with --load")
+
+    @property
+    def entry(self) -> str:
+        return f"rank_{self.groups.rank:05d}.pt"
+
+    def write(self, content: dict) -> Written:
+        """This rank's file, written durably and hashed as it is written."""
+        path = os.path.join(self.staging, self.entry)
+        try:  # through a Python file: a full disk or a file-size limit is an OSError that says so
+            with open(path + ".part", "wb") as handle:
+                hashed = HashingWriter(handle)
+                torch.save(content, hashed)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(path + ".part", path)
+        except (OSError, RuntimeError) as error:  # torch's zip writer re-raises a failed write so
+            cause = error if isinstance(error, OSError) else error.__context__
+            if not isinstance(cause, OSError):
+                raise
+            return Written(self.entry, problem=f"cannot write {path} ({cause.strerror or cause})")
+        return Written(self.entry, hashed.size, hashed.hexdigest())
+
+    def publish(self, written: list[Written], manifest: dict, keep_last: int, retain_interval: int | None,
+                protected: str | None = None) -> None:
+        """Rank 0, once every rank file is down: the manifest (with the sizes and sha256 taken as the files
+        were written), the rename, ``latest``, then pruning (never ``protected``, the checkpoint this run
+        resumed from)."""
+        manifest["files"] = {w.entry: {"bytes": w.bytes, "sha256": w.sha256} for w in written}
+        write_durably(os.path.join(self.staging, "manifest.json"),
+                      json.dumps(manifest, indent=1, default=str).encode())
+        fsync_directory(self.staging)
+        shutil.rmtree(self.final, ignore_errors=True)
+        os.replace(self.staging, self.final)
+        write_durably(os.path.join(self.directory, "latest"), os.path.basename(self.final).encode())
+        fsync_directory(self.directory)
+        kept = sorted(entry for entry in os.listdir(self.directory)
+                      if entry.startswith("iter_") and not entry.endswith(".tmp"))
+        dropped = set(kept[:-keep_last]) if keep_last > 0 else set()
+        if retain_interval:
+            dropped |= {entry for entry in kept[:-1] if int(entry[len("iter_"):]) % retain_interval}
+        for old in sorted(dropped - {protected}):
+            shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+
+
+def model_state(states: dict[str, Stateful]) -> ZeroModelState:
+    """The ZeRO model state among ``states``."""
+    return _split(states)[0]
+
+
+def rank_content(states: dict[str, Stateful]) -> dict:
+    """What this rank's file holds: the model state and the other rank-scoped states (call inside the
+    model state's ``in_memory()``)."""
+    model, _, rank_states = _split(states)
+    return {"states": {MODEL: model.state_dict(), **{n: s.state_dict() for n, s in rank_states.items()}}}
+
+
+def manifest_base(states: dict[str, Stateful], iteration: int, config: dict) -> dict:
+    """The manifest of a save, but for its files: format, iteration, the run-scoped states, layout, config."""
+    model, run, _ = _split(states)
+    return {"format": RANK_FORMAT, "iteration": iteration,
+            "states": {n: s.state_dict() for n, s in run.items()}, "layout": model.layout(), "config": config}
+
+
 def save(directory: str, iteration: int, states: dict[str, Stateful], groups: ParallelGroups, config: dict,
-         keep_last: int = 0, retain_interval: int | None = None) -> str:
+         keep_last: int = 0, retain_interval: int | None = None, protected: str | None = None) -> str:
     """Write the checkpoint of ``iteration`` (a collective over the world); return its final path. Each
     state is written by its own ``state_dict()``: run-scoped ones into the manifest, the rest into the
     rank file. Then prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the
-    checkpoints at its multiples besides the newest."""
-    model, run, rank_states = _split(states)
-    name = iteration_name(iteration)
-    final, staging = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
-
-    def agreed(problem: str | None) -> None:  # every rank learns of any rank's failure: no one waits alone
-        failed = [(rank, text) for rank, text in enumerate(comm.all_gather_object(problem, groups.world,
-                                                                                  default_device())) if text]
-        if failed:
-            if groups.rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            kept = (f"{os.path.join(directory, latest_name(directory))} is still the latest "
-                    "checkpoint, intact" if exists(directory)
-                    else "no earlier checkpoint exists")
-            rank, text = failed[0]
-            raise SaveError(f"saving iteration {iteration} failed on rank {rank}: {text}; {kept}. "
-                            f"Free space under --save {directory} (or choose another) and resume with --load")
-
+    checkpoints at its multiples besides the newest, never ``protected``."""
+    attempt = SaveAttempt(directory, iteration, groups)
+    with model_state(states).in_memory():
+        written = attempt.write(rank_content(states))
+    files = [value[1] for value in attempt.agreed((written.problem, written))]
     problem = None
     if groups.rank == 0:
         try:
-            shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt: never trusted
-            os.makedirs(staging)
+            attempt.publish(files, manifest_base(states, iteration, config), keep_last, retain_interval,
+                            protected)
         except OSError as error:
-            problem = f"{error.strerror or error}: {staging}"
-    agreed(problem)
-    path = os.path.join(staging, f"rank_{groups.rank:05d}.pt")
-    with model.in_memory():
-        content = {"states": {MODEL: model.state_dict(),
-                              **{n: s.state_dict() for n, s in rank_states.items()}}}
-        problem = _write_rank_file(path, content)
-    agreed(problem)
-    problem = None
-    if groups.rank == 0:
-        manifest = {"format": RANK_FORMAT, "iteration": iteration,
-                    "states": {n: s.state_dict() for n, s in run.items()}, "layout": model.layout(),
-                    "config": config}
-        try:
-            _publish(directory, staging, final, manifest, keep_last, retain_interval)
-        except OSError as error:
-            problem = f"{error.strerror or error}: {error.filename or staging}"
-    agreed(problem)
-    return final
-
-
-def _write_rank_file(path: str, content: dict) -> str | None:
-    """Write ``content`` durably to ``path``; the problem as text if the disk refused it."""
-    try:  # through a Python file: a full disk or a file-size limit is an OSError that says so
-        with open(path + ".part", "wb") as handle:
-            torch.save(content, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(path + ".part", path)
-    except (OSError, RuntimeError) as error:  # torch's zip writer re-raises a failed write as a RuntimeError
-        cause = error if isinstance(error, OSError) else error.__context__
-        if not isinstance(cause, OSError):
-            raise
-        return f"cannot write {path} ({cause.strerror or cause})"
-    return None
-
-
-def _publish(directory: str, staging: str, final: str, manifest: dict, keep_last: int,
-             retain_interval: int | None) -> None:
-    """Rank 0, once every rank file is down: the manifest, the rename, ``latest``, then pruning."""
-    manifest["files"] = {entry: {"bytes": os.path.getsize(os.path.join(staging, entry)),
-                                 "sha256": files_sha256(os.path.join(staging, entry))}
-                         for entry in sorted(os.listdir(staging))}
-    write_durably(os.path.join(staging, "manifest.json"),
-                  json.dumps(manifest, indent=1, default=str).encode())
-    fsync_directory(staging)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(staging, final)
-    write_durably(os.path.join(directory, "latest"), os.path.basename(final).encode())
-    fsync_directory(directory)
-    kept = sorted(entry for entry in os.listdir(directory)
-                  if entry.startswith("iter_") and not entry.endswith(".tmp"))
-    dropped = set(kept[:-keep_last]) if keep_last > 0 else set()
-    if retain_interval:
-        dropped |= {entry for entry in kept[:-1] if int(entry[len("iter_"):]) % retain_interval}
-    for old in sorted(dropped):
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+            problem = f"{error.strerror or error}: {error.filename or attempt.staging}"
+    attempt.agreed((problem,))
+    return attempt.final
 
 
 def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, weights_only: bool = False,

@@ -265,7 +265,12 @@ class CheckpointConfig:
         "resume from the checkpoint of this iteration under --load instead of the newest"))
     save_interval: int | None = field(default=None, metadata=flag("save every N iterations (default: only at "
                                                                    "the end)"))
-    save_keep_last: int = field(default=0, metadata=flag("keep only the newest K checkpoints (0 = keep all)"))
+    save_keep_last: int = field(default=0, metadata=flag(
+        "keep only the newest K checkpoints (0 = keep all; never the one this run resumed from)",
+        aliases=["--ckpt-keep"]))
+    async_save: bool = field(default=False, metadata=flag(
+        "save in the background: the step copies its states to host memory and goes on while a thread "
+        "writes, hashes and publishes them; the log says when a checkpoint is published"))
     save_retain_interval: int | None = field(default=None, metadata=flag(
         "keep only the checkpoints at multiples of this iteration, and the newest"))
     finetune: bool = field(default=False, metadata=flag(

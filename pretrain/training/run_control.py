@@ -2,7 +2,8 @@
 
 A run stops early, saving first when ``--save`` is set, on a preemption signal (SIGTERM, SIGUSR1; caught
 only when saving), at an ``--exit-interval`` iteration, or once ``--exit-duration-in-mins`` have
-passed since the trainer started (Megatron counts from process start). The signal and the clock
+passed since the trainer started (Megatron counts from process start); and without saving when a
+background save (``--async-save``) failed on some rank. The signal, the clock and a writer's failure
 differ between ranks, so they are agreed with one all-reduce per iteration, made only when one of
 them can matter.
 """
@@ -46,13 +47,14 @@ class RunControl:
     def _on_signal(self, signum, frame) -> None:
         self._signal_received = True
 
-    def _agreed_flags(self) -> tuple[bool, bool]:
-        """(a signal arrived on some rank, the duration is up on some rank); a collective over the world."""
+    def _agreed_flags(self, save_failed: bool) -> tuple[bool, bool, bool]:
+        """(a signal arrived on some rank, the duration is up on some rank, a background save failed on
+        some rank); a collective over the world."""
         minutes = self.config.training.exit_duration_in_mins
         late = minutes is not None and time.monotonic() - self.started >= 60 * minutes
-        flags = torch.tensor([float(self._signal_received), float(late)])
+        flags = torch.tensor([float(self._signal_received), float(late), float(save_failed)])
         comm.all_reduce(flags, self.world, op=torch.distributed.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
     def _evaluates(self, iteration: int) -> bool:
         train = self.config.training
@@ -68,13 +70,16 @@ class RunControl:
                 or (logging.tensorboard_dir is not None
                     and iteration % logging.tensorboard_log_interval == 0))
 
-    def after(self, iteration: int, first: bool = False) -> Decision:
+    def after(self, iteration: int, first: bool = False, save_failed: bool = False) -> Decision:
         """The decision after ``iteration`` (every rank calls it, in step); ``first``: the run's first
-        iteration (a resumed run's too)."""
+        iteration (a resumed run's too); ``save_failed``: this rank's background save failed."""
         config, train = self.config, self.config.training
         last = iteration == train.train_iters
-        signalled, late = (self._agreed_flags() if config.checkpoint.save or train.exit_duration_in_mins
-                           else (False, False))
+        signalled, late, failed = (self._agreed_flags(save_failed)
+                                   if config.checkpoint.save or train.exit_duration_in_mins
+                                   else (False, False, False))
+        if failed:  # nothing more is saved; the trainer reports the failure
+            return Decision(True, True, False, False, "a failed checkpoint save")
         stop = ("a preemption signal" if signalled else
                 f"--exit-duration-in-mins {train.exit_duration_in_mins}" if late else
                 f"--exit-interval {train.exit_interval}"

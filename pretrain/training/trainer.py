@@ -19,7 +19,8 @@ from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes
 from pretrain.checkpoint import checkpointer
-from pretrain.checkpoint.catalog import MODEL
+from pretrain.checkpoint.async_save import AsyncSaver
+from pretrain.checkpoint.catalog import MODEL, iteration_name
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
@@ -82,6 +83,10 @@ class Trainer:
                                      self.activation_meter, self.optimizer)
         self.progress = TrainingProgress()  # the data position; the LR schedule follows it
         self.start_iteration = 0
+        self.resumed_from: str | None = None  # the checkpoint under --save this run resumed from (kept)
+        self.saver = (AsyncSaver(self.groups, config.parallel.distributed_timeout_s,
+                                 lambda line: print_rank0(self.is_logger, line))
+                      if config.checkpoint.async_save else None)
         self.stopped_early: str | None = None
         self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
         # the default stream (dropout outside tensor-parallel regions: equal over tp and dp, not over stages
@@ -140,6 +145,7 @@ class Trainer:
                         f", iteration {manifest['iteration']}): a fresh optimizer, from iteration 0")
             return
         self.start_iteration = self.progress.iteration
+        self.resumed_from = iteration_name(manifest["iteration"]) if directory == ckpt.save else None
         print_rank0(self.is_logger, f"resumed from {directory} at iteration {self.start_iteration}, sample "
                     f"{self.progress.consumed_samples} (global batch "
                     f"{self.schedule.batch_size(self.progress.consumed_samples)})"
@@ -206,6 +212,8 @@ class Trainer:
         peak = peak_flops(self.device, self.dtype)
         if peak is not None:  # model FLOPs utilisation against the device's data-sheet peak
             record["mfu"] = record["tflops_per_rank"] * 1e12 / peak
+        if self.saver is not None:  # published: on disk and named by latest; the stall: the last save's
+            record.update(checkpoint_published=self.saver.published, save_stall_s=self.saver.stall_s)
         if self.config.logging.log_params_norm:
             record["params_norm"] = self.optimizer.parameter_norm()
         return record
@@ -253,7 +261,12 @@ class Trainer:
                 self._check_bad_step(iteration, loss, step)
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
-                decision = self.control.after(iteration, first=iteration == self.start_iteration + 1)
+                if self.saver is not None:
+                    self.saver.poll()
+                decision = self.control.after(iteration, first=iteration == self.start_iteration + 1,
+                                              save_failed=self.saver is not None and self.saver.failed_here())
+                if decision.stop == "a failed checkpoint save":
+                    self.saver.wait()  # raises the failure, alike on every rank
                 valid = self.evaluate() if decision.evaluate else None
                 if decision.record:
                     record = self._record(iteration, loss, lr, batch_size, step, step_time,
@@ -280,6 +293,8 @@ class Trainer:
                     self.stopped_early = decision.stop
                     print_rank0(self.is_logger, f"stopping after iteration {iteration} on {decision.stop}")
                     break
+            if self.saver is not None:
+                self.saver.wait()  # the end of training waits for the last write
             result.sample = None if self.stopped_early else self.sample()
         finally:  # also on an error: swap files are scratch
             self.optimizer.close()
@@ -318,9 +333,16 @@ class Trainer:
                 "rng": self.model[0].rng}  # the stage's dropout streams and the default generator
 
     def save(self) -> None:
-        ckpt = self.config.checkpoint
-        path = checkpointer.save(ckpt.save, self.progress.iteration, self.checkpoint_states(), self.groups,
-                                 self.config.to_dict(), ckpt.save_keep_last, ckpt.save_retain_interval)
+        """Save this iteration's checkpoint: at once, or (--async-save) handed to the background writer,
+        which says when it is published. Never prunes the checkpoint this run resumed from."""
+        ckpt, iteration = self.config.checkpoint, self.progress.iteration
+        states, settings = self.checkpoint_states(), self.config.to_dict()
+        if self.saver is not None:
+            self.saver.start(ckpt.save, iteration, states, settings, ckpt.save_keep_last,
+                             ckpt.save_retain_interval, self.resumed_from)
+            return
+        path = checkpointer.save(ckpt.save, iteration, states, self.groups, settings, ckpt.save_keep_last,
+                                 ckpt.save_retain_interval, self.resumed_from)
         print_rank0(self.is_logger, f"saved checkpoint {path}")
 
     def sample(self) -> str | None:

@@ -3,7 +3,12 @@
 ``save:N`` (right after writing its file of checkpoint N, before the others finished theirs) or
 ``hang:N`` (it stops, SIGSTOP, as iteration N begins: alive but silent) or ``full:N`` (as iteration N
 begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next save). Rank
-``DIE_RANK`` dies; a restarted job does not. Launched by torchrun from tests/pretrain/test_faults.py."""
+``DIE_RANK`` dies; a restarted job does not. Faults in a save's writer (an asynchronous save's
+thread): ``write:N`` (before its first byte), ``midfile:N`` (part of its file written), ``publish:N``
+(every file written, before rank 0 publishes: give DIE_RANK 0), ``fullsave:N`` (its file may grow to
+1 KiB only: the disk fills as it is written). ``DIE_AT`` may list one fault per start,
+``FAULT@RANK,FAULT@RANK,...``: the i-th for torchrun's i-th restart. Launched by torchrun from
+tests/pretrain/test_faults.py."""
 
 import os
 import resource
@@ -34,7 +39,7 @@ def _arm(kind: str, number: int) -> None:
                     _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
             return train_step(self, batches, measure)
         Trainer.train_step = dying_step
-    else:
+    elif kind == "save":
         save = torch.save
 
         def dying_save(obj, path, *args, **kwargs):
@@ -42,11 +47,49 @@ def _arm(kind: str, number: int) -> None:
             if f"iter_{number:07d}.tmp" in str(path):
                 _die()
         torch.save = dying_save
+    else:
+        _arm_writer(kind, number)
+
+
+def _arm_writer(kind: str, number: int) -> None:
+    """Faults inside a save's writer: before its first byte, in the middle of its file, before publish."""
+    from data.file_digest import HashingWriter
+    from pretrain.checkpoint.checkpointer import SaveAttempt
+
+    write, publish, chunk, current = SaveAttempt.write, SaveAttempt.publish, HashingWriter.write, [None]
+
+    def dying_write(self, content):
+        if kind == "write" and self.iteration == number:
+            _die()
+        if kind == "fullsave" and self.iteration == number:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        current[0] = self.iteration
+        return write(self, content)
+
+    def dying_chunk(self, data):
+        if kind == "midfile" and current[0] == number and self.size > 4096:
+            _die()
+        return chunk(self, data)
+
+    def dying_publish(self, *args, **kwargs):
+        if kind == "publish" and self.iteration == number:
+            _die()
+        return publish(self, *args, **kwargs)
+    SaveAttempt.write, HashingWriter.write, SaveAttempt.publish = dying_write, dying_chunk, dying_publish
+
+
+def _faults() -> list[tuple[str, str]]:
+    """(fault, rank) per start: DIE_AT as FAULT@RANK,... or one FAULT for DIE_RANK's first start."""
+    spec = os.environ["DIE_AT"]
+    if "@" not in spec:
+        return [(spec, os.environ["DIE_RANK"])]
+    return [tuple(part.split("@")) for part in spec.split(",")]
 
 
 if __name__ == "__main__":
-    if (os.environ["RANK"] == os.environ["DIE_RANK"]
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-        kind, number = os.environ["DIE_AT"].split(":")
+    start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    faults = _faults()
+    if start < len(faults) and os.environ["RANK"] == faults[start][1]:
+        kind, number = faults[start][0].split(":")
         _arm(kind, int(number))
     pretrain_main.main()

@@ -34,6 +34,9 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
     for stage in (2, 3):  # optimizer states (stage 3: and parameter shards) in swap files: saved from them,
         infinity = ["--offload-param", "nvme"] if stage == 3 else []  # loaded back into them
         layouts += [run + nvme + infinity for run in _runs(stage, str(tmp_path / f"nvme{stage}"))[1:]]
+    for stage in (1, 3):  # saved in the background (at 2 while 3 and 4 train, then at 4), resumed
+        first, resumed = _runs(stage, str(tmp_path / f"async{stage}"))[1:]
+        layouts += [first + ["--async-save", "--save-interval", "2"], resumed]
     for rank_results in run_world(8, _train, layouts, stdlib_corpus, timeout_s=600):
         for stage in range(4):
             straight, first, resumed = rank_results[3 * stage:3 * stage + 3]
@@ -43,11 +46,38 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
         for index, stage in enumerate((2, 3)):
             straight, (first, resumed) = rank_results[3 * stage], rank_results[12 + 2 * index:14 + 2 * index]
             assert first[0] + resumed[0] == straight[0], ("nvme", stage)  # as in memory, bit for bit
+        for index, stage in enumerate((1, 3)):  # the asynchronous save: the synchronous trajectory
+            straight, (first, resumed) = rank_results[3 * stage], rank_results[16 + 2 * index:18 + 2 * index]
+            assert first[0] + resumed[0] == straight[0] and resumed[1] == straight[1][4:], ("async", stage)
     assert os.listdir(tmp_path / "swap") == []  # swap files are scratch, removed at the end
     checkpoint, manifest = read_manifest(str(tmp_path / "stage3"))
     assert manifest["iteration"] == 4 and manifest["states"]["progress"]["consumed_samples"] == 32
     assert manifest["layout"] == {"world_size": 8, "tp": 2, "pp": 2, "dp": 2, "zero_stage": 3}
     assert sorted(manifest["files"]) == [f"rank_{r:05d}.pt" for r in range(8)]
+    for stage in (1, 3):  # the synchronous save's states, bit for bit (torch.save stamps each file with
+        background, foreground = (read_manifest(str(tmp_path / name))  # an id of its own: not the bytes)
+                                  for name in (f"async{stage}", f"stage{stage}"))
+        assert background[1]["files"].keys() == foreground[1]["files"].keys()
+        for entry in foreground[1]["files"]:
+            _assert_equal(*(torch.load(os.path.join(path, entry), weights_only=True)
+                            for path in (background[0], foreground[0])), entry)
+        assert sorted(os.listdir(tmp_path / f"async{stage}")) == ["iter_0000002", "iter_0000004", "latest"]
+
+
+def _assert_equal(got, want, where):
+    """The same nested states: every tensor equal (and laid out alike), every other value equal."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for index, (g, w) in enumerate(zip(got, want)):
+            _assert_equal(g, w, f"{where}[{index}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want) and got.stride() == want.stride(), where
+    else:
+        assert got == want, where
 
 
 @pytest.mark.parity

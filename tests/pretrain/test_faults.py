@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from launch.torchrun import RESTARTABLE
@@ -101,10 +102,18 @@ def _errors(job) -> list[str]:
     return [line for line in job.stderr.splitlines() if line.startswith("error: ")]
 
 
-def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(stdlib_corpus, tmp_path):
-    reference, _, reference_lines, _ = _job(stdlib_corpus, tmp_path, "reference")
+@pytest.fixture(scope="module")
+def reference_job(stdlib_corpus, tmp_path_factory):
+    """(the directory, the final loss) of the uninterrupted job the faulted ones must end like."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    reference, _, lines, directory = _job(stdlib_corpus, tmp_path, "reference")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    final_loss = reference_lines[-1]["loss"]
+    return directory, lines[-1]["loss"]
+
+
+def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(stdlib_corpus, tmp_path,
+                                                                              reference_job):
+    reference_directory, final_loss = reference_job
 
     # killed as iteration 5 begins: torchrun restarts the job, which resumes from iteration 4
     job, _, lines, _ = _job(stdlib_corpus, tmp_path, "mid-iteration", max_restarts=1, die_at="iteration:5")
@@ -128,7 +137,7 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
     # a flipped byte in rank 1's file of checkpoint 8: every rank stops before iteration 1, rank 0 names the
     # file and the intact checkpoint 6; --ckpt-step 6 resumes from it to the reference's loss, bit for bit
     damaged = tmp_path / "damaged"
-    shutil.copytree(tmp_path / "reference", damaged)
+    shutil.copytree(reference_directory, damaged)
     rank_file = damaged / "iter_0000008" / "rank_00001.pt"
     data = bytearray(rank_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -144,20 +153,43 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
     assert "at iteration 6" in job.stdout and lines[-1]["loss"] == final_loss
 
 
+def test_a_kill_anywhere_in_a_background_save_resumes_from_an_intact_checkpoint(stdlib_corpus, tmp_path,
+                                                                               reference_job):
+    """--async-save under torchrun --max-restarts: a worker killed before its writer's first byte (the save
+    of 4), in the middle of its file (6), and rank 0 killed with every file written but before it
+    published (8): each start resumes from the newest published checkpoint, the log never says a save was
+    published that was not, and the last start ends on the uninterrupted run's loss, bit for bit."""
+    job, _, lines, directory = _job(stdlib_corpus, tmp_path, "async", max_restarts=3,
+                                    die_at="write:4@1,midfile:6@1,publish:8@0", extra=["--async-save"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    resumed = [int(line.split("at iteration ")[1].split(",")[0]) for line in job.stdout.splitlines()
+               if line.startswith("resumed from")]
+    published = [int(line.split("(iteration ")[1].split(",")[0]) for line in job.stdout.splitlines()
+                 if line.startswith("published checkpoint")]
+    assert resumed == [2, 4, 6], job.stdout[-3000:]  # the newest published one, each time
+    assert published == [2, 4, 6, 8], job.stdout[-3000:]  # each said once, when on disk
+    assert lines[-1]["iteration"] == 8 and lines[-1]["loss"] == reference_job[1]
+    assert all(line["checkpoint_published"] is None or line["checkpoint_published"] < line["iteration"]
+               for line in lines)
+    assert read_manifest(directory)[1]["iteration"] == 8 and not any(
+        entry.endswith(".tmp") for entry in os.listdir(directory) if entry != "iter_0000008")
+
+
 def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_checkpoint(stdlib_corpus,
                                                                                        tmp_path):
-    # rank 1's disk is full from iteration 5 on (RLIMIT_FSIZE): the save of 6 fails there, every rank stops
-    job, _, lines, directory = _job(stdlib_corpus, tmp_path, "full", die_at="full:5")
-    assert _errors(job) == ["error: saving iteration 6 failed on rank 1: cannot write "
-                            f"{directory}/iter_0000006.tmp/"
-                            f"rank_00001.pt (File too large); {directory}/iter_0000004 is still the latest "
-                            f"checkpoint, intact. Free space under --save {directory} (or choose another) "
-                            "and resume "
-                            "with --load"]
-    assert lines[-1]["iteration"] == 6 and sorted(os.listdir(directory)) == ["iter_0000002",
-                                                                             "iter_0000004", "latest"]
-    checkpoint, manifest = read_manifest(directory)
-    assert manifest["iteration"] == 4 and newest_intact(directory, below=5) == (checkpoint, 4)
+    # rank 1's disk is full from iteration 5 on (RLIMIT_FSIZE): the save of 6 fails there, every rank stops;
+    # the same when the save is written in the background (--async-save) and the disk fills as it writes
+    for name, fault, extra in (("full", "full:5", []), ("full-async", "fullsave:6", ["--async-save"])):
+        job, _, lines, directory = _job(stdlib_corpus, tmp_path, name, die_at=fault, extra=extra)
+        said = ("error: saving iteration 6 failed on rank 1: cannot write "
+                f"{directory}/iter_0000006.tmp/rank_00001.pt (File too large); {directory}/iter_0000004 is "
+                f"still the latest checkpoint, intact. Free space under --save {directory} (or choose "
+                "another) and resume with --load")
+        assert _errors(job) == [said], name
+        assert lines[-1]["iteration"] == 6 and sorted(os.listdir(directory)) == ["iter_0000002",
+                                                                                 "iter_0000004", "latest"]
+        checkpoint, manifest = read_manifest(directory)
+        assert manifest["iteration"] == 4 and newest_intact(directory, below=5) == (checkpoint, 4)
     # --save under a file: said before anything is built
     (tmp_path / "a-file").write_text("")
     job, _, lines, _ = _job(stdlib_corpus, tmp_path, "unused",
