@@ -62,12 +62,11 @@ class AsyncSaver:
         self._outcome: dict | None = None
         self._local_problem: str | None = None
         self.published: int | None = None  # the newest iteration this saver published
-        self.stall_s = 0.0  # how long the last save held the training thread
 
     def start(self, directory: str, iteration: int, states: dict[str, Stateful], config: dict, keep_last: int,
               retain_interval: int | None, protected: str | None = None) -> None:
         """Begin the save of ``iteration``: wait for the previous one, copy, and hand it to the thread."""
-        started = time.perf_counter()
+        started = time.perf_counter()  # the thread says how long after this the checkpoint was published
         self.wait()
         attempt = SaveAttempt(directory, iteration, self.groups)
         with model_state(states).in_memory():
@@ -80,7 +79,6 @@ class AsyncSaver:
                                         args=(attempt, content, manifest, keep_last, retain_interval,
                                               protected, started))
         self._thread.start()
-        self.stall_s = time.perf_counter() - started
 
     def _write(self, attempt: SaveAttempt, content: dict, manifest: dict | None, keep_last: int,
                retain_interval: int | None, protected: str | None, requested: float) -> None:

@@ -84,6 +84,8 @@ class Trainer:
         self.progress = TrainingProgress()  # the data position; the LR schedule follows it
         self.start_iteration = 0
         self.resumed_from: str | None = None  # the checkpoint under --save this run resumed from (kept)
+        self.published: int | None = None  # the newest checkpoint this run saved synchronously
+        self.save_stall_s = 0.0
         self.saver = (AsyncSaver(self.groups, config.parallel.distributed_timeout_s,
                                  lambda line: print_rank0(self.is_logger, line))
                       if config.checkpoint.async_save else None)
@@ -212,8 +214,9 @@ class Trainer:
         peak = peak_flops(self.device, self.dtype)
         if peak is not None:  # model FLOPs utilisation against the device's data-sheet peak
             record["mfu"] = record["tflops_per_rank"] * 1e12 / peak
-        if self.saver is not None:  # published: on disk and named by latest; the stall: the last save's
-            record.update(checkpoint_published=self.saver.published, save_stall_s=self.saver.stall_s)
+        if self.config.checkpoint.save:  # published: on disk and named by latest; the last save's stall
+            record.update(checkpoint_published=self.saver.published if self.saver else self.published,
+                          save_stall_s=self.save_stall_s)
         if self.config.logging.log_params_norm:
             record["params_norm"] = self.optimizer.parameter_norm()
         return record
@@ -335,15 +338,17 @@ class Trainer:
     def save(self) -> None:
         """Save this iteration's checkpoint: at once, or (--async-save) handed to the background writer,
         which says when it is published. Never prunes the checkpoint this run resumed from."""
-        ckpt, iteration = self.config.checkpoint, self.progress.iteration
+        ckpt, iteration, started = self.config.checkpoint, self.progress.iteration, time.perf_counter()
         states, settings = self.checkpoint_states(), self.config.to_dict()
         if self.saver is not None:
             self.saver.start(ckpt.save, iteration, states, settings, ckpt.save_keep_last,
                              ckpt.save_retain_interval, self.resumed_from)
-            return
-        path = checkpointer.save(ckpt.save, iteration, states, self.groups, settings, ckpt.save_keep_last,
-                                 ckpt.save_retain_interval, self.resumed_from)
-        print_rank0(self.is_logger, f"saved checkpoint {path}")
+        else:
+            path = checkpointer.save(ckpt.save, iteration, states, self.groups, settings, ckpt.save_keep_last,
+                                     ckpt.save_retain_interval, self.resumed_from)
+            self.published = iteration
+            print_rank0(self.is_logger, f"saved checkpoint {path}")
+        self.save_stall_s = time.perf_counter() - started  # the step's wait for the save
 
     def sample(self) -> str | None:
         """Continue --sample-prompt with the trained model (every rank runs it; rank 0 prints)."""
