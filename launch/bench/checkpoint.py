@@ -9,9 +9,10 @@ Each stage trains the same GPT (fp32, dp x tp processes) twice from the same see
 ``--save-interval`` iterations: synchronously, then in the background; the two runs' losses must agree
 bit for bit. Reported: the mean stall per save (the time the step waited in ``Trainer.save``, from the
 metrics' ``save_stall_s``) and its ratio, async over sync; the largest rank's file against the
-world's total / world; and for one rank's files of the last checkpoint, the seconds to verify and read
-them with one hash pass (as a resume does now) against two (the start-up check and the read each
-hashing the files, as before).
+model's state written once and spread evenly (fp32 parameters and AdamW's two moments, 12 bytes a
+parameter, over the world: what a save that writes each replicated piece once would give); and for
+one rank's files of the last checkpoint, the seconds to verify and read them with one hash pass (as a
+resume does now) against two (the start-up check and the read each hashing the files, as before).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     world = args.tp * args.dp
     rows = [f"GPT of {params / 1e6:.1f}M parameters, fp32, dp {args.dp} x tp {args.tp}, a save every "
             f"{args.save_interval} of {args.iters} iterations", "",
-            "| stage | save | stall per save s | async / sync | largest rank file MiB | vs total / world "
-            "| resume read s, 1 hash pass | 2 passes | final loss |", "|---|---|---|---|---|---|---|---|---|"]
+            "| stage | save | stall per save s | async / sync | largest rank file MiB "
+            "| vs 12 B x params / world | resume read s, 1 hash pass | 2 passes | final loss |", "|---|---|---|---|---|---|---|---|---|"]
     common = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
               "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
               "--vocab-size", str(args.vocab), "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             from pretrain.checkpoint.catalog import read_manifest
 
             sizes = [file["bytes"] for file in read_manifest(directory)[1]["files"].values()]
-            largest, fair = max(sizes), sum(sizes) / world
+            largest, fair = max(sizes), 12 * params / world
             one, two = (_resume_read_seconds(directory, 0, passes) for passes in (1, 2))
             rows.append(f"| {stage} | {mode} | {stalls[mode]:.3f} | "
                         + (f"{stalls['async'] / stalls['sync']:.3f}x" if mode == "async" else "1.000x")

@@ -30,24 +30,27 @@ from pretrain.checkpoint.checkpointer import (SaveAttempt, SaveError, Written, m
 from pretrain.checkpoint.stateful import Stateful
 
 
-def host_copy(value, copies: dict | None = None):
+def host_copy(value, copies: dict, spare: dict | None = None):
     """``value`` with every tensor copied to host memory (pinned where an accelerator holds it), so the
-    training can go on changing the originals. Each storage is copied once and the tensors that view it
-    view the copy: the file holds what the synchronous save's would, storages shared alike."""
-    copies = {} if copies is None else copies
+    training can go on changing the originals. Each storage is copied once (into ``copies``, by the
+    original's device and address) and the tensors that view it view the copy: the file holds what the
+    synchronous save's would, storages shared alike. ``spare``: the previous save's copies, reused where
+    a storage is the same (the ZeRO buffers are: no new memory, no page faults, after the first save)."""
     if isinstance(value, torch.Tensor):
         storage = value.untyped_storage()
-        key = (storage.device, storage.data_ptr())
+        key = (str(storage.device), storage.data_ptr(), storage.nbytes())
         if key not in copies:
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                               pin_memory=storage.device.type != "cpu").untyped_storage()
+            host = (spare or {}).pop(key, None)
+            if host is None:
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                   pin_memory=storage.device.type != "cpu").untyped_storage()
             copies[key] = host.copy_(storage, non_blocking=storage.device.type != "cpu")
         return torch.empty(0, dtype=value.dtype).set_(copies[key], value.storage_offset(), value.shape,
                                                       value.stride())
     if isinstance(value, dict):
-        return {key: host_copy(item, copies) for key, item in value.items()}
+        return {key: host_copy(item, copies, spare) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(host_copy(item, copies) for item in value)
+        return type(value)(host_copy(item, copies, spare) for item in value)
     return value
 
 
@@ -60,6 +63,7 @@ class AsyncSaver:
         self.log = log
         self._thread: threading.Thread | None = None
         self._outcome: dict | None = None
+        self._copies: dict = {}  # the last save's host copies, by the storage they copied
         self._local_problem: str | None = None
         self.published: int | None = None  # the newest iteration this saver published
 
@@ -69,8 +73,10 @@ class AsyncSaver:
         started = time.perf_counter()  # the thread says how long after this the checkpoint was published
         self.wait()
         attempt = SaveAttempt(directory, iteration, self.groups)
+        copies: dict = {}
         with model_state(states).in_memory():
-            content = host_copy(rank_content(states))
+            content = host_copy(rank_content(states), copies, self._copies)
+        self._copies = copies  # the next save copies into these
         manifest = manifest_base(states, iteration, config) if self.groups.rank == 0 else None
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned copies are complete before the thread reads them
