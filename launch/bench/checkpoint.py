@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [f"GPT of {params / 1e6:.1f}M parameters, fp32, dp {args.dp} x tp {args.tp}, a save every "
             f"{args.save_interval} of {args.iters} iterations", "",
             "| stage | save | stall per save s | async / sync | largest rank file MiB "
-            "| vs 12 B x params / world | resume read s, 1 hash pass | 2 passes | final loss |", "|---|---|---|---|---|---|---|---|---|"]
+            "| vs 12 B x params / world | resume read s, 1 hash pass | 2 passes | final loss |",
+            "|---|---|---|---|---|---|---|---|---|"]
     common = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
               "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
               "--vocab-size", str(args.vocab), "--mock-data", "--tokenizer-type", "NullTokenizer",
