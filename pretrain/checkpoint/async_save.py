@@ -67,6 +67,12 @@ class AsyncSaver:
         self._local_problem: str | None = None
         self.published: int | None = None  # the newest iteration this saver published
 
+    def reserve(self, states: dict[str, Stateful]) -> None:
+        """Allocate (and fault in) the host copies a save will need, before training: the first save then
+        copies into memory it already has, as the later ones do."""
+        with model_state(states).in_memory():
+            host_copy(rank_content(states), self._copies)
+
     def start(self, directory: str, iteration: int, states: dict[str, Stateful], config: dict, keep_last: int,
               retain_interval: int | None, protected: str | None = None) -> None:
         """Begin the save of ``iteration``: wait for the previous one, copy, and hand it to the thread."""

@@ -244,6 +244,8 @@ class Trainer:
         try:
             batches = self._batches(self.data.train, self.schedule.samples_after(train.train_iters),
                                     self.progress.consumed_samples)
+            if self.saver is not None:
+                self.saver.reserve(self.checkpoint_states())  # the saves' host memory, before the clock
             started = time.perf_counter()
             for iteration in range(self.start_iteration + 1, train.train_iters + 1):
                 self.groups.stats.reset()
