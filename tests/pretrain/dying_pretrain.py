@@ -22,8 +22,6 @@ def _die(how: int = signal.SIGKILL) -> None:
 
 
 def _arm(kind: str, number: int) -> None:
-    import torch
-
     from pretrain.training.trainer import Trainer
 
     if kind in ("iteration", "hang", "full"):
@@ -39,20 +37,13 @@ def _arm(kind: str, number: int) -> None:
                     _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
             return train_step(self, batches, measure)
         Trainer.train_step = dying_step
-    elif kind == "save":
-        save = torch.save
-
-        def dying_save(obj, path, *args, **kwargs):
-            save(obj, path, *args, **kwargs)
-            if f"iter_{number:07d}.tmp" in str(path):
-                _die()
-        torch.save = dying_save
     else:
         _arm_writer(kind, number)
 
 
 def _arm_writer(kind: str, number: int) -> None:
-    """Faults inside a save's writer: before its first byte, in the middle of its file, before publish."""
+    """Faults inside a save's writer: before its first byte, in the middle of its file, right after it,
+    before publish."""
     from data.file_digest import HashingWriter
     from pretrain.checkpoint.checkpointer import SaveAttempt
 
@@ -64,7 +55,10 @@ def _arm_writer(kind: str, number: int) -> None:
         if kind == "fullsave" and self.iteration == number:
             resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         current[0] = self.iteration
-        return write(self, content)
+        written = write(self, content)
+        if kind == "save" and self.iteration == number:
+            _die()
+        return written
 
     def dying_chunk(self, data):
         if kind == "midfile" and current[0] == number and self.size > 4096:
