@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     from parallel.comm import as_axis_group
     from parallel.process_groups import init_distributed, shutdown_distributed
     from pretrain.checkpoint.catalog import CheckpointError
-    from pretrain.checkpoint.checkpointer import SaveError
+    from pretrain.checkpoint.checkpointer import LoadError, SaveError
     from pretrain.startup.preflight import PreflightError, agree, local_problems
     from pretrain.training.trainer import Trainer
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         agree(local_problems(config, topology, rank), as_axis_group(None, axis="world"), device)
         Trainer(config, topology, device).train()
-    except (PreflightError, SaveError) as error:  # every rank raised it alike
+    except (PreflightError, SaveError, LoadError) as error:  # every rank raised it alike
         if rank == 0:
             say(str(error))
         sys.exit(2)

@@ -21,35 +21,50 @@ from parallel.zero.optimizer import ZeroOptimizer
 
 
 class StreamedSafetensors:
-    """A safetensors file written tensor by tensor in a declared order: the header (every name, dtype and
-    shape) first, then each tensor's bytes as ``write`` is given it. Owns the open file, written to
-    ``path + ".tmp"`` and renamed only by ``close`` after every declared tensor arrived, so a reader never
-    sees a half-written file. Never holds more than the tensor being written."""
+    """A safetensors file written piece by piece: the header (every name, dtype and shape) first, then
+    each tensor's bytes as ``write`` (a whole tensor) or ``write_at`` (a run of its elements, in any order)
+    is given them. Owns the open file, written to ``path + ".tmp"`` and renamed only by ``close`` once
+    every declared element arrived, so a reader never sees a half-written file. Never holds more than
+    what it is given."""
 
     DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
     def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...]]],
                  dtype: torch.dtype = torch.float32,
                  metadata: dict[str, str] | None = None):
-        self.path, self.dtype, self._pending = path, dtype, [(name, tuple(shape)) for name, shape in entries]
+        self.path, self.dtype = path, dtype
+        self.element = torch.empty(0, dtype=dtype).element_size()
         header, offset = {"__metadata__": metadata} if metadata else {}, 0
-        size = torch.empty(0, dtype=dtype).element_size()
-        for name, shape in self._pending:
-            end = offset + size * math.prod(shape)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._remaining: dict[str, int] = {}
+        for name, shape in entries:
+            end = offset + self.element * math.prod(shape)
             header[name] = {"dtype": self.DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            self._shapes[name], self._remaining[name] = tuple(shape), math.prod(shape)
             offset = end
         encoded = json.dumps(header).encode()
         encoded += b" " * (-len(encoded) % 8)
+        self._data = 8 + len(encoded)
+        self._offsets = {name: header[name]["data_offsets"][0] for name in self._shapes}
+        self.bytes = self._data + offset
         self._handle = open(path + ".tmp", "wb")
         self._handle.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """The next declared tensor (names must come in the declared order)."""
-        expected, shape = self._pending.pop(0)
-        if name != expected or tuple(tensor.shape) != shape:
-            raise ValueError(f"expected {expected} {shape} next, got {name} {tuple(tensor.shape)}")
-        self._handle.write(tensor.detach().to("cpu", self.dtype).contiguous().view(torch.uint8)
-                           .numpy().tobytes())
+        """The whole of declared tensor ``name``."""
+        if tuple(tensor.shape) != self._shapes.get(name):
+            raise ValueError(f"expected {name} {self._shapes.get(name)}, got {tuple(tensor.shape)}")
+        self.write_at(name, 0, tensor)
+
+    def write_at(self, name: str, offset: int, values: torch.Tensor) -> None:
+        """``values`` as the elements of ``name`` from ``offset`` (row-major)."""
+        count = values.numel()
+        if offset < 0 or offset + count > math.prod(self._shapes[name]):
+            raise ValueError(f"{name}: elements {offset}..{offset + count} are outside {self._shapes[name]}")
+        self._handle.seek(self._data + self._offsets[name] + offset * self.element)
+        self._handle.write(memoryview(values.detach().to("cpu", self.dtype).contiguous().reshape(-1)
+                                      .view(torch.uint8).numpy()))
+        self._remaining[name] -= count
 
     def abort(self) -> None:
         """Stop on an error: close and remove the unfinished ``.tmp`` file."""
@@ -57,13 +72,15 @@ class StreamedSafetensors:
         os.remove(self.path + ".tmp")
 
     def close(self) -> None:
-        """Finish the file (fsynced) and give it its name; a file missing tensors is left as ``.tmp``."""
+        """Finish the file (fsynced) and give it its name; a file missing elements is left as ``.tmp``."""
+        self._handle.truncate(self.bytes)
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
-        if self._pending:
-            raise ValueError(f"{self.path}: {len(self._pending)} declared tensors were never written "
-                             f"(first: {self._pending[0][0]}); left as {self.path}.tmp")
+        missing = [name for name, left in self._remaining.items() if left]
+        if missing:
+            raise ValueError(f"{self.path}: {len(missing)} declared tensors were not written whole "
+                             f"(first: {missing[0]}); left as {self.path}.tmp")
         os.replace(self.path + ".tmp", self.path)
 
 

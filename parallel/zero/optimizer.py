@@ -230,44 +230,51 @@ class ZeroOptimizer:
         another layout can re-cut the masters and states by parameter."""
         return self.master.pieces(self.optimizer)
 
-    def load_by_parameter(self, values: Callable[[MasterPiece, str], torch.Tensor], kinds: list[str],
+    def piece_state(self, piece: MasterPiece, start: int, length: int) -> tuple[dict, dict]:
+        """Elements ``[start, start + length)`` of ``piece``'s parameter (within ``piece``): their master
+        values and per-element optimizer states by kind ("master", "exp_avg", ...; views, not copies),
+        and the parameter's scalars (Adam's step). Call it inside ``states_in_memory()`` under NVMe
+        offload."""
+        self.flat.wait()
+        low = piece.offset + start - piece.start
+        master = self.masters[piece.master]
+        values = {"master": master.data[low:low + length]}
+        scalars = {}
+        for kind, value in self.optimizer.state.get(master, {}).items():
+            if is_per_element(value):
+                values[kind] = value[low:low + length]
+            else:
+                scalars[kind] = value
+        return values, scalars
+
+    def load_by_parameter(self, fill: Callable[[MasterPiece, str, torch.Tensor], None], kinds: list[str],
                           scalars: Callable[[MasterPiece], dict] | None = None,
                           loss_scaler: dict | None = None) -> None:
-        """Fill this rank's masters and per-element optimizer states parameter by parameter, whatever layout
-        they came from (re-cutting a checkpoint, importing weights). ``values(piece, kind)`` returns this
-        rank's whole (tensor-parallel) slice of ``piece.param`` (of shape ``piece.shape``) flattened, for
-        ``kind`` "master" or a state in ``kinds`` (e.g. Adam's "exp_avg"); ``scalars(piece)`` the
-        parameter's scalars (Adam's step). Each is asked once per parameter.
-        Without ``scalars`` the optimizer state stays as it is (fresh: fine-tuning). Then every parameter
-        takes its master's value. Call it inside ``states_in_memory()`` under NVMe offload."""
-        by_param: dict[int, list[MasterPiece]] = {}
-        for piece in self.master_pieces():
-            by_param.setdefault(id(piece.param), []).append(piece)
+        """Fill this rank's masters and per-element optimizer states piece by piece, whatever layout they
+        came from (re-cutting a checkpoint, importing weights): ``fill(piece, kind, target)`` writes
+        ``piece``'s elements of ``kind`` ("master" or a state in ``kinds``, e.g. Adam's "exp_avg") into
+        ``target`` (a flat view of ``piece.length`` elements); ``scalars(piece)`` returns its parameter's
+        scalars (Adam's step). Without ``scalars`` the optimizer state stays as it is (fresh:
+        fine-tuning). The parameters keep their values until ``masters_to_parameters()`` (a collective:
+        call it once every rank knows the load is sound). Call it inside ``states_in_memory()`` under NVMe
+        offload."""
         new_states: dict[int, dict] = {}
         with torch.no_grad():
-            for pieces in by_param.values():
-                for kind in ["master", *kinds]:
-                    local = values(pieces[0], kind)
-                    for piece in pieces:
-                        if kind == "master":
-                            target = self.masters[piece.master].data
-                        else:
-                            per_master = new_states.setdefault(piece.state, {})
-                            target = per_master.setdefault(kind,
-                                                           torch.zeros_like(self.masters[piece.master].data))
-                        target[piece.offset:piece.offset + piece.length].copy_(
-                            local[piece.start:piece.start + piece.length])
+            for piece in self.master_pieces():
+                span = slice(piece.offset, piece.offset + piece.length)
+                fill(piece, "master", self.masters[piece.master].data[span])
+                for kind in kinds:
+                    per_master = new_states.setdefault(piece.state, {})
+                    target = per_master.setdefault(kind, torch.zeros_like(self.masters[piece.master].data))
+                    fill(piece, kind, target[span])
                 if scalars is not None:
-                    found = scalars(pieces[0])
-                    for piece in pieces:
-                        new_states.setdefault(piece.state, {}).update(
-                            {k: v.clone() if torch.is_tensor(v) else v for k, v in found.items()})
+                    new_states.setdefault(piece.state, {}).update(
+                        {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars(piece).items()})
         if scalars is not None:
             self.optimizer.load_state_dict({"state": new_states,
                                             "param_groups": self.optimizer.state_dict()["param_groups"]})
         if loss_scaler is not None:
             self.loss_scaler.load_state_dict(loss_scaler)
-        self.masters_to_parameters()
 
     def parameter_shapes(self) -> list[tuple[nn.Parameter, torch.Size]]:
         """Every parameter the masters hold, with its full shape, in the order ``whole_masters`` yields

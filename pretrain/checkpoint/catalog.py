@@ -27,10 +27,13 @@ from data.file_digest import files_sha256
 
 WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
 MODEL = "model"  # the rank-file state that holds the ZeRO model and optimizer, which other layouts re-cut
-# rank files: 3 = {"states": {name: state}}; 2 = {pieces, optimizer, rng}, with the data position at the
-# manifest's top level (read, and upgraded as it is read); 1 held the buffers and masters themselves
-RANK_FORMAT = 3
-READABLE_FORMATS = (2, 3)
+# rank files: 4 = {"states": {name: state}} with the model as pieces each written once
+# (pretrain.checkpoint.saved_pieces), listed with their sha256 in the manifest; 3 = the same with the
+# model as its ZeroOptimizer.state_dict() (every replica's copy); 2 = {pieces, optimizer, rng}, with the
+# data position at the manifest's top level (read, and upgraded as it is read); 1 held the buffers and
+# masters themselves
+RANK_FORMAT = 4
+READABLE_FORMATS = (2, 3, 4)
 
 
 class CheckpointError(RuntimeError):
@@ -107,29 +110,30 @@ def saved_iterations(directory: str) -> list[int]:
                   if entry.startswith("iter_") and entry[len("iter_"):].isdigit())
 
 
-def files_to_read(manifest: dict, layout: dict, rank: int, weights_only: bool) -> list[str]:
-    """The files of a checkpoint that ``rank`` of a run in ``layout`` reads: its own rank file when the
-    layout is the same, every rank file to re-cut another layout, the weights of an import."""
+def files_to_read(manifest: dict) -> list[str]:
+    """The files of a checkpoint whose sha256 a loading rank checks whole: the weights of an import,
+    every rank file of formats 2-3 (each holds whole master ranges). A format-4 checkpoint's pieces are
+    checked one by one as they are read (none here)."""
     if manifest.get("kind") == "weights":
         return [WEIGHTS_FILE]
-    if manifest["layout"] == layout and not weights_only:
-        return [f"rank_{rank:05d}.pt"]
-    return rank_entries(manifest)
+    return [] if manifest.get("format") == RANK_FORMAT else rank_entries(manifest)
 
 
 def rank_entries(manifest: dict) -> list[str]:
     return sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
 
 
-def verify(directory: str, step: int | None, layout: dict, rank: int, weights_only: bool) -> None:
-    """Check, before anything is built, the manifest and every file ``rank`` will read (sizes and
-    sha256); a damaged checkpoint raises CheckpointError naming the file, the newest intact earlier
-    checkpoint and the flag that loads it."""
+def verify(directory: str, step: int | None) -> None:
+    """Check, before anything is built, the manifest, that every file is there with its size, and the
+    sha256 of each file checked whole (``files_to_read``); a damaged checkpoint raises CheckpointError
+    naming the file, the newest intact earlier checkpoint and the flag that loads it."""
     checkpoint, manifest = read_manifest(directory, step)
     try:
         if manifest.get("kind") != "weights":
             check_format(checkpoint, manifest)
-        for entry in files_to_read(manifest, layout, rank, weights_only):
+            for entry in rank_entries(manifest):
+                sized(checkpoint, manifest, entry)
+        for entry in files_to_read(manifest):
             verified(checkpoint, manifest, entry)
     except CheckpointError as error:
         intact = newest_intact(directory, below=manifest["iteration"])
@@ -150,6 +154,23 @@ def newest_intact(directory: str, below: int) -> tuple[str, int] | None:
             continue
         return checkpoint, iteration
     return None
+
+
+def sized(checkpoint: str, manifest: dict, entry: str) -> str:
+    """The path of file ``entry`` once it exists with the size its manifest records."""
+    path = os.path.join(checkpoint, entry)
+    recorded = manifest["files"].get(entry)
+    if recorded is None or not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing from the checkpoint")
+    if os.path.getsize(path) != recorded["bytes"]:
+        raise CheckpointError(f"{path}: its size differs from the manifest (truncated)")
+    return path
+
+
+def open_rank_file(checkpoint: str, manifest: dict, entry: str) -> dict:
+    """Format-4 rank file ``entry``, memory-mapped, once its size matches (its pieces are checked by their
+    own sha256 as they are read)."""
+    return read_file(sized(checkpoint, manifest, entry))
 
 
 def verified(checkpoint: str, manifest: dict, entry: str) -> str:
@@ -182,11 +203,10 @@ def read_file(path: str) -> dict:
 def check_format(checkpoint: str, manifest: dict) -> None:
     found = manifest.get("format", 1)
     if found not in READABLE_FORMATS:
+        readable = ", ".join(map(str, READABLE_FORMATS[:-1])) + f" and {READABLE_FORMATS[-1]}"
         raise CheckpointError(f"{checkpoint}: its rank files are in format {found} and this version reads "
-                              "formats "
-                              f"{' and '.join(map(str, READABLE_FORMATS))}: load it with the version that "
-                              "wrote it "
-                              "and save it again")
+                              f"formats {readable}: load it with the version that wrote it and save it "
+                              "again")
 
 
 def run_states(manifest: dict) -> dict:

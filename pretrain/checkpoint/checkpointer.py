@@ -21,16 +21,22 @@ from data.file_digest import HashingWriter
 from parallel import comm
 from parallel.process_groups import ParallelGroups, default_device
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError,
-                                         check_format, exists,
-                                         fsync_directory, iteration_name, latest_name,
-                                         read_manifest, read_rank_file,
-                                         read_rank_files, run_states, verified, write_durably)
+from parallel.zero.state_readers import saved_loss_scaler
+from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError, check_format,
+                                         exists, fsync_directory, iteration_name, latest_name, newest_intact,
+                                         open_rank_file, rank_entries, read_manifest, read_rank_file,
+                                         run_states, verified, write_durably)
+from pretrain.checkpoint.saved_pieces import index_of
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 
 
 class SaveError(CheckpointError):
     """A save that failed on some rank, raised alike on every rank (the previous checkpoint stays latest)."""
+
+
+class LoadError(CheckpointError):
+    """A load that failed on some rank (a damaged piece, another model), raised alike on every rank before
+    any parameter changed."""
 
 
 def _split(states: dict[str, Stateful]) -> tuple[ZeroModelState, dict[str, Stateful], dict[str, Stateful]]:
@@ -45,13 +51,54 @@ def _split(states: dict[str, Stateful]) -> tuple[ZeroModelState, dict[str, State
 
 @dataclass(frozen=True)
 class Written:
-    """One rank file on disk: its entry name, size and sha256 (taken as it was written), or the problem
-    that stopped it."""
+    """One rank file on disk: its entry name, size and sha256 (taken as it was written), its pieces'
+    listing and the digest of the rest (``saved_pieces``), or the problem that stopped it."""
 
     entry: str
     bytes: int = 0
     sha256: str = ""
     problem: str | None = None
+    pieces: tuple = ()
+    rest: str = ""
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    storage = tensor.untyped_storage()
+    return str(storage.device), storage.data_ptr(), storage.nbytes()
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def whole_storages(content) -> set[tuple]:
+    """The storages that ``content``'s tensors view almost wholly (90% of their bytes or more): written
+    whole, once, with their views. Any other tensor is written alone: torch.save writes a view's whole
+    storage, and a piece of a master that views the whole flat parameter buffer would otherwise carry
+    every replica's elements along."""
+    viewed: dict[tuple, int] = {}
+    for tensor in _tensors(content):
+        key = storage_key(tensor)
+        viewed[key] = viewed.get(key, 0) + tensor.numel() * tensor.element_size()
+    return {key for key, size in viewed.items() if size >= 0.9 * key[2]}
+
+
+def compacted(value, whole: set[tuple]):
+    """``value`` with each tensor whose storage is not in ``whole`` replaced by a copy of its elements."""
+    if isinstance(value, torch.Tensor):
+        return value if storage_key(value) in whole else value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: compacted(item, whole) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(compacted(item, whole) for item in value)
+    return value
 
 
 class SaveAttempt:
@@ -97,12 +144,15 @@ class SaveAttempt:
         return f"rank_{self.groups.rank:05d}.pt"
 
     def write(self, content: dict) -> Written:
-        """This rank's file, written durably and hashed as it is written."""
+        """This rank's file, written durably and hashed as it is written, with its pieces' digests."""
         path = os.path.join(self.staging, self.entry)
+        model = content["states"][MODEL]
+        rest = {"states": {**content["states"], MODEL: {k: v for k, v in model.items() if k != "pieces"}}}
+        pieces, rest_digest = index_of(model, rest)
         try:  # through a Python file: a full disk or a file-size limit is an OSError that says so
             with open(path + ".part", "wb") as handle:
                 hashed = HashingWriter(handle)
-                torch.save(content, hashed)
+                torch.save(compacted(content, whole_storages(content)), hashed)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(path + ".part", path)
@@ -111,14 +161,15 @@ class SaveAttempt:
             if not isinstance(cause, OSError):
                 raise
             return Written(self.entry, problem=f"cannot write {path} ({cause.strerror or cause})")
-        return Written(self.entry, hashed.size, hashed.hexdigest())
+        return Written(self.entry, hashed.size, hashed.hexdigest(), pieces=tuple(pieces), rest=rest_digest)
 
     def publish(self, written: list[Written], manifest: dict, keep_last: int, retain_interval: int | None,
                 protected: str | None = None) -> None:
         """Rank 0, once every rank file is down: the manifest (with the sizes and sha256 taken as the files
         were written), the rename, ``latest``, then pruning (never ``protected``, the checkpoint this run
         resumed from)."""
-        manifest["files"] = {w.entry: {"bytes": w.bytes, "sha256": w.sha256} for w in written}
+        manifest["files"] = {w.entry: {"bytes": w.bytes, "sha256": w.sha256, "pieces": list(w.pieces),
+                                       "rest": w.rest} for w in written}
         write_durably(os.path.join(self.staging, "manifest.json"),
                       json.dumps(manifest, indent=1, default=str).encode())
         fsync_directory(self.staging)
@@ -178,28 +229,15 @@ def save(directory: str, iteration: int, states: dict[str, Stateful], groups: Pa
 def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, weights_only: bool = False,
          step: int | None = None) -> dict:
     """Restore ``states`` from the newest checkpoint (or iteration ``step``'s: --ckpt-step); return its
-    manifest. The model state loads in place in the same layout and is re-cut by parameter name
-    otherwise; run-scoped states load in any layout; the other rank states only where this rank holds
-    the parameters of the rank that saved them. ``weights_only`` (fine-tuning, and a checkpoint that
-    holds weights only, such as a Hugging Face import) loads the weights alone."""
+    manifest. The model state is filled by parameter name from the pieces that overlap this rank's, in
+    any layout (a collective over the world: every rank agrees the pieces it read were intact before any
+    parameter changes); run-scoped states load in any layout; the other rank states only where this
+    rank holds the parameters of the rank that saved them. ``weights_only`` (fine-tuning, and a
+    checkpoint that holds weights only, such as a Hugging Face import) loads the weights alone."""
     model, run, rank_states = _split(states)
     checkpoint, manifest = read_manifest(directory, step)
-    if manifest.get("kind") == "weights":
-        source = reshard.WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE))
-        _recut(model, source, f"{checkpoint} (weights)", weights_only=True)
-        return manifest
-    check_format(checkpoint, manifest)
-    mine = None
-    if manifest["layout"] == model.layout() and not weights_only:
-        entry = f"rank_{groups.rank:05d}.pt"
-        mine = read_rank_file(checkpoint, manifest, entry)
-        if model.loads_in_place(mine[MODEL]):
-            with model.in_memory():
-                _load_in_place(model, mine[MODEL], os.path.join(checkpoint, entry))
-        else:  # other layers here (virtual or uneven stages), or other buckets or master pieces: re-cut
-            _recut_files(model, directory, step, weights_only)
-    else:
-        _recut_files(model, directory, step, weights_only)
+    weights_only = weights_only or manifest.get("kind") == "weights"
+    mine = _fill(model, checkpoint, manifest, weights_only, groups, directory)
     if mine is not None and model.holds_the_same(mine[MODEL]):
         for name, state in rank_states.items():
             if name in mine:
@@ -211,29 +249,51 @@ def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, we
     return manifest
 
 
-def _load_in_place(model: ZeroModelState, saved: dict, path: str) -> None:
-    try:
-        model.load_state_dict(saved)
-    except KeyError as error:
-        raise CheckpointError(f"{path}: its optimizer state has no {error} entry (a rank file of another "
-                              "version of this stack?)") from None
-    except ValueError as error:
-        raise CheckpointError(f"{path}: {error}") from None
+def _opened(model: ZeroModelState, checkpoint: str, manifest: dict, weights_only: bool,
+            rank: int) -> tuple[reshard.PieceSource, dict | None, dict | None]:
+    """(the checkpoint's pieces, the loss scale to load, this rank's own saved states where the layout
+    is the same) of a weights file, a format-4 checkpoint, or a format 2-3 one (every rank file,
+    verified whole, every replica's copy in it)."""
+    if manifest.get("kind") == "weights":
+        return reshard.WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE)), None, None
+    check_format(checkpoint, manifest)
+    same_layout = manifest["layout"] == model.layout() and not weights_only
+    entry = f"rank_{rank:05d}.pt"
+    if manifest.get("format") == RANK_FORMAT:
+        source = reshard.SavedPieces(checkpoint, manifest, open_rank_file)
+        scaler = None if weights_only else source.rest(rank_entries(manifest)[0])[MODEL]["loss_scaler"]
+        return source, scaler, source.rest(entry) if same_layout else None
+    files = [read_rank_file(checkpoint, manifest, name) for name in rank_entries(manifest)]
+    scaler = None if weights_only else saved_loss_scaler(files[0][MODEL]["optimizer"])
+    source = reshard.LegacyPieces([states[MODEL] for states in files])
+    return source, scaler, files[rank] if same_layout else None
 
 
-def _recut_files(model: ZeroModelState, directory: str, step: int | None, weights_only: bool) -> None:
-    """Re-cut the model state out of every rank file of the checkpoint."""
-    checkpoint, manifest, files = read_rank_files(directory, step)
-    saved = [states[MODEL] for states in files]
-    _recut(model, reshard.CheckpointPieces(saved),
-           f"{checkpoint} (layout {manifest['layout']})", weights_only,
-           saved)
-
-
-def _recut(model: ZeroModelState, source, what: str, weights_only: bool,
-           saved: list[dict] | None = None) -> None:
-    try:
-        with model.in_memory():
-            model.load_recut(source, weights_only, saved)
-    except reshard.ReshardError as error:
-        raise CheckpointError(f"{what}: cannot be re-cut for this run: {error}") from None
+def _fill(model: ZeroModelState, checkpoint: str, manifest: dict, weights_only: bool, groups: ParallelGroups,
+          directory: str) -> dict | None:
+    """Fill the model state from the checkpoint; return this rank's own saved states (or None). Every
+    rank's problems are agreed before the parameters take the values, and raised alike on every rank as
+    a LoadError naming the file (and the newest intact checkpoint) or the parameter."""
+    with model.in_memory():
+        mine, damaged, problems = None, [], []
+        try:
+            source, scaler, mine = _opened(model, checkpoint, manifest, weights_only, groups.rank)
+            model.load(source, weights_only, scaler)
+            damaged = problems = list(source.problems)
+        except reshard.ReshardError as error:
+            problems = [f"{checkpoint} (layout {manifest.get('layout', 'weights')}): cannot be re-cut for "
+                        f"this run: {error}"]
+        except CheckpointError as error:  # a rank file torch.load refuses, or one of another size
+            damaged = problems = [str(error)]
+        found = [(problem, bool(theirs[1])) for theirs in
+                 comm.all_gather_object((problems, damaged), groups.world, default_device())
+                 for problem in theirs[0]]
+        if found:
+            message, damage = found[0]
+            if damage:  # say where an intact checkpoint is
+                intact = newest_intact(directory, below=manifest["iteration"])
+                message += (f"; the newest intact checkpoint is {intact[0]}: resume from it with --ckpt-step "
+                            f"{intact[1]}" if intact else f"; no earlier intact checkpoint under {directory}")
+            raise LoadError(message)
+        model.masters_to_parameters()
+    return mine

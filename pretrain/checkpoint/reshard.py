@@ -1,18 +1,22 @@
-"""Re-cut a checkpoint's masters and optimizer states for another layout (dp, tp, pp, ZeRO stage, vp).
+"""Fill a model's masters and optimizer states from a checkpoint of any layout (dp, tp, pp, ZeRO stage,
+vp), or the same one, by parameter name, streamed.
 
-Every rank file records where each parameter's elements sit in its masters (``describe``): the
-parameter's layout-independent name, its tensor-parallel slice (dimension, rank, size, padded rows)
-and the element range of that slice. A rank of the new layout rebuilds, one parameter at a time, the
-whole parameter's master values and per-element optimizer states from the pieces in the old files
-(opened memory-mapped, so only the pieces read come off the disk), cuts its own tensor-parallel slice
-and the element ranges its own masters hold, and drops the rest. No rank ever holds more than one
-whole parameter beyond its own shard. The dropout streams start afresh (they depend on the layout).
+A source lists the saved pieces of each parameter (``pretrain.checkpoint.saved_pieces``; an older rank
+file's master ranges; a weights file's whole tensors) with their geometry. A rank fills each of its own
+master ranges from the saved pieces that overlap it, copying the shared rectangles
+(``pretrain.checkpoint.geometry``) straight from the memory-mapped files: it reads only the pieces that
+overlap its own (a format-4 checkpoint checks each one's sha256 as it is read), never builds a whole
+parameter, and its extra memory is one flag per element of the range it fills. ``whole`` rebuilds one
+whole parameter, for conversion and one-process loading. The dropout streams start afresh (they depend
+on the layout).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,152 +25,248 @@ from parallel.param_meta import meta
 from parallel.zero.masters import MasterPiece
 from parallel.zero.optimizer import ZeroOptimizer
 from parallel.zero.state_readers import saved_kinds, saved_piece, saved_scalars
+from pretrain.checkpoint.catalog import MODEL, CheckpointError
+from pretrain.checkpoint.geometry import (GeometryError, SliceGeometry, check_same_parameter, copy_overlap,
+                                          mark_padding, overlaps, shared_blocks)
+from pretrain.checkpoint.saved_pieces import digest, listing, writers
 
 
 class ReshardError(ValueError):
     """The checkpoint cannot fill this model (another model, or pieces missing); names the parameter."""
 
 
-def _tp_slice(param: nn.Parameter) -> tuple[int | None, int | None]:
-    """(the dimension tensor parallelism splits, or None for a replicated parameter; the unpadded rows
-    along it for a padded vocabulary table, else None)."""
-    return meta(param).partition_dim, meta(param).unpadded_rows
+def held_geometry(param: nn.Parameter, shape, tp_rank: int, tp_size: int) -> SliceGeometry:
+    """The geometry of this rank's tensor-parallel slice of ``param`` (of shape ``shape``)."""
+    return SliceGeometry.of(shape, meta(param).partition_dim, tp_rank, tp_size, meta(param).unpadded_rows)
 
 
-def describe(optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int,
-             tp_size: int) -> list[dict]:
-    """This rank's pieces: which elements of which named parameter each master range holds."""
-    pieces = []
-    for piece in optimizer.master_pieces():
-        dim, rows = _tp_slice(piece.param)
-        pieces.append({"name": names[piece.param], "master": piece.master, "state": piece.state,
-                       "start": piece.start, "offset": piece.offset, "length": piece.length,
-                       "shape": list(piece.shape), "tp_dim": dim, "tp_rank": tp_rank, "tp_size": tp_size,
-                       "rows": rows})
-    return pieces
+@dataclass(frozen=True)
+class SavedPiece:
+    """Elements ``[start, start + length)`` of a saved slice of parameter ``name``, and where to read them
+    (``where``: the source's own handle, a file entry and position)."""
+
+    name: str
+    geometry: SliceGeometry
+    start: int
+    length: int
+    where: tuple = ()
 
 
-class CheckpointPieces:
-    """The pieces of every parameter in a checkpoint's rank files (their contents, memory-mapped). Owns
-    the index by name; rebuilds one whole parameter (masters or a per-element optimizer state) on
-    request and never keeps it."""
+class PieceSource:
+    """The saved pieces of every parameter, by name (``by_name``), and the per-element optimizer states
+    they hold (``kinds``). Fills any range of any layout from them; never keeps what it read."""
 
-    def __init__(self, states: list[dict]):
-        self.states = states
-        self.by_name: dict[str, list[tuple[dict, dict]]] = defaultdict(list)
-        for state in states:
-            for piece in state["pieces"]:
-                self.by_name[piece["name"]].append((state, piece))
-        self.kinds = sorted(set().union(*(saved_kinds(state["optimizer"]) for state in states)))
+    kinds: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.by_name: dict[str, list[SavedPiece]] = defaultdict(list)
+        self.problems: list[str] = []  # what a check found while reading (the caller agrees and raises)
+
+    def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        """``piece``'s elements of ``kind`` (flat), or None where the optimizer never made that state."""
+        raise NotImplementedError
+
+    def scalars(self, name: str) -> dict:
+        """The optimizer's per-parameter scalars (Adam's step) of ``name``."""
+        return {}
+
+    def pieces(self, name: str) -> list[SavedPiece]:
+        if name not in self.by_name:
+            raise ReshardError(f"{name}: not in the checkpoint (another model?)")
+        return self.by_name[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole parameter's shape (tensor-parallel slices joined, vocabulary padding removed)."""
-        if name not in self.by_name:
-            raise ReshardError(f"{name}: not in the checkpoint (another model?)")
-        piece = self.by_name[name][0][1]
-        shape = list(piece["shape"])
-        if piece["tp_dim"] is not None:
-            shape[piece["tp_dim"]] *= piece["tp_size"]
-        if piece["rows"] is not None:
-            shape[piece["tp_dim"]] = piece["rows"]
-        return tuple(shape)
+        return self.pieces(name)[0].geometry.whole_shape
 
-    def scalars(self, name: str) -> dict:
-        """The optimizer's per-parameter scalars (e.g. Adam's step count) of ``name``."""
-        state, piece = self.by_name[name][0]
-        return saved_scalars(state["optimizer"], piece["state"])
+    def fill(self, name: str, held: SliceGeometry, start: int, kind: str, target: torch.Tensor) -> None:
+        """Write elements ``[start, start + target.numel())`` of the slice ``held`` of ``name`` (state
+        ``kind``) into ``target``: zeros where the optimizer never made the state, and in the
+        vocabulary padding."""
+        pieces = self.pieces(name)
+        try:
+            for piece in pieces:
+                check_same_parameter(name, piece.geometry, held)
+        except GeometryError as error:
+            raise ReshardError(str(error)) from None
+        covered = torch.zeros(target.numel(), dtype=torch.bool)
+        target.zero_()
+        mark_padding(held, start, covered)
+        for piece in pieces:
+            if overlaps(piece.geometry, piece.start, piece.length, held, start, target.numel()):
+                copy_overlap(self.values(piece, kind), piece.geometry, piece.start, piece.length,
+                             target, held, start, covered)
+        if not bool(covered.all()):
+            raise ReshardError(f"{name}: the checkpoint lacks part of the elements this rank holds (a rank "
+                               "file of another run, or one missing)")
 
     def whole(self, name: str, kind: str = "master") -> torch.Tensor:
-        """The whole parameter ``name``: its fp32 masters, or optimizer state ``kind`` (zero where the
-        optimizer never stepped)."""
-        if name not in self.by_name:
-            raise ReshardError(f"{name}: not in the checkpoint (another model?)")
-        entries = self.by_name[name]
-        slices: dict[int, torch.Tensor] = {}
-        filled: dict[int, torch.Tensor] = {}
-        for state, piece in entries:
-            rank = piece["tp_rank"]
-            if rank not in slices:
-                slices[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.float32)
-                filled[rank] = torch.zeros(math.prod(piece["shape"]), dtype=torch.bool)
-            source = saved_piece(state["optimizer"], piece["master"], piece["state"], kind)
-            span = slice(piece["start"], piece["start"] + piece["length"])
-            filled[rank][span] = True
-            if source is not None:
-                slices[rank][span] = source[piece["offset"]:piece["offset"] + piece["length"]].float()
-        first = entries[0][1]
-        ranks = list(range(first["tp_size"])) if first["tp_dim"] is not None else [min(slices)]
-        for rank in ranks:
-            if rank not in filled or not bool(filled[rank].all()):
-                raise ReshardError(f"{name}: the checkpoint lacks part of tensor-parallel slice {rank} "
-                                   "(a rank "
-                                   "file of another run, or one missing)")
-        if first["tp_dim"] is None:
-            whole = slices[ranks[0]].view(first["shape"])
-        else:
-            whole = torch.cat([slices[r].view(first["shape"]) for r in ranks], dim=first["tp_dim"])
-        if first["rows"] is not None:
-            whole = whole.narrow(first["tp_dim"], 0, first["rows"])
+        """The whole parameter ``name`` (its fp32 masters, or optimizer state ``kind``)."""
+        held = self.pieces(name)[0].geometry.as_whole()
+        whole = torch.empty(held.whole_shape, dtype=torch.float32)
+        self.fill(name, held, 0, kind, whole.view(-1))
         return whole
 
+    def stream(self, name: str, kind: str, write: Callable[[int, torch.Tensor], None]) -> None:
+        """Hand every saved element of ``name`` (state ``kind``; zeros where the optimizer never made it)
+        to ``write(offset, values)``: runs of the whole, unpadded, row-major tensor from element
+        ``offset``, one piece at a time, never the whole tensor (the pieces are disjoint: each element
+        comes once)."""
+        pieces = self.pieces(name)
+        whole = pieces[0].geometry.as_whole()
+        for piece in pieces:
+            values = self.values(piece, kind)
+            for offset, stride, block in shared_blocks(values, piece.geometry, piece.start, piece.length,
+                                                       whole):
+                if block.shape[0] == 1 or block.shape[1] == stride:  # whole rows: one run
+                    write(offset, block.reshape(-1))
+                else:
+                    for row in range(block.shape[0]):
+                        write(offset + row * stride, block[row])
 
-def _my_slice(whole: torch.Tensor, piece: MasterPiece, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's tensor-parallel slice of ``whole`` for ``piece``'s parameter, padded as this layout
-    pads the vocabulary, flattened."""
-    dim, rows = _tp_slice(piece.param)
-    if rows is not None:  # pad the vocabulary rows back to this layout's padded size
-        pad = [0, 0] * (whole.dim() - 1 - dim) + [0, piece.shape[dim] * tp_size - whole.shape[dim]]
-        whole = torch.nn.functional.pad(whole, pad)
-    if dim is not None:
-        whole = whole.chunk(tp_size, dim=dim)[tp_rank]
-    if whole.shape != piece.shape:
-        raise ReshardError(f"its slice of shape {tuple(whole.shape)} cannot fill this model's "
-                           f"{tuple(piece.shape)} "
-                           "(another model: compare the shape flags with the checkpoint's manifest config)")
-    return whole.reshape(-1)
+
+class SavedPieces(PieceSource):
+    """The pieces of a format-4 checkpoint, listed by its manifest. A rank file is opened (memory-mapped)
+    when a piece in it is first needed; each piece's sha256 is checked as it is first read, and a
+    mismatch is recorded in ``problems`` naming the file (``strict``: raised at once as CheckpointError,
+    for one process)."""
+
+    def __init__(self, checkpoint: str, manifest: dict, open_file, strict: bool = False):
+        super().__init__()
+        self.checkpoint, self.manifest, self._open, self.strict = checkpoint, manifest, open_file, strict
+        self._files: dict[str, dict] = {}
+        self._checked: set[tuple[str, int]] = set()
+        kinds = set()
+        for entry, recorded in sorted(manifest["files"].items()):
+            for index, item in enumerate(recorded.get("pieces", [])):
+                name, geometry, start, length, piece_kinds, _ = item
+                shape, tp_dim, tp_rank, tp_size, rows = geometry
+                self.by_name[name].append(SavedPiece(name, SliceGeometry(tuple(shape), tp_dim, tp_rank,
+                                                                         tp_size, rows),
+                                                     start, length, (entry, index)))
+                kinds.update(piece_kinds)
+        self.kinds = tuple(sorted(kinds - {"master"}))
+
+    def _damaged(self, problem: str) -> None:
+        if self.strict:
+            raise CheckpointError(problem)
+        self.problems.append(problem)
+
+    def file(self, entry: str) -> dict:
+        """Rank file ``entry``'s contents (memory-mapped; opened once)."""
+        if entry not in self._files:
+            self._files[entry] = self._open(self.checkpoint, self.manifest, entry)
+        return self._files[entry]
+
+    def _piece(self, piece: SavedPiece) -> dict:
+        entry, index = piece.where
+        found = self.file(entry)["states"][MODEL]["pieces"][index]
+        if (entry, index) not in self._checked:
+            self._checked.add((entry, index))
+            recorded = self.manifest["files"][entry]["pieces"][index]
+            if listing(found, digest(found)) != recorded:
+                self._damaged(f"{self.checkpoint}/{entry}: piece {index} ({piece.name}) differs from its "
+                              "sha256 in the manifest (corrupted)")
+        return found
+
+    def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        return self._piece(piece)["values"].get(kind)
+
+    def scalars(self, name: str) -> dict:
+        return self._piece(self.pieces(name)[0])["scalars"]
+
+    def rest(self, entry: str) -> dict:
+        """Rank file ``entry``'s states but for its pieces (its random streams, the names it held, the loss
+        scale), checked against the manifest's digest."""
+        states = self.file(entry)["states"]
+        rest = {"states": {**states, MODEL: {k: v for k, v in states[MODEL].items() if k != "pieces"}}}
+        if (entry, -1) not in self._checked:
+            self._checked.add((entry, -1))
+            if digest(rest) != self.manifest["files"][entry].get("rest"):
+                self._damaged(f"{self.checkpoint}/{entry}: its states differ from their sha256 in the "
+                              "manifest (corrupted)")
+        return rest["states"]
 
 
-class WeightsFile:
+class LegacyPieces(PieceSource):
+    """The pieces of a format-2 or -3 checkpoint: each rank file's master ranges, read out of its
+    ``ZeroOptimizer.state_dict()``. Every replica wrote its ranges; each element is taken from one."""
+
+    def __init__(self, states: list[dict]):
+        super().__init__()
+        self.states = states
+        held, geometries = [], []
+        for state in states:
+            ranges, shapes = [], []
+            for piece in state["pieces"]:
+                geometry = SliceGeometry.of(piece["shape"], piece["tp_dim"], piece["tp_rank"],
+                                            piece["tp_size"], piece["rows"])
+                ranges.append(((piece["name"], geometry.tp_rank), piece["start"], piece["length"]))
+                shapes.append(geometry)
+            held.append(ranges)
+            geometries.append(shapes)
+        for number, per_piece in enumerate(writers(held)):
+            for index, parts in enumerate(per_piece):
+                name = states[number]["pieces"][index]["name"]
+                for start, length in parts:
+                    self.by_name[name].append(SavedPiece(name, geometries[number][index], start, length,
+                                                         (number, index)))
+        self.kinds = tuple(sorted(set().union(*(saved_kinds(state["optimizer"]) for state in states))))
+
+    def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        number, index = piece.where
+        state = self.states[number]
+        saved = state["pieces"][index]
+        source = saved_piece(state["optimizer"], saved["master"], saved["state"], kind)
+        if source is None:
+            return None
+        low = saved["offset"] + piece.start - saved["start"]
+        return source[low:low + piece.length].float()
+
+    def scalars(self, name: str) -> dict:
+        number, index = self.pieces(name)[0].where
+        return saved_scalars(self.states[number]["optimizer"], self.states[number]["pieces"][index]["state"])
+
+
+class WeightsFile(PieceSource):
     """The whole fp32 weights of a model in one safetensors file under layout-independent names (what
-    ``pretrain.interop.convert`` writes and a Hugging Face import makes): a source of masters for ``load``
-    with no optimizer state. Opened memory-mapped; each parameter is read when asked for, and only the rank's
-    slices are kept."""
-
-    kinds: tuple[str, ...] = ()  # no optimizer state
+    ``pretrain.interop.convert`` writes and a Hugging Face import makes): each tensor one piece, no
+    optimizer state. Opened memory-mapped; a tensor is read when a range of it is asked for."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
+        super().__init__()
         self.path = path
         self._file = safe_open(path, framework="pt")
-        self.by_name = set(self._file.keys())
+        self._last: tuple[str, torch.Tensor] | None = None
+        for name in self._file.keys():
+            shape = tuple(self._file.get_slice(name).get_shape())
+            self.by_name[name].append(SavedPiece(name, SliceGeometry(shape), 0, math.prod(shape)))
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def pieces(self, name: str) -> list[SavedPiece]:
         if name not in self.by_name:
             raise ReshardError(f"{name}: not in {self.path} (another model?)")
-        return tuple(self._file.get_slice(name).get_shape())
+        return self.by_name[name]
 
-    def whole(self, name: str, kind: str = "master") -> torch.Tensor:
-        self.shape(name)
-        return self._file.get_tensor(name).float()
+    def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        if kind != "master":
+            return None
+        if self._last is None or self._last[0] != piece.name:  # one tensor kept: a rank's ranges of it
+            self._last = (piece.name, self._file.get_tensor(piece.name).float().reshape(-1))
+        return self._last[1]
 
-    def scalars(self, name: str) -> dict:
-        return {}
 
+def load(source: PieceSource, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int,
+         tp_size: int, weights_only: bool = False, loss_scaler_state: dict | None = None) -> None:
+    """Fill ``optimizer``'s masters and, unless ``weights_only``, its per-element states from ``source``,
+    whatever layout wrote it. ``weights_only`` leaves the optimizer fresh (fine-tuning). The parameters
+    take the masters' values at ``optimizer.masters_to_parameters()``, the caller's to call."""
 
-def load(source, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int, tp_size: int,
-         weights_only: bool = False, loss_scaler_state: dict | None = None) -> None:
-    """Fill ``optimizer``'s masters (then its parameters) and, unless ``weights_only``, its per-element
-    states from ``source`` (``CheckpointPieces`` of another layout's rank files, or a ``WeightsFile``),
-    whatever layout wrote them. ``weights_only`` leaves the optimizer fresh (fine-tuning)."""
+    def fill(piece: MasterPiece, kind: str, target: torch.Tensor) -> None:
+        source.fill(names[piece.param], held_geometry(piece.param, piece.shape, tp_rank, tp_size),
+                    piece.start, kind, target)
 
-    def values(piece: MasterPiece, kind: str) -> torch.Tensor:
-        whole = source.whole(names[piece.param], kind)
-        try:
-            return _my_slice(whole, piece, tp_rank, tp_size)
-        except ReshardError as error:
-            raise ReshardError(f"{names[piece.param]}: {error}") from None
-
-    optimizer.load_by_parameter(values, [] if weights_only else list(source.kinds),
+    optimizer.load_by_parameter(fill, [] if weights_only else list(source.kinds),
                                 None if weights_only else lambda piece: source.scalars(names[piece.param]),
                                 None if weights_only else loss_scaler_state)

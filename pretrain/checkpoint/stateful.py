@@ -1,8 +1,9 @@
 """The owners a checkpoint saves and loads, and where each one's state goes.
 
 The checkpointer takes ``states: dict[str, Stateful]``. Where a state is kept follows from its type:
-a ``RunState`` (the same on every rank) goes into the manifest, a ``ZeroModelState`` (parameters,
-masters and optimizer states) into the rank file and is re-cut for another layout, any other
+a ``RunState`` (the same on every rank) goes into the manifest, a ``ZeroModelState`` (masters and
+optimizer states, as pieces each written by one rank) into the rank files and is read back by name in
+any layout, any other
 ``Stateful`` (a rank's random streams) into the rank file and loads only where this rank holds the
 same parameters as the one that saved it. A new checkpointed state is one more entry in the dict.
 """
@@ -15,11 +16,13 @@ from typing import Protocol
 
 from torch import nn
 
-from parallel.process_groups import ParallelGroups
+from parallel import comm
+from parallel.process_groups import ParallelGroups, default_device
 from parallel.topology import Topology
 from parallel.zero.optimizer import ZeroOptimizer
-from parallel.zero.state_readers import saved_loss_scaler
 from pretrain.checkpoint import reshard
+from pretrain.checkpoint.geometry import SliceGeometry
+from pretrain.checkpoint.saved_pieces import geometry_entry, writers
 
 
 class Stateful(Protocol):
@@ -57,15 +60,18 @@ def layout_of(topology: Topology, zero_stage: int, shard_size: int | None = None
 
 
 class ZeroModelState:
-    """The model's parameters, masters, optimizer states and loss scale, as one ``ZeroOptimizer`` holds
-    them on this rank, with the pieces (``reshard.describe``) that name each master range by parameter.
+    """The model's masters, optimizer states and loss scale, as one ``ZeroOptimizer`` holds them on this
+    rank, saved as pieces (``pretrain.checkpoint.saved_pieces``): each element by one of the ranks that
+    hold it, and loaded, in this layout or any other, by parameter name (``reshard``). The parameters are
+    not saved: they are the masters' values (``masters_to_parameters`` after a load).
 
-    Owns the rule of when a saved state loads in place (the same pieces in the same places) and when it
-    is re-cut by name; it never reads or writes a file.
+    Owns which part of its masters this rank writes (agreed with the world once); it never reads or
+    writes a file.
     """
 
     def __init__(self, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], groups: ParallelGroups):
         self.optimizer, self.names, self.groups = optimizer, names, groups
+        self._written: list[list[tuple[int, int]]] | None = None
 
     def layout(self) -> dict:
         return layout_of(self.groups.topology, self.optimizer.stage, self.optimizer.dp.size)
@@ -74,34 +80,49 @@ class ZeroModelState:
         """Swapped optimizer states held in memory: ``state_dict`` and loads happen inside."""
         return self.optimizer.states_in_memory()
 
-    def pieces(self) -> list[dict]:
-        return reshard.describe(self.optimizer, self.names, self.groups.tp_rank, self.groups.topology.tp)
+    def _geometry(self, piece) -> SliceGeometry:
+        return reshard.held_geometry(piece.param, piece.shape, self.groups.tp_rank, self.groups.topology.tp)
+
+    def held(self) -> list[str]:
+        """The names of the parameters this rank holds."""
+        return sorted({self.names[piece.param] for piece in self.optimizer.master_pieces()})
+
+    def written(self) -> list[list[tuple[int, int]]]:
+        """For each of this rank's master pieces, the ranges of it this rank writes (a collective over the
+        world the first time: every rank's pieces decide who writes what)."""
+        if self._written is None:
+            mine = [((self.names[piece.param], self._geometry(piece).tp_rank), piece.start, piece.length)
+                    for piece in self.optimizer.master_pieces()]
+            everyone = comm.all_gather_object(mine, self.groups.world, default_device())
+            self._written = writers(everyone)[self.groups.rank]
+        return self._written
 
     def state_dict(self) -> dict:
-        return {"pieces": self.pieces(), "optimizer": self.optimizer.state_dict()}
-
-    def loads_in_place(self, saved: dict) -> bool:
-        """Whether ``saved`` holds the same elements in the same masters and places as this rank."""
-        return _places(self.pieces()) == _places(saved["pieces"])
+        """This rank's pieces (views of its masters and states, not copies), the names it holds, the loss
+        scale."""
+        pieces = []
+        for piece, ranges in zip(self.optimizer.master_pieces(), self.written()):
+            geometry = geometry_entry(self._geometry(piece))
+            for start, length in ranges:
+                values, scalars = self.optimizer.piece_state(piece, start, length)
+                pieces.append({"name": self.names[piece.param], "geometry": geometry, "start": start,
+                               "length": length, "values": values, "scalars": scalars})
+        return {"pieces": pieces, "held": self.held(), "loss_scaler": self.optimizer.loss_scaler.state_dict()}
 
     def holds_the_same(self, saved: dict) -> bool:
         """Whether ``saved`` came from a rank holding the same parameters (its rank states then apply)."""
-        return {piece["name"] for piece in self.pieces()} == {piece["name"] for piece in saved["pieces"]}
+        held = saved.get("held")
+        if held is None:  # format 2-3: every piece the rank held is in its file
+            held = sorted({piece["name"] for piece in saved["pieces"]})
+        return self.held() == held
 
-    def load_state_dict(self, saved: dict) -> None:
-        """Load a state saved by a rank with the same places (``loads_in_place``)."""
-        self.optimizer.load_state_dict(saved["optimizer"])
-
-    def load_recut(self, source, weights_only: bool, saved: list[dict] | None = None) -> None:
-        """Fill this rank's part from ``source`` (``reshard.CheckpointPieces`` or ``WeightsFile``) by
-        parameter name; ``weights_only`` leaves the optimizer fresh; ``saved``: the rank files' model states,
-        whose loss scale carries over."""
-        scaler = saved_loss_scaler(saved[0]["optimizer"]) if saved else None
+    def load(self, source, weights_only: bool, loss_scaler: dict | None = None) -> None:
+        """Fill this rank's masters (and, unless ``weights_only``, its optimizer states and the loss scale
+        ``loss_scaler``) from ``source`` (a ``reshard.PieceSource``) by parameter name; the parameters
+        take the values at ``masters_to_parameters``."""
         reshard.load(source, self.optimizer, self.names, self.groups.tp_rank, self.groups.topology.tp,
-                     weights_only, scaler)
+                     weights_only, loss_scaler)
 
-
-def _places(pieces: list[dict]) -> list[tuple]:
-    """Where a rank's masters hold which elements of which parameter."""
-    return [tuple(piece[key] for key in ("name", "master", "state", "start", "offset", "length"))
-            for piece in pieces]
+    def masters_to_parameters(self) -> None:
+        """Every parameter takes its master's value (a collective over data parallelism)."""
+        self.optimizer.masters_to_parameters()

@@ -1,29 +1,35 @@
 """Convert checkpoints: any layout of ours to one file or to Hugging Face, and Hugging Face to ours.
 
     python -m pretrain.convert --load DIR --output OUT.safetensors [--with-optimizer-states]
-    python -m pretrain.convert --load DIR --output HF_DIR --to hf
+                               [--max-shard-size 5GB] [--workers N]
+    python -m pretrain.convert --load DIR --output HF_DIR --to hf [--max-shard-size 5GB]
     python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
 
-``consolidated`` (default): one safetensors file of the whole model's fp32 weights under their
-layout-independent names (vocabulary padding removed; the names of a single-process GPTModel), with the
-iteration and the model config as metadata, and optionally every per-element optimizer state
-(``optimizer.<state>.<name>``). ``hf``: a directory that ``transformers`` loads as the class of the
-model's family (the one it was imported from, else the first that expresses it: GPT-2, Llama, Mistral,
-Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 2, Gemma 3), with its tokenizer; refused, naming the flags, when
-none expresses the model. ``--from-hf``: a Hugging Face directory of one of those families as a
-weights-only checkpoint of ours (``pretrain.interop.hf_checkpoint``). All stream: one parameter is
-rebuilt (or read) at a time.
+``consolidated`` (default): the whole model's fp32 weights under their layout-independent names
+(vocabulary padding removed; the names of a single-process GPTModel), with the iteration and the model
+config as metadata, and optionally every per-element optimizer state (``optimizer.<state>.<name>``):
+one safetensors file, or with ``--max-shard-size`` shards beside ``OUT.safetensors.index.json`` (Hugging
+Face's layout), written by ``--workers`` processes. Each tensor is written straight from the saved
+pieces, one piece at a time: the extra memory is one piece, never a whole tensor. ``hf``: a directory
+that ``transformers`` loads as the class of the model's family (the one it was imported from, else the
+first that expresses it: GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 2, Gemma 3), with its
+tokenizer, sharded as ``--max-shard-size`` says; refused, naming the flags, when none expresses the
+model; one of our tensors is rebuilt at a time (its Hugging Face tensors are cut from it).
+``--from-hf``: a Hugging Face directory of one of those families as a weights-only checkpoint of ours
+(``pretrain.interop.hf_checkpoint``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
 from pretrain.checkpoint.catalog import CheckpointError
-from pretrain.checkpoint.reshard import CheckpointPieces, ReshardError
+from pretrain.checkpoint.reshard import PieceSource, ReshardError
+from pretrain.interop.safetensors_shards import parse_size, plan_shards, write_index
 from pretrain.interop.saved_model import model_config, saved_tokenizer, saved_weights
 
 
@@ -34,25 +40,66 @@ def _natural(name: str) -> list:
     return [rank] + [int(p) if p.isdigit() else p for p in parts[1:]]
 
 
-def write_consolidated(pieces: CheckpointPieces, manifest: dict, output: str,
-                       with_states: bool = False) -> None:
-    names = sorted(pieces.by_name, key=_natural)
-    kinds = ["master"] + (list(pieces.kinds) if with_states else [])
-    entries = [(name if kind == "master" else f"optimizer.{kind}.{name}", pieces.shape(name))
-               for kind in kinds for name in names]
-    config = {key: value for key,
-              value in manifest["config"].items() if key in GPTConfig.__dataclass_fields__}
-    metadata = {"iteration": str(manifest["iteration"]), "model": json.dumps(config)}
-    writer = StreamedSafetensors(output, entries, metadata=metadata)
+def _entry(kind: str, name: str) -> str:
+    return name if kind == "master" else f"optimizer.{kind}.{name}"
+
+
+def write_shard(source: PieceSource, path: str, entries: list[tuple[str, str, tuple]],
+                metadata: dict) -> None:
+    """One safetensors file of (kind, name, shape) entries, streamed from ``source``'s pieces."""
+    writer = StreamedSafetensors(path, [(_entry(kind, name), shape) for kind, name, shape in entries],
+                                 metadata=metadata)
     try:
-        for kind in kinds:
-            for name in names:
-                writer.write(name if kind == "master" else f"optimizer.{kind}.{name}",
-                             pieces.whole(name, kind))
+        for kind, name, _ in entries:
+            source.stream(name, kind, lambda offset, values, entry=_entry(kind, name):
+                          writer.write_at(entry, offset, values))
     except BaseException:
         writer.abort()
         raise
     writer.close()
+
+
+def _worker(directory: str, jobs: list[tuple[str, list, dict]]) -> None:
+    """A conversion process: its own view of the checkpoint, its shards."""
+    _, _, source = saved_weights(directory)
+    for path, entries, metadata in jobs:
+        write_shard(source, path, entries, metadata)
+
+
+def write_consolidated(source: PieceSource, manifest: dict, output: str, with_states: bool = False,
+                       max_shard_bytes: int | None = None, workers: int = 1,
+                       directory: str | None = None) -> int:
+    """Write the consolidated file (or its shards and index); returns the number of files. With
+    ``workers`` > 1 the shards are shared among that many processes, each reading ``directory``."""
+    names = sorted(source.by_name, key=_natural)
+    kinds = ["master"] + (list(source.kinds) if with_states else [])
+    shapes = {name: source.shape(name) for name in names}
+    config = {key: value for key,
+              value in manifest["config"].items() if key in GPTConfig.__dataclass_fields__}
+    metadata = {"iteration": str(manifest["iteration"]), "model": json.dumps(config)}
+    by_entry = {_entry(kind, name): (kind, name) for kind in kinds for name in names}
+    shards = plan_shards(output, [(_entry(kind, name), shapes[name]) for kind in kinds for name in names], 4,
+                         max_shard_bytes)
+    jobs = [(path, [(*by_entry[entry], shape) for entry, shape in entries], metadata)
+            for path, entries in shards]
+    if workers > 1 and len(jobs) > 1 and directory is not None:
+        context = multiprocessing.get_context("spawn")
+        processes = [context.Process(target=_worker, args=(directory, jobs[number::workers]))
+                     for number in range(min(workers, len(jobs)))]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+        failed = [process.exitcode for process in processes if process.exitcode]
+        if failed:
+            raise CheckpointError(f"--workers: {len(failed)} conversion processes failed (exit codes "
+                                  f"{failed}); see their messages above")
+    else:
+        for path, entries, shard_metadata in jobs:
+            write_shard(source, path, entries, shard_metadata)
+    if len(shards) > 1:
+        write_index(output, shards, 4)
+    return len(shards)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +113,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--to", choices=["consolidated", "hf"], default="consolidated")
     parser.add_argument("--with-optimizer-states", action="store_true",
                         help="consolidated: add the optimizer states")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="cut the safetensors output into shards of at most this size (5GB, 500MB, "
+                             "2GiB) with Hugging Face's index; default: one file")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="consolidated: processes writing the shards at once (default 1)")
     args = parser.parse_args(argv)
+    try:
+        max_shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
+    except ValueError as error:
+        parser.error(str(error))
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give 1 or more processes")
     from pretrain.interop.hf_checkpoint import export_hf, import_hf
 
     try:
@@ -81,9 +139,10 @@ def main(argv: list[str] | None = None) -> None:
             except ValueError as error:
                 print(f"warning: no tokenizer files written ({error})", file=sys.stderr)
                 tokenizer = None
-            export_hf(pieces, model_config(manifest), tokenizer, args.output)
+            export_hf(pieces, model_config(manifest), tokenizer, args.output, max_shard_bytes)
         else:
-            write_consolidated(pieces, manifest, args.output, args.with_optimizer_states)
+            write_consolidated(pieces, manifest, args.output, args.with_optimizer_states, max_shard_bytes,
+                               args.workers, args.load)
     except (CheckpointError, ReshardError) as error:
         sys.exit(f"error: {error}")
     print(f"wrote {args.output} from iteration {manifest['iteration']} of {args.load}")

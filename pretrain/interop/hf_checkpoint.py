@@ -22,6 +22,7 @@ from models.config import GPTConfig
 from models.counting import stage_model
 from parallel.param_meta import meta
 from parallel.zero.export import StreamedSafetensors
+from pretrain.interop.safetensors_shards import plan_shards, write_index
 from data.file_digest import files_sha256
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
@@ -174,9 +175,12 @@ def tokenizer_flags(present: list[str], folder: str) -> dict:
             "tokenizer_model": os.path.join(folder, "tokenizer.model")}
 
 
-def export_hf(source, config: GPTConfig, tokenizer, directory: str) -> None:
-    """Write the model that ``source`` (re-cut pieces or a weights file: ``whole(name)``) holds as a Hugging
-    Face model directory, with ``tokenizer``'s files (None: none) and its special ids."""
+def export_hf(source, config: GPTConfig, tokenizer, directory: str,
+              max_shard_bytes: int | None = None) -> None:
+    """Write the model that ``source`` (a ``reshard.PieceSource``: ``whole(name)``) holds as a Hugging
+    Face model directory, with ``tokenizer``'s files (None: none) and its special ids; its weights in
+    shards of at most ``max_shard_bytes`` with their index (None: one file). One of our tensors is
+    rebuilt at a time."""
     try:
         plan = list(export_plan(config))
         special = tokenizer.save_for_hugging_face(directory) if tokenizer is not None else {}
@@ -194,15 +198,21 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str) -> None:
 
     shapes = [(theirs, tuple(transform(torch.empty(source.shape(name), device="meta")).shape))
               for theirs, name, transform in plan]
-    writer = StreamedSafetensors(os.path.join(directory, "model.safetensors"), shapes,
-                                 metadata={"format": "pt"})
-    try:
-        for theirs, name, transform in plan:
-            writer.write(theirs, transform(ours(name)))
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
+    path = os.path.join(directory, "model.safetensors")
+    shards = plan_shards(path, shapes, 4, max_shard_bytes)
+    transforms = {theirs: (name, transform) for theirs, name, transform in plan}
+    for shard, entries in shards:
+        writer = StreamedSafetensors(shard, entries, metadata={"format": "pt"})
+        try:
+            for theirs, _ in entries:
+                name, transform = transforms[theirs]
+                writer.write(theirs, transform(ours(name)))
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+    if len(shards) > 1:
+        write_index(path, shards, 4)
     with open(os.path.join(directory, "config.json"), "w") as handle:
         json.dump(hf_config, handle, indent=1)
     generation = {key: value for key, value in special.items() if value is not None}

@@ -6,18 +6,23 @@ from __future__ import annotations
 import os
 
 from models.config import GPTConfig
-from pretrain.checkpoint.catalog import MODEL, WEIGHTS_FILE, read_manifest, read_rank_files
-from pretrain.checkpoint.reshard import CheckpointPieces, WeightsFile
+from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, check_format, open_rank_file,
+                                         read_manifest, read_rank_files, verified)
+from pretrain.checkpoint.reshard import LegacyPieces, PieceSource, SavedPieces, WeightsFile
 
 
-def saved_weights(directory: str) -> tuple[str, dict, CheckpointPieces | WeightsFile]:
-    """(the checkpoint's path, its manifest, the source of each whole parameter: ``whole(name)``) of the
-    newest complete checkpoint under ``directory``: a weights file (an import) or every rank's pieces."""
+def saved_weights(directory: str) -> tuple[str, dict, PieceSource]:
+    """(the checkpoint's path, its manifest, its pieces: ``whole(name)``, ``stream(name, ...)``) of the
+    newest complete checkpoint under ``directory``: a weights file (an import) or the rank files' pieces,
+    each checked against the manifest as it is read (CheckpointError naming the file)."""
     checkpoint, manifest = read_manifest(directory)
     if manifest.get("kind") == "weights":
-        return checkpoint, manifest, WeightsFile(os.path.join(checkpoint, WEIGHTS_FILE))
+        return checkpoint, manifest, WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE))
+    check_format(checkpoint, manifest)
+    if manifest.get("format") == RANK_FORMAT:
+        return checkpoint, manifest, SavedPieces(checkpoint, manifest, open_rank_file, strict=True)
     checkpoint, manifest, states = read_rank_files(directory)
-    return checkpoint, manifest, CheckpointPieces([rank_file[MODEL] for rank_file in states])
+    return checkpoint, manifest, LegacyPieces([rank_file[MODEL] for rank_file in states])
 
 
 def model_config(manifest: dict) -> GPTConfig:

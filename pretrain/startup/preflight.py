@@ -18,8 +18,7 @@ from parallel import comm
 from parallel.comm import AxisGroup
 from parallel.topology import Topology
 from pretrain.checkpoint.catalog import CheckpointError, verify
-from pretrain.checkpoint.stateful import layout_of
-from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
+from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
 from pretrain.config.schema import Config
 
 
@@ -52,9 +51,7 @@ def local_problems(config: Config, topology: Topology, rank: int) -> list[str]:
     directory = checkpoint_to_load(config)
     if directory is not None:
         try:
-            layout = layout_of(topology, config.zero.zero_stage, config.zero.zero_shard_size)
-            verify(directory, step_to_load(config, directory), layout, rank,
-                   loads_weights_only(config, directory))
+            verify(directory, step_to_load(config, directory))
         except CheckpointError as error:
             problems.append(str(error))
     return problems

@@ -148,8 +148,8 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
     damaged = bytearray(original)
     damaged[len(damaged) // 2] ^= 0xFF
     open(shard, "wb").write(bytes(damaged))
-    message, = run_world(1, _load_only, directory, stdlib_corpus)
-    assert "rank_00000.pt: size or sha256 differs from the manifest" in message
+    message, = run_world(1, _load_only, directory, stdlib_corpus)  # found as its piece is read
+    assert "rank_00000.pt: piece" in message and "differs from its sha256 in the manifest" in message
 
     open(shard, "wb").write(original[:100])
     assert "differs from the manifest" in run_world(1, _load_only, directory, stdlib_corpus)[0]
@@ -169,7 +169,7 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
     older = {key: value for key,
              value in forged.items() if key != "format"}  # a rank-file format 1 checkpoint
     json.dump(older, open(manifest_path, "w"))
-    assert "rank files are in format 1 and this version reads formats 2 and 3" in \
+    assert "rank files are in format 1 and this version reads formats 2, 3 and 4" in \
         run_world(1, _load_only, directory, stdlib_corpus)[0]
 
     open(manifest_path, "w").write("{not json")
@@ -186,9 +186,49 @@ def test_an_unfinished_save_never_becomes_latest(stdlib_corpus, tmp_path):
     assert run_world(1, _load_only, directory, stdlib_corpus) == ["loaded"]
 
 
+def _train_saved_as_format_3(rank, world_size, flags, corpus, directory):
+    """Train with ``flags`` (saving into ``directory`` at the end), then rewrite the checkpoint as format
+    3 wrote it: each rank file's model state its ZeroOptimizer.state_dict() with every master range
+    named (every replica's copy), the files' sizes and sha256 in the manifest."""
+    import torch.distributed as dist
+
+    from data.file_digest import files_sha256
+    from parallel.param_meta import meta
+    from pretrain.config.arguments import parse_config
+    from pretrain.startup.validation import validate
+    from pretrain.training.trainer import Trainer
+    from tests.pretrain.test_trainer import TINY
+
+    prefix, tokenizer = corpus
+    config = parse_config(TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
+                                  "--data-cache-dir", f"{prefix}-cache"] + flags)
+    trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
+    trainer.train()
+    optimizer, names, groups = trainer.optimizer, trainer.parameter_names, trainer.groups
+    pieces = [{"name": names[piece.param], "master": piece.master, "state": piece.state, "start": piece.start,
+               "offset": piece.offset, "length": piece.length, "shape": list(piece.shape),
+               "tp_dim": meta(piece.param).partition_dim, "tp_rank": groups.tp_rank,
+               "tp_size": groups.topology.tp, "rows": meta(piece.param).unpadded_rows}
+              for piece in optimizer.master_pieces()]
+    checkpoint, _ = read_manifest(directory)
+    path = os.path.join(checkpoint, f"rank_{rank:05d}.pt")
+    states = torch.load(path, weights_only=True)["states"]
+    torch.save({"states": {**states, "model": {"pieces": pieces, "optimizer": optimizer.state_dict()}}}, path)
+    dist.barrier()
+    if rank == 0:
+        manifest_path = os.path.join(checkpoint, "manifest.json")
+        manifest = json.load(open(manifest_path))
+        manifest["format"] = 3
+        manifest["files"] = {entry: {"bytes": os.path.getsize(os.path.join(checkpoint, entry)),
+                                     "sha256": files_sha256(os.path.join(checkpoint, entry))}
+                             for entry in manifest["files"]}
+        json.dump(manifest, open(manifest_path, "w"))
+    dist.barrier()
+
+
 def _as_format_2(checkpoint: str) -> None:
-    """Rewrite a checkpoint as the previous release wrote it: rank files {pieces, optimizer, rng} and the
-    data position at the manifest's top level."""
+    """Rewrite a format-3 checkpoint as the release before wrote it: rank files {pieces, optimizer, rng}
+    and the data position at the manifest's top level."""
     from data.file_digest import files_sha256
 
     manifest_path = os.path.join(checkpoint, "manifest.json")
@@ -202,18 +242,29 @@ def _as_format_2(checkpoint: str) -> None:
     json.dump(manifest, open(manifest_path, "w"))
 
 
-def test_a_checkpoint_of_the_previous_format_resumes_exactly(stdlib_corpus, tmp_path):
-    """A format-2 checkpoint (before the rank files held named states) is read, upgraded as it is read,
-    and resumes bit for bit: the same losses and gradient norms as the straight run."""
-    directory = str(tmp_path / "ckpt")
-    flags = ["--zero-stage", "2", "--lr-decay-iters", "20"]
-    (straight, _), = run_world(1, _train, [flags + ["--train-iters", "6"],
-                                           flags + ["--train-iters", "3", "--save", directory]],
-                               stdlib_corpus)
-    _as_format_2(read_manifest(directory)[0])
-    assert read_manifest(directory)[1]["format"] == 2
-    (resumed,), = run_world(1, _train, [flags + ["--train-iters", "6", "--load", directory]], stdlib_corpus)
-    assert resumed[0] == straight[0][3:] and resumed[1] == straight[1][3:]
+def test_checkpoints_of_the_previous_formats_resume_exactly(stdlib_corpus, tmp_path):
+    """Format-3 and format-2 checkpoints (every replica's master ranges in each rank file; format 2 before
+    the rank files held named states), saved at dp2 x pp2 ZeRO-2, resume bit for bit (the same losses and
+    gradient norms as the straight run), in the same layout and re-cut to dp4."""
+    flags = [*_pp(2), "--zero-stage", "2", "--lr-decay-iters", "20"]
+    dp4 = ["--zero-stage", "1", "--lr-decay-iters", "20", "--train-iters", "6"]
+    layouts = [flags + ["--train-iters", "6"]]
+    for name in ("format3", "format2"):
+        directory = str(tmp_path / name)
+        run_world(4, _train_saved_as_format_3, flags + ["--train-iters", "3", "--save", directory],
+                  stdlib_corpus, directory)
+        if name == "format2":
+            _as_format_2(read_manifest(directory)[0])
+        assert read_manifest(directory)[1]["format"] == int(name[-1])
+        layouts += [flags + ["--train-iters", "6", "--load", directory], dp4 + ["--load", directory]]
+    results = run_world(4, _train, layouts, stdlib_corpus)
+    losses = next(rank[0][0] for rank in results if rank[0][0])  # the last stage's
+    for rank in results:
+        straight = rank[0]
+        for index, name in enumerate(("format3", "format2")):
+            same, recut = rank[1 + 2 * index], rank[2 + 2 * index]
+            assert same[0] == straight[0][3:] and same[1] == straight[1][3:], name
+            assert_trajectory_close(recut[0], losses[3:], f"{name} re-cut to dp4: loss")
 
 
 def test_fine_tuning_flags_load_weights_only_or_keep_the_position(stdlib_corpus, tmp_path):

@@ -59,6 +59,23 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
     difference = sum((grid_weights[name] - value).pow(2).sum() for name, value in weights.items()).sqrt()
     scale = sum(value.pow(2).sum() for value in weights.values()).sqrt()
     assert_within((difference / scale).item(), "tp2 x pp2 consolidated weights", TRAJECTORY_RTOL)
+    # in shards of at most 64 KB (a larger tensor alone) with Hugging Face's index, by two processes: the
+    # same tensors bit for bit
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    convert(["--load", grid, "--output", str(sharded / "model.safetensors"), "--max-shard-size", "64KB",
+             "--workers", "2"])
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (sharded / "model.safetensors").exists()
+    pieces = {}
+    for name in files:
+        part = load_file(str(sharded / name))
+        assert sum(t.numel() * 4 for t in part.values()) <= 64_000 or len(part) == 1, name
+        pieces.update(part)
+    assert index["weight_map"].keys() == grid_weights.keys() == pieces.keys()
+    assert all(torch.equal(pieces[name], value) for name, value in grid_weights.items())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in grid_weights.values())
 
     transformers = pytest.importorskip("transformers")
     convert(["--load", grid, "--output", str(tmp_path / "hf"), "--to", "hf"])
@@ -67,6 +84,12 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
     with torch.no_grad():
         theirs = model(TOKENS).logits
     torch.testing.assert_close(theirs, logits, rtol=1e-4, atol=1e-4)
+    convert(["--load", grid, "--output", str(tmp_path / "hf-sharded"), "--to", "hf",
+             "--max-shard-size", "64KB"])
+    assert (tmp_path / "hf-sharded" / "model.safetensors.index.json").exists()
+    with torch.no_grad():  # transformers reads the shards through the index: the same model
+        assert torch.equal(transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf-sharded"))
+                           .eval()(TOKENS).logits, theirs)
     # the tokenizer goes along: sentencepiece as a tokenizer.json, its ids and special ids in range
     from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
