@@ -139,8 +139,8 @@ def recut_and_convert_memory(source_directory: str, target_directory: str, outpu
     for entry, recorded in sorted(held["files"].items()):
         ranges = [(name, SliceGeometry.of(*geometry), start, length)
                   for name, geometry, start, length, _, _ in recorded["pieces"]]
-        targets = {(index, kind): torch.empty(length) for index, (_, _, _, length) in enumerate(ranges)
-                   for kind in kinds}  # this rank's masters and states: not extra
+        targets = {(index, kind): torch.empty(length).fill_(1.0)  # this rank's masters and states, in
+                   for index, (_, _, _, length) in enumerate(ranges) for kind in kinds}  # memory: not extra
         with PeakAnonymous() as peak:
             for index, (name, geometry, start, _) in enumerate(ranges):
                 for kind in kinds:
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
               "--micro-batch-size", "1",
               "--global-batch-size", str(2 * args.dp), "--tensor-model-parallel-size", str(args.tp),
               "--train-iters", str(args.iters), "--lr", "1e-4", "--log-interval", "1",
-              "--save-interval", str(args.save_interval), "--hidden-dropout", "0", "--attention-dropout", "0"]
+              "--save-interval", str(args.save_interval), "--save-keep-last", "1",
+              "--hidden-dropout", "0", "--attention-dropout", "0"]
     root = args.save_dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
     for stage in args.zero_stage:
         stalls, losses = {}, {}
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                         + (f"{stalls['async'] / stalls['sync']:.3f}x" if mode == "async" else "1.000x")
                         + f" | {largest / 2**20:.1f} | {largest / fair:.2f}x | {one:.2f} | {two:.2f} | "
                           f"{losses[mode][-1]:.6f} |")
+            if (stage, mode) != (3, "sync"):  # the re-cut below reads that one's listing
+                shutil.rmtree(directory, ignore_errors=True)
         assert losses["sync"] == losses["async"], "the background save changed the trajectory"
         print("\n".join(rows), flush=True)
     if 3 in args.zero_stage:  # the re-cut of dp (tp x dp) into the stage-3 dp x tp layout, and a conversion
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                  "--data-cache-path", os.path.join(root, "cache")]
         flags[flags.index("--tensor-model-parallel-size") + 1] = "1"
         flags[flags.index("--global-batch-size") + 1] = str(2 * world)
+        flags[flags.index("--train-iters") + 1] = flags[flags.index("--save-interval") + 1] = "2"
         run_pretrain(world, flags)
         found = recut_and_convert_memory(source, os.path.join(root, "stage3-sync"),
                                          os.path.join(root, "consolidated.safetensors"))

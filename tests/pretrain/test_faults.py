@@ -88,7 +88,7 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extr
     command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2",
                f"--max-restarts={max_restarts}", "-m", "tests.pretrain.dying_pretrain", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0",
-               WANDB_MODE="disabled",
+               WANDB_MODE="disabled", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",  # a stopped rank: killed in 5 s
                **RESTARTABLE)
     started = time.monotonic()
     job = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPOSITORY, timeout=300)
