@@ -5,7 +5,11 @@ over loopback; every flag after ``--nproc`` goes to pretrain unchanged.
 torchrun runs in this process, so that a failed job ends with the workers' own ``error:`` lines and,
 for a worker that a signal ended (``kill -9``, the out-of-memory killer), one line naming its rank,
 host and signal, instead of torchrun's traceback; the exit status is the failed worker's (128 + the
-signal for a signal). ``LOGLEVEL=INFO`` (torchrun's variable) keeps torchrun's own log lines."""
+signal for a signal). ``LOGLEVEL=INFO`` (torchrun's variable) keeps torchrun's own log lines. The grace
+a failed group's workers get between SIGTERM and SIGKILL is torchrun's ``--shutdown-timeout`` (or
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; 30 s by default) there too: torch's agent stops them with a fixed
+30 s, which held a job 30 s after its failure was said whenever a worker could not take SIGTERM (a
+stopped one)."""
 
 from __future__ import annotations
 
@@ -46,8 +50,11 @@ def run_torchrun(torchrun_args: list[str]) -> int:
 
     if "LOGLEVEL" not in os.environ:  # the workers say what failed; torchrun's warnings only repeat it
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = get_args_parser().parse_args(torchrun_args)
+    _honour_shutdown_timeout(args.shutdown_timeout if args.shutdown_timeout is not None
+                             else int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")))
     try:
-        run(get_args_parser().parse_args(torchrun_args))
+        run(args)
     except ChildFailedError as failed:
         failures = sorted(failed.failures.items())
         # SIGTERM is torchrun's own, to the rest of the workers once one failed: not a cause
@@ -64,6 +71,27 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                             if name == "SIGKILL" else "") + "\n")
         return 128 - failure.exitcode
     return 0
+
+
+def _honour_shutdown_timeout(grace: int) -> None:
+    """torch's elastic agent stops a failed or restarting group's workers with a fixed 30 s grace between
+    SIGTERM and SIGKILL (its process context's default, and ``_shutdown()``'s), using the configured
+    shutdown timeout only when the agent itself ends: give them ``grace`` there too."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+    if getattr(close, "honours_grace", False):
+        close = close.__wrapped__
+
+    def close_with_grace(self, death_sig=None, timeout=None) -> None:
+        close(self, death_sig, grace if timeout is None else timeout)
+    close_with_grace.honours_grace, close_with_grace.__wrapped__ = True, close
+    PContext.close = close_with_grace
+
+    def stop_workers(self, worker_group) -> None:
+        self._shutdown(timeout=self._shutdown_timeout)
+    LocalElasticAgent._stop_workers = stop_workers
 
 
 if __name__ == "__main__":

@@ -234,8 +234,8 @@ class ZeroOptimizer:
         """Elements ``[start, start + length)`` of ``piece``'s parameter (within ``piece``): their master
         values and per-element optimizer states by kind ("master", "exp_avg", ...; views, not copies),
         and the parameter's scalars (Adam's step). Call it inside ``states_in_memory()`` under NVMe
-        offload."""
-        self.flat.wait()
+        offload. The parameter all-gathers in flight after a step are not waited for: they read these
+        masters (or write the same values into them) and never change them."""
         low = piece.offset + start - piece.start
         master = self.masters[piece.master]
         values = {"master": master.data[low:low + length]}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import sys
 
 from models.config import GPTConfig
@@ -71,6 +72,7 @@ def write_consolidated(source: PieceSource, manifest: dict, output: str, with_st
                        directory: str | None = None) -> int:
     """Write the consolidated file (or its shards and index); returns the number of files. With
     ``workers`` > 1 the shards are shared among that many processes, each reading ``directory``."""
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     names = sorted(source.by_name, key=_natural)
     kinds = ["master"] + (list(source.kinds) if with_states else [])
     shapes = {name: source.shape(name) for name in names}

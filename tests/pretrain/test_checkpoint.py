@@ -243,28 +243,25 @@ def _as_format_2(checkpoint: str) -> None:
 
 
 def test_checkpoints_of_the_previous_formats_resume_exactly(stdlib_corpus, tmp_path):
-    """Format-3 and format-2 checkpoints (every replica's master ranges in each rank file; format 2 before
-    the rank files held named states), saved at dp2 x pp2 ZeRO-2, resume bit for bit (the same losses and
-    gradient norms as the straight run), in the same layout and re-cut to dp4."""
+    """A format-3 checkpoint (every replica's master ranges in each rank file) saved at dp2 x pp2 ZeRO-2
+    resumes bit for bit in its layout (the same losses and gradient norms as the straight run); the same
+    checkpoint as format 2 wrote it (before the rank files held named states) is re-cut to dp4."""
+    import shutil
+
     flags = [*_pp(2), "--zero-stage", "2", "--lr-decay-iters", "20"]
-    dp4 = ["--zero-stage", "1", "--lr-decay-iters", "20", "--train-iters", "6"]
-    layouts = [flags + ["--train-iters", "6"]]
-    for name in ("format3", "format2"):
-        directory = str(tmp_path / name)
-        run_world(4, _train_saved_as_format_3, flags + ["--train-iters", "3", "--save", directory],
-                  stdlib_corpus, directory)
-        if name == "format2":
-            _as_format_2(read_manifest(directory)[0])
-        assert read_manifest(directory)[1]["format"] == int(name[-1])
-        layouts += [flags + ["--train-iters", "6", "--load", directory], dp4 + ["--load", directory]]
-    results = run_world(4, _train, layouts, stdlib_corpus)
+    format3, format2 = str(tmp_path / "format3"), str(tmp_path / "format2")
+    run_world(4, _train_saved_as_format_3, flags + ["--train-iters", "3", "--save", format3], stdlib_corpus,
+              format3)
+    shutil.copytree(format3, format2)
+    _as_format_2(read_manifest(format2)[0])
+    assert [read_manifest(path)[1]["format"] for path in (format3, format2)] == [3, 2]
+    dp4 = ["--zero-stage", "1", "--lr-decay-iters", "20", "--train-iters", "6", "--load", format2]
+    results = run_world(4, _train, [flags + ["--train-iters", "6"],
+                                    flags + ["--train-iters", "6", "--load", format3], dp4], stdlib_corpus)
     losses = next(rank[0][0] for rank in results if rank[0][0])  # the last stage's
-    for rank in results:
-        straight = rank[0]
-        for index, name in enumerate(("format3", "format2")):
-            same, recut = rank[1 + 2 * index], rank[2 + 2 * index]
-            assert same[0] == straight[0][3:] and same[1] == straight[1][3:], name
-            assert_trajectory_close(recut[0], losses[3:], f"{name} re-cut to dp4: loss")
+    for straight, same, recut in results:
+        assert same[0] == straight[0][3:] and same[1] == straight[1][3:]
+        assert_trajectory_close(recut[0], losses[3:], "format 2 re-cut to dp4: loss")
 
 
 def test_fine_tuning_flags_load_weights_only_or_keep_the_position(stdlib_corpus, tmp_path):
