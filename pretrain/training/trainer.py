@@ -86,6 +86,7 @@ class Trainer:
         self.resumed_from: str | None = None  # the checkpoint under --save this run resumed from (kept)
         self.published: int | None = None  # the newest checkpoint this run saved synchronously
         self.save_stall_s = 0.0
+        self._checkpoint_states: dict[str, Stateful] | None = None
         self.saver = (AsyncSaver(self.groups, config.parallel.distributed_timeout_s,
                                  lambda line: print_rank0(self.is_logger, line))
                       if config.checkpoint.async_save else None)
@@ -332,14 +333,19 @@ class Trainer:
                 f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
 
     def checkpoint_states(self) -> dict[str, Stateful]:
-        """What a checkpoint of this run holds, by owner: the one place a new checkpointed state is added."""
-        return {MODEL: ZeroModelState(self.optimizer, self.parameter_names, self.groups),
+        """What a checkpoint of this run holds, by owner: the one place a new checkpointed state is added.
+        Made once: the model state keeps which pieces this rank writes, agreed with the world."""
+        if self._checkpoint_states is None:
+            self._checkpoint_states = {
+                MODEL: ZeroModelState(self.optimizer, self.parameter_names, self.groups),
                 "progress": RunState(self.progress),  # the data position; the LR schedule follows it
                 "rng": self.model[0].rng}  # the stage's dropout streams and the default generator
+        return self._checkpoint_states
 
     def save(self) -> None:
         """Save this iteration's checkpoint: at once, or (--async-save) handed to the background writer,
         which says when it is published. Never prunes the checkpoint this run resumed from."""
+        comm.barrier(self.groups.world)  # the stall starts when every rank is here (not the ranks' skew)
         ckpt, iteration, started = self.config.checkpoint, self.progress.iteration, time.perf_counter()
         states, settings = self.checkpoint_states(), self.config.to_dict()
         if self.saver is not None:
