@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import struct
+import sys
 import warnings
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -34,20 +35,27 @@ from data.sampler import collate
 
 
 @contextlib.contextmanager
-def _without_torch_compile():
-    """megatron.core's package import decorates its fused kernels with ``torch.compile`` (its
-    ``jit_fuser``), which imports dynamo and inductor: about 2 s of every process's start on this CPU. The
-    datasets use none of those kernels, so while they are imported the decorator leaves functions as they
-    are (megatron's own ``disable_jit_fuser``; ``enable_jit_fuser`` restores it for later decorations)."""
+def _lean_megatron_import():
+    """megatron.core's package import pulls in what the datasets never use, in every process that
+    trains: it decorates its fused kernels with ``torch.compile`` (its ``jit_fuser``), which imports
+    dynamo and inductor (about 2 s on this CPU), and its inference and timer modules import wandb when
+    it is installed (about 2 s more). While the datasets are imported the decorator leaves functions as
+    they are (megatron's own ``disable_jit_fuser``) and wandb reads as absent (megatron guards both
+    imports and does without); afterwards both are as they were, so the metrics still import wandb."""
     compile_ = torch.compile
     torch.compile = lambda model=None, **options: model if model is not None else (lambda function: function)
+    hide_wandb = "wandb" not in sys.modules
+    if hide_wandb:
+        sys.modules["wandb"] = None  # an ImportError for ``import wandb`` until restored
     try:
         yield
     finally:
         torch.compile = compile_
+        if hide_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
 
 
-with warnings.catch_warnings(), _without_torch_compile():
+with warnings.catch_warnings(), _lean_megatron_import():
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
