@@ -3,7 +3,10 @@
 Each line of a ``.jsonl`` file is Megatron's SFT format, ``{"messages": [{"role": "system" | "user" |
 "assistant", "content": ...}, ...]}``, or ``{"prompt": ..., "response": ...}``. A conversation is
 rendered with the tokenizer's chat template when it has one (a Hugging Face tokenizer_config.json's
-``chat_template``, rendered with jinja2 as transformers does), otherwise with this default: every turn
+``chat_template``, rendered as transformers renders it: in jinja2's immutable sandbox, with loop
+controls, ``raise_exception`` and ``strftime_now``; the template came with a downloaded model, so a
+template that reaches for what the sandbox forbids is refused naming its file), otherwise with this
+default: every turn
 is ``"<role>: <content>\\n"``, and an assistant turn's content is followed by the end of document. A
 prompt/response pair is the prompt, then the response and the end of document. Only the assistant
 turns' (the response's) tokens and their end of document count in the loss.
@@ -73,6 +76,43 @@ def chat_template(tokenizer) -> Optional[str]:
     return getattr(tokenizer, "chat_template", None)
 
 
+def template_renderer(template: str, source: str):
+    """``render(**variables)`` of chat template ``template`` (from file ``source``) in jinja2's immutable
+    sandbox: no attribute of Python's internals, no mutation of what it is given. SFTDataError naming
+    ``source`` for a template that does not parse, reaches past the sandbox, or raises."""
+    import datetime
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols])
+    environment.globals.update(raise_exception=raise_exception,
+                               strftime_now=lambda format: datetime.datetime.now().strftime(format))
+    environment.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, \
+        sort_keys=False: json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                    sort_keys=sort_keys)
+    try:
+        compiled = environment.from_string(template)
+    except jinja2.exceptions.TemplateError as error:
+        raise SFTDataError(f"{source}: its chat_template does not parse ({error})") from None
+
+    def render(**variables) -> str:
+        try:
+            return compiled.render(**variables)
+        except jinja2.exceptions.SecurityError as error:
+            raise SFTDataError(f"{source}: its chat_template was refused: it reaches past the sandbox "
+                               f"({error}); a template from a downloaded model may not touch Python objects")\
+                from None
+        except jinja2.exceptions.TemplateError as error:
+            raise SFTDataError(f"{source}: its chat_template raised: {error}") from None
+    return render
+
+
 def encode_example(turns: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids of one example and, per token, whether it counts in the loss."""
     ids: list[int] = []
@@ -99,9 +139,7 @@ def encode_example(turns: list[tuple[str, str]], tokenizer) -> tuple[list[int], 
                 learn.append(True)
             add("\n", False)
         return ids, learn
-    import jinja2
-
-    render = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render
+    render = template_renderer(template, getattr(tokenizer, "chat_template_source", "the tokenizer"))
     special = getattr(tokenizer, "special_tokens", {})
     done = ""
     for index, (role, _) in enumerate(turns):

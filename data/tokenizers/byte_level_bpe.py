@@ -99,7 +99,7 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
                              "give the "
                              "directory save_pretrained wrote, with its tokenizer_config.json")
         self.special_tokens = {**_configured_special(os.path.dirname(file)), "eos_token": candidates[0]}
-        self.chat_template = _configured_chat_template(os.path.dirname(file))
+        self.chat_template, self.chat_template_source = _configured_chat_template(os.path.dirname(file))
         super().__init__(tokenizer, tokenizer.token_to_id(candidates[0]), files_sha256(file))
 
 
@@ -119,21 +119,22 @@ def _configured_special(directory: str) -> dict[str, str]:
     return special
 
 
-def _configured_chat_template(directory: str) -> str | None:
-    """The Jinja chat template a Hugging Face tokenizer directory carries (chat_template.jinja, or the
-    tokenizer_config.json entry: a string, or a list of named templates of which "default" is used)."""
+def _configured_chat_template(directory: str) -> tuple[str | None, str]:
+    """(the Jinja chat template a Hugging Face tokenizer directory carries, the file it came from):
+    chat_template.jinja, or the tokenizer_config.json entry (a string, or a list of named templates of
+    which "default" is used)."""
     path = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(path):
         with open(path) as handle:
-            return handle.read()
+            return handle.read(), path
     path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(path):
-        return None
+        return None, path
     with open(path) as handle:
         template = json.load(handle).get("chat_template")
     if isinstance(template, list):
         template = next((entry.get("template") for entry in template if entry.get("name") == "default"), None)
-    return template if isinstance(template, str) else None
+    return (template if isinstance(template, str) else None), path
 
 
 def _configured_eos(directory: str) -> str | None:
