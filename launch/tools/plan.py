@@ -127,12 +127,14 @@ def _context_sizes(config: GPTConfig, model_parallel: int, world_size: int, cp: 
     return sizes or [1]
 
 
-def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int,
+def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int | None,
                       zero_stage: int | None, tp: int | None, pp: int | None,
                       layers_per_stage: tuple[int, ...] | None = None,
-                      zero_plus_plus: bool = False, cp: int | None = None) -> list[Layout]:
+                      zero_plus_plus: bool = False, cp: int | None = None,
+                      micro_batch_size: int = 1) -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
-    ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks."""
+    ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks.
+    Without ``global_batch_size`` each layout's is Megatron's default, ``micro_batch_size`` x dp."""
     layouts = []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
         try:
@@ -144,18 +146,19 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                 continue
             for c in _context_sizes(config, t * p, world_size, cp):
                 layouts += _layouts_of(t, p, c, world_size // (t * p * c), gpus_per_node, global_batch_size,
-                                       zero_stage, layers_per_stage, zero_plus_plus)
+                                       zero_stage, layers_per_stage, zero_plus_plus, micro_batch_size)
     return layouts
 
 
-def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int,
+def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int | None,
                 zero_stage: int | None, layers_per_stage: tuple[int, ...] | None,
-                zero_plus_plus: bool) -> list[Layout]:
+                zero_plus_plus: bool, micro_batch_size: int) -> list[Layout]:
     """The layouts of one tp x pp x cp x dp grid: micro-batch sizes, ZeRO stages and options, recompute,
     offload."""
     layouts = []
-    for micro in (1, 2, 4, 8):
-        if global_batch_size % (micro * dp) or global_batch_size // (micro * dp) < p:
+    for micro in (1, 2, 4, 8) if global_batch_size is not None else (micro_batch_size,):
+        batch = global_batch_size if global_batch_size is not None else micro * dp
+        if batch % (micro * dp) or batch // (micro * dp) < p:
             continue
         for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
             for recompute in (None, "selective", "full"):
@@ -172,18 +175,22 @@ def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batc
 
 
 def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_device: float,
-         global_batch_size: int,
+         global_batch_size: int | None,
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
-         links: Links | None = None, device: Device = Device(), cp: int | None = None) -> list[Plan]:
+         links: Links | None = None, device: Device = Device(), cp: int | None = None,
+         micro_batch_size: int = 1) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
-    ZeRO++ and shard groups among the candidates)."""
-    plans = [plan_layout(config, layout, global_batch_size, compute_bytes, bucket_size, persistence_threshold,
-                         grad_bytes, gpus_per_node, links, device)
+    ZeRO++ and shard groups among the candidates). ``global_batch_size`` None: Megatron's default,
+    ``micro_batch_size`` x dp, in each layout."""
+    plans = [plan_layout(config, layout, global_batch_size or layout.micro_batch_size * layout.dp,
+                         compute_bytes, bucket_size, persistence_threshold, grad_bytes, gpus_per_node, links,
+                         device)
              for layout in candidate_layouts(config, world_size, gpus_per_node,
                                              global_batch_size, zero_stage, tp, pp,
-                                             layers_per_stage, zero_plus_plus=links is not None, cp=cp)]
+                                             layers_per_stage, zero_plus_plus=links is not None, cp=cp,
+                                             micro_batch_size=micro_batch_size)]
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, sum(p.comm_bytes_inter_node.values()), p.total_bytes))
 
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
                  persistence_threshold=zero.zero_persistence_threshold,
                  grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
                  layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
-                 device=Device(args.device_flops, args.quantize_rate, args.backend))
+                 device=Device(args.device_flops, args.quantize_rate, args.backend),
+                 micro_batch_size=train.micro_batch_size)
     advice = zero_advice(plans) if links is not None else None
     plans = plans[:args.top]
     if args.json:

@@ -363,7 +363,17 @@ class Trainer:
         logging, model = self.config.logging, self.config.model
         if not logging.sample_prompt or logging.sample_tokens < 1:
             return None
-        prompt = self.tokenizer.encode(logging.sample_prompt)
+        try:  # the same on every rank: all sample, or none
+            prompt = self.tokenizer.encode(logging.sample_prompt)
+        except ValueError as error:
+            prompt, problem = [], str(error)
+        else:
+            problem = "it encodes to no tokens"
+        if not prompt:  # the run succeeded: its end never fails for a sample
+            print_rank0(self.is_logger, f"no sample: --sample-prompt {logging.sample_prompt!r} cannot be "
+                        f"encoded by {type(self.tokenizer).__name__} ({problem}); give a prompt it encodes, "
+                        "or '' for none")
+            return None
         window = context_window(model.max_positions, self.groups.tp.size, self.runner.sequence_parallel)
         self.model.eval()
         greedy = self.tokenizer.decode(generate(self.runner.next_token_logits, prompt, logging.sample_tokens,

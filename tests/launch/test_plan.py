@@ -109,6 +109,12 @@ def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
     for entry in printed:
         sent, crossing = entry["comm_bytes_per_step"], entry["comm_bytes_inter_node_per_step"]
         assert crossing["tp"] == 0 and crossing["dp"] == sent["dp"] > 0
+    # --micro-batch-size alone: each layout's global batch is Megatron's default, micro-batch x dp
+    plan_main(["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length",
+               "2048", "--vocab-size", "50257", "--micro-batch-size", "2", "--bf16", "--world-size", "8",
+               "--memory-per-device", "80GiB", "--json", "--top", "50"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed and all(entry["micro_batch_size"] == 2 and entry["pp"] == 1 for entry in printed)
     one = Layout(tp=2, pp=2, dp=2, zero_stage=3)  # 8 ranks: pp stage 0 = ranks 0-3, stage 1 = ranks 4-7
     found = {node: transfers(config.model, one, 4, 2, gpus_per_node=node) for node in (2, 4, 8)}
     sent = sent_by_axis(found[8])
