@@ -285,6 +285,18 @@ def check_indexed_files(prefix: str, flag: str = "--data-path") -> IndexedDatase
         raise ValueError(f"{flag} {prefix}: {prefix}.bin has {actual} bytes where its index describes "
                          f"{expected} "
                          f"(truncated, or the pair of another run); {rebuild}")
+    starts = numpy.asarray(pointers, dtype=numpy.int64)
+    ends = starts + numpy.asarray(lengths, dtype=numpy.int64) * itemsize
+    outside = numpy.flatnonzero((starts < 0) | (ends > actual))
+    if len(outside):
+        first = int(outside[0])
+        raise ValueError(f"{flag} {prefix}: {prefix}.idx points past {prefix}.bin (sequence {first}: bytes "
+                         f"{int(starts[first])}..{int(ends[first])} of {actual}); {rebuild}")
+    documents = numpy.asarray(dataset.index.document_indices, dtype=numpy.int64)
+    if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths) or \
+            (numpy.diff(documents) < 0).any():
+        raise ValueError(f"{flag} {prefix}: {prefix}.idx has document boundaries outside its "
+                         f"{len(lengths)} sequences; {rebuild}")
     tokens = int(numpy.asarray(lengths, dtype=numpy.int64).sum())
     if len(lengths) == 0 or tokens == 0:
         raise ValueError(f"{flag} {prefix}: holds {len(lengths)} documents and {tokens} tokens: nothing "

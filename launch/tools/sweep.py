@@ -74,8 +74,13 @@ def _flags(settings: dict) -> list[str]:
 
 def load_sweep(path: str) -> dict:
     """The sweep file, its models generated where it gives a size rule; ValueError naming what is wrong."""
-    with open(path) as handle:
-        sweep = yaml.safe_load(handle) or {}
+    try:  # safe_load: a tag that would construct a Python object is refused, never run
+        with open(path) as handle:
+            sweep = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML ({error})") from None
+    if not isinstance(sweep, dict):
+        raise ValueError(f"{path}: expected a mapping (name, output, models, ...)")
     mode = sweep.setdefault("mode", "grid")
     if mode not in REQUIRED:
         raise ValueError(f"{path}: mode {mode!r}: choose grid or isoflop")

@@ -91,13 +91,31 @@ def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
             raise CheckpointError(f"--load {directory}: no readable 'latest' pointer "
                                   f"({error.strerror})") from None
     path = os.path.join(directory, name, "manifest.json")
+    if not _plain_name(name):
+        raise CheckpointError(f"{os.path.join(directory, 'latest')}: names {name!r}, not a checkpoint of "
+                              "this directory; nothing was loaded")
     try:
         with open(path) as handle:
             manifest = json.load(handle)
         manifest["files"], manifest["iteration"], manifest["layout"]  # noqa: B018 - required keys
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: unreadable manifest ({error}); nothing was loaded") from None
+    named = [(entry, False) for entry in manifest["files"]] + [
+        (value, True) for key, value in (manifest.get("tokenizer") or {}).items() if key != "tokenizer_type"]
+    outside = [entry for entry, nested in named
+               if not isinstance(entry, str) or not _plain_name(entry, nested)]
+    if outside:
+        raise CheckpointError(f"{path}: names {outside[0]!r}, a file outside its checkpoint directory; "
+                              "refused, nothing was loaded")
     return os.path.join(directory, name), manifest
+
+
+def _plain_name(name: str, nested: bool = False) -> bool:
+    """Whether ``name`` stays inside the directory it is joined to: relative, no "..", and (unless
+    ``nested``: a tokenizer's files sit in a subdirectory) no separator."""
+    parts = name.replace("\\", "/").split("/")
+    return bool(name) and not os.path.isabs(name) and ".." not in parts and "" not in parts and \
+        (nested or len(parts) == 1)
 
 
 def saved_iterations(directory: str) -> list[int]:
