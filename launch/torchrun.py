@@ -1,6 +1,9 @@
 """Launch ``python -m pretrain`` on this machine with torchrun: ``python -m launch.torchrun --nproc N
-[pretrain flags]``. Divides the CPU cores among the processes (one OMP thread at least) and rendezvous
-over loopback; every flag after ``--nproc`` goes to pretrain unchanged.
+[--max-restarts R] [pretrain flags]``. Divides the CPU cores among the processes (one OMP thread at
+least) and rendezvous over loopback; every other flag goes to pretrain unchanged. With
+``--max-restarts`` (as ``MAX_RESTARTS`` in multinode.sh and slurm.sbatch) torchrun's elastic agent
+restarts every worker after a failure; with ``--save`` and ``--load`` on one directory each restart
+resumes from the newest intact checkpoint: the data position, random streams and schedules too.
 
 torchrun runs in this process, so that a failed job ends with the workers' own ``error:`` lines and,
 for a worker that a signal ended (``kill -9``, the out-of-memory killer), one line naming its rank,
@@ -23,20 +26,27 @@ import sys
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def torchrun_arguments(nproc: int, pretrain_args: list[str]) -> list[str]:
-    return ["--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain", *pretrain_args]
+def torchrun_arguments(nproc: int, pretrain_args: list[str], max_restarts: int = 0) -> list[str]:
+    return ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "pretrain",
+            *pretrain_args]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.torchrun", description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (= world size) on this machine")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart every worker this many times after a failure (torchrun's elastic "
+                             "agent); give --save and --load the same directory so that each restart resumes "
+                             "from the newest intact checkpoint (default 0)")
     args, rest = parser.parse_known_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     env = dict(RESTARTABLE, **os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     os.environ.update(env)
-    sys.exit(run_torchrun(torchrun_arguments(args.nproc, rest)))
+    sys.exit(run_torchrun(torchrun_arguments(args.nproc, rest, args.max_restarts)))
 
 
 def run_torchrun(torchrun_args: list[str]) -> int:

@@ -169,6 +169,16 @@ def test_torchrun_job_with_bad_input_exits_non_zero(tmp_path):
     assert "error: --global-batch-size 3 is not divisible" in run.stdout + run.stderr
 
 
+def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_count(capsys):
+    from launch.torchrun import main as launch_main, torchrun_arguments
+
+    assert torchrun_arguments(2, ["--train-iters", "4"], 3) == [
+        "--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m", "pretrain", "--train-iters", "4"]
+    with pytest.raises(SystemExit):
+        launch_main(["--nproc", "2", "--max-restarts", "-1", "--train-iters", "4"])
+    assert "--max-restarts must be >= 0, got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported"),
     (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not supported"),
