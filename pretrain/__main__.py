@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         agree(local_problems(config, topology, rank), as_axis_group(None, axis="world"), device)
         Trainer(config, topology, device).train()
-    except (PreflightError, SaveError, LoadError) as error:  # every rank raised it alike
+    except (PreflightError, SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
         if rank == 0:
             say(str(error))
         sys.exit(2)

@@ -200,10 +200,14 @@ class TrainingConfig:
     min_loss_scale: float = field(default=1.0, metadata=flag("fp16: the scale never backs off below this"))
     loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))
     hysteresis: int = field(default=2, metadata=flag("fp16: overflowing steps tolerated before backing off"))
+    check_for_nan_in_loss_and_grad: bool = field(default=True, metadata=flag(
+        "stop at the first step whose loss or gradient norm is NaN or Inf, naming the iteration and the "
+        "ranks whose loss was (Megatron's flag, on by default); --no-check-for-nan-in-loss-and-grad skips "
+        "such steps instead, up to --bad-step-limit in a row"))
     bad_step_limit: int = field(default=3, metadata=flag(
-        "stop after this many consecutive steps with a non-finite loss or gradient norm (each is "
-        "skipped: the "
-        "parameters do not change; fp16 overflows are the loss scaler's business and do not count)"))
+        "with --no-check-for-nan-in-loss-and-grad: stop after this many consecutive steps with a "
+        "non-finite loss or gradient norm (each is skipped: the parameters do not change; fp16 overflows "
+        "are the loss scaler's business and do not count)"))
 
 
 @dataclass

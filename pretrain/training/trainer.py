@@ -264,7 +264,7 @@ class Trainer:
                               self.groups.stats.inter_node_bytes_by_operation())
                 peak_mem = peak_memory_bytes(self.device)
                 loss = self._dp_mean(local_loss)
-                self._check_bad_step(iteration, loss, step)
+                self._check_bad_step(iteration, loss, local_loss, step)
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
                 if self.saver is not None:
@@ -310,18 +310,30 @@ class Trainer:
             print_rank0(self.is_logger, f"wandb run files: {os.path.dirname(wandb_run.dir)}")
         return result
 
-    def _check_bad_step(self, iteration: int, loss: float, step: zero.StepResult) -> None:
-        """Count consecutive steps whose loss or gradient norm is not finite and stop at the limit.
+    def _check_bad_step(self, iteration: int, loss: float, local_loss: float, step: zero.StepResult) -> None:
+        """Stop at the first step whose loss or gradient norm is not finite (--check-for-nan-in-loss-and-grad,
+        naming the ranks whose own loss was not), or count consecutive ones and stop at --bad-step-limit.
 
         Every rank sees the same loss (the pipeline broadcasts it, data parallelism averages it) and the
-        same norm (reduced over the world), so every rank decides alike: no extra collective. A non-finite
-        loss makes non-finite gradients, and the optimizer then skips the update on every rank."""
-        fp16 = self.config.training.fp16
-        if math.isfinite(loss) and (math.isfinite(step.grad_norm) or fp16):
+        same norm (reduced over the world), so every rank decides alike. A non-finite loss makes
+        non-finite gradients, and the optimizer then skips the update on every rank: the parameters and
+        the newest checkpoint are as before the step."""
+        training = self.config.training
+        if math.isfinite(loss) and (math.isfinite(step.grad_norm) or training.fp16):
             self.bad_steps = []
             return
+        if training.check_for_nan_in_loss_and_grad:
+            seen = comm.all_gather_object(self.groups.is_last_stage and not math.isfinite(local_loss),
+                                          self.groups.world, self.device)
+            ranks = [rank for rank, bad in enumerate(seen) if bad]
+            where = (f"the loss of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} was not "
+                     "finite" if ranks else "every rank's loss was finite, the gradient norm was not")
+            raise FloatingPointError(
+                f"iteration {iteration}: {where} (loss {loss}, grad norm {step.grad_norm}); the step was not "
+                "applied and the run stops here, the newest checkpoint intact: resume from it with a lower "
+                "--lr or more warm-up (--no-check-for-nan-in-loss-and-grad skips such steps instead)")
         self.bad_steps.append(iteration)
-        limit = self.config.training.bad_step_limit
+        limit = training.bad_step_limit
         print_rank0(self.is_logger,
                     f"iteration {iteration}: loss {loss}, grad norm {step.grad_norm}: step skipped "
                     f"({len(self.bad_steps)} in a row, the run stops at {limit})")

@@ -21,15 +21,17 @@ from tests.pretrain.test_trainer import TINY, _pp
 from tests.world import run_world
 
 
-def _train_with_nan_at(rank, world_size, corpus, nan_iterations, limit):
-    """Train 6 iterations in dp2 x pp2 with the last stage's hidden states made NaN at ``nan_iterations``;
+def _train_with_nan_at(rank, world_size, corpus, nan_iterations, limit, check=False):
+    """Train 6 iterations in dp2 x pp2 with the last stage's hidden states made NaN at ``nan_iterations``
+    (``check``: stopping at the first, Megatron's default; else skipping up to ``limit`` in a row);
     return per iteration (loss, grad norm, skipped, a parameter checksum), or the error that stopped it."""
     from pretrain.training.trainer import Trainer
 
     prefix, tokenizer = corpus
     config = parse_config(TINY + _pp(2) + ["--data-path", prefix, "--tokenizer-model", tokenizer,
                                            "--data-cache-dir", f"{prefix}-cache", "--train-iters", "6",
-                                           "--bad-step-limit", str(limit), "--log-interval", "1"])
+                                           "--bad-step-limit", str(limit), "--log-interval", "1"]
+                          + ([] if check else ["--no-check-for-nan-in-loss-and-grad"]))
     trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
     iteration, history = [0], []
     last_chunk = trainer.model[-1]
@@ -52,9 +54,15 @@ def _train_with_nan_at(rank, world_size, corpus, nan_iterations, limit):
     return result.losses, history
 
 
-def test_non_finite_steps_are_skipped_everywhere_and_stop_at_the_limit(stdlib_corpus):
+def test_non_finite_steps_stop_the_run_or_are_skipped_everywhere_up_to_the_limit(stdlib_corpus):
     outcomes = run_world(4, _train_with_nan_at, stdlib_corpus, {3, 4}, 3)
     outcomes += run_world(4, _train_with_nan_at, stdlib_corpus, {2, 3, 4}, 3)
+    first = run_world(4, _train_with_nan_at, stdlib_corpus, {3}, 3, True)
+    for message, history in first:  # --check-for-nan-in-loss-and-grad (the default): the first one stops all
+        assert message.startswith("iteration 3: the loss of ranks ") and "was not finite (loss nan" in message
+        named = [int(rank) for rank in message.split("ranks ")[1].split(" was")[0].split(", ")]
+        assert len(named) == 2 and len(history) == 3 and history[2][1]  # both last-stage ranks; not applied
+        assert history[2][2] == history[1][2]
     skipped_twice, stopped = outcomes[:4], outcomes[4:]
     for losses, history in skipped_twice:
         assert [h[1] for h in history] == [False, False, True, True, False, False]  # every rank skips alike
