@@ -83,10 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     except (PreflightError, SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
         if rank == 0:
             say(str(error))
+        shutdown_distributed()  # every rank is here: the groups' threads end before the interpreter does
         sys.exit(2)
     except CheckpointError as error:
         say(str(error), f"rank {rank}: " if topology.world_size > 1 else "")
-        sys.exit(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)  # the other ranks may be elsewhere: no orderly teardown (it could wait or abort)
     except RuntimeError as error:
         if not any(text in str(error) for text in COMMUNICATION_FAILURES):
             raise
