@@ -47,6 +47,15 @@ def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
             f"and why{resume}")
 
 
+def _exit(status: int) -> None:
+    """Exit at once after an error, the output flushed: the process groups' threads must not meet the
+    interpreter's teardown (a rank could end by SIGABRT after its error was said), and an orderly
+    teardown would wait for ranks that may be elsewhere. The metrics file is written line by line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> None:
     # Until the settings are checked, torchrun's SIGTERM (sent to the rest once a faster rank exited on the
     # same bad input) waits: the rank that says the error must live to say it. Torch is imported after this.
@@ -83,20 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     except (PreflightError, SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
         if rank == 0:
             say(str(error))
-        shutdown_distributed()  # every rank is here: the groups' threads end before the interpreter does
-        sys.exit(2)
+        _exit(2)
     except CheckpointError as error:
         say(str(error), f"rank {rank}: " if topology.world_size > 1 else "")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)  # the other ranks may be elsewhere: no orderly teardown (it could wait or abort)
+        _exit(2)
     except RuntimeError as error:
         if not any(text in str(error) for text in COMMUNICATION_FAILURES):
             raise
         line = _peer_failure(error, config, rank)
         if line:
             say(line)
-        os._exit(1)  # the broken groups cannot be torn down in order
+        _exit(1)  # the broken groups cannot be torn down in order
     shutdown_distributed()
 
 
