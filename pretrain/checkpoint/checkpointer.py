@@ -1,10 +1,11 @@
 """Save and load a checkpoint over named stateful owners; never half-written.
 
-Each rank writes its file into ``iter_N.tmp`` (fsynced); after every rank has finished, rank 0 hashes
-the files, writes the manifest, renames the directory to ``iter_N`` and only then replaces ``latest``
-atomically, so a crash at any point leaves the previous checkpoint as ``latest`` and loadable. A
-checkpoint of another layout (dp, tp, pp, ZeRO stage, virtual stages) is re-cut by parameter name
-(``pretrain.checkpoint.reshard``). Where each state goes is ``pretrain.checkpoint.stateful``'s rule.
+Each rank writes its file into ``iter_N.tmp`` (fsynced, hashed as it is written, its pieces listed
+with their sha256); after every rank has finished, rank 0 writes the manifest, renames the directory
+to ``iter_N`` and only then replaces ``latest`` atomically, so a crash at any point leaves the previous
+checkpoint as ``latest`` and loadable. A load fills each rank's model state from the pieces that
+overlap it, in any layout (``pretrain.checkpoint.reshard``), agreed over the world before any parameter
+changes. Where each state goes is ``pretrain.checkpoint.stateful``'s rule.
 """
 
 from __future__ import annotations
