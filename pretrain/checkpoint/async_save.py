@@ -25,43 +25,39 @@ import time
 import torch
 
 from parallel.process_groups import ParallelGroups, rendezvous_store
-from pretrain.checkpoint.checkpointer import (SaveAttempt, SaveError, Written, storage_key, manifest_base,
-                                              model_state, rank_content, whole_storages)
+from pretrain.checkpoint.checkpointer import (SaveAttempt, SaveError, Written, manifest_base, map_tensors,
+                                              model_state, rank_content, storage_key, whole_storages)
 from pretrain.checkpoint.stateful import Stateful
 
 
-def host_copy(value, copies: dict, spare: dict | None = None, whole: set | None = None):
+def host_copy(value, copies: dict, spare: dict | None = None):
     """``value`` with every tensor copied to host memory (pinned where an accelerator holds it), so the
     training can go on changing the originals. A storage the tensors view almost wholly
     (``checkpointer.whole_storages``) is copied once (into ``copies``, by the original's device and
     address) and its tensors view the copy, as the synchronous save writes them; any other tensor is
     copied alone. ``spare``: the previous save's copies, reused where the original is the same (the ZeRO
     buffers are: no new memory, no page faults, after the first save)."""
-    whole = whole_storages(value) if whole is None else whole
-    if isinstance(value, torch.Tensor):
-        pinned = value.device.type != "cpu"
-        storage = value.untyped_storage()
-        if storage_key(value) not in whole:  # a part of a larger storage: its elements alone
-            key = ("view", str(value.device), value.data_ptr(), value.numel(), value.dtype)
+    whole, spare = whole_storages(value), spare or {}
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        pinned = tensor.device.type != "cpu"
+        if storage_key(tensor) not in whole:  # a part of a larger storage: its elements alone
+            key = ("view", str(tensor.device), tensor.data_ptr(), tensor.numel(), tensor.dtype)
             if key not in copies:
-                host = (spare or {}).pop(key, None)
+                host = spare.pop(key, None)
                 if host is None:
-                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pinned)
-                copies[key] = host.copy_(value, non_blocking=pinned)
+                    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+                copies[key] = host.copy_(tensor, non_blocking=pinned)
             return copies[key]
-        key = storage_key(value)
+        key, storage = storage_key(tensor), tensor.untyped_storage()
         if key not in copies:
-            host = (spare or {}).pop(key, None)
+            host = spare.pop(key, None)
             if host is None:
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned).untyped_storage()
             copies[key] = host.copy_(storage, non_blocking=pinned)
-        return torch.empty(0, dtype=value.dtype).set_(copies[key], value.storage_offset(), value.shape,
-                                                      value.stride())
-    if isinstance(value, dict):
-        return {key: host_copy(item, copies, spare, whole) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(host_copy(item, copies, spare, whole) for item in value)
-    return value
+        return torch.empty(0, dtype=tensor.dtype).set_(copies[key], tensor.storage_offset(), tensor.shape,
+                                                       tensor.stride())
+    return map_tensors(value, copy)
 
 
 class AsyncSaver:

@@ -91,15 +91,21 @@ def whole_storages(content) -> set[tuple]:
     return {key for key, size in viewed.items() if size >= 0.9 * key[2]}
 
 
+def map_tensors(value, function):
+    """``value`` with each tensor in its nested dicts, lists and tuples replaced by ``function(tensor)``."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return {key: map_tensors(item, function) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(item, function) for item in value)
+    return value
+
+
 def compacted(value, whole: set[tuple]):
     """``value`` with each tensor whose storage is not in ``whole`` replaced by a copy of its elements."""
-    if isinstance(value, torch.Tensor):
-        return value if storage_key(value) in whole else value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: compacted(item, whole) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(compacted(item, whole) for item in value)
-    return value
+    return map_tensors(value, lambda tensor: tensor if storage_key(tensor) in whole
+                       else tensor.detach().to("cpu", copy=True))
 
 
 class SaveAttempt:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -139,22 +140,21 @@ def _shared(saved: SliceGeometry, saved_start: int, saved_length: int, held: Sli
                 yield saved, held, o0, o1, c0, c1
 
 
-def overlaps(saved: SliceGeometry, saved_start: int, saved_length: int, held: SliceGeometry, held_start: int,
-             held_length: int) -> bool:
-    """Whether the two ranges share an element."""
-    return any(True for _ in _shared(saved, saved_start, saved_length, held, held_start, held_length))
-
-
-def copy_overlap(source: torch.Tensor | None, saved: SliceGeometry, saved_start: int, saved_length: int,
-                 target: torch.Tensor, held: SliceGeometry, held_start: int, covered: torch.Tensor) -> None:
-    """Copy the elements that ``saved``'s range ``[saved_start, saved_start + saved_length)`` (values
-    ``source``, flat; None: zeros, a state the optimizer never made) shares with ``target`` (``held``'s
-    elements from ``held_start``) into ``target``, and mark them in ``covered`` (bool, like ``target``)."""
-    for saved_seen, held_seen, o0, o1, c0, c1 in _shared(saved, saved_start, saved_length, held, held_start,
-                                                         target.numel()):
-        if source is not None:
+def copy_overlap(source: Callable[[], torch.Tensor | None], saved: SliceGeometry, saved_start: int,
+                 saved_length: int, target: torch.Tensor, held: SliceGeometry, held_start: int,
+                 covered: torch.Tensor) -> None:
+    """Copy the elements that ``saved``'s range ``[saved_start, saved_start + saved_length)`` shares with
+    ``target`` (``held``'s elements from ``held_start``) into ``target``, and mark them in ``covered``
+    (bool, like ``target``). ``source()`` gives the saved range's values (flat; None: zeros, a state the
+    optimizer never made), asked for only when the ranges share an element."""
+    values = None
+    for index, (saved_seen, held_seen, o0, o1, c0, c1) in enumerate(
+            _shared(saved, saved_start, saved_length, held, held_start, target.numel())):
+        if index == 0:
+            values = source()
+        if values is not None:
             _view(target, held_seen, held_start, o0, o1, c0, c1).copy_(
-                _view(source, saved_seen, saved_start, o0, o1, c0, c1))
+                _view(values, saved_seen, saved_start, o0, o1, c0, c1))
         _view(covered, held_seen, held_start, o0, o1, c0, c1).fill_(True)
 
 

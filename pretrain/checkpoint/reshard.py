@@ -27,7 +27,7 @@ from parallel.zero.optimizer import ZeroOptimizer
 from parallel.zero.state_readers import saved_kinds, saved_piece, saved_scalars
 from pretrain.checkpoint.catalog import MODEL, CheckpointError
 from pretrain.checkpoint.geometry import (GeometryError, SliceGeometry, check_same_parameter, copy_overlap,
-                                          mark_padding, overlaps, shared_blocks)
+                                          mark_padding, shared_blocks)
 from pretrain.checkpoint.saved_pieces import digest, listing, writers
 
 
@@ -93,9 +93,8 @@ class PieceSource:
         target.zero_()
         mark_padding(held, start, covered)
         for piece in pieces:
-            if overlaps(piece.geometry, piece.start, piece.length, held, start, target.numel()):
-                copy_overlap(self.values(piece, kind), piece.geometry, piece.start, piece.length,
-                             target, held, start, covered)
+            copy_overlap(lambda piece=piece: self.values(piece, kind), piece.geometry, piece.start,
+                         piece.length, target, held, start, covered)
         if not bool(covered.all()):
             raise ReshardError(f"{name}: the checkpoint lacks part of the elements this rank holds (a rank "
                                "file of another run, or one missing)")
