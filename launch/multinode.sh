@@ -20,6 +20,7 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}           # > 0: torchrun restarts every node's 
 NODE_NAME=${NODE_NAME:-${SLURM_NODEID:-$(hostname)}}
 LOG_DIR=${LOG_DIR:-logs}
 PYTHON=${PYTHON:-python}
+ENTRY=${ENTRY:-pretrain}                  # the module each worker runs (tests: launch.tools.fault_injection)
 
 # NCCL / InfiniBand: fail loudly instead of hanging, use the IB adapters and GPUDirect RDMA when present
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
@@ -32,7 +33,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}
 
 mkdir -p "$LOG_DIR"
-"$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+# torchrun, run by launch/torchrun.py: each failed attempt is told in one line per lost worker
+"$PYTHON" -c 'import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))' \
+  --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \
-  --max-restarts "$MAX_RESTARTS" -m pretrain "$@" 2>&1 | tee "$LOG_DIR/node-$NODE_NAME.log"
+  --max-restarts "$MAX_RESTARTS" -m "$ENTRY" "$@" 2>&1 | tee "$LOG_DIR/node-$NODE_NAME.log"
 exit "${PIPESTATUS[0]}"

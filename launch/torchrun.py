@@ -5,25 +5,30 @@ least) and rendezvous over loopback; every other flag goes to pretrain unchanged
 restarts every worker after a failure; with ``--save`` and ``--load`` on one directory each restart
 resumes from the newest intact checkpoint: the data position, random streams and schedules too.
 
-torchrun runs in this process, so that a failed job ends with the workers' own ``error:`` lines and,
-for a worker that a signal ended (``kill -9``, the out-of-memory killer), one line naming its rank,
-host and signal, instead of torchrun's traceback; the exit status is the failed worker's (128 + the
-signal for a signal). ``LOGLEVEL=INFO`` (torchrun's variable) keeps torchrun's own log lines. The grace
-a failed group's workers get between SIGTERM and SIGKILL is torchrun's ``--shutdown-timeout`` (or
-``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; 30 s by default) there too: torch's agent stops them with a fixed
-30 s, which held a job 30 s after its failure was said whenever a worker could not take SIGTERM (a
-stopped one)."""
+torchrun runs in this process, so that each failed attempt is told in ``error:`` lines instead
+of torchrun's traceback: the workers' own, then the launcher's, one per worker that a signal ended
+(``kill -9``, the out-of-memory killer) or that was stopped (SIGSTOP, a debugger: hung), naming its
+rank, pid and host, and one saying what comes next (a restart, or the end); the exit status is the
+failed worker's (128 + the signal for a signal). ``LOGLEVEL=INFO`` (torchrun's variable) keeps
+torchrun's own log lines. The grace a failed group's workers get between SIGTERM and SIGKILL is
+torchrun's ``--shutdown-timeout`` (or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; 30 s by default) there too:
+torch's agent stops them with a fixed 30 s, which held a job 30 s after its failure was said whenever a
+worker could not take SIGTERM (a stopped one)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
 import sys
 
 
 # torchrun shares its rendezvous store with the workers' process groups by default; a restarted world
 # can then read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712)
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+STOPPED: set[int] = set()  # the workers found stopped (hung) when torchrun ended their group
+RUNNING: set[int] = set()  # ... and those found running: torchrun ended them because another one failed
 
 
 def torchrun_arguments(nproc: int, pretrain_args: list[str], max_restarts: int = 0) -> list[str]:
@@ -52,8 +57,6 @@ def main(argv: list[str] | None = None) -> None:
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun with ``torchrun_args`` here; return the job's exit status (see the module)."""
     import logging
-    import signal
-    import socket
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -63,24 +66,75 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     args = get_args_parser().parse_args(torchrun_args)
     _honour_shutdown_timeout(args.shutdown_timeout if args.shutdown_timeout is not None
                              else int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")))
+    _say_failures()
     try:
         run(args)
     except ChildFailedError as failed:
-        failures = sorted(failed.failures.items())
-        # SIGTERM is torchrun's own, to the rest of the workers once one failed: not a cause
-        killed = [(rank, failure) for rank, failure in failures
-                  if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM]
-        if not killed:
-            said = [failure.exitcode for _, failure in failures if failure.exitcode > 0]
-            return said[0] if said else 128 - failures[0][1].exitcode  # the workers printed their error lines
-        rank, failure = killed[0]
-        name = signal.Signals(-failure.exitcode).name
-        sys.stderr.write(f"error: rank {rank} (pid {failure.pid} on {socket.gethostname()}) was ended "
-                         f"by {name}"
-                         + (" (kill -9, the out-of-memory killer, or torchrun once it ignored SIGTERM)"
-                            if name == "SIGKILL" else "") + "\n")
-        return 128 - failure.exitcode
+        said = [failure.exitcode for _, failure in sorted(failed.failures.items())
+                if failure.exitcode > 0]  # a worker that said its error lines
+        if said:
+            return said[0]
+        signals = [-failure.exitcode for _, failure in sorted(failed.failures.items())]
+        return 128 + next((number for number in signals if number != signal.SIGTERM), signals[0])
     return 0
+
+
+def failure_fates(failures: dict, workers) -> dict[int, str]:
+    """How each worker of a failed attempt ended, by global rank: ended by a signal other than torchrun's
+    own SIGTERM, stopped (SIGSTOP, a debugger: hung), terminated by torchrun because another failed, or
+    absent where the worker exited with a status (it said its own error lines)."""
+    from parallel.peers import process_state
+    from parallel.watchdog import TERMINATED
+
+    fates = {}
+    for worker in workers:
+        rank, failure = worker.global_rank, failures.get(worker.global_rank)
+        if worker.id in STOPPED or (failure is None and process_state(worker.id) == "stopped"):
+            fates[rank] = "hung: stopped (SIGSTOP or a debugger)"
+        elif failure is None or failure.exitcode == -signal.SIGTERM or worker.id in RUNNING:
+            fates[rank] = TERMINATED
+        elif failure.exitcode < 0:
+            name = signal.Signals(-failure.exitcode).name
+            fates[rank] = f"ended by {name}" + (" (kill -9, or the out-of-memory killer)"
+                                                  if name == "SIGKILL" else "")
+    return fates
+
+
+def _say_failures() -> None:
+    """torch's agent restarts (or stops) a failed attempt's workers without a word once its warnings are
+    off: say which worker ended how, and what comes next, as the failure is seen; and record it in the
+    job's store for the survivors on other nodes (``parallel.peers.record_fate``)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from parallel.peers import record_fate
+    from parallel.watchdog import TERMINATED
+
+    monitor = LocalElasticAgent._monitor_workers
+    if getattr(monitor, "says_failures", False):
+        return
+
+    def monitor_and_say(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            fates = failure_fates(result.failures, worker_group.workers)
+            restarts, left = worker_group.spec.max_restarts, self._remaining_restarts
+            if worker_group.group_world_size > 1:  # survivors on this node see these processes themselves
+                record_fate(worker_group.master_addr, worker_group.master_port, restarts - left, fates)
+            pids = {worker.global_rank: worker.id for worker in worker_group.workers}
+            host = socket.gethostname()
+            lines = [f"rank {rank} (pid {pids[rank]} on {host}) " + (fate if fate.startswith("hung")
+                                                                     else f"was {fate}")
+                     for rank, fate in sorted(fates.items()) if fate != TERMINATED]
+            then = (f"restarting every worker from the newest checkpoint (restart {restarts - left + 1} of "
+                    f"{restarts})" if left > 0 else "the job stops"
+                    + (" (no restarts left)" if restarts else ""))
+            sys.stderr.write("".join(f"error: {line}\n" for line in lines)
+                             + f"error: attempt {restarts - left + 1} failed; {then}\n")
+            sys.stderr.flush()
+        return result
+    monitor_and_say.says_failures = True
+    LocalElasticAgent._monitor_workers = monitor_and_say
 
 
 def _honour_shutdown_timeout(grace: int) -> None:
@@ -90,11 +144,16 @@ def _honour_shutdown_timeout(grace: int) -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import PContext
 
+    from parallel.peers import process_state
+
     close = PContext.close
     if getattr(close, "honours_grace", False):
         close = close.__wrapped__
 
     def close_with_grace(self, death_sig=None, timeout=None) -> None:
+        states = {pid: process_state(pid) for pid in self.pids().values()}
+        STOPPED.update(pid for pid, state in states.items() if state == "stopped")
+        RUNNING.update(pid for pid, state in states.items() if state == "")
         close(self, death_sig, grace if timeout is None else timeout)
     close_with_grace.honours_grace, close_with_grace.__wrapped__ = True, close
     PContext.close = close_with_grace

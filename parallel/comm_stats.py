@@ -27,7 +27,7 @@ class CommStats:
     launcher's LOCAL_WORLD_SIZE unless given, e.g. from --gpus-per-node; None when neither is known:
     one node, nothing crosses). It never communicates. Read with ``bytes_by_operation()`` /
     ``inter_node_bytes_by_operation()`` / ``bytes_by_axis()`` / ``snapshot()`` and clear with
-    ``reset()`` (the trainer does both once per iteration).
+    ``reset()`` (the trainer does both once per iteration); ``issued`` and ``last_call`` outlive a reset.
     """
 
     def __init__(self, node_size: int | None = None) -> None:
@@ -38,6 +38,8 @@ class CommStats:
         self._bytes: dict[tuple[str, str], float] = defaultdict(float)
         self._inter_node: dict[tuple[str, str], float] = defaultdict(float)
         self._calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.issued = 0  # calls since the process began (never reset): a hang watchdog's sign of progress
+        self.last_call: tuple[str, str] | None = None  # (operation, axis) of the newest call
 
     def node(self, rank: int) -> int:
         """The node of global ``rank`` (0 for every rank when the node size is unknown)."""
@@ -47,6 +49,8 @@ class CommStats:
         """Count one call sending ``nbytes``, ``inter_node`` of them to another node."""
         self._bytes[(operation, axis)] += nbytes
         self._calls[(operation, axis)] += 1
+        self.issued += 1
+        self.last_call = (operation, axis)
         if inter_node:
             self._inter_node[(operation, axis)] += inter_node
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import warnings
 
 COMMUNICATION_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out",
@@ -25,26 +26,37 @@ def say(text: str, prefix: str = "") -> None:
     sys.stderr.flush()
 
 
-def _peer_failure(error: RuntimeError, config, rank: int) -> str | None:
-    """The line naming the peer whose death (or silence) broke a collective, if this rank says it."""
-    from parallel import peers
+def _timeout_flag(config) -> str:
+    seconds = config.parallel.distributed_timeout_s
+    return (f"--distributed-timeout-minutes {seconds / 60:g}" if seconds % 60 == 0
+            else f"--distributed-timeout-s {seconds:g}")
 
-    dead, remote = peers.dead_peers()
-    if min(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - set(dead) - set(remote),
-           default=rank) != rank:
-        return None  # a lower surviving rank of this host says it
+
+def _resume(config) -> str:
     save = config.checkpoint.save
-    resume = f"; resume with --load {save} once it is fixed" if save else ""
-    if dead:
-        return (f"{', '.join(dead.values())} died during training (killed, or out of memory); "
-                f"the run stopped{resume}")
-    if "imed out" in str(error):
-        return ("a collective timed out after --distributed-timeout-s "
-                f"{config.parallel.distributed_timeout_s:g}: "
-                f"a peer stopped responding (hung, or stopped){resume}")
-    where = f" (ranks {', '.join(map(str, remote))} run on other hosts)" if remote else ""
-    return (f"a peer closed its connection{where}; the launcher's summary says which rank ended "
-            f"and why{resume}")
+    return f"; resume with --load {save} once it is fixed (torchrun --max-restarts does it)" if save else ""
+
+
+def _peer_failure(error: RuntimeError, config, watchdog) -> str | None:
+    """The line naming the peer whose death or silence broke a collective, if this rank says it."""
+    closed = "imed out" not in str(error)
+    who, says = watchdog.explain(connection_closed=closed)
+    if not says:
+        return None
+    what = ("a peer's connection closed" if closed else
+            f"a collective timed out after {_timeout_flag(config)}")
+    return f"{what} at {watchdog.doing()}: {who}; the run stopped{_resume(config)}"
+
+
+def _stalled(config):
+    """The watchdog's answer to a step without progress: say who hung (one rank says it), exit 1."""
+    def on_stall(who: str, says: bool) -> None:
+        if says:
+            say(f"no progress for {_timeout_flag(config)}: {who}; the run stopped{_resume(config)}")
+        else:
+            time.sleep(5)  # the rank that says it speaks before the launcher tears the job down
+        _exit(1)
+    return on_stall
 
 
 def _exit(status: int) -> None:
@@ -76,19 +88,19 @@ def main(argv: list[str] | None = None) -> None:
     if terminated:  # the job is being torn down: another rank failed in a way this one did not see
         sys.exit(128 + signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    from parallel import peers
     from parallel.comm import as_axis_group
     from parallel.process_groups import init_distributed, shutdown_distributed
     from pretrain.checkpoint.catalog import CheckpointError
     from pretrain.checkpoint.checkpointer import LoadError, SaveError
     from pretrain.startup.preflight import PreflightError, agree, local_problems
+    from parallel.watchdog import HangWatchdog
     from pretrain.training.trainer import Trainer
 
     device = init_distributed(config.parallel.distributed_timeout_s)
-    peers.register()
+    watchdog = HangWatchdog(config.parallel.distributed_timeout_s, _stalled(config))
     try:
         agree(local_problems(config, topology, rank), as_axis_group(None, axis="world"), device)
-        Trainer(config, topology, device).train()
+        Trainer(config, topology, device, watchdog).train()
     except (PreflightError, SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
         if rank == 0:
             say(str(error))
@@ -99,10 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as error:
         if not any(text in str(error) for text in COMMUNICATION_FAILURES):
             raise
-        line = _peer_failure(error, config, rank)
+        if not watchdog.claim():  # the watchdog reports this stall already, and exits
+            time.sleep(60)
+        line = _peer_failure(error, config, watchdog)
         if line:
             say(line)
+        else:
+            time.sleep(5)  # the rank that says it speaks before the launcher tears the job down
         _exit(1)  # the broken groups cannot be torn down in order
+    watchdog.stop()
     shutdown_distributed()
 
 

@@ -2,7 +2,7 @@
 launch.tools.fault_sweep [--out runs/faults]``. Each case runs a 2-process job (or the preprocessing CLI) on a
 tiny GPT and the stdlib corpus, and the table says per case: the exit status, the seconds it took, whether it
 trained an iteration before stopping, whether a traceback was printed, and the first ``error:`` line. Faults
-are injected by tests/pretrain/dying_pretrain.py (kill -9, SIGSTOP, a full disk). Writes ``sweep.md`` and
+are injected by launch/tools/fault_injection.py (kill -9, SIGSTOP, a full disk). Writes ``sweep.md`` and
 ``sweep.json`` under ``--out``.
 
 What a good answer looks like: a non-zero exit, one clear line naming the flag or file and the fix, no
@@ -68,7 +68,7 @@ class Workspace:
 def run_job(space: Workspace, flags: list[str], data: bool = True, die_at: str = "never:0",
             timeout_s: int = 240) -> tuple[int, float, str, str]:
     command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2", "-m",
-               "tests.pretrain.dying_pretrain", *TINY, *(space.data if data else []), *flags]
+               "launch.tools.fault_injection", *TINY, *(space.data if data else []), *flags]
     return _run(command, dict(DIE_RANK="1", DIE_AT=die_at), timeout_s)
 
 

@@ -17,6 +17,7 @@ from parallel.buffer_pool import BufferPool
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
+from parallel.watchdog import HangWatchdog
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes
 from pretrain.checkpoint import checkpointer
 from pretrain.checkpoint.async_save import AsyncSaver
@@ -55,11 +56,15 @@ class Trainer:
     """One rank's run: owns its model part, ZeRO optimizer, data, run control and metrics writer.
 
     Never decides layout (``Topology``) or talks to torch.distributed directly (``parallel.comm``).
+    Tells the ``watchdog`` (one that only listens unless given) what it is doing.
     """
 
-    def __init__(self, config: Config, topology: Topology, device: torch.device):
+    def __init__(self, config: Config, topology: Topology, device: torch.device,
+                 watchdog: HangWatchdog | None = None):
         self.config, self.device = config, device
         self.groups: ParallelGroups = build_groups(config, topology)
+        self.watchdog = watchdog or HangWatchdog(config.parallel.distributed_timeout_s)
+        self.watchdog.follow(self.groups.stats)
         self.is_logger = self.groups.rank == 0
         self.control = RunControl(config, self.groups.world)
         self._build_schedules(topology)
@@ -139,6 +144,7 @@ class Trainer:
             states = {MODEL: states[MODEL]}
         elif ckpt.no_load_rng:
             del states["rng"]
+        self.watchdog.at(0, "checkpoint load", watched=False)  # a slow disk is no hang
         manifest = checkpointer.load(directory, states, self.groups,
                                      weights_only=loads_weights_only(self.config, directory),
                                      step=step_to_load(self.config, directory))
@@ -177,15 +183,18 @@ class Trainer:
         data-parallel rank's loss and the step. ``measure``: count the saved activations anew (else the
         meter keeps the last measured step's peak)."""
         self.optimizer.zero_grad(set_to_none=False)  # the gradient views stay attached
+        self.watchdog.at(self.progress.iteration + 1, "forward-backward")
         if measure:
             self.activation_meter.reset()
         loss, self.last_step_stats = self.runner.run(
             batches, self.schedule.micro_batches(self.progress.consumed_samples), measure=measure)
+        self.watchdog.at(self.progress.iteration + 1, "optimizer step")
         return loss, self.optimizer.step()
 
     @torch.no_grad()
     def evaluate(self) -> float:
         train = self.config.training
+        self.watchdog.at(self.progress.iteration, "evaluation")
         self.model.eval()
         batches = self._batches(self.data.valid, train.eval_iters * self.eval_batch_size, 0)
         micro = self.eval_batch_size // self.schedule.per_step
@@ -299,6 +308,7 @@ class Trainer:
                     self.stopped_early = decision.stop
                     print_rank0(self.is_logger, f"stopping after iteration {iteration} on {decision.stop}")
                     break
+            self.watchdog.at(self.progress.iteration, "finishing")
             if self.saver is not None:
                 self.saver.wait()  # the end of training waits for the last write
             result.sample = None if self.stopped_early else self.sample()
@@ -359,6 +369,7 @@ class Trainer:
         which says when it is published. Never prunes the checkpoint this run resumed from."""
         comm.barrier(self.groups.world)  # the stall starts when every rank is here (not the ranks' skew)
         ckpt, iteration, started = self.config.checkpoint, self.progress.iteration, time.perf_counter()
+        self.watchdog.at(iteration, "checkpoint save", watched=False)  # a slow disk is no hang
         states, settings = self.checkpoint_states(), self.config.to_dict()
         if self.saver is not None:
             self.saver.start(ckpt.save, iteration, states, settings, ckpt.save_keep_last,

@@ -84,8 +84,8 @@ TORCHRUN = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_t
 
 def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extra=(), load=None):
     """A 2-process torchrun job of 8 iterations saving every 2 into (and loading from, or from ``load``) its
-    directory; with ``die_at``, rank 1 dies there on the first start (see dying_pretrain). Returns (the
-    finished process, seconds it took, its metrics lines, its checkpoint directory)."""
+    directory; with ``die_at``, rank 1 dies there on the first start (see launch.tools.fault_injection).
+    Returns (the finished process, seconds it took, its metrics lines, its checkpoint directory)."""
     prefix, tokenizer = corpus
     directory, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
     flags = TINY + ["--data-path", prefix, "--tokenizer-model", tokenizer,
@@ -94,7 +94,7 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extr
                     "--save-interval", "2", "--log-interval", "1", "--metrics-file", str(metrics),
                     "--distributed-timeout-s", str(timeout_s), *extra]
     command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={max_restarts}", "-m", "tests.pretrain.dying_pretrain", *flags]
+               f"--max-restarts={max_restarts}", "-m", "launch.tools.fault_injection", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0",
                WANDB_MODE="disabled", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",  # a stopped rank: killed in 5 s
                **RESTARTABLE)

@@ -1,5 +1,7 @@
-"""``python -m pretrain`` in which one rank dies by SIGKILL on its first start (torchrun's restart count
-0), at ``DIE_AT``: ``iteration:N`` (as iteration N begins, the other ranks already inside it),
+"""``python -m pretrain`` with faults injected, for tests, ``launch.tools.fault_sweep`` and ``launch.chaos``:
+one rank dies by SIGKILL on its first start (torchrun's restart count 0), at ``DIE_AT``: ``iteration:N``
+(as iteration N begins, the other ranks already inside it), ``collective:N`` (as it enters its third
+collective of iteration N, the others waiting inside it), ``hangcollective:N`` (it stops there, SIGSTOP),
 ``save:N`` (right after writing its file of checkpoint N, before the others finished theirs) or
 ``hang:N`` (it stops, SIGSTOP, as iteration N begins: alive but silent) or ``full:N`` (as iteration N
 begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next save). Rank
@@ -7,38 +9,69 @@ begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next 
 thread): ``write:N`` (before its first byte), ``midfile:N`` (part of its file written), ``publish:N``
 (every file written, before rank 0 publishes: give DIE_RANK 0), ``fullsave:N`` (its file may grow to
 1 KiB only: the disk fills as it is written). ``DIE_AT`` may list one fault per start,
-``FAULT@RANK,FAULT@RANK,...``: the i-th for torchrun's i-th restart. Launched by torchrun from
-tests/pretrain/test_faults.py."""
+``FAULT@RANK,FAULT@RANK,...``: the i-th for torchrun's i-th restart. With ``FAULT_LOG=FILE`` each fault
+appends a JSON line (fault, rank, pid, time) to FILE just before it strikes. Launched by torchrun:
+``-m launch.tools.fault_injection [pretrain flags]``."""
 
+import json
 import os
 import resource
 import signal
+import time
 
 from pretrain import __main__ as pretrain_main  # torch comes in later, as in python -m pretrain
 
 
+FAULT = ""  # the armed fault, as DIE_AT names it
+
+
 def _die(how: int = signal.SIGKILL) -> None:
+    _log()
     os.kill(os.getpid(), how)
+
+
+def _log() -> None:
+    if os.environ.get("FAULT_LOG"):
+        with open(os.environ["FAULT_LOG"], "a") as handle:
+            handle.write(json.dumps({"fault": FAULT, "rank": int(os.environ["RANK"]), "pid": os.getpid(),
+                                     "time": time.time()}) + "\n")
 
 
 def _arm(kind: str, number: int) -> None:
     from pretrain.training.trainer import Trainer
 
-    if kind in ("iteration", "hang", "full"):
+    if kind in ("iteration", "hang", "full", "collective", "hangcollective"):
         train_step, started = Trainer.train_step, [0]
 
         def dying_step(self, batches, measure=True):
             started[0] += 1
             if self.start_iteration + started[0] == number:
                 if kind == "full":
+                    _log()
                     resource.setrlimit(resource.RLIMIT_FSIZE,
                                        (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+                elif kind in ("collective", "hangcollective"):
+                    _arm_collective(signal.SIGSTOP if kind == "hangcollective" else signal.SIGKILL)
                 else:
                     _die(signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
             return train_step(self, batches, measure)
         Trainer.train_step = dying_step
     else:
         _arm_writer(kind, number)
+
+
+def _arm_collective(how: int) -> None:
+    """Strike as this rank enters its third collective from now (counted as it is issued)."""
+    from parallel.comm_stats import CommStats
+
+    add, calls = CommStats.add, [0]
+
+    def dying_add(self, operation, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            _die(how)
+        return add(self, operation, *args, **kwargs)
+    CommStats.add = dying_add
 
 
 def _arm_writer(kind: str, number: int) -> None:
@@ -53,6 +86,7 @@ def _arm_writer(kind: str, number: int) -> None:
         if kind == "write" and self.iteration == number:
             _die()
         if kind == "fullsave" and self.iteration == number:
+            _log()
             resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         current[0] = self.iteration
         written = write(self, content)
@@ -84,6 +118,7 @@ if __name__ == "__main__":
     start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faults = _faults()
     if start < len(faults) and os.environ["RANK"] == faults[start][1]:
-        kind, number = faults[start][0].split(":")
+        FAULT = faults[start][0]
+        kind, number = FAULT.split(":")
         _arm(kind, int(number))
     pretrain_main.main()

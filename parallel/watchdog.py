@@ -1,0 +1,145 @@
+"""A hang watchdog: when a step stops making progress it names the ranks the others wait for and what they
+were last doing, then ends this rank so that the launcher (torchrun's elastic agent) restarts the job.
+
+Each rank beats: a daemon thread writes, every ``beat_s`` seconds and whenever the rank starts a new phase
+(at most ten times a second), a counter, the time and what the rank is doing (iteration, phase, newest
+collective: ``doing()``) to the store (``parallel.peers``). A rank whose
+counter stops moving is silent: stopped (SIGSTOP, a debugger), dead, or its host is gone. A survivor
+tells them apart by what it can see: a local process that exited or is stopped, a connection that closed
+(a process that ended) or a collective that timed out (a process that is still there).
+
+Progress is a new phase or a collective issued (``CommStats.issued``). A watched phase without progress
+for ``timeout_s`` (``--distributed-timeout-minutes``) ends the rank even where no collective timeout
+applies (a point-to-point wait, a store wait); a collective timeout or a closed connection ends it
+through the caller's error path (``pretrain.__main__``), which asks ``explain`` whom to name. Checkpoint
+writes and reads are not watched: a slow disk is not a hang (their collectives keep their timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from parallel import peers
+from parallel.comm_stats import CommStats
+
+TERMINATED = "terminated by its launcher"  # the fate of a worker stopped because another one failed
+
+
+class HangWatchdog:
+    """Owns this rank's beat record in the store and the thread that writes it; decides when a watched
+    phase has stalled and calls ``on_stall(who, says)`` from another thread (``who``: the sentence naming
+    the ranks; ``says``: whether this rank is the one to say it), which must end the process. Never
+    communicates through process groups, never raises from its threads. Without a store (a world of
+    one process) it only keeps what the rank is doing."""
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[str, bool], None] | None = None,
+                 beat_s: float = 1.0):
+        self.timeout_s, self.on_stall, self.beat_s = timeout_s, on_stall, beat_s
+        self.iteration, self.phase, self.watched, self.serial = 0, "starting", True, 0
+        self.stats: CommStats | None = None
+        self._claimed = threading.Lock()
+        self._stopped = threading.Event()
+        self._changed = threading.Event()
+        self._known: list[peers.Peer] | None = None
+        self.store = peers.open_store() if on_stall is not None else None
+        if self.store is not None:
+            peers.register(self.store)
+            threading.Thread(target=self._beat, name="hang-watchdog", daemon=True).start()
+
+    def follow(self, stats: CommStats) -> None:
+        """Count this process's collectives (the rank's groups' shared counters) as progress."""
+        self.stats = stats
+
+    def at(self, iteration: int, phase: str, watched: bool = True) -> None:
+        """This rank now does ``phase`` of ``iteration``; ``watched=False``: a stall here is no hang."""
+        self.iteration, self.phase, self.watched = iteration, phase, watched
+        self.serial += 1
+        self._changed.set()
+
+    def doing(self) -> str:
+        call = self.stats.last_call if self.stats is not None else None
+        return f"iteration {self.iteration}, {self.phase}" + (
+            f", last collective {call[0]} over {call[1]}" if call else "")
+
+    def claim(self) -> bool:
+        """Whether this caller is the first to report (the error path and the stall thread race)."""
+        return self._claimed.acquire(blocking=False)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._changed.set()
+
+    def _progress(self) -> tuple[int, int]:
+        return self.serial, self.stats.issued if self.stats is not None else 0
+
+    def _beat(self) -> None:
+        key, count, last, since = peers.beat_key(dist.get_rank()), 0, None, time.monotonic()
+        while not self._stopped.is_set():
+            count += 1
+            try:
+                self.store.set(key, f"{count} {time.time():.3f} {self.doing()}")
+            except Exception:  # noqa: BLE001 - the store's host is gone: the error path says so
+                pass
+            progress, now = self._progress(), time.monotonic()
+            if progress != last or not self.watched:
+                last, since = progress, now
+            elif now - since > self.timeout_s + 2 * self.beat_s and self.claim():  # a timeout goes first
+                threading.Thread(target=lambda: self.on_stall(*self.explain()), daemon=True).start()
+            self._changed.wait(self.beat_s)  # a new phase is published at once, at most 10 times a second
+            self._changed.clear()
+            time.sleep(0.1)
+
+    def _peers(self) -> list[peers.Peer] | None:
+        if self._known is None:
+            try:
+                self._known = peers.identities(self.store, dist.get_world_size())
+            except Exception:  # noqa: BLE001 - not every rank registered, or the store is gone
+                return None
+        return [peers.Peer(p.rank, p.host, p.pid, p.node, p.local) for p in self._known]
+
+    def explain(self, connection_closed: bool = False) -> tuple[str, bool]:
+        """(the sentence naming the ranks this one waits for and what they were doing, whether this rank
+        says it: the lowest rank that is neither dead nor hung). ``connection_closed``: the failure was
+        a closed connection, so a silent rank on another node died (a hung one keeps its sockets)."""
+        me = dist.get_rank()
+        known = self._peers() if self.store is not None else None
+        if known is None:
+            return "the ranks could not be looked up in the store", os.environ.get("LOCAL_RANK", "0") == "0"
+        found = peers.survey(self.store, known, 2.5 * self.beat_s)
+        local_alive = [p.rank for p in found.peers if p.local and p.state == ""]
+        if found.unreachable:
+            holder = next((p for p in found.peers if p.rank == 0), None)
+            who = (f"{holder.name()}, whose process holds the job's store, does not answer (hung or died)"
+                   if holder else "the job's store (in this process) stopped answering")
+            return who, me == min(local_alive + [me])
+        # a worker its launcher stopped because of another's failure is a consequence, not a cause
+        found.peers = [p for p in found.peers if not p.fate.startswith(TERMINATED)]
+        dead = [p for p in found.peers if p.state == "gone" or (p.fate and not p.fate.startswith("hung"))
+                or (not p.local and p.silent and connection_closed)]
+        hung = [p for p in found.peers if (p.silent or p.fate) and p not in dead]
+        lines = [f"{p.name()} died ({_death(p)}; {p.last_seen()})" for p in dead]
+        lines += [f"{p.name()} hung ({_hang(p)}; {p.last_seen()})" for p in hung]
+        if not lines:  # every rank beats: name those elsewhere than this one
+            here = f"iteration {self.iteration}, {self.phase}"
+            away = [p for p in found.peers if p.beats and not p.beats[2].startswith(here)]
+            lines = [f"{p.name()} did not arrive ({p.last_seen()})" for p in away] or [
+                f"every rank is alive at {here} (this one waits after {self.doing()})"]
+        says = me == min([p.rank for p in found.peers if p not in dead and p not in hung] + [me])
+        return "; ".join(lines), says
+
+
+def _death(peer: peers.Peer) -> str:
+    if peer.fate:
+        return f"{peer.fate}, said its node's launcher"
+    return "killed, or out of memory" if peer.local else "its connection closed"
+
+
+def _hang(peer: peers.Peer) -> str:
+    if peer.fate:
+        return f"{peer.fate}, said its node's launcher"
+    return "stopped: SIGSTOP or a debugger" if peer.state == "stopped" else "silent"
