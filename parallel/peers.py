@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,14 +44,38 @@ def open_store(address: str | None = None, port: int | None = None):
                          wait_for_workers=False)
 
 
+def bounded(call, timeout_s: float = STORE_TIMEOUT_S):
+    """``call()``'s result, or TimeoutError after ``timeout_s``: a store whose host is stopped accepts a
+    connection and then never answers, and torch's client waits for that answer without a bound (the
+    call is left behind in a daemon thread; the process is about to exit)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, call()))
+        except Exception as error:  # noqa: BLE001 - handed to the caller
+            result.append((False, error))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise TimeoutError(f"the store did not answer in {timeout_s:g} s")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
 def record_fate(address: str, port: int, restart: int, fates: dict[int, str]) -> None:
     """A launcher's word on how its workers of attempt ``restart`` ended (rank -> "ended by SIGKILL", ...),
     for the survivors on other nodes, which cannot see those processes. Gives up quietly when the store
     is gone (its host, rank 0's process, ended too)."""
-    try:
+    def tell() -> None:
         store = open_store(address, port)
         for rank, fate in fates.items():
             store.set(f"{_prefix(restart)}/fate/{rank}", fate)
+    try:
+        bounded(tell)
     except Exception:  # noqa: BLE001 - no store to tell: the survivors judge by what they see
         pass
 
@@ -115,10 +140,12 @@ class Survey:
 
 
 def identities(store, world_size: int) -> list[Peer]:
-    """Every other rank's identity, as registered (raises when the store does not answer)."""
+    """Every other rank's identity, as registered (raises when the store does not answer in time)."""
     me, host, node = dist.get_rank(), socket.gethostname(), os.environ.get("GROUP_RANK", "0")
     ranks = [rank for rank in range(world_size) if rank != me]
-    values = store.multi_get([f"{_prefix()}/id/{rank}" for rank in ranks])
+    keys = [f"{_prefix()}/id/{rank}" for rank in ranks]
+    bounded(lambda: store.wait(keys, datetime.timedelta(seconds=STORE_TIMEOUT_S)), STORE_TIMEOUT_S + 1)
+    values = bounded(lambda: store.multi_get(keys))
     peers = []
     for rank, value in zip(ranks, values):
         their_host, pid, their_node = value.decode().split()
@@ -127,9 +154,11 @@ def identities(store, world_size: int) -> list[Peer]:
 
 
 def _present(store, keys: dict[int, str]) -> dict[int, str]:
-    present = {rank: key for rank, key in keys.items() if store.check([key])}
-    values = store.multi_get(list(present.values())) if present else []
-    return {rank: value.decode() for rank, value in zip(present, values)}
+    def read() -> dict[int, str]:
+        present = {rank: key for rank, key in keys.items() if store.check([key])}
+        values = store.multi_get(list(present.values())) if present else []
+        return {rank: value.decode() for rank, value in zip(present, values)}
+    return bounded(read)
 
 
 def _beats(store, ranks: list[int]) -> dict[int, tuple[int, float, str]]:
@@ -154,7 +183,7 @@ def survey(store, known: list[Peer], interval_s: float) -> Survey:
             time.sleep(interval_s)
         second = _beats(store, ranks) if not local_fault else first
         fates = _present(store, {rank: f"{_prefix()}/fate/{rank}" for rank in ranks})
-    except Exception:  # noqa: BLE001 - the store's host hung or died: what is known must do
+    except Exception:  # noqa: BLE001 - the store's host hung or died (or timed out): what is known must do
         return Survey(known, unreachable=True)
     for peer in known:
         peer.beats, peer.fate = second.get(peer.rank), fates.get(peer.rank, "")

@@ -31,9 +31,10 @@ TERMINATED = "terminated by its launcher"  # the fate of a worker stopped becaus
 
 
 class HangWatchdog:
-    """Owns this rank's beat record in the store and the thread that writes it; decides when a watched
-    phase has stalled and calls ``on_stall(who, says)`` from another thread (``who``: the sentence naming
-    the ranks; ``says``: whether this rank is the one to say it), which must end the process. Never
+    """Owns this rank's beat record in the store and the thread that writes it; decides (in a thread
+    of its own) when a watched phase has stalled and calls ``on_stall(who, says)`` there (``who``: the
+    sentence naming the ranks; ``says``: whether this rank is the one to say it), which must end the
+    process. Never
     communicates through process groups, never raises from its threads. Without a store (a world of
     one process) it only keeps what the rank is doing."""
 
@@ -49,7 +50,9 @@ class HangWatchdog:
         self.store = peers.open_store() if on_stall is not None else None
         if self.store is not None:
             peers.register(self.store)
-            threading.Thread(target=self._beat, name="hang-watchdog", daemon=True).start()
+            self._reader = peers.open_store()  # survivors read on their own connection: never behind a beat
+            threading.Thread(target=self._beat, name="watchdog-beat", daemon=True).start()
+            threading.Thread(target=self._watch, name="watchdog-watch", daemon=True).start()
 
     def follow(self, stats: CommStats) -> None:
         """Count this process's collectives (the rank's groups' shared counters) as progress."""
@@ -78,26 +81,38 @@ class HangWatchdog:
         return self.serial, self.stats.issued if self.stats is not None else 0
 
     def _beat(self) -> None:
-        key, count, last, since = peers.beat_key(dist.get_rank()), 0, None, time.monotonic()
+        """Publish what this rank does, every ``beat_s`` and at each new phase (at most ten times a
+        second). A store whose host is stopped blocks this thread for good: the stall check is apart."""
+        key, count = peers.beat_key(dist.get_rank()), 0
         while not self._stopped.is_set():
             count += 1
             try:
                 self.store.set(key, f"{count} {time.time():.3f} {self.doing()}")
-            except Exception:  # noqa: BLE001 - the store's host is gone: the error path says so
-                pass
+            except Exception:  # noqa: BLE001 - the store's host is gone for good: the error path says so
+                return
+            self._changed.wait(self.beat_s)
+            self._changed.clear()
+            time.sleep(0.1)
+
+    def _watch(self) -> None:
+        last, since = None, time.monotonic()
+        self._peers()  # learnt while the store answers: then a survivor of its host can still name it
+        while not self._stopped.wait(self.beat_s):
+            if self._known is None:
+                self._peers()
             progress, now = self._progress(), time.monotonic()
             if progress != last or not self.watched:
                 last, since = progress, now
             elif now - since > self.timeout_s + 2 * self.beat_s and self.claim():  # a timeout goes first
-                threading.Thread(target=lambda: self.on_stall(*self.explain()), daemon=True).start()
-            self._changed.wait(self.beat_s)  # a new phase is published at once, at most 10 times a second
-            self._changed.clear()
-            time.sleep(0.1)
+                who, says = self.explain()
+                self.stop()  # no more beats: the store may be gone with its host
+                self.on_stall(who, says)
+                return
 
     def _peers(self) -> list[peers.Peer] | None:
         if self._known is None:
             try:
-                self._known = peers.identities(self.store, dist.get_world_size())
+                self._known = peers.identities(self._reader, dist.get_world_size())
             except Exception:  # noqa: BLE001 - not every rank registered, or the store is gone
                 return None
         return [peers.Peer(p.rank, p.host, p.pid, p.node, p.local) for p in self._known]
@@ -110,12 +125,14 @@ class HangWatchdog:
         known = self._peers() if self.store is not None else None
         if known is None:
             return "the ranks could not be looked up in the store", os.environ.get("LOCAL_RANK", "0") == "0"
-        found = peers.survey(self.store, known, 2.5 * self.beat_s)
+        found = peers.survey(self._reader, known, 2.5 * self.beat_s)
         local_alive = [p.rank for p in found.peers if p.local and p.state == ""]
         if found.unreachable:
             holder = next((p for p in found.peers if p.rank == 0), None)
-            who = (f"{holder.name()}, whose process holds the job's store, does not answer (hung or died)"
-                   if holder else "the job's store (in this process) stopped answering")
+            state = {"stopped": f"hung ({_hang(holder)})", "gone": f"died ({_death(holder)})"}.get(
+                holder.state, "does not answer (hung or died)") if holder else ""
+            who = (f"{holder.name()}, whose process holds the job's store, {state}" if holder
+                   else "the job's store (in this process) stopped answering")
             return who, me == min(local_alive + [me])
         # a worker its launcher stopped because of another's failure is a consequence, not a cause
         found.peers = [p for p in found.peers if not p.fate.startswith(TERMINATED)]

@@ -16,7 +16,8 @@ import time
 import warnings
 
 COMMUNICATION_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out",
-                          "NCCL communicator", "Broken pipe")
+                          "NCCL communicator", "Broken pipe", "pair closure")
+TIMEOUTS = ("imed out", "pplication timeout")  # gloo's words for a collective that timed out
 
 
 def say(text: str, prefix: str = "") -> None:
@@ -39,8 +40,9 @@ def _resume(config) -> str:
 
 def _peer_failure(error: RuntimeError, config, watchdog) -> str | None:
     """The line naming the peer whose death or silence broke a collective, if this rank says it."""
-    closed = "imed out" not in str(error)
+    closed = not any(text in str(error) for text in TIMEOUTS)
     who, says = watchdog.explain(connection_closed=closed)
+    watchdog.stop()  # no more beats: the store may be gone with its host
     if not says:
         return None
     what = ("a peer's connection closed" if closed else

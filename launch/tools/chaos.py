@@ -169,13 +169,14 @@ def report(rows: list[dict], summary: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.chaos", description=__doc__.split("\n")[0])
-    parser.add_argument("--faults", type=int, default=20)
-    parser.add_argument("--iterations", type=int, default=300)
-    parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--faults", type=int, default=20, help="faults, one per start (default 20)")
+    parser.add_argument("--iterations", type=int, default=300, help="--train-iters of the job (default 300)")
+    parser.add_argument("--save-interval", type=int, default=10,
+                        help="--save-interval of the job (default 10)")
     parser.add_argument("--timeout-minutes", type=float, default=1.0,
                         help="--distributed-timeout-minutes of the job: a hang's bound")
     parser.add_argument("--seed", type=int, default=0, help="chooses the faults, ranks and iterations")
-    parser.add_argument("--out", default="runs/chaos")
+    parser.add_argument("--out", default="runs/chaos", help="where chaos.md and chaos.json go")
     args = parser.parse_args(argv)
     faults = plan(args.faults, args.iterations, args.save_interval, 4, args.seed)
     timeout_s = args.timeout_minutes * 60
