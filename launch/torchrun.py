@@ -59,6 +59,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     if "LOGLEVEL" not in os.environ:  # the workers say what failed; torchrun's warnings only repeat it
@@ -69,6 +70,11 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     _say_failures()
     try:
         run(args)
+    except RendezvousError as error:  # the agent hosting the rendezvous (another node's) has ended
+        sys.stderr.write(f"error: the rendezvous at {args.rdzv_endpoint} stopped answering "
+                         f"({type(error).__name__}: the node that hosted it ended, or the network between): "
+                         "this node stops too\n")
+        return 1
     except ChildFailedError as failed:
         said = [failure.exitcode for _, failure in sorted(failed.failures.items())
                 if failure.exitcode > 0]  # a worker that said its error lines
@@ -129,9 +135,10 @@ def _say_failures() -> None:
             then = (f"restarting every worker from the newest checkpoint (restart {restarts - left + 1} of "
                     f"{restarts})" if left > 0 else "the job stops"
                     + (" (no restarts left)" if restarts else ""))
-            sys.stderr.write("".join(f"error: {line}\n" for line in lines)
-                             + f"error: attempt {restarts - left + 1} failed; {then}\n")
-            sys.stderr.flush()
+            if lines or restarts:  # else the workers' own lines said it all
+                sys.stderr.write("".join(f"error: {line}\n" for line in lines)
+                                 + f"error: attempt {restarts - left + 1} failed; {then}\n")
+                sys.stderr.flush()
         return result
     monitor_and_say.says_failures = True
     LocalElasticAgent._monitor_workers = monitor_and_say

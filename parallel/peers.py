@@ -187,6 +187,8 @@ def survey(store, known: list[Peer], interval_s: float) -> Survey:
         return Survey(known, unreachable=True)
     for peer in known:
         peer.beats, peer.fate = second.get(peer.rank), fates.get(peer.rank, "")
+        if peer.local:  # it may have ended while this one looked
+            peer.state = process_state(peer.pid)
         peer.silent = bool(peer.state) or peer.beats is None or (
             not local_fault and first.get(peer.rank, (None,))[0] == peer.beats[0])
     return Survey(known)

@@ -28,15 +28,15 @@ from parallel import peers
 from parallel.comm_stats import CommStats
 
 TERMINATED = "terminated by its launcher"  # the fate of a worker stopped because another one failed
+STOPPING = "stopping after a failure"  # the phase of a rank that explained a failure and exits
 
 
 class HangWatchdog:
     """Owns this rank's beat record in the store and the thread that writes it; decides (in a thread
     of its own) when a watched phase has stalled and calls ``on_stall(who, says)`` there (``who``: the
     sentence naming the ranks; ``says``: whether this rank is the one to say it), which must end the
-    process. Never
-    communicates through process groups, never raises from its threads. Without a store (a world of
-    one process) it only keeps what the rank is doing."""
+    process. Never communicates through process groups, never raises from its threads. Without a store
+    (a world of one process) it only keeps what the rank is doing."""
 
     def __init__(self, timeout_s: float, on_stall: Callable[[str, bool], None] | None = None,
                  beat_s: float = 1.0):
@@ -77,6 +77,11 @@ class HangWatchdog:
         self._stopped.set()
         self._changed.set()
 
+    def stopping(self) -> None:
+        """This rank ends after a failure it has explained: it beats on (a rank that falls silent would
+        be taken for a hung one), saying so, until it exits."""
+        self.at(self.iteration, STOPPING, watched=False)
+
     def _progress(self) -> tuple[int, int]:
         return self.serial, self.stats.issued if self.stats is not None else 0
 
@@ -105,7 +110,7 @@ class HangWatchdog:
                 last, since = progress, now
             elif now - since > self.timeout_s + 2 * self.beat_s and self.claim():  # a timeout goes first
                 who, says = self.explain()
-                self.stop()  # no more beats: the store may be gone with its host
+                self.stopping()
                 self.on_stall(who, says)
                 return
 
@@ -117,10 +122,12 @@ class HangWatchdog:
                 return None
         return [peers.Peer(p.rank, p.host, p.pid, p.node, p.local) for p in self._known]
 
-    def explain(self, connection_closed: bool = False) -> tuple[str, bool]:
+    def explain(self, connection_closed: bool = False, terminated: bool = False) -> tuple[str, bool]:
         """(the sentence naming the ranks this one waits for and what they were doing, whether this rank
         says it: the lowest rank that is neither dead nor hung). ``connection_closed``: the failure was
-        a closed connection, so a silent rank on another node died (a hung one keeps its sockets)."""
+        a closed connection, so a silent rank on another node died (a hung one keeps its sockets).
+        ``terminated``: the launcher is tearing the job down (its SIGTERM came), so a rank 0 that is gone
+        may have left on purpose, having said why: then this rank does not blame it."""
         me = dist.get_rank()
         known = self._peers() if self.store is not None else None
         if known is None:
@@ -133,7 +140,8 @@ class HangWatchdog:
                 holder.state, "does not answer (hung or died)") if holder else ""
             who = (f"{holder.name()}, whose process holds the job's store, {state}" if holder
                    else "the job's store (in this process) stopped answering")
-            return who, me == min(local_alive + [me])
+            blameless = terminated and holder is not None and holder.state == "gone"
+            return who, me == min(local_alive + [me]) and not blameless
         # a worker its launcher stopped because of another's failure is a consequence, not a cause
         found.peers = [p for p in found.peers if not p.fate.startswith(TERMINATED)]
         dead = [p for p in found.peers if p.state == "gone" or (p.fate and not p.fate.startswith("hung"))
@@ -143,7 +151,8 @@ class HangWatchdog:
         lines += [f"{p.name()} hung ({_hang(p)}; {p.last_seen()})" for p in hung]
         if not lines:  # every rank beats: name those elsewhere than this one
             here = f"iteration {self.iteration}, {self.phase}"
-            away = [p for p in found.peers if p.beats and not p.beats[2].startswith(here)]
+            away = [p for p in found.peers
+                    if p.beats and not p.beats[2].startswith(here) and STOPPING not in p.beats[2]]
             lines = [f"{p.name()} did not arrive ({p.last_seen()})" for p in away] or [
                 f"every rank is alive at {here} (this one waits after {self.doing()})"]
         says = me == min([p.rank for p in found.peers if p not in dead and p not in hung] + [me])

@@ -3,8 +3,9 @@
 Expected faults end the process with one line per problem (``error: ...``) and no traceback: bad
 flags before any process group exists (the same on every rank: said once per node), problems one rank
 found in its files before the first iteration (agreed: rank 0 says them, naming the ranks), a
-checkpoint that cannot be saved or loaded, a peer that died (the lowest surviving rank of the host
-names it).
+checkpoint that cannot be saved or loaded, a peer that died or hung, or a step that made no progress
+for the timeout (``parallel.watchdog``: the lowest surviving rank names the peer and what it was doing;
+every rank exits 1, so that torchrun restarts the job).
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ def _resume(config) -> str:
 
 def _peer_failure(error: RuntimeError, config, watchdog) -> str | None:
     """The line naming the peer whose death or silence broke a collective, if this rank says it."""
-    closed = not any(text in str(error) for text in TIMEOUTS)
-    who, says = watchdog.explain(connection_closed=closed)
-    watchdog.stop()  # no more beats: the store may be gone with its host
+    closed, where = not any(text in str(error) for text in TIMEOUTS), watchdog.doing()
+    handler = signal.getsignal(signal.SIGTERM)  # RunControl's, when --save: the launcher's SIGTERM came
+    terminated = bool(getattr(getattr(handler, "__self__", None), "signal_received", False))
+    who, says = watchdog.explain(connection_closed=closed, terminated=terminated)
+    watchdog.stopping()
     if not says:
         return None
     what = ("a peer's connection closed" if closed else
             f"a collective timed out after {_timeout_flag(config)}")
-    return f"{what} at {watchdog.doing()}: {who}; the run stopped{_resume(config)}"
+    return f"{what} at {where}: {who}; the run stopped{_resume(config)}"
 
 
 def _stalled(config):

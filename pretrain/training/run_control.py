@@ -47,6 +47,11 @@ class RunControl:
     def _on_signal(self, signum, frame) -> None:
         self._signal_received = True
 
+    @property
+    def signal_received(self) -> bool:
+        """Whether SIGTERM or SIGUSR1 came (a preemption, or the launcher tearing the job down)."""
+        return self._signal_received
+
     def _agreed_flags(self, save_failed: bool) -> tuple[bool, bool, bool]:
         """(a signal arrived on some rank, the duration is up on some rank, a background save failed on
         some rank); a collective over the world."""

@@ -58,7 +58,8 @@ def test_a_rank_killed_on_another_node_is_named_by_host_and_rank(stdlib_corpus, 
     launcher stopped, is not blamed."""
     prefix, tokenizer = stdlib_corpus
     flags = TINY + _tp(2) + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
-                             f"{prefix}-cache", "--train-iters", "6", "--distributed-timeout-s", "30"]
+                             f"{prefix}-cache", "--train-iters", "6", "--distributed-timeout-s", "30",
+                             "--log-interval", "1"]
     cluster = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", NNODES="2", NPROC_PER_NODE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="loopback-kill",
                    PYTHON=sys.executable, LOG_DIR=str(tmp_path / "logs"),

@@ -132,9 +132,10 @@ def test_a_killed_rank_ends_the_job_and_the_restart_resumes_to_the_same_loss(std
     # killed while writing checkpoint 6: the job ends (no hang), checkpoint 4 stays latest and intact
     job, seconds, _, directory = _job(stdlib_corpus, tmp_path, "mid-save", die_at="save:6")
     assert job.returncode != 0 and seconds < 240, (job.returncode, seconds)
-    died = [line for line in _errors(job) if "died during training" in line]  # said by the survivor, once
-    assert len(died) == 1 and died[0].startswith("error: rank 1 (pid "), job.stderr[-3000:]
-    assert "error: rank 1 (pid" in job.stderr and "was ended by SIGKILL" in job.stderr
+    died = [line for line in _errors(job) if ") died (killed, or out of memory; " in line]  # by the survivor
+    assert len(died) == 1 and died[0].startswith("error: a peer's connection closed at iteration 6, ")
+    assert ": rank 1 (pid " in died[0], job.stderr[-3000:]
+    assert "error: rank 1 (pid" in job.stderr and ") was ended by SIGKILL" in job.stderr  # and the launcher
     checkpoint, manifest = read_manifest(directory)
     assert manifest["iteration"] == 4 and os.path.isdir(directory + "/iter_0000006.tmp")
     # started again (as a restart would be), it resumes from 4 and ends where the reference ended
