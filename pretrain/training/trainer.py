@@ -34,6 +34,7 @@ from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_pe
 from pretrain.training.build import (build_groups, build_model, build_optimizer,
                                      build_recompute, compute_dtype,
                                      zero_options)
+from pretrain.training.non_finite_steps import NonFiniteSteps
 from pretrain.training.progress import TrainingProgress
 from pretrain.training.run_control import RunControl
 from pretrain.training.pipeline_runner import PipelineRunner
@@ -96,7 +97,7 @@ class Trainer:
                                  lambda line: print_rank0(self.is_logger, line))
                       if config.checkpoint.async_save else None)
         self.stopped_early: str | None = None
-        self.bad_steps: list[int] = []  # the current run of consecutive non-finite steps
+        self.step_check = NonFiniteSteps(config, self.groups, device)
         # the default stream (dropout outside tensor-parallel regions: equal over tp and dp, not over stages
         # or cp ranks, which hold other tokens) is seeded after the model is built: building on the meta
         # device (ZeRO-3) draws nothing from it, building in place (stages 0-2) does, and the masks must
@@ -273,7 +274,7 @@ class Trainer:
                               self.groups.stats.inter_node_bytes_by_operation())
                 peak_mem = peak_memory_bytes(self.device)
                 loss = self._dp_mean(local_loss)
-                self._check_bad_step(iteration, loss, local_loss, step)
+                self.step_check.after(iteration, loss, local_loss, step)
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
                 if self.saver is not None:
@@ -319,40 +320,6 @@ class Trainer:
             wandb_run.finish()
             print_rank0(self.is_logger, f"wandb run files: {os.path.dirname(wandb_run.dir)}")
         return result
-
-    def _check_bad_step(self, iteration: int, loss: float, local_loss: float, step: zero.StepResult) -> None:
-        """Stop at the first step whose loss or gradient norm is not finite (--check-for-nan-in-loss-and-grad,
-        naming the ranks whose own loss was not), or count consecutive ones and stop at --bad-step-limit.
-
-        Every rank sees the same loss (the pipeline broadcasts it, data parallelism averages it) and the
-        same norm (reduced over the world), so every rank decides alike. A non-finite loss makes
-        non-finite gradients, and the optimizer then skips the update on every rank: the parameters and
-        the newest checkpoint are as before the step."""
-        training = self.config.training
-        if math.isfinite(loss) and (math.isfinite(step.grad_norm) or training.fp16):
-            self.bad_steps = []
-            return
-        if training.check_for_nan_in_loss_and_grad:
-            seen = comm.all_gather_object(self.groups.is_last_stage and not math.isfinite(local_loss),
-                                          self.groups.world, self.device)
-            ranks = [rank for rank, bad in enumerate(seen) if bad]
-            where = (f"the loss of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} was not "
-                     "finite" if ranks else "every rank's loss was finite, the gradient norm was not")
-            raise FloatingPointError(
-                f"iteration {iteration}: {where} (loss {loss}, grad norm {step.grad_norm}); the step was not "
-                "applied and the run stops here, the newest checkpoint intact: resume from it with a lower "
-                "--lr or more warm-up (--no-check-for-nan-in-loss-and-grad skips such steps instead)")
-        self.bad_steps.append(iteration)
-        limit = training.bad_step_limit
-        print_rank0(self.is_logger,
-                    f"iteration {iteration}: loss {loss}, grad norm {step.grad_norm}: step skipped "
-                    f"({len(self.bad_steps)} in a row, the run stops at {limit})")
-        if len(self.bad_steps) >= limit:
-            raise FloatingPointError(
-                f"{limit} consecutive steps with a non-finite loss or gradient norm (iterations "
-                f"{self.bad_steps[0]}-{iteration}; the last: loss {loss}, grad norm {step.grad_norm}). The "
-                "run stops "
-                f"here without saving; resume from the last checkpoint with a lower --lr or more warm-up")
 
     def checkpoint_states(self) -> dict[str, Stateful]:
         """What a checkpoint of this run holds, by owner: the one place a new checkpointed state is added.
