@@ -136,14 +136,17 @@ class HangWatchdog:
         local_alive = [p.rank for p in found.peers if p.local and p.state == ""]
         if found.unreachable:
             holder = next((p for p in found.peers if p.rank == 0), None)
-            state = {"stopped": f"hung ({_hang(holder)})", "gone": f"died ({_death(holder)})"}.get(
+            state = {"stopped": f"hung ({_hang(holder)})",
+                     "gone": "is gone (it died, or it named another failure and left)"}.get(
                 holder.state, "does not answer (hung or died)") if holder else ""
             who = (f"{holder.name()}, whose process holds the job's store, {state}" if holder
                    else "the job's store (in this process) stopped answering")
             blameless = terminated and holder is not None and holder.state == "gone"
             return who, me == min(local_alive + [me]) and not blameless
-        # a worker its launcher stopped because of another's failure is a consequence, not a cause
-        found.peers = [p for p in found.peers if not p.fate.startswith(TERMINATED)]
+        # a worker its launcher stopped because of another's failure, or one that explained a failure
+        # and left, is a consequence, not a cause
+        left = [p for p in found.peers if p.beats and STOPPING in p.beats[2]]  # these may have said it
+        found.peers = [p for p in found.peers if not p.fate.startswith(TERMINATED) and p not in left]
         dead = [p for p in found.peers if p.state == "gone" or (p.fate and not p.fate.startswith("hung"))
                 or (not p.local and p.silent and connection_closed)]
         hung = [p for p in found.peers if (p.silent or p.fate) and p not in dead]
@@ -155,7 +158,7 @@ class HangWatchdog:
                     if p.beats and not p.beats[2].startswith(here) and STOPPING not in p.beats[2]]
             lines = [f"{p.name()} did not arrive ({p.last_seen()})" for p in away] or [
                 f"every rank is alive at {here} (this one waits after {self.doing()})"]
-        says = me == min([p.rank for p in found.peers if p not in dead and p not in hung] + [me])
+        says = me == min([p.rank for p in found.peers + left if p not in dead and p not in hung] + [me])
         return "; ".join(lines), says
 
 
