@@ -89,14 +89,13 @@ def failure_fates(failures: dict, workers) -> dict[int, str]:
     """How each worker of a failed attempt ended, by global rank: ended by a signal other than torchrun's
     own SIGTERM, stopped (SIGSTOP, a debugger: hung), terminated by torchrun because another failed, or
     absent where the worker exited with a status (it said its own error lines)."""
-    from parallel.peers import process_state
-    from parallel.watchdog import TERMINATED
+    from parallel.peers import HUNG, TERMINATED, process_state
 
     fates = {}
     for worker in workers:
         rank, failure = worker.global_rank, failures.get(worker.global_rank)
         if worker.id in STOPPED or (failure is None and process_state(worker.id) == "stopped"):
-            fates[rank] = "hung: stopped (SIGSTOP or a debugger)"
+            fates[rank] = HUNG
         elif failure is None or failure.exitcode == -signal.SIGTERM or worker.id in RUNNING:
             fates[rank] = TERMINATED
         elif failure.exitcode < 0:
@@ -113,8 +112,7 @@ def _say_failures() -> None:
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from parallel.peers import record_fate
-    from parallel.watchdog import TERMINATED
+    from parallel.peers import HUNG, TERMINATED, record_fate
 
     monitor = LocalElasticAgent._monitor_workers
     if getattr(monitor, "says_failures", False):
@@ -124,13 +122,14 @@ def _say_failures() -> None:
         result = monitor(self, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             fates = failure_fates(result.failures, worker_group.workers)
+            STOPPED.clear()  # an attempt's own: a later worker may be given a pid seen here
+            RUNNING.clear()
             restarts, left = worker_group.spec.max_restarts, self._remaining_restarts
             if worker_group.group_world_size > 1:  # survivors on this node see these processes themselves
                 record_fate(worker_group.master_addr, worker_group.master_port, restarts - left, fates)
             pids = {worker.global_rank: worker.id for worker in worker_group.workers}
             host = socket.gethostname()
-            lines = [f"rank {rank} (pid {pids[rank]} on {host}) " + (fate if fate.startswith("hung")
-                                                                     else f"was {fate}")
+            lines = [f"rank {rank} (pid {pids[rank]} on {host}) " + (fate if fate == HUNG else f"was {fate}")
                      for rank, fate in sorted(fates.items()) if fate != TERMINATED]
             then = (f"restarting every worker from the newest checkpoint (restart {restarts - left + 1} of "
                     f"{restarts})" if left > 0 else "the job stops"

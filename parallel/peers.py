@@ -27,10 +27,15 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 STORE_TIMEOUT_S = 5.0
+# the fates a launcher records (``record_fate``) besides "ended by <signal>"
+HUNG = "hung: stopped (SIGSTOP or a debugger)"
+TERMINATED = "terminated by its launcher"  # stopped because another worker failed: a consequence
 
 
-def _prefix(restart: int | None = None) -> str:
-    return f"peers/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') if restart is None else restart}"
+def _key(kind: str, rank: int, restart: int | None = None) -> str:
+    """The store key of ``kind`` (id, beat, fate) for ``rank`` in attempt ``restart`` (default: this one)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if restart is None else restart
+    return f"peers/{attempt}/{kind}/{rank}"
 
 
 def open_store(address: str | None = None, port: int | None = None):
@@ -73,7 +78,7 @@ def record_fate(address: str, port: int, restart: int, fates: dict[int, str]) ->
     def tell() -> None:
         store = open_store(address, port)
         for rank, fate in fates.items():
-            store.set(f"{_prefix(restart)}/fate/{rank}", fate)
+            store.set(_key("fate", rank, restart), fate)
     try:
         bounded(tell)
     except Exception:  # noqa: BLE001 - no store to tell: the survivors judge by what they see
@@ -81,13 +86,13 @@ def record_fate(address: str, port: int, restart: int, fates: dict[int, str]) ->
 
 
 def beat_key(rank: int) -> str:
-    return f"{_prefix()}/beat/{rank}"
+    return _key("beat", rank)
 
 
 def register(store) -> None:
     """Record this rank's host, pid and node (once per process, after the default group exists)."""
     node = os.environ.get("GROUP_RANK", "0")
-    store.set(f"{_prefix()}/id/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()} {node}")
+    store.set(_key("id", dist.get_rank()), f"{socket.gethostname()} {os.getpid()} {node}")
 
 
 @dataclass
@@ -143,7 +148,7 @@ def identities(store, world_size: int) -> list[Peer]:
     """Every other rank's identity, as registered (raises when the store does not answer in time)."""
     me, host, node = dist.get_rank(), socket.gethostname(), os.environ.get("GROUP_RANK", "0")
     ranks = [rank for rank in range(world_size) if rank != me]
-    keys = [f"{_prefix()}/id/{rank}" for rank in ranks]
+    keys = [_key("id", rank) for rank in ranks]
     bounded(lambda: store.wait(keys, datetime.timedelta(seconds=STORE_TIMEOUT_S)), STORE_TIMEOUT_S + 1)
     values = bounded(lambda: store.multi_get(keys))
     peers = []
@@ -178,11 +183,11 @@ def survey(store, known: list[Peer], interval_s: float) -> Survey:
     local_fault = any(peer.state for peer in known)
     try:
         ranks = [peer.rank for peer in known]
-        first = _beats(store, ranks)
+        first = second = _beats(store, ranks)
         if not local_fault:  # a gone or stopped process needs no second look
             time.sleep(interval_s)
-        second = _beats(store, ranks) if not local_fault else first
-        fates = _present(store, {rank: f"{_prefix()}/fate/{rank}" for rank in ranks})
+            second = _beats(store, ranks)
+        fates = _present(store, {rank: _key("fate", rank) for rank in ranks})
     except Exception:  # noqa: BLE001 - the store's host hung or died (or timed out): what is known must do
         return Survey(known, unreachable=True)
     for peer in known:

@@ -3,10 +3,10 @@ were last doing, then ends this rank so that the launcher (torchrun's elastic ag
 
 Each rank beats: a daemon thread writes, every ``beat_s`` seconds and whenever the rank starts a new phase
 (at most ten times a second), a counter, the time and what the rank is doing (iteration, phase, newest
-collective: ``doing()``) to the store (``parallel.peers``). A rank whose
-counter stops moving is silent: stopped (SIGSTOP, a debugger), dead, or its host is gone. A survivor
-tells them apart by what it can see: a local process that exited or is stopped, a connection that closed
-(a process that ended) or a collective that timed out (a process that is still there).
+collective: ``doing()``) to the store (``parallel.peers``). A rank whose counter stops moving is
+silent: stopped (SIGSTOP, a debugger), dead, or its host is gone. A survivor tells them apart by what
+it can see: a local process that exited or is stopped, a connection that closed (a process that
+ended) or a collective that timed out (a process that is still there).
 
 Progress is a new phase or a collective issued (``CommStats.issued``). A watched phase without progress
 for ``timeout_s`` (``--distributed-timeout-minutes``) ends the rank even where no collective timeout
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from parallel import peers
 from parallel.comm_stats import CommStats
 
-TERMINATED = "terminated by its launcher"  # the fate of a worker stopped because another one failed
 STOPPING = "stopping after a failure"  # the phase of a rank that explained a failure and exits
+STOPPED, LOST = "stopped: SIGSTOP or a debugger", "killed, or out of memory"  # a local process, as seen
 
 
 class HangWatchdog:
@@ -136,7 +136,7 @@ class HangWatchdog:
         local_alive = [p.rank for p in found.peers if p.local and p.state == ""]
         if found.unreachable:
             holder = next((p for p in found.peers if p.rank == 0), None)
-            state = {"stopped": f"hung ({_hang(holder)})",
+            state = {"stopped": f"hung ({_why(holder, STOPPED)})",
                      "gone": "is gone (it died, or it named another failure and left)"}.get(
                 holder.state, "does not answer (hung or died)") if holder else ""
             who = (f"{holder.name()}, whose process holds the job's store, {state}" if holder
@@ -146,12 +146,14 @@ class HangWatchdog:
         # a worker its launcher stopped because of another's failure, or one that explained a failure
         # and left, is a consequence, not a cause
         left = [p for p in found.peers if p.beats and STOPPING in p.beats[2]]  # these may have said it
-        found.peers = [p for p in found.peers if not p.fate.startswith(TERMINATED) and p not in left]
-        dead = [p for p in found.peers if p.state == "gone" or (p.fate and not p.fate.startswith("hung"))
+        found.peers = [p for p in found.peers if p.fate != peers.TERMINATED and p not in left]
+        dead = [p for p in found.peers if p.state == "gone" or (p.fate and p.fate != peers.HUNG)
                 or (not p.local and p.silent and connection_closed)]
         hung = [p for p in found.peers if (p.silent or p.fate) and p not in dead]
-        lines = [f"{p.name()} died ({_death(p)}; {p.last_seen()})" for p in dead]
-        lines += [f"{p.name()} hung ({_hang(p)}; {p.last_seen()})" for p in hung]
+        lines = [f"{p.name()} died ({_why(p, LOST if p.local else 'its connection closed')}; "
+                 f"{p.last_seen()})" for p in dead]
+        lines += [f"{p.name()} hung ({_why(p, STOPPED if p.state == 'stopped' else 'silent')}; "
+                  f"{p.last_seen()})" for p in hung]
         if not lines:  # every rank beats: name those elsewhere than this one
             here = f"iteration {self.iteration}, {self.phase}"
             away = [p for p in found.peers
@@ -162,13 +164,6 @@ class HangWatchdog:
         return "; ".join(lines), says
 
 
-def _death(peer: peers.Peer) -> str:
-    if peer.fate:
-        return f"{peer.fate}, said its node's launcher"
-    return "killed, or out of memory" if peer.local else "its connection closed"
-
-
-def _hang(peer: peers.Peer) -> str:
-    if peer.fate:
-        return f"{peer.fate}, said its node's launcher"
-    return "stopped: SIGSTOP or a debugger" if peer.state == "stopped" else "silent"
+def _why(peer: peers.Peer, seen: str) -> str:
+    """What the peer's node's launcher recorded of its end, else what this rank ``seen``."""
+    return f"{peer.fate}, said its node's launcher" if peer.fate else seen
