@@ -9,8 +9,9 @@ begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next 
 thread): ``write:N`` (before its first byte), ``midfile:N`` (part of its file written), ``publish:N``
 (every file written, before rank 0 publishes: give DIE_RANK 0), ``fullsave:N`` (its file may grow to
 1 KiB only: the disk fills as it is written). ``DIE_AT`` may list one fault per start,
-``FAULT@RANK,FAULT@RANK,...``: the i-th for torchrun's i-th restart. With ``FAULT_LOG=FILE`` each fault
-appends a JSON line (fault, rank, pid, time) to FILE just before it strikes. Launched by torchrun:
+``FAULT@RANK,FAULT@RANK,...``: the i-th for torchrun's i-th restart. A rank ``local:N`` is local rank N
+of whichever node runs with it (nodes get their group ranks at the rendezvous). With ``FAULT_LOG=FILE``
+each fault appends a JSON line (fault, rank, pid, time) to FILE just before it strikes. Launched by torchrun:
 ``-m launch.tools.fault_injection [pretrain flags]``."""
 
 import json
@@ -117,7 +118,7 @@ def _faults() -> list[tuple[str, str]]:
 if __name__ == "__main__":
     start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faults = _faults()
-    if start < len(faults) and os.environ["RANK"] == faults[start][1]:
+    if start < len(faults) and faults[start][1] in (os.environ["RANK"], f"local:{os.environ['LOCAL_RANK']}"):
         FAULT = faults[start][0]
         kind, number = FAULT.split(":")
         _arm(kind, int(number))

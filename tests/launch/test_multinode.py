@@ -3,9 +3,11 @@ exactly like the same world on one node."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 
 from parallel.process_groups import free_port
 from tests.pretrain.test_trainer import TINY, _tp
@@ -52,10 +54,12 @@ def test_two_nodes_over_loopback_train_like_one_node(stdlib_corpus, tmp_path):
 
 
 def test_a_rank_killed_on_another_node_is_named_by_host_and_rank(stdlib_corpus, tmp_path):
-    """Two "nodes" (two launch/multinode.sh) of two ranks; global rank 3 is killed (SIGKILL) as iteration
-    3 begins. A survivor on the other node cannot see that process: it names it from the fate its node's
-    launcher recorded in the job's store, by rank, pid, host and node; the collateral rank 2, which its
-    launcher stopped, is not blamed."""
+    """Two "nodes" (two launch/multinode.sh) of two ranks; the second node's local rank 1 is killed
+    (SIGKILL) as iteration 3 begins. A survivor on the other node cannot see that process: it names it
+    from the fate its node's launcher recorded in the job's store, by rank, pid, host and node; the
+    collateral rank beside it, which its launcher stopped, is not blamed. The first node starts alone
+    and hosts the rendezvous, as the node at MASTER_ADDR does on a cluster (a rendezvous host that ends
+    takes the other nodes' agents along before their workers can speak)."""
     prefix, tokenizer = stdlib_corpus
     flags = TINY + _tp(2) + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
                              f"{prefix}-cache", "--train-iters", "6", "--distributed-timeout-s", "30",
@@ -64,19 +68,34 @@ def test_a_rank_killed_on_another_node_is_named_by_host_and_rank(stdlib_corpus, 
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="loopback-kill",
                    PYTHON=sys.executable, LOG_DIR=str(tmp_path / "logs"),
                    ENTRY="launch.tools.fault_injection",
-                   DIE_RANK="3", DIE_AT="iteration:3", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
-    nodes = [subprocess.Popen(["bash", "launch/multinode.sh", *flags], env=dict(cluster, NODE_NAME=str(node)),
-                              cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in range(2)]
+                   DIE_RANK="local:1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
+    nodes = []
+    for node, fault in enumerate(("never:0", "iteration:3")):
+        nodes.append(subprocess.Popen(["bash", "launch/multinode.sh", *flags], cwd=REPOSITORY, text=True,
+                                      env=dict(cluster, NODE_NAME=str(node), DIE_AT=fault),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        while not node and not _listening(int(cluster["MASTER_PORT"])):  # the first node's rendezvous
+            assert nodes[0].poll() is None, nodes[0].communicate()[0]
+            time.sleep(0.2)
     logs = [node.communicate(timeout=300)[0] for node in nodes]
     assert all(node.returncode != 0 for node in nodes) and "Traceback" not in "".join(logs), logs
     # which log is which node: the one holding global rank 0 prints the progress
-    first, second = logs if "iter      2/6" in logs[0] else logs[::-1]
+    first, second = logs
+    assert "iter      2/6" in first, first[-3000:]  # the first node got group rank 0
+    # the killed rank's own node's launcher names it, and says what comes next
+    killed = re.search(r"error: rank (\d+) \(pid (\d+) on [^)]*\) was ended by SIGKILL", second)
+    assert killed and "error: attempt 1 failed; the job stops" in second, second[-3000:]
+    rank, pid = killed.groups()
     named = [line for line in first.splitlines() if line.startswith("error: a peer's connection closed")]
     assert len(named) == 1, first[-3000:]
-    host = socket.gethostname()
-    assert ": rank 3 (pid " in named[0] and (f" on {host}, node 1) died (ended by SIGKILL (kill -9, or the "
-                                              "out-of-memory killer), said its node's launcher; ") in named[0]
-    assert "rank 2 (" not in named[0], named[0]
-    # rank 3's own node's launcher says it too, and what comes next
-    assert ") was ended by SIGKILL" in second and "error: attempt 1 failed; the job stops" in second
+    assert (f": rank {rank} (pid {pid} on {socket.gethostname()}, node 1) died (ended by SIGKILL (kill -9, "
+            "or the out-of-memory killer), said its node's launcher; ") in named[0], named[0]
+    assert f"rank {int(rank) ^ 1} (" not in named[0], named[0]  # its node's other rank: a consequence
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
