@@ -27,6 +27,8 @@ import sys
 # torchrun shares its rendezvous store with the workers' process groups by default; a restarted world
 # can then read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712)
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# ``python -c IN_PROCESS <torchrun arguments>``: torchrun run as run_torchrun runs it, in a process of its own
+IN_PROCESS = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
 STOPPED: set[int] = set()  # the workers found stopped (hung) when torchrun ended their group
 RUNNING: set[int] = set()  # ... and those found running: torchrun ended them because another one failed
 

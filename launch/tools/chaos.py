@@ -25,8 +25,9 @@ import tempfile
 import threading
 import time
 
+from launch.torchrun import IN_PROCESS
+
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TORCHRUN = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
          "--sample-prompt", "", "--tensor-model-parallel-size", "2", "--zero-stage", "2"]
@@ -71,7 +72,7 @@ def run_job(directory: str, flags: list[str], faults: list[dict], log: str, time
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FAULT_LOG=log,
                DIE_AT=",".join(f"{f['fault']}@{f['rank']}" for f in faults) or "never:0@0", DIE_RANK="0")
-    command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=4",
+    command = [sys.executable, "-c", IN_PROCESS, "--standalone", "--nproc-per-node=4",
                f"--max-restarts={len(faults)}", "-m", "launch.tools.fault_injection", *flags,
                "--save", directory, "--load", directory]
     started = time.time()
@@ -124,7 +125,7 @@ def tabulate(faults: list[dict], run: dict, log: str) -> list[dict]:
     return rows
 
 
-def tensors_equal(first: str, second: str) -> list[str]:
+def tensor_differences(first: str, second: str) -> list[str]:
     """The differences between two checkpoints' rank files, tensor by tensor (empty: bit for bit equal)."""
     import torch
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         chaos = run_job(os.path.join(root, "chaos"), flags, faults, log, 3 * 3600)
         rows = tabulate(faults, chaos, log)
         final = f"iter_{args.iterations:07d}"
-        differences = (tensors_equal(os.path.join(root, "reference", final),
+        differences = (tensor_differences(os.path.join(root, "reference", final),
                                      os.path.join(root, "chaos", final))
                        if chaos["status"] == 0 else ["the job did not finish"])
     late = [row for row in rows if row["kind"] in HANGS and (row["detected_s"] or 1e9) > timeout_s + 60]

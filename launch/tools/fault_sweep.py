@@ -20,8 +20,9 @@ import sys
 import tempfile
 import time
 
+from launch.torchrun import IN_PROCESS
+
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
         "--sample-prompt", "", "--train-iters", "4"]
@@ -67,7 +68,7 @@ class Workspace:
 
 def run_job(space: Workspace, flags: list[str], data: bool = True, die_at: str = "never:0",
             timeout_s: int = 240) -> tuple[int, float, str, str]:
-    command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2", "-m",
+    command = [sys.executable, "-c", IN_PROCESS, "--standalone", "--nproc-per-node=2", "-m",
                "launch.tools.fault_injection", *TINY, *(space.data if data else []), *flags]
     return _run(command, dict(DIE_RANK="1", DIE_AT=die_at), timeout_s)
 

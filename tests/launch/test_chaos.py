@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from launch.tools.chaos import KINDS, plan, tensors_equal
+from launch.tools.chaos import KINDS, plan, tensor_differences
 
 
 def test_the_plan_spreads_every_kind_of_fault_over_the_run():
@@ -27,7 +27,7 @@ def test_checkpoints_that_differ_in_one_tensor_are_told_apart(tmp_path):
     for name in ("a", "b"):
         os.makedirs(tmp_path / name)
         torch.save(state, tmp_path / name / "rank_00000.pt")
-    assert tensors_equal(str(tmp_path / "a"), str(tmp_path / "b")) == []
+    assert tensor_differences(str(tmp_path / "a"), str(tmp_path / "b")) == []
     state["optimizer"][0][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     torch.save(state, tmp_path / "b" / "rank_00000.pt")
-    assert tensors_equal(str(tmp_path / "a"), str(tmp_path / "b")) == ["rank_00000.pt/optimizer/0"]
+    assert tensor_differences(str(tmp_path / "a"), str(tmp_path / "b")) == ["rank_00000.pt/optimizer/0"]

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from launch.torchrun import RESTARTABLE
+from launch.torchrun import IN_PROCESS, RESTARTABLE
 from pretrain.checkpoint.catalog import newest_intact, read_manifest
 
 from pretrain.config.arguments import parse_config
@@ -77,11 +77,6 @@ def test_non_finite_steps_stop_the_run_or_are_skipped_everywhere_up_to_the_limit
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# torchrun run by our launcher (launch.torchrun.run_torchrun): the job ends with the workers' lines, no
-# traceback
-TORCHRUN = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
-
-
 def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extra=(), load=None):
     """A 2-process torchrun job of 8 iterations saving every 2 into (and loading from, or from ``load``) its
     directory; with ``die_at``, rank 1 dies there on the first start (see launch.tools.fault_injection).
@@ -93,7 +88,7 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extr
                     "--train-iters", "8", "--save", str(directory), "--load", str(load or directory),
                     "--save-interval", "2", "--log-interval", "1", "--metrics-file", str(metrics),
                     "--distributed-timeout-s", str(timeout_s), *extra]
-    command = [sys.executable, "-c", TORCHRUN, "--standalone", "--nproc-per-node=2",
+    command = [sys.executable, "-c", IN_PROCESS, "--standalone", "--nproc-per-node=2",
                f"--max-restarts={max_restarts}", "-m", "launch.tools.fault_injection", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0",
                WANDB_MODE="disabled", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",  # a stopped rank: killed in 5 s
