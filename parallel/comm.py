@@ -1,26 +1,33 @@
 """Counted collectives: the only module that calls torch.distributed communication.
 
-Every call adds the bytes this rank sends, by the ring model, to a ``CommStats`` object shared by
-all groups of the process, keyed by operation and by axis (n = group size, S = tensor bytes):
+Every call adds the bytes this rank sends to a ``CommStats`` object shared by all groups of the process,
+keyed by operation and by axis (n = group size, S = tensor bytes):
 
     all_reduce      2 (n-1)/n S        reduce_scatter  (n-1)/n S_in
-    all_gather      (n-1)/n S_out      broadcast       (n-1)/n S
-    all_to_all      (n-1)/n S_in       p2p             S per send
+    all_gather      (n-1)/n S_out      all_to_all      (n-1)/n S_in
+    p2p             S per send         broadcast       S per rank it passes S on to (gloo: a
+                                                       binomial tree from the source; NCCL: a chain)
 
-Bytes that cross a node boundary are counted again, per operation, by the same ring model: in a collective a
-rank sends everything to the next rank of its group (group order), so all of its bytes cross when that rank
-sits on another node and none otherwise; a point-to-point send crosses when its destination does, and so does
-an all-to-all's part for each rank. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them.
+Bytes that cross a node boundary are counted again, per operation, by the pattern the backend sends
+them in (to whom: ``AxisGroup.count``). Around a ring (all-reduce, NCCL's all-gather and
+reduce-scatter) a rank sends everything to the next rank of its group (group order), so all of its
+bytes cross when that rank sits on another node and none otherwise. Directly (an all-to-all, and on
+gloo the all-gather and the sum reduce-scatter) a rank sends an equal part to every other rank, and
+each part crosses when its rank does; a broadcast's copies and a point-to-point send cross when their
+destination does. Nodes hold consecutive global ranks, ``CommStats.node_size`` of them. What gloo
+really puts on a link beside these counts: ``launch.bench.wire_bytes``.
 
 A group of one rank sends nothing and makes no call. ``async_op=True`` returns a handle with
-``wait()`` so callers can overlap communication with compute.
+``wait()`` so callers can overlap communication with compute: every collective here is posted whole
+when it starts, to torch's asynchronous collectives or point-to-point operations, which the backend
+progresses in the background (gloo on its worker and transport threads, NCCL on its stream), so
+handles may be waited in any order.
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -55,19 +62,23 @@ class AxisGroup:
         """This process's index inside the group."""
         return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
 
-    @cached_property
-    def ring_crosses_node(self) -> bool:
-        """Whether this rank's ring neighbour (the next rank of the group) is on another node: then every
-        byte it sends in a collective of this group crosses one (the ring model)."""
-        return self.size > 1 and self.crosses_node(self.ranks[(self.rank + 1) % self.size])
-
     def crosses_node(self, peer: int) -> bool:
         """Whether global rank ``peer`` is on another node than this process."""
         return self.stats.node(peer) != self.stats.node(dist.get_rank())
 
-    def count(self, operation: str, nbytes: float) -> None:
-        """Count a collective of this group sending ``nbytes`` from this rank."""
-        self.stats.add(operation, self.axis, nbytes, nbytes if self.ring_crosses_node else 0.0)
+    def count(self, operation: str, sends: list[tuple[int, float]]) -> None:
+        """Count a collective of this group in which this rank sends (global peer rank, bytes) ``sends``."""
+        self.stats.add(operation, self.axis, sum(nbytes for _, nbytes in sends),
+                       sum(nbytes for peer, nbytes in sends if self.crosses_node(peer)))
+
+    def around_ring(self, nbytes: float) -> list[tuple[int, float]]:
+        """``nbytes`` to the next rank of the group."""
+        return [(self.ranks[(self.rank + 1) % self.size], nbytes)]
+
+    def directly(self, nbytes: float) -> list[tuple[int, float]]:
+        """``nbytes`` in equal parts to every other rank of the group."""
+        me = self.ranks[self.rank]
+        return [(peer, nbytes / (self.size - 1)) for peer in self.ranks if peer != me]
 
 
 def as_axis_group(group, axis: str = "dp", stats: CommStats | None = None) -> AxisGroup:
@@ -138,7 +149,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, asy
     """In-place all-reduce (SUM by default; gloo has no AVG: divide afterwards)."""
     if group.size == 1:
         return Completed() if async_op else None
-    group.count("all_reduce", 2 * _ring_fraction(group) * _nbytes(tensor))
+    group.count("all_reduce", group.around_ring(2 * _ring_fraction(group) * _nbytes(tensor)))
     return dist.all_reduce(tensor, op=op, group=group.group, async_op=async_op)
 
 
@@ -146,9 +157,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
                           op=dist.ReduceOp.SUM, async_op: bool = False):
     """Reduce ``input`` (n equal chunks along dim 0) and leave chunk ``group.rank`` in ``output``.
 
-    On gloo, whose reduce-scatter sends as much as a full all-reduce, a SUM runs as a ring of
-    point-to-point steps that sends the ideal (n-1)/n of the input; ``output`` may be a view of
-    ``input``'s own chunk (in place), and ``input`` is left unchanged either way.
+    On gloo, whose reduce-scatter sends as much as a full all-reduce, a SUM is an all-to-all
+    (``_SummedExchange``) that sends the ideal (n-1)/n of the input. ``output`` may be a view of
+    ``input``'s own chunk (in place); it is written by ``wait()``, not before.
     """
     if input.numel() != output.numel() * group.size:
         raise ValueError(f"reduce_scatter over {group.axis} (size {group.size}): input has {input.numel()} "
@@ -156,96 +167,54 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Axis
     if group.size == 1:
         output.copy_(input.view_as(output))
         return Completed() if async_op else None
-    group.count("reduce_scatter", _ring_fraction(group) * _nbytes(input))
-    if op == dist.ReduceOp.SUM and dist.get_backend(group.group) == "gloo":
-        ring = _RingReduceScatter(_flat(output), _flat(input), group)
-        return ring if async_op else ring.wait()
+    exchanged = op == dist.ReduceOp.SUM and dist.get_backend(group.group) == "gloo"
+    sent = _ring_fraction(group) * _nbytes(input)
+    group.count("reduce_scatter", group.directly(sent) if exchanged else group.around_ring(sent))
+    if exchanged:
+        exchange = _SummedExchange(_flat(output), _flat(input), group)
+        return exchange if async_op else exchange.wait()
     return _reduce_scatter_flat(_flat(output), _flat(input), op=op, group=group.group, async_op=async_op)
 
 
-RING_ALL_GATHER_BYTES = 1 << 20  # below this gloo's temporary is cheaper than the ring's extra steps
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory of two contiguous tensors overlaps."""
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    return a_start < b_start + _nbytes(b) and b_start < a_start + _nbytes(a)
-
-
-class _Ring:
-    """The pacing shared by the gloo rings: step 0 is posted at once, ``wait`` runs the rest. Each ring
-    takes the next tag of its group (the same on every rank, as every rank starts its collectives in
-    the same order), so rings in flight together never take each other's messages."""
-
-    _tags: dict[dist.ProcessGroup, int] = {}
-
-    def __init__(self, group: AxisGroup):
-        self.group, n, r = group, group.size, group.rank
-        self.next_rank, self.prev_rank = group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
-        self.tag = _Ring._tags.get(group.group, 0)
-        _Ring._tags[group.group] = (self.tag + 1) % 2**30
-        self.step, self.done = 0, False
-
-    def _post(self, send: torch.Tensor, receive: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, send, self.next_rank, group=self.group.group, tag=self.tag),
-               dist.P2POp(dist.irecv, receive, self.prev_rank, group=self.group.group, tag=self.tag)]
-        self.handles = dist.batch_isend_irecv(ops)
-
-    def wait(self) -> None:
-        while not self.done:
-            for handle in self.handles:
-                handle.wait()
-            self.step += 1
-            self.done = self._stepped()
-        return None
-
-    def _stepped(self) -> bool:
-        """Use what step ``self.step - 1`` received; post the next step, or say the ring is done."""
-        raise NotImplementedError
-
-    def is_completed(self) -> bool:
-        return self.done
-
-
-class _RingReduceScatter(_Ring):
-    """A sum reduce-scatter as n - 1 ring steps: at step k, rank r passes its partial sum of chunk
-    (r - k - 1) mod n to rank r + 1 and adds what rank r - 1 passed to its own part of the next chunk,
-    so after the last step it holds the full sum of chunk r."""
+class _SummedExchange:
+    """A sum reduce-scatter as torch's asynchronous all-to-all: chunk j of every rank's input goes to rank
+    j (the backend progresses it in the background, like any collective it runs, so handles may be
+    waited in any order), and ``wait`` sums the n copies of this rank's chunk in rank order, in fp32 (at
+    least), into ``output``. Holds one input-sized receive buffer while in flight."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup):
-        super().__init__(group)
-        self.output, self.chunks = output, input.view(group.size, -1)
-        # the last step receives straight into ``output`` unless it is a view of ``input`` (in place)
-        self.into_output = not _overlap(output, input)
-        self._send(self.chunks[(group.rank - 1) % group.size])  # as it is: ``input`` is left alone until wait
+        self.output, self.size = output, group.size
+        self.received = torch.empty_like(input)
+        self.work = dist.all_to_all_single(self.received, input, group=group.group, async_op=True)
 
-    def _send(self, partial: torch.Tensor) -> None:
-        last = self.step == self.group.size - 2
-        self.received = self.output if last and self.into_output else torch.empty_like(partial)
-        self._post(partial, self.received)
-
-    def _stepped(self) -> bool:
-        # its part of what was received
-        mine = self.chunks[(self.group.rank - self.step - 1) % self.group.size]
-        if self.step < self.group.size - 1:
-            self._send(mine + self.received)
-            return False
-        if self.received is self.output:
-            self.output.add_(mine)  # the same sum: addition commutes exactly
+    def wait(self) -> None:
+        if self.work is None:
+            return None
+        self.work.wait()
+        rows = self.received.view(self.size, -1)
+        if self.output.dtype in (torch.float32, torch.float64):
+            total = torch.add(rows[0], rows[1], out=self.output)
         else:
-            torch.add(mine, self.received, out=self.output)
-        return True
+            total = torch.add(rows[0].float(), rows[1])
+        for row in rows[2:]:
+            total.add_(row)
+        if total is not self.output:
+            self.output.copy_(total)
+        self.work = self.received = None
+        return None
+
+    def is_completed(self) -> bool:
+        return self.work is None
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                            async_op: bool = False):
-    """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order.
+    """Concatenate every rank's ``input`` along dim 0 into ``output``, in group order; ``input`` may be
+    ``output``'s own chunk (in place).
 
-    On gloo, whose all-gather stages the whole output in a temporary of its own and copies it back,
-    an output of ``RING_ALL_GATHER_BYTES`` or more goes through a ring of point-to-point steps that
-    receives every chunk straight into ``output`` (measured at dp 2: 16 MB in 23-26 ms against gloo's
-    57 ms; 64 KB in 1.2 ms against 1.0, so smaller ones, such as tensor-parallel activations, keep
-    gloo's own); ``input`` may be ``output``'s own chunk (in place).
+    On gloo, whose all-gather passes every chunk around its ring one step after another and stages the
+    output in a temporary of its own, it is ``_DirectGather``: every chunk straight from its owner into
+    its place (measured at 16 MiB: 0.6x gloo's time at dp 4 and 8, 0.8x at dp 2; gloo-wire-costs note).
     """
     if output.numel() != input.numel() * group.size:
         raise ValueError(f"all_gather over {group.axis} (size {group.size}): output has {output.numel()} "
@@ -253,34 +222,48 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Axi
     if group.size == 1:
         output.copy_(input.view_as(output))
         return Completed() if async_op else None
-    group.count("all_gather", _ring_fraction(group) * _nbytes(output))
-    if dist.get_backend(group.group) == "gloo" and _nbytes(output) >= RING_ALL_GATHER_BYTES:
-        ring = _RingAllGather(_flat(output), _flat(input), group)
-        return ring if async_op else ring.wait()
+    sent = _ring_fraction(group) * _nbytes(output)
+    if dist.get_backend(group.group) == "gloo":
+        group.count("all_gather", group.directly(sent))
+        gather = _DirectGather(_flat(output), _flat(input), group)
+        return gather if async_op else gather.wait()
+    group.count("all_gather", group.around_ring(sent))
     return _all_gather_flat(_flat(output), _flat(input), group=group.group, async_op=async_op)
 
 
-class _RingAllGather(_Ring):
-    """An all-gather as n - 1 ring steps: at step k, rank r passes chunk (r - k) mod n of ``output``
-    (its own first, then the one it received last) to rank r + 1 and receives chunk (r - k - 1) mod n
-    from rank r - 1 straight into ``output``. No temporary: every byte lands where it stays."""
+class _DirectGather:
+    """An all-gather as one batch of point-to-point operations posted at once: this rank's chunk to every
+    other rank, every other rank's chunk received straight into its place in ``output``. The transport
+    progresses them in the background, so handles may be waited in any order. Each gather takes the
+    next tag of its group (the same on every rank, as every rank starts its collectives in one order),
+    so gathers in flight together never take each other's chunks."""
+
+    _tags: dict[dist.ProcessGroup, int] = {}
+    FIRST_TAG = 1 << 20  # above the tags callers give their own point-to-point streams
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup):
-        super().__init__(group)
-        self.chunks = output.view(group.size, -1)
-        own = self.chunks[group.rank]
+        chunks = output.view(group.size, -1)
+        own = chunks[group.rank]
         if input.data_ptr() != own.data_ptr():
-            if _overlap(input, output):
-                raise ValueError("all_gather: input overlaps output but is not its own chunk")
             own.copy_(input)
-        self._post(own, self.chunks[(group.rank - 1) % group.size])
+        count = _DirectGather._tags.get(group.group, 0)
+        _DirectGather._tags[group.group] = (count + 1) % (1 << 20)
+        tag = self.FIRST_TAG + count
+        ops = []
+        for index, peer in enumerate(group.ranks):
+            if index != group.rank:
+                ops += [dist.P2POp(dist.isend, own, peer, group=group.group, tag=tag),
+                        dist.P2POp(dist.irecv, chunks[index], peer, group=group.group, tag=tag)]
+        self.works = dist.batch_isend_irecv(ops)
 
-    def _stepped(self) -> bool:
-        if self.step == self.group.size - 1:
-            return True
-        received = (self.group.rank - self.step) % self.group.size  # passed on next
-        self._post(self.chunks[received], self.chunks[(received - 1) % self.group.size])
-        return False
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return None
+
+    def is_completed(self) -> bool:
+        return not self.works
 
 
 def all_gather_object(value, group: AxisGroup, device: torch.device) -> list:
@@ -310,9 +293,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: AxisGrou
     if group.size == 1:
         output.copy_(input)
         return Completed() if async_op else None
-    part = _nbytes(input) / group.size
-    crossing = sum(part for peer in group.ranks if group.crosses_node(peer))
-    group.stats.add("all_to_all", group.axis, _ring_fraction(group) * _nbytes(input), crossing)
+    group.count("all_to_all", group.directly(_ring_fraction(group) * _nbytes(input)))
     return dist.all_to_all_single(_flat(output), _flat(input), group=group.group, async_op=async_op)
 
 
@@ -322,13 +303,28 @@ def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool =
         raise ValueError(f"broadcast source rank {src} is not in the {group.axis} group {list(group.ranks)}")
     if group.size == 1:
         return Completed() if async_op else None
-    group.count("broadcast", _ring_fraction(group) * _nbytes(tensor))
+    group.count("broadcast", _broadcast_sends(group, group.ranks.index(src), _nbytes(tensor)))
     return dist.broadcast(tensor, src=src, group=group.group, async_op=async_op)
+
+
+def _broadcast_sends(group: AxisGroup, source: int, nbytes: int) -> list[tuple[int, float]]:
+    """Whom this rank passes a broadcast from group index ``source`` on: on gloo a binomial tree (the
+    rank ``d`` places after the source sends to ``d + 2^k`` for every ``2^k > d`` inside the group), on
+    NCCL a chain in group order (to the next rank unless that is the source)."""
+    n, d = group.size, (group.rank - source) % group.size
+    if dist.get_backend(group.group) == "gloo":
+        children, step = [], 1
+        while step < n:
+            if step > d and d + step < n:
+                children.append(group.ranks[(source + d + step) % n])
+            step *= 2
+        return [(child, nbytes) for child in children]
+    return [] if d == n - 1 else [(group.ranks[(group.rank + 1) % n], nbytes)]
 
 
 def send(tensor: torch.Tensor, dst: int, group: AxisGroup) -> None:
     """Blocking send to global rank ``dst``."""
-    group.stats.add("p2p", group.axis, _nbytes(tensor), _nbytes(tensor) if group.crosses_node(dst) else 0.0)
+    group.count("p2p", [(dst, _nbytes(tensor))])
     dist.send(tensor, dst=dst, group=group.group)
 
 
@@ -348,8 +344,7 @@ def batch_isend_irecv(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tu
     ops = [dist.P2POp(dist.isend, t, peer, group=group.group, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group.group, tag=tag) for t, peer, tag in recvs]
     for tensor, peer, _ in sends:
-        group.stats.add("p2p", group.axis, _nbytes(tensor),
-                        _nbytes(tensor) if group.crosses_node(peer) else 0.0)
+        group.count("p2p", [(peer, _nbytes(tensor))])
     return dist.batch_isend_irecv(ops) if ops else []
 
 

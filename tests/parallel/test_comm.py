@@ -1,4 +1,5 @@
-"""Counted collectives: values are right and byte counters equal the ring-model formulas."""
+"""Counted collectives: values are right, handles finish waited in any order, and byte counters equal
+the formulas of the patterns the backend sends in."""
 
 import pytest
 import torch
@@ -30,24 +31,37 @@ def _every_collective(rank, world_size):
     gathered = torch.empty(3 * n, dtype=torch.bfloat16)
     comm.all_gather_into_tensor(gathered, mine, group)
     assert gathered.tolist() == [float(r) for r in range(n) for _ in range(3)]
-    # in place (the input is the output's own chunk), two rings in flight at once, waited in launch order
-    comm.RING_ALL_GATHER_BYTES, ring_from = 0, comm.RING_ALL_GATHER_BYTES  # this small gather as a ring too
+    # in flight together, started in one order and waited in another on every rank (rank r: rotated by r,
+    # reversed on odd ranks): torch's collectives progress without wait(), so no order can deadlock
     whole = torch.full((5 * n,), -1.0)
     whole[5 * rank:5 * rank + 5] = rank
     summed, parts = torch.empty(2), torch.arange(2.0 * n) * (rank + 1)
-    gather = comm.all_gather_into_tensor(whole, whole[5 * rank:5 * rank + 5], group, async_op=True)
-    reduce = comm.reduce_scatter_tensor(summed, parts, group, async_op=True)
-    gather.wait(), reduce.wait()
-    comm.RING_ALL_GATHER_BYTES = ring_from
+    inside = torch.arange(3.0 * n) + rank  # reduced in place: the output is its own chunk
+    half = torch.full((4 * n,), 1.0 + 2**-8, dtype=torch.bfloat16)  # summed in fp32, rounded once
+    half_sum = torch.empty(4, dtype=torch.bfloat16)
+    handles = [comm.all_gather_into_tensor(whole, whole[5 * rank:5 * rank + 5], group, async_op=True),
+               comm.reduce_scatter_tensor(summed, parts, group, async_op=True),
+               comm.reduce_scatter_tensor(inside[3 * rank:3 * rank + 3], inside, group, async_op=True),
+               comm.all_reduce(x, group, async_op=True),
+               comm.reduce_scatter_tensor(half_sum, half, group, async_op=True)]
+    order = list(range(len(handles)))
+    order = order[rank % len(order):] + order[:rank % len(order)]
+    for index in order[::-1] if rank % 2 else order:
+        handles[index].wait()
     assert whole.tolist() == [float(r) for r in range(n) for _ in range(5)]
     assert summed.tolist() == [(2 * rank + i) * n * (n + 1) / 2 for i in range(2)]
+    assert inside[3 * rank:3 * rank + 3].tolist() == [n * (3 * rank + i) + n * (n - 1) / 2 for i in range(3)]
+    assert torch.all(x == n * n * (n + 1) / 2)
+    assert torch.equal(half_sum, torch.full((4,), n * (1.0 + 2**-8)).to(torch.bfloat16))
     expected["all_gather"] = (n - 1) / n * (gathered.numel() * 2 + whole.numel() * 4)
-    expected["reduce_scatter"] += (n - 1) / n * parts.numel() * 4
-    # broadcast: (n-1)/n * S, on every rank (the ring model averages the source's cost)
+    expected["reduce_scatter"] += (n - 1) / n * (parts.numel() * 4 + inside.numel() * 4 + half.numel() * 2)
+    expected["all_reduce"] *= 2
+    # broadcast: S to each rank this one passes it on to (gloo's binomial tree from rank n - 1: at n = 4 it
+    # sends to ranks 0 and 1, rank 0 to rank 2)
     b = torch.full((16,), float(rank), dtype=torch.float32)
     comm.broadcast(b, src=n - 1, group=group)
     assert torch.all(b == n - 1)
-    expected["broadcast"] = (n - 1) / n * 16 * 4
+    expected["broadcast"] = 16 * 4 * {2: {1: 1}, 4: {3: 2, 0: 1}}.get(n, {}).get(rank, 0)
     # all-to-all: part j to rank j, (n-1)/n * S
     sent, received = torch.arange(3.0 * n) + 100 * rank, torch.empty(3 * n)
     comm.all_to_all_single(received, sent, group)
@@ -77,22 +91,25 @@ def _every_collective(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_byte_counters_equal_ring_model(world_size):
+def test_collectives_count_their_bytes_and_finish_waited_in_any_order(world_size):
     for measured, expected, calls in run_world(world_size, _every_collective):
         assert measured == expected
         if world_size == 1:
             assert calls == {}  # a group of one makes no call
         else:
-            assert calls["all_reduce/dp"] == 1 and calls["reduce_scatter/dp"] == 2
+            assert calls["all_reduce/dp"] == 2 and calls["reduce_scatter/dp"] == 4
 
 
 def _inter_node_bytes(rank, world_size):
     """Two nodes of two ranks, tp 2 x dp 2: the dp ring [r, r + 2] always crosses, the tp ring [0, 1]
-    never; over the world [0..3] only ranks 1 and 3 send to another node; a send crosses with its target."""
+    never; over the world [0..3] only ranks 1 and 3 send to another node in a ring, every rank two of
+    its three parts in an all-to-all (and gloo's gathers and reduce-scatters); a send crosses with its
+    target."""
     groups = create_process_groups(Topology(world_size, tp=2, gpus_per_node=2))
     for group in (groups.dp, groups.tp, groups.world):
         comm.all_reduce(torch.ones(16), group)
     comm.all_gather_into_tensor(torch.empty(8), torch.ones(2), groups.world)
+    comm.reduce_scatter_tensor(torch.empty(4), torch.ones(16), groups.world)
     out, into = torch.ones(3), torch.empty(3)
     handles = comm.batch_isend_irecv([(out, (rank + 1) % 4, 0)], [(into, (rank - 1) % 4, 0)], groups.world)
     for handle in handles:
@@ -100,14 +117,15 @@ def _inter_node_bytes(rank, world_size):
     return groups.stats.snapshot()
 
 
-def test_inter_node_bytes_by_the_ring_model():
+def test_inter_node_bytes_by_the_pattern_sent():
     for rank, snapshot in enumerate(run_world(4, _inter_node_bytes)):
         crossing = snapshot["inter_node_by_operation"]
         world_crosses = rank in (1, 3)
         # the dp ring's 2 * 1/2 * 64
         assert crossing["all_reduce"] == 64 + (2 * 3 / 4 * 64 if world_crosses else 0)
-        assert crossing["all_gather"] == (3 / 4 * 32 if world_crosses else 0)
+        assert crossing["all_gather"] == 3 / 4 * 32 * 2 / 3  # on gloo also directly
         assert crossing["p2p"] == (12 if world_crosses else 0)
+        assert crossing["reduce_scatter"] == 3 / 4 * 64 * 2 / 3  # the parts for the other node's two ranks
         assert snapshot["by_operation"]["all_reduce"] == 64 + 64 + 96
 
 
