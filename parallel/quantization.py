@@ -30,17 +30,47 @@ def blocks(numel: int, block: int = BLOCK) -> int:
 
 def quantize_rows(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [rows, blocks * block], fp32 scales [rows, blocks]) of the 2-D ``values`` (any float dtype),
-    each row cut into blocks of its own (zero-padded at its end). A block holding an inf or a NaN gets a
-    non-finite scale, so it dequantizes to non-finite values: an fp16 overflow stays visible."""
+    each row cut into blocks of its own (zero-padded at its end): views of one ``packed_rows`` buffer."""
+    return unpack_rows(pack_rows(values, block), values.shape[1], block)
+
+
+def pack_rows(values: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The 2-D ``values`` quantized into one int8 buffer [rows, blocks * (block + 4)]: each row's int8
+    values, then the bytes of its fp32 scales, so that one collective sends both. A block holding an inf
+    or a NaN gets a non-finite scale, so it dequantizes to non-finite values: an fp16 overflow stays
+    visible."""
     rows, columns = values.shape
     count = blocks(columns, block)
     padded = torch.zeros(rows, count * block, dtype=torch.float32, device=values.device)
     padded[:, :columns] = values
     padded = padded.view(rows, count, block)
-    scales = padded.abs().amax(dim=2) / LEVELS
-    scales = scales.masked_fill(scales == 0, 1.0)
-    quantized = torch.round(padded / scales[..., None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    return quantized.view(rows, -1), scales
+    packed = torch.empty(rows, count * (block + 4), dtype=torch.int8, device=values.device)
+    quantized, scales = unpack_rows(packed, columns, block)
+    torch.amax(padded.abs(), dim=2, out=scales).div_(LEVELS)
+    scales.masked_fill_(scales == 0, 1.0)
+    quantized.view(rows, count, block).copy_(torch.round(padded / scales[..., None]).clamp_(-LEVELS, LEVELS))
+    return packed
+
+
+def unpack_rows(packed: torch.Tensor, columns: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values [rows, blocks * block], fp32 scales [rows, blocks]): views of ``pack_rows``' buffer of
+    rows of ``columns`` values."""
+    count = blocks(columns, block)
+    packed = packed.view(packed.shape[0] if packed.dim() == 2 else -1, count * (block + 4))
+    return packed[:, :count * block], packed[:, count * block:].view(torch.float32)
+
+
+def dequantize_rows(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Write every row of ``pack_rows``' buffer into the rows of the 2-D ``out`` (any float dtype) in one
+    pass: straight into it when its rows are whole blocks, else through one fp32 temporary."""
+    rows, columns = out.shape
+    quantized, scales = unpack_rows(packed, columns, block)
+    quantized = quantized.view(rows, -1, block)
+    if columns % block == 0 and out.is_contiguous():
+        torch.mul(quantized, scales[..., None], out=out.view(rows, -1, block))
+    else:
+        out.copy_((quantized * scales[..., None]).view(rows, -1)[:, :columns])
+    return out
 
 
 def quantize(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,22 +89,18 @@ def dequantize(quantized: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
 
 class _QuantizedGather:
-    """The two gathers in flight (values, scales); ``wait`` finishes them and dequantizes every chunk."""
+    """The gather of every rank's packed values and scales in flight; ``wait`` finishes it and
+    dequantizes all chunks at once."""
 
-    def __init__(self, output, quantized, scales, handles, chunk: int, block: int):
-        self.output, self.quantized, self.scales, self.handles = output, quantized, scales, handles
-        self.chunk, self.block, self.done = chunk, block, False
+    def __init__(self, output: torch.Tensor, gathered: torch.Tensor, handle, size: int, block: int):
+        self.output, self.gathered, self.handle = output.view(size, -1), gathered, handle
+        self.block, self.done = block, False
 
     def wait(self) -> None:
         if self.done:
             return None
-        for handle in self.handles:
-            handle.wait()
-        size = self.scales.numel() // blocks(self.chunk, self.block)
-        rows = self.output.view(size, self.chunk)
-        for rank, (values, scales) in enumerate(zip(self.quantized.view(size, -1),
-                                                    self.scales.view(size, -1))):
-            dequantize(values, scales, rows[rank], self.block)
+        self.handle.wait()
+        dequantize_rows(self.gathered.view(self.output.shape[0], -1), self.output, self.block)
         self.done = True
         return None
 
@@ -84,21 +110,20 @@ class _QuantizedGather:
 
 def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup, async_op: bool = False,
                          block: int = BLOCK):
-    """``comm.all_gather_into_tensor`` with the values sent block-wise as int8 (this module's docstring):
-    ``output`` (``group.size`` x ``input``'s elements, any float dtype) ends with every rank's dequantized
-    chunk, this rank's own included; ``input`` may be ``output``'s own chunk."""
+    """``comm.all_gather_into_tensor`` with the values sent block-wise as int8 (this module's docstring),
+    values and scales in one buffer: ``output`` (``group.size`` x ``input``'s elements, any float dtype)
+    ends with every rank's dequantized chunk, this rank's own included; ``input`` may be ``output``'s own
+    chunk."""
     if output.numel() != input.numel() * group.size:
         raise ValueError(f"all_gather over {group.axis} (size {group.size}): output has {output.numel()} "
                          f"elements, input {input.numel()}; output must be exactly size x input")
-    quantized, scales = quantize(input, block)  # before the gather: ``input`` may be overwritten by it
+    packed = pack_rows(input.reshape(1, -1), block)  # before the gather: ``input`` may be overwritten by it
     if group.size == 1:
-        dequantize(quantized, scales, output, block)
+        dequantize_rows(packed, output.view(1, -1), block)
         return comm.Completed() if async_op else None
-    all_quantized = torch.empty(quantized.numel() * group.size, dtype=torch.int8, device=input.device)
-    all_scales = torch.empty(scales.numel() * group.size, dtype=torch.float32, device=input.device)
-    handles = [comm.all_gather_into_tensor(all_quantized, quantized, group, async_op=True),
-               comm.all_gather_into_tensor(all_scales, scales, group, async_op=True)]
-    gather = _QuantizedGather(output, all_quantized, all_scales, handles, input.numel(), block)
+    gathered = torch.empty(packed.numel() * group.size, dtype=torch.int8, device=input.device)
+    handle = comm.all_gather_into_tensor(gathered, packed.view(-1), group, async_op=True)
+    gather = _QuantizedGather(output, gathered, handle, group.size, block)
     return gather if async_op else gather.wait()
 
 
@@ -118,23 +143,23 @@ class _HierarchicalReduceScatter:
         self.step = self._post(0)
 
     def _post(self, index: int):
-        """Quantize each part of ``partial`` for the ranks of level ``index`` and start its all-to-all."""
+        """Quantize each part of ``partial`` for the ranks of level ``index`` and start its all-to-all (values
+        and scales in one buffer)."""
         level = self.levels[index]
         parts = self.partial.movedim(-2, 0).reshape(level.size, -1)  # row j: what level rank j sums
-        quantized, scales = quantize_rows(parts, self.block)
-        received = torch.empty_like(quantized), torch.empty_like(scales)
-        handles = [comm.all_to_all_single(received[0], quantized, level, async_op=True),
-                   comm.all_to_all_single(received[1], scales, level, async_op=True)]
-        return handles, received, parts.shape[1]
+        packed = pack_rows(parts, self.block)
+        received = torch.empty_like(packed)
+        return comm.all_to_all_single(received, packed, level, async_op=True), received, parts.shape[1]
 
     def _finish_level(self) -> None:
-        handles, (quantized, scales), columns = self.step
-        for handle in handles:
-            handle.wait()
+        handle, received, columns = self.step
+        handle.wait()
+        quantized, scales = unpack_rows(received, columns, self.block)
         total = torch.zeros(columns, dtype=torch.float32, device=self.output.device)
-        row = torch.empty(columns, dtype=torch.float32, device=self.output.device)
+        row = torch.empty(quantized.shape[1], dtype=torch.float32, device=self.output.device)
         for values, row_scales in zip(quantized, scales):  # one row's fp32 temporary at a time
-            total += dequantize(values, row_scales, row, self.block)
+            torch.mul(values.view(-1, self.block), row_scales[:, None], out=row.view(-1, self.block))
+            total += row[:columns]
         self.partial = total.view(*reversed(self.sizes[self.index + 1:]), self.chunk)
 
     def advance(self) -> None:
