@@ -1,7 +1,7 @@
 """The link model: how long a step's data-parallel communication takes on a cluster's links.
 
 Each collective of a ZeRO step is a ``Transfer``: the bytes each rank sends and the bytes that leave
-the busiest node, both by ``parallel.comm``'s ring model over the real groups of the layout (a ring
+the busiest node, both by ``parallel.comm``'s patterns over the real groups of the layout (a ring
 collective sends a rank's bytes to the next rank of its group; an all-to-all sends each part to its
 rank), so the model counts what the trainer's ``comm_bytes`` / ``comm_bytes_inter_node`` count. A transfer
 takes ``max(per rank / intra-node bandwidth, leaving the node / inter-node bandwidth)`` plus a latency
@@ -14,14 +14,14 @@ or the backward pass (the gathers a pass needs, the reductions it produces, the 
 next forward waits for module by module under --overlap-param-gather) or exposed (waited where it
 starts: the replicas' all-reduce, tensor-parallel activations). ``step_seconds`` is the overlap
 model: a pass takes the longer of its compute and the link time hidden behind it, and the rest of
-every transfer adds on. How much of a collective can hide is the backend's (``hidden_share``): NCCL
-runs each on a stream of its own, so all but a pass's first gather / last reduction (one of its
-pieces: a unit, a layer each, at stage 3; a bucket at stages 0-2); our gloo rings post their first
-step at once and run the others inside ``wait()``, so 1 / steps of that, and nothing of stage 3's
-prefetched gathers (their first step shares the link with the current unit's wait); the quantized
-reduce-scatter's all-to-alls run on the backend's own threads or streams. The quantize / dequantize
-passes are compute (``quantized_elements`` at a device's ``quantize_rate``). Predictions only: nothing
-here measures.
+every transfer adds on. Every collective of ``parallel.comm`` is one of torch's asynchronous collectives,
+progressed by the backend in the background (gloo's worker threads, NCCL's stream), so on either
+backend all of a transfer hides except a pass's first gather / last reduction (one of its pieces: a
+unit, a layer each, at stage 3; a bucket at stages 0-2), which has nothing to hide behind
+(``hidden_share``). The backends differ in how a gather or reduce-scatter travels: NCCL's around its
+ring, gloo's directly (an equal part to every rank; ``parallel.comm``), which changes what leaves a
+node. The quantize / dequantize passes are compute (``quantized_elements`` at a device's
+``quantize_rate``). Predictions only: nothing here measures.
 """
 
 from __future__ import annotations
@@ -101,18 +101,10 @@ class Transfer:
 PASSES = ("forward", "backward")
 
 
-def hidden_share(backend: str, kind: str, steps: int, pieces: int) -> float:
-    """The share of a collective's link time that can run behind compute. ``kind``: "ring" (an
-    all-gather or reduce-scatter started ahead of the compute that follows it: our point-to-point rings
-    on gloo, which advance past their first step only in ``wait()``), "prefetch" (stage 3's gather of the
-    next unit, started just before this unit's gather is waited for: on gloo its first step shares the
-    link with that wait, so nothing hides; NCCL's stream runs it after this gather, behind this unit's
-    compute) or "native" (the backend's own asynchronous collective). A pass's first gather (or last
-    reduction), one of its ``pieces``, has nothing to hide behind."""
-    if kind == "prefetch" and backend == "gloo":
-        return 0.0
-    started = 1 / max(steps, 1) if backend == "gloo" and kind == "ring" else 1.0
-    return started * (1 - 1 / max(pieces, 1))
+def hidden_share(pieces: int) -> float:
+    """The share of a collective's link time that can run behind compute: all of it but a pass's first
+    gather (or last reduction), one of its ``pieces``, which has nothing to hide behind."""
+    return 1 - 1 / max(pieces, 1)
 
 
 def _leaving(groups: list[list[int]], node, sent_to) -> float:
@@ -136,12 +128,14 @@ def ring(operation: str, axis: str, groups: list[list[int]], node, per_rank: flo
     return Transfer(operation, axis, per_rank if size > 1 else 0.0, leaving, size - 1, count)
 
 
-def all_to_all(axis: str, groups: list[list[int]], node, input_bytes: float, count: int = 1) -> Transfer:
-    """An all-to-all over ``groups`` of ``input_bytes`` per rank, an equal part to every rank."""
+def all_to_all(axis: str, groups: list[list[int]], node, input_bytes: float, count: int = 1,
+               operation: str = "all_to_all") -> Transfer:
+    """An all-to-all over ``groups`` of ``input_bytes`` per rank, an equal part to every rank (also what
+    gloo's reduce-scatter is: ``operation``)."""
     size = len(groups[0])
     part = input_bytes / size
     leaving = _leaving(groups, node, lambda group, i: [(peer, part) for peer in group])
-    return Transfer("all_to_all", axis, part * (size - 1), leaving, size - 1, count)
+    return Transfer(operation, axis, part * (size - 1), leaving, size - 1, count)
 
 
 def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: int, compute_bytes: int,
@@ -149,9 +143,9 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                    node_size: int | None = None,
                    backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None) -> list[Transfer]:
     """The data-parallel transfers of one step for ``params`` parameters per rank (nodes of ``node_size``
-    consecutive ranks; default the topology's --gpus-per-node, else one node), placed in the passes they
-    run in on ``backend``: stage 3's in ``pieces`` a pass (its units, a layer each), stages 0-2's in
-    buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
+    consecutive ranks; default the topology's --gpus-per-node, else one node) as they travel on
+    ``backend``, placed in the passes they run in: stage 3's in ``pieces`` a pass (its units, a layer
+    each), stages 0-2's in buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
     node = lambda rank: rank // node_size  # noqa: E731
     dp, m = topology.dp_cp, micro_batches  # gradients and ZeRO's shards span data x context
@@ -162,31 +156,38 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     dequantized = params * (1 + 1 / shard) if options.quantized_weights else 0.0  # own shard, then all of it
     split = pieces if stage == 3 or not bucket_size else -(-params // bucket_size)
 
-    def placed(transfer: Transfer, phase: str, kind: str = "ring", quantized: float = 0.0) -> Transfer:
-        return replace(transfer, phase=phase, overlap=hidden_share(backend, kind, transfer.steps, split),
-                       quantized_elements=quantized)
+    def collective(operation: str, axis: str, groups: list[list[int]], per_rank: float,
+                   count: int = 1) -> Transfer:
+        """A gather or reduce-scatter sending ``per_rank`` bytes a rank: around NCCL's ring, or directly to
+        every rank on gloo (``parallel.comm``)."""
+        size = len(groups[0])
+        if backend == "gloo" and size > 1:
+            return all_to_all(axis, groups, node, per_rank * size / (size - 1), count, operation)
+        return ring(operation, axis, groups, node, per_rank, count)
+
+    def placed(transfer: Transfer, phase: str, quantized: float = 0.0) -> Transfer:
+        return replace(transfer, phase=phase, overlap=hidden_share(split), quantized_elements=quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
         return [placed(ring("all_reduce", "dp", topology.groups("dp-cp"), node,
                             2 * grad_bytes * params * (dp - 1) / dp),
-                       "backward", "native")]
+                       "backward")]
     transfers = []
     # a step's first gather of each unit over dp, the rest in the partition
     if stage == 3 and options.hpz > 1:
         secondary = topology.dp_partitions(options.hpz)[0]
         within = compute_bytes * params * (options.hpz - 1) / options.hpz
-        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
-                             "forward", "prefetch",
-                             dequantized),
-                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m - 1),
-                             "forward", "prefetch"),
-                      placed(ring("all_gather", f"dp_part{options.hpz}", secondary, node, within, m),
-                             "backward", "prefetch")]
+        transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part),
+                             "forward", dequantized),
+                      placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within, m - 1),
+                             "forward"),
+                      placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within, m),
+                             "backward")]
     elif stage == 3:  # every micro-batch's forward and backward
-        transfers += [placed(ring("all_gather", "dp", shards, node, weight_bytes * part, m), phase,
-                             "prefetch", dequantized) for phase in PASSES]
+        transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part, m), phase,
+                             dequantized) for phase in PASSES]
     else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
-        transfers.append(placed(ring("all_gather", "dp", shards, node, weight_bytes * part),
+        transfers.append(placed(collective("all_gather", "dp", shards, weight_bytes * part),
                                 "forward" if options.overlap_param_gather else "exposed",
                                 quantized=dequantized))
     reductions = m if stage >= 2 else 1
@@ -197,10 +198,10 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
             transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index],
                                                groups, node, elements * QUANTIZED_BYTES, reductions),
-                                    "backward", "native", 2 * elements))
+                                    "backward", 2 * elements))
             elements /= len(groups[0])
     else:
-        transfers.append(placed(ring("reduce_scatter", "dp", shards, node, grad_bytes * part, reductions),
+        transfers.append(placed(collective("reduce_scatter", "dp", shards, grad_bytes * part, reductions),
                                 "backward"))
     if replicas is not None:  # MiCS / HSDP: the gradient shards summed over the replicas once a step
         copies = dp // shard

@@ -56,7 +56,7 @@ LLAMA_LAYOUTS = {f"llama dp2 x tp2 + SP stage {stage}": (
 def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tmp_path, layouts):
     """Also the trainer's start-up table (each rank's expected model states) within 5% of what it holds,
     and, where only data parallelism communicates, the link model's bytes (per rank, and leaving a node)
-    within 2% of those counted (block padding of the quantized collectives aside, the same ring model)."""
+    within 2% of those counted (block padding of the quantized collectives aside, gloo's patterns)."""
     runs = [flags + ["--train-iters", "2", "--log-interval", "1", "--metrics-file",
                      str(tmp_path / f"{i}.jsonl")]
             for i, (flags, _) in enumerate(layouts.values())]
@@ -79,7 +79,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         if name in DATA_PARALLEL_ONLY:
             nodes = 2 if "--gpus-per-node" in flags else None
             found = transfers(config.model, layout, 8 // (2 * layout.dp), 2 if "--bf16" in flags else 4,
-                              gpus_per_node=nodes)  # 8 sequences, micro-batches of 2
+                              gpus_per_node=nodes, backend="gloo")  # 8 sequences, micro-batches of 2
             sent = max(sum(r["comm_bytes"].values()) for r in ranks)
             leaving = sum(sum(r["comm_bytes_inter_node"].values()) for r in ranks[:2])  # node 0's two ranks
             assert (sum(t.per_rank * t.count for t in found)
