@@ -12,6 +12,7 @@ on exit, touching nothing outside its two namespaces. ``probe`` measures what th
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,6 +47,16 @@ else:
     connection.recv(1)
     print(size / (time.perf_counter() - started), latency)
 """
+
+
+def link_sent(interface: str, namespace: str | None = None) -> tuple[int, int]:
+    """(bytes, frames) ``interface`` (of ``namespace``; default: this process's own) has sent so far: its
+    statistics, whole Ethernet frames with their headers."""
+    where = ["-n", namespace] if namespace else []
+    shown = subprocess.run(["ip", *where, "-s", "-j", "link", "show", "dev", interface],
+                           capture_output=True, text=True, check=True).stdout
+    sent = json.loads(shown)[0]["stats64"]["tx"]
+    return sent["bytes"], sent["packets"]
 
 
 class LinkSetupError(RuntimeError):
@@ -116,6 +127,35 @@ class TwoNodes:
     def popen(self, node: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
         """Start ``argv`` in node ``node``'s namespace."""
         return subprocess.Popen(self.command(node, argv), env=env, **kwargs)
+
+    def rank_env(self, rank: int, ranks: int, per_node: int, port: int) -> dict:
+        """The environment of global rank ``rank`` of a world of ``ranks``, ``per_node`` consecutive ranks a
+        node, its rendezvous on node 0 at ``port``: gloo's traffic to the other node crosses the pair."""
+        node = rank // per_node
+        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank % per_node),
+                    LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=self.address(0), MASTER_PORT=str(port),
+                    GLOO_SOCKET_IFNAME=self.interface(node), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+
+    def run_ranks(self, argv: list[str], ranks: int, per_node: int, port: int, directory: str) -> None:
+        """Run ``argv`` as every rank of a world on the two nodes (rank R's output in
+        ``directory``/rank<R>.log) and wait for all; a failed rank stops the caller with its log's tail."""
+        processes = []
+        for rank in range(ranks):
+            log = open(os.path.join(directory, f"rank{rank}.log"), "w")
+            processes.append((self.popen(rank // per_node, argv, self.rank_env(rank, ranks, per_node, port),
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()), log))
+        failed = []
+        for rank, (process, log) in enumerate(processes):
+            if process.wait():
+                failed.append(rank)
+            log.close()
+        if failed:
+            with open(os.path.join(directory, f"rank{failed[0]}.log")) as handle:
+                sys.exit(f"run failed on ranks {failed}: {' '.join(argv)}\n{handle.read()[-3000:]}")
+
+    def sent(self, node: int) -> tuple[int, int]:
+        """(bytes, frames) node ``node``'s end of the pair has sent so far."""
+        return link_sent(self.interfaces[node], self.namespaces[node])
 
     def probe(self, source: int, target: int, nbytes: int = 64 << 20,
               port: int = 5599) -> tuple[float, float]:

@@ -6,8 +6,12 @@ node, on two emulated nodes of 2 ranks joined by a truly slow link, beside the l
 The nodes are network namespaces joined by a veth pair shaped with tc (``launch.bench.netns_link``): ranks 0-1
 in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a node
 stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs back to
-back. Measured: the median step time after the first iteration, and the bytes that left node 0 in the last
-step (the trainer's comm_bytes_inter_node of ranks 0 and 1). Predicted at a rate:
+back. Measured: the median step time after the first iteration, the bytes that left node 0 in the last
+step (the trainer's comm_bytes_inter_node of ranks 0 and 1) and, over the whole run at the first rate,
+those counted in all steps beside the TCP payload node 0's end of the link really sent (its veth
+statistics less the frames' headers: ``launch.bench.wire_bytes``, which first sets every collective
+alone beside its count; what a whole run sends beyond its steps' counts is its start-up, the job's
+store traffic and the final evaluation). Predicted at a rate:
 ``launch.tools.plan.transfers`` on gloo timed by ``launch.tools.link_model.step_seconds`` on the links as
 probed (TCP bytes per second and latency across the pair and on a node's loopback) around the configuration's
 compute taken from its runs at the other rates (the compute that the overlap model turns into the measured
@@ -22,10 +26,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
+from launch.bench.wire_bytes import HEADER
+from launch.bench.wire_bytes import measure as measure_operations
+from launch.bench.wire_bytes import table as operations_table
 from launch.bench.world import write_table
 from launch.tools.link_model import Links, Transfer, ZeroCommOptions, step_seconds
 from launch.bench.netns_link import LinkSetupError, TwoNodes
@@ -45,35 +51,28 @@ CONFIGURATIONS = {
 RANKS, PER_NODE = 4, 2
 
 
-def train(nodes: TwoNodes, flags: list[str], directory: str) -> list[dict]:
-    """One run of ``python -m pretrain`` on the two nodes; rank 0's metrics lines."""
-    metrics, port = os.path.join(directory, "metrics.jsonl"), free_port()
-    processes = []
-    for rank in range(RANKS):
-        node = rank // PER_NODE
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank % PER_NODE),
-                   LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR=nodes.address(0), MASTER_PORT=str(port),
-                   GLOO_SOCKET_IFNAME=nodes.interface(node), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-        log = open(os.path.join(directory, f"rank{rank}.log"), "w")
-        processes.append((nodes.popen(node,
-                                      [sys.executable, "-m", "pretrain", *flags, "--metrics-file", metrics],
-                                      env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()), log))
-    failed = []
-    for rank, (process, log) in enumerate(processes):
-        if process.wait():
-            failed.append(rank)
-        log.close()
-    if failed:
-        with open(os.path.join(directory, f"rank{failed[0]}.log")) as handle:
-            sys.exit(f"run failed on ranks {failed}: {' '.join(flags)}\n{handle.read()[-3000:]}")
+def train(nodes: TwoNodes, flags: list[str], directory: str) -> tuple[list[dict], tuple[int, int]]:
+    """One run of ``python -m pretrain`` on the two nodes: rank 0's metrics lines, and the (bytes, frames)
+    node 0's end of the link sent during the run."""
+    metrics = os.path.join(directory, "metrics.jsonl")
+    before = nodes.sent(0)
+    nodes.run_ranks([sys.executable, "-m", "pretrain", *flags, "--metrics-file", metrics], RANKS, PER_NODE,
+                    free_port(), directory)
+    after = nodes.sent(0)
     with open(metrics) as handle:
-        return [json.loads(line) for line in handle]
+        return [json.loads(line) for line in handle], (after[0] - before[0], after[1] - before[1])
 
 
-def measure(lines: list[dict]) -> tuple[float, float, float]:
-    """(median step seconds after the first, bytes that left node 0 in the last step, final loss)."""
-    leaving = sum(sum(rank["comm_bytes_inter_node"].values()) for rank in lines[-1]["per_rank"][:PER_NODE])
-    return statistics.median(line["step_time_s"] for line in lines[1:]), leaving, lines[-1]["loss"]
+def measure(run: tuple[list[dict], tuple[int, int]]) -> tuple[float, float, float, float, float]:
+    """(median step seconds after the first, bytes that left node 0 in the last step, final loss, bytes
+    node 0's ranks counted as crossing in all steps, TCP payload node 0 sent during the whole run)."""
+    lines, (frame_bytes, frames) = run
+
+    def leaving(line: dict) -> float:
+        return sum(sum(rank["comm_bytes_inter_node"].values()) for rank in line["per_rank"][:PER_NODE])
+
+    return (statistics.median(line["step_time_s"] for line in lines[1:]), leaving(lines[-1]),
+            lines[-1]["loss"], sum(map(leaving, lines)), frame_bytes - HEADER * frames)
 
 
 def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: int) -> float:
@@ -100,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                         "rates; each cell is their median step")
     parser.add_argument("--configurations", nargs="+", choices=list(CONFIGURATIONS),
                         default=list(CONFIGURATIONS))
+    parser.add_argument("--wire-elements", type=int, default=1 << 20,
+                        help="fp32 elements a rank sends in each collective of the wire check")
     parser.add_argument("--output", default="runs/bench/slow_link.md")
     args = parser.parse_args(argv)
     chosen = {name: CONFIGURATIONS[name] for name in args.configurations}
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
              "--sample-prompt", ""]
     config = parse_config(model + ["--vocab-size", "4096"])
     micro_batches = 8 // RANKS
-    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    results: dict[tuple[str, str], tuple[float, float, float, float, float]] = {}
     links: dict[str, Links] = {}
     rates = args.rates
     if len(rates) < 2:
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"link {rate}: {across * 8 / 1e9:.2f} Gbit/s across, latency "
                   f"{latency * 1e6:.0f} us, loopback {links[rate].intra_node * 8 / 1e9:.1f} Gbit/s",
                   flush=True)
+        with TwoNodes(rates[0]) as nodes:  # each collective alone: counted beside what crossed the link
+            operations = operations_table(measure_operations(nodes, args.wire_elements))
         # a configuration's runs back to back, so that the machine's drifting speed hits its rates alike
         for name, (stage, _, flags) in chosen.items():
             runs: dict[str, list[tuple[float, float, float]]] = {rate: [] for rate in rates}
@@ -138,23 +141,27 @@ def main(argv: list[str] | None = None) -> None:
                 results[name, rate] = (step, *runs[rate][-1][1:])
     except LinkSetupError as error:
         sys.exit(f"error: {error}")
-    rows = [f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces "
+    rows = [f"Each collective of parallel.comm alone ({args.wire_elements * 4 / 2**20:.1f} MiB fp32 a rank, "
+            f"dp 4, at {rates[0]}; launch.bench.wire_bytes):", "", *operations, "",
+            f"GPT {args.num_layers} x {args.hidden_size}, bf16, dp 4 as two nodes of 2 (network namespaces "
             "joined by "
             f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median "
             "after the "
             f"first (of {args.repeats} runs: their median); predicted = launch.tools.link_model's overlap "
             "model on gloo on the probed links around the "
             "configuration's compute from its runs at the other rates", "",
-            "| configuration | MiB leaving node 0 per step (counted / model) | "
+            "| configuration | MiB leaving node 0 per step (counted / model) | whole run at "
+            f"{rates[0]}: MiB counted / TCP payload on the link (ratio) | "
             + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",
-            "|---" * (3 + 3 * len(rates)) + "|"]
+            "|---" * (4 + 3 * len(rates)) + "|"]
     for name, (stage, options, _) in chosen.items():
         found = transfers(config.model, Layout(1, 1, RANKS, stage, zero=options), micro_batches, 2, 4,
                           gpus_per_node=PER_NODE, backend="gloo", bucket_size=config.zero.zero_bucket_size)
-        _, leaving, loss = results[name, rates[0]]
+        _, leaving, loss, counted, payload = results[name, rates[0]]
         compute = {rate: compute_of(results[name, rate][0], found, links[rate], micro_batches)
                    for rate in rates}
-        cells = [name, f"{leaving / 2**20:.1f} / {sum(t.leaving_node * t.count for t in found) / 2**20:.1f}"]
+        cells = [name, f"{leaving / 2**20:.1f} / {sum(t.leaving_node * t.count for t in found) / 2**20:.1f}",
+                 f"{counted / 2**20:.1f} / {payload / 2**20:.1f} ({payload / counted:.3f})"]
         for rate in rates:
             others = [compute[other] for other in rates if other != rate]
             measured = results[name, rate][0]
