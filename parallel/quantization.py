@@ -28,12 +28,6 @@ def blocks(numel: int, block: int = BLOCK) -> int:
     return -(-numel // block)
 
 
-def quantize_rows(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [rows, blocks * block], fp32 scales [rows, blocks]) of the 2-D ``values`` (any float dtype),
-    each row cut into blocks of its own (zero-padded at its end): views of one ``packed_rows`` buffer."""
-    return unpack_rows(pack_rows(values, block), values.shape[1], block)
-
-
 def pack_rows(values: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """The 2-D ``values`` quantized into one int8 buffer [rows, blocks * (block + 4)]: each row's int8
     values, then the bytes of its fp32 scales, so that one collective sends both. A block holding an inf
@@ -75,7 +69,7 @@ def dequantize_rows(packed: torch.Tensor, out: torch.Tensor, block: int = BLOCK)
 
 def quantize(values: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [blocks * block], fp32 scales [blocks]) of the flat ``values`` (any float dtype)."""
-    quantized, scales = quantize_rows(values.reshape(1, -1), block)
+    quantized, scales = unpack_rows(pack_rows(values.reshape(1, -1), block), values.numel(), block)
     return quantized.view(-1), scales.view(-1)
 
 
