@@ -14,13 +14,13 @@ or the backward pass (the gathers a pass needs, the reductions it produces, the 
 next forward waits for module by module under --overlap-param-gather) or exposed (waited where it
 starts: the replicas' all-reduce, tensor-parallel activations). ``step_seconds`` is the overlap
 model: a pass takes the longer of its compute and the link time hidden behind it, and the rest of
-every transfer adds on. Every collective of ``parallel.comm`` is one of torch's asynchronous collectives,
-progressed by the backend in the background (gloo's worker threads, NCCL's stream), so on either
-backend all of a transfer hides except a pass's first gather / last reduction (one of its pieces: a
-unit, a layer each, at stage 3; a bucket at stages 0-2), which has nothing to hide behind
-(``hidden_share``). The backends differ in how a gather or reduce-scatter travels: NCCL's around its
-ring, gloo's directly (an equal part to every rank; ``parallel.comm``), which changes what leaves a
-node. The quantize / dequantize passes are compute (``quantized_elements`` at a device's
+every transfer adds on. Every collective of ``parallel.comm`` is posted whole and progressed by the
+backend in the background (gloo's threads, NCCL's stream); on NCCL all of a transfer hides except a
+pass's first gather / last reduction (one of its pieces: a unit, a layer each, at stage 3; a bucket
+at stages 0-2), which has nothing to hide behind; on gloo nothing hides, as measured
+(``hidden_share``). The backends also differ in how a gather or reduce-scatter travels: NCCL's around
+its ring, gloo's directly (an equal part to every rank; ``parallel.comm``), which changes what leaves
+a node. The quantize / dequantize passes are compute (``quantized_elements`` at a device's
 ``quantize_rate``). Predictions only: nothing here measures.
 """
 
@@ -101,10 +101,14 @@ class Transfer:
 PASSES = ("forward", "backward")
 
 
-def hidden_share(pieces: int) -> float:
-    """The share of a collective's link time that can run behind compute: all of it but a pass's first
-    gather (or last reduction), one of its ``pieces``, which has nothing to hide behind."""
-    return 1 - 1 / max(pieces, 1)
+def hidden_share(backend: str, pieces: int) -> float:
+    """The share of a collective's link time that runs behind compute. NCCL: all of it but a pass's first
+    gather (or last reduction), one of its ``pieces``, which has nothing to hide behind. gloo: none, as
+    measured (``launch.bench.slow_link``: every configuration's step at 1 and 10 Gbit/s is its compute
+    plus its link time, though the collectives progress in the background): the bytes are moved by
+    threads on the cores the ranks compute on, and collectives in flight together share the link
+    instead of queueing as on NCCL's stream, so the oldest, which compute waits for, ends last."""
+    return 0.0 if backend == "gloo" else 1 - 1 / max(pieces, 1)
 
 
 def _leaving(groups: list[list[int]], node, sent_to) -> float:
@@ -166,7 +170,8 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         return ring(operation, axis, groups, node, per_rank, count)
 
     def placed(transfer: Transfer, phase: str, quantized: float = 0.0) -> Transfer:
-        return replace(transfer, phase=phase, overlap=hidden_share(split), quantized_elements=quantized)
+        return replace(transfer, phase=phase, overlap=hidden_share(backend, split),
+                       quantized_elements=quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
         return [placed(ring("all_reduce", "dp", topology.groups("dp-cp"), node,

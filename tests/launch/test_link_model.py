@@ -22,15 +22,14 @@ def _zero_3(backend: str, options: ZeroCommOptions = ZeroCommOptions(), micro_ba
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_a_pass_hides_all_but_its_first_piece_on_either_backend(backend):
+def test_a_pass_hides_what_its_backend_hides_and_no_more(backend):
     found = _zero_3(backend)
     total = sum(t.seconds(LINKS) for t in found)
     # nothing to hide behind: the serial sum
     assert step_seconds(found, LINKS, 0.0, 2) == pytest.approx(total)
-    # compute long enough for every hidden share: compute plus what no pass can hide. Both backends
-    # progress collectives in the background: all but a pass's first gather / last reduction (one of its
-    # layers) hides
-    shares = [1 - 1 / LAYERS] * 3
+    # compute long enough for every hidden share: compute plus what no pass can hide. NCCL hides all but a
+    # pass's first gather / last reduction (one of its layers); on gloo nothing hides (as measured)
+    shares = [0.0] * 3 if backend == "gloo" else [1 - 1 / LAYERS] * 3
     dp = [t for t in found if t.axis == "dp"]
     assert [(t.operation, t.phase) for t in dp] == [("all_gather", "forward"), ("all_gather", "backward"),
                                                     ("reduce_scatter", "backward")]
@@ -83,9 +82,10 @@ def test_the_benchmarks_compute_is_the_inverse_of_its_prediction():
 
 
 def test_the_planner_prices_the_quantize_passes_at_the_devices_rate():
-    """The slow-link benchmark's GPT on two nodes of 2 over 0.96 Gbit/s: at the quantize rate of ranks
-    sharing 2 CPU cores (1.4e8 elements/s) hpZ + qwZ + qgZ loses to hpZ alone; at a GPU's rate it is
-    fastest."""
+    """The slow-link benchmark's GPT on two nodes of 2 over 0.96 Gbit/s on gloo, at the quantize rate of
+    ranks sharing 2 CPU cores (1.4e8 elements/s): the layouts in the order measured there (shard groups
+    of a node, hpZ + qwZ + qgZ, ZeRO-2, hpZ, ZeRO-3: 1.28, 1.64, 1.79, 1.84, 2.74 s); at a GPU's rate only
+    the quantized layout gains."""
     model = parse_config(["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads",
                           "8", "--seq-length",
                           "64", "--vocab-size", "4096", "--bf16"]).model
@@ -101,6 +101,6 @@ def test_the_planner_prices_the_quantize_passes_at_the_devices_rate():
                 for name, (stage, options) in runs.items()}
 
     cpu, gpu = seconds(1.4e8), seconds(1e11)
-    assert min(gpu, key=gpu.get) == "hpZ + qwZ + qgZ"
-    assert gpu["hpZ + qwZ + qgZ"] < gpu["hpZ"] < cpu["hpZ + qwZ + qgZ"]
-    assert cpu["hpZ"] == gpu["hpZ"]
+    assert sorted(cpu, key=cpu.get) == ["shard groups", "hpZ + qwZ + qgZ", "ZeRO-2", "hpZ", "ZeRO-3"]
+    assert gpu["hpZ + qwZ + qgZ"] < cpu["hpZ + qwZ + qgZ"]
+    assert all(cpu[name] == gpu[name] for name in cpu if name != "hpZ + qwZ + qgZ")
