@@ -7,9 +7,10 @@ of the staging, and reduce-scatter asynchronously, straight into the shard, whil
 (the sum over ranks then holds the earlier micro-batches once; on gloo the exchange receives into a
 buffer of its own, freed as it completes). A slot is ``open``ed for a key, filled piece by piece as
 gradients arrive, then ``start``ed; ``launch`` does all three at once. With ``quantized_levels``
-(ZeRO++'s qgZ) the reduction is instead the hierarchical all-to-all of int8 gradients (``parallel.quantization.quantized_reduce_scatter_add``), whose sum is added
-into the shard after it arrives (the shard itself is never quantized); each reduction's next level
-(the cross-node one) starts as the next reduction starts, on every rank alike, not inside ``wait``.
+(ZeRO++'s qgZ) the reduction is instead the hierarchical all-to-all of int8 gradients
+(``parallel.quantization.quantized_reduce_scatter_add``), whose sum is added into the shard after it
+arrives (the shard itself is never quantized); each reduction's next level (the cross-node one) starts
+as the next reduction starts, on every rank alike, not inside ``wait``.
 At most one reduction per key is in flight, and two slots per dtype alternate (a key that finds both
 slots still open gets an area of its own).
 """
