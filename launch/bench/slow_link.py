@@ -3,22 +3,22 @@ node, on two emulated nodes of 2 ranks joined by a truly slow link, beside the l
 
     sudo python -m launch.bench.slow_link [--rates 1gbit 10gbit] [--iters 6] [--hidden-size 512]
 
-The nodes are network namespaces joined by a veth pair shaped with tc (``launch.bench.netns_link``): ranks 0-1
-in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a node
-stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs back to
-back. Measured: the median step time after the first iteration, the bytes that left node 0 in the last
-step (the trainer's comm_bytes_inter_node of ranks 0 and 1) and, over the whole run at the first rate,
-those counted in all steps beside the TCP payload node 0's end of the link really sent (its veth
-statistics less the frames' headers: ``launch.bench.wire_bytes``, which first sets every collective
-alone beside its count; what a whole run sends beyond its steps' counts is its start-up, the job's
-store traffic and the final evaluation). Predicted at a rate:
+The nodes are network namespaces joined by a veth pair shaped with tc (``launch.bench.netns_link``): ranks
+0-1 in one, 2-3 in the other, so gloo's traffic between them crosses the shaped link and traffic within a
+node stays on its loopback. Every configuration trains the same bf16 GPT (dp 4) at each rate, its runs
+back to back. Measured: the median step time after the first iteration, the bytes that left node 0 in the
+last step (the trainer's comm_bytes_inter_node of ranks 0 and 1) and, at the first rate, the bytes node
+0's ranks counted in the second half of the steps beside the TCP payload node 0's end of the link carried
+for them (its veth statistics less the frames' headers, ``launch.bench.wire_bytes``, which also sets every
+collective alone beside its count first; taken as the difference from a run of half the iterations, which
+has the same start-up, the weights' broadcast, and the same final evaluation). Predicted at a rate:
 ``launch.tools.plan.transfers`` on gloo timed by ``launch.tools.link_model.step_seconds`` on the links as
-probed (TCP bytes per second and latency across the pair and on a node's loopback) around the configuration's
-compute taken from its runs at the other rates (the compute that the overlap model turns into the measured
-step there, a third of it forward; averaged; it includes the quantize passes, which do not depend on the
-link): a prediction never sees the run it predicts, and it tests the link model, not a FLOP estimate. (An
-unshaped pair is no reference on 2 cores: its fast transfers keep the receiving ranks busy on the CPU the
-others compute on, and its steps come out slower than at 10 Gbit/s.) """
+probed (TCP bytes per second and latency across the pair and on a node's loopback) around the
+configuration's compute taken from its runs at the other rates (the compute that the overlap model turns
+into the measured step there, a third of it forward; averaged; it includes the quantize passes, which do
+not depend on the link): a prediction never sees the run it predicts, and it tests the link model, not a
+FLOP estimate. (An unshaped pair is no reference on 2 cores: its fast transfers keep the receiving ranks
+busy on the CPU the others compute on, and its steps come out slower than at 10 Gbit/s.)"""
 
 from __future__ import annotations
 
@@ -63,16 +63,22 @@ def train(nodes: TwoNodes, flags: list[str], directory: str) -> tuple[list[dict]
         return [json.loads(line) for line in handle], (after[0] - before[0], after[1] - before[1])
 
 
-def measure(run: tuple[list[dict], tuple[int, int]]) -> tuple[float, float, float, float, float]:
-    """(median step seconds after the first, bytes that left node 0 in the last step, final loss, bytes
-    node 0's ranks counted as crossing in all steps, TCP payload node 0 sent during the whole run)."""
-    lines, (frame_bytes, frames) = run
+def left_node0(line: dict) -> float:
+    """The bytes node 0's ranks counted as crossing to the other node in one logged step."""
+    return sum(sum(rank["comm_bytes_inter_node"].values()) for rank in line["per_rank"][:PER_NODE])
 
-    def leaving(line: dict) -> float:
-        return sum(sum(rank["comm_bytes_inter_node"].values()) for rank in line["per_rank"][:PER_NODE])
 
-    return (statistics.median(line["step_time_s"] for line in lines[1:]), leaving(lines[-1]),
-            lines[-1]["loss"], sum(map(leaving, lines)), frame_bytes - HEADER * frames)
+def payload(run: tuple[list[dict], tuple[int, int]]) -> int:
+    """The TCP payload node 0's end of the link carried during ``run`` (frame bytes less headers)."""
+    frame_bytes, frames = run[1]
+    return frame_bytes - HEADER * frames
+
+
+def measure(run: tuple[list[dict], tuple[int, int]]) -> tuple[float, float, float]:
+    """(median step seconds after the first, bytes that left node 0 in the last step, final loss)."""
+    lines = run[0]
+    step = statistics.median(line["step_time_s"] for line in lines[1:])
+    return step, left_node0(lines[-1]), lines[-1]["loss"]
 
 
 def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: int) -> float:
@@ -112,7 +118,13 @@ def main(argv: list[str] | None = None) -> None:
              "--sample-prompt", ""]
     config = parse_config(model + ["--vocab-size", "4096"])
     micro_batches = 8 // RANKS
-    results: dict[tuple[str, str], tuple[float, float, float, float, float]] = {}
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    # the steps' own bytes on the wire: a run of half the iterations has the same start-up (the weights'
+    # broadcast) and final evaluation, so the difference of the two runs' payloads is the later steps'
+    half = max(args.iters // 2, 1)
+    shorter = [str(half) if previous in ("--train-iters", "--eval-interval") else flag
+               for previous, flag in zip([None] + model, model)]
+    wire: dict[str, tuple[float, float]] = {}
     links: dict[str, Links] = {}
     rates = args.rates
     if len(rates) < 2:
@@ -133,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):
                 for rate in rates:
                     with TwoNodes(rate) as nodes, tempfile.TemporaryDirectory() as directory:
-                        runs[rate].append(measure(train(nodes, model + ["--zero-stage", str(stage), *flags],
-                                                        directory)))
+                        run = train(nodes, model + ["--zero-stage", str(stage), *flags], directory)
+                    runs[rate].append(measure(run))
                     print(f"  {name} at {rate}: {runs[rate][-1][0]:.3f} s a step", flush=True)
+                    if rate == rates[0] and name not in wire:
+                        with TwoNodes(rate) as nodes, tempfile.TemporaryDirectory() as directory:
+                            half_run = train(nodes, shorter + ["--zero-stage", str(stage), *flags], directory)
+                        wire[name] = (sum(map(left_node0, run[0][half:])), payload(run) - payload(half_run))
             for rate in rates:
                 step = statistics.median(run[0] for run in runs[rate])
                 results[name, rate] = (step, *runs[rate][-1][1:])
@@ -150,18 +166,19 @@ def main(argv: list[str] | None = None) -> None:
             f"first (of {args.repeats} runs: their median); predicted = launch.tools.link_model's overlap "
             "model on gloo on the probed links around the "
             "configuration's compute from its runs at the other rates", "",
-            "| configuration | MiB leaving node 0 per step (counted / model) | whole run at "
-            f"{rates[0]}: MiB counted / TCP payload on the link (ratio) | "
+            "| configuration | MiB leaving node 0 per step (counted / model) | "
+            f"steps {half + 1}-{args.iters} at {rates[0]}: MiB counted / TCP payload on the link (ratio) | "
             + " | ".join(f"{rate} s | predicted | error" for rate in rates) + " | final loss |",
             "|---" * (4 + 3 * len(rates)) + "|"]
     for name, (stage, options, _) in chosen.items():
         found = transfers(config.model, Layout(1, 1, RANKS, stage, zero=options), micro_batches, 2, 4,
                           gpus_per_node=PER_NODE, backend="gloo", bucket_size=config.zero.zero_bucket_size)
-        _, leaving, loss, counted, payload = results[name, rates[0]]
+        _, leaving, loss = results[name, rates[0]]
+        counted, carried = wire[name]
         compute = {rate: compute_of(results[name, rate][0], found, links[rate], micro_batches)
                    for rate in rates}
         cells = [name, f"{leaving / 2**20:.1f} / {sum(t.leaving_node * t.count for t in found) / 2**20:.1f}",
-                 f"{counted / 2**20:.1f} / {payload / 2**20:.1f} ({payload / counted:.3f})"]
+                 f"{counted / 2**20:.1f} / {carried / 2**20:.1f} ({carried / counted:.3f})"]
         for rate in rates:
             others = [compute[other] for other in rates if other != rate]
             measured = results[name, rate][0]
