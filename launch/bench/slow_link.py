@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 
-from launch.bench.wire_bytes import HEADER
+from launch.bench.wire_bytes import payload
 from launch.bench.wire_bytes import measure as measure_operations
 from launch.bench.wire_bytes import table as operations_table
 from launch.bench.world import write_table
@@ -66,12 +66,6 @@ def train(nodes: TwoNodes, flags: list[str], directory: str) -> tuple[list[dict]
 def left_node0(line: dict) -> float:
     """The bytes node 0's ranks counted as crossing to the other node in one logged step."""
     return sum(sum(rank["comm_bytes_inter_node"].values()) for rank in line["per_rank"][:PER_NODE])
-
-
-def payload(run: tuple[list[dict], tuple[int, int]]) -> int:
-    """The TCP payload node 0's end of the link carried during ``run`` (frame bytes less headers)."""
-    frame_bytes, frames = run[1]
-    return frame_bytes - HEADER * frames
 
 
 def measure(run: tuple[list[dict], tuple[int, int]]) -> tuple[float, float, float]:
@@ -151,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                     if rate == rates[0] and name not in wire:
                         with TwoNodes(rate) as nodes, tempfile.TemporaryDirectory() as directory:
                             half_run = train(nodes, shorter + ["--zero-stage", str(stage), *flags], directory)
-                        wire[name] = (sum(map(left_node0, run[0][half:])), payload(run) - payload(half_run))
+                        wire[name] = (sum(map(left_node0, run[0][half:])),
+                                      payload(*run[1]) - payload(*half_run[1]))
             for rate in rates:
                 step = statistics.median(run[0] for run in runs[rate])
                 results[name, rate] = (step, *runs[rate][-1][1:])

@@ -16,7 +16,6 @@ reading (every rank waits while the counters are read) are measured alone first 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -84,15 +83,13 @@ def _worker(directory: str, numel: int) -> None:
 def measure(nodes, numel: int) -> list[dict]:
     """Run every operation on ``nodes`` (a ``TwoNodes``): per operation, node 0's frame bytes, frames,
     payload and counted bytes, the barriers' share taken off."""
+    from launch.bench.world import read_results
     from parallel.process_groups import free_port
 
     with tempfile.TemporaryDirectory() as directory:
         nodes.run_ranks([sys.executable, "-m", "launch.bench.wire_bytes", "--worker-output", directory,
                          "--numel", str(numel)], RANKS, PER_NODE, free_port(), directory)
-        ranks = []
-        for rank in range(RANKS):
-            with open(os.path.join(directory, f"rank{rank}.json")) as handle:
-                ranks.append(json.load(handle))
+        ranks = read_results(directory, RANKS)
     # the link counters are the node's: read by each of its ranks alike; the counts are each rank's own
     node0 = ranks[0]
     barrier = node0["barrier"]
@@ -104,19 +101,22 @@ def measure(nodes, numel: int) -> list[dict]:
         packets = node0[name]["frames"] - barrier["frames"]
         counted = sum(ranks[rank][name]["counted"] for rank in range(PER_NODE))
         rows.append({"operation": name, "frame_bytes": frames, "frames": packets,
-                     "payload": frames - HEADER * packets, "counted": counted})
+                     "payload": payload(frames, packets), "counted": counted})
     return rows
+
+
+def payload(frame_bytes: int, frames: int) -> int:
+    """The TCP payload of ``frames`` frames of ``frame_bytes`` bytes in all."""
+    return frame_bytes - HEADER * frames
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| operation | counted KiB leaving node 0 | on the wire: frames KiB (frames) | payload KiB | "
              "payload / counted |", "|---|---|---|---|---|"]
     for row in rows:
+        ratio = f"{row['payload'] / row['counted']:.4f}" if row["counted"] else "-"
         lines.append(f"| {row['operation']} | {row['counted'] / 1024:.1f} | {row['frame_bytes'] / 1024:.1f} "
-                     f"({row['frames']}) | {row['payload'] / 1024:.1f} | "
-                     f"{row['payload'] / row['counted']:.4f} |" if row["counted"] else
-                     f"| {row['operation']} | 0 | {row['frame_bytes'] / 1024:.1f} ({row['frames']}) | "
-                     f"{row['payload'] / 1024:.1f} | - |")
+                     f"({row['frames']}) | {row['payload'] / 1024:.1f} | {ratio} |")
     return lines
 
 

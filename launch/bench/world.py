@@ -23,11 +23,7 @@ def run_world(module: str, nproc: int, args: list[str], threads_per_rank: int | 
         run = subprocess.run(command, capture_output=True, text=True, env=env)
         if run.returncode:
             sys.exit(f"benchmark world failed: {' '.join(args)}\n{run.stderr[-4000:]}")
-        results = []
-        for rank in range(nproc):
-            with open(os.path.join(directory, f"rank{rank}.json")) as handle:
-                results.append(json.load(handle))
-        return results
+        return read_results(directory, nproc)
 
 
 def add_worker_arguments(parser) -> None:
@@ -39,6 +35,15 @@ def add_worker_arguments(parser) -> None:
 def write_result(directory: str, rank: int, result: dict) -> None:
     with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
+
+
+def read_results(directory: str, ranks: int) -> list[dict]:
+    """What ranks 0 .. ``ranks`` - 1 wrote with ``write_result``, in rank order."""
+    results = []
+    for rank in range(ranks):
+        with open(os.path.join(directory, f"rank{rank}.json")) as handle:
+            results.append(json.load(handle))
+    return results
 
 
 def write_table(path: str, rows: list[str]) -> None:
