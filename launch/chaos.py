@@ -1,5 +1,5 @@
-"""``python -m launch.chaos``: the command's name; the harness is ``launch.tools.chaos``."""
-from launch.tools.chaos import main
+"""``python -m launch.chaos``: the command's name; the harness is ``launch.tools.faults.chaos``."""
+from launch.tools.faults.chaos import main
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}           # > 0: torchrun restarts every node's 
 NODE_NAME=${NODE_NAME:-${SLURM_NODEID:-$(hostname)}}
 LOG_DIR=${LOG_DIR:-logs}
 PYTHON=${PYTHON:-python}
-ENTRY=${ENTRY:-pretrain}                  # the module each worker runs (tests: launch.tools.fault_injection)
+ENTRY=${ENTRY:-pretrain}                  # the module each worker runs (tests: launch.tools.faults.fault_injection)
 
 # NCCL / InfiniBand: fail loudly instead of hanging, use the IB adapters and GPUDirect RDMA when present
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}

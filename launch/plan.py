@@ -1,5 +1,6 @@
-"""``python -m launch.plan``: the command's name; the planner is ``launch.tools.plan``."""
-from launch.tools.plan import main
+"""``python -m launch.plan``: the command's name; its command line is ``launch.tools.planning.plan_command``,
+the planner ``launch.tools.planning.plan``."""
+from launch.tools.planning.plan_command import main
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@
 For each cp, a world of cp processes runs the transformer layers of a small GPT (no embedding or loss,
 so only layers count) forward and backward on one sequence of --seq tokens, each rank holding its
 zig-zag share, with every --cp-comm-type (p2p ring attention, a2a Ulysses, allgather; cp 1 is plain
-fused attention). Measured beside the planner's formulas (``launch.tools.layout_price``): saved bytes
+fused attention). Measured beside the planner's formulas (``launch.tools.planning.layout_price``): saved bytes
 against ``layer_elements`` (what a rank keeps of its S / cp tokens), bytes sent over the cp group
 (counted by ``parallel.comm``) against ``context_bytes``. Step times are medians, as ratios to cp 1 in
 the same run; on a machine with fewer cores than ranks they measure oversubscription as much as cp.
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args)
         return
-    from launch.tools.layout_price import Layout, context_bytes, layer_elements
+    from launch.tools.planning.layout_price import Layout, context_bytes, layer_elements
 
     config = _config(args)
     measured = {}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import uuid
 
-from launch.tools.link_model import parse_bandwidth
+from launch.tools.planning.link_model import parse_bandwidth
 
 PROBE = r"""
 import socket, sys, time

@@ -12,8 +12,8 @@ last step (the trainer's comm_bytes_inter_node of ranks 0 and 1) and, at the fir
 for them (its veth statistics less the frames' headers, ``launch.bench.wire_bytes``, which also sets every
 collective alone beside its count first; taken as the difference from a run of half the iterations, which
 has the same start-up, the weights' broadcast, and the same final evaluation). Predicted at a rate:
-``launch.tools.plan.transfers`` on gloo timed by ``launch.tools.link_model.step_seconds`` on the links as
-probed (TCP bytes per second and latency across the pair and on a node's loopback) around the
+``launch.tools.planning``'s ``layout_price.transfers`` on gloo timed by ``link_model.step_seconds`` on
+the links as probed (TCP bytes per second and latency across the pair and on a node's loopback) around the
 configuration's compute taken from its runs at the other rates (the compute that the overlap model turns
 into the measured step there, a third of it forward; averaged; it includes the quantize passes, which do
 not depend on the link): a prediction never sees the run it predicts, and it tests the link model, not a
@@ -33,9 +33,9 @@ from launch.bench.wire_bytes import payload
 from launch.bench.wire_bytes import measure as measure_operations
 from launch.bench.wire_bytes import table as operations_table
 from launch.bench.world import write_table
-from launch.tools.link_model import Links, Transfer, ZeroCommOptions, step_seconds
+from launch.tools.planning.link_model import Links, Transfer, ZeroCommOptions, step_seconds
 from launch.bench.netns_link import LinkSetupError, TwoNodes
-from launch.tools.layout_price import Layout, transfers
+from launch.tools.planning.layout_price import Layout, transfers
 from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
 
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             "joined by "
             f"a veth pair shaped with tc), {args.iters} iterations of 8 sequences of 64; step = median "
             "after the "
-            f"first (of {args.repeats} runs: their median); predicted = launch.tools.link_model's overlap "
-            "model on gloo on the probed links around the "
+            f"first (of {args.repeats} runs: their median); predicted = launch.tools.planning.link_model's "
+            "overlap model on gloo on the probed links around the "
             "configuration's compute from its runs at the other rates", "",
             "| configuration | MiB leaving node 0 per step (counted / model) | "
             f"steps {half + 1}-{args.iters} at {rates[0]}: MiB counted / TCP payload on the link (ratio) | "

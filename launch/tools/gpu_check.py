@@ -5,7 +5,8 @@
 
 1. torch, CUDA and NCCL versions and the process-group backend;
 2. a 1.3B GPT (GPT-3 XL) in bf16, dp = tp = pp = 1, micro-batch 4, 20 iterations on mock data: tokens/s,
-   MFU against the device's data-sheet peak, and peak memory beside ``launch.tools.plan``'s prediction;
+   MFU against the device's data-sheet peak, and peak memory beside the planner's prediction
+   (``launch.tools.planning.plan``);
 3. ZeRO stages 0-3 and the optimizer offloaded to the CPU and to NVMe swap files, 5 iterations each, against
    the in-memory stage-0 run (bf16 losses within 1e-3 relative: other kernels step the offloaded masters);
 4. the flash scaled-dot-product-attention kernel runs our attention, forward and backward.
@@ -63,7 +64,7 @@ def check_versions(device: torch.device) -> None:
 
 
 def check_throughput(base: list[str], device: torch.device, workdir: str) -> None:
-    from launch.tools.plan import Layout, plan_layout
+    from launch.tools.planning.plan import Layout, plan_layout
     from pretrain.config.arguments import parse_config
 
     records = _train(base, device, workdir, "throughput")

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from launch.tools.chaos import KINDS, plan, tensor_differences
+from launch.tools.faults.chaos import KINDS, plan, tensor_differences
 
 
 def test_the_plan_spreads_every_kind_of_fault_over_the_run():

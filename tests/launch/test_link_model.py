@@ -6,8 +6,8 @@ import math
 import pytest
 
 from launch.bench.slow_link import compute_of
-from launch.tools.link_model import Device, Links, ZeroCommOptions, step_seconds, zero_transfers
-from launch.tools.plan import Layout, plan_layout
+from launch.tools.planning.link_model import Device, Links, ZeroCommOptions, step_seconds, zero_transfers
+from launch.tools.planning.plan import Layout, plan_layout
 from parallel.topology import Topology
 from pretrain.config.arguments import parse_config
 

@@ -67,7 +67,7 @@ def test_a_rank_killed_on_another_node_is_named_by_host_and_rank(stdlib_corpus, 
     cluster = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", NNODES="2", NPROC_PER_NODE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="loopback-kill",
                    PYTHON=sys.executable, LOG_DIR=str(tmp_path / "logs"),
-                   ENTRY="launch.tools.fault_injection",
+                   ENTRY="launch.tools.faults.fault_injection",
                    DIE_RANK="local:1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
     nodes = []
     for node, fault in enumerate(("never:0", "iteration:3")):

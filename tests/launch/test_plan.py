@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from launch.tools.link_model import Links, ZeroCommOptions
-from launch.tools.layout_price import Layout, layer_elements, sent_by_axis, transfers
-from launch.tools.plan import main as plan_main, parse_bytes, plan, plan_layout
+from launch.tools.planning.link_model import Links, ZeroCommOptions
+from launch.tools.planning.layout_price import Layout, layer_elements, sent_by_axis, transfers
+from launch.tools.planning.plan import plan, plan_layout
+from launch.tools.planning.plan_command import main as plan_main, parse_bytes
 from models.counting import num_parameters
 from pretrain.config.arguments import parse_config
 from tests.pretrain.test_architectures import LLAMA
@@ -202,7 +203,7 @@ ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_layers_saved_activations_follow_its_architecture(dtype):
-    """launch.tools.plan's per-layer accounting against the bytes one block keeps for backward, measured."""
+    """The planner's per-layer accounting against the bytes one block keeps for backward, measured."""
     import torch
 
     from models.config import GPTConfig

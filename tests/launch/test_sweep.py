@@ -7,7 +7,7 @@ import json
 
 import yaml
 
-from launch.tools import scaling_law, sweep
+from launch.tools.scaling import scaling_law, sweep
 
 
 def _common(stdlib_corpus) -> dict:

@@ -4,7 +4,7 @@ formula, and its sequence cut."""
 import pytest
 import torch
 
-from launch.tools.layout_price import Layout, context_bytes
+from launch.tools.planning.layout_price import Layout, context_bytes
 from models.config import GPTConfig
 from parallel.context import ContextParallel, ScoreOptions, context_attention, shard_sequence, token_indices
 from parallel.context.sharding import unshard_sequence

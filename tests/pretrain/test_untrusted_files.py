@@ -62,7 +62,7 @@ def test_a_pickle_where_tensors_are_expected_is_refused_unrun(tmp_path, monkeypa
 
 
 def test_a_yaml_tag_that_constructs_objects_is_refused_unrun(tmp_path, monkeypatch):
-    from launch.tools.sweep import load_sweep
+    from launch.tools.scaling.sweep import load_sweep
     from pretrain.config.arguments import ConfigError, load_yaml
 
     monkeypatch.chdir(tmp_path)

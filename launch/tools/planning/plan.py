@@ -28,40 +28,21 @@ states):
 
 Layouts that fit are ranked by a step-time proxy: recompute cost x offload cost / (1 - pipeline bubble),
 then the bytes sent to another node (``parallel.comm``'s ring model over the layout's groups).
-``--json`` prints the list as JSON.
+``--json`` prints the list as JSON. The command line is ``launch.tools.planning.plan_command``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from models.config import GPTConfig
-from models.counting import num_parameters
-from parallel.zero import gradient_bytes
 from parallel.topology import Topology
-from launch.tools.link_model import (Device, Links, Transfer, ZeroCommOptions,
-                                     parse_bandwidth, step_seconds,
-                               zero_variants)
+from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommOptions, step_seconds,
+                                              zero_variants)
 from models.counting import flops_per_token
-from launch.tools.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
-                                       sent_by_axis, transfers)
-from pretrain.config.arguments import ConfigError, parse_config
-
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20,
-         "GiB": 2**30, "TiB": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '40 GB', '1024' -> bytes."""
-    stripped = text.replace(" ", "")
-    for unit in sorted(UNITS, key=len, reverse=True):
-        if stripped.endswith(unit):
-            return int(float(stripped[:-len(unit)]) * UNITS[unit])
-    return int(float(stripped))
-
+from launch.tools.planning.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
+                                                sent_by_axis, transfers)
 
 @dataclass
 class Plan:
@@ -180,17 +161,23 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
          links: Links | None = None, device: Device = Device(), cp: int | None = None,
-         micro_batch_size: int = 1) -> list[Plan]:
+         micro_batch_size: int = 1, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates). ``global_batch_size`` None: Megatron's default,
-    ``micro_batch_size`` x dp, in each layout."""
-    plans = [plan_layout(config, layout, global_batch_size or layout.micro_batch_size * layout.dp,
-                         compute_bytes, bucket_size, persistence_threshold, grad_bytes, gpus_per_node, links,
-                         device)
-             for layout in candidate_layouts(config, world_size, gpus_per_node,
-                                             global_batch_size, zero_stage, tp, pp,
-                                             layers_per_stage, zero_plus_plus=links is not None, cp=cp,
-                                             micro_batch_size=micro_batch_size)]
+    ``micro_batch_size`` x dp, in each layout. ``progress(done, total)`` is called before the first layout
+    is priced and after each."""
+    layouts = candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
+                                layers_per_stage, zero_plus_plus=links is not None, cp=cp,
+                                micro_batch_size=micro_batch_size)
+    plans = []
+    for done, layout in enumerate(layouts):
+        if progress is not None:
+            progress(done, len(layouts))
+        plans.append(plan_layout(config, layout, global_batch_size or layout.micro_batch_size * layout.dp,
+                                 compute_bytes, bucket_size, persistence_threshold, grad_bytes, gpus_per_node,
+                                 links, device))
+    if progress is not None:
+        progress(len(layouts), len(layouts))
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]
     return sorted(fitting, key=lambda p: (p.score, sum(p.comm_bytes_inter_node.values()), p.total_bytes))
 
@@ -211,82 +198,3 @@ def zero_advice(plans: list[Plan]) -> str | None:
                 f"against {three.step_seconds:.3f} s for the best ZeRO-3{options}{versus}")
     return (f"on these links ZeRO-3{options} is fastest: {three.step_seconds:.3f} s a step against "
             f"{two.step_seconds:.3f} s for the best ZeRO-2{versus}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--memory-per-device", default="80GiB", help="e.g. 80GiB, 40GB")
-    parser.add_argument("--top", type=int, default=10, help="layouts to print")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 400Gbit, 50GB/s: "
-                        "rank layouts by predicted step time (launch.tools.link_model), ZeRO++ and shard "
-                        "groups included")
-    parser.add_argument("--intra-node-bandwidth", default="200GB/s", help="between two ranks of a node")
-    parser.add_argument("--link-latency", type=float, default=10e-6, help="seconds per message step")
-    parser.add_argument("--device-flops", type=float, default=Device.flops,
-                        help="model FLOP/s one device sustains (e.g. 40%% of a bf16 peak)")
-    parser.add_argument("--quantize-rate", type=float, default=Device.quantize_rate,
-                        help="elements a device quantizes or dequantizes per second (ZeRO++'s passes)")
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                        help="collective backend: how much communication hides behind compute")
-    args, model_flags = parser.parse_known_args(argv)
-    try:
-        config = parse_config(model_flags)
-    except ConfigError as error:
-        sys.exit(f"error: {error}")
-    if config.model.vocab_size is None:
-        config.model.vocab_size = config.data.default_corpus_vocab_size
-    train, zero = config.training, config.zero
-    parallel = config.parallel
-    fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
-             "tp": (parallel.tensor_model_parallel_size
-                    if "--tensor-model-parallel-size" in model_flags else None),
-             "pp": (parallel.pipeline_model_parallel_size
-                    if "--pipeline-model-parallel-size" in model_flags else None),
-             "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None}
-    compute_bytes = 2 if train.bf16 or train.fp16 else 4
-    links = Links(parse_bandwidth(args.intra_node_bandwidth), parse_bandwidth(args.inter_node_bandwidth),
-                  args.link_latency) if args.inter_node_bandwidth else None
-    plans = plan(config.model, args.world_size, args.gpus_per_node, parse_bytes(args.memory_per_device),
-                 train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
-                 persistence_threshold=zero.zero_persistence_threshold,
-                 grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
-                 layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
-                 device=Device(args.device_flops, args.quantize_rate, args.backend),
-                 micro_batch_size=train.micro_batch_size)
-    advice = zero_advice(plans) if links is not None else None
-    plans = plans[:args.top]
-    if args.json:
-        print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
-                           "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
-                           "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes,
-                           "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score,
-                           "step_seconds": p.step_seconds} for p in plans], indent=1))
-        return
-    params = num_parameters(config.model)
-    print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
-          "per node, "
-          f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
-    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
-          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / "
-          "tp / pp / cp (to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
-    for p in plans:
-        layout, gib = p.layout, 2**30
-        print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
-              f"{str(layout.recompute):>9} "
-              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
-              f"{p.model_state_bytes / gib:>10.2f} "
-              f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
-              + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
-                           for axis in ("dp", "tp", "pp", "cp"))
-              + (f" | {layout.zero.label():>14} | {p.step_seconds:.3f}" if links else ""))
-    if advice:
-        print(advice)
-    if not plans:
-        print("nothing fits: add devices, or allow more memory per device")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Two modes. ``grid`` (the default): model sizes x layouts x learning rates x seeds, every run for
 ``train_iters`` at the same tokens per step. ``isoflop``: model sizes x compute ``budgets``, each run's
-iterations chosen so that its training FLOPs meet its budget (``launch.tools.isoflop``; sizes listed or
+iterations chosen so that its training FLOPs meet its budget (``isoflop``; sizes listed or
 from a depth/width rule), for ``python -m launch.scaling_law fit``. Each run is one ``python -m pretrain``
 on its layout's processes, a member of the wandb group named after the sweep (when ``wandb_project`` is
 set), and one row of ``OUTPUT/results.csv``: parameters with and without embeddings, the final training
@@ -48,7 +48,7 @@ import yaml
 
 from data.tokenizers.spec import build_tokenizer
 from launch.pretrain_run import run_pretrain
-from launch.tools.isoflop import FLOPS_FORMULA, generated_models, plan_budget
+from launch.tools.scaling.isoflop import FLOPS_FORMULA, generated_models, plan_budget
 from models.counting import flops_per_token, non_embedding_parameters, num_parameters
 from models.config import GPTConfig
 from pretrain.config.arguments import parse_config

@@ -15,7 +15,9 @@ replacement for its 90% intervals (Besiroglu et al. 2024 showed how narrow unboo
    log L with L-BFGS (scipy) from Hoffmann's grid of starts; the objective reported.
 
 For each ``--budget`` the compute-optimal N, D and loss by Approaches 2 and 3 (Approach 3 with
-C = k N D, k the runs' median FLOPs per parameter-token: our FLOPs count attention, so k > 6).
+C = k N D, k the runs' median FLOPs per parameter-token: our FLOPs count attention, so k > 6). A budget
+beyond the sweep's is answered as an extrapolation, marked so (``extrapolated`` in fit.json, in the
+table); one where a law gives no finite value is refused, naming it.
 
 DIR/fit.json (every number, schema below), DIR/isoflop.png (the profiles and their vertices),
 DIR/frontier.png (N_opt and D_opt against C with their bands), DIR/law.png (loss against FLOPs per
@@ -31,7 +33,7 @@ fit.json::
                    "budgets": [{"flops", "sizes", "parameters", "tokens", "loss", "extrapolated",
                                 "ci90": {"parameters", "tokens", "loss"}}]},
      "approach3": {"A", "B", "E", "alpha", "beta", "objective", "huber_delta", "starts", "ci90": {...}},
-     "optimal": [{"flops", "approach": 2 or 3, "parameters", "tokens", "loss",
+     "optimal": [{"flops", "approach": 2 or 3, "parameters", "tokens", "loss", "extrapolated",
                   "ci90": {"parameters", "tokens", "loss"}}]}
 
 ``ci90`` values are [low, high]; a quantity no resample could fit has none.
@@ -48,9 +50,9 @@ import sys
 
 import numpy as np
 
-from launch.tools.scaling_fits import (FitError, Runs, approach1, approach2, approach3, bootstrap,
-                                       optimal_points)
-from launch.tools.scaling_plots import plot_all
+from launch.tools.scaling.scaling_fits import (FitError, Runs, approach1, approach2, approach3, bootstrap,
+                                               optimal_points)
+from launch.tools.scaling.scaling_plots import plot_all
 
 
 def read_runs(path: str, loss_column: str = "val_loss",
@@ -108,6 +110,14 @@ def fit(runs: Runs, budgets: list[float], resamples: int, seed: int) -> dict:
     result = {"flops_per_parameter_token": runs.flops_per_parameter_token(),
               "approach1": first, "approach2": second, "approach3": third}
     result["optimal"] = optimal_points(runs, second, third, budgets)
+    for point in result["optimal"]:
+        values = [point[key] for key in ("parameters", "tokens", "loss")]
+        if not all(math.isfinite(value) and value > 0 for value in values):
+            found = ", ".join(f"{value:.3g}" for value in values)
+            raise FitError(f"--budget {point['flops']:g}: Approach {point['approach']}'s law gives no finite "
+                           f"optimum there (N, D, loss = {found}; the sweep's budgets span "
+                           f"{runs.flops.min():.3g} to {runs.flops.max():.3g} FLOPs): give a budget nearer "
+                           "them")
     bootstrap(runs, result, budgets, resamples, np.random.default_rng(seed))
     return result
 
@@ -130,7 +140,8 @@ def summary(result: dict) -> str:
         lines.append(f"2 | N_opt at C = {budget['flops']:.3g} ({budget['sizes']} sizes) | "
                      f"{budget['parameters']:.4g} | {interval(budget, 'parameters')}")
     for point in result["optimal"]:
-        lines.append(f"{point['approach']} | optimum at C = {point['flops']:.3g}: N, D, loss | "
+        beyond = " (extrapolated beyond the sweep's budgets)" if point.get("extrapolated") else ""
+        lines.append(f"{point['approach']} | optimum at C = {point['flops']:.3g}{beyond}: N, D, loss | "
                      f"{point['parameters']:.4g}, {point['tokens']:.4g}, {point['loss']:.4g} | "
                      f"N {interval(point, 'parameters')}")
     return "\n".join(lines)
@@ -173,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     fitting.add_argument("--bootstrap", type=int, default=200, help="resamples for the intervals")
     fitting.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    bad = [budget for budget in args.budget if not (math.isfinite(budget) and budget > 0)]
+    if bad:
+        sys.exit(f"error: --budget {bad[0]:g}: give compute budgets as FLOPs > 0, e.g. --budget 1e13 1e14")
     try:
         runs, notes = read_runs(args.table, args.loss_column, args.params_column)
         for note in notes:
@@ -182,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {error}")
     for skipped in result["approach2"]["skipped"]:
         print(f"note: approach 2: {skipped}")
+    beyond = sorted({point["flops"] for point in result["optimal"] if point["extrapolated"]})
+    if beyond:
+        print(f"note: --budget {', '.join(f'{flops:g}' for flops in beyond)} beyond the sweep's budgets "
+              f"({runs.flops.min():.3g} to {runs.flops.max():.3g} FLOPs): their optima are extrapolations")
     result = {"input": {"path": os.path.abspath(args.table), "rows": len(runs.loss),
                         "loss_column": args.loss_column, "params_column": args.params_column, "notes": notes},
               "bootstrap": {"resamples": args.bootstrap, "interval": 0.9, "seed": args.seed}, **result}

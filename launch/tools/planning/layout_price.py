@@ -1,12 +1,12 @@
 """What one layout of a GPT costs on its most loaded device: model-state, activation and buffer bytes,
-and the ZeRO transfers of a step (``launch.tools.link_model``), as ``launch.tools.plan`` ranks them.
+and the ZeRO transfers of a step (``link_model``), as ``plan`` ranks them (both in ``launch.tools.planning``).
 Nothing here searches layouts or prints."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launch.tools.link_model import Transfer, ZeroCommOptions, ring, zero_transfers
+from launch.tools.planning.link_model import Transfer, ZeroCommOptions, ring, zero_transfers
 from models.config import GPTConfig
 from models.counting import stage_model, stage_parameters
 from parallel.topology import Topology
@@ -135,7 +135,7 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
               grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
               bucket_size: int | None = None) -> list[Transfer]:
     """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
-    parallel.comm counts them): ZeRO's data-parallel transfers (``launch.tools.link_model.zero_transfers``:
+    parallel.comm counts them): ZeRO's data-parallel transfers (``link_model.zero_transfers``:
     stage 0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages
     1-2 all-gather the parameters once after the step, stage 3 in forward and in backward of every
     micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's four

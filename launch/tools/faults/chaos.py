@@ -2,7 +2,7 @@
 
 Runs a dp2 x tp2 ZeRO-2 job on a tiny GPT (the stdlib corpus, no download) twice, each in its own world:
 once uninterrupted, once under ``torchrun --max-restarts`` with ``--save`` and ``--load`` on one
-directory while random faults strike, one per start (``launch.tools.fault_injection``): SIGKILL of a
+directory while random faults strike, one per start (``launch.tools.faults.fault_injection``): SIGKILL of a
 worker as a step begins, inside a collective (the others waiting in it) and right after it wrote its
 file of a checkpoint, SIGSTOP of a worker (alive but silent) as a step begins and inside a collective,
 and a full disk (RLIMIT_FSIZE) as a save is written. The job must finish by itself; then every tensor of
@@ -27,11 +27,11 @@ import time
 
 from launch.torchrun import IN_PROCESS
 
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPOSITORY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the repository
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
          "--sample-prompt", "", "--tensor-model-parallel-size", "2", "--zero-stage", "2"]
-# (fault as launch.tools.fault_injection names it, what it is, whether it strikes at a save)
+# (fault as launch.tools.faults.fault_injection names it, what it is, whether it strikes at a save)
 KINDS = [("iteration", "SIGKILL as a step begins", False),
          ("collective", "SIGKILL inside a collective", False),
          ("save", "SIGKILL right after writing its checkpoint file", True),
@@ -73,7 +73,7 @@ def run_job(directory: str, flags: list[str], faults: list[dict], log: str, time
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FAULT_LOG=log,
                DIE_AT=",".join(f"{f['fault']}@{f['rank']}" for f in faults) or "never:0@0", DIE_RANK="0")
     command = [sys.executable, "-c", IN_PROCESS, "--standalone", "--nproc-per-node=4",
-               f"--max-restarts={len(faults)}", "-m", "launch.tools.fault_injection", *flags,
+               f"--max-restarts={len(faults)}", "-m", "launch.tools.faults.fault_injection", *flags,
                "--save", directory, "--load", directory]
     started = time.time()
     job = subprocess.Popen(command, cwd=REPOSITORY, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """Chinchilla's three scaling fits on one set of runs, the compute-optimal points they give, and their
-bootstrap over the runs (``launch.tools.scaling_law`` is the command; its docstring, the method)."""
+bootstrap over the runs (``launch.tools.scaling.scaling_law`` is the command; its docstring, the method)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ def approach1(runs: Runs) -> dict:
 def approach2(runs: Runs) -> dict:
     """IsoFLOP profiles: per budget of at least 3 sizes a parabola of loss in log N, its vertex (N_opt, the
     loss there, D_opt from log D interpolated linearly in log N); power laws of N_opt, D_opt and the
-    vertex loss against C over the budgets."""
+    vertex loss against C over the budgets. A vertex outside the sizes tried is marked ``extrapolated``;
+    one beyond them by more than their own span (in log N: a nearly flat profile, as a small sweep's
+    noise or a resample gives) locates no minimum, and its budget is skipped and said."""
     budgets, skipped = [], []
     for group in np.unique(runs.budget):
         mine = runs.budget == group
@@ -101,6 +103,17 @@ def approach2(runs: Runs) -> dict:
                            "log N): skipped")
             continue
         vertex = -curve[1] / (2 * curve[0])
+        low, high = log_n.min(), log_n.max()
+        if not low - (high - low) <= vertex <= high + (high - low):
+            skipped.append(f"the budget of {flops:.3g} FLOPs has its parabola's vertex at N = "
+                           f"{_exp_text(vertex)}, beyond the sizes tried ({np.exp(low):.3g} to "
+                           f"{np.exp(high):.3g}) by more than their span: no minimum located (add sizes "
+                           "towards it): skipped")
+            continue
+        if np.polyval(curve, vertex) <= 0:
+            skipped.append(f"the budget of {flops:.3g} FLOPs has its parabola's minimum at a loss <= 0: "
+                           "skipped")
+            continue
         budgets.append({"flops": flops, "sizes": sizes, "parameters": float(np.exp(vertex)),
                         "tokens": float(np.exp(np.polyval(slope, vertex))),
                         "loss": float(np.polyval(curve, vertex)),
@@ -191,27 +204,47 @@ def _law(theta: np.ndarray) -> dict:
 
 
 def predicted_loss(law: dict, parameters, tokens):
-    """L(N, D) of an Approach-3 law."""
-    return law["E"] + law["A"] / np.power(parameters, law["alpha"]) + law["B"] / np.power(tokens, law["beta"])
+    """L(N, D) of an Approach-3 law, its terms taken in logs (A / N^alpha = exp(log A - alpha log N): an
+    extreme fit, say alpha 60 and A 1e250, stays finite where it can); inf where it cannot, no warning."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return (law["E"] + np.exp(np.log(law["A"]) - law["alpha"] * np.log(parameters))
+                + np.exp(np.log(law["B"]) - law["beta"] * np.log(tokens)))
+
+
+def _exp_text(log_value: float) -> str:
+    """exp(log_value) for a message, as 10^x where a float cannot hold it."""
+    return f"{np.exp(log_value):.3g}" if abs(log_value) < 700 else f"10^{log_value / np.log(10):.0f}"
+
+
+def within_budgets(runs: Runs, flops: float) -> bool:
+    """Whether ``flops`` lies among the runs' budgets (within 5% of their least and greatest FLOPs)."""
+    tolerance = 1 + BUDGET_TOLERANCE
+    return bool(runs.flops.min() / tolerance <= flops <= runs.flops.max() * tolerance)
 
 
 def optimal_points(runs: Runs, second: dict, third: dict, budgets: list[float]) -> list[dict]:
     """The compute-optimal N, D and loss at each budget C: Approach 2's power laws, and Approach 3's law
-    minimised along C = k N D."""
+    minimised along C = k N D; each point ``extrapolated`` where C lies beyond the runs' budgets. Computed
+    in logs: a value a float cannot hold is inf (``fit`` refuses such a ``--budget``; a resample's is left
+    out of the intervals), never an exception or a warning."""
     points = []
     k = runs.flops_per_parameter_token()
-    for flops in budgets:
-        if second.get("laws"):
-            laws = (second["laws"][key] for key in ("parameters", "tokens", "loss"))
-            n, d, loss = (float(np.exp(intercept) * flops ** slope) for slope, intercept in laws)
-            points.append({"flops": flops, "approach": 2, "parameters": n, "tokens": d, "loss": loss})
-        alpha, beta = third["alpha"], third["beta"]
-        if alpha > 0 and beta > 0:
-            scale = (alpha * third["A"] / (beta * third["B"])) ** (1 / (alpha + beta))
-            n = scale * (flops / k) ** (beta / (alpha + beta))
-            d = flops / k / n
-            points.append({"flops": flops, "approach": 3, "parameters": float(n), "tokens": float(d),
-                           "loss": float(predicted_loss(third, n, d))})
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        for flops in budgets:
+            log_c, beyond = np.log(flops), not within_budgets(runs, flops)
+            if second.get("laws"):
+                laws = (second["laws"][key] for key in ("parameters", "tokens", "loss"))
+                n, d, loss = (float(np.exp(intercept + slope * log_c)) for slope, intercept in laws)
+                points.append({"flops": flops, "approach": 2, "parameters": n, "tokens": d, "loss": loss,
+                               "extrapolated": beyond})
+            alpha, beta = third["alpha"], third["beta"]
+            if alpha > 0 and beta > 0:
+                log_scale = (np.log(alpha) + np.log(third["A"]) - np.log(beta) - np.log(third["B"])) / (
+                    alpha + beta)
+                log_n = log_scale + beta / (alpha + beta) * (log_c - np.log(k))
+                n, d = np.exp(log_n), np.exp(log_c - np.log(k) - log_n)
+                points.append({"flops": flops, "approach": 3, "parameters": float(n), "tokens": float(d),
+                               "loss": float(predicted_loss(third, n, d)), "extrapolated": beyond})
     return points
 
 
@@ -238,7 +271,7 @@ def bootstrap(runs: Runs, result: dict, budgets: list[float], resamples: int,
             drawn.setdefault(("approach2", key), []).append(second[key])
         for key in ("A", "B", "E", "alpha", "beta"):
             drawn.setdefault(("approach3", key), []).append(third and third[key])
-        vertices = {_nearest(grid, b["flops"]): b for b in second["budgets"]}
+        vertices = {_nearest(grid, b["flops"]): b for b in second["budgets"]} if len(grid) else {}
         for index in range(len(grid)):
             for key in ("parameters", "tokens", "loss"):
                 drawn.setdefault(("budget", index, key), []).append(vertices.get(index, {}).get(key))
@@ -247,7 +280,9 @@ def bootstrap(runs: Runs, result: dict, budgets: list[float], resamples: int,
                 drawn.setdefault(("optimal", point["flops"], point["approach"], key), []).append(point[key])
         for key in ("parameters", "tokens"):
             law = second.get("laws", {}).get(key)
-            drawn.setdefault(("band", key), []).append(np.exp(law[1]) * band ** law[0] if law else None)
+            with np.errstate(over="ignore"):
+                curve = np.exp(law[1] + law[0] * np.log(band)) if law else None
+            drawn.setdefault(("band", key), []).append(curve if law and np.isfinite(curve).all() else None)
     for number in (1, 2, 3):
         block = result[f"approach{number}"]
         block["ci90"] = {key: _interval(values) for (name, key), values in

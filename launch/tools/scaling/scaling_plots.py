@@ -1,4 +1,4 @@
-"""The plots of a scaling-law fit (``launch.tools.scaling_law``): IsoFLOP profiles with their vertices,
+"""The plots of a scaling-law fit (``scaling_law``): IsoFLOP profiles with their vertices,
 the compute-optimal frontier with its bootstrap band, loss against FLOPs per size with the fitted law,
 and the law's residuals. PNG files; draws only what the fit holds."""
 
@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from launch.tools.scaling_fits import Runs, predicted_loss
+from launch.tools.scaling.scaling_fits import Runs, predicted_loss
 
 
 def _isoflop(axis, runs: Runs, result: dict) -> None:
@@ -96,7 +96,9 @@ def plot_all(runs: Runs, result: dict, output: str) -> None:
     for name, draw, shape in (("isoflop", _isoflop, (1, 1)), ("frontier", _frontier, (1, 2)),
                               ("law", _law, (1, 1)), ("residuals", _residuals, (1, 1))):
         figure, axes = plt.subplots(*shape, figsize=(6.5 * shape[1], 4.8))
-        draw(axes, runs, result)
-        figure.tight_layout()
-        figure.savefig(os.path.join(output, f"{name}.png"), dpi=100)
+        # a --budget far beyond the sweep's stretches a log axis past what a float holds: drawn all the same
+        with np.errstate(over="ignore", invalid="ignore"):
+            draw(axes, runs, result)
+            figure.tight_layout()
+            figure.savefig(os.path.join(output, f"{name}.png"), dpi=100)
         plt.close(figure)

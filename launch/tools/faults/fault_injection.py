@@ -12,7 +12,7 @@ thread): ``write:N`` (before its first byte), ``midfile:N`` (part of its file wr
 ``FAULT@RANK,FAULT@RANK,...``: the i-th for torchrun's i-th restart. A rank ``local:N`` is local rank N
 of whichever node runs with it (nodes get their group ranks at the rendezvous). With ``FAULT_LOG=FILE``
 each fault appends a JSON line (fault, rank, pid, time) to FILE just before it strikes. Launched by torchrun:
-``-m launch.tools.fault_injection [pretrain flags]``."""
+``-m launch.tools.faults.fault_injection [pretrain flags]``."""
 
 import json
 import os

@@ -1,0 +1,219 @@
+"""``python -m launch.plan``'s command line: sizes and rates with their units, pretrain's flags passed on,
+the search's progress on stderr, and the table (or JSON) of the layouts ``launch.tools.planning.plan``
+finds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+
+from launch.tools.planning.link_model import Device, Links, parse_bandwidth
+from launch.tools.planning import plan as planner
+from models.counting import num_parameters
+from parallel.zero import gradient_bytes
+from pretrain.config.arguments import ConfigError, build_parser, parse_config
+
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20,
+         "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '40 GB', '512mib' -> bytes. A number alone is refused (ValueError saying so): '80' would
+    be 80 bytes, never what a device holds."""
+    stripped = text.replace(" ", "")
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if stripped.lower().endswith(unit.lower()) and stripped[:-len(unit)]:
+            try:
+                return int(float(stripped[:-len(unit)]) * UNITS[unit])
+            except ValueError:
+                break
+    try:
+        float(stripped)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: give a number and a unit, e.g. 80GiB or 40GB "
+                         f"(units: {', '.join(UNITS)})") from None
+    raise ValueError(f"{text!r} has no unit: write {stripped}GiB (or {stripped}GB); a number alone would be "
+                     f"{stripped} bytes") from None
+
+
+PROGRESS_INTERVAL = 5.0  # seconds between the search's progress lines on stderr
+# pretrain's flags that the plan depends on, shown in --help (every other one is accepted as well), with
+# what they mean here where pretrain's help says something else
+PLAN_FLAGS = {
+    "--config": None, "--num-layers": None, "--hidden-size": None, "--num-attention-heads": None,
+    "--ffn-hidden-size": None, "--seq-length": None,
+    "--vocab-size": "tokenizer vocabulary (default: --default-corpus-vocab-size, the built-in corpus's)",
+    "--global-batch-size": "samples per optimizer step; given, micro-batches of 1, 2, 4 and 8 are tried "
+                           "(default: --micro-batch-size x dp in each layout, Megatron's)",
+    "--micro-batch-size": "samples per forward/backward when --global-batch-size is not given",
+    "--bf16": None, "--fp16": None, "--grad-reduce-in-bf16": None,
+    "--tensor-model-parallel-size": "tp: only this one is tried (default: each divisor of --gpus-per-node)",
+    "--pipeline-model-parallel-size": "pp: only this one is tried (default: each divisor of the layers)",
+    "--context-parallel-size": "cp: only this one is tried (default: each that cuts the sequence into 2 x cp "
+                               "chunks)",
+    "--pipeline-layers-per-stage": None,
+    "--zero-stage": "only this ZeRO stage is tried (default: 0, 1, 2 and 3)",
+    "--zero-bucket-size": None, "--zero-persistence-threshold": None,
+}
+
+
+class _ToPretrain(argparse.Action):
+    """A pretrain flag listed in ``--help``: its words go on to pretrain's parser as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        words = [values] if isinstance(values, str) else list(values or [])
+        namespace.pretrain_flags = [*getattr(namespace, "pretrain_flags", []), option_string, *words]
+
+
+def _add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "the model and the run (python -m pretrain's flags)",
+        "Every flag of python -m pretrain and every key of a --config YAML is accepted and read as pretrain "
+        "reads it (python -m pretrain --help lists them); the model's whole architecture counts (e.g. "
+        "--swiglu, --group-query-attention --num-query-groups, --untie-embeddings-and-output-weights). "
+        "These are the ones the plan depends on:")
+    actions = {option: action for action in build_parser()._actions for option in action.option_strings}
+    for flag, text in PLAN_FLAGS.items():
+        action = actions[flag]
+        group.add_argument(*action.option_strings, action=_ToPretrain, dest="pretrain_flags",
+                           default=argparse.SUPPRESS, nargs=action.nargs,
+                           metavar=None if action.nargs == 0 else "FILE" if flag == "--config" else "N",
+                           help=text or action.help)
+
+
+def _bandwidth(flag: str, text: str | None) -> float | None:
+    """``parse_bandwidth`` of a flag's value, refused in one line without a unit (a number alone would be
+    bytes per second) or when it is no bandwidth."""
+    if text is None:
+        return None
+    bare = text.replace(" ", "")
+    try:
+        float(bare)
+    except ValueError:
+        pass
+    else:
+        sys.exit(f"error: {flag} {text!r} has no unit: write {bare}Gbit (or {bare}GB/s); a number alone "
+                 "would be bytes per second")
+    try:
+        return parse_bandwidth(text)
+    except ValueError:
+        sys.exit(f"error: {flag} {text!r} is not a bandwidth: give a number and a unit, e.g. 100Gbit, "
+                 "400Gbit/s, 25GB/s")
+
+
+class _Progress:
+    """Says on stderr how far the layout search is, every ``PROGRESS_INTERVAL`` seconds (a search over
+    ZeRO++'s options can take a minute), and once at the end if it said anything."""
+
+    def __init__(self):
+        self.started = self.said = time.monotonic()
+        self.spoke = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.said >= PROGRESS_INTERVAL or (done == total and self.spoke):
+            elapsed = now - self.started
+            left = f" (about {elapsed * (total - done) / done:.0f} s left)" if 0 < done < total else ""
+            sys.stderr.write(f"launch.plan: {done} / {total} layouts priced, {elapsed:.0f} s{left}\n")
+            sys.stderr.flush()
+            self.said, self.spoke = now, True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.plan", description=planner.__doc__.split("\n")[0],
+        usage="%(prog)s [--config FILE] [pretrain flags] --world-size N [--gpus-per-node N]\n"
+              "       [--memory-per-device SIZE] [--inter-node-bandwidth RATE] [options]")
+    parser.add_argument("--world-size", type=int, required=True, metavar="N", help="devices in all")
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                        help="devices per node: tp stays within one (default: 8)")
+    parser.add_argument("--memory-per-device", default="80GiB", metavar="SIZE",
+                        help="with a unit: 80GiB, 40GB, 512MiB (default: 80GiB)")
+    parser.add_argument("--top", type=int, default=10, metavar="N", help="layouts to print (default: 10)")
+    parser.add_argument("--json", action="store_true", help="print the layouts as JSON")
+    parser.add_argument("--inter-node-bandwidth", metavar="RATE",
+                        help="a node's link to the others, e.g. 400Gbit, 50GB/s: rank layouts by predicted "
+                             "step time (launch.tools.planning.link_model), ZeRO++ and shard groups included "
+                             "(a longer search: its progress goes to stderr)")
+    parser.add_argument("--intra-node-bandwidth", default="200GB/s", metavar="RATE",
+                        help="between two ranks of a node (default: 200GB/s)")
+    parser.add_argument("--link-latency", type=float, default=10e-6, metavar="SECONDS",
+                        help="per message step (default: 1e-05)")
+    parser.add_argument("--device-flops", type=float, default=Device.flops, metavar="FLOPS",
+                        help=f"model FLOP/s one device sustains, e.g. 40%% of a bf16 peak (default: "
+                             f"{Device.flops:g})")
+    parser.add_argument("--quantize-rate", type=float, default=Device.quantize_rate, metavar="RATE",
+                        help="elements a device quantizes or dequantizes per second, ZeRO++'s passes "
+                             f"(default: {Device.quantize_rate:g})")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                        help="collective backend: how much communication hides behind compute (default: "
+                             "nccl)")
+    _add_pretrain_flags(parser)
+    args, rest = parser.parse_known_args(argv)
+    model_flags = [*getattr(args, "pretrain_flags", []), *rest]
+    try:
+        memory_per_device = parse_bytes(args.memory_per_device)
+    except ValueError as error:
+        sys.exit(f"error: --memory-per-device {error}")
+    intra = _bandwidth("--intra-node-bandwidth", args.intra_node_bandwidth)
+    inter = _bandwidth("--inter-node-bandwidth", args.inter_node_bandwidth)
+    try:
+        config = parse_config(model_flags)
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    if config.model.vocab_size is None:
+        config.model.vocab_size = config.data.default_corpus_vocab_size
+    train, zero = config.training, config.zero
+    parallel = config.parallel
+    fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
+             "tp": (parallel.tensor_model_parallel_size
+                    if "--tensor-model-parallel-size" in model_flags else None),
+             "pp": (parallel.pipeline_model_parallel_size
+                    if "--pipeline-model-parallel-size" in model_flags else None),
+             "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None}
+    compute_bytes = 2 if train.bf16 or train.fp16 else 4
+    links = Links(intra, inter, args.link_latency) if inter is not None else None
+    plans = planner.plan(config.model, args.world_size, args.gpus_per_node, memory_per_device,
+                 train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
+                 persistence_threshold=zero.zero_persistence_threshold,
+                 grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
+                 layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
+                 device=Device(args.device_flops, args.quantize_rate, args.backend),
+                 micro_batch_size=train.micro_batch_size, progress=_Progress())
+    advice = planner.zero_advice(plans) if links is not None else None
+    plans = plans[:args.top]
+    if args.json:
+        print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
+                           "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
+                           "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes,
+                           "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score,
+                           "step_seconds": p.step_seconds} for p in plans], indent=1))
+        return
+    params = num_parameters(config.model)
+    print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
+          "per node, "
+          f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
+    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
+          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / "
+          "tp / pp / cp (to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
+    for p in plans:
+        layout, gib = p.layout, 2**30
+        print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
+              f"{str(layout.recompute):>9} "
+              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
+              f"{p.model_state_bytes / gib:>10.2f} "
+              f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
+              + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
+                           for axis in ("dp", "tp", "pp", "cp"))
+              + (f" | {layout.zero.label():>14} | {p.step_seconds:.3f}" if links else ""))
+    if advice:
+        print(advice)
+    if not plans:
+        print("nothing fits: add devices, or allow more memory per device")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The launch commands as a user meets them: every ``python -m launch...`` path the README, docs and configs
+name is a command; the tools are split by concern behind short command modules; launch.plan refuses a size
+or rate without a unit, says how far its search is and lists pretrain's flags in --help; launch.torchrun
+takes torchrun's spelling of the process count; --help describes each command in whole sentences."""
+
+import glob
+import importlib
+import importlib.util
+import os
+import re
+
+import pytest
+
+from launch.tools.planning import plan_command as planner
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+README_COMMANDS = {"launch.plan", "launch.sweep", "launch.scaling_law", "launch.chaos",
+                   "launch.tools.fault_sweep", "launch.tools.gpu_check", "launch.torchrun"}
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+
+
+def _named_modules() -> tuple[set[str], set[str]]:
+    """(every ``launch.X...`` module named in the README, docs/, the configs and scripts; those of them run
+    as ``python -m``, ``-m`` or a launcher's ``ENTRY``)."""
+    paths = [os.path.join(REPOSITORY, name) for name in ("README.md", ".ci/run", "launch/slurm.sbatch")]
+    for pattern in ("docs/*.md", "launch/*.sh", "launch/configs/**/*.yaml"):
+        paths += glob.glob(os.path.join(REPOSITORY, pattern), recursive=True)
+    named, run = set(), set()
+    for path in paths:
+        with open(path) as handle:
+            text = handle.read()
+        named.update(re.findall(r"\blaunch(?:\.[A-Za-z_]\w*)+", text))
+        run.update(re.findall(r"(?:-m |ENTRY:-|ENTRY=\"?)(launch(?:\.[A-Za-z_]\w*)+)", text))
+    return named, run
+
+
+def test_every_launch_module_the_docs_name_exists_and_each_command_runs():
+    named, run = _named_modules()
+    assert README_COMMANDS <= run, README_COMMANDS - run
+    for name in sorted(named):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin, f"{name} is named but is no module"
+        if name in run:
+            with open(spec.origin) as handle:
+                assert 'if __name__ == "__main__":' in handle.read(), f"{name} does not run as python -m"
+
+
+def test_the_tools_are_split_by_concern_behind_short_command_modules():
+    tools = os.path.join(REPOSITORY, "launch", "tools")
+    assert sorted(name for name in os.listdir(tools) if name != "__pycache__") == [
+        "__init__.py", "fault_sweep.py", "faults", "gpu_check.py", "planning", "scaling"]
+    concerns = {"planning": {"plan", "plan_command", "layout_price", "link_model"},
+                "scaling": {"sweep", "isoflop", "scaling_law", "scaling_fits", "scaling_plots"},
+                "faults": {"fault_sweep", "fault_injection", "chaos"}}
+    for concern, modules in concerns.items():
+        found = {name[:-3] for name in os.listdir(os.path.join(tools, concern)) if name.endswith(".py")}
+        assert found == modules | {"__init__"}, (concern, found)
+    for command, home in (("launch/plan.py", "launch.tools.planning.plan_command"),
+                          ("launch/sweep.py", "launch.tools.scaling.sweep"),
+                          ("launch/scaling_law.py", "launch.tools.scaling.scaling_law"),
+                          ("launch/chaos.py", "launch.tools.faults.chaos"),
+                          ("launch/tools/fault_sweep.py", "launch.tools.faults.fault_sweep")):
+        with open(os.path.join(REPOSITORY, command)) as handle:
+            text = handle.read()
+        assert f"from {home} import main\n" in text and len(text.splitlines()) <= 6, command  # no copied code
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--memory-per-device", "80", "error: --memory-per-device '80' has no unit: write 80GiB (or 80GB); a "
+                                  "number alone would be 80 bytes"),
+    ("--memory-per-device", "lots", "error: --memory-per-device 'lots' is not a size: give a number and a "
+                                    "unit, e.g. 80GiB or 40GB"),
+    ("--inter-node-bandwidth", "100", "error: --inter-node-bandwidth '100' has no unit: write 100Gbit (or "
+                                      "100GB/s)"),
+    ("--intra-node-bandwidth", "fast", "error: --intra-node-bandwidth 'fast' is not a bandwidth"),
+])
+def test_plan_refuses_a_size_or_rate_without_a_unit_in_one_line(flag, value, message):
+    with pytest.raises(SystemExit) as stop:
+        planner.main([*TINY, "--world-size", "4", flag, value])
+    assert str(stop.value.code).startswith(message) and "\n" not in str(stop.value.code), stop.value.code
+    assert planner.parse_bytes("80gib") == planner.parse_bytes("80 GiB") == 80 * 2**30
+    assert planner.parse_bytes("40GB") == 40 * 10**9
+
+
+def test_plan_says_how_far_its_search_is_on_stderr(monkeypatch, capsys):
+    flags = [*TINY, "--world-size", "4", "--memory-per-device", "1GiB", "--inter-node-bandwidth", "10Gbit",
+             "--top", "1"]
+    planner.main(flags)  # a search shorter than the interval says nothing
+    assert "layouts priced" not in capsys.readouterr().err
+    monkeypatch.setattr(planner, "PROGRESS_INTERVAL", 0.0)
+    planner.main(flags)
+    said = capsys.readouterr().err.splitlines()
+    counts = [re.fullmatch(r"launch\.plan: (\d+) / (\d+) layouts priced, \d+ s( \(about \d+ s left\))?", line)
+              for line in said]
+    assert said and all(counts), said
+    done, totals = [int(match[1]) for match in counts], {int(match[2]) for match in counts}
+    assert len(totals) == 1 and done[0] == 0 and done[-1] == totals.pop() > 1 and done == sorted(done)
+
+
+def test_plan_help_lists_config_and_the_model_flags(capsys):
+    with pytest.raises(SystemExit) as stop:
+        planner.main(["--help"])
+    assert stop.value.code == 0
+    printed = capsys.readouterr().out
+    for flag in ("--config FILE", "--num-layers N", "--hidden-size N", "--num-attention-heads N",
+                 "--seq-length N", "--global-batch-size N", "--tensor-model-parallel-size N",
+                 "--zero-stage N", "--bf16, --no-bf16", "--memory-per-device SIZE",
+                 "--inter-node-bandwidth RATE"):
+        assert flag in printed, flag
+    assert ("Every flag of python -m pretrain and every key of a --config YAML is accepted"
+            in " ".join(printed.split()))
+
+
+def test_torchrun_takes_torchruns_spelling_of_the_process_count(monkeypatch):
+    import launch.torchrun as launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda arguments: started.append(arguments) or 0)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # main exports OMP_NUM_THREADS
+    for spelling in (["--nproc-per-node", "2"], ["--nproc_per_node=2"], ["--nproc", "2"]):
+        with pytest.raises(SystemExit) as stop:
+            launcher.main([*spelling, "--train-iters", "3"])
+        assert stop.value.code == 0
+    assert started == [launcher.torchrun_arguments(2, ["--train-iters", "3"])] * 3
+
+
+@pytest.mark.parametrize("module, says", [
+    ("launch.torchrun", "Every other flag goes to python -m pretrain unchanged (python -m pretrain --help "
+                        "lists them)"),
+    ("launch.tools.fault_sweep", "The cases' pretrain flags are fixed (python -m pretrain --help lists every "
+                                 "flag); this command takes only the options below."),
+])
+def test_help_describes_the_command_in_whole_sentences(module, says, capsys):
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert description.endswith(".") and says in description, description
+
+
+def test_the_readme_runs_the_isoflop_preset_as_the_preset_says():
+    """The README's IsoFLOP example: the preset's budgets for the fit and the preset's time."""
+    with open(os.path.join(REPOSITORY, "launch", "configs", "sweep-isoflop-cpu.yaml")) as handle:
+        preset = handle.read()
+    with open(os.path.join(REPOSITORY, "README.md")) as handle:
+        readme = handle.read()
+    fit = (r"python -m launch\.scaling_law fit runs/sweeps/cpu-isoflop/\S+ --output \S+ \\\s+"
+           r"--budget ([\de+. ]+)")
+    budgets = [re.search(fit, text.replace("\n#", "\n"))[1].split() for text in (preset, readme)]
+    assert budgets[0] == budgets[1], budgets
+    sweep = readme.index("python -m launch.sweep launch/configs/sweep-isoflop-cpu.yaml")
+    said = re.findall(r"about (\d+) minutes", readme[readme.rindex("```", 0, sweep):sweep])
+    assert said == re.findall(r"about (\d+) minutes on 2 cores", preset), said
