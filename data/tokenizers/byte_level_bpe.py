@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from data.file_digest import files_sha256
-from data.tokenizers.base import SpecialIds, write_hugging_face_files
+from data.tokenizers.base import SpecialIds, configured_chat_templates, write_hugging_face_files
 
 GPT2_END_OF_TEXT = "<|endoftext|>"
 # end-of-document tokens of common tokenizers, tried when a tokenizer.json comes without its config
@@ -45,7 +45,7 @@ class _ByteLevelBPE(SpecialIds):
 
     def save_for_hugging_face(self, directory: str) -> dict:
         """Write tokenizer.json and tokenizer_config.json for ``AutoTokenizer``; return the special ids."""
-        return write_hugging_face_files(directory, self._tokenizer, self.special_tokens)
+        return write_hugging_face_files(directory, self._tokenizer, self.special_tokens, self.chat_templates)
 
 
 class GPT2BPETokenizer(_ByteLevelBPE):
@@ -99,7 +99,7 @@ class HuggingFaceTokenizer(_ByteLevelBPE):
                              "give the "
                              "directory save_pretrained wrote, with its tokenizer_config.json")
         self.special_tokens = {**_configured_special(os.path.dirname(file)), "eos_token": candidates[0]}
-        self.chat_template, self.chat_template_source = _configured_chat_template(os.path.dirname(file))
+        self.chat_templates, self.chat_template_source = configured_chat_templates(os.path.dirname(file))
         super().__init__(tokenizer, tokenizer.token_to_id(candidates[0]), files_sha256(file))
 
 
@@ -117,24 +117,6 @@ def _configured_special(directory: str) -> dict[str, str]:
                 if isinstance(value, str):
                     special[key] = value
     return special
-
-
-def _configured_chat_template(directory: str) -> tuple[str | None, str]:
-    """(the Jinja chat template a Hugging Face tokenizer directory carries, the file it came from):
-    chat_template.jinja, or the tokenizer_config.json entry (a string, or a list of named templates of
-    which "default" is used)."""
-    path = os.path.join(directory, "chat_template.jinja")
-    if os.path.isfile(path):
-        with open(path) as handle:
-            return handle.read(), path
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return None, path
-    with open(path) as handle:
-        template = json.load(handle).get("chat_template")
-    if isinstance(template, list):
-        template = next((entry.get("template") for entry in template if entry.get("name") == "default"), None)
-    return (template if isinstance(template, str) else None), path
 
 
 def _configured_eos(directory: str) -> str | None:

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, List, Sequence
 import sentencepiece
 
 from data.documents import read_documents
-from data.tokenizers.base import SpecialIds, write_hugging_face_files
+from data.tokenizers.base import SpecialIds, configured_chat_templates, write_hugging_face_files
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 SEED = 1234
@@ -128,6 +128,8 @@ class SentencePieceTokenizer(SpecialIds):
                 "train it with python -m data.tokenizers, which reserves one"
             )
         self.model_path = model_path
+        self.chat_templates, self.chat_template_source = configured_chat_templates(
+            os.path.dirname(os.path.abspath(model_path)))  # a Hugging Face directory's tokenizer.model
         self.vocab_size = self._processor.vocab_size()
         self.eod_id = self._processor.eos_id()
         self.pad_id = self._processor.pad_id()
@@ -168,7 +170,7 @@ class SentencePieceTokenizer(SpecialIds):
                    (("unk_token", processor.unk_id()), ("bos_token", processor.bos_id()),
                     ("eos_token", processor.eos_id()), ("pad_token", processor.pad_id())) if index >= 0}
         tokenizer.add_special_tokens([token for name, token in special.items() if name != "unk_token"])
-        return write_hugging_face_files(directory, tokenizer, special)
+        return write_hugging_face_files(directory, tokenizer, special, self.chat_templates)
 
     def encode(self, text: str) -> List[int]:
         """Token ids of `text`, without any special token."""

@@ -127,24 +127,36 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: give 1 or more processes")
+    if args.load and args.to == "consolidated" and not args.output.endswith(".safetensors"):
+        parser.error(f"--output {args.output}: the consolidated model is a safetensors file: give --output "
+                     f"{args.output.rstrip('/')}/model.safetensors (or --to hf for a Hugging Face "
+                     "directory)")
     from pretrain.interop.hf_checkpoint import export_hf, import_hf
 
     try:
         if args.from_hf:
             path = import_hf(args.from_hf, args.output)
             print(f"wrote {path} from {args.from_hf}")
+            if not os.path.isdir(os.path.join(path, "tokenizer")):
+                print(f"note: {args.from_hf} has no tokenizer files (tokenizer.json, tokenizer.model or "
+                      "vocab.json + merges.txt): the checkpoint has none; training with it needs a tokenizer "
+                      "flag and --data-path of data it tokenized (or --mock-data), and an export writes the "
+                      "weights and config alone", file=sys.stderr)
             return
         checkpoint, manifest, pieces = saved_weights(args.load)
         if args.to == "hf":
             try:
                 tokenizer = saved_tokenizer(checkpoint, manifest)
             except ValueError as error:
-                print(f"warning: no tokenizer files written ({error})", file=sys.stderr)
+                print(f"note: no tokenizer files written: {error}", file=sys.stderr)
                 tokenizer = None
             export_hf(pieces, model_config(manifest), tokenizer, args.output, max_shard_bytes)
         else:
-            write_consolidated(pieces, manifest, args.output, args.with_optimizer_states, max_shard_bytes,
-                               args.workers, args.load)
+            files = write_consolidated(pieces, manifest, args.output, args.with_optimizer_states,
+                                       max_shard_bytes, args.workers, args.load)
+            if max_shard_bytes and files == 1:
+                print(f"the model fits in one shard of --max-shard-size {args.max_shard_size}: one file, no "
+                      "index (as Hugging Face writes it)")
     except (CheckpointError, ReshardError) as error:
         sys.exit(f"error: {error}")
     print(f"wrote {args.output} from iteration {manifest['iteration']} of {args.load}")

@@ -24,13 +24,14 @@ from parallel.param_meta import meta
 from parallel.zero.export import StreamedSafetensors
 from pretrain.interop.safetensors_shards import plan_shards, write_index
 from data.file_digest import files_sha256
+from data.tokenizers.base import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
 from pretrain.interop.hf_names import export_plan, import_plan
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt",
-                   "tokenizer.model")
+# every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", CHAT_TEMPLATE_FILE)
 IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers some exports keep
 
 
@@ -156,11 +157,18 @@ def _copy_tokenizer(source: str, target: str) -> dict | None:
     """Copy the tokenizer files of ``source``; the tokenizer flags that read them (paths relative to the
     checkpoint), or None when there are none."""
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
-    if not present:
+    if not any(name in present for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
         return None
     os.makedirs(target)
     for name in present:
         shutil.copy(os.path.join(source, name), target)
+    templates = os.path.join(source, CHAT_TEMPLATE_DIR)
+    if os.path.isdir(templates):
+        os.makedirs(os.path.join(target, CHAT_TEMPLATE_DIR))
+        for name in os.listdir(templates):
+            path = os.path.join(templates, name)
+            if name.endswith(".jinja") and os.path.isfile(path) and not os.path.islink(path):
+                shutil.copy(path, os.path.join(target, CHAT_TEMPLATE_DIR))
     return tokenizer_flags(present, "tokenizer")  # relative to the checkpoint
 
 

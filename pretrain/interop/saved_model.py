@@ -40,6 +40,9 @@ def saved_tokenizer(checkpoint: str, manifest: dict):
         files = {key: os.path.join(checkpoint, value) if key != "tokenizer_type" else value
                  for key, value in recorded.items()}
         return build_tokenizer(TokenizerSpec(**files))
+    if manifest.get("kind") == "weights":
+        raise ValueError(f"{checkpoint} was imported without tokenizer files (its Hugging Face directory had "
+                         "none)")
     settings = manifest["config"]
     if (not settings.get("data_path") and not settings.get("train_data_path")
             and not settings.get("mock_data")):

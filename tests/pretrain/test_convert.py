@@ -103,10 +103,24 @@ def test_consolidated_file_and_hf_export_match_the_trained_model(stdlib_corpus, 
     assert generate("def ", max_new_tokens=4, do_sample=False)[0]["generated_text"].startswith("def ")
 
 
-def test_hf_export_refuses_what_no_hugging_face_class_expresses(stdlib_corpus, tmp_path):
+def test_hf_export_refuses_what_no_hugging_face_class_expresses(stdlib_corpus, tmp_path, capsys):
     directory = str(tmp_path / "rope")
     run_world(1, _train_and_save, stdlib_corpus, directory, ["--position-embedding-type", "rope"])
     with pytest.raises(SystemExit, match="no Hugging Face class expresses this model \\(gpt2: "
                                          "--position-embedding-type rope; llama: --normalization LayerNorm, "
                                          "--disable-bias-linear False, --swiglu \\(the MLP is gelu\\)\\)"):
         convert(["--load", directory, "--output", str(tmp_path / "hf"), "--to", "hf"])
+    # what a user points --load and --output at by mistake, each answered in one line
+    for load, message in ((tmp_path / "nowhere", f"--load {tmp_path / 'nowhere'}: no such directory"),
+                          (tmp_path / "rope" / "iter_0000003", f"--load {tmp_path / 'rope' / 'iter_0000003'} "
+                           f"is one checkpoint: give the directory that holds it, --load {directory} "
+                           "--ckpt-step 3")):
+        with pytest.raises(SystemExit, match=f"^error: {message}$"):
+            convert(["--load", str(load), "--output", str(tmp_path / "x.safetensors")])
+    with pytest.raises(SystemExit):
+        convert(["--load", directory, "--output", str(tmp_path / "out")])
+    assert "--output " + str(tmp_path / "out") + ": the consolidated model is a safetensors file" in \
+        capsys.readouterr().err
+    convert(["--load", directory, "--output", str(tmp_path / "one" / "model.safetensors"), "--max-shard-size",
+             "5GB"])
+    assert "fits in one shard of --max-shard-size 5GB: one file, no index" in capsys.readouterr().out

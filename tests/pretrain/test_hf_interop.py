@@ -152,3 +152,66 @@ def test_the_fine_tune_job_learns_its_mapping_and_transformers_answers(tmp_path)
     assert job.returncode == 0, job.stderr[-3000:]
     right = int(job.stdout.split("held-out prompts answered right: ")[1].split()[0])
     assert right >= 16, job.stdout[-2000:]  # of 20 prompts the training set never showed
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_templates_come_in_and_go_out_and_a_tokenizerless_model_still_converts(hf_models, tmp_path,
+                                                                                    capsys):
+    """transformers 5 keeps a template in chat_template.jinja (named ones in additional_chat_templates/):
+    imported, our SFT renders what transformers renders, and the export carries them. A directory without
+    tokenizer files imports with a note, exports its weights and config, loads, and a run that would pair
+    it with the built-in corpus's tokenizer is refused naming why."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.sft_dataset import template_renderer
+    from pretrain.interop.load_model import load_model
+    from pretrain.interop.saved_model import saved_tokenizer
+    from pretrain.checkpoint.catalog import read_manifest
+    from pretrain.config.arguments import ConfigError
+
+    source = tmp_path / "chat"
+    shutil.copytree(hf_models["llama3.1"], source)
+    theirs = AutoTokenizer.from_pretrained(source)
+    theirs.chat_template = {"default": TEMPLATE, "terse": "{{ messages[-1]['content'] }}"}
+    theirs.save_pretrained(source)
+    assert (source / "chat_template.jinja").exists() and (source / "additional_chat_templates").is_dir()
+    checkpoint = str(tmp_path / "chat-ckpt")
+    convert(["--from-hf", str(source), "--output", checkpoint])
+    ours = saved_tokenizer(*read_manifest(checkpoint))
+    messages = [{"role": "user", "content": "hi \u00e9"}, {"role": "assistant", "content": "hello"}]
+    render = template_renderer(ours.chat_template, ours.chat_template_source)
+    for prompt in (False, True):
+        assert render(messages=messages, add_generation_prompt=prompt, **ours.special_tokens) == \
+            theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    exported = tmp_path / "chat-hf"
+    convert(["--load", checkpoint, "--to", "hf", "--output", str(exported)])
+    again = AutoTokenizer.from_pretrained(exported)
+    assert again.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages,
+                                                                                             tokenize=False)
+    assert again.apply_chat_template(messages, tokenize=False, chat_template="terse") == "hello"
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(hf_models["gpt2"], name), bare)
+    checkpoint = str(tmp_path / "bare-ckpt")
+    capsys.readouterr()
+    convert(["--from-hf", str(bare), "--output", checkpoint])
+    assert "has no tokenizer files" in capsys.readouterr().err
+    convert(["--load", checkpoint, "--to", "hf", "--output", str(tmp_path / "bare-hf")])
+    assert "no tokenizer files written" in capsys.readouterr().err
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        original = AutoModelForCausalLM.from_pretrained(bare).eval()(tokens).logits
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "bare-hf").eval()(tokens).logits
+        loaded = load_model(checkpoint)
+        assert loaded.tokenizer is None
+        torch.testing.assert_close(loaded(tokens), original, rtol=1e-5, atol=1e-5)
+    assert torch.equal(exported, original)
+    with pytest.raises(ConfigError, match="the checkpoint's model has a vocabulary of .* brought no "
+                                          "tokenizer"):
+        validate(parse_config(["--pretrained-checkpoint", checkpoint, "--default-corpus-vocab-size",
+                               "4096"]), 1)
