@@ -270,6 +270,9 @@ def check_indexed_files(prefix: str, flag: str = "--data-path") -> IndexedDatase
     parses, the .bin is exactly as long as the index says, and it holds documents and tokens.
     ValueError naming ``flag``, the file and the fix."""
     rebuild = "rebuild it with python -m data.preprocess"
+    if prefix.endswith((".bin", ".idx")) and not os.path.isfile(prefix + ".bin"):
+        raise ValueError(f"{flag} {prefix}: give the prefix of the .bin/.idx pair, {flag} {prefix[:-4]} "
+                         "(Megatron's convention)")
     for path in (prefix + ".bin", prefix + ".idx"):
         if not os.path.isfile(path):
             raise ValueError(f"{flag} {prefix}: no {path} found; run python -m data.preprocess first")

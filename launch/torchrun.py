@@ -38,10 +38,21 @@ def torchrun_arguments(nproc: int, pretrain_args: list[str], max_restarts: int =
             *pretrain_args]
 
 
+DESCRIPTION = """Launch python -m pretrain on this machine with torchrun: --nproc processes (torchrun's
+--nproc-per-node), the CPU cores divided among them, a rendezvous over loopback, and with --max-restarts
+every worker restarted after a failure, each restart resuming from the newest intact checkpoint when
+--save and --load name one directory. Every other flag goes to python -m pretrain unchanged (python -m
+pretrain --help lists them), e.g. python -m launch.torchrun --nproc 4 --config
+launch/configs/cpu-default.yaml --zero-stage 3."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.torchrun", description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc", type=int, required=True, help="processes (= world size) on this machine")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser = argparse.ArgumentParser(prog="python -m launch.torchrun", description=DESCRIPTION,
+                                     usage="%(prog)s --nproc N [--max-restarts R] [pretrain flags]")
+    parser.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int,
+                        required=True, metavar="N",
+                        help="processes (= world size) on this machine (torchrun's --nproc-per-node)")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="R",
                         help="restart every worker this many times after a failure (torchrun's elastic "
                              "agent); give --save and --load the same directory so that each restart resumes "
                              "from the newest intact checkpoint (default 0)")
@@ -60,18 +71,26 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun with ``torchrun_args`` here; return the job's exit status (see the module)."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     if "LOGLEVEL" not in os.environ:  # the workers say what failed; torchrun's warnings only repeat it
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:  # each sets its level
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     args = get_args_parser().parse_args(torchrun_args)
     _honour_shutdown_timeout(args.shutdown_timeout if args.shutdown_timeout is not None
                              else int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")))
     _say_failures()
     try:
         run(args)
+    except SignalException as stop:  # torch's agent passed the signal on to the workers and waited for them
+        name = signal.Signals(stop.sigval).name
+        sys.stderr.write(f"error: the launcher on {socket.gethostname()} received {name}: the workers were "
+                         "stopped (with --save, each saved a checkpoint first: 'saved checkpoint' above)\n")
+        return 128 + stop.sigval
     except RendezvousError as error:  # the agent hosting the rendezvous (another node's) has ended
         sys.stderr.write(f"error: the rendezvous at {args.rdzv_endpoint} stopped answering "
                          f"({type(error).__name__}: the node that hosted it ended, or the network between): "

@@ -3,7 +3,7 @@
 Every count builds the part in question exactly as training does (``models.pipeline_stage``), on the meta
 device: shapes and parallel metadata, no memory and no values. So a new architecture option changes
 the counts by construction. Used by the trainer (parameters, FLOPs), the validation (swap-file
-sizes) and the memory planner (``launch.tools.plan``).
+sizes) and the memory planner (``launch.tools.planning.plan``).
 """
 
 from __future__ import annotations

@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     from parallel.watchdog import HangWatchdog
     from pretrain.training.trainer import Trainer
 
+    # Ctrl-C reaches every worker (and the launcher, which passes it on): end at once without a traceback,
+    # unless --save, where the trainer's RunControl takes it over to save and stop after the step
+    signal.signal(signal.SIGINT, lambda signum, frame: _exit(128 + signum))
     device = init_distributed(config.parallel.distributed_timeout_s)
     watchdog = HangWatchdog(config.parallel.distributed_timeout_s, _stalled(config))
     try:

@@ -7,7 +7,7 @@ keeps them: 4 bytes where the paper counts 2; 2 with --grad-reduce-in-bf16), plu
 stage 1 shards the masters and moments over dp, stage 2 also the gradients, stage 3 also the
 parameters. Stage 3 keeps small parameters and those whose gradients need a tensor- or
 pipeline-parallel reduction first whole, as stage 2 does (``sharded_at_stage_3``, the optimizer's own
-rule). The trainer's start-up table and ``launch.tools.plan`` both price a rank's parameters here.
+rule). The trainer's start-up table and ``launch.tools.planning.plan`` both price a rank's parameters here.
 """
 
 from __future__ import annotations

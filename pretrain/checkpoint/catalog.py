@@ -66,6 +66,23 @@ def latest_name(directory: str) -> str:
         return handle.read().strip()
 
 
+def not_a_checkpoint_directory(directory: str) -> str | None:
+    """What ``--load directory`` is when it is something else than a directory of checkpoints, and what to
+    give instead: a Hugging Face model, or one checkpoint of a directory (None: neither)."""
+    weights = (".safetensors", ".bin", ".safetensors.index.json")
+    if os.path.isfile(os.path.join(directory, "config.json")) and any(
+            name.endswith(weights) for name in os.listdir(directory)):
+        return (f"--load {directory} is a Hugging Face model, not a checkpoint of ours: import it with "
+                f"python -m pretrain.convert --from-hf {directory} --output CKPT, then train from it with "
+                "--pretrained-checkpoint CKPT")
+    name = os.path.basename(os.path.normpath(directory))
+    if os.path.isfile(os.path.join(directory, "manifest.json")) and name.startswith("iter_"):
+        parent = os.path.dirname(os.path.normpath(directory)) or "."
+        return (f"--load {directory} is one checkpoint: give the directory that holds it, --load {parent}"
+                + (f" --ckpt-step {int(name[5:])}" if name[5:].isdigit() else ""))
+    return None
+
+
 def exists(directory: str, step: int | None = None) -> bool:
     """Whether ``directory`` has a ``latest`` pointer (a run that saved at least once), or with ``step``
     that iteration's checkpoint."""
@@ -88,8 +105,11 @@ def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
         try:
             name = latest_name(directory)
         except OSError as error:
-            raise CheckpointError(f"--load {directory}: no readable 'latest' pointer "
-                                  f"({error.strerror})") from None
+            if not os.path.exists(directory):
+                raise CheckpointError(f"--load {directory}: no such directory") from None
+            raise CheckpointError(not_a_checkpoint_directory(directory) or
+                                  f"--load {directory}: no readable 'latest' pointer ({error.strerror}): "
+                                  "not a directory that --save wrote, or no save there completed") from None
     path = os.path.join(directory, name, "manifest.json")
     if not _plain_name(name):
         raise CheckpointError(f"{os.path.join(directory, 'latest')}: names {name!r}, not a checkpoint of "

@@ -4,7 +4,7 @@ whether it takes the weights alone (fine-tuning) or resumes it whole."""
 from __future__ import annotations
 
 
-from pretrain.checkpoint.catalog import exists
+from pretrain.checkpoint.catalog import exists, read_manifest
 from pretrain.config.schema import Config
 
 
@@ -27,3 +27,16 @@ def loads_weights_only(config: Config, directory: str) -> bool:
 def step_to_load(config: Config, directory: str) -> int | None:
     """The iteration to load under ``directory`` (--ckpt-step applies to --load), or None for the newest."""
     return config.checkpoint.ckpt_step if directory == config.checkpoint.load else None
+
+
+def resume_point(config: Config) -> tuple[int, int] | None:
+    """(iteration, consumed samples) of the checkpoint the run resumes whole, or None when it starts at
+    iteration 0 (nothing to load, fine-tuning, a weights-only import). Reads its manifest alone."""
+    directory = checkpoint_to_load(config)
+    if directory is None or directory != config.checkpoint.load or config.checkpoint.finetune:
+        return None
+    _, manifest = read_manifest(directory, step_to_load(config, directory))
+    progress = manifest.get("states", {}).get("progress")
+    if manifest.get("kind") == "weights" or not progress:
+        return None
+    return int(progress["iteration"]), int(progress["consumed_samples"])

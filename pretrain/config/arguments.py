@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         for f in group_fields:
             base, _, is_list = _field_type(f)
-            kwargs = {"help": f.metadata.get("help", "")}
+            kwargs = {"help": f.metadata.get("help", "") + _default_text(f)}
             if base is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -95,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
                                        type=_scaled(base, factor))
     add_megatron_flags(parser)
     return parser
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    """' (default: X)' for ``--help``; nothing where the default is unset (None: derived from other
+    settings, as each help says) or a switch that is off."""
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if default is None or default is False or default is dataclasses.MISSING:
+        return ""
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    return f" (default: {shown})".replace("%", "%%")
 
 
 def aliases() -> dict[str, str]:

@@ -136,6 +136,14 @@ class MetricsWriter:
                   + (" | skipped" if record["skipped"] else ""), flush=True)
         self.write(record)
 
+    def progress(self, iteration: int, train_iters: int, loss: float, lr: float, tokens_per_s: float,
+                 eta_s: float) -> None:
+        """A console line between the logged iterations (none written to the file): long
+        ``--log-interval``s, Megatron's default 100 among them, are never silent for long."""
+        if self.enabled:
+            print(f"iter {iteration:>6}/{train_iters} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:.0f} "
+                  f"tok/s | ETA {_human_seconds(eta_s)}", flush=True)
+
     def write(self, record: dict) -> None:
         """Append ``record`` to the metrics file and wandb (no console line)."""
         if not self.enabled:

@@ -4,7 +4,9 @@ Megatron's ``--use-checkpoint-args``, always on: the model settings the flags (o
 taken from the checkpoint to be loaded (``--load``, else ``--pretrained-checkpoint``); one they set
 differently stops the run before any process group exists, naming the flag and both values. The
 sequence length and dropout are taken when not given, and may be changed. A Hugging Face import also
-brings its tokenizer, used when no tokenizer flag is given.
+brings its tokenizer, used when no tokenizer flag is given. A run that resumes a checkpoint whole keeps
+its global batch (and batch schedule) unless a batch flag is given: Megatron's default batch, micro-batch
+x data-parallel size, would otherwise change with the process count, and with it the run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 
 from models.config import GPTConfig
-from pretrain.checkpoint.catalog import CheckpointError, exists, read_manifest
+from pretrain.checkpoint.catalog import CheckpointError, exists, not_a_checkpoint_directory, read_manifest
 from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
 from pretrain.config.schema import Config
 
@@ -24,6 +26,7 @@ INHERITED = {"seq_length", "hidden_dropout", "attention_dropout"}
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups",
              "position_embedding_type": "position_embedding", "max_position_embeddings": "max_positions"}
 TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+BATCH = ("global_batch_size", "rampup_batch_size", "step_batch_size_schedule")
 
 
 
@@ -40,6 +43,9 @@ def apply_checkpoint_args(config: Config) -> None:
         except CheckpointError as error:
             raise ValueError(str(error)) from None
     if directory is None:
+        wrong = load and os.path.isdir(load) and not_a_checkpoint_directory(load)
+        if wrong:
+            raise ValueError(wrong)
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
             raise ValueError(f"--pretrained-checkpoint {config.checkpoint.pretrained_checkpoint}: no "
                              "checkpoint "
@@ -70,7 +76,22 @@ def apply_checkpoint_args(config: Config) -> None:
                                  f"has {theirs}: drop the flag (the model's shape comes from the checkpoint)")
         else:
             setattr(model, name, saved.max_positions if name == "max_position_embeddings" else recorded[name])
+    if directory == load and not config.checkpoint.finetune and manifest.get("kind") != "weights":
+        _keep_global_batch(config, manifest)
     tokenizer = manifest.get("tokenizer")
     if tokenizer and not any(name in config.given for name in TOKENIZER):
         for name, value in tokenizer.items():
             setattr(config.data, name, value if name == "tokenizer_type" else os.path.join(path, value))
+
+
+def _keep_global_batch(config: Config, manifest: dict) -> None:
+    """The resumed checkpoint's batch settings into ``config`` when no batch flag is given (its default
+    batch resolved by the layout it was saved in)."""
+    if any(name in config.given for name in BATCH):
+        return
+    saved = manifest["config"]
+    for name in BATCH:
+        if name in saved:
+            setattr(config.training, name, saved[name])
+    if saved.get("global_batch_size") is None and saved.get("step_batch_size_schedule") is None:
+        config.training.global_batch_size = saved["micro_batch_size"] * manifest["layout"]["dp"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from models.counting import num_parameters
 from pretrain.training.batch_schedule import build_batch_schedule
-from pretrain.startup.checkpoint_architecture import apply_checkpoint_args
+from pretrain.checkpoint.selection import resume_point
+from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.pipeline.schedules import validate_schedule
@@ -77,7 +78,13 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
                                         train.rampup_batch_size, train.step_batch_size_schedule,
                                         config.model.seq_length)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        kept = resume_point(config) and not any(name in config.given for name in BATCH)
+        kept_batch = (f" (the batch of the checkpoint under --load {config.checkpoint.load}, kept when "
+                      "resuming: give --global-batch-size to change it)")
+        raise ConfigError(str(error) + (kept_batch if kept else "")) from None
+    point = resume_point(config)
+    if point is not None:
+        schedule = schedule.resumed_at(*point)
     if train.train_iters is not None and train.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples both set the run's length: give one")
     if train.train_samples is not None:
@@ -253,10 +260,17 @@ def _validate_data(config: Config) -> None:
             model.vocab_size = vocab
     if model.vocab_size is None:
         model.vocab_size = vocab
-    elif vocab > model.vocab_size:
+    elif vocab > model.vocab_size and "vocab_size" in config.given:
         raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"{vocab}: "
                           f"use --vocab-size {vocab} or more (or leave it out)")
+    elif vocab > model.vocab_size:  # the size came from the checkpoint loaded
+        tokenizer = ("the built-in corpus's tokenizer, as no --data-path is given" if not sources
+                     else "the tokenizer given")
+        raise ConfigError(f"the checkpoint's model has a vocabulary of {model.vocab_size}, smaller than "
+                          f"{tokenizer} ({vocab}) and it brought no tokenizer of its own: give the one it "
+                          "was made with (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR) and "
+                          "--data-path of data tokenized by it, or --mock-data")
 
 
 def _opened_prefixes(flag: str, paths: list[str]) -> list[tuple]:

@@ -11,11 +11,16 @@ The global batch is constant (``--global-batch-size``) or grows with the samples
 The run ends after ``--train-iters`` iterations, or after the iterations that ``--train-samples``
 fill (a last partial batch dropped, as Megatron does). Everything is a pure function of the consumed
 samples, so a resumed run continues at the exact sample and batch size.
+
+A run resumed with another batch than its checkpoint's (``--global-batch-size`` given anew) is
+``resumed`` at the checkpoint's (iteration, consumed samples): its iterations before that point count the
+checkpoint's samples, those after it the new batches from there, so that it still ends at
+``--train-iters`` (or ``--train-samples``) and its iteration-based learning-rate lengths end there too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,7 @@ class BatchSchedule:
     per_step: int
     rampup: tuple[int, int, int] | None = None
     steps: tuple[tuple[int, int], ...] | None = None  # (from consumed samples, batch size), sorted
+    resumed: tuple[int, int] | None = None  # (iteration, consumed samples) where the batch changed
 
     def batch_size(self, consumed_samples: int) -> int:
         if self.steps is not None:
@@ -57,18 +63,34 @@ class BatchSchedule:
 
     def samples_after(self, iterations: int) -> int:
         """Samples consumed by the first ``iterations`` iterations."""
-        consumed = 0
-        for _ in range(iterations):
+        start_iteration, consumed = self.resumed or (0, 0)
+        if iterations < start_iteration:  # the checkpoint's own iterations, at its mean batch
+            return consumed * iterations // start_iteration
+        for _ in range(iterations - start_iteration):
             consumed += self.batch_size(consumed)
         return consumed
 
     def iterations_for(self, train_samples: int) -> int:
         """Iterations that ``train_samples`` fill; a last partial batch is dropped."""
-        iterations = consumed = 0
+        iterations, consumed = self.resumed or (0, 0)
+        if train_samples < consumed:
+            return iterations * train_samples // consumed
         while consumed + self.batch_size(consumed) <= train_samples:
             consumed += self.batch_size(consumed)
             iterations += 1
         return iterations
+
+    def lr_samples(self, iterations: int) -> int:
+        """The samples that an iteration-based learning-rate length of ``iterations`` counts: Megatron's
+        iterations x the final batch, or the samples really consumed by then in a resumed schedule."""
+        return self.samples_after(iterations) if self.resumed else iterations * self.final_batch_size
+
+    def resumed_at(self, iteration: int, consumed_samples: int) -> BatchSchedule:
+        """This schedule for a run resumed at (``iteration``, ``consumed_samples``): itself when it would
+        have consumed exactly those samples (the batch did not change), else anchored there."""
+        if self.resumed is None and self.samples_after(iteration) == consumed_samples:
+            return self
+        return replace(self, resumed=(iteration, consumed_samples))
 
     @property
     def final_batch_size(self) -> int:

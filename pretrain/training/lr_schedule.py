@@ -3,8 +3,9 @@
 Warm-up rises linearly from ``--lr-warmup-init`` to ``--lr``; then cosine or linear decay to
 ``--min-lr`` (or constant), ending at the decay length and staying at ``--min-lr`` after. Lengths are
 samples: ``--lr-warmup-samples`` / ``--lr-decay-samples`` directly, iteration-based flags
-(``--lr-warmup-iters``, ``--lr-decay-iters``, default ``--train-iters``) times the global batch
-size, and ``--lr-warmup-fraction`` of the decay length. The step that starts after S consumed samples
+(``--lr-warmup-iters``, ``--lr-decay-iters``, default ``--train-iters``) times the final global batch
+size (in a run resumed with another batch: the samples consumed by that iteration), and
+``--lr-warmup-fraction`` of the decay length. The step that starts after S consumed samples
 uses the rate at S, so with a constant batch the sample and iteration spellings give the same rates,
 and under a batch ramp-up the schedule follows the samples actually seen. Pure: resuming is exact.
 """
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from pretrain.config.schema import OptimizerConfig
+from pretrain.training.batch_schedule import BatchSchedule
 
 
 @dataclass(frozen=True)
@@ -41,19 +43,19 @@ class LRSchedule:
 
 
 def build_lr_schedule(config: OptimizerConfig, train_iters: int, train_samples: int | None,
-                      global_batch_size: int) -> LRSchedule:
-    """The schedule of a run of ``train_iters`` iterations (or ``train_samples`` samples) whose batch
-    ends at ``global_batch_size``."""
+                      batches: BatchSchedule) -> LRSchedule:
+    """The schedule of a run of ``train_iters`` iterations (or ``train_samples`` samples) whose batches
+    follow ``batches`` (iteration-based lengths in samples by ``BatchSchedule.lr_samples``)."""
     if config.lr_decay_samples is not None:
         decay = config.lr_decay_samples
     elif config.lr_decay_iters is not None:
-        decay = config.lr_decay_iters * global_batch_size
+        decay = batches.lr_samples(config.lr_decay_iters)
     else:
-        decay = train_samples if train_samples is not None else train_iters * global_batch_size
+        decay = train_samples if train_samples is not None else batches.lr_samples(train_iters)
     if config.lr_warmup_fraction is not None:
         warmup = config.lr_warmup_fraction * decay
     elif config.lr_warmup_samples:
         warmup = config.lr_warmup_samples
     else:
-        warmup = config.lr_warmup_iters * global_batch_size
+        warmup = batches.lr_samples(config.lr_warmup_iters)
     return LRSchedule(config.lr, config.min_lr, config.lr_warmup_init, warmup, decay, config.lr_decay_style)

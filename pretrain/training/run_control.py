@@ -1,7 +1,8 @@
 """When a run logs, evaluates, saves and stops, decided alike on every rank.
 
-A run stops early, saving first when ``--save`` is set, on a preemption signal (SIGTERM, SIGUSR1; caught
-only when saving), at an ``--exit-interval`` iteration, or once ``--exit-duration-in-mins`` have
+A run stops early, saving first when ``--save`` is set, on a preemption signal (SIGTERM, SIGUSR1) or
+Ctrl-C (SIGINT; all three caught only when saving: the launcher passes its own on to the workers), at
+an ``--exit-interval`` iteration, or once ``--exit-duration-in-mins`` have
 passed since the trainer started (Megatron counts from process start); and without saving when a
 background save (``--async-save``) failed on some rank. The signal, the clock and a writer's failure
 differ between ranks, so they are agreed with one all-reduce per iteration, made only when one of
@@ -41,7 +42,7 @@ class RunControl:
         self.started = time.monotonic()
         self._signal_received = False
         if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
-            for signum in (signal.SIGTERM, signal.SIGUSR1):
+            for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
                 signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -49,7 +50,8 @@ class RunControl:
 
     @property
     def signal_received(self) -> bool:
-        """Whether SIGTERM or SIGUSR1 came (a preemption, or the launcher tearing the job down)."""
+        """Whether SIGTERM, SIGUSR1 or SIGINT came (a preemption, Ctrl-C, or the launcher tearing the job
+        down)."""
         return self._signal_received
 
     def _agreed_flags(self, save_failed: bool) -> tuple[bool, bool, bool]:

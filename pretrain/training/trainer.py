@@ -24,7 +24,7 @@ from pretrain.checkpoint.async_save import AsyncSaver
 from pretrain.checkpoint.catalog import MODEL, iteration_name
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
-from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, step_to_load
+from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, resume_point, step_to_load
 from pretrain.config.schema import Config
 from pretrain.training.lr_schedule import build_lr_schedule
 from pretrain.config.megatron_flags import describe_ignored
@@ -51,6 +51,9 @@ class TrainResult:
     valid_losses: dict[int, float] = field(default_factory=dict)
     sample: str | None = None
     wandb_dir: str | None = None
+
+
+PROGRESS_INTERVAL_S = 10.0  # the longest the console stays silent between --log-interval lines
 
 
 class Trainer:
@@ -111,13 +114,15 @@ class Trainer:
         self.schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
                                              train.rampup_batch_size, train.step_batch_size_schedule,
                                              self.config.model.seq_length)
-        final = self.schedule.final_batch_size
-        self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples, final)
+        point = resume_point(self.config)  # a batch unlike the checkpoint's continues from its sample
+        if point is not None:
+            self.schedule = self.schedule.resumed_at(*point)
+        self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples, self.schedule)
         self.decoupled_lr_schedule = None if opt.decoupled_lr is None else build_lr_schedule(
             dataclass_replace(opt, lr=opt.decoupled_lr,
                               min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
-                              else opt.min_lr), train.train_iters, train.train_samples, final)
-        self.eval_batch_size = train.eval_global_batch_size or final
+                              else opt.min_lr), train.train_iters, train.train_samples, self.schedule)
+        self.eval_batch_size = train.eval_global_batch_size or self.schedule.final_batch_size
 
     def _expected_state_bytes(self) -> int:
         """What the optimizer will hold for this rank's parameters, by the rule it shards them with."""
@@ -158,7 +163,9 @@ class Trainer:
         self.resumed_from = iteration_name(manifest["iteration"]) if directory == ckpt.save else None
         print_rank0(self.is_logger, f"resumed from {directory} at iteration {self.start_iteration}, sample "
                     f"{self.progress.consumed_samples} (global batch "
-                    f"{self.schedule.batch_size(self.progress.consumed_samples)})"
+                    f"{self.schedule.batch_size(self.progress.consumed_samples)}"
+                    + (", not the checkpoint's: its schedules continue from this sample to iteration "
+                       f"{self.config.training.train_iters}" if self.schedule.resumed else "") + ")"
                     + (", with a fresh optimizer" if ckpt.no_load_optim else ""))
 
     def _batches(self, dataset, total_samples: int, consumed: int):
@@ -257,7 +264,7 @@ class Trainer:
                                     self.progress.consumed_samples)
             if self.saver is not None:
                 self.saver.reserve(self.checkpoint_states())  # the saves' host memory, before the clock
-            started = time.perf_counter()
+            started, last_console, first_sample = time.perf_counter(), 0.0, self.progress.consumed_samples
             for iteration in range(self.start_iteration + 1, train.train_iters + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
@@ -284,6 +291,15 @@ class Trainer:
                 if decision.stop == "a failed checkpoint save":
                     self.saver.wait()  # raises the failure, alike on every rank
                 valid = self.evaluate() if decision.evaluate else None
+                done, elapsed = iteration - self.start_iteration, time.perf_counter() - started
+                if decision.console:
+                    last_console = elapsed
+                elif elapsed - last_console >= PROGRESS_INTERVAL_S:
+                    last_console = elapsed
+                    tokens = self.progress.consumed_samples - first_sample
+                    writer.progress(iteration, train.train_iters, loss, lr,
+                                    tokens * config.model.seq_length / elapsed,
+                                    elapsed / done * (train.train_iters - iteration))
                 if decision.record:
                     record = self._record(iteration, loss, lr, batch_size, step, step_time,
                                           comm_bytes, peak_mem)
@@ -297,10 +313,7 @@ class Trainer:
                         record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))
                         print_rank0(self.is_logger, f"validation at iter {iteration}: loss {valid:.4f}, "
                                     f"perplexity {record['valid_ppl']:.2f}")
-                    done = iteration - self.start_iteration
-                    elapsed = time.perf_counter() - started
-                    # wall time since the first iteration began: the loop's own cost
-                    record["elapsed_s"] = elapsed
+                    record["elapsed_s"] = elapsed  # wall time since the first iteration began: the loop's own
                     writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration),
                                decision.console)
                 if decision.save:

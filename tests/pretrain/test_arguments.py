@@ -57,6 +57,9 @@ def test_wrong_yaml_type_is_named(tmp_path):
       "--max-position-embeddings", "64"], 2, "--sequence-parallel needs --seq-length 33 divisible"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-model", "x.model"], 1,
      "--data-path /nonexistent/corpus: no /nonexistent/corpus.bin found; run python -m data.preprocess"),
+    (["--data-path", "corpus_text_document.bin", "--tokenizer-model", "x.model"], 1,
+     "--data-path corpus_text_document.bin: give the prefix of the .bin/.idx pair, --data-path "
+     "corpus_text_document (Megatron's convention)"),
     (["--zero-stage", "3", "--zero-persistence-threshold", "-1"], 1, "--zero-persistence-threshold and"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 exclude each other"),
     (["--partition-activations"], 1, "add --recompute-granularity full or selective"),
@@ -230,3 +233,26 @@ def test_ckpt_step_needs_load_and_a_saved_iteration(tmp_path):
                        match=f"^--ckpt-step 3: no checkpoint of iteration 3 under --load {tmp_path} "
                        r"\(saved: 2, 4\); give one of those or drop --ckpt-step$"):
         validate(parse_config(TINY + ["--load", str(tmp_path), "--ckpt-step", "3"]), 1)
+
+
+def test_a_load_of_something_else_than_a_checkpoint_directory_is_refused_in_one_line(tmp_path):
+    """A Hugging Face model given to --load (it trained a default GPT from scratch) and one checkpoint's
+    own folder (an iter_ directory) are named with what to give instead; a missing --load still starts a
+    job that restarts itself from iteration 0."""
+    hf = tmp_path / "llama"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    run = subprocess.run([sys.executable, "-m", "pretrain", *TINY, "--load", str(hf)], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 2 and run.stderr == (
+        f"error: --load {hf} is a Hugging Face model, not a checkpoint of ours: import it with python -m "
+        f"pretrain.convert --from-hf {hf} --output CKPT, then train from it with --pretrained-checkpoint "
+        "CKPT\n")
+    one = tmp_path / "ck" / "iter_0000004"
+    one.mkdir(parents=True)
+    (one / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"^--load {one} is one checkpoint: give the directory that holds "
+                                          f"it, --load {tmp_path / 'ck'} --ckpt-step 4$"):
+        validate(parse_config(TINY + ["--load", str(one)]), 1)
+    validate(parse_config(TINY + ["--load", str(tmp_path / "not-yet")]), 1)

@@ -3,6 +3,7 @@ mid-iteration or mid-save ends the job in bounded time, leaves the previous chec
 restarted job resumes from it to the same loss."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import torch
 from launch.torchrun import IN_PROCESS, RESTARTABLE
 from pretrain.checkpoint.catalog import newest_intact, read_manifest
 
-from pretrain.config.arguments import parse_config
+from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
 from tests.pretrain.test_trainer import TINY, _pp
 from tests.world import run_world
@@ -79,7 +80,8 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extra=(), load=None):
     """A 2-process torchrun job of 8 iterations saving every 2 into (and loading from, or from ``load``) its
-    directory; with ``die_at``, rank 1 dies there on the first start (see launch.tools.fault_injection).
+    directory; with ``die_at``, rank 1 dies there on the first start (see
+    launch.tools.faults.fault_injection).
     Returns (the finished process, seconds it took, its metrics lines, its checkpoint directory)."""
     prefix, tokenizer = corpus
     directory, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
@@ -89,7 +91,7 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extr
                     "--save-interval", "2", "--log-interval", "1", "--metrics-file", str(metrics),
                     "--distributed-timeout-s", str(timeout_s), *extra]
     command = [sys.executable, "-c", IN_PROCESS, "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={max_restarts}", "-m", "launch.tools.fault_injection", *flags]
+               f"--max-restarts={max_restarts}", "-m", "launch.tools.faults.fault_injection", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0",
                WANDB_MODE="disabled", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",  # a stopped rank: killed in 5 s
                **RESTARTABLE)
@@ -218,3 +220,81 @@ def test_a_rank_stopped_inside_a_collective_is_named_as_hung_at_the_timeout(stdl
         " hung: stopped (SIGSTOP or a debugger)")
     assert attempt == "error: attempt 1 failed; the job stops" and "SIGKILL" not in job.stderr
     assert read_manifest(directory)[1]["iteration"] == 4  # the last checkpoint before the hang, intact
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_other_process_counts_with_its_batch_or_a_new_one(stdlib_corpus, tmp_path,
+                                                                                   reference_job):
+    """The 2-process job's checkpoint 4 (global batch 8) resumed without a batch flag on 1 and on 4
+    processes keeps its batch (Megatron's default, micro-batch x dp, would change with the process count)
+    and ends where the job ended, within the fp32 bound of another reduction order; with
+    --global-batch-size 16 on 4 it continues from sample 32 in batches of 16 to iteration 8. A kept batch
+    the new layout cannot divide is refused naming --global-batch-size."""
+    from tests.parity import TRAJECTORY_RTOL, assert_within, relative_error
+
+    reference_directory, final_loss = reference_job
+    prefix, tokenizer = stdlib_corpus
+    at = TINY.index("--global-batch-size")
+    flags = TINY[:at] + TINY[at + 2:] + ["--data-path", prefix, "--tokenizer-model", tokenizer,
+                                         "--data-cache-dir", f"{prefix}-cache", "--train-iters", "8",
+                                         "--load", reference_directory, "--ckpt-step", "4",
+                                         "--log-interval", "1"]
+    for nproc, extra in ((1, []), (4, []), (4, ["--global-batch-size", "16"])):
+        name = f"{nproc}-{''.join(extra[1:]) or 'kept'}"
+        command = [sys.executable, "-m", "launch.torchrun", "--nproc", str(nproc), *flags, *extra,
+                   "--save", str(tmp_path / name), "--metrics-file", str(tmp_path / f"{name}.jsonl")]
+        job = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=300,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+        assert job.returncode == 0, job.stderr[-3000:]
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [line["iteration"] for line in lines] == [5, 6, 7, 8], name
+        _, manifest = read_manifest(str(tmp_path / name))
+        if not extra:
+            assert "at iteration 4, sample 32 (global batch 8)" in job.stdout, job.stdout
+            assert {line["batch_size"] for line in lines} == {8}
+            assert_within(relative_error(lines[-1]["loss"], final_loss), f"resumed on {nproc}",
+                          TRAJECTORY_RTOL)
+            assert manifest["states"]["progress"] == {"iteration": 8, "consumed_samples": 64}
+        else:
+            assert "sample 32 (global batch 16, not the checkpoint's: its schedules continue" in job.stdout
+            assert {line["batch_size"] for line in lines} == {16}
+            assert manifest["states"]["progress"] == {"iteration": 8, "consumed_samples": 96}
+            # the cosine decay ends with iteration 8: its samples 32 + 4 x 16; iteration 8 starts at 80
+            progress = (80 - 16) / (96 - 16)  # warm-up: the checkpoint's 2 iterations, 16 samples
+            cosine = 0.5 * (1 + math.cos(math.pi * progress))
+            assert lines[-1]["lr"] == pytest.approx(3e-4 + 2.7e-3 * cosine)
+    with pytest.raises(ConfigError, match=r"^--global-batch-size 8 is not divisible by --micro-batch-size 2 "
+                                          r"x data-parallel size 3 = 6: use multiples of 6 \(the batch of "
+                                          "the checkpoint under --load .*, kept when resuming: give "
+                                          r"--global-batch-size to change it\)$"):
+        validate(parse_config(flags), 3)
+
+
+@pytest.mark.slow
+def test_a_signalled_launcher_saves_and_ends_in_one_line(stdlib_corpus, tmp_path):
+    """SIGTERM to the launcher (a scheduler's preemption) and Ctrl-C (SIGINT to the terminal's whole
+    process group): the workers save after their step and stop, the launcher says so in one line, without
+    torchrun's traceback, and exits 128 + the signal."""
+    import signal
+
+    prefix, tokenizer = stdlib_corpus
+    for signum, group in ((signal.SIGTERM, False), (signal.SIGINT, True)):
+        directory, metrics = tmp_path / signum.name, tmp_path / f"{signum.name}.jsonl"
+        command = [sys.executable, "-m", "launch.torchrun", "--nproc", "2", *TINY, "--data-path", prefix,
+                   "--tokenizer-model", tokenizer, "--data-cache-dir", f"{prefix}-cache", "--train-iters",
+                   "100000", "--log-interval", "1", "--save", str(directory), "--metrics-file", str(metrics)]
+        job = subprocess.Popen(command, cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(job.pid, signum) if group else job.send_signal(signum)
+        stdout, stderr = job.communicate(timeout=120)
+        assert job.returncode == 128 + signum, stderr[-3000:]
+        assert "Traceback" not in stderr and stderr.count("\n") == 1, stderr[-3000:]
+        assert stderr.startswith("error: the launcher on ")
+        assert f"received {signum.name}: the workers" in stderr
+        _, manifest = read_manifest(str(directory))
+        assert f"saved checkpoint {directory}/iter_{manifest['iteration']:07d}" in stdout
+        assert manifest["iteration"] >= 2

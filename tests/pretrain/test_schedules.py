@@ -44,16 +44,21 @@ def test_ramp_up_and_step_schedules_follow_megatron():
     assert constant.iterations_for(81) == 10 and constant.samples_after(10) == 80
     with pytest.raises(ValueError, match="thresholds start at 0"):
         parse_step_schedule("100:16", 32)
+    # resumed at iteration 4 after 32 samples: the same batch is the same schedule; another continues there
+    assert constant.resumed_at(16, 128) is constant and ramp.resumed_at(2, 32) is ramp
+    resumed = BatchSchedule(16, 4).resumed_at(4, 32)
+    assert resumed.samples_after(8) == 96 and resumed.samples_after(2) == 16  # before: the checkpoint's mean
+    assert resumed.iterations_for(100) == 8 and resumed.lr_samples(8) == 96 and constant.lr_samples(8) == 64
 
 
 def test_sample_spellings_of_the_learning_rate_equal_the_iteration_ones():
     iterations = build_lr_schedule(OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_iters=8,
-                                                   lr_decay_style="cosine"), 10, None, 8)
+                                                   lr_decay_style="cosine"), 10, None, BatchSchedule(8, 8))
     samples = build_lr_schedule(OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_samples=16, lr_decay_samples=64,
-                                                lr_decay_style="cosine"), 10, 80, 8)
+                                                lr_decay_style="cosine"), 10, 80, BatchSchedule(8, 8))
     fraction = build_lr_schedule(OptimizerConfig(lr=1.0, min_lr=0.1,
                                                  lr_warmup_fraction=0.25, lr_decay_iters=8,
-                                                 lr_decay_style="cosine"), 10, None, 8)
+                                                 lr_decay_style="cosine"), 10, None, BatchSchedule(8, 8))
     rates = [iterations(8 * step) for step in range(10)]
     assert rates == [samples(8 * step) for step in range(10)] == [fraction(8 * step) for step in range(10)]
     assert rates[0] == 0.0 and rates[2] == 1.0 and rates[8:] == [0.1,
