@@ -3,7 +3,6 @@ over the context-parallel group by sequence."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from models.config import GPTConfig
 from models.norms import build_norm, build_split_norm
 from models.rotary import apply_rotary
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 from parallel.context import ContextParallel, ScoreOptions, attend, context_attention, sequence_mask
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor.random import RNGTracker
@@ -91,7 +90,13 @@ class SelfAttention(nn.Module):
             return context_attention(q, k, v, inputs.context, self.layer, self.scores, dropout, self.rng,
                                      inputs.documents)
         mask = sequence_mask(q.shape[2], self.scores.window, inputs.documents, q.device)
-        with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
+        if dropout > 0:
+            return self._attend_with_dropout(q, k, v, mask, dropout)
+        return attend(q, k, v, self.scores, mask)
+
+    @compile_boundary  # the per-rank random stream is swapped in around it
+    def _attend_with_dropout(self, q, k, v, mask, dropout: float) -> torch.Tensor:
+        with self.rng.fork():
             return attend(q, k, v, self.scores, mask, dropout)
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,6 @@ comes from ``GPTConfig``; attention and the MLP live in ``models.attention`` and
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -20,7 +18,7 @@ from models.config import GPTConfig
 from models.mlp import MLP
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 from parallel.context import ContextParallel
 from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -62,7 +60,11 @@ class TransformerBlock(nn.Module):
         self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
-        with self.rng.fork() if self.fork_for_dropout else contextlib.nullcontext():
+        return self._dropout_on_own_stream(x) if self.fork_for_dropout else self.dropout(x)
+
+    @compile_boundary  # the per-rank random stream is swapped in around it
+    def _dropout_on_own_stream(self, x: torch.Tensor) -> torch.Tensor:
+        with self.rng.fork():
             return self.dropout(x)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs = LayerInputs()) -> torch.Tensor:
@@ -187,9 +189,11 @@ class GPTModel(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, inputs)
-        if not self.post_process:
-            return x
-        logits = self.logits(x)
+        return x if not self.post_process else self.head(x, labels)
+
+    def head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's end: per-token loss [b, s] with ``labels``, else the logits slice [s, b, v/tp]."""
+        logits = self.logits(hidden)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.config.vocab_size).t()

@@ -130,6 +130,14 @@ class Completed:
         """Nothing in flight to move on (as a staged reduction's handle)."""
 
 
+def compile_boundary(fn):
+    """``fn`` run eagerly under ``torch.compile``: a compiled region ends before the call and the next one
+    begins after it. For what communicates (a collective and the autograd function around it) or keeps
+    Python state (checkpoint slots, random streams): a compiled graph never traces communication, and
+    every graph break of a compiled layer is one of these (``models.compile`` counts them)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

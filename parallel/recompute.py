@@ -26,7 +26,7 @@ from torch import nn
 
 from parallel import comm
 from parallel.buffer_pool import BufferPool
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 from parallel.tensor.random import RNGTracker
 
 
@@ -100,6 +100,9 @@ class _Checkpoint(torch.autograd.Function):
         return (None,) * 4 + tuple(x.grad for x in inputs) + (None,) * len(ctx.rest)
 
 
+_checkpoint = compile_boundary(_Checkpoint.apply)  # it keeps pool slots and random states
+
+
 def checkpoint(run: Callable, inputs: tuple[torch.Tensor, ...], *rest, tracker: RNGTracker,
                store: CheckpointStore) -> torch.Tensor:
     """``run(*inputs, *rest)``, keeping only ``inputs`` (or this rank's 1/tp of each, see ``store``) for
@@ -107,7 +110,7 @@ def checkpoint(run: Callable, inputs: tuple[torch.Tensor, ...], *rest, tracker: 
     tables). Without grad mode nothing is kept: it is just ``run``."""
     if not torch.is_grad_enabled():
         return run(*inputs, *rest)
-    return _Checkpoint.apply(run, tracker, store, len(inputs), *inputs, *rest)
+    return _checkpoint(run, tracker, store, len(inputs), *inputs, *rest)
 
 
 @dataclass(frozen=True)

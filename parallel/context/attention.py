@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 from parallel.context.allgather_attention import allgather_attention
 from parallel.context.local_attention import ScoreOptions
 from parallel.context.ring_attention import ring_attention
@@ -38,6 +38,7 @@ class ContextParallel:
         return self.comm_types[layer] if len(self.comm_types) > 1 else self.comm_types[0]
 
 
+@compile_boundary  # it exchanges keys and values over the cp group
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel, layer: int,
                       options: ScoreOptions, dropout: float = 0.0, rng=None,
                       documents: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from parallel import comm
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 
 
 _LOW_PRECISION = {torch.bfloat16: torch.float32, torch.float16: torch.float32}  # reduced in fp32
@@ -73,6 +73,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None, None
 
 
+# its all-reduces over tp end a compiled region; at tp = 1 it has none, and compiles with the loss head
+_cross_entropy = compile_boundary(_VocabParallelCrossEntropy.apply)
+
+
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, group: AxisGroup,
                                  valid_vocab: int | None = None) -> torch.Tensor:
     """Per-token loss [s, b] from this rank's logits shard [s, b, vocab/tp] and global target ids.
@@ -82,4 +86,5 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     width = logits_shard.shape[-1]
     vocab_start = group.rank * width
     valid_vocab = width * group.size if valid_vocab is None else valid_vocab
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_start, valid_vocab, group)
+    cross_entropy = _VocabParallelCrossEntropy.apply if group.size == 1 else _cross_entropy
+    return cross_entropy(logits_shard, target, vocab_start, valid_vocab, group)

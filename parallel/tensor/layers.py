@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 from parallel.param_meta import declare
 from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
                                       reduce_from_tensor_parallel, reduce_scatter_dim0,
@@ -72,6 +72,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
+_sequence_parallel_linear = compile_boundary(_SequenceParallelLinear.apply)  # it communicates
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: each rank computes out/tp columns of Y.
 
@@ -97,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight.flatten(0, -2)  # a view: [stacked * out/tp, in]
         bias = None if self.bias is None else self.bias.flatten()
         if self.sequence_parallel and self.group.size > 1:
-            return _SequenceParallelLinear.apply(x, weight, bias, self.group)
+            return _sequence_parallel_linear(x, weight, bias, self.group)
         return F.linear(copy_to_tensor_parallel(x, self.group), weight, bias)
 
 
@@ -187,5 +190,5 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, grou
                           sequence_parallel: bool = False) -> torch.Tensor:
     """Logits of this rank's vocabulary range, [s, b, vocab/tp]; the full logits never exist."""
     if sequence_parallel and group.size > 1:
-        return _SequenceParallelLinear.apply(hidden, weight_shard, None, group)
+        return _sequence_parallel_linear(hidden, weight_shard, None, group)
     return F.linear(copy_to_tensor_parallel(hidden, group), weight_shard)

@@ -7,7 +7,8 @@ Each is a pair of conjugate collectives over the tensor-parallel group (forward 
     scatter_to_sequence_parallel   keep my chunk / all-gather along dim 0
     reduce_scatter_to_sequence_parallel  reduce-scatter / all-gather along dim 0
 
-All communication goes through ``parallel.comm``; at tp = 1 every function is the identity.
+All communication goes through ``parallel.comm``; at tp = 1 every function is the identity. Under
+``torch.compile`` each is a ``compile_boundary``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from parallel import comm
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 
 
 def _all_reduce(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -91,17 +92,24 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.group), None
 
 
+# each runs eagerly under torch.compile (its collectives end a compiled region); at tp = 1 none is called
+_copy_to, _reduce_from, _scatter_to, _reduce_scatter_to = (
+    compile_boundary(function.apply) for function in (_CopyToTensorParallel, _ReduceFromTensorParallel,
+                                                      _ScatterToSequenceParallel,
+                                                      _ReduceScatterToSequenceParallel))
+
+
 def copy_to_tensor_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _CopyToTensorParallel.apply(x, group)
+    return x if group.size == 1 else _copy_to(x, group)
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _ReduceFromTensorParallel.apply(x, group)
+    return x if group.size == 1 else _reduce_from(x, group)
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _ScatterToSequenceParallel.apply(x, group)
+    return x if group.size == 1 else _scatter_to(x, group)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _ReduceScatterToSequenceParallel.apply(x, group)
+    return x if group.size == 1 else _reduce_scatter_to(x, group)

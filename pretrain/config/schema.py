@@ -196,6 +196,13 @@ class TrainingConfig:
     seed: int = field(default=1234, metadata=flag("seed of weights, data order and dropout"))
     bf16: bool = field(default=False, metadata=flag("compute in bfloat16, fp32 master weights"))
     fp16: bool = field(default=False, metadata=flag("compute in float16 with dynamic loss scaling"))
+    compile: bool = field(default=False, metadata=flag(
+        "torch.compile each transformer layer and the loss head on its own (torchtitan's per-block compile): "
+        "pointwise work fused into few kernels; communication stays eager between compiled regions; the "
+        "first step compiles"))
+    compile_backend: str = field(default="inductor", metadata=flag(
+        "torch.compile's backend for --compile (inductor: Triton kernels on GPUs, C++ on the CPU; aot_eager: "
+        "graphs captured, torch's own kernels)"))
     initial_loss_scale: float = field(default=2.0 ** 32, metadata=flag("fp16: loss scale at the start"))
     min_loss_scale: float = field(default=1.0, metadata=flag("fp16: the scale never backs off below this"))
     loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))

@@ -64,6 +64,13 @@ def validate(config: Config, world_size: int) -> Topology:
                           f"{train.micro_batch_size} x data-parallel size {topology.dp}")
     if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
         raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
+    if train.compile:
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if train.compile_backend not in backends:
+            raise ConfigError(f"--compile-backend {train.compile_backend}: not one of torch.compile's "
+                              f"backends here ({', '.join(backends)})")
     _validate_data(config)
     _validate_zero(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology

@@ -1,4 +1,5 @@
-"""The build step of a run: process groups, then the model, then activation recompute, then ZeRO.
+"""The build step of a run: process groups, then the model, then activation recompute, then compilation,
+then ZeRO.
 
 Each step is one call, in this order, as ``Trainer`` makes them; a benchmark or check that needs part
 of a run calls the same functions. Nothing here trains, saves or logs.
@@ -11,6 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
+from models.compile import compile_layers
 from models.pipeline_stage import build_pipeline_stage
 from parallel import zero
 from parallel.buffer_pool import BufferPool
@@ -66,6 +68,13 @@ def build_recompute(model: nn.ModuleList, config: Config, groups: ParallelGroups
     policy = RecomputePolicy(r.recompute_granularity, r.recompute_num_layers, r.recompute_method,
                              r.partition_activations, r.activations_on_cpu)
     apply_recompute(model, policy, groups.tp, buffer_pool)
+
+
+def build_compile(model: nn.ModuleList, config: Config) -> None:
+    """--compile: each layer and the loss head compiled (``models.compile``), after recompute is installed
+    (its runners stay eager around the compiled layers) and before ZeRO (whose hooks stay eager too)."""
+    if config.training.compile:
+        compile_layers(model, config.training.compile_backend)
 
 
 def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups,

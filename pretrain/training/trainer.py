@@ -10,6 +10,7 @@ from dataclasses import replace as dataclass_replace
 
 import torch
 
+from models.compile import CompileReport
 from models.counting import flops_per_token, num_parameters
 from models.generate import context_window, generate
 from parallel import comm, zero
@@ -31,9 +32,8 @@ from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank,
                                             model_state_table, peak_flops,
                               peak_memory_bytes, print_rank0, reset_peak_memory)
-from pretrain.training.build import (build_groups, build_model, build_optimizer,
-                                     build_recompute, compute_dtype,
-                                     zero_options)
+from pretrain.training.build import (build_compile, build_groups, build_model, build_optimizer,
+                                     build_recompute, compute_dtype, zero_options)
 from pretrain.training.non_finite_steps import NonFiniteSteps
 from pretrain.training.progress import TrainingProgress
 from pretrain.training.run_control import RunControl
@@ -81,6 +81,7 @@ class Trainer:
         self.model = build_model(config, self.groups, device)
         self.buffer_pool = BufferPool(device)  # ZeRO-R: checkpoints, gradient staging and stage-3 gathers
         build_recompute(self.model, config, self.groups, self.buffer_pool)
+        build_compile(self.model, config)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = flops_per_token(config.model)
         self.expected_state_bytes = self._expected_state_bytes()  # before ZeRO: by the rule it shards with
@@ -308,6 +309,9 @@ class Trainer:
                                                 self.groups.topology.dp,
                                                 self.dtype), flush=True)
                         print(comm_table(record["per_rank"], self.groups.stats.node_size), flush=True)
+                        if train.compile:  # a graph break elsewhere than at communication is a slow layer
+                            print(f"--compile: the first step took {step_time:.1f} s with compilation; "
+                                  f"{CompileReport.now().describe()}", flush=True)
                     if valid is not None:
                         result.valid_losses[iteration] = valid
                         record.update(valid_loss=valid, valid_ppl=math.exp(min(valid, 50.0)))

@@ -17,7 +17,7 @@ from pretrain.interop.convert import main as convert
 from pretrain.startup.validation import validate
 from tests.data.bpe_files import write_gpt2_files
 from tests.parity import assert_trajectory_close
-from tests.pretrain.test_trainer import TINY, _pp, _tp, _train
+from tests.pretrain.test_trainer import COMPILED, TINY, _pp, _tp, _train
 from tests.world import run_world
 
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
@@ -47,9 +47,11 @@ def test_llama_class_model_reproduces_the_single_process_run_in_every_layout(std
     two = run_world(2, _train, [LLAMA + _tp(2), LLAMA + _tp(2, "--sequence-parallel"), LLAMA + _pp(2),
                                 LLAMA + interleaved,
                                 LLAMA + _tp(2, "--zero-stage", "2", "--recompute-granularity", "selective"),
-                                LLAMA + recompute_offload], stdlib_corpus)
+                                LLAMA + recompute_offload,
+                                LLAMA + _tp(2, "--sequence-parallel", *COMPILED)], stdlib_corpus)
     _assert_follows(two, (losses, norms), "tp2 / tp2+SP / pp2 / pp2 interleaved / tp2 ZeRO-2 selective / "
-                                          "dp2 ZeRO-3 full recompute, optimizer on the CPU")
+                                          "dp2 ZeRO-3 full recompute, optimizer on the CPU / compiled tp2+SP")
+    assert not any(run[5] for rank_results in two for run in rank_results)  # graph breaks: at communication
     # the interleaved run saved at iteration 5 (decaying as for 10) is re-cut for dp2 x tp2 x pp2 ZeRO-3
     run_world(2, _train,
               [LLAMA + interleaved + ["--train-iters", "5", "--lr-decay-iters", "10", "--save", saved]],

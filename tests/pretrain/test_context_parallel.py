@@ -7,7 +7,7 @@ import pytest
 
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_architectures import LLAMA
-from tests.pretrain.test_trainer import _assert_same_trajectory, _pp, _short, _tp, _train
+from tests.pretrain.test_trainer import COMPILED, _assert_same_trajectory, _pp, _short, _tp, _train
 from tests.world import run_world
 
 
@@ -87,10 +87,14 @@ def test_document_masking_reproduces_one_process_with_context_and_pipeline_paral
                "cp2 a2a x pp2": _cp(2, "a2a") + _pp(2), "cp4 allgather": _cp(4, "allgather")}
     runs = run_world(4, _train, [DOCUMENTS + flags for flags in layouts.values()]
                      + [LLAMA + DOCUMENTS + _cp(2) + _tp(2)], short_documents, timeout_s=600)
-    references = [masked] * len(layouts) + [llama]
+    compiled = run_world(2, _train, [LLAMA + DOCUMENTS + _cp(2) + COMPILED], short_documents)
+    runs = [four + two for four, two in zip(runs, 2 * compiled)]
+    references = [masked] * len(layouts) + [llama, llama]
+    names = [*layouts, "llama cp2 x tp2", "llama cp2 compiled"]
     for rank_results in runs:
-        for (losses, *_), reference, name in zip(rank_results, references, [*layouts, "llama cp2 x tp2"]):
+        for (losses, *_, unexpected), reference, name in zip(rank_results, references, names):
             assert_trajectory_close(losses, reference, f"documents {name}: loss")
+            assert not unexpected, unexpected  # a compiled layer's graphs break at communication only
 
 
 @pytest.mark.parity

@@ -15,10 +15,18 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--sample-prompt", "", *NO_DROPOUT_FLAGS]
 
 
+# each layer and the loss head compiled, graphs captured by AOT autograd on torch's own kernels: what
+# --compile changes but the kernels (inductor's, in tests/models/test_compile.py), in seconds
+COMPILED = ["--compile", "--compile-backend", "aot_eager"]
+
+
 def _train(rank, world_size, layouts, corpus, base=TINY):
-    """Run each layout (a list of flags added to ``base``) in this world; return its losses and grad norms."""
+    """Run each layout (a list of flags added to ``base``) in this world; return its losses, grad norms,
+    validation losses, pipeline rank, live micro-batches and (--compile) the graph breaks that are not at
+    communication boundaries."""
     import torch.distributed as dist
 
+    from models.compile import CompileReport
     from pretrain.training.trainer import Trainer
 
     prefix, tokenizer = corpus
@@ -30,7 +38,8 @@ def _train(rank, world_size, layouts, corpus, base=TINY):
         trainer = Trainer(config, topology, __import__("torch").device("cpu"))
         result = trainer.train()
         results.append((result.losses, result.grad_norms, result.valid_losses,
-                        trainer.groups.pp_rank, trainer.last_step_stats.max_live_micro_batches))
+                        trainer.groups.pp_rank, trainer.last_step_stats.max_live_micro_batches,
+                        CompileReport.now().unexpected_breaks()))
         dist.barrier()
     return results
 
@@ -202,3 +211,18 @@ def test_recompute_composes_with_every_zero_stage_and_pipelines(stdlib_corpus):
     _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus), "recompute at tp2 x dp2")
     piped = [_pp(2), _pp(2, "1f1b", "--zero-stage", "3", *zero3, "--recompute-granularity", "full")]
     _assert_stages_match_stage_0(run_world(2, _train, piped, stdlib_corpus), "recompute at pp2")
+
+
+@pytest.mark.parity
+def test_compiled_layers_reproduce_the_single_process_run(reference, stdlib_corpus):
+    """--compile in the layouts it must keep working with: tp2 + SP under selective recompute, interleaved
+    pp2, dp2 ZeRO-3 (gathers in hooks around the compiled layers) under full recompute with the optimizer
+    on the CPU; every graph break at a communication boundary (``models.compile``)."""
+    layouts = _short([_tp(2, "--sequence-parallel", "--recompute-granularity", "selective", *COMPILED),
+                      _pp(2, "interleaved", "--virtual-pipeline-size", "2", *COMPILED),
+                      ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--recompute-granularity",
+                       "full", "--offload-optimizer", "cpu", *COMPILED]])
+    for rank_results in run_world(2, _train, layouts, stdlib_corpus):
+        for (losses, norms, _, _, _, unexpected), name in zip(rank_results, ("tp2+SP", "pp2 vp2", "ZeRO-3")):
+            _assert_same_trajectory((losses, norms), reference, f"compiled {name}")
+            assert not unexpected, (name, unexpected)
