@@ -1,15 +1,20 @@
-"""One-shot check of a GPU machine, in one process (under 8 minutes on one H200):
+"""One-shot check of a GPU machine (``--sections`` picks the checks; all take about 10 minutes on one H200):
 
-    python -m launch.tools.gpu_check            # on a GPU: 1.3B GPT, ZeRO stages and offload, flash attention
-    python -m launch.tools.gpu_check --smoke    # the same checks on a tiny GPT on the CPU (CI runs this)
+    python -m launch.tools.gpu_check            # on a GPU: the shapes of GPT-3 XL and Llama-3.2-1B
+    python -m launch.tools.gpu_check --smoke    # the same checks on tiny models on the CPU (CI runs this)
 
-1. torch, CUDA and NCCL versions and the process-group backend;
-2. a 1.3B GPT (GPT-3 XL) in bf16, dp = tp = pp = 1, micro-batch 4, 20 iterations on mock data: tokens/s,
-   MFU against the device's data-sheet peak, and peak memory beside the planner's prediction
-   (``launch.tools.planning.plan``);
-3. ZeRO stages 0-3 and the optimizer offloaded to the CPU and to NVMe swap files, 5 iterations each, against
-   the in-memory stage-0 run (bf16 losses within 1e-3 relative: other kernels step the offloaded masters);
-4. the flash scaled-dot-product-attention kernel runs our attention, forward and backward.
+1. ``versions``: torch, CUDA and NCCL versions and the process-group backend;
+2. ``throughput``: ``launch.bench.throughput``: ours eager and ``--compile`` against transformers' model of
+   the same shape eager and under torch.compile, GPT-3 XL and the Llama-1B shape in bf16, micro-batch 4 x
+   2048 tokens, each in a process of its own: tokens/s, MFU, peak memory; beside each of ours the
+   planner's predicted peak (``launch.tools.planning.plan``);
+3. ``documents``: packed documents (--reset-attention-mask ...) against the plain run, eager and compiled;
+4. ``profiler``: ``--profile --use-pytorch-profiler`` writes a Chrome trace that parses, and (GPU)
+   ``--record-memory-history`` a memory snapshot that loads;
+5. ``zero``: ZeRO stages 0-3 and the optimizer offloaded to the CPU and to NVMe swap files, 5 iterations each,
+   against the in-memory stage-0 run (bf16 losses within 1e-3 relative: other kernels step the offloaded
+   masters);
+6. ``flash``: the flash scaled-dot-product-attention kernel runs our attention, forward and backward.
 
 Prints one line per check and exits non-zero if one fails.
 """
@@ -25,10 +30,6 @@ import time
 
 import torch
 
-FULL = ["--config", "launch/configs/presets/gpt-1.3b.yaml", "--micro-batch-size", "4",
-        "--global-batch-size", "4",
-        "--zero-stage", "0", "--recompute-granularity", "selective", "--train-iters", "20",
-        "--lr-warmup-iters", "2"]
 ZERO = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
         "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--global-batch-size", "4", "--bf16",
         "--lr-warmup-iters", "1"]  # about 100M parameters: 11 runs of 5 iterations, NVMe included, in minutes
@@ -63,27 +64,72 @@ def check_versions(device: torch.device) -> None:
           f"| device {name}", flush=True)
 
 
-def check_throughput(base: list[str], device: torch.device, workdir: str) -> None:
+def check_throughput(size: str, iters: int, shapes: list[str]) -> list[dict]:
+    """``launch.bench.throughput``: ours eager and compiled against transformers' model eager and compiled,
+    GPT-3 XL and the Llama-1B shape (``size`` gpu; tiny on --smoke), each in a process of its own."""
+    from launch.bench.throughput import main as throughput
+
+    return throughput(["--size", size, "--iters", str(iters), "--shapes", *shapes, "--output",
+                       f"runs/bench/gpu_check_throughput_{'_'.join(shapes)}.md"])
+
+
+def check_planner(size: str, results: list[dict]) -> None:
+    """The planner's predicted peak beside the measured peak of ours, eager and compiled, per shape."""
+    from launch.bench.throughput import shape_flags
     from launch.tools.planning.plan import Layout, plan_layout
     from pretrain.config.arguments import parse_config
 
-    records = _train(base, device, workdir, "throughput")
-    timed = records[len(records) // 4:] or records  # past the first iterations (allocator, autotuning)
-    step = sorted(r["step_time_s"] for r in timed)[len(timed) // 2]
-    last = records[-1]
-    config = parse_config(COMMON + base)
-    train = config.training
-    predicted = plan_layout(config.model, Layout(1, 1, 1, 0, config.recompute.recompute_granularity,
-                                                 train.micro_batch_size), train.global_batch_size, 2)
-    peak = max(r["peak_mem_bytes"] for r in last["per_rank"])
-    mfu = (f"MFU {sorted(r['mfu'] for r in timed)[len(timed) // 2]:.1%}" if "mfu" in last
-           else "MFU n/a (peak unknown)")
-    print(f"throughput: {last['per_rank'][0]['parameters']:,} "
-          f"parameters, median step {step:.3f} s, "
-          f"{train.global_batch_size * config.model.seq_length / step:,.0f} "
-          f"tokens/s, {mfu}; loss {records[0]['loss']:.3f} -> {last['loss']:.3f}; peak memory "
-          f"{peak / 2**30:.2f} GiB "
-          f"(planner {predicted.total_bytes / 2**30:.2f} GiB)", flush=True)
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        config = parse_config(shape_flags(size, shape) + ["--bf16"])
+        predicted = plan_layout(config.model, Layout(1, 1, 1, 0, None, config.training.micro_batch_size),
+                                config.training.micro_batch_size, 2).total_bytes
+        for r in results:
+            if r["shape"] == shape and r["system"].startswith("ours") and "peak_bytes" in r:
+                print(f"planner {shape} {r['system']}: predicted {predicted / 2**30:.2f} GiB, measured "
+                      f"{r['peak_bytes'] / 2**30:.2f} GiB ({predicted / r['peak_bytes'] - 1:+.1%})",
+                      flush=True)
+
+
+def check_documents(size: str, iters: int) -> None:
+    """Packed documents (--reset-attention-mask --reset-position-ids --eod-mask-loss) against the plain run,
+    ours eager and compiled, on the GPT shape."""
+    from launch.bench.throughput import run_system
+
+    documents = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    for system in ("ours", "ours-compiled"):
+        plain, masked = (run_system(size, "gpt", system, iters, flags) for flags in ([], documents))
+        if "error" in plain or "error" in masked:
+            error = plain.get("error") or masked.get("error")
+            print(f"documents {system}: FAILED {error.splitlines()[-1]}", flush=True)
+            continue
+        print(f"documents {system}: {masked['tokens_per_s']:,.0f} tokens/s masked against "
+              f"{plain['tokens_per_s']:,.0f} plain ({masked['tokens_per_s'] / plain['tokens_per_s']:.2f}x)",
+              flush=True)
+
+
+def check_profiler(base: list[str], device: torch.device, workdir: str) -> bool:
+    """--profile --use-pytorch-profiler writes a Chrome trace that parses; on a GPU --record-memory-history
+    writes torch's memory snapshot, which loads."""
+    import glob
+    import pickle
+
+    flags = base + ["--train-iters", "4", "--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                    "--profile-step-end", "3", "--tensorboard-dir", os.path.join(workdir, "tb")]
+    snapshot = os.path.join(workdir, "snapshot.pickle")
+    if device.type == "cuda":
+        flags += ["--record-memory-history", "--memory-snapshot-path", snapshot]
+    _train(flags, device, workdir, "profiled")
+    traces = glob.glob(os.path.join(workdir, "tb", "*.pt.trace.json"))
+    with open(traces[0]) as handle:
+        events = json.load(handle)["traceEvents"]
+    kernels = sum(1 for event in events if event.get("cat") == "kernel")
+    line = f"profiler: {os.path.basename(traces[0])}, {len(events):,} events ({kernels:,} GPU kernels)"
+    if device.type == "cuda":
+        with open(snapshot, "rb") as handle:
+            segments = pickle.load(handle)["segments"]
+        line += f"; memory snapshot {os.path.getsize(snapshot) / 2**20:.1f} MiB, {len(segments)} segments"
+    print(line + " ok", flush=True)
+    return bool(events)
 
 
 def check_zero(base: list[str], device: torch.device, workdir: str) -> bool:
@@ -136,11 +182,22 @@ def check_flash_attention(device: torch.device) -> bool:
     return True
 
 
+SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.tools.gpu_check",
-                                     description=__doc__.split("\n")[0])
+                                     description="One-shot check of a GPU machine: speed against "
+                                                 "transformers eager and compiled, document masking, the "
+                                                 "profiler and the memory snapshot, ZeRO stages and offload, "
+                                                 "flash attention.")
     parser.add_argument("--smoke", action="store_true",
-                        help="a tiny GPT on the CPU: the checks, not the numbers")
+                        help="tiny models on the CPU: the checks, not the numbers")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="the checks to run (default: all)")
+    parser.add_argument("--iters", type=int, default=16, help="steps per throughput run (default: 16)")
+    parser.add_argument("--shapes", nargs="+", choices=("gpt", "llama"), default=["gpt", "llama"],
+                        help="the throughput check's shapes (default: both)")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("error: no GPU here; run with --smoke for the CPU version of the checks")
@@ -150,13 +207,23 @@ def main(argv: list[str] | None = None) -> None:
     device = init_distributed()
     if args.smoke:  # on the CPU even where a GPU exists
         device = torch.device("cpu")
-    base = TINY if args.smoke else FULL
-    started = time.perf_counter()
+    size, iters = ("smoke", 4) if args.smoke else ("gpu", args.iters)
+    started, ok = time.perf_counter(), True
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
-        check_versions(device)
-        check_throughput(base, device, workdir)
-        ok = check_zero(TINY if args.smoke else ZERO, device, workdir)
-        ok &= check_flash_attention(device)
+        if "versions" in args.sections:
+            check_versions(device)
+        if "throughput" in args.sections:
+            results = check_throughput(size, iters, args.shapes)
+            ok &= not any("error" in r for r in results)
+            check_planner(size, results)
+        if "documents" in args.sections:
+            check_documents(size, iters)
+        if "profiler" in args.sections:
+            ok &= check_profiler(TINY if args.smoke else ZERO, device, workdir)
+        if "zero" in args.sections:
+            ok &= check_zero(TINY if args.smoke else ZERO, device, workdir)
+        if "flash" in args.sections:
+            ok &= check_flash_attention(device)
     shutdown_distributed()
     print(f"gpu check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.0f} s", flush=True)
     sys.exit(0 if ok else 1)

@@ -72,7 +72,7 @@ IGNORED = [
             "--empty-unused-memory-level", "--manual-gc:0", "--tiktoken-pattern"),
     *_flags("profilers, timers and checks of Megatron's own; the metrics file, wandb and TensorBoard "
             "report here",
-            "--profile:0", "--profile-step-start", "--profile-step-end", "--timing-log-level",
+            "--timing-log-level",
             "--timing-log-option",
             "--log-timers-to-tensorboard:0", "--log-memory-to-tensorboard:0",
             "--log-validation-ppl-to-tensorboard:0",

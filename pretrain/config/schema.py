@@ -322,10 +322,29 @@ class LoggingConfig:
     sample_tokens: int = field(default=64, metadata=flag("tokens to sample at the end"))
 
 
+@dataclass
+class ProfilingConfig:
+    """Megatron's profiling flags: which steps of which ranks are traced, and how."""
+
+    profile: bool = field(default=False, metadata=flag(
+        "trace the steps after --profile-step-start up to --profile-step-end on --profile-ranks: with "
+        "--use-pytorch-profiler a torch.profiler trace per rank under --tensorboard-dir (TensorBoard and "
+        "Perfetto read it), else (GPUs) nsys's capture range and NVTX ranges"))
+    profile_step_start: int = field(default=10, metadata=flag("steps done before the traced ones"))
+    profile_step_end: int = field(default=12, metadata=flag("the last traced step (1-based, as logged)"))
+    profile_ranks: list[int] = field(default_factory=lambda: [0], metadata=flag("global ranks to trace"))
+    use_pytorch_profiler: bool = field(default=False, metadata=flag("trace with torch.profiler"))
+    record_memory_history: bool = field(default=False, metadata=flag(
+        "record the CUDA allocator's history and write torch's memory snapshot to --memory-snapshot-path "
+        "(GPUs; pytorch.org/memory_viz reads it)"))
+    memory_snapshot_path: str = field(default="snapshot.pickle", metadata=flag(
+        "where --record-memory-history writes (rank R > 0 adds .rankR)"))
+
+
 SECTIONS = {
     "model": GPTConfig, "parallel": ParallelConfig, "zero": ZeroConfig, "recompute": RecomputeConfig,
     "optimizer": OptimizerConfig, "training": TrainingConfig, "data": DataConfig,
-    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig, "profiling": ProfilingConfig,
 }
 
 
@@ -343,6 +362,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     ignored_flags: list[str] = field(default_factory=list)  # Megatron flags given that mean nothing here
     given: set[str] = field(default_factory=set)  # the settings the flags or YAML set (the rest are defaults)
 

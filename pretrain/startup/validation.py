@@ -6,6 +6,8 @@ flag and the fix) before anything could hang.
 
 from __future__ import annotations
 
+import torch
+
 from models.counting import num_parameters
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import resume_point
@@ -64,10 +66,14 @@ def validate(config: Config, world_size: int) -> Topology:
                           f"{train.micro_batch_size} x data-parallel size {topology.dp}")
     if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
         raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
-    if train.compile:
-        import torch._dynamo
+    from pretrain.observability.profiling import problems
 
-        backends = torch._dynamo.list_backends(exclude_tags=())
+    for problem in problems(config, "cuda" if torch.cuda.is_available() else "cpu"):
+        raise ConfigError(problem)
+    if train.compile:
+        from torch import _dynamo
+
+        backends = _dynamo.list_backends(exclude_tags=())
         if train.compile_backend not in backends:
             raise ConfigError(f"--compile-backend {train.compile_backend}: not one of torch.compile's "
                               f"backends here ({', '.join(backends)})")

@@ -12,7 +12,6 @@ import torch
 
 from models.compile import CompileReport
 from models.counting import flops_per_token, num_parameters
-from models.generate import context_window, generate
 from parallel import comm, zero
 from parallel.buffer_pool import BufferPool
 from parallel.process_groups import ParallelGroups
@@ -29,12 +28,14 @@ from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only
 from pretrain.config.schema import Config
 from pretrain.training.lr_schedule import build_lr_schedule
 from pretrain.config.megatron_flags import describe_ignored
+from pretrain.observability.profiling import StepProfiler
 from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank,
                                             model_state_table, peak_flops,
                               peak_memory_bytes, print_rank0, reset_peak_memory)
 from pretrain.training.build import (build_compile, build_groups, build_model, build_optimizer,
                                      build_recompute, compute_dtype, zero_options)
 from pretrain.training.non_finite_steps import NonFiniteSteps
+from pretrain.training.end_sample import sample_text
 from pretrain.training.progress import TrainingProgress
 from pretrain.training.run_control import RunControl
 from pretrain.training.pipeline_runner import PipelineRunner
@@ -260,20 +261,24 @@ class Trainer:
                     f"{micro} micro-batches of {train.micro_batch_size} per step"
                     + (f" (global batch {self.schedule.sizes()[0]} -> {self.schedule.final_batch_size})"
                        if len(self.schedule.sizes()) > 1 else ""))
+        profiler = None
         try:
             batches = self._batches(self.data.train, self.schedule.samples_after(train.train_iters),
                                     self.progress.consumed_samples)
             if self.saver is not None:
                 self.saver.reserve(self.checkpoint_states())  # the saves' host memory, before the clock
             started, last_console, first_sample = time.perf_counter(), 0.0, self.progress.consumed_samples
+            profiler = StepProfiler(config, self.groups.rank, self.device)
             for iteration in range(self.start_iteration + 1, train.train_iters + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
                 lr = self._set_learning_rates()
                 batch_size = self.schedule.batch_size(self.progress.consumed_samples)
                 step_start = time.perf_counter()
+                profiler.step_begin(iteration)
                 local_loss, step = self.train_step(batches, self.control.records(
                     iteration, first=iteration == self.start_iteration + 1))
+                profiler.step_end(iteration)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
                 step_time = time.perf_counter() - step_start
@@ -329,9 +334,12 @@ class Trainer:
             self.watchdog.at(self.progress.iteration, "finishing")
             if self.saver is not None:
                 self.saver.wait()  # the end of training waits for the last write
-            result.sample = None if self.stopped_early else self.sample()
-        finally:  # also on an error: swap files are scratch
+            result.sample = None if self.stopped_early else sample_text(
+                self.config, self.tokenizer, self.runner, self.model, self.groups.tp.size, self.is_logger)
+        finally:  # also on an error: swap files are scratch, a trace and a snapshot are written
             self.optimizer.close()
+            if profiler is not None:
+                profiler.close()
         writer.close()
         if wandb_run is not None:
             wandb_run.finish()
@@ -364,31 +372,3 @@ class Trainer:
             self.published = iteration
             print_rank0(self.is_logger, f"saved checkpoint {path}")
         self.save_stall_s = time.perf_counter() - started  # the step's wait for the save
-
-    def sample(self) -> str | None:
-        """Continue --sample-prompt with the trained model (every rank runs it; rank 0 prints)."""
-        logging, model = self.config.logging, self.config.model
-        if not logging.sample_prompt or logging.sample_tokens < 1:
-            return None
-        try:  # the same on every rank: all sample, or none
-            prompt = self.tokenizer.encode(logging.sample_prompt)
-        except ValueError as error:
-            prompt, problem = [], str(error)
-        else:
-            problem = "it encodes to no tokens"
-        if not prompt:  # the run succeeded: its end never fails for a sample
-            print_rank0(self.is_logger, f"no sample: --sample-prompt {logging.sample_prompt!r} cannot be "
-                        f"encoded by {type(self.tokenizer).__name__} ({problem}); give a prompt it encodes, "
-                        "or '' for none")
-            return None
-        window = context_window(model.max_positions, self.groups.tp.size, self.runner.sequence_parallel)
-        self.model.eval()
-        greedy = self.tokenizer.decode(generate(self.runner.next_token_logits, prompt, logging.sample_tokens,
-                                                window=window))
-        sampled = self.tokenizer.decode(generate(self.runner.next_token_logits, prompt, logging.sample_tokens,
-                                                 window=window, temperature=0.8, top_k=40,
-                                                 seed=self.config.training.seed))
-        self.model.train()
-        print_rank0(self.is_logger, f"--- greedy sample ---\n{logging.sample_prompt}{greedy}\n"
-                    f"--- top-k 40, temperature 0.8 ---\n{logging.sample_prompt}{sampled}\n---")
-        return logging.sample_prompt + greedy

@@ -54,3 +54,24 @@ def test_one_process_benchmark_times_both_loops_on_the_same_corpus(tmp_path, std
     rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and float(rows[0][4].strip().rstrip("x")) > 0
     assert 0 < float(rows[0][5]) < 7 and 0 < float(rows[0][6]) < 7  # both learned below log(512) = 6.2
+
+
+def test_the_throughput_peers_are_the_same_models_as_ours():
+    """transformers' GPT-2 and Llama built from each benchmark shape hold exactly our parameters (so the
+    tokens/s compare like with like), at the GPU sizes too (built on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from launch.bench.throughput import SIZES, shape_flags
+    from models.counting import num_parameters
+    from pretrain.config.arguments import parse_config
+    from pretrain.interop.hf_config import config_to_hf
+
+    for size in ("smoke", "gpu"):
+        for shape in ("gpt", "llama"):
+            config = parse_config(shape_flags(size, shape)).model
+            config.vocab_size = SIZES[size][shape][-1]
+            with torch.device("meta"):
+                theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_to_hf(config, {})))
+            assert type(theirs).__name__ == ("GPT2LMHeadModel" if shape == "gpt" else "LlamaForCausalLM")
+            assert sum(p.numel() for p in theirs.parameters()) == num_parameters(config), (size, shape)

@@ -1,0 +1,105 @@
+"""Megatron's profiling flags, working: what a traced step records, and where it goes.
+
+- ``--profile --use-pytorch-profiler``: a ``torch.profiler`` trace of the steps after
+  ``--profile-step-start`` up to ``--profile-step-end`` (1-based, as the log counts them; Megatron's
+  defaults 10 and 12 trace steps 11 and 12) on each of ``--profile-ranks``, written under
+  ``--tensorboard-dir`` as ``rank<R>.<time>.pt.trace.json`` (Chrome trace format: TensorBoard's profiler
+  plugin, Perfetto and chrome://tracing read it), CPU and CUDA activity with shapes.
+- ``--profile`` alone (GPUs): nsys's capture range (``cudaProfilerStart`` / ``Stop``, for ``nsys profile
+  --capture-range=cudaProfilerApi``) around those steps, with an NVTX range per step and per operator.
+- ``--record-memory-history`` (GPUs): the CUDA allocator's history from the start, and torch's memory
+  snapshot written to ``--memory-snapshot-path`` at the end of the run (pytorch.org/memory_viz reads it).
+
+Validation refuses, before any process group, what the device cannot do (``problems``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from pretrain.config.schema import Config
+
+
+def problems(config: Config, device_type: str) -> list[str]:
+    """What the profiling flags ask that cannot be done on ``device_type`` ("cpu" or "cuda"), each naming
+    the flag and the fix."""
+    profiling, found = config.profiling, []
+    if profiling.profile and profiling.profile_step_end <= profiling.profile_step_start:
+        found.append(f"--profile-step-end {profiling.profile_step_end} must be after --profile-step-start "
+                     f"{profiling.profile_step_start}")
+    if profiling.profile and profiling.use_pytorch_profiler and not config.logging.tensorboard_dir:
+        found.append("--use-pytorch-profiler writes its traces under --tensorboard-dir: give one")
+    if profiling.profile and not profiling.use_pytorch_profiler and device_type != "cuda":
+        found.append("--profile without --use-pytorch-profiler drives nsys on a GPU; on the CPU add "
+                     "--use-pytorch-profiler (and --tensorboard-dir)")
+    if profiling.record_memory_history and device_type != "cuda":
+        found.append("--record-memory-history records the CUDA allocator: there is no GPU here (on the CPU, "
+                     "the metrics file has each rank's peak memory)")
+    return found
+
+
+class StepProfiler:
+    """Owns this rank's profiler between the traced steps and the memory history. Never changes what a step
+    computes; ``close()`` ends whatever is still running (a run that stopped early) and writes the
+    snapshot."""
+
+    def __init__(self, config: Config, rank: int, device: torch.device):
+        self.settings, self.rank, self.device = config.profiling, rank, device
+        self.directory = config.logging.tensorboard_dir
+        self.traced = self.settings.profile and rank in self.settings.profile_ranks
+        self._active: contextlib.ExitStack | None = None
+        self._profile: torch.profiler.profile | None = None  # the torch profiler while it traces
+        if self.settings.record_memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step_begin(self, iteration: int) -> None:
+        """Before step ``iteration`` (1-based): the first traced one starts the profiler."""
+        if self.traced and iteration == self.settings.profile_step_start + 1 and self._active is None:
+            self._active = contextlib.ExitStack()
+            if self.settings.use_pytorch_profiler:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if self.device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                handler = torch.profiler.tensorboard_trace_handler(self.directory,
+                                                                   worker_name=f"rank{self.rank}")
+                steps = self.settings.profile_step_end - self.settings.profile_step_start
+                self._profile = self._active.enter_context(torch.profiler.profile(
+                    activities=activities, record_shapes=True, on_trace_ready=handler,
+                    schedule=torch.profiler.schedule(wait=0, warmup=0, active=steps, repeat=1)))
+            else:
+                torch.cuda.cudart().cudaProfilerStart()
+                self._active.callback(torch.cuda.cudart().cudaProfilerStop)
+                self._active.enter_context(torch.autograd.profiler.emit_nvtx(record_shapes=True))
+        if self._active is not None and self.device.type == "cuda":
+            torch.cuda.nvtx.range_push(f"iteration {iteration}")
+
+    def step_end(self, iteration: int) -> None:
+        """After step ``iteration``: the last traced one stops the profiler and writes its trace."""
+        if self._active is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.nvtx.range_pop()
+        if self._profile is not None:  # each traced step a ProfilerStep#N range of its own
+            self._profile.step()
+        if iteration >= self.settings.profile_step_end:
+            self._stop()
+
+    def close(self) -> None:
+        self._stop()
+        if self.settings.record_memory_history:
+            path = self.settings.memory_snapshot_path + (f".rank{self.rank}" if self.rank else "")
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"rank {self.rank}: CUDA memory snapshot written to {path}", flush=True)
+
+    def _stop(self) -> None:
+        if self._active is not None:
+            active, self._active, self._profile = self._active, None, None
+            active.close()
+            if self.settings.use_pytorch_profiler:
+                print(f"rank {self.rank}: profiler trace written under {self.directory}", flush=True)

@@ -1,0 +1,55 @@
+"""Megatron's profiling flags: --profile --use-pytorch-profiler writes one Chrome trace per profiled rank
+over the steps asked for, which parses as TensorBoard's profiler plugin and Perfetto read it; what the CPU
+cannot do (nsys's capture range, the CUDA memory history) is refused by name before anything starts."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from pretrain.config.arguments import ConfigError, parse_config
+from pretrain.startup.validation import validate
+from tests.world import run_world
+
+MOCK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+        "--sample-prompt", "", "--log-interval", "1", "--train-iters", "4"]
+
+
+def _profiled(rank, world_size, flags):
+    import torch
+
+    from pretrain.training.trainer import Trainer
+
+    config = parse_config(MOCK + flags)
+    Trainer(config, validate(config, world_size), torch.device("cpu")).train()
+
+
+def test_the_pytorch_profiler_traces_the_steps_asked_on_the_ranks_asked(tmp_path):
+    tensorboard = tmp_path / "tb"
+    run_world(2, _profiled, ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                             "--profile-step-end", "3", "--profile-ranks", "1", "--tensorboard-dir",
+                             str(tensorboard), "--data-cache-path", str(tmp_path)])
+    traces = glob.glob(str(tensorboard / "*.pt.trace.json"))
+    assert [os.path.basename(path).split(".")[0] for path in traces] == ["rank1"]  # rank 0 is not traced
+    with open(traces[0]) as handle:
+        trace = json.load(handle)
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert sorted(name for name in names if name.startswith("ProfilerStep")) == ["ProfilerStep#0",
+                                                                                 "ProfilerStep#1"]
+    assert {"aten::mm", "aten::scaled_dot_product_attention"} & names  # the steps' own operators
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--profile"], "--profile without --use-pytorch-profiler drives nsys on a GPU; on the CPU add "
+                    "--use-pytorch-profiler"),
+    (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler writes its traces under "
+                                              "--tensorboard-dir: give one"),
+    (["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb", "--profile-step-start", "5",
+      "--profile-step-end", "5"], "--profile-step-end 5 must be after --profile-step-start 5"),
+    (["--record-memory-history"], "--record-memory-history records the CUDA allocator: there is no GPU here"),
+])
+def test_what_the_cpu_cannot_profile_is_refused_naming_the_flag(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(parse_config(MOCK + flags), 1)
