@@ -48,7 +48,8 @@ def test_every_launch_module_the_docs_name_exists_and_each_command_runs():
 def test_the_tools_are_split_by_concern_behind_short_command_modules():
     tools = os.path.join(REPOSITORY, "launch", "tools")
     assert sorted(name for name in os.listdir(tools) if name != "__pycache__") == [
-        "__init__.py", "fault_sweep.py", "faults", "gpu_check.py", "planning", "readme_commands.py", "scaling"]
+        "__init__.py", "fault_sweep.py", "faults", "gpu_check.py", "planning", "readme_commands.py",
+        "scaling"]
     concerns = {"planning": {"plan", "plan_command", "layout_price", "link_model"},
                 "scaling": {"sweep", "isoflop", "scaling_law", "scaling_fits", "scaling_plots"},
                 "faults": {"fault_sweep", "fault_injection", "chaos"}}
