@@ -10,7 +10,8 @@
 - ``--record-memory-history`` (GPUs): the CUDA allocator's history from the start, and torch's memory
   snapshot written to ``--memory-snapshot-path`` at the end of the run (pytorch.org/memory_viz reads it).
 
-Validation refuses, before any process group, what the device cannot do (``problems``).
+Validation refuses, before any process group, what cannot be done (``pretrain.startup.validation``);
+``--profile`` alone on the CPU (Megatron's scripts pass it) traces nothing and says so in one line.
 """
 
 from __future__ import annotations
@@ -23,24 +24,6 @@ import torch
 from pretrain.config.schema import Config
 
 
-def problems(config: Config, device_type: str) -> list[str]:
-    """What the profiling flags ask that cannot be done on ``device_type`` ("cpu" or "cuda"), each naming
-    the flag and the fix."""
-    profiling, found = config.profiling, []
-    if profiling.profile and profiling.profile_step_end <= profiling.profile_step_start:
-        found.append(f"--profile-step-end {profiling.profile_step_end} must be after --profile-step-start "
-                     f"{profiling.profile_step_start}")
-    if profiling.profile and profiling.use_pytorch_profiler and not config.logging.tensorboard_dir:
-        found.append("--use-pytorch-profiler writes its traces under --tensorboard-dir: give one")
-    if profiling.profile and not profiling.use_pytorch_profiler and device_type != "cuda":
-        found.append("--profile without --use-pytorch-profiler drives nsys on a GPU; on the CPU add "
-                     "--use-pytorch-profiler (and --tensorboard-dir)")
-    if profiling.record_memory_history and device_type != "cuda":
-        found.append("--record-memory-history records the CUDA allocator: there is no GPU here (on the CPU, "
-                     "the metrics file has each rank's peak memory)")
-    return found
-
-
 class StepProfiler:
     """Owns this rank's profiler between the traced steps and the memory history. Never changes what a step
     computes; ``close()`` ends whatever is still running (a run that stopped early) and writes the
@@ -50,6 +33,11 @@ class StepProfiler:
         self.settings, self.rank, self.device = config.profiling, rank, device
         self.directory = config.logging.tensorboard_dir
         self.traced = self.settings.profile and rank in self.settings.profile_ranks
+        if self.traced and not self.settings.use_pytorch_profiler and device.type != "cuda":
+            print(f"rank {rank}: --profile drives nsys's capture range on a GPU; nothing is traced on the "
+                  "CPU (add --use-pytorch-profiler and --tensorboard-dir for a torch.profiler trace)",
+                  flush=True)
+            self.traced = False
         self._active: contextlib.ExitStack | None = None
         self._profile: torch.profiler.profile | None = None  # the torch profiler while it traces
         if self.settings.record_memory_history:

@@ -66,10 +66,7 @@ def validate(config: Config, world_size: int) -> Topology:
                           f"{train.micro_batch_size} x data-parallel size {topology.dp}")
     if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
         raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
-    from pretrain.observability.profiling import problems
-
-    for problem in problems(config, "cuda" if torch.cuda.is_available() else "cpu"):
-        raise ConfigError(problem)
+    _validate_profiling(config)
     if train.compile:
         from torch import _dynamo
 
@@ -80,6 +77,19 @@ def validate(config: Config, world_size: int) -> Topology:
     _validate_data(config)
     _validate_zero(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology
+
+
+def _validate_profiling(config: Config) -> None:
+    """Megatron's profiling flags (``pretrain.observability.profiling``) where the device can honour them."""
+    profiling = config.profiling
+    if profiling.profile and profiling.profile_step_end <= profiling.profile_step_start:
+        raise ConfigError(f"--profile-step-end {profiling.profile_step_end} must be after "
+                          f"--profile-step-start {profiling.profile_step_start}")
+    if profiling.profile and profiling.use_pytorch_profiler and not config.logging.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its traces under --tensorboard-dir: give one")
+    if profiling.record_memory_history and not torch.cuda.is_available():
+        raise ConfigError("--record-memory-history records the CUDA allocator: there is no GPU here (on the "
+                          "CPU, the metrics file has each rank's peak memory)")
 
 
 def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
