@@ -120,4 +120,5 @@ def test_the_llama3_example_trains_on_mock_data_in_bf16_and_refuses_its_fp8_bran
                  "--tiktoken-pattern", "--no-mmap-bin-files"):
         assert flag in ignored, flag
     # --profile works here (issue 49): nsys's capture range is for GPUs, said once on the CPU
-    assert "--profile" not in ignored and "--profile drives nsys's capture range on a GPU" in job.stdout    assert "--overlap-param-gather" not in ignored  # it means what it means in Megatron
+    assert "--profile" not in ignored and "--profile drives nsys's capture range on a GPU" in job.stdout
+    assert "--overlap-param-gather" not in ignored  # it means what it means in Megatron
