@@ -58,6 +58,21 @@ class TransformerBlock(nn.Module):
         self.mlp_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
         self.dropout = _dropout(config.hidden_dropout)
         self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
+        self.norm_runner = None  # how a pre-norm and its sublayer run when the norm is recomputed
+
+    def recompute_norms_with(self, runner) -> None:
+        """Run each pre-norm through ``runner.norm(norm, x)`` and, once the sublayer that reads its output
+        has run, ``runner.drop(norm, x, normed, out)`` (--recompute-modules layernorm: the output is
+        dropped then and rebuilt in backward)."""
+        self.norm_runner = runner
+
+    def _normed(self, norm: nn.Module, x: torch.Tensor, sublayer) -> torch.Tensor:
+        if self.norm_runner is None or isinstance(norm, nn.Identity):
+            return sublayer(norm(x))
+        normed = self.norm_runner.norm(norm, x)
+        out = sublayer(normed)
+        self.norm_runner.drop(norm, x, normed, out)
+        return out
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self._dropout_on_own_stream(x) if self.fork_for_dropout else self.dropout(x)
@@ -68,9 +83,10 @@ class TransformerBlock(nn.Module):
             return self.dropout(x)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs = LayerInputs()) -> torch.Tensor:
-        attended = self.attention_post_norm(self.attention(self.attention_norm(x), inputs))
+        attended = self.attention_post_norm(self._normed(self.attention_norm, x,
+                                                         lambda normed: self.attention(normed, inputs)))
         x = x + self._residual_dropout(attended)
-        return x + self._residual_dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(x))))
+        return x + self._residual_dropout(self.mlp_post_norm(self._normed(self.mlp_norm, x, self.mlp)))
 
 
 class GPTModel(nn.Module):

@@ -33,8 +33,17 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.mlp.fc2.weight", std)
                                      .scaled_for_residual(config.num_layers), bias=bias,
                                      sequence_parallel=sequence_parallel)
+        self.runner = None  # how the MLP runs when it is recomputed (``recompute_with``)
+
+    def recompute_with(self, runner) -> None:
+        """Run the MLP through ``runner(compute, x)`` (--recompute-modules mlp)."""
+        self.runner = runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.runner(self.compute, x) if self.runner is not None else self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """fc2(act(fc1(x))): what --recompute-modules mlp redoes in backward."""
         y = self.fc1(x)
         if self.activation == "swiglu":
             gate, up = y.chunk(2, dim=-1)

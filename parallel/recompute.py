@@ -1,9 +1,12 @@
 """Activation checkpointing: keep a layer's input, drop what it computed, redo it in backward.
 
 ``RecomputePolicy`` decides per layer: keep everything, recompute the whole layer (``full``), or
-recompute only the attention core (``selective``). ``apply_recompute`` installs it on a model's
-chunks through the model's two runner hooks (``GPTModel.recompute_layers_with``,
-``SelfAttention.recompute_core_with``), so model code stays a plain GPT.
+recompute the modules Megatron's ``--recompute-modules`` names (``selective``): ``core_attn`` the
+attention core, ``mlp`` the MLP (its input kept), ``layernorm`` the norms before attention and the MLP
+(their output, which the next linear keeps, is dropped once that sublayer has run and rebuilt before its
+backward: Megatron's output-discarding checkpoint). ``apply_recompute`` installs it on a model's chunks
+through the model's runner hooks (``GPTModel.recompute_layers_with``, ``SelfAttention.recompute_core_with``,
+``MLP.recompute_with``, ``TransformerBlock.recompute_norms_with``), so model code stays a plain GPT.
 
 The recomputation is exact: the random state of the CPU, the GPU and the tensor-parallel tracker is
 saved before the forward and restored for the recompute, so dropout draws the same masks. Modules run
@@ -27,6 +30,7 @@ from torch import nn
 from parallel import comm
 from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup, compile_boundary
+from parallel.saved_activations import drop_storage
 from parallel.tensor.random import RNGTracker
 
 
@@ -113,18 +117,24 @@ def checkpoint(run: Callable, inputs: tuple[torch.Tensor, ...], *rest, tracker: 
     return _checkpoint(run, tracker, store, len(inputs), *inputs, *rest)
 
 
+# Megatron's --recompute-modules that this model has
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
 @dataclass(frozen=True)
 class RecomputePolicy:
     """What to recompute. ``granularity``: None (keep all), "full" or "selective"; ``num_layers``: how
     many layers of each model chunk (all when None); ``method``: "block" checkpoints each of the first
     ``num_layers`` layers, "uniform" checkpoints groups of ``num_layers`` consecutive layers as one.
-    ``partition`` / ``offload``: keep 1/tp of each checkpointed input / keep it on the CPU."""
+    ``partition`` / ``offload``: keep 1/tp of each checkpointed input / keep it on the CPU. ``modules``:
+    what selective recompute redoes (``RECOMPUTE_MODULES``)."""
 
     granularity: str | None = None
     num_layers: int | None = None
     method: str = "uniform"
     partition: bool = False
     offload: bool = False
+    modules: tuple[str, ...] = ("core_attn",)  # selective: what is recomputed
 
 
 def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGroup,
@@ -138,7 +148,12 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
         if policy.granularity == "selective":  # q, k, v are already split by heads: nothing to partition
             store = CheckpointStore(pool, offload=policy.offload)
             for layer in chunk.layers:
-                layer.attention.recompute_core_with(_selective_runner(chunk.rng, store))
+                if "core_attn" in policy.modules:
+                    layer.attention.recompute_core_with(_selective_runner(chunk.rng, store))
+                if "mlp" in policy.modules:
+                    layer.mlp.recompute_with(_selective_runner(chunk.rng, store))
+                if "layernorm" in policy.modules:
+                    layer.recompute_norms_with(DroppedNormOutput())
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
             chunk.recompute_layers_with(_full_runner(chunk, policy,
@@ -146,9 +161,58 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
 
 
 def _selective_runner(tracker: RNGTracker, store: CheckpointStore):
-    def run(core, q, k, v, *rest):
-        return checkpoint(core, (q, k, v), *rest, tracker=tracker, store=store)
+    def run(compute, *tensors):  # the attention core (q, k, v, inputs) or the MLP (x)
+        inputs = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+        return checkpoint(compute, inputs, *tensors[len(inputs):], tracker=tracker, store=store)
     return run
+
+
+class _NormOutput(torch.autograd.Function):
+    """y = norm(x) made without a graph; backward makes it again from x with one."""
+
+    @staticmethod
+    def forward(ctx, norm, x):
+        ctx.norm = norm
+        ctx.save_for_backward(x)  # the norm itself keeps its input for backward
+        with torch.no_grad():
+            return norm(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            out = ctx.norm(leaf)
+        torch.autograd.backward(out, grad)
+        return None, leaf.grad
+
+
+class DroppedNormOutput:
+    """Megatron's output-discarding checkpoint for the norms (--recompute-modules layernorm): ``norm``
+    gives the norm's output; ``drop`` frees its storage once the sublayer that read it has run (that
+    sublayer's first linear keeps it for its weight gradient), and a hook on the sublayer's output puts
+    the values back, into the same storage, before its backward reads them. Owns nothing between steps;
+    its calls run eagerly under torch.compile."""
+
+    @staticmethod
+    @compile_boundary
+    def norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _NormOutput.apply(norm, x) if torch.is_grad_enabled() and x.requires_grad else norm(x)
+
+    @staticmethod
+    @compile_boundary
+    def drop(norm: nn.Module, x: torch.Tensor, normed: torch.Tensor, out: torch.Tensor) -> None:
+        if not (torch.is_grad_enabled() and out.requires_grad):
+            return
+        nbytes = normed.untyped_storage().nbytes()
+        drop_storage(normed)
+
+        def rebuild(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                values = norm(x)
+            normed.untyped_storage().resize_(nbytes)
+            normed.untyped_storage().copy_(values.untyped_storage())  # no version bump: still the saved one
+        out.register_hook(rebuild)
 
 
 def _full_runner(chunk: nn.Module, policy: RecomputePolicy, store: CheckpointStore):

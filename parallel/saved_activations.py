@@ -14,6 +14,17 @@ import contextlib
 import torch
 from torch import nn
 
+_RECORDING: list[SavedActivationMeter] = []  # the meters whose ``recording`` block is open, innermost last
+
+
+def drop_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage while autograd still holds the tensor (its owner rebuilds the values before
+    backward reads them: ``parallel.recompute``), and take its bytes off every meter recording now."""
+    storage = tensor.untyped_storage()
+    for meter in _RECORDING:
+        meter.dropped(storage.data_ptr())
+    storage.resize_(0)
+
 
 class SavedActivationMeter:
     """Counts the storage bytes of tensors saved for backward (activations only), per key.
@@ -44,11 +55,20 @@ class SavedActivationMeter:
     def recording(self, key: object = None):
         """Count what forward passes inside this block save for backward, under ``key``."""
         previous, self._key = self._key, key
+        _RECORDING.append(self)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
                 yield self
         finally:
+            _RECORDING.remove(self)
             self._key = previous
+
+    def dropped(self, address: int) -> None:
+        """The storage at ``address`` that the current key saved was freed (``drop_storage``)."""
+        seen = self._by_key.get(self._key, {})
+        self.current_bytes -= seen.get(address, 0)
+        if address in seen:
+            seen[address] = 0
 
     def release(self, key: object = None) -> None:
         """The backward of ``key`` has run: what it saved is gone."""

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["type"] = base
                 if is_list:
                     kwargs["nargs"] = f.metadata.get("nargs", "+")
-                if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
+                if "choices" in f.metadata:  # an optional choice is turned off by "none" (a YAML's too)
+                    kwargs["choices"] = f.metadata["choices"] + (["none"] if _field_type(f)[1] else [])
             aliases = f.metadata.get("aliases", [])
             same = [alias for alias in aliases if not isinstance(aliases, dict) or aliases[alias] == 1]
             group.add_argument(_flag_name(f.name), *same, dest=f.name, **kwargs)
@@ -125,6 +125,8 @@ def _sections() -> dict[str, list[dataclasses.Field]]:
 
 def _coerce(name: str, value, f: dataclasses.Field):
     base, optional, is_list = _field_type(f)
+    if value == "none" and optional and "choices" in f.metadata:
+        value = None
     if value is None:
         if optional:
             return None

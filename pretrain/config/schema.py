@@ -116,7 +116,13 @@ class RecomputeConfig:
     """Activation checkpointing (ZeRO-R)."""
 
     recompute_granularity: str | None = field(default=None, metadata=flag(
-        "recompute whole layers (full) or the attention core (selective)", choices=["full", "selective"]))
+        "recompute whole layers (full) or the --recompute-modules (selective); none turns a YAML choice off",
+        choices=["full", "selective"]))
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata=flag(
+        "selective: what is recomputed (Megatron's names): core_attn the attention core (saves nothing with "
+        "a fused attention, which keeps no s x s matrix), mlp the MLP (the most: its FFN-wide activations), "
+        "layernorm the norms before attention and the MLP (their outputs)",
+        choices=["core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"]))
     recompute_num_layers: int | None = field(default=None, metadata=flag(
         "full: layers per checkpoint (uniform) or checkpointed layers per model chunk (block); default all"))
     recompute_method: str = field(default="uniform", metadata=flag(

@@ -14,6 +14,7 @@ from pretrain.checkpoint.selection import resume_point
 from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
+from parallel.recompute import RECOMPUTE_MODULES
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
 from parallel.zero.swap import check_swap_directory
@@ -43,6 +44,14 @@ def validate(config: Config, world_size: int) -> Topology:
             and recompute.recompute_granularity is None):
         raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
                           "add --recompute-granularity full or selective")
+    unknown = [name for name in recompute.recompute_modules if name not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: this model has no such module (no "
+                          "mixture-of-experts or latent attention); choose from "
+                          f"{', '.join(RECOMPUTE_MODULES)}")
+    if "recompute_modules" in config.given and recompute.recompute_granularity != "selective":
+        raise ConfigError("--recompute-modules chooses what --recompute-granularity selective recomputes: "
+                          "add it (full recomputes whole layers)")
     if recompute.recompute_num_layers is not None and recompute.recompute_num_layers < 1:
         raise ConfigError(f"--recompute-num-layers must be >= 1, got {recompute.recompute_num_layers}")
     if train.bf16 and train.fp16:

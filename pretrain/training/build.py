@@ -66,7 +66,7 @@ def build_recompute(model: nn.ModuleList, config: Config, groups: ParallelGroups
     """Activation recompute as the --recompute-* flags ask, its buffers from ``buffer_pool``."""
     r = config.recompute
     policy = RecomputePolicy(r.recompute_granularity, r.recompute_num_layers, r.recompute_method,
-                             r.partition_activations, r.activations_on_cpu)
+                             r.partition_activations, r.activations_on_cpu, tuple(r.recompute_modules))
     apply_recompute(model, policy, groups.tp, buffer_pool)
 
 

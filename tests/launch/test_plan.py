@@ -42,6 +42,11 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
     "cp4 stage 1 bf16 full recompute": (["--context-parallel-size", "4", "--zero-stage", "1", "--bf16",
                                          "--recompute-granularity", "full", "--recompute-num-layers", "1"],
                                         Layout(1, 1, 1, 1, recompute="full", cp=4)),
+    "dp2 x tp2 + SP stage 1, the MLPs and norms recomputed": (
+        [*_tp(2, "--sequence-parallel"), "--zero-stage", "1", "--recompute-granularity", "selective",
+         "--recompute-modules", "mlp", "layernorm"],
+        Layout(2, 1, 2, 1, recompute="selective", sequence_parallel=True,
+               recompute_modules=("mlp", "layernorm"))),
 }
 DATA_PARALLEL_ONLY = [name for name, (_, layout) in LAYOUTS.items() if layout.tp == layout.pp == 1]
 
@@ -51,6 +56,9 @@ LLAMA_LAYOUTS = {f"llama dp2 x tp2 + SP stage {stage}": (
      "--zero-persistence-threshold", "1000",
      *(["--bf16"] if stage == 3 else [])], Layout(2, 1, 2, stage, sequence_parallel=True))
     for stage in range(4)}
+LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
+    [*LLAMA, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+    Layout(1, 1, 4, 0, recompute="selective", recompute_modules=("mlp",)))
 
 
 @pytest.mark.parametrize("layouts", [LAYOUTS, LLAMA_LAYOUTS], ids=["gpt", "llama"])
@@ -69,7 +77,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         config.model.vocab_size = 512  # the corpus tokenizer's
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
                         sequence_parallel=layout.sequence_parallel, layers_per_stage=layout.layers_per_stage,
-                        zero=layout.zero, cp=layout.cp)
+                        zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules)
         predicted = plan_layout(config.model, layout, 8, 2 if "--bf16" in flags else 4,
                                 persistence_threshold=config.zero.zero_persistence_threshold)
         states = max(r["model_state_bytes"] for r in ranks)
@@ -128,14 +136,14 @@ def test_planner_ranks_layouts_that_fit_and_prints_json(capsys):
 
 def test_planner_proposes_context_parallelism_for_long_sequences():
     """Llama-3 8B on 8 nodes of 8 x 80 GiB: at 8K tokens the best layouts keep whole sequences, at 128K the
-    best cuts them (whole, only full recompute fits); a cp rank keeps 1/cp of the activations (logits
-    included) and sends ring attention's blocks over the cp group."""
+    best cuts them (whole, only recompute fits: full, or the MLP's and the norms'); a cp rank keeps 1/cp of
+    the activations (logits included) and sends ring attention's blocks over the cp group."""
     config = parse_config(["--config", "launch/configs/presets/llama3-8b.yaml"]).model
     assert all(p.layout.cp == 1 for p in plan(config, 64, 8, parse_bytes("80GiB"), 128)[:3])
     config.seq_length = config.max_position_embeddings = 131072
     plans = plan(config, 64, 8, parse_bytes("80GiB"), 16)
     assert plans and plans[0].layout.cp > 1
-    assert all(p.layout.cp > 1 or p.layout.recompute == "full" for p in plans)
+    assert all(p.layout.cp > 1 or p.layout.recompute_label in ("full", "mlp+layernorm") for p in plans)
     one, two = (plan_layout(config, Layout(8, 1, 8 // cp, 1, sequence_parallel=True, cp=cp), 16, 2)
                 for cp in (1, 2))
     assert two.activation_bytes == pytest.approx(one.activation_bytes / 2, rel=1e-9)

@@ -14,7 +14,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     config_file = tmp_path / "run.yaml"
-    config_file.write_text("hidden_size: 128\nlr: 1.0e-3\ndata_path: [a, b]\nsequence_parallel: true\n")
+    config_file.write_text("hidden_size: 128\nlr: 1.0e-3\ndata_path: [a, b]\nsequence_parallel: true\n"
+                           "recompute_granularity: selective\n")
     config = parse_config(["--config", str(config_file), "--lr", "5e-4"])
     assert config.model.hidden_size == 128
     assert config.optimizer.lr == 5e-4
@@ -23,6 +24,10 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     assert config.model.num_layers == 4  # default
     assert parse_config(["--config", str(config_file),
                          "--no-sequence-parallel"]).parallel.sequence_parallel is False
+    # a YAML choice turned off from the command line (a preset's recompute, say)
+    assert config.recompute.recompute_granularity == "selective"
+    assert parse_config(["--config", str(config_file), "--recompute-granularity",
+                         "none"]).recompute.recompute_granularity is None
 
 
 def test_unknown_yaml_keys_and_flags_are_named_with_the_nearest_valid_name(tmp_path):
@@ -126,6 +131,11 @@ def test_wrong_yaml_type_is_named(tmp_path):
      "is not"),
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p"], 2,
      "--cp-comm-type has 3 values: give one, or one per layer (--num-layers 2)"),
+    (["--recompute-modules", "mlp"], 1, "--recompute-modules chooses what --recompute-granularity selective "
+                                        "recomputes: add it"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe_act"], 1,
+     "--recompute-modules moe_act: this model has no such module (no mixture-of-experts or latent "
+     "attention); choose from core_attn, mlp, layernorm"),
     (["--sft", "--data-path", "x.jsonl", "--reset-attention-mask"], 1,
      "--reset-attention-mask act on packed pretraining documents; --sft puts one"),
 ])

@@ -207,7 +207,11 @@ def test_recompute_composes_with_every_zero_stage_and_pipelines(stdlib_corpus):
                        "--partition-activations"),
                _tp(2, "--zero-stage", "2", "--recompute-granularity", "selective"),
                _tp(2, "--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "block",
-                   "--recompute-num-layers", "1")]
+                   "--recompute-num-layers", "1"),
+               # Megatron's --recompute-modules: the MLP checkpointed, the norms' outputs dropped and rebuilt
+               # from their inputs in backward (their weights gathered again by ZeRO-3)
+               _tp(2, "--sequence-parallel", "--zero-stage", "3", *zero3, "--recompute-granularity",
+                   "selective", "--recompute-modules", "mlp", "layernorm")]
     _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus), "recompute at tp2 x dp2")
     piped = [_pp(2), _pp(2, "1f1b", "--zero-stage", "3", *zero3, "--recompute-granularity", "full")]
     _assert_stages_match_stage_0(run_world(2, _train, piped, stdlib_corpus), "recompute at pp2")
@@ -218,7 +222,8 @@ def test_compiled_layers_reproduce_the_single_process_run(reference, stdlib_corp
     """--compile in the layouts it must keep working with: tp2 + SP under selective recompute, interleaved
     pp2, dp2 ZeRO-3 (gathers in hooks around the compiled layers) under full recompute with the optimizer
     on the CPU; every graph break at a communication boundary (``models.compile``)."""
-    layouts = _short([_tp(2, "--sequence-parallel", "--recompute-granularity", "selective", *COMPILED),
+    layouts = _short([_tp(2, "--sequence-parallel", "--recompute-granularity", "selective",
+                          "--recompute-modules", "core_attn", "mlp", "layernorm", *COMPILED),
                       _pp(2, "interleaved", "--virtual-pipeline-size", "2", *COMPILED),
                       ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--recompute-granularity",
                        "full", "--offload-optimizer", "cpu", *COMPILED]])

@@ -30,6 +30,13 @@ class Layout:
     layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
     zero: ZeroCommOptions = ZeroCommOptions()  # ZeRO++ / MiCS
     cp: int = 1  # --context-parallel-size: each rank holds S / cp tokens of every sequence
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recompute redoes
+
+    @property
+    def recompute_label(self) -> str:
+        """none, full, or selective's modules (Megatron's names)."""
+        return ("+".join(self.recompute_modules) if self.recompute == "selective"
+                else str(self.recompute or "none"))
 
     @property
     def data_ranks(self) -> int:
@@ -83,9 +90,8 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
 
 
 def layer_elements(config: GPTConfig, layout: Layout) -> float:
-    """Elements one transformer layer keeps for backward per micro-batch without recompute, as our layer
-    saves them (selective recompute gains nothing here: the fused attention keeps no s^2 matrix), per
-    token, t = tp, a query heads and G key/value groups of d channels:
+    """Elements one transformer layer keeps for backward per micro-batch without full recompute, as our
+    layer saves them, per token, t = tp, a query heads and G key/value groups of d channels:
 
     - each of the two norms: its input and its output (which the next linear keeps), 2h (split by t
       under sequence parallelism);
@@ -96,7 +102,12 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
       (a + G) d / t each, and the rotary cos and sin tables (2 x rotated channels, not split);
     - the MLP: fc1's output and the activation's (2 f / t); SwiGLU keeps gate and up, silu(gate) and
       the product, 4 f / t.
-    GPT-3's layer (LayerNorm, GELU, learned positions): 4 + 12 / t (x sbh)."""
+    GPT-3's layer (LayerNorm, GELU, learned positions): 4 + 12 / t (x sbh). Selective recompute
+    (``layout.recompute_modules``): ``core_attn`` gains nothing (the fused attention keeps no s^2 matrix,
+    the checkpoint keeps q, k, v instead); ``mlp`` keeps its input instead of its activations (0 for the
+    MLP; its norm's output is the kept input); ``layernorm`` drops each pre-norm's output that a linear
+    keeps (h, or h / t under sequence parallelism: the attention norm's, and the MLP norm's unless the MLP
+    is recomputed)."""
     t, h, f = layout.tp, config.hidden_size, config.ffn_size
     heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
     split = t if layout.sequence_parallel else 1
@@ -110,8 +121,25 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
         attention += query_copy  # attention itself keeps the copied queries
     if rotary:  # rotation keeps only its tables; attention keeps the rotated queries and keys
         attention += (heads + groups) * d + 2 * config.rotary_channels
-    mlp = (4 if config.gated else 2) * f / t
+    modules = layout.recompute_modules if layout.recompute == "selective" else ()
+    mlp = 0 if "mlp" in modules else (4 if config.gated else 2) * f / t
+    if "layernorm" in modules and config.norm_placement != "post":
+        norms -= (1 if "mlp" in modules else 2) * h / split
     return config.seq_length / layout.cp * layout.micro_batch_size * (norms + attention + mlp)
+
+
+def recompute_cost(config: GPTConfig, layout: Layout) -> float:
+    """A step's compute with the layout's recompute over one without: full redoes the forward (a third of
+    the step), selective's ``mlp`` the MLP's share of it (its weights' share of a block's)."""
+    if layout.recompute == "full":
+        return 4 / 3
+    if layout.recompute != "selective" or "mlp" not in layout.recompute_modules:
+        return 1.0
+    h, f = config.hidden_size, config.ffn_size
+    mlp = (3 if config.gated else 2) * h * f
+    attention = h * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim \
+        + config.num_attention_heads * config.head_dim * h
+    return 1 + mlp / (mlp + attention) / 3
 
 
 def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_size: int,

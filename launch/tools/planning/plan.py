@@ -42,7 +42,7 @@ from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommO
                                               zero_variants)
 from models.counting import flops_per_token
 from launch.tools.planning.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
-                                                sent_by_axis, transfers)
+                                                recompute_cost, sent_by_axis, transfers)
 
 @dataclass
 class Plan:
@@ -84,9 +84,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
                 buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
                 sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
-    recompute_cost = {"full": 4 / 3, "selective": 1.0, None: 1.0}[layout.recompute]
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
-    plan.score = recompute_cost * offload_cost / (1 - bubble)
+    plan.score = recompute_cost(config, layout) * offload_cost / (1 - bubble)
     if links is not None:
         world = layout.tp * layout.pp * layout.dp * layout.cp
         compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops
@@ -142,12 +141,14 @@ def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batc
         if batch % (micro * dp) or batch // (micro * dp) < p:
             continue
         for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
-            for recompute in (None, "selective", "full"):
+            # selective as it buys memory (the attention core's recompute buys none with a fused kernel)
+            for recompute, modules in ((None, ()), ("selective", ("mlp", "layernorm")), ("full", ())):
                 for offload in ("none", "cpu") if stage else ("none",):
                     for options in (zero_variants(stage, Topology(t * p * c * dp, t, p, c,
                                                                   gpus_per_node=gpus_per_node), gpus_per_node)
                                     if zero_plus_plus else [ZeroCommOptions()]):
                         layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,
+                                              recompute_modules=modules,
                                               sequence_parallel=t > 1,
                                               layers_per_stage=layers_per_stage
                                               if layers_per_stage and p == len(layers_per_stage) else None,

@@ -196,13 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
           "per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
-    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'zero':>4} {'recompute':>9} {'mbs':>3} {'offload':>7} | "
-          f"{'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | comm GiB/step dp / "
-          "tp / pp / cp (to another node)" + (" | ZeRO++ / MiCS | step s" if links else ""))
+    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'zero':>4} {'recompute':>13} {'mbs':>3} "
+          f"{'offload':>7} | {'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | "
+          "comm GiB/step dp / tp / pp / cp (to another node)"
+          + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
         layout, gib = p.layout, 2**30
         print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
-              f"{str(layout.recompute):>9} "
+              f"{layout.recompute_label:>13} "
               f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
               f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
