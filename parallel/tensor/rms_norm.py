@@ -49,10 +49,21 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None, None
 
 
+def fused_kernels(device_type: str) -> bool:
+    """Whether torch has fused RMSNorm kernels, forward and backward, for ``device_type`` (CUDA from torch
+    2.8): they keep x and 1 / rms as ``_RMSNorm`` does, in one kernel each way. Elsewhere torch's RMSNorm is
+    composite (more kernels, more saved tensors) and ``_RMSNorm`` runs."""
+    return (hasattr(torch, "_fused_rms_norm") and device_type == "cuda"
+            and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA"))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, split_over: AxisGroup | None = None,
              size: int | None = None) -> torch.Tensor:
     """RMSNorm of ``x`` over its last dimension with ``weight``; ``split_over``: the tp group across which
-    that dimension (of ``size`` channels in all) is split, or None when this rank holds it whole."""
+    that dimension (of ``size`` channels in all) is split, or None when this rank holds it whole (torch's
+    fused kernels then, where it has them)."""
     if split_over is not None and split_over.size == 1:
         split_over = None
+    if split_over is None and fused_kernels(x.device.type):
+        return torch._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps, split_over, size)

@@ -86,6 +86,11 @@ def test_rms_norm_keeps_less_and_computes_torchs_rms_norm():
     torch.nn.init.normal_(norm.weight)
     assert torch.autograd.gradcheck(norm, (x,))
     torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-5))
+    # the call of torch's fused kernels (GPUs), here on its composite CPU path: the same norm and gradient
+    fused = x.detach().clone().requires_grad_()
+    torch._fused_rms_norm(fused, [8], norm.weight, 1e-5)[0].sum().backward()
+    norm(x).sum().backward()
+    torch.testing.assert_close(fused.grad, x.grad)
     one_plus = Norm("LayerNorm", 8, 1e-5, one_plus=True).double()  # weights start at 0: a scale of 1
     assert not one_plus.weight.any()
     torch.testing.assert_close(one_plus(x), F.layer_norm(x, (8,), eps=1e-5))

@@ -147,10 +147,12 @@ class _FreshBuffers(TorchDispatchMode):
         return out
 
 
-def test_the_loss_makes_one_logits_sized_buffer_and_saves_16_bit_logits_under_bf16():
-    """Forward makes one [s, b, vocab/tp] buffer in fp32 (it made four before: the fp32 copy, the masked
-    copy, the shifted and the exp); under bf16 the saved state is the bf16 logits (2 bytes per entry)
-    instead of an fp32 softmax (4), and the softmax recomputed in backward gives the very same gradient."""
+def test_the_loss_works_in_chunks_and_keeps_only_the_logits():
+    """Forward makes no [s, b, vocab/tp] buffer at all, in fp32 or bf16: its fp32 temporaries are chunks of
+    rows (a quarter of the logits here; it made one fp32 copy of them all before, four before that); what
+    backward keeps is the logits (2 bytes per entry under bf16) and the per-token max and sum, and the
+    softmax it makes again chunk by chunk gives the very gradient of the fp32 path; a chunk never changes a
+    value (one chunk, or many, bit for bit)."""
     s, b, vocab = 32, 4, 512
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(s, b, vocab, generator=generator)
@@ -161,16 +163,20 @@ def test_the_loss_makes_one_logits_sized_buffer_and_saves_16_bit_logits_under_bf
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             with _FreshBuffers(s * b * vocab) as forward:
-                loss = vocab_parallel_cross_entropy(shard, target, _alone(), valid_vocab=500)
+                loss = vocab_parallel_cross_entropy(shard, target, _alone(), valid_vocab=500,
+                                                    chunk_elements=s * b * vocab // 4)
         loss.sum().backward()
+        whole = shard.detach().clone().requires_grad_()
+        unchunked = vocab_parallel_cross_entropy(whole, target, _alone(), valid_vocab=500)
+        unchunked.sum().backward()
+        assert torch.equal(loss, unchunked) and torch.equal(shard.grad, whole.grad), dtype
         saved_bytes = sum(t.numel() * t.element_size() for t in saved)
         results[dtype] = (forward.made, saved_bytes, shard.grad)
-        print(dtype, "forward buffers:", forward.made, "saved bytes:", saved_bytes)
     entries = s * b * vocab
     small = s * b * (8 + 1 + 4 + 4)  # target ids, outside mask, fp32 max and sum
     for dtype, entry_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
         made, saved_bytes, _ = results[dtype]
-        assert made == [("aten._to_copy.default", torch.float32)], made
+        assert made == [], made
         assert entries * entry_bytes <= saved_bytes <= entries * entry_bytes + small, (dtype, saved_bytes)
     grad = results[torch.bfloat16][2]
     fp32_path = logits.to(torch.bfloat16).float().requires_grad_()
