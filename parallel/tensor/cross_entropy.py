@@ -58,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = torch.zeros_like(flat) if valid < width else torch.empty_like(flat)  # padded entries: 0
         scale = grad_loss.reshape(-1).to(sum_exp.dtype)
         inside = (~outside).to(sum_exp.dtype)
-        for start, end in _chunks(flat.shape[0], valid, ctx.chunk_elements):
+        for start, end in _chunks(flat.shape[0], valid, ctx.chunk_elements) if valid else ():  # all padding
             # d loss / d logits = (softmax - one_hot(target)) x the loss's gradient, the one-hot only on the
             # owning rank
             softmax = (flat[start:end, :valid].to(sum_exp.dtype, copy=True)
