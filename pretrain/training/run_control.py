@@ -37,8 +37,8 @@ class RunControl:
     """Owns the signal flag and the start time. Never saves, logs or evaluates by itself: ``after``
     says what the trainer must do."""
 
-    def __init__(self, config: Config, world: AxisGroup):
-        self.config, self.world = config, world
+    def __init__(self, config: Config, world: AxisGroup, device: torch.device = torch.device("cpu")):
+        self.config, self.world, self.device = config, world, device  # NCCL reduces device tensors only
         self.started = time.monotonic()
         self._signal_received = False
         if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
@@ -59,7 +59,8 @@ class RunControl:
         some rank); a collective over the world."""
         minutes = self.config.training.exit_duration_in_mins
         late = minutes is not None and time.monotonic() - self.started >= 60 * minutes
-        flags = torch.tensor([float(self._signal_received), float(late), float(save_failed)])
+        flags = torch.tensor([float(self._signal_received), float(late), float(save_failed)],
+                             device=self.device)
         comm.all_reduce(flags, self.world, op=torch.distributed.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1]), bool(flags[2])
 

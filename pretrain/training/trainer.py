@@ -71,7 +71,7 @@ class Trainer:
         self.watchdog = watchdog or HangWatchdog(config.parallel.distributed_timeout_s)
         self.watchdog.follow(self.groups.stats)
         self.is_logger = self.groups.rank == 0
-        self.control = RunControl(config, self.groups.world)
+        self.control = RunControl(config, self.groups.world, device)
         self._build_schedules(topology)
         train = config.training
         eval_samples = train.eval_iters * self.eval_batch_size if train.eval_interval else 0
