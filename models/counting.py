@@ -78,8 +78,14 @@ def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token: 3 x the forward's (backward costs two forwards), the forward being
     2 FLOPs per weight of every matmul (attention, MLP, output layer, as built) plus the attention
     scores and their weighted sum, 2 x 2 x s x (heads x head_dim) per layer (the full s x s product,
-    as Megatron counts it)."""
-    model = stage_model(config)
+    as Megatron counts it). Kept per model: the planner asks it of every layout."""
+    return _flops_per_token(_frozen(config))
+
+
+@functools.lru_cache(maxsize=64)
+def _flops_per_token(frozen: tuple) -> float:
+    config = GPTConfig(**{name: list(value) if isinstance(value, tuple) else value for name, value in frozen})
+    model = _stage_model(frozen, 1, 1, 0, 1, False, None)
     chunk = model[0]
     matmul = sum(module.weight.numel() for module in model.modules()
                  if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))

@@ -26,6 +26,7 @@ Run ``python -m parallel.topology --world-size 16 --tp 2 --pp 2 --cp 2 --gpus-pe
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -103,8 +104,13 @@ class Topology:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis`` as a list of ranks, in a fixed order shared by all ranks."""
+        return [list(ranks) for ranks in _groups(self, axis)]
+
+    def _enumerate(self, axis: str) -> list[list[int]]:
         P, D, C, T = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
-        at = self.rank
+
+        def at(p: int, d: int, t: int, c: int) -> int:  # ``rank`` without its checks: every coordinate is
+            return t + self.tp * (c + self.cp * (d + self.dp * p))  # in range here
         if axis == "tp":
             return [[at(p, d, t, c) for t in T] for p in P for d in D for c in C]
         if axis == "cp":
@@ -136,6 +142,7 @@ class Topology:
             replicas += [list(across) for across in zip(*runs)]
         return partitions, replicas
 
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - a frozen value: the planner asks it of every layout
     def dp_ranks_per_node(self, node_size: int | None) -> int:
         """The most consecutive ranks of a data x context group that always share a node of ``node_size``
         ranks (a divisor of dp x cp; all of them when the nodes are unknown or one node holds every
@@ -198,6 +205,13 @@ class Topology:
             lines.append(f"  warning: {len(spanning)} tensor-parallel group(s) span nodes")
         return "\n".join(lines)
 
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(topology: Topology, axis: str) -> tuple[tuple[int, ...], ...]:
+    """``Topology.groups``, kept per topology and axis: the planner prices thousands of layouts on a few
+    grids of up to thousands of ranks."""
+    return tuple(tuple(ranks) for ranks in topology._enumerate(axis))
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m parallel.topology", description=__doc__.split("\n")[0])

@@ -12,6 +12,7 @@ rule). The trainer's start-up table and ``launch.tools.planning.plan`` both pric
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from torch import nn
@@ -21,7 +22,13 @@ from parallel.zero.grad_sync import needs_model_parallel_reduction
 
 def sharded_at_stage_3(param: nn.Parameter, persistence_threshold: int) -> bool:
     """Whether stage 3 shards ``param`` (else it stays whole, with sharded gradients as in stage 2)."""
-    return param.numel() > persistence_threshold and not needs_model_parallel_reduction(param)
+    return sharded_by_size(param.numel(), needs_model_parallel_reduction(param), persistence_threshold)
+
+
+def sharded_by_size(numel: int, whole: bool, persistence_threshold: int) -> bool:
+    """``sharded_at_stage_3`` of a parameter of ``numel`` elements whose gradient a model-parallel
+    reduction needs ``whole`` (or not)."""
+    return numel > persistence_threshold and not whole
 
 
 def gradient_bytes(compute_bytes: int, main_grads_in_fp32: bool = True) -> int:
@@ -50,20 +57,34 @@ def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: 
     return params * (compute_bytes + grad + states) / dp
 
 
+def parameter_profile(params: Iterable[nn.Parameter]) -> tuple[tuple[int, bool, int], ...]:
+    """(elements, whether a model-parallel reduction needs the gradient whole, how many such parameters):
+    all that the state bytes of ``params`` depend on (a planner keeps it per layout and model)."""
+    counts = Counter((param.numel(), needs_model_parallel_reduction(param)) for param in params)
+    return tuple((numel, whole, count) for (numel, whole), count in sorted(counts.items()))
+
+
 def expected_parameter_state_bytes(params: Iterable[nn.Parameter], stage: int, dp: int, compute_bytes: int,
                                    persistence_threshold: int = 100_000, grad_bytes: int | None = None,
                                    secondary_partition: int = 1) -> float:
     """Model-state bytes of this rank's ``params`` as the optimizer keeps them at ``stage`` (with hpZ's
     secondary partition over ``secondary_partition`` ranks, stage 3's sharded parameters once more in the
     compute dtype, 1/K of them)."""
+    return expected_profile_state_bytes(parameter_profile(params), stage, dp, compute_bytes,
+                                        persistence_threshold, grad_bytes, secondary_partition)
+
+
+def expected_profile_state_bytes(profile: tuple[tuple[int, bool, int], ...], stage: int, dp: int,
+                                 compute_bytes: int, persistence_threshold: int = 100_000,
+                                 grad_bytes: int | None = None, secondary_partition: int = 1) -> float:
+    """``expected_parameter_state_bytes`` of the parameters a ``parameter_profile`` describes."""
     total = 0.0
-    for param in params:
-        sharded = stage == 3 and sharded_at_stage_3(param, persistence_threshold)
-        total += expected_model_state_bytes(stage if sharded or stage < 3 else 2,
-                                            param.numel(), dp, compute_bytes,
-                                            grad_bytes)
+    for numel, whole, count in profile:
+        sharded = stage == 3 and sharded_by_size(numel, whole, persistence_threshold)
+        total += count * expected_model_state_bytes(stage if sharded or stage < 3 else 2, numel, dp,
+                                                    compute_bytes, grad_bytes)
         if sharded and 1 < secondary_partition < dp:
-            total += compute_bytes * param.numel() / secondary_partition
+            total += count * compute_bytes * numel / secondary_partition
     return total
 
 

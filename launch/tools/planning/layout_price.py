@@ -4,13 +4,15 @@ Nothing here searches layouts or prints."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from launch.tools.planning.link_model import Transfer, ZeroCommOptions, ring, zero_transfers
 from models.config import GPTConfig
 from models.counting import stage_model, stage_parameters
 from parallel.topology import Topology
-from parallel.zero import expected_parameter_state_bytes, gradient_bytes, optimizer_state_bytes
+from parallel.zero import gradient_bytes, optimizer_state_bytes
+from parallel.zero.memory import expected_profile_state_bytes, parameter_profile
 from parallel.zero.grad_sync import staged_bucket_size
 
 @dataclass(frozen=True)
@@ -53,16 +55,21 @@ def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> tuple:
                             list(layout.layers_per_stage or []) or None)
 
 
+@functools.lru_cache(maxsize=256)
+def _profile(params: tuple) -> tuple:
+    """``parameter_profile`` of one stage's parameters (a cached tuple: the key is its identity)."""
+    return parameter_profile(params)
+
+
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
                       persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
-    params = _stage_parameters(config, layout, stage)
+    profile = _profile(_stage_parameters(config, layout, stage))
     shard = layout.zero.shard_size or layout.data_ranks
-    total = expected_parameter_state_bytes(params, layout.zero_stage, shard, compute_bytes,
-                                           persistence_threshold,
-                                           grad_bytes, layout.zero.hpz)
+    total = expected_profile_state_bytes(profile, layout.zero_stage, shard, compute_bytes,
+                                         persistence_threshold, grad_bytes, layout.zero.hpz)
     if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
-        total -= sum(p.numel() for p in params) * optimizer_state_bytes(compute_bytes) / (
+        total -= sum(numel * count for numel, _, count in profile) * optimizer_state_bytes(compute_bytes) / (
             shard if layout.zero_stage else 1)
     return total
 
@@ -175,7 +182,6 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
     topology = Topology(layout.tp * layout.pp * layout.dp * layout.cp, layout.tp, layout.pp, layout.cp,
                         gpus_per_node=gpus_per_node)
-    node = (lambda rank: rank // gpus_per_node) if gpus_per_node else (lambda rank: 0)
     t, m = layout.tp, micro_batches
     sbh = config.seq_length / layout.cp * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = layout.layers_on(0, config.num_layers)
@@ -183,16 +189,16 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
                            layout.zero, gpus_per_node,
                            backend, layers, bucket_size)
-    found.append(ring("all_reduce", "tp", topology.groups("tp"), node, 2 * (t - 1) / t * sbh * recompute,
-                      4 * layers * m))
+    found.append(ring("all_reduce", "tp", topology.groups("tp"), gpus_per_node,
+                      2 * (t - 1) / t * sbh * recompute, 4 * layers * m))
     if layout.cp > 1:  # ring attention's key/value blocks (and their gradients), every layer
         forward, backward = context_bytes(config, layout, compute_bytes)
-        found.append(ring("p2p", "cp", topology.groups("cp"), node,
+        found.append(ring("p2p", "cp", topology.groups("cp"), gpus_per_node,
                           (forward * (2 if layout.recompute == "full" else 1) + backward) * layers * m))
     if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
-        found.append(Transfer("p2p", "pp", 2 * sbh * m,
-                              2 * sbh * m if any(node(a) != node(b) for g in topology.groups("pp")
-                                                  for a, b in zip(g, g[1:])) else 0.0, 2 * m))
+        crosses = gpus_per_node is not None and any(a // gpus_per_node != b // gpus_per_node
+                                                    for g in topology.groups("pp") for a, b in zip(g, g[1:]))
+        found.append(Transfer("p2p", "pp", 2 * sbh * m, 2 * sbh * m if crosses else 0.0, 2 * m))
     return found
 
 

@@ -27,6 +27,7 @@ a node. The quantize / dequantize passes are compute (``quantized_elements`` at 
 from __future__ import annotations
 
 import math
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -111,34 +112,42 @@ def hidden_share(backend: str, pieces: int) -> float:
     return 0.0 if backend == "gloo" else 1 - 1 / max(pieces, 1)
 
 
-def _leaving(groups: list[list[int]], node, sent_to) -> float:
-    """The most bytes any node sends to other nodes, ``sent_to(group, index)`` giving the (peer, bytes)
-    pairs of the group's rank at ``index``."""
-    leaving: dict[int, float] = defaultdict(float)
+def _crossings(groups: list[list[int]], node_size: int | None, directly: bool) -> int:
+    """The most sends that any node makes to other nodes when every rank of ``groups`` sends once to the next
+    rank of its group (a ring), or ``directly`` once to every rank of it; nodes of ``node_size``
+    consecutive ranks (None: one node)."""
+    if node_size is None:
+        return 0
+    return _counted_crossings(tuple(map(tuple, groups)), node_size, directly)
+
+
+@functools.lru_cache(maxsize=4096)
+def _counted_crossings(groups: tuple[tuple[int, ...], ...], node_size: int, directly: bool) -> int:
+    """``_crossings``, kept per grid: the planner prices thousands of layouts on a few of them."""
+    leaving: dict[int, int] = defaultdict(int)
     for group in groups:
         for index, rank in enumerate(group):
-            for peer, nbytes in sent_to(group, index):
-                if node(peer) != node(rank):
-                    leaving[node(rank)] += nbytes
-    return max(leaving.values(), default=0.0)
+            peers = group if directly else (group[(index + 1) % len(group)],)
+            leaving[rank // node_size] += sum(1 for peer in peers if peer // node_size != rank // node_size)
+    return max(leaving.values(), default=0)
 
 
-def ring(operation: str, axis: str, groups: list[list[int]], node, per_rank: float,
+def ring(operation: str, axis: str, groups: list[list[int]], node_size: int | None, per_rank: float,
          count: int = 1) -> Transfer:
-    """A ring collective over ``groups`` in which every rank sends ``per_rank`` bytes to the next."""
+    """A ring collective over ``groups`` in which every rank sends ``per_rank`` bytes to the next (nodes of
+    ``node_size`` consecutive ranks; None: one node)."""
     size = len(groups[0])
-    leaving = (_leaving(groups, node, lambda group, i: [(group[(i + 1) % size], per_rank)]) if size > 1
-               else 0.0)
+    leaving = per_rank * _crossings(groups, node_size, directly=False) if size > 1 else 0.0
     return Transfer(operation, axis, per_rank if size > 1 else 0.0, leaving, size - 1, count)
 
 
-def all_to_all(axis: str, groups: list[list[int]], node, input_bytes: float, count: int = 1,
+def all_to_all(axis: str, groups: list[list[int]], node_size: int | None, input_bytes: float, count: int = 1,
                operation: str = "all_to_all") -> Transfer:
     """An all-to-all over ``groups`` of ``input_bytes`` per rank, an equal part to every rank (also what
     gloo's reduce-scatter is: ``operation``)."""
     size = len(groups[0])
     part = input_bytes / size
-    leaving = _leaving(groups, node, lambda group, i: [(peer, part) for peer in group])
+    leaving = part * _crossings(groups, node_size, directly=True)
     return Transfer(operation, axis, part * (size - 1), leaving, size - 1, count)
 
 
@@ -151,7 +160,6 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     ``backend``, placed in the passes they run in: stage 3's in ``pieces`` a pass (its units, a layer
     each), stages 0-2's in buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
-    node = lambda rank: rank // node_size  # noqa: E731
     dp, m = topology.dp_cp, micro_batches  # gradients and ZeRO's shards span data x context
     shard = options.shard_size or dp
     shards, replicas = topology.dp_partitions(shard) if shard < dp else (topology.groups("dp-cp"), None)
@@ -166,15 +174,15 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         every rank on gloo (``parallel.comm``)."""
         size = len(groups[0])
         if backend == "gloo" and size > 1:
-            return all_to_all(axis, groups, node, per_rank * size / (size - 1), count, operation)
-        return ring(operation, axis, groups, node, per_rank, count)
+            return all_to_all(axis, groups, node_size, per_rank * size / (size - 1), count, operation)
+        return ring(operation, axis, groups, node_size, per_rank, count)
 
     def placed(transfer: Transfer, phase: str, quantized: float = 0.0) -> Transfer:
         return replace(transfer, phase=phase, overlap=hidden_share(backend, split),
                        quantized_elements=quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
-        return [placed(ring("all_reduce", "dp", topology.groups("dp-cp"), node,
+        return [placed(ring("all_reduce", "dp", topology.groups("dp-cp"), node_size,
                             2 * grad_bytes * params * (dp - 1) / dp),
                        "backward")]
     transfers = []
@@ -202,7 +210,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         elements = float(params)
         for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
             transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index],
-                                               groups, node, elements * QUANTIZED_BYTES, reductions),
+                                               groups, node_size, elements * QUANTIZED_BYTES, reductions),
                                     "backward", 2 * elements))
             elements /= len(groups[0])
     else:
@@ -210,7 +218,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                                 "backward"))
     if replicas is not None:  # MiCS / HSDP: the gradient shards summed over the replicas once a step
         copies = dp // shard
-        transfers.append(ring("all_reduce", f"dp_replica{shard}", replicas, node,
+        transfers.append(ring("all_reduce", f"dp_replica{shard}", replicas, node_size,
                               2 * grad_bytes * params / shard * (copies - 1) / copies))
     return [transfer for transfer in transfers if transfer.count > 0]
 
