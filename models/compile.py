@@ -27,6 +27,12 @@ def compile_layers(chunks: nn.ModuleList, backend: str = "inductor") -> None:
     # a model's layers differ in what guards check (windowed or global attention, grad mode under full
     # recompute): room for each variant, so that no layer falls back to eager for want of a cache entry
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if backend == "inductor" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        # ATen's portable kernels asked for (ATEN_CPU_CAPABILITY=default): inductor's C++ made portable too
+        # (it vectorized for this CPU while its headers, built for "default", had no vector types)
+        from torch._inductor import config as inductor
+
+        inductor.cpp.simdlen = 1
     for chunk in chunks:
         for layer in chunk.layers:
             layer.forward = torch.compile(layer.forward, backend=backend)
