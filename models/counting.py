@@ -48,10 +48,15 @@ def _frozen(config: GPTConfig) -> tuple:
                         for name, value in vars(config).items()))
 
 
+def _thawed(frozen: tuple) -> GPTConfig:
+    """The config a ``_frozen`` key was made of."""
+    return GPTConfig(**{name: list(value) if isinstance(value, tuple) else value for name, value in frozen})
+
+
 @functools.lru_cache(maxsize=64)
 def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_parallel: bool,
                  layers_per_stage: tuple[int, ...] | None) -> nn.ModuleList:
-    config = GPTConfig(**{name: list(value) if isinstance(value, tuple) else value for name, value in frozen})
+    config = _thawed(frozen)
     with torch.device("meta"):
         return stage_chunks(config, DetachedGroup("tp", tp), pp, stage, seed=0, vp=vp,
                             sequence_parallel=sequence_parallel,
@@ -84,7 +89,7 @@ def flops_per_token(config: GPTConfig) -> float:
 
 @functools.lru_cache(maxsize=64)
 def _flops_per_token(frozen: tuple) -> float:
-    config = GPTConfig(**{name: list(value) if isinstance(value, tuple) else value for name, value in frozen})
+    config = _thawed(frozen)
     model = _stage_model(frozen, 1, 1, 0, 1, False, None)
     chunk = model[0]
     matmul = sum(module.weight.numel() for module in model.modules()

@@ -206,12 +206,12 @@ class Topology:
         return "\n".join(lines)
 
 
-
 @functools.lru_cache(maxsize=256)
 def _groups(topology: Topology, axis: str) -> tuple[tuple[int, ...], ...]:
     """``Topology.groups``, kept per topology and axis: the planner prices thousands of layouts on a few
     grids of up to thousands of ranks."""
     return tuple(tuple(ranks) for ranks in topology._enumerate(axis))
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m parallel.topology", description=__doc__.split("\n")[0])

@@ -67,6 +67,15 @@ def shape_flags(size: str, shape: str) -> list[str]:
     return flags + (LLAMA + ["--num-query-groups", str(groups)] if shape == "llama" else GPT)
 
 
+def _shape_config(flags: list[str]):
+    """pretrain's config of ``shape_flags``, its vocabulary as the model has it (a NullTokenizer's V + 1)."""
+    from pretrain.config.arguments import parse_config
+
+    config = parse_config(flags)
+    config.model.vocab_size = int(flags[flags.index("--vocab-size") + 1]) + 1
+    return config
+
+
 def _device():
     import torch
 
@@ -99,12 +108,10 @@ def _theirs(flags: list[str], iters: int, compiled: bool) -> list[tuple[float, i
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pretrain.config.arguments import parse_config
     from pretrain.interop.hf_config import config_to_hf
     from pretrain.observability.metrics import peak_memory_bytes, reset_peak_memory
 
-    config = parse_config(flags)
-    config.model.vocab_size = int(flags[flags.index("--vocab-size") + 1]) + 1  # a NullTokenizer's V + 1
+    config = _shape_config(flags)
     hf = config_to_hf(config.model, {})
     device = _device()
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), attn_implementation="sdpa")
@@ -143,12 +150,10 @@ def _worker(args: argparse.Namespace) -> None:
         else:
             steps = _theirs(flags, args.iters, args.system == "hf-compiled")
     timed = steps[len(steps) // 2:]
-    from pretrain.config.arguments import parse_config
     from models.counting import flops_per_token
     from pretrain.observability.metrics import peak_flops
 
-    config = parse_config(flags)
-    config.model.vocab_size = int(flags[flags.index("--vocab-size") + 1]) + 1
+    config = _shape_config(flags)
     device = _device()
     peak = peak_flops(device, torch.bfloat16)
     step = statistics.median(seconds for seconds, _ in timed)

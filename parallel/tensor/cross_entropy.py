@@ -26,6 +26,12 @@ def _chunks(rows: int, width: int, chunk_elements: int):
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+def _shifted(flat: torch.Tensor, start: int, end: int, valid: int, logits_max: torch.Tensor) -> torch.Tensor:
+    """Rows ``[start, end)`` of the valid logits minus their global max, in a new buffer of the max's
+    (at least fp32) dtype: ``flat`` is never written."""
+    return flat[start:end, :valid].to(logits_max.dtype, copy=True).sub_(logits_max[start:end].unsqueeze(-1))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, valid_vocab, group, chunk_elements):
@@ -43,8 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         comm.all_reduce(target_logit, group)
         sum_exp = torch.empty_like(logits_max)
         for start, end in _chunks(flat.shape[0], valid, chunk_elements):
-            shifted = flat[start:end, :valid].to(wide, copy=True).sub_(logits_max[start:end].unsqueeze(-1))
-            sum_exp[start:end] = shifted.exp_().sum(dim=-1)
+            sum_exp[start:end] = _shifted(flat, start, end, valid, logits_max).exp_().sum(dim=-1)
         comm.all_reduce(sum_exp, group)
         ctx.valid, ctx.chunk_elements = valid, chunk_elements
         ctx.save_for_backward(logits, local_target, outside, logits_max, sum_exp)
@@ -61,8 +66,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         for start, end in _chunks(flat.shape[0], valid, ctx.chunk_elements) if valid else ():  # all padding
             # d loss / d logits = (softmax - one_hot(target)) x the loss's gradient, the one-hot only on the
             # owning rank
-            softmax = (flat[start:end, :valid].to(sum_exp.dtype, copy=True)
-                       .sub_(logits_max[start:end].unsqueeze(-1)).exp_().div_(sum_exp[start:end].unsqueeze(-1)))
+            softmax = _shifted(flat, start, end, valid, logits_max).exp_()
+            softmax.div_(sum_exp[start:end].unsqueeze(-1))
             softmax.scatter_add_(-1, local_target[start:end].unsqueeze(-1),
                                  -inside[start:end].unsqueeze(-1))
             grad[start:end, :valid] = softmax.mul_(scale[start:end].unsqueeze(-1))

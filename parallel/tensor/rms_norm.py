@@ -9,6 +9,8 @@ sum of grad * w * normalised in backward; each rank keeps its slice of the weigh
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from parallel import comm
@@ -49,6 +51,7 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None, None
 
 
+@functools.lru_cache(maxsize=None)  # asked at every norm call: the answer is torch's, fixed per device type
 def fused_kernels(device_type: str) -> bool:
     """Whether torch has fused RMSNorm kernels, forward and backward, for ``device_type`` (CUDA from torch
     2.8): they keep x and 1 / rms as ``_RMSNorm`` does, in one kernel each way. Elsewhere torch's RMSNorm is

@@ -105,16 +105,16 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
     """Batch schedule, run length and learning-rate schedule, as Megatron checks them: iteration-based
     (--train-iters with --lr-*-iters) or sample-based (--train-samples with --lr-*-samples), not both."""
     train, opt = config.training, config.optimizer
+    point = resume_point(config)
     try:
         schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
                                         train.rampup_batch_size, train.step_batch_size_schedule,
                                         config.model.seq_length)
     except ValueError as error:
-        kept = resume_point(config) and not any(name in config.given for name in BATCH)
+        kept = point is not None and not any(name in config.given for name in BATCH)
         kept_batch = (f" (the batch of the checkpoint under --load {config.checkpoint.load}, kept when "
                       "resuming: give --global-batch-size to change it)")
         raise ConfigError(str(error) + (kept_batch if kept else "")) from None
-    point = resume_point(config)
     if point is not None:
         schedule = schedule.resumed_at(*point)
     if train.train_iters is not None and train.train_samples is not None:

@@ -302,9 +302,8 @@ class Trainer:
                     last_console = elapsed
                 elif elapsed - last_console >= PROGRESS_INTERVAL_S:
                     last_console = elapsed
-                    tokens = self.progress.consumed_samples - first_sample
-                    writer.progress(iteration, train.train_iters, loss, lr,
-                                    tokens * config.model.seq_length / elapsed,
+                    tokens = (self.progress.consumed_samples - first_sample) * config.model.seq_length
+                    writer.progress(iteration, train.train_iters, loss, lr, tokens / elapsed,
                                     elapsed / done * (train.train_iters - iteration))
                 if decision.record:
                     record = self._record(iteration, loss, lr, batch_size, step, step_time,
