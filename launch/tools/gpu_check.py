@@ -14,7 +14,9 @@
 5. ``zero``: ZeRO stages 0-3 and the optimizer offloaded to the CPU and to NVMe swap files, 5 iterations each,
    against the in-memory stage-0 run (bf16 losses within 1e-3 relative: other kernels step the offloaded
    masters);
-6. ``flash``: the flash scaled-dot-product-attention kernel runs our attention, forward and backward.
+6. ``flash``: the flash scaled-dot-product-attention kernel runs our attention, forward and backward;
+7. ``fp8``: ``--fp8-format hybrid`` (torchao, tensorwise scales) against bf16 on the Llama shape, both
+   compiled (emulated on the CPU: the check, not the speed).
 
 Prints one line per check and exits non-zero if one fails.
 """
@@ -107,6 +109,23 @@ def check_documents(size: str, iters: int) -> None:
               flush=True)
 
 
+def check_fp8(size: str, iters: int) -> bool:
+    """--fp8-format hybrid against bf16, both under --compile, on the Llama shape (tokens/s and loss)."""
+    from launch.bench.throughput import run_system
+
+    bf16_flags = ["--bf16"]  # on the GPU the benchmark's own dtype; on the CPU what fp8 runs inside
+    fp8_flags = bf16_flags + ["--fp8-format", "hybrid"] + (["--fp8-emulate"] if size == "smoke" else [])
+    bf16, float8 = (run_system(size, "llama", "ours-compiled", iters, flags)
+                    for flags in (bf16_flags, fp8_flags))
+    if "error" in bf16 or "error" in float8:
+        print(f"fp8: FAILED {(bf16.get('error') or float8.get('error')).splitlines()[-1]}", flush=True)
+        return False
+    print(f"fp8: {float8['tokens_per_s']:,.0f} tokens/s against bf16's {bf16['tokens_per_s']:,.0f} "
+          f"({float8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x), peak {float8['peak_bytes'] / 2**30:.1f} "
+          f"against {bf16['peak_bytes'] / 2**30:.1f} GiB", flush=True)
+    return True
+
+
 def check_profiler(base: list[str], device: torch.device, workdir: str) -> bool:
     """--profile --use-pytorch-profiler writes a Chrome trace that parses; on a GPU --record-memory-history
     writes torch's memory snapshot, which loads."""
@@ -182,7 +201,7 @@ def check_flash_attention(device: torch.device) -> bool:
     return True
 
 
-SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash")
+SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description="One-shot check of a GPU machine: speed against "
                                                  "transformers eager and compiled, document masking, the "
                                                  "profiler and the memory snapshot, ZeRO stages and offload, "
-                                                 "flash attention.")
+                                                 "flash attention, fp8.")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny models on the CPU: the checks, not the numbers")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
@@ -225,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
             ok &= check_zero(TINY if args.smoke else ZERO, device, workdir)
         if "flash" in args.sections:
             ok &= check_flash_attention(device)
+        if "fp8" in args.sections:
+            ok &= check_fp8(size, iters)
     shutdown_distributed()
     print(f"gpu check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.0f} s", flush=True)
     sys.exit(0 if ok else 1)

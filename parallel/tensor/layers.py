@@ -10,6 +10,8 @@ rows, the recipe of its initial value) is declared with ``parallel.param_meta.de
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,9 +19,12 @@ from torch import nn
 from parallel.comm import AxisGroup, compile_boundary
 from parallel.param_meta import declare
 from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
-                                      reduce_from_tensor_parallel, reduce_scatter_dim0,
-                                      reduce_scatter_to_sequence_parallel)
+                                      gather_from_sequence_parallel, reduce_from_tensor_parallel,
+                                      reduce_scatter_dim0, reduce_scatter_to_sequence_parallel)
 from parallel.tensor.weight_init import WeightInit
+
+if TYPE_CHECKING:
+    from parallel.tensor.fp8 import Float8Matmul
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -82,7 +87,11 @@ class ColumnParallelLinear(nn.Module):
     row-parallel); it never gathers the full output. ``stacked = k`` holds k matrices of the same
     shape side by side (weight [k, out/tp, in], split along ``out`` each): a rank's output is its
     slice of each in turn, e.g. SwiGLU's gate and up, so that every tp computes the same numbers.
+    ``fp8`` (``parallel.tensor.fp8``), when set, computes the product in fp8; under sequence parallelism it
+    then keeps the gathered input for backward (torchao's product saves its own operands).
     """
+
+    fp8: Float8Matmul | None = None
 
     def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
                  bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
@@ -99,7 +108,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.flatten(0, -2)  # a view: [stacked * out/tp, in]
         bias = None if self.bias is None else self.bias.flatten()
-        if self.sequence_parallel and self.group.size > 1:
+        split = self.sequence_parallel and self.group.size > 1
+        if self.fp8 is not None:
+            gathered = (gather_from_sequence_parallel(x, self.group) if split
+                        else copy_to_tensor_parallel(x, self.group))
+            out = self.fp8(gathered, weight)
+            return out if bias is None else out + bias
+        if split:
             return _sequence_parallel_linear(x, weight, bias, self.group)
         return F.linear(copy_to_tensor_parallel(x, self.group), weight, bias)
 
@@ -108,8 +123,11 @@ class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its input dim: each rank takes in/tp features of X.
 
     Owns its weight slice [out, in/tp] and the full (replicated) bias, added once after the partial
-    products are summed. It never sees the full input.
+    products are summed. It never sees the full input. ``fp8``, when set, computes the partial product in
+    fp8 (``parallel.tensor.fp8``).
     """
+
+    fp8: Float8Matmul | None = None
 
     def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
                  bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
@@ -122,7 +140,7 @@ class RowParallelLinear(nn.Module):
                                             sequence_parallel) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel(partial, self.group)
         else:

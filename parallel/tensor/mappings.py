@@ -81,6 +81,17 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.group), None
 
 
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_dim0(grad, ctx.group), None
+
+
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -93,9 +104,9 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 
 # each runs eagerly under torch.compile (its collectives end a compiled region); at tp = 1 none is called
-_copy_to, _reduce_from, _scatter_to, _reduce_scatter_to = (
+_copy_to, _reduce_from, _scatter_to, _gather_from, _reduce_scatter_to = (
     compile_boundary(function.apply) for function in (_CopyToTensorParallel, _ReduceFromTensorParallel,
-                                                      _ScatterToSequenceParallel,
+                                                      _ScatterToSequenceParallel, _GatherFromSequenceParallel,
                                                       _ReduceScatterToSequenceParallel))
 
 
@@ -109,6 +120,12 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tens
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return x if group.size == 1 else _scatter_to(x, group)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """The whole sequence from every rank's part (dim 0); backward keeps this rank's part of the summed
+    gradient."""
+    return x if group.size == 1 else _gather_from(x, group)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:

@@ -7,7 +7,7 @@ functional tests fall in three groups, each entry with its reason:
 - ``IGNORED``: it chooses an implementation (kernels, fusions, checkpoint formats, loader workers,
   profilers, timers) that has no meaning here; accepted with its value, and named in one start-up line.
 - ``IMPLIED``: another spelling of a setting of ours (``--use-megatron-fsdp`` is ZeRO stage 3).
-- ``REFUSED``: a feature this build does not have (fp8, expert parallelism, MoE, ...), or an option
+- ``REFUSED``: a feature this build does not have (expert parallelism, MoE, ...), or an option
   of Megatron's inference and RL scripts: a run that sets it stops before any process group exists,
   naming the flag. A value that means "off" (``--num-experts 1``) is fine.
 """
@@ -81,8 +81,11 @@ IGNORED = [
             "--check-weight-hash-across-dp-replicas-interval",
             "--test-mode:0"),
     *_flags("the backend follows the device here (gloo on CPUs, NCCL on GPUs)", "--distributed-backend"),
-    *_flags("meaningful only with fp8 (--fp8-format), which is refused", "--fp8-amax-compute-algo",
-            "--fp8-amax-history-len", "--fp8-recipe", "--fp8-param-gather:0"),
+    *_flags("the amax history of delayed fp8 scaling; the scales here are computed from each tensor as it "
+            "is cast (--fp8-recipe tensorwise or rowwise)", "--fp8-amax-compute-algo",
+            "--fp8-amax-history-len", "--fp8-margin", "--fp8-interval"),
+    *_flags("parameters are gathered in the compute dtype here and cast to fp8 at each product (the "
+            "fp8 values are the same; the gather moves twice the bytes)", "--fp8-param-gather:0"),
     *_flags("meaningful only with mixture-of-experts layers, which are refused",
             "--expert-tensor-parallel-size"),
 ]
@@ -90,7 +93,6 @@ IGNORED = [
 IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero_stage", 3)}
 
 REFUSED = [
-    *_flags("fp8 training is not supported (use --bf16)", "--fp8-format", off=(None,)),
     *_flags("mixture-of-experts layers are not supported", "--num-experts", "--expert-model-parallel-size",
             "--moe-ffn-hidden-size", "--moe-grouped-gemm:0", "--moe-router-dtype", "--moe-router-topk",
             "--moe-router-score-function", "--moe-router-load-balancing-type:+", "--moe-aux-loss-coeff:+",

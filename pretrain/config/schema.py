@@ -209,6 +209,17 @@ class TrainingConfig:
     compile_backend: str = field(default="inductor", metadata=flag(
         "torch.compile's backend for --compile (inductor: Triton kernels on GPUs, C++ on the CPU; aot_eager: "
         "graphs captured, torch's own kernels)"))
+    fp8_format: str | None = field(default=None, metadata=flag(
+        "compute the transformer layers' linear products in fp8 through torchao's float8 training, inside a "
+        "--bf16 run (e4m3: every operand e4m3; hybrid: e4m3 forward, e5m2 gradients); needs an NVIDIA GPU of "
+        "compute capability 8.9 or newer, or --fp8-emulate", choices=["e4m3", "hybrid"]))
+    fp8_recipe: str = field(default="tensorwise", metadata=flag(
+        "fp8 scales, computed from each tensor as it is cast: one per tensor (tensorwise) or one per row "
+        "(rowwise); Megatron's delayed (amax history) scaling is not offered",
+        choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"]))
+    fp8_emulate: bool = field(default=False, metadata=flag(
+        "with --fp8-format: emulate the fp8 products (torchao's emulation: fp8 rounding, high-precision "
+        "products), for CPUs and GPUs without fp8; slow, for tests"))
     initial_loss_scale: float = field(default=2.0 ** 32, metadata=flag("fp16: loss scale at the start"))
     min_loss_scale: float = field(default=1.0, metadata=flag("fp16: the scale never backs off below this"))
     loss_scale_window: int = field(default=1000, metadata=flag("fp16: clean steps before the scale doubles"))

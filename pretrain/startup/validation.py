@@ -15,6 +15,7 @@ from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_arg
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.recompute import RECOMPUTE_MODULES
+from parallel.tensor.fp8 import RECIPES as FP8_RECIPES, torchao_float8
 from parallel.pipeline.schedules import validate_schedule
 from parallel.topology import Topology
 from parallel.zero.swap import check_swap_directory
@@ -76,6 +77,7 @@ def validate(config: Config, world_size: int) -> Topology:
     if config.logging.log_interval < 1 or config.logging.tensorboard_log_interval < 1:
         raise ConfigError("--log-interval and --tensorboard-log-interval must be >= 1")
     _validate_profiling(config)
+    _validate_fp8(config)
     if train.compile:
         from torch import _dynamo
 
@@ -99,6 +101,40 @@ def _validate_profiling(config: Config) -> None:
     if profiling.record_memory_history and not torch.cuda.is_available():
         raise ConfigError("--record-memory-history records the CUDA allocator: there is no GPU here (on the "
                           "CPU, the metrics file has each rank's peak memory)")
+
+
+def _validate_fp8(config: Config) -> None:
+    """--fp8-*: torchao's float8 training inside a bf16 run, on a device whose matrix products take fp8
+    (or emulated)."""
+    train = config.training
+    if train.fp8_format is None:
+        for name in ("fp8_recipe", "fp8_emulate"):
+            if name in config.given:
+                raise ConfigError(f"--{name.replace('_', '-')} sets up fp8 training: give --fp8-format "
+                                  "e4m3 or hybrid too")
+        return
+    if train.fp8_recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-recipe {train.fp8_recipe}: the scales here are computed from each tensor "
+                          f"as it is cast ({' or '.join(FP8_RECIPES)}, through torchao): use --fp8-recipe "
+                          "tensorwise")
+    if not train.bf16:
+        raise ConfigError(f"--fp8-format {train.fp8_format} computes the linear products in fp8 inside a "
+                          "bf16 run (the other operations, the gradients' reduction and the masters as "
+                          "--bf16 has them): add --bf16")
+    try:
+        torchao_float8()
+    except ImportError:
+        raise ConfigError(f"--fp8-format {train.fp8_format} runs through torchao's float8 training, which "
+                          "is not installed: pip install torchao") from None
+    if train.fp8_emulate:
+        return
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability is None or capability < (8, 9):
+        where = ("there is no GPU here" if capability is None
+                 else f"this GPU's compute capability is {capability[0]}.{capability[1]}")
+        raise ConfigError(f"--fp8-format {train.fp8_format}: fp8 matrix products need an NVIDIA GPU of "
+                          f"compute capability 8.9 or newer (Ada, Hopper, Blackwell) and {where}; "
+                          "--fp8-emulate emulates them (slow: for tests)")
 
 
 def _validate_length_and_schedule(config: Config, topology: Topology) -> None:

@@ -1,5 +1,5 @@
-"""The build step of a run: process groups, then the model, then activation recompute, then compilation,
-then ZeRO.
+"""The build step of a run: process groups, then the model (its fp8 products), then activation recompute,
+then compilation, then ZeRO.
 
 Each step is one call, in this order, as ``Trainer`` makes them; a benchmark or check that needs part
 of a run calls the same functions. Nothing here trains, saves or logs.
@@ -18,6 +18,7 @@ from parallel import zero
 from parallel.buffer_pool import BufferPool
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.recompute import RecomputePolicy, apply_recompute
+from parallel.tensor.fp8 import Fp8Recipe, use_fp8
 from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ZeroGroups, ZeroOptions
 from pretrain.config.schema import Config
@@ -59,6 +60,18 @@ def build_model(config: Config, groups: ParallelGroups, device: torch.device) ->
                                      layers_per_stage=par.pipeline_layers_per_stage,
                                      cp_comm_type=tuple(par.cp_comm_type))
     return model.to(compute_dtype(config)) if sharded else model.to(device, compute_dtype(config))
+
+
+def build_fp8(model: nn.ModuleList, config: Config) -> tuple[int, int]:
+    """--fp8-format: the transformer layers' linear products in fp8 (``parallel.tensor.fp8``); the embedding
+    and the output layer stay in the compute dtype, as Megatron keeps them. Returns (layers in fp8, layers
+    whose shape torch cannot multiply in fp8); (0, 0) without the flag."""
+    train = config.training
+    if train.fp8_format is None:
+        return 0, 0
+    recipe = Fp8Recipe(train.fp8_format, train.fp8_recipe, train.fp8_emulate)
+    counts = [use_fp8(layer, recipe) for chunk in model for layer in chunk.layers]
+    return sum(c for c, _ in counts), sum(s for _, s in counts)
 
 
 def build_recompute(model: nn.ModuleList, config: Config, groups: ParallelGroups,

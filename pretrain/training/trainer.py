@@ -32,7 +32,7 @@ from pretrain.observability.profiling import StepProfiler
 from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank,
                                             model_state_table, peak_flops,
                               peak_memory_bytes, print_rank0, reset_peak_memory)
-from pretrain.training.build import (build_compile, build_groups, build_model, build_optimizer,
+from pretrain.training.build import (build_compile, build_fp8, build_groups, build_model, build_optimizer,
                                      build_recompute, compute_dtype, zero_options)
 from pretrain.training.non_finite_steps import NonFiniteSteps
 from pretrain.training.end_sample import sample_text
@@ -80,6 +80,11 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
         self.dtype = compute_dtype(config)
         self.model = build_model(config, self.groups, device)
+        in_fp8, left = build_fp8(self.model, config)
+        if train.fp8_format and self.is_logger:
+            print(f"--fp8-format {train.fp8_format} ({train.fp8_recipe} scales"
+                  f"{', emulated' if train.fp8_emulate else ''}): {in_fp8} linear layers of this stage in fp8"
+                  + (f", {left} left in bf16 (a dimension not a multiple of 16)" if left else ""), flush=True)
         self.buffer_pool = BufferPool(device)  # ZeRO-R: checkpoints, gradient staging and stage-3 gathers
         build_recompute(self.model, config, self.groups, self.buffer_pool)
         build_compile(self.model, config)

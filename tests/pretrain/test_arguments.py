@@ -193,7 +193,7 @@ def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported"),
+    (["--multi-latent-attention"], "--multi-latent-attention: this attention variant"),
     (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not supported"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),
 ])
