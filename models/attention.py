@@ -12,7 +12,8 @@ from models.config import GPTConfig
 from models.norms import build_norm, build_split_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup, compile_boundary
-from parallel.context import ContextParallel, ScoreOptions, attend, context_attention, sequence_mask
+from parallel.context import (ContextParallel, DocumentBlocks, ScoreOptions, attend, context_attention,
+                              sequence_mask)
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor.random import RNGTracker
 from parallel.tensor.weight_init import WeightInit
@@ -24,12 +25,14 @@ class LayerInputs:
     (cos, sin) tables of this rank's tokens; ``rotary_local``: those of the sliding-window layers where
     they have a base of their own (Gemma 3), else None; ``documents``: each token's document ([b, S], the
     whole sequence) when attention stays within documents; ``context``: the cp group when the hidden
-    state holds this rank's share of each sequence (None when it holds all of it)."""
+    state holds this rank's share of each sequence (None when it holds all of it); ``document_blocks``:
+    the documents' FlexAttention block masks where they can be used (whole sequences on a GPU)."""
 
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     documents: torch.Tensor | None = None
     context: ContextParallel | None = None
     rotary_local: tuple[torch.Tensor, torch.Tensor] | None = None
+    document_blocks: DocumentBlocks | None = None
 
 
 class SelfAttention(nn.Module):
@@ -89,6 +92,9 @@ class SelfAttention(nn.Module):
         if inputs.context is not None:
             return context_attention(q, k, v, inputs.context, self.layer, self.scores, dropout, self.rng,
                                      inputs.documents)
+        blocks = inputs.document_blocks
+        if blocks is not None and blocks.usable(q.device, self.scores.softcap, dropout):
+            return blocks.attend(q, k, v, self.scores.window, self.scores.scale)
         mask = sequence_mask(q.shape[2], self.scores.window, inputs.documents, q.device)
         if dropout > 0:
             return self._attend_with_dropout(q, k, v, mask, dropout)

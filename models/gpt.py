@@ -19,7 +19,7 @@ from models.mlp import MLP
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
 from parallel.comm import AxisGroup, compile_boundary
-from parallel.context import ContextParallel
+from parallel.context import ContextParallel, DocumentBlocks
 from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import (VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits,
@@ -198,7 +198,12 @@ class GPTModel(nn.Module):
         Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits slice
         [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        inputs = LayerInputs(documents=documents, context=None if whole_sequence else self.context,
+        context = None if whole_sequence else self.context
+        blocks = None
+        if documents is not None and context is None and self.layers and DocumentBlocks.usable(
+                documents.device, self.config.attn_logit_softcapping, self.config.attention_dropout):
+            blocks = DocumentBlocks(documents, {layer.attention.scores.window for layer in self.layers})
+        inputs = LayerInputs(documents=documents, context=context, document_blocks=blocks,
                              **self._rotary(position_ids, x.dtype, whole_sequence))
         if self.layer_runner is not None:
             x = self.layer_runner(x, inputs)

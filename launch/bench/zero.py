@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 against torch DDP, ZeroRedundancyOptimizer and FSDP2, in one run.
 
-    python -m launch.bench.zero [--dp 2 4] [--model plain|ours] [--worlds one|separate]
+    python -m launch.bench.zero [--dp 2 4] [--rounds 3] [--model plain|ours] [--worlds one|separate]
                                 [--output runs/bench/zero.md]
 
 Every system trains the same GPT (fp32, AdamW) on the same synthetic batches and is measured per
@@ -8,7 +8,9 @@ rank: median step time (forward, backward, optimizer step) after the warm-up ste
 model-state bytes (parameters, gradients, optimizer states: the distinct storages of those tensors),
 the bytes the process wrote to its sockets per step (read from /proc/self/io: what gloo really sent,
 the same instrument for every system), our collectives' ring-model count, and the final loss (all
-systems must agree). Step time is a ratio to DDP measured in the same run.
+systems must agree). Step time is a ratio to DDP (and to FSDP2) measured in the same round; with
+``--rounds N`` every system is measured N times, the systems alternating, and each figure is the median
+over the rounds (of the round's ratio, for the ratios), so that the machine's drift cancels.
 
 ``--model plain`` (the default) is a GPT that is not the project's (``launch.bench.plain_gpt``: what a
 newcomer writes in plain torch), wrapped by each system from outside; ``--model ours`` is
@@ -80,7 +82,9 @@ def _worker(args: argparse.Namespace) -> None:
     def ours(stage):
         model, blocks, loss = new_model()
         _, optimizer = zero.initialize(model, adamw,
-                                       zero.ZeroOptions(stage=stage, bucket_size=bucket_elements),
+                                       # the trainer's defaults (stage 3 prefetches the next unit)
+                                       zero.ZeroOptions(stage=stage, bucket_size=bucket_elements,
+                                                        prefetch_budget=None),
                                        groups.dp, unit_modules=blocks)
         return model, lambda tokens: loss(model, tokens), optimizer, lambda: optimizer.model_state_bytes()
 
@@ -156,6 +160,24 @@ SYSTEMS = ["torch DDP", "torch ZeroRedundancyOptimizer", "ours stage 0", "ours s
            "torch FSDP2 (per block)", "ours stage 3"]
 
 
+def _round(dp: int, args: argparse.Namespace, forwarded: list[str]) -> list[dict]:
+    """One measurement of every system at ``dp`` ranks: per rank, {system: its results}. Separate worlds run
+    one after another in the order given (DDP, ours, FSDP2, ours, ...), so that rounds repeated alternate
+    them and a slow spell of the machine falls on all of them."""
+    if args.worlds == "one":
+        return run_world("launch.bench.zero", dp, forwarded + ["--systems", *args.systems])
+    ranks = [{} for _ in range(dp)]
+    for name in args.systems:
+        for mine, theirs in zip(ranks, run_world("launch.bench.zero", dp, forwarded + ["--systems", name])):
+            mine.update(theirs)
+    return ranks
+
+
+def _step(ranks: list[dict], name: str) -> float:
+    """A system's median step time in one round, averaged over the ranks."""
+    return statistics.mean(r[name]["step_s"] for r in ranks)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.zero", description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
@@ -164,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worlds", choices=["one", "separate"], default="separate",
                         help="separate: each system in its own torchrun world; one: all alternating in one")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measure every system this many times, alternating; report the medians")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--layers", type=int, default=6)
@@ -185,26 +209,21 @@ def main(argv: list[str] | None = None) -> None:
                  "--seq", str(args.seq), "--vocab", str(args.vocab), "--global-batch", str(args.global_batch),
                  "--bucket-mb", str(args.bucket_mb)]
     rows = [f"model {args.model}, worlds {args.worlds}, {args.warmup} warm-up + {args.steps} timed steps, "
-            f"global batch {args.global_batch} x {args.seq} tokens\n",
-            "| dp | system | median step s | vs DDP | tokens/s | model-state MiB/rank | peak RSS MiB/rank "
-            "| socket MiB/rank/step | counted MiB/rank/step | final loss |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            f"global batch {args.global_batch} x {args.seq} tokens, median of {args.rounds} round(s)\n",
+            "| dp | system | median step s | vs DDP | vs FSDP2 | tokens/s | model-state MiB/rank "
+            "| peak RSS MiB/rank | socket MiB/rank/step | counted MiB/rank/step | final loss |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for dp in args.dp:
-        if args.worlds == "one":
-            ranks = run_world("launch.bench.zero", dp, forwarded + ["--systems", *args.systems])
-        else:
-            ranks = [{} for _ in range(dp)]
-            for name in args.systems:
-                for mine, theirs in zip(ranks,
-                                        run_world("launch.bench.zero", dp, forwarded + ["--systems", name])):
-                    mine.update(theirs)
-        ddp = statistics.mean(r["torch DDP"]["step_s"] for r in ranks) if "torch DDP" in ranks[0] else None
+        rounds = [_round(dp, args, forwarded) for _ in range(args.rounds)]
+        ranks = rounds[-1]
         for name in args.systems:
-            step = statistics.mean(r[name]["step_s"] for r in ranks)
+            step = statistics.median(_step(ranks, name) for ranks in rounds)
+            versus = {peer: f"{statistics.median(_step(r, name) / _step(r, peer) for r in rounds):.3f}x"
+                      if peer in ranks[0] else "-" for peer in ("torch DDP", "torch FSDP2 (per block)")}
             rss = (f"{max(r[name]['peak_rss'] for r in ranks) / 2**20:.0f}" if args.worlds == "separate"
                    else "-")
-            rows.append(f"| {dp} | {name} | {step:.3f} | {f'{step / ddp:.3f}x' if ddp else '-'} | "
-                        f"{args.global_batch * args.seq / step:,.0f} | "
+            rows.append(f"| {dp} | {name} | {step:.3f} | {versus['torch DDP']} | "
+                        f"{versus['torch FSDP2 (per block)']} | {args.global_batch * args.seq / step:,.0f} | "
                         f"{max(r[name]['state_bytes'] for r in ranks) / 2**20:.1f} | {rss} | "
                         f"{statistics.mean(r[name]['written'] for r in ranks) / 2**20:.1f} | "
                         f"{statistics.mean(r[name]['counted'] for r in ranks) / 2**20:.1f} | "

@@ -16,7 +16,9 @@
    masters);
 6. ``flash``: the flash scaled-dot-product-attention kernel runs our attention, forward and backward;
 7. ``fp8``: ``--fp8-format hybrid`` (torchao, tensorwise scales) against bf16 on the Llama shape, both
-   compiled (emulated on the CPU: the check, not the speed).
+   compiled (emulated on the CPU: the check, not the speed);
+8. ``rates``: ``launch.bench.device_rates``: the device's achieved product, attention and copy rates,
+   written as a profile (runs/bench/device_profile.json) that ``launch.plan --device FILE`` reads.
 
 Prints one line per check and exits non-zero if one fails.
 """
@@ -201,7 +203,7 @@ def check_flash_attention(device: torch.device) -> bool:
     return True
 
 
-SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8")
+SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8", "rates")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description="One-shot check of a GPU machine: speed against "
                                                  "transformers eager and compiled, document masking, the "
                                                  "profiler and the memory snapshot, ZeRO stages and offload, "
-                                                 "flash attention, fp8.")
+                                                 "flash attention, fp8, the device's rates for the planner.")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny models on the CPU: the checks, not the numbers")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
@@ -246,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
             ok &= check_flash_attention(device)
         if "fp8" in args.sections:
             ok &= check_fp8(size, iters)
+        if "rates" in args.sections:
+            from launch.bench.device_rates import main as device_rates
+
+            device_rates(["--smoke"] if args.smoke else [])
     shutdown_distributed()
     print(f"gpu check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.0f} s", flush=True)
     sys.exit(0 if ok else 1)

@@ -9,7 +9,8 @@ from the buffer pool's shared slots: a view saved in forward is tied to its stor
 slot could hold another unit by the time backward reads it. Around each unit module:
 
     before forward      gather (or wait for the prefetched gather)
-    after forward       free, and hook the outputs so that backward gathers again first
+    after forward       free (unless the prefetcher would gather it right back: the end of forward), and
+                        hook the outputs so that backward gathers again first
     after its backward  stage the gradients, free them, reduce-scatter into the gradient shard, free
 
 The order in which units are gathered is recorded on the first step, checked identical on every
@@ -320,9 +321,28 @@ class ShardedParameters:
             self.gather(unit)
         return hook
 
+    def _reused_soon(self, unit: ParameterUnit) -> bool:
+        """Whether the recorded order gathers ``unit`` again before the units in between outgrow the
+        prefetch budget: the prefetcher would gather it right back (the last units of forward before
+        backward begins, a recomputed layer before its own backward), so it stays gathered instead. The
+        same on every rank: the order and the sizes are."""
+        if self.order is None:
+            return False
+        live = self.live_elements
+        for index in self.order[self._position:]:
+            if index == unit.index:
+                return live <= self.prefetch_budget
+            between = self.units[index]
+            if not (between.gathered or between.handle is not None):
+                live += between.numel
+                if live > self.prefetch_budget:
+                    return False
+        return False
+
     def _after_forward(self, unit: ParameterUnit):
         def hook(module, args, output):
-            self.release(unit)
+            if not self._reused_soon(unit):
+                self.release(unit)
             tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output])
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:

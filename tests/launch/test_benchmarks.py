@@ -9,14 +9,16 @@ def test_zero_benchmark_compares_every_system_on_the_same_losses(tmp_path, monke
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     tiny = ["--dp", "2", "--warmup", "1", "--steps", "1", "--layers", "1", "--hidden", "64", "--seq", "16",
             "--vocab", "256"]
-    for mode in (["--worlds", "one"], ["--worlds", "separate", "--model", "ours", "--systems", "torch DDP",
-                                        "ours stage 2"]):
+    for mode in (["--worlds", "one", "--rounds", "1"],
+                 ["--worlds", "separate", "--rounds", "2", "--model", "ours", "--systems", "torch DDP",
+                  "ours stage 2"]):
         output = tmp_path / "zero.md"
         bench_zero.main([*tiny, *mode, "--output", str(output)])
         rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 2 |")]
         assert len(rows) == (7 if "one" in mode else 2)
         assert len({row[-2] for row in rows}) == 1  # every system ends on the same loss
-        assert all(row[7].strip() == "-" for row in rows) == ("one" in mode)  # peak RSS: own worlds only
+        assert all(row[8].strip() == "-" for row in rows) == ("one" in mode)  # peak RSS: own worlds only
+        assert all(row[5].strip() == "-" for row in rows) == ("separate" in mode)  # vs FSDP2: where it ran
 
 
 def test_pipeline_and_activation_benchmarks_write_their_tables(tmp_path):

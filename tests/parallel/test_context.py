@@ -173,3 +173,41 @@ def _ring_dropout_against_its_replay(rank, world_size):
 
 def test_ring_attention_dropout_follows_each_cp_ranks_stream():
     assert all(run_world(4, _ring_dropout_against_its_replay))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on the CPU
+def test_flexattention_block_masks_equal_the_dense_document_mask(monkeypatch):
+    """``DocumentBlocks`` (FlexAttention's block masks, used on GPUs) computes what the dense document mask
+    computes: the kernel alone (grouped queries, global and windowed) and a whole model's logits. Forward
+    only: on the CPU FlexAttention has no backward (the GPU check runs both)."""
+    from models.gpt import GPTModel
+    from parallel import context
+    from parallel.comm import AxisGroup, CommStats
+    from parallel.context import DocumentBlocks, attend, sequence_mask
+
+    generator = torch.Generator().manual_seed(3)
+    documents = _documents(2, 128, generator)
+    q = torch.randn(2, 4, 128, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 128, 16, generator=generator) for _ in range(2))
+    blocks = DocumentBlocks(documents, {None, 40})
+    with torch.no_grad():
+        for window in (None, 40):
+            dense = attend(q, k, v, ScoreOptions(0.25, window), sequence_mask(128, window, documents, q.device))
+            assert_tensors_close([blocks.attend(q, k, v, window, 0.25)], [dense], f"flex window {window}",
+                                 ONE_STEP_RTOL)
+        config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                           group_query_attention=True, seq_length=128, vocab_size=96, hidden_dropout=0.0,
+                           attention_dropout=0.0, position_embedding_type="rope", window_size=[39, 0],
+                           window_attn_skip_freq=[2])
+        model = GPTModel(config, AxisGroup("tp", (0,), None, CommStats()), seed=1).eval()
+        tokens = torch.randint(0, 96, (2, 128), generator=generator)
+        positions = torch.arange(128).expand(2, 128)
+        dense = model(tokens, positions, documents=documents)
+        monkeypatch.setattr(context.document_blocks, "DEVICES", ("cpu",))
+        windows = []
+        original = DocumentBlocks.attend
+        monkeypatch.setattr(DocumentBlocks, "attend",
+                            lambda self, *args: windows.append(args[3]) or original(self, *args))
+        flex = model(tokens, positions, documents=documents)
+    assert windows == [40, None]  # both layers through the block masks: the windowed one, the global one
+    assert_tensors_close([flex], [dense], "model logits through block masks", ONE_STEP_RTOL)

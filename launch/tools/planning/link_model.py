@@ -31,6 +31,7 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+from launch.tools.planning.devices import DeviceProfile
 from parallel.quantization import BLOCK
 from parallel.topology import Topology
 
@@ -50,11 +51,13 @@ class Links:
 @dataclass(frozen=True)
 class Device:
     """What a device computes: model FLOP/s it sustains, elements per second it quantizes or dequantizes
-    (ZeRO++'s passes), and the collective backend its ranks use ("nccl" or "gloo")."""
+    (ZeRO++'s passes), and the collective backend its ranks use ("nccl" or "gloo"); with a ``profile``
+    (``launch.tools.planning.devices``) its achieved rates price the compute by shape instead of ``flops``."""
 
     flops: float = 300e12
     quantize_rate: float = 100e9
     backend: str = "nccl"
+    profile: DeviceProfile | None = None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ from models.config import GPTConfig
 from parallel.topology import Topology
 from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommOptions, step_seconds,
                                               zero_variants)
-from models.counting import flops_per_token
+from launch.tools.planning.devices import DeviceProfile, compute_seconds
+from models.counting import flops_per_token, num_parameters
 from launch.tools.planning.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
                                                 recompute_cost, sent_by_axis, transfers)
 
@@ -87,13 +88,28 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
     plan.score = recompute_cost(config, layout) * offload_cost / (1 - bubble)
     if links is not None:
-        world = layout.tp * layout.pp * layout.dp * layout.cp
-        compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops
-        plan.step_seconds = step_seconds(found, links, compute * plan.score, micro_batches,
+        if device.profile is not None:  # the achieved rates of the layout's shapes, recompute included
+            compute = _profiled_compute(config, layout, micro_batches, device.profile) * offload_cost \
+                / (1 - bubble)
+        else:
+            world = layout.tp * layout.pp * layout.dp * layout.cp
+            compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops \
+                * plan.score
+        plan.step_seconds = step_seconds(found, links, compute, micro_batches,
                                          device.quantize_rate,
                                          1 / 4 if layout.recompute == "full" else 1 / 3)
         plan.score = plan.step_seconds
     return plan
+
+
+def _profiled_compute(config: GPTConfig, layout: Layout, micro_batches: int, profile: DeviceProfile) -> float:
+    """The busiest pipeline stage's compute in a step at ``profile``'s rates (``devices.compute_seconds``)."""
+    shard = layout.data_ranks if layout.zero_stage >= 1 else 1
+    parameters = num_parameters(config) / (layout.tp * layout.pp * shard)
+    return max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size,
+                               layout.layers_on(stage, config.num_layers), micro_batches, layout.recompute,
+                               layout.recompute_modules, stage == layout.pp - 1, parameters, profile)
+               for stage in range(layout.pp))
 
 
 def _context_sizes(config: GPTConfig, model_parallel: int, world_size: int, cp: int | None) -> list[int]:

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from launch.tools.planning.devices import DGX_LINKS, PROFILES, load_profile
 from launch.tools.planning.link_model import Device, Links, parse_bandwidth
 from launch.tools.planning import plan as planner
 from models.counting import num_parameters
@@ -138,8 +139,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="a node's link to the others, e.g. 400Gbit, 50GB/s: rank layouts by predicted "
                              "step time (launch.tools.planning.link_model), ZeRO++ and shard groups included "
                              "(a longer search: its progress goes to stderr)")
-    parser.add_argument("--intra-node-bandwidth", default="200GB/s", metavar="RATE",
-                        help="between two ranks of a node (default: 200GB/s)")
+    parser.add_argument("--intra-node-bandwidth", metavar="RATE",
+                        help="between two ranks of a node (default: 200GB/s, or --device's DGX node's)")
+    parser.add_argument("--device", metavar="NAME|FILE",
+                        help="price the compute by a device's achieved rates, shape by shape: a built-in "
+                             f"profile ({', '.join(PROFILES)}; their DGX node's links unless bandwidths are "
+                             "given) or a profile file from `python -m launch.tools.gpu_check --sections "
+                             "rates`; with links, layouts are ranked by predicted step time")
     parser.add_argument("--link-latency", type=float, default=10e-6, metavar="SECONDS",
                         help="per message step (default: 1e-05)")
     parser.add_argument("--device-flops", type=float, default=Device.flops, metavar="FLOPS",
@@ -158,8 +164,17 @@ def main(argv: list[str] | None = None) -> None:
         memory_per_device = parse_bytes(args.memory_per_device)
     except ValueError as error:
         sys.exit(f"error: --memory-per-device {error}")
-    intra = _bandwidth("--intra-node-bandwidth", args.intra_node_bandwidth)
-    inter = _bandwidth("--inter-node-bandwidth", args.inter_node_bandwidth)
+    profile = None
+    if args.device is not None:
+        try:
+            profile = load_profile(args.device)
+        except ValueError as error:
+            sys.exit(f"error: --device {error}")
+    node = DGX_LINKS.get(args.device.lower()) if args.device else None
+    intra = _bandwidth("--intra-node-bandwidth", args.intra_node_bandwidth) if args.intra_node_bandwidth \
+        else node[0] if node else 200e9
+    inter = _bandwidth("--inter-node-bandwidth", args.inter_node_bandwidth) if args.inter_node_bandwidth \
+        else node[1] if node else None
     try:
         config = parse_config(model_flags)
     except ConfigError as error:
@@ -181,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
                  persistence_threshold=zero.zero_persistence_threshold,
                  grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
                  layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
-                 device=Device(args.device_flops, args.quantize_rate, args.backend),
+                 device=Device(args.device_flops, profile.quantize_rate if profile else args.quantize_rate,
+                               args.backend, profile),
                  micro_batch_size=train.micro_batch_size, progress=_Progress())
     advice = planner.zero_advice(plans) if links is not None else None
     plans = plans[:args.top]
