@@ -65,8 +65,13 @@ def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_
 
 def num_parameters(config: GPTConfig) -> int:
     """Parameters of the whole model: one process holds them all (vocabulary padded as at tp = 1; a tied
-    output layer is the embedding, counted once)."""
-    return sum(p.numel() for p in stage_model(config).parameters())
+    output layer is the embedding, counted once). Kept per model: the planner asks it of every layout."""
+    return _num_parameters(_frozen(config))
+
+
+@functools.lru_cache(maxsize=64)
+def _num_parameters(frozen: tuple) -> int:
+    return sum(p.numel() for p in _stage_model(frozen, 1, 1, 0, 1, False, None).parameters())
 
 
 EMBEDDINGS = ("word_embedding.weight", "position_embedding.weight", "output_layer.weight")

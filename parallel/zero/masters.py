@@ -123,6 +123,35 @@ class MasterShards:
             self.copies_landed()
         return grad
 
+    def gradients(self, scale: float, coefficient: float) -> list[torch.Tensor]:
+        """Every master's gradient as ``gradient`` makes it (the same operations, so the same values), the
+        unscaling and the clipping each one multi-tensor launch per device instead of one per master. The
+        copies to offloaded masters are in flight: ``copies_landed()`` before the host reads them."""
+        grads = [self.slots[index].grad() for index in range(len(self.slots))]
+        grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
+        for same_device in _by_device(grads):
+            if scale != 1.0:
+                torch._foreach_div_(same_device, scale)
+            if coefficient != 1.0:
+                torch._foreach_mul_(same_device, coefficient)
+        return [grad.to(slot.master.device, non_blocking=True) for grad, slot in zip(grads, self.slots)]
+
+    def write_back_all(self) -> None:
+        """``write_back`` of every master, one multi-tensor copy per pair of devices (the stage-3 ones whose
+        values go to a store one at a time)."""
+        pairs: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
+        for index, slot in enumerate(self.slots):
+            if slot.aliased:
+                continue
+            if slot.store is not None:
+                self.write_back(index)
+                continue
+            targets, sources = pairs.setdefault((slot.data.device, slot.master.device), ([], []))
+            targets.append(slot.data)
+            sources.append(slot.master.data)
+        for targets, sources in pairs.values():
+            torch._foreach_copy_(targets, sources, non_blocking=True)
+
     def copies_landed(self) -> None:
         """The host waits for the copies it issued between the accelerator and offloaded masters (the
         gradients coming down, the stepped values going up): before the step reads or rewrites masters."""
@@ -154,3 +183,11 @@ class MasterShards:
                 found.append(MasterPiece(index, state_index[id(slot.master)], param, shape,
                                          slot.start + offset - start, offset, length))
         return found
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by device (a multi-tensor launch takes one device), each group in order."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return list(groups.values())

@@ -208,13 +208,13 @@ class ZeroOptimizer:
             self.swapped.step(lambda index: self.master.gradient(index, scale, coefficient),
                               lambda index: self.master.write_back(index, blocking=True))
         else:
-            for index, master in enumerate(self.masters):
-                master.grad = self.master.gradient(index, scale, coefficient, landed=False)
+            for master, grad in zip(self.masters, self.master.gradients(scale, coefficient)):
+                master.grad = grad
             self.master.copies_landed()  # every gradient is down (and the last step's values are up)
             self.optimizer.step()
-            for index, master in enumerate(self.masters):
+            for master in self.masters:
                 master.grad = None
-                self.master.write_back(index)  # up to the accelerator behind the step's remaining work
+            self.master.write_back_all()  # up to the accelerator behind the step's remaining work
         self._publish(overlap=self.options.overlap_param_gather and self.stage < 3)
         return StepResult(grad_norm=norm, loss_scale=scale)
 

@@ -192,7 +192,8 @@ def test_flexattention_block_masks_equal_the_dense_document_mask(monkeypatch):
     blocks = DocumentBlocks(documents, {None, 40})
     with torch.no_grad():
         for window in (None, 40):
-            dense = attend(q, k, v, ScoreOptions(0.25, window), sequence_mask(128, window, documents, q.device))
+            mask = sequence_mask(128, window, documents, q.device)
+            dense = attend(q, k, v, ScoreOptions(0.25, window), mask)
             assert_tensors_close([blocks.attend(q, k, v, window, 0.25)], [dense], f"flex window {window}",
                                  ONE_STEP_RTOL)
         config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

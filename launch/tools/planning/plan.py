@@ -106,10 +106,11 @@ def _profiled_compute(config: GPTConfig, layout: Layout, micro_batches: int, pro
     """The busiest pipeline stage's compute in a step at ``profile``'s rates (``devices.compute_seconds``)."""
     shard = layout.data_ranks if layout.zero_stage >= 1 else 1
     parameters = num_parameters(config) / (layout.tp * layout.pp * shard)
-    return max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size,
-                               layout.layers_on(stage, config.num_layers), micro_batches, layout.recompute,
-                               layout.recompute_modules, stage == layout.pp - 1, parameters, profile)
-               for stage in range(layout.pp))
+    kinds = {(layout.layers_on(stage, config.num_layers), stage == layout.pp - 1)
+             for stage in range(layout.pp)}  # stages that differ: their layers, the last's head
+    return max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size, layers, micro_batches,
+                               layout.recompute, layout.recompute_modules, last, parameters, profile)
+               for layers, last in kinds)
 
 
 def _context_sizes(config: GPTConfig, model_parallel: int, world_size: int, cp: int | None) -> list[int]:
