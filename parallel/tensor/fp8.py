@@ -80,19 +80,3 @@ def fp8_eligible(in_features: int, out_features: int) -> bool:
     """Whether torch's scaled matrix product takes a layer of this (local) shape."""
     return in_features % ALIGNMENT == 0 and out_features % ALIGNMENT == 0
 
-
-def use_fp8(module: nn.Module, recipe: Fp8Recipe) -> tuple[int, int]:
-    """Set an fp8 product on every tensor-parallel linear layer inside ``module`` whose local weight torch
-    can multiply in fp8; return (layers in fp8, layers left in their compute dtype)."""
-    from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-
-    converted = skipped = 0
-    for layer in module.modules():
-        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-            out_features, in_features = layer.weight.flatten(0, -2).shape
-            if fp8_eligible(in_features, out_features):
-                layer.fp8 = Float8Matmul(in_features, out_features, recipe)
-                converted += 1
-            else:
-                skipped += 1
-    return converted, skipped

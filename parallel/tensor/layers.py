@@ -10,8 +10,6 @@ rows, the recipe of its initial value) is declared with ``parallel.param_meta.de
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,10 +19,8 @@ from parallel.param_meta import declare
 from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
                                       gather_from_sequence_parallel, reduce_from_tensor_parallel,
                                       reduce_scatter_dim0, reduce_scatter_to_sequence_parallel)
+from parallel.tensor.fp8 import Float8Matmul, Fp8Recipe, fp8_eligible
 from parallel.tensor.weight_init import WeightInit
-
-if TYPE_CHECKING:
-    from parallel.tensor.fp8 import Float8Matmul
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -210,3 +206,18 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, grou
     if sequence_parallel and group.size > 1:
         return _sequence_parallel_linear(hidden, weight_shard, None, group)
     return F.linear(copy_to_tensor_parallel(hidden, group), weight_shard)
+
+
+def use_fp8(module: nn.Module, recipe: Fp8Recipe) -> tuple[int, int]:
+    """Set an fp8 product (``parallel.tensor.fp8``) on every tensor-parallel linear layer inside ``module``
+    whose local weight torch can multiply in fp8; return (layers in fp8, layers left in their dtype)."""
+    converted = skipped = 0
+    for layer in module.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            out_features, in_features = layer.weight.flatten(0, -2).shape
+            if fp8_eligible(in_features, out_features):
+                layer.fp8 = Float8Matmul(in_features, out_features, recipe)
+                converted += 1
+            else:
+                skipped += 1
+    return converted, skipped

@@ -323,20 +323,15 @@ class ShardedParameters:
 
     def _reused_soon(self, unit: ParameterUnit) -> bool:
         """Whether the recorded order gathers ``unit`` again before the units in between outgrow the
-        prefetch budget: the prefetcher would gather it right back (the last units of forward before
-        backward begins, a recomputed layer before its own backward), so it stays gathered instead. The
-        same on every rank: the order and the sizes are."""
-        if self.order is None:
-            return False
+        prefetch budget (the last units of forward, a recomputed layer): it then stays gathered. The same
+        on every rank: the order and the sizes are."""
         live = self.live_elements
-        for index in self.order[self._position:]:
-            if index == unit.index:
-                return live <= self.prefetch_budget
+        for index in self.order[self._position:] if self.order is not None else []:
             between = self.units[index]
-            if not (between.gathered or between.handle is not None):
+            if index != unit.index and not (between.gathered or between.handle is not None):
                 live += between.numel
-                if live > self.prefetch_budget:
-                    return False
+            if index == unit.index or live > self.prefetch_budget:
+                return live <= self.prefetch_budget
         return False
 
     def _after_forward(self, unit: ParameterUnit):

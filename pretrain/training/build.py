@@ -18,7 +18,8 @@ from parallel import zero
 from parallel.buffer_pool import BufferPool
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.recompute import RecomputePolicy, apply_recompute
-from parallel.tensor.fp8 import Fp8Recipe, use_fp8
+from parallel.tensor.fp8 import Fp8Recipe
+from parallel.tensor.layers import use_fp8
 from parallel.topology import Topology
 from parallel.zero import DynamicLossScaler, ZeroGroups, ZeroOptions
 from pretrain.config.schema import Config

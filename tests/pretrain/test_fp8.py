@@ -20,8 +20,8 @@ def test_the_layers_fp8_product_is_torchaos(recipe):
     from torchao.float8 import convert_to_float8_training
 
     from parallel.comm import AxisGroup, CommStats
-    from parallel.tensor.fp8 import Fp8Recipe, use_fp8
-    from parallel.tensor.layers import ColumnParallelLinear
+    from parallel.tensor.fp8 import Fp8Recipe
+    from parallel.tensor.layers import ColumnParallelLinear, use_fp8
     from parallel.tensor.weight_init import WeightInit
 
     torch.manual_seed(0)

@@ -155,10 +155,7 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
     sync caps it), two block slots at stage 3, which also gathers a block; full recompute rebuilds one
     layer's activations in backward."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
-    block = sum(p.numel() for p in chunks[0].layers[0].parameters())
-    params = sum(p.numel() for p in stage_parameters(config, layout.tp, layout.pp, 0,
-                                                      layout.sequence_parallel))
+    block, params = _block_and_stage(config, layout)
     slot = staged_bucket_size(bucket_size, params, layout.data_ranks) if layout.zero_stage == 2 else block
     staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
@@ -166,15 +163,36 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
     return staging + gathers + recompute
 
 
+def _block_and_stage(config: GPTConfig, layout: Layout) -> tuple[int, int]:
+    """(one layer's parameters, the first pipeline stage's) on one tp rank."""
+    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
+    block = sum(p.numel() for p in chunks[0].layers[0].parameters())
+    return block, sum(p.numel() for p in stage_parameters(config, layout.tp, layout.pp, 0,
+                                                           layout.sequence_parallel))
+
+
+def reused_elements(config: GPTConfig, layout: Layout) -> int:
+    """Stage 3: the first stage's parameters that stay gathered from the end of a micro-batch's forward to
+    its backward (``parallel.zero.sharded_parameters`` keeps what its prefetcher would gather right back,
+    within the default budget of twice the largest unit): the stage's own unit (embedding, head) and the
+    last layers that fit beside it."""
+    block, params = _block_and_stage(config, layout)
+    layers = layout.layers_on(0, config.num_layers)
+    own = params - layers * block
+    budget = 2 * max(block, own)
+    return own + min(layers, (budget - own) // block) * block if block else own
+
+
 def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
               grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
               bucket_size: int | None = None) -> list[Transfer]:
     """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
-    parallel.comm counts them): ZeRO's data-parallel transfers (``link_model.zero_transfers``:
-    stage 0 all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages
-    1-2 all-gather the parameters once after the step, stage 3 in forward and in backward of every
-    micro-batch; ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's four
-    all-reduces (or their sequence-parallel halves) of each layer's activations in forward and backward, the
+    parallel.comm counts them): ZeRO's data-parallel transfers (``link_model.zero_transfers``: stage 0
+    all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages 1-2
+    all-gather the parameters once after the step, stage 3 in forward and in backward of every
+    micro-batch, less in backward what stays gathered from the end of forward (``reused_elements``);
+    ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's four all-reduces
+    (or their sequence-parallel halves) of each layer's activations in forward and backward, the
     pipeline's activation and gradient sends (those two exposed: each is waited where it starts). The
     data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
     ``bucket_size`` elements (stages 0-2) a piece."""
@@ -187,8 +205,8 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     layers = layout.layers_on(0, config.num_layers)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
     found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
-                           layout.zero, gpus_per_node,
-                           backend, layers, bucket_size)
+                           layout.zero, gpus_per_node, backend, layers, bucket_size,
+                           reused_elements(config, layout) if layout.zero_stage == 3 else 0)
     found.append(ring("all_reduce", "tp", topology.groups("tp"), gpus_per_node,
                       2 * (t - 1) / t * sbh * recompute, 4 * layers * m))
     if layout.cp > 1:  # ring attention's key/value blocks (and their gradients), every layer

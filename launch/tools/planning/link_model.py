@@ -157,11 +157,13 @@ def all_to_all(axis: str, groups: list[list[int]], node_size: int | None, input_
 def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: int, compute_bytes: int,
                    grad_bytes: int, options: ZeroCommOptions = ZeroCommOptions(),
                    node_size: int | None = None,
-                   backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None) -> list[Transfer]:
+                   backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None,
+                   reused: int = 0) -> list[Transfer]:
     """The data-parallel transfers of one step for ``params`` parameters per rank (nodes of ``node_size``
     consecutive ranks; default the topology's --gpus-per-node, else one node) as they travel on
     ``backend``, placed in the passes they run in: stage 3's in ``pieces`` a pass (its units, a layer
-    each), stages 0-2's in buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
+    each; backward gathers all but the ``reused`` parameters that stay gathered from the end of forward),
+    stages 0-2's in buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
     dp, m = topology.dp_cp, micro_batches  # gradients and ZeRO's shards span data x context
     shard = options.shard_size or dp
@@ -197,11 +199,12 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                              "forward", dequantized),
                       placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within, m - 1),
                              "forward"),
-                      placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within, m),
-                             "backward")]
+                      placed(collective("all_gather", f"dp_part{options.hpz}", secondary,
+                                        within * (params - reused) / params, m), "backward")]
     elif stage == 3:  # every micro-batch's forward and backward
-        transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part, m), phase,
-                             dequantized) for phase in PASSES]
+        transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part * share, m), phase,
+                             dequantized * share)
+                      for phase, share in zip(PASSES, (1.0, (params - reused) / params))]
     else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
         transfers.append(placed(collective("all_gather", "dp", shards, weight_bytes * part),
                                 "forward" if options.overlap_param_gather else "exposed",
