@@ -44,13 +44,18 @@ def test_llama_class_model_reproduces_the_single_process_run_in_every_layout(std
     recompute_offload = ["--zero-stage", "3", "--zero-persistence-threshold", "0",
                          "--recompute-granularity", "full",
                          "--offload-optimizer", "cpu"]
+    # compiled where --compile must keep working (issue 49): interleaved stages, ZeRO-3's gathers around the
+    # compiled layers under full recompute with the optimizer on the CPU, tp2 + SP (eager: the same layouts
+    # in test_trainer, and the interleaved run below)
     two = run_world(2, _train, [LLAMA + _tp(2), LLAMA + _tp(2, "--sequence-parallel"), LLAMA + _pp(2),
-                                LLAMA + interleaved,
+                                LLAMA + interleaved + COMPILED,
                                 LLAMA + _tp(2, "--zero-stage", "2", "--recompute-granularity", "selective"),
-                                LLAMA + recompute_offload,
+                                LLAMA + recompute_offload + COMPILED,
                                 LLAMA + _tp(2, "--sequence-parallel", *COMPILED)], stdlib_corpus)
-    _assert_follows(two, (losses, norms), "tp2 / tp2+SP / pp2 / pp2 interleaved / tp2 ZeRO-2 selective / "
-                                          "dp2 ZeRO-3 full recompute, optimizer on the CPU / compiled tp2+SP")
+    _assert_follows(two, (losses, norms), "tp2 / tp2+SP / pp2 / compiled pp2 interleaved / tp2 ZeRO-2 "
+                                          "selective / "
+                                          "compiled dp2 ZeRO-3 full recompute, optimizer on the CPU / "
+                                          "compiled tp2+SP")
     assert not any(run[5] for rank_results in two for run in rank_results)  # graph breaks: at communication
     # the interleaved run saved at iteration 5 (decaying as for 10) is re-cut for dp2 x tp2 x pp2 ZeRO-3
     run_world(2, _train,
