@@ -110,6 +110,8 @@ class GradientSync:
                 self._staging[dtype] = ShardReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp,
                                                            quantized_gradients)
         self._launched: set[tuple[int, int]] = set()
+        # parameters whose gradient-buffer view holds last step's values: the first gradient is copied in
+        self._unwritten: set[nn.Parameter] = set()
         self._filling: dict[tuple[int, int], tuple[torch.Tensor, set]] = {}  # stage 2: staging, params in it
         # stage 2: deferred gradients in the gradient dtype
         self._deferred: dict[nn.Parameter, torch.Tensor] = {}
@@ -143,7 +145,7 @@ class GradientSync:
             # main gradient, then dropped), or the first one after zero_grad(set_to_none=True)
             view = buffer.grad_view(param)
             if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
-                view.add_(param.grad)
+                self._accumulate(param, view, param.grad)
                 param.grad = view if buffer.grads_are_views else None
         elif bucket.deferred and buffer.grad is None and buffer.grad_dtype != param.dtype:
             # stage 2 reduces deferred gradients only in ``finish``: accumulate them in fp32 until then
@@ -164,6 +166,15 @@ class GradientSync:
         self._ready[key] = self._ready.get(key, 0) + 1
         if self._ready[key] == len(bucket.params):
             self._launch(index, bucket)
+
+    def _accumulate(self, param: nn.Parameter, view: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Add ``grad`` into ``param``'s buffer view (its first of the step overwrites the view; None: no
+        gradient, a zero)."""
+        if param in self._unwritten:
+            self._unwritten.discard(param)
+            view.zero_() if grad is None else view.copy_(grad)
+        elif grad is not None:
+            view.add_(grad)
 
     def _stage(self, index: int, bucket: Bucket, param: nn.Parameter) -> None:
         """Stage 2: copy ``param``'s gradient into its bucket's staging slot (opened by the bucket's first
@@ -229,6 +240,10 @@ class GradientSync:
         for index, buffer in enumerate(self.buffers):
             for bucket in buffer.buckets:
                 key = (index, bucket.index)
+                if buffer.grad is not None:  # a view no gradient reached this step is a zero
+                    for param in bucket.params:
+                        if param in self._unwritten:
+                            self._accumulate(param, buffer.grad_view(param), None)
                 if bucket.deferred:
                     for param in bucket.params:
                         grad = buffer.grad_view(param) if buffer.grad is not None else \
@@ -251,13 +266,18 @@ class GradientSync:
         for buffer in self.buffers:
             for param in buffer.params:
                 view = buffer.grad_view(param)
-                if param.grad is not None and param.grad is not view:
-                    view.add_(param.grad)
-                    param.grad = view
+                if param.grad is not view:
+                    grad = param.grad
+                    self._accumulate(param, view, grad)
+                    if grad is not None:
+                        param.grad = view
                 if needs_model_parallel_reduction(param):  # on every rank of the group, gradient or not
                     reduce_model_parallel_grad(param, view, self.model_parallel)
 
-    def zero(self) -> None:
-        """Start a new step: clear the gradient shards (stage 2)."""
+    def zero(self, unwritten: bool = False) -> None:
+        """Start a new step: clear the gradient shards (stage 2); ``unwritten``: the flat buffers' views were
+        not zeroed, each parameter's first gradient overwrites its view."""
         for shard in self.grad_shards or []:
             shard.zero_()
+        self._unwritten = {param for buffer in self.buffers if buffer.grad is not None
+                           for param in buffer.params} if unwritten else set()

@@ -79,15 +79,18 @@ class ReplicatedParameters:
         self.grad_sync.finish()
 
     def zero_grad(self, set_to_none: bool) -> None:
+        """Start a step. ``set_to_none``: the gradient buffers are left as they are and each view is
+        overwritten by its parameter's first gradient (``grad_sync``: no pass over the buffers); else they
+        are zeroed and attached for autograd to accumulate into."""
         for buffer in self.buffers:
-            if buffer.grad is not None:
-                buffer.grad.zero_()
             if set_to_none:
                 for param in buffer.params:
                     param.grad = None
             else:
+                if buffer.grad is not None:
+                    buffer.grad.zero_()
                 buffer.attach_grads()
-        self.grad_sync.zero()
+        self.grad_sync.zero(unwritten=set_to_none)
 
     def gather(self, overlap: bool = False) -> None:
         """Every rank updated its chunks: all-gather each bucket in place (stages 1-2; stage 0 holds all).
