@@ -20,7 +20,19 @@ Axes (named as megatron-core's RankGenerator names them):
     mp         model parallel: all tp x pp ranks of one replica (same dp, cp)
     embedding  the first and last pipeline stage of each (dp, cp, tp) position (tied embedding)
 
-Run ``python -m parallel.topology --world-size 16 --tp 2 --pp 2 --cp 2 --gpus-per-node 8`` to print a grid.
+The expert layers of a mixture of experts lay the same world out again, as megatron-core's expert
+rank generator does ("tp-ep-dp-pp" without cp, pipeline stages shared with the dense grid):
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank)),  edp = world / (etp * ep * pp)
+
+    etp        expert tensor parallel: ranks holding slices of the same experts (default: tp)
+    ep         expert model parallel: ranks holding different experts of a layer (the all-to-all group)
+    etp-ep     both: the ranks among which one layer's experts are spread
+    etp-ep-pp  both, over the pipeline stages
+    edp        expert data parallel: ranks holding the same expert slices (ZeRO shards experts over it)
+
+Run ``python -m parallel.topology --world-size 16 --tp 2 --pp 2 --cp 2 --gpus-per-node 8`` to print a grid
+(``--ep`` and ``--etp`` add the expert groups).
 """
 
 from __future__ import annotations
@@ -31,11 +43,13 @@ import warnings
 from dataclasses import dataclass
 
 AXES = ("tp", "cp", "dp", "dp-cp", "pp", "mp", "embedding")
+EXPERT_AXES = ("etp", "ep", "etp-ep", "etp-ep-pp", "edp")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The layout of ``world_size`` ranks as a pp x dp x cp x tp grid.
+    """The layout of ``world_size`` ranks as a pp x dp x cp x tp grid, and for expert layers as a pp x edp
+    x ep x etp grid (``ep``, ``etp``; etp None: tp).
 
     Owns only integers: it never creates process groups and never reads the environment, so any
     layout (also one far larger than this machine) can be inspected and tested anywhere.
@@ -46,6 +60,8 @@ class Topology:
     pp: int = 1
     cp: int = 1
     gpus_per_node: int | None = None
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("world size", self.world_size), ("--tensor-model-parallel-size", self.tp),
@@ -68,6 +84,27 @@ class Topology:
                 f"{model} processes or change tp/{'cp/' if self.cp > 1 else ''}pp")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        for name, value in (("--expert-model-parallel-size", self.ep),
+                            ("--expert-tensor-parallel-size", self.expert_tp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        experts = self.expert_tp * self.ep * self.pp
+        if self.world_size % experts:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by --expert-tensor-parallel-size "
+                f"{self.expert_tp} x --expert-model-parallel-size {self.ep} x "
+                f"--pipeline-model-parallel-size {self.pp} = {experts}: the expert layers lay the same ranks "
+                "out as etp x ep x expert dp x pp")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (--expert-tensor-parallel-size; default the dense tp)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: world / (etp * ep * pp)."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     @property
     def dp(self) -> int:
@@ -125,7 +162,24 @@ class Topology:
             return [[at(p, d, t, c) for p in P for t in T] for d in D for c in C]
         if axis == "embedding":
             return [sorted({at(0, d, t, c), at(self.pp - 1, d, t, c)}) for d in D for c in C for t in T]
-        raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
+        if axis in EXPERT_AXES:
+            return self._enumerate_experts(axis)
+        raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES + EXPERT_AXES)}")
+
+    def _enumerate_experts(self, axis: str) -> list[list[int]]:
+        P, D, E, T = range(self.pp), range(self.edp), range(self.ep), range(self.expert_tp)
+
+        def at(p: int, d: int, e: int, t: int) -> int:
+            return t + self.expert_tp * (e + self.ep * (d + self.edp * p))
+        if axis == "etp":
+            return [[at(p, d, e, t) for t in T] for p in P for d in D for e in E]
+        if axis == "ep":
+            return [[at(p, d, e, t) for e in E] for p in P for d in D for t in T]
+        if axis == "etp-ep":
+            return [[at(p, d, e, t) for e in E for t in T] for p in P for d in D]
+        if axis == "etp-ep-pp":
+            return [[at(p, d, e, t) for p in P for e in E for t in T] for d in D]
+        return [[at(p, d, e, t) for d in D] for p in P for e in E for t in T]  # edp
 
     def dp_partitions(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every data x context group (the data-parallel group when cp = 1) cut into runs of ``size``
@@ -195,7 +249,10 @@ class Topology:
         context = f" x cp {self.cp}" if self.cp > 1 else ""
         lines = [f"world {self.world_size} = pp {self.pp} x dp {self.dp}{context} x tp {self.tp}"
                  + (f", {self.gpus_per_node} per node" if self.gpus_per_node else "")]
-        for axis in AXES:
+        experts = self.ep > 1 or self.expert_tp != self.tp
+        if experts:
+            lines[0] += (f"; experts: pp {self.pp} x edp {self.edp} x ep {self.ep} x etp {self.expert_tp}")
+        for axis in AXES + (EXPERT_AXES if experts else ()):
             lines.append(f"{axis:>9}: " + " ".join(fmt(g) for g in self.groups(axis)))
         lines.append("    ranks: " + " ".join(
             f"{r}=(pp{p},dp{d}{f',cp{self.cp_rank(r)}' if self.cp > 1 else ''},tp{t})"
@@ -220,9 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
     parser.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1)
+    parser.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        topology = Topology(args.world_size, args.tp, args.pp, args.cp, args.gpus_per_node)
+        topology = Topology(args.world_size, args.tp, args.pp, args.cp, args.gpus_per_node, args.ep, args.etp)
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
     print(topology.describe())

@@ -38,6 +38,36 @@ def test_groups_match_megatron_rank_generator():
     assert checked > 1000 and with_cp > 500
 
 
+def test_expert_groups_equal_megatron_cores_expert_rank_generator():
+    """Every layout of up to 64 ranks with expert parallelism: each expert group, in megatron-core's own
+    order (groups and ranks within them), as its expert rank generator makes it; the pipeline groups of the
+    two grids are the same."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.parallel_state import RankGenerator
+
+    checked = 0
+    for world in range(1, 65):
+        for etp in range(1, world + 1):
+            for ep in range(1, world // etp + 1):
+                for pp in range(1, world // (etp * ep) + 1):
+                    if world % (etp * ep * pp):
+                        continue
+                    topology = Topology(world, pp=pp, ep=ep, etp=etp)
+                    oracle = RankGenerator(tp=etp, ep=ep, dp=topology.edp, pp=pp, cp=1,
+                                           order="tp-cp-ep-dp-pp")
+                    for axis, theirs in (("etp", "tp"), ("ep", "ep"), ("etp-ep", "tp-ep"),
+                                         ("etp-ep-pp", "tp-ep-pp"), ("edp", "dp")):
+                        assert topology.groups(axis) == oracle.get_ranks(theirs), (world, etp, ep, pp, axis)
+                    assert sorted(topology.groups("pp")) == sorted(oracle.get_ranks("pp"))
+                    checked += 1
+    assert checked > 700
+    with pytest.raises(ValueError, match="world size 6 is not divisible by --expert-tensor-parallel-size 1 x "
+                                         "--expert-model-parallel-size 4"):
+        Topology(6, ep=4)
+    assert Topology(8, tp=2, ep=2).expert_tp == 2 and Topology(8, tp=2, ep=2, etp=1).edp == 4
+
+
 def test_coords_and_rank_are_inverse_and_follow_the_formula():
     topology = Topology(24, tp=2, pp=3)
     assert topology.dp == 4
