@@ -19,7 +19,7 @@ from torch import nn
 
 from parallel import comm
 from parallel.comm import AxisGroup, CommStats
-from parallel.topology import AXES, Topology
+from parallel.topology import AXES, EXPERT_AXES, Topology
 
 
 def default_device() -> torch.device:
@@ -106,6 +106,12 @@ class ParallelGroups:
     mp: AxisGroup
     embedding: AxisGroup
     world: AxisGroup
+    # the expert grid (``Topology``'s expert axes; without experts the dense groups of the same ranks)
+    etp: AxisGroup | None = None
+    ep: AxisGroup | None = None
+    etp_ep: AxisGroup | None = None
+    etp_ep_pp: AxisGroup | None = None
+    edp: AxisGroup | None = None
     # per partition size K (``create_process_groups(dp_partitions=...)``): the run of K data-parallel ranks
     # this rank is in ("dp_partK") and the dp ranks at its place in every other run ("dp_replicaK")
     dp_partition_groups: dict[int, tuple[AxisGroup, AxisGroup]] = field(default_factory=dict)
@@ -171,14 +177,20 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
     stats = CommStats(topology.gpus_per_node)  # nodes of --gpus-per-node ranks, else the launcher's
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     mine: dict[str, AxisGroup] = {}
-    for axis in AXES:
+    # an expert group whose ranks a dense group already has shares its torch group
+    handles: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for axis in AXES + EXPERT_AXES:
         if axis == "dp-cp" and topology.cp == 1:  # the data-parallel group itself: no second torch group
             mine[axis] = mine["dp"]
             continue
-        for ranks in topology.groups(axis):
-            handle = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+        for ranks in map(tuple, topology.groups(axis)):
+            if axis in EXPERT_AXES and ranks in handles:
+                handle = handles[ranks]
+            else:
+                handle = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+                handles.setdefault(ranks, handle)
             if rank in ranks:
-                mine[axis] = AxisGroup(axis, tuple(ranks), handle, stats)
+                mine[axis] = AxisGroup(axis, ranks, handle, stats)
         if axis == "embedding" and axis not in mine:  # a middle pipeline stage holds no embedding
             mine[axis] = AxisGroup(axis, (rank,), None, stats)
     if torch.cuda.is_available() and mine["pp"].size > 1:

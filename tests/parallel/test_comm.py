@@ -130,10 +130,10 @@ def test_inter_node_bytes_by_the_pattern_sent():
 
 
 def _groups_of_a_3d_grid(rank, world_size):
-    groups = create_process_groups(Topology(world_size, tp=2, pp=2))
+    groups = create_process_groups(Topology(world_size, tp=2, pp=2, ep=2, etp=1))
     result = {}
-    for axis in ("tp", "dp", "pp", "mp", "embedding", "world"):
-        group = getattr(groups, axis)
+    for axis in ("tp", "dp", "pp", "mp", "embedding", "world", "etp", "ep", "etp-ep", "etp-ep-pp", "edp"):
+        group = getattr(groups, axis.replace("-", "_"))
         x = torch.tensor([float(rank)])
         comm.all_reduce(x, group)
         result[axis] = (list(group.ranks), x.item())
@@ -142,7 +142,9 @@ def _groups_of_a_3d_grid(rank, world_size):
 
 
 def test_process_groups_of_a_3d_grid():
-    topology = Topology(8, tp=2, pp=2)
+    """Every dense and expert group (experts over ep 2 x etp 1) holds the ranks the topology names, and
+    communicates among them."""
+    topology = Topology(8, tp=2, pp=2, ep=2, etp=1)
     for rank, (coords, result, by_axis) in enumerate(run_world(8, _groups_of_a_3d_grid)):
         assert coords == topology.coords(rank)
         for axis, (ranks, total) in result.items():
