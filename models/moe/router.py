@@ -13,12 +13,16 @@ over its groups before ``updated_expert_bias`` and the losses).
 - ``switch_aux_loss`` (``--moe-router-load-balancing-type aux_loss``): E / (k T^2) x sum_i (sum_t p_ti)
   (tokens to i), Switch Transformer's loss as Megatron scales it; ``sequence_aux_loss`` (``seq_aux_loss``):
   the same per sequence, averaged over the batch; ``z_loss``: mean over tokens of logsumexp(logits)^2.
+- ``drop_tokens`` (``--moe-expert-capacity-factor``): an expert takes at most ceil(T k / E x factor)
+  tokens, those of the highest weights (``--moe-token-drop-policy probs``) or the earliest
+  (``position``); ``--moe-pad-expert-input-to-capacity`` fills every expert to that many rows (zero weights).
 - ``updated_expert_bias``: DeepSeek-V3's rule, each expert's bias moved by the update rate towards the mean
   load (up when it received fewer tokens than the mean, down when more).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +93,28 @@ def route(logits: torch.Tensor, options: RouterOptions,
         weights = weights * options.topk_scaling_factor
     routed = torch.zeros_like(logits).scatter(1, chosen, weights)
     return routed, torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+
+
+def drop_tokens(weights: torch.Tensor, chosen: torch.Tensor, topk: int, capacity_factor: float,
+                policy: str = "probs", pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen) [T, E] with each expert's tokens beyond its capacity dropped (``policy`` "probs":
+    the lowest weights go; "position": the latest tokens go); with ``pad`` every expert's map holds exactly
+    its capacity, the rows no token fills at weight zero."""
+    tokens, experts = weights.shape
+    capacity = math.ceil(tokens * topk / experts * capacity_factor)
+    if capacity >= tokens:
+        keep = torch.ones_like(chosen)
+    else:
+        if policy == "probs":
+            rank = weights
+        elif policy == "position":  # routed tokens first, each group in token order
+            order = torch.arange(tokens, 0, -1, device=weights.device, dtype=torch.float32).unsqueeze(1)
+            rank = chosen.float() * (tokens + 1) + order
+        else:
+            raise ValueError(f"--moe-token-drop-policy {policy}: choose probs or position")
+        keep = torch.zeros_like(chosen).scatter(0, torch.topk(rank, capacity, dim=0).indices, True)
+    kept = keep if pad else chosen & keep
+    return weights * kept, kept
 
 
 def aux_scores(logits: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:

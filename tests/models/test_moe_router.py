@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from models.moe.router import (RouterOptions, aux_scores, route, sequence_aux_loss, switch_aux_loss,
-                               updated_expert_bias, z_loss)
+from models.moe.router import (RouterOptions, aux_scores, drop_tokens, route, sequence_aux_loss,
+                               switch_aux_loss, updated_expert_bias, z_loss)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -57,6 +57,27 @@ def test_routing_and_losses_equal_megatron_cores(case):
                                                        options.topk, options.num_experts, 1e-2) / batch
     torch.testing.assert_close(sequence_aux_loss(scores, aux_map, sequence, options.topk, 1e-2), theirs,
                                rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_token_dropping_by_weight_equals_megatron_cores_and_by_position_keeps_the_earliest(pad):
+    torch.manual_seed(1)
+    options = RouterOptions(num_experts=4, topk=2)
+    weights, chosen = route(torch.randn(32, 4), options)
+    for factor in (0.5, 1.0, 4.0):
+        ours = drop_tokens(weights, chosen, 2, factor, "probs", pad)
+        theirs = moe_utils.apply_router_token_dropping(weights, chosen, 2, factor, "probs", pad)
+        assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[0], theirs[0]), factor
+    # capacity ceil(8 x 1 / 2 x 0.5) = 2 a expert: expert 0 keeps tokens 1 and 2 (of 1, 2, 5), expert 1
+    # tokens 0 and 3 (of 0, 3, 6, 7); with padding expert 1 is full and expert 0 too
+    hand = torch.zeros(8, 2, dtype=torch.bool)
+    hand[[1, 2, 5], 0] = True
+    hand[[0, 3, 4, 6, 7], 1] = True
+    hand[4, 1] = False
+    weights, kept = drop_tokens(hand.float() * 0.5, hand, 1, 0.5, "position", pad)
+    assert kept[:, 0].nonzero().flatten().tolist() == [1, 2]
+    assert kept[:, 1].nonzero().flatten().tolist() == [0, 3]
+    assert torch.equal(weights, kept.float() * 0.5)
 
 
 def test_the_expert_bias_follows_deepseek_v3s_rule_and_bad_options_are_refused():
