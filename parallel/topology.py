@@ -39,11 +39,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import warnings
 from dataclasses import dataclass
 
 AXES = ("tp", "cp", "dp", "dp-cp", "pp", "mp", "embedding")
 EXPERT_AXES = ("etp", "ep", "etp-ep", "etp-ep-pp", "edp")
+# the dimensions of its grid along which each axis's groups run (the embedding's: see ``_enumerate``)
+VARYING = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp-cp": ("cp", "dp"), "pp": ("pp",),
+           "mp": ("tp", "pp"), "etp": ("etp",), "ep": ("ep",), "etp-ep": ("etp", "ep"),
+           "etp-ep-pp": ("etp", "ep", "pp"), "edp": ("edp",)}
 
 
 @dataclass(frozen=True)
@@ -144,42 +149,15 @@ class Topology:
         return [list(ranks) for ranks in _groups(self, axis)]
 
     def _enumerate(self, axis: str) -> list[list[int]]:
-        P, D, C, T = range(self.pp), range(self.dp), range(self.cp), range(self.tp)
-
-        def at(p: int, d: int, t: int, c: int) -> int:  # ``rank`` without its checks: every coordinate is
-            return t + self.tp * (c + self.cp * (d + self.dp * p))  # in range here
-        if axis == "tp":
-            return [[at(p, d, t, c) for t in T] for p in P for d in D for c in C]
-        if axis == "cp":
-            return [[at(p, d, t, c) for c in C] for p in P for d in D for t in T]
-        if axis == "dp":
-            return [[at(p, d, t, c) for d in D] for p in P for c in C for t in T]
-        if axis == "dp-cp":
-            return [[at(p, d, t, c) for d in D for c in C] for p in P for t in T]
-        if axis == "pp":
-            return [[at(p, d, t, c) for p in P] for d in D for c in C for t in T]
-        if axis == "mp":
-            return [[at(p, d, t, c) for p in P for t in T] for d in D for c in C]
         if axis == "embedding":
-            return [sorted({at(0, d, t, c), at(self.pp - 1, d, t, c)}) for d in D for c in C for t in T]
+            return [sorted({ranks[0], ranks[-1]}) for ranks in self._enumerate("pp")]
         if axis in EXPERT_AXES:
-            return self._enumerate_experts(axis)
-        raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES + EXPERT_AXES)}")
-
-    def _enumerate_experts(self, axis: str) -> list[list[int]]:
-        P, D, E, T = range(self.pp), range(self.edp), range(self.ep), range(self.expert_tp)
-
-        def at(p: int, d: int, e: int, t: int) -> int:
-            return t + self.expert_tp * (e + self.ep * (d + self.edp * p))
-        if axis == "etp":
-            return [[at(p, d, e, t) for t in T] for p in P for d in D for e in E]
-        if axis == "ep":
-            return [[at(p, d, e, t) for e in E] for p in P for d in D for t in T]
-        if axis == "etp-ep":
-            return [[at(p, d, e, t) for e in E for t in T] for p in P for d in D]
-        if axis == "etp-ep-pp":
-            return [[at(p, d, e, t) for p in P for e in E for t in T] for d in D]
-        return [[at(p, d, e, t) for d in D] for p in P for e in E for t in T]  # edp
+            dims = (("etp", self.expert_tp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))
+        elif axis in AXES:
+            dims = (("tp", self.tp), ("cp", self.cp), ("dp", self.dp), ("pp", self.pp))
+        else:
+            raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES + EXPERT_AXES)}")
+        return _lines(dims, VARYING[axis])
 
     def dp_partitions(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every data x context group (the data-parallel group when cp = 1) cut into runs of ``size``
@@ -261,6 +239,24 @@ class Topology:
         if spanning:
             lines.append(f"  warning: {len(spanning)} tensor-parallel group(s) span nodes")
         return "\n".join(lines)
+
+
+def _lines(dims: tuple[tuple[str, int], ...], varying: tuple[str, ...]) -> list[list[int]]:
+    """The groups of a grid whose dimensions ``dims`` (name, size) are listed fastest first (rank = i0 + n0 x
+    (i1 + n1 x (...))) in which the ``varying`` dimensions change and the others stay: a group for each
+    setting of the others, in a group each setting of the varying ones, the slowest dimension outermost in
+    both (megatron-core's order)."""
+    strides, stride = {}, 1
+    for name, size in dims:
+        strides[name], stride = stride, stride * size
+
+    def offsets(names) -> list[int]:
+        chosen = [(strides[name], size) for name, size in reversed(dims) if name in names]
+        return [sum(index * step for index, (step, _) in zip(indices, chosen))
+                for indices in itertools.product(*(range(size) for _, size in chosen))]
+
+    others = {name for name, _ in dims} - set(varying)
+    return [[base + offset for offset in offsets(varying)] for base in offsets(others)]
 
 
 @functools.lru_cache(maxsize=256)

@@ -31,7 +31,8 @@ def _kernel(device_type: str):
 
 class DocumentBlocks:
     """The block masks of one batch's documents ([b, S]: each token's document), one per window (keys a
-    query sees, itself included; None: the whole past). Owns those masks; never runs attention."""
+    query sees, itself included; None: the whole past), and runs FlexAttention on them. Owns those masks;
+    never decides where they are used (``usable`` answers, the attention layer asks)."""
 
     def __init__(self, documents: torch.Tensor, windows: set[int | None]):
         from torch.nn.attention.flex_attention import create_block_mask

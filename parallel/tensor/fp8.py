@@ -16,7 +16,6 @@ import logging
 import torch
 from torch import nn
 
-FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "rowwise")
 # torch._scaled_mm's constraint on each dimension of an fp8 matrix product; a layer whose (local) shape
 # misses it stays in its compute dtype, as torchao's own filter leaves it
@@ -79,4 +78,3 @@ class Float8Matmul:
 def fp8_eligible(in_features: int, out_features: int) -> bool:
     """Whether torch's scaled matrix product takes a layer of this (local) shape."""
     return in_features % ALIGNMENT == 0 and out_features % ALIGNMENT == 0
-

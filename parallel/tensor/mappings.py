@@ -5,6 +5,8 @@ Each is a pair of conjugate collectives over the tensor-parallel group (forward 
     copy_to_tensor_parallel        identity   / all-reduce   (input of a column-parallel layer)
     reduce_from_tensor_parallel    all-reduce / identity     (output of a row-parallel layer)
     scatter_to_sequence_parallel   keep my chunk / all-gather along dim 0
+    gather_from_sequence_parallel  all-gather / reduce-scatter along dim 0 (input of an fp8 column-parallel
+                                   layer under sequence parallelism)
     reduce_scatter_to_sequence_parallel  reduce-scatter / all-gather along dim 0
 
 All communication goes through ``parallel.comm``; at tp = 1 every function is the identity. Under
@@ -49,84 +51,34 @@ def _my_chunk_dim0(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return x.chunk(group.size, dim=0)[group.rank].contiguous()
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _conjugate(name: str, forward, backward):
+    """The mapping ``forward(x, group)`` whose backward is ``backward(grad, group)``: one autograd function
+    (``name``), run eagerly under torch.compile (its collectives end a compiled region); the identity at
+    tp = 1, where nothing is called."""
+    def forward_(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def backward_(ctx, grad):
+        return backward(grad, ctx.group), None
 
+    function = type(name, (torch.autograd.Function,),
+                    {"forward": staticmethod(forward_), "backward": staticmethod(backward_)})
+    applied = compile_boundary(function.apply)
 
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def mapping(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        return x if group.size == 1 else applied(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_chunk_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
+    mapping.__name__ = mapping.__qualname__ = name
+    return mapping
 
 
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
-
-
-# each runs eagerly under torch.compile (its collectives end a compiled region); at tp = 1 none is called
-_copy_to, _reduce_from, _scatter_to, _gather_from, _reduce_scatter_to = (
-    compile_boundary(function.apply) for function in (_CopyToTensorParallel, _ReduceFromTensorParallel,
-                                                      _ScatterToSequenceParallel, _GatherFromSequenceParallel,
-                                                      _ReduceScatterToSequenceParallel))
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _copy_to(x, group)
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _reduce_from(x, group)
-
-
-def scatter_to_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _scatter_to(x, group)
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """The whole sequence from every rank's part (dim 0); backward keeps this rank's part of the summed
-    gradient."""
-    return x if group.size == 1 else _gather_from(x, group)
-
-
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return x if group.size == 1 else _reduce_scatter_to(x, group)
+copy_to_tensor_parallel = _conjugate("copy_to_tensor_parallel", lambda x, group: x, _all_reduce)
+reduce_from_tensor_parallel = _conjugate("reduce_from_tensor_parallel",
+                                         lambda x, group: _all_reduce(x.clone(), group),
+                                         lambda grad, group: grad)
+scatter_to_sequence_parallel = _conjugate("scatter_to_sequence_parallel", _my_chunk_dim0, all_gather_dim0)
+gather_from_sequence_parallel = _conjugate("gather_from_sequence_parallel", all_gather_dim0,
+                                           reduce_scatter_dim0)
+reduce_scatter_to_sequence_parallel = _conjugate("reduce_scatter_to_sequence_parallel", reduce_scatter_dim0,
+                                                 all_gather_dim0)

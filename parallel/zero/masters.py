@@ -127,9 +127,9 @@ class MasterShards:
         """Every master's gradient as ``gradient`` makes it (the same operations, so the same values), the
         unscaling and the clipping each one multi-tensor launch per device instead of one per master. The
         copies to offloaded masters are in flight: ``copies_landed()`` before the host reads them."""
-        grads = [self.slots[index].grad() for index in range(len(self.slots))]
+        grads = [slot.grad() for slot in self.slots]
         grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
-        for same_device in _by_device(grads):
+        for same_device in by_device(grads):
             if scale != 1.0:
                 torch._foreach_div_(same_device, scale)
             if coefficient != 1.0:
@@ -185,7 +185,7 @@ class MasterShards:
         return found
 
 
-def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` grouped by device (a multi-tensor launch takes one device), each group in order."""
     groups: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:

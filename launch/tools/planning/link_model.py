@@ -191,6 +191,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                             2 * grad_bytes * params * (dp - 1) / dp),
                        "backward")]
     transfers = []
+    regathered = (params - reused) / params  # what backward gathers again at stage 3
     # a step's first gather of each unit over dp, the rest in the partition
     if stage == 3 and options.hpz > 1:
         secondary = topology.dp_partitions(options.hpz)[0]
@@ -199,12 +200,12 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                              "forward", dequantized),
                       placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within, m - 1),
                              "forward"),
-                      placed(collective("all_gather", f"dp_part{options.hpz}", secondary,
-                                        within * (params - reused) / params, m), "backward")]
+                      placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within * regathered,
+                                        m), "backward")]
     elif stage == 3:  # every micro-batch's forward and backward
         transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part * share, m), phase,
                              dequantized * share)
-                      for phase, share in zip(PASSES, (1.0, (params - reused) / params))]
+                      for phase, share in zip(PASSES, (1.0, regathered))]
     else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
         transfers.append(placed(collective("all_gather", "dp", shards, weight_bytes * part),
                                 "forward" if options.overlap_param_gather else "exposed",
