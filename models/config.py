@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def flag(help_text: str, **extra) -> dict:
-    """Field metadata: the flag's help text, argparse extras such as choices, and ``aliases``: other
-    spellings of the flag (Megatron's), a list, or a dict of spelling -> the factor its value is scaled by."""
-    return {"help": help_text, **extra}
+from models.flags import flag
+from models.moe.config import MoEConfig
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(MoEConfig):
     """Shape and options of the GPT. Owns no weights; ``validate(tp)`` checks what tp must divide."""
 
     num_layers: int = field(default=4, metadata=flag("transformer blocks"))
@@ -209,6 +206,7 @@ class GPTConfig:
             raise ValueError("--swiglu, --geglu and --squared-relu are three MLP activations: choose one")
         self._validate_options()
         self._validate_attention(tp)
+        self.validate_moe(self.num_layers, self.ffn_size)
         if self.ffn_size < 1:
             raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "
                              "rounded down to "

@@ -16,10 +16,13 @@ from torch import nn
 from models.attention import LayerInputs, SelfAttention
 from models.config import GPTConfig
 from models.mlp import MLP
+from models.moe.balancing import BalancingLosses
+from models.moe.layer import MoELayer
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
 from parallel.comm import AxisGroup, compile_boundary
 from parallel.context import ContextParallel, DocumentBlocks
+from parallel.experts import ExpertGroups
 from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import (VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits,
@@ -44,7 +47,8 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
-                 rng: RNGTracker | None = None):
+                 rng: RNGTracker | None = None, experts: ExpertGroups | None = None,
+                 balancing: BalancingLosses | None = None):
         super().__init__()
         self.layer = layer
         self.rng = rng or model_parallel_tracker(seed, tp.rank)
@@ -54,7 +58,12 @@ class TransformerBlock(nn.Module):
         self.attention = SelfAttention(config, layer, tp, seed, sequence_parallel, self.rng)
         self.attention_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
         self.mlp_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
-        self.mlp = MLP(config, layer, tp, seed, sequence_parallel)
+        if config.moe_layers(config.num_layers)[layer]:  # a mixture of experts in the MLP's place
+            self.mlp = MoELayer(config, layer, tp, seed, sequence_parallel,
+                                experts or ExpertGroups.detached(),
+                                balancing if balancing is not None else BalancingLosses())
+        else:
+            self.mlp = MLP(config, layer, tp, seed, sequence_parallel)
         self.mlp_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
         self.dropout = _dropout(config.hidden_dropout)
         self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
@@ -96,15 +105,20 @@ class GPTModel(nn.Module):
     layer; a last pipeline stage without the embedding holds its own copy (``output_layer``), kept equal
     to the first stage's by the pipeline's embedding-group all-reduce. Untied, ``output_layer`` is a
     weight of its own on the last stage. With ``context`` (cp > 1) its input holds this cp rank's share of
-    each sequence and attention exchanges keys and values over the cp group; it never communicates over
-    any other group than tp and cp.
+    each sequence and attention exchanges keys and values over the cp group. Its MoE layers
+    (--num-experts) hold this rank's experts of ``experts`` (``ExpertGroups``) and exchange tokens over
+    them; ``balancing`` owns their balancing losses' scale and values. It never communicates over any
+    other group than tp, cp and the expert groups.
     """
 
     def __init__(self, config: GPTConfig, tp: AxisGroup, *, seed: int, layer_indices: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 rng: RNGTracker | None = None, context: ContextParallel | None = None):
+                 rng: RNGTracker | None = None, context: ContextParallel | None = None,
+                 experts: ExpertGroups | None = None):
         super().__init__()
         config.validate(tp.size)
+        experts = experts or ExpertGroups.detached()
+        config.validate_moe(config.num_layers, config.ffn_size, experts.etp.size, experts.ep.size)
         self.config, self.tp, self.sequence_parallel = config, tp, sequence_parallel
         self.context = context if context is not None and context.size > 1 else None
         self.pre_process, self.post_process = pre_process, post_process
@@ -124,7 +138,10 @@ class GPTModel(nn.Module):
         self.frequencies = RotaryFrequencies(config)
         self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
-        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng)
+        # the MoE layers' balancing losses: their gradient scale, and what they were (None without experts)
+        self.balancing = BalancingLosses() if config.num_experts else None
+        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng,
+                                                     experts, self.balancing)
                                     for i in self.layer_indices)
         if post_process:
             self.final_norm = build_norm(config, h, sequence_parallel)

@@ -20,20 +20,23 @@ class MLP(nn.Module):
     split by width), so a rank computes act(gate) * up on its own slice of both, whatever tp is.
     """
 
-    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool):
+    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
+                 width: int | None = None, name: str = "mlp"):
         super().__init__()
-        h, f, std = config.hidden_size, config.ffn_size, config.init_method_std
+        h, f, std = config.hidden_size, width or config.ffn_size, config.init_method_std
         self.activation = config.activation
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         bias = not config.disable_bias_linear
         self.fc1 = ColumnParallelLinear(h, f, tp,
-                                        WeightInit(seed, f"layers.{layer}.mlp.fc1.weight", std), bias=bias,
+                                        WeightInit(seed, f"layers.{layer}.{name}.fc1.weight", std), bias=bias,
                                         sequence_parallel=sequence_parallel,
                                         stacked=2 if config.gated else 1)
-        self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.mlp.fc2.weight", std)
+        self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.{name}.fc2.weight", std)
                                      .scaled_for_residual(config.num_layers), bias=bias,
                                      sequence_parallel=sequence_parallel)
         self.runner = None  # how the MLP runs when it is recomputed (``recompute_with``)
+
+    RECOMPUTE_MODULE = "mlp"  # --recompute-modules mlp recomputes it
 
     def recompute_with(self, runner) -> None:
         """Run the MLP through ``runner(compute, x)`` (--recompute-modules mlp)."""
@@ -44,15 +47,17 @@ class MLP(nn.Module):
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """fc2(act(fc1(x))): what --recompute-modules mlp redoes in backward."""
-        y = self.fc1(x)
-        if self.activation == "swiglu":
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        elif self.activation == "geglu":
-            gate, up = y.chunk(2, dim=-1)
-            y = F.gelu(gate, approximate=self.gelu_approximation) * up
-        elif self.activation == "squared_relu":
-            y = F.relu(y).square()
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximation)
-        return self.fc2(y)
+        return self.fc2(activate(self.fc1(x), self.activation, self.gelu_approximation))
+
+
+def activate(y: torch.Tensor, activation: str, gelu_approximation: str = "none") -> torch.Tensor:
+    """The MLP's activation of fc1's output ``y`` (gated: its last dim holds the gate, then the up part)."""
+    if activation == "swiglu":
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "geglu":
+        gate, up = y.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=gelu_approximation) * up
+    if activation == "squared_relu":
+        return F.relu(y).square()
+    return F.gelu(y, approximate=gelu_approximation)

@@ -4,7 +4,7 @@ Every call adds the bytes this rank sends to a ``CommStats`` object shared by al
 keyed by operation and by axis (n = group size, S = tensor bytes):
 
     all_reduce      2 (n-1)/n S        reduce_scatter  (n-1)/n S_in
-    all_gather      (n-1)/n S_out      all_to_all      (n-1)/n S_in
+    all_gather      (n-1)/n S_out      all_to_all      (n-1)/n S_in (uneven: the rows sent to others)
     p2p             S per send         broadcast       S per rank it passes S on to (gloo: a
                                                        binomial tree from the source; NCCL: a chain)
 
@@ -26,6 +26,7 @@ handles may be waited in any order.
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass, field
 
@@ -303,6 +304,27 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: AxisGrou
         return Completed() if async_op else None
     group.count("all_to_all", group.directly(_ring_fraction(group) * _nbytes(input)))
     return dist.all_to_all_single(_flat(output), _flat(input), group=group.group, async_op=async_op)
+
+
+def all_to_all_uneven(input: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                      group: AxisGroup) -> torch.Tensor:
+    """Rows ``input_splits[j]`` of ``input`` (consecutive along dim 0) go to the group's rank j; returns the
+    rows received, ``output_splits[i]`` from rank i, in group order. Counted exactly: the bytes of the rows
+    sent to each other rank (a rank's rows to itself stay in memory)."""
+    if len(input_splits) != group.size or len(output_splits) != group.size \
+            or sum(input_splits) != input.shape[0]:
+        raise ValueError(f"all_to_all over {group.axis} (size {group.size}): splits {input_splits} / "
+                         f"{output_splits} do not match {input.shape[0]} rows and the group")
+    output = input.new_empty((sum(output_splits), *input.shape[1:]))
+    if group.size == 1:
+        return output.copy_(input)
+    per_row = math.prod(input.shape[1:])
+    group.count("all_to_all", [(peer, rows * per_row * input.element_size())
+                               for index, (peer, rows) in enumerate(zip(group.ranks, input_splits))
+                               if index != group.rank])
+    dist.all_to_all_single(_flat(output), _flat(input.contiguous()), [n * per_row for n in output_splits],
+                           [n * per_row for n in input_splits], group=group.group)
+    return output
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False):

@@ -26,8 +26,10 @@ class ParamMeta:
     summed over tp; ``tied_embedding``: the word embedding shared by the first and last pipeline stage,
     its gradient summed over the embedding group; ``tied_copy``: the last stage's copy of it (counted
     once, on the first stage); ``unpadded_rows``: rows beyond are vocabulary padding (dropped by
-    checkpoints and exports); ``init_fn``: rebuilds the initial value (a model made on the meta device
-    is materialised from it). Never holds tensors or groups.
+    checkpoints and exports); ``expert``: a weight of one expert of a mixture of experts, held by the ranks of
+    its expert-parallel place and replicated over the expert data-parallel group (ZeRO reduces and shards it
+    there; its tp split and sequence-parallel sum are over the expert tp group); ``init_fn``: rebuilds the
+    initial value (a model made on the meta device is materialised from it). Never holds tensors or groups.
     """
 
     tensor_parallel: bool = False
@@ -36,6 +38,7 @@ class ParamMeta:
     tied_embedding: bool = False
     tied_copy: bool = False
     unpadded_rows: int | None = None
+    expert: bool = False
     init_fn: Callable[[], torch.Tensor] | None = None
 
 

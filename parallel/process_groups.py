@@ -106,6 +106,7 @@ class ParallelGroups:
     mp: AxisGroup
     embedding: AxisGroup
     world: AxisGroup
+    tp_cp: AxisGroup | None = None  # the ranks sharing one sequence (MoE balancing counts its tokens)
     # the expert grid (``Topology``'s expert axes; without experts the dense groups of the same ranks)
     etp: AxisGroup | None = None
     ep: AxisGroup | None = None
@@ -184,7 +185,7 @@ def create_process_groups(topology: Topology, timeout_s: float | None = None,
             mine[axis] = mine["dp"]
             continue
         for ranks in map(tuple, topology.groups(axis)):
-            if axis in EXPERT_AXES and ranks in handles:
+            if (axis in EXPERT_AXES or axis == "tp-cp") and ranks in handles:
                 handle = handles[ranks]
             else:
                 handle = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None

@@ -19,6 +19,7 @@ Axes (named as megatron-core's RankGenerator names them):
     pp         the pipeline stages of one model replica (same dp, cp, tp)
     mp         model parallel: all tp x pp ranks of one replica (same dp, cp)
     embedding  the first and last pipeline stage of each (dp, cp, tp) position (tied embedding)
+    tp-cp      tensor x context: the ranks that hold parts of the same sequences
 
 The expert layers of a mixture of experts lay the same world out again, as megatron-core's expert
 rank generator does ("tp-ep-dp-pp" without cp, pipeline stages shared with the dense grid):
@@ -43,10 +44,11 @@ import itertools
 import warnings
 from dataclasses import dataclass
 
-AXES = ("tp", "cp", "dp", "dp-cp", "pp", "mp", "embedding")
+AXES = ("tp", "cp", "dp", "dp-cp", "pp", "mp", "embedding", "tp-cp")
 EXPERT_AXES = ("etp", "ep", "etp-ep", "etp-ep-pp", "edp")
 # the dimensions of its grid along which each axis's groups run (the embedding's: see ``_enumerate``)
-VARYING = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp-cp": ("cp", "dp"), "pp": ("pp",),
+VARYING = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "dp-cp": ("cp", "dp"), "tp-cp": ("tp", "cp"),
+           "pp": ("pp",),
            "mp": ("tp", "pp"), "etp": ("etp",), "ep": ("ep",), "etp-ep": ("etp", "ep"),
            "etp-ep-pp": ("etp", "ep", "pp"), "edp": ("edp",)}
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -138,13 +139,19 @@ def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, total
 
 
 def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor, sequence_length: int, topk: int,
-                      coefficient: float) -> torch.Tensor:
+                      coefficient: float, local_length: int | None = None,
+                      sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The balancing loss of each sequence on its own, averaged over the sequences: ``scores`` and
-    ``chosen`` [s * b, E] in Megatron's token order (position-major: token t of sequence j at t * b + j)."""
-    experts = scores.shape[-1]
-    batch = scores.shape[0] // sequence_length
-    per_sequence = scores.float().view(sequence_length, batch, experts).sum(dim=0)  # [b, E]
-    counts = chosen.view(sequence_length, batch, experts).sum(dim=0).to(per_sequence.dtype)
+    ``chosen`` [l * b, E] in Megatron's token order (position-major: token t of sequence j at t * b + j),
+    ``l`` = ``local_length`` tokens of each sequence of ``sequence_length``. Where the other tokens of the
+    sequences are on other ranks, ``sum_counts`` sums the per-sequence counts [b, E] over them: this rank's
+    share of the loss is returned (the shares sum to the loss)."""
+    experts, local = scores.shape[-1], local_length or sequence_length
+    batch = scores.shape[0] // local
+    per_sequence = scores.float().view(local, batch, experts).sum(dim=0)  # [b, E]
+    counts = chosen.view(local, batch, experts).sum(dim=0).to(per_sequence.dtype)
+    if sum_counts is not None:
+        counts = sum_counts(counts)
     return (per_sequence * counts).sum() * (experts * coefficient
                                             / (topk * sequence_length * sequence_length)) / batch
 

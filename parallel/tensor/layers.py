@@ -29,7 +29,7 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _shard_parameter(make_full, dim: int, group: AxisGroup) -> nn.Parameter:
+def shard_parameter(make_full, dim: int, group: AxisGroup) -> nn.Parameter:
     """This rank's slice of the weight ``make_full()`` builds; ``init_fn`` rebuilds it on demand (a
     model constructed on the meta device is materialised from it, one ZeRO-3 unit at a time)."""
     def slice_of_full() -> torch.Tensor:
@@ -97,8 +97,8 @@ class ColumnParallelLinear(nn.Module):
         _divide(out_features, group.size, f"{init.name}: output features")
         shape, dim = (((out_features, in_features), 0) if stacked == 1
                       else ((stacked, out_features, in_features), 1))
-        self.weight = _shard_parameter(lambda: init.full(shape, dtype), dim, group)
-        self.bias = (_shard_parameter(lambda: torch.zeros(shape[:-1], dtype=dtype), dim, group) if bias
+        self.weight = shard_parameter(lambda: init.full(shape, dtype), dim, group)
+        self.bias = (shard_parameter(lambda: torch.zeros(shape[:-1], dtype=dtype), dim, group) if bias
                      else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         _divide(in_features, group.size, f"{init.name}: input features")
-        self.weight = _shard_parameter(lambda: init.full((out_features, in_features), dtype), 1, group)
+        self.weight = shard_parameter(lambda: init.full((out_features, in_features), dtype), 1, group)
         self.bias = (mark_sequence_parallel(with_init(nn.Parameter(torch.zeros(out_features, dtype=dtype)),
                                                       lambda: torch.zeros(out_features, dtype=dtype)),
                                             sequence_parallel) if bias else None)
@@ -156,7 +156,7 @@ def vocab_parallel_table(vocab_size: int, padded_vocab_size: int, hidden_size: i
         full[:vocab_size] = init.full((vocab_size, hidden_size), dtype)
         return full
     # rows beyond are padding, sized by tp (checkpoints drop them)
-    return declare(_shard_parameter(table, 0, group), unpadded_rows=vocab_size)
+    return declare(shard_parameter(table, 0, group), unpadded_rows=vocab_size)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -12,6 +12,7 @@ from torch import nn
 
 from parallel.buffer_pool import BufferPool
 from parallel.zero.auto_wrap import unit_modules as unit_modules_of
+from parallel.zero.chained import ChainedZeroOptimizer
 from parallel.zero.grad_sync import ModelParallelGroups
 from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from parallel.zero.memory import (expected_model_state_bytes, expected_parameter_state_bytes, gradient_bytes,
@@ -20,7 +21,8 @@ from parallel.zero.groups import ZeroGroups, dp_partitions
 from parallel.zero.optimizer import OptimizerFactory, StepResult, ZeroOptimizer
 from parallel.zero.options import ZeroOptions
 
-__all__ = ["initialize", "ZeroOptions", "ZeroGroups", "dp_partitions", "ZeroOptimizer", "ModelParallelGroups",
+__all__ = ["initialize", "ZeroOptions", "ZeroGroups", "dp_partitions", "ZeroOptimizer",
+           "ChainedZeroOptimizer", "ModelParallelGroups",
            "StepResult", "DynamicLossScaler",
            "ConstantLossScaler", "expected_model_state_bytes", "expected_parameter_state_bytes",
            "gradient_bytes", "optimizer_state_bytes"]

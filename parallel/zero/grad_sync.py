@@ -16,7 +16,8 @@ stage:
 Stages 0 and 1 reduce only on the last micro-batch (backwards before it run inside ``no_sync``).
 Deferred buckets (sequence-parallel and tied-embedding weights) wait for ``finish``: their
 gradients are first summed over the tensor-parallel or embedding group, then reduced like the rest.
-Gradients are pre-divided by the data-parallel size (gloo has no average).
+Gradients are pre-divided by the data-parallel size (gloo has no average), or by ``divisor``: an expert's
+gradient, summed over the expert data-parallel group, averages the losses of the whole data x context group.
 
 Gradients are accumulated and reduced in the buffers' gradient dtype: fp32 for bf16 or fp16
 parameters by default (each micro-batch's gradient is added into the fp32 buffer or, at stage 2,
@@ -90,8 +91,9 @@ class GradientSync:
 
     def __init__(self, buffers: list[FlatParameterBuffer], dp: AxisGroup, stage: int,
                  model_parallel: ModelParallelGroups, pool: BufferPool,
-                 quantized_gradients: list[AxisGroup] | None = None):
+                 quantized_gradients: list[AxisGroup] | None = None, divisor: int | None = None):
         self.buffers, self.dp, self.stage, self.model_parallel = buffers, dp, stage, model_parallel
+        self.divisor = dp.size if divisor is None else divisor  # the sums are averages over this many
         self.enabled = True
         self.grad_shards = ([torch.zeros(b.numel // dp.size, dtype=b.grad_dtype, device=b.device)
                              for b in buffers] if stage == 2 else None)
@@ -108,7 +110,7 @@ class GradientSync:
             for dtype in {b.grad_dtype for b in buffers}:
                 largest = max(k.numel for b in buffers if b.grad_dtype == dtype for k in b.buckets)
                 self._staging[dtype] = ShardReduceScatter(pool, f"grad-staging-{dtype}", largest, dtype, dp,
-                                                           quantized_gradients)
+                                                           quantized_gradients, self.divisor)
         self._launched: set[tuple[int, int]] = set()
         # parameters whose gradient-buffer view holds last step's values: the first gradient is copied in
         self._unwritten: set[nn.Parameter] = set()
@@ -116,7 +118,8 @@ class GradientSync:
         # stage 2: deferred gradients in the gradient dtype
         self._deferred: dict[nn.Parameter, torch.Tensor] = {}
         # one rank whose gradients autograd accumulates in place in the buffer: nothing to reduce, no hook
-        self._alone = dp.size == 1 and stage < 2 and all(b.grads_are_views for b in buffers)
+        self._alone = dp.size == 1 and self.divisor == 1 and stage < 2 and all(b.grads_are_views
+                                                                              for b in buffers)
         self._hooks = [] if self._alone else \
             [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
@@ -217,8 +220,8 @@ class GradientSync:
             staged.start(key)
             return
         grads = buffer.grad[bucket.start:bucket.end]
-        if self.dp.size > 1:
-            grads.div_(self.dp.size)
+        if self.divisor > 1:
+            grads.div_(self.divisor)
         if self.stage == 0:
             handle = comm.all_reduce(grads, self.dp, async_op=True)
         else:

@@ -18,7 +18,10 @@ class ZeroGroups:
     """The groups of one ZeRO optimizer: ``shard`` (the ranks that split its states: the data-parallel
     group, or one MiCS / HSDP shard group), ``replicas`` (the ranks holding this rank's shard in the
     other shard groups), ``secondary_partition`` (hpZ's K ranks within a node), ``gradient_levels``
-    (qgZ's all-to-all levels: [node, across nodes], or [shard]) and ``model_parallel``.
+    (qgZ's all-to-all levels: [node, across nodes], or [shard]), ``model_parallel`` and ``average_over``:
+    how many replicas of the loss a summed gradient is the sum of (default: the data-parallel size; the
+    expert optimizer's gradients, summed over the expert dp group, average the whole data x context
+    group's losses, as Megatron scales them).
 
     It never creates a group: ``create_process_groups`` does, for the sizes ``dp_partitions`` names.
     """
@@ -28,6 +31,7 @@ class ZeroGroups:
     secondary_partition: AxisGroup | None = None
     gradient_levels: tuple[AxisGroup, ...] | None = None
     model_parallel: ModelParallelGroups = field(default_factory=ModelParallelGroups)
+    average_over: int | None = None
 
     @classmethod
     def of(cls, group, options: ZeroOptions) -> ZeroGroups:
@@ -50,6 +54,13 @@ class ZeroGroups:
         return cls(shard, replicas if replicas.size > 1 else None,
                    groups.dp_partition(hpz)[0] if hpz > 1 else None, tuple(levels) if levels else None,
                    ModelParallelGroups(tp=groups.tp, model_parallel=groups.mp, embedding=groups.embedding))
+
+    @classmethod
+    def for_experts(cls, groups: ParallelGroups) -> ZeroGroups:
+        """The expert parameters' groups: sharded over the expert data-parallel group, their norm summed
+        over etp x ep x pp (replicas over etp counted once), averaged over data x context."""
+        return cls(groups.edp, average_over=groups.dp_cp.size,
+                   model_parallel=ModelParallelGroups(tp=groups.etp, model_parallel=groups.etp_ep_pp))
 
     @property
     def dp_size(self) -> int:

@@ -11,10 +11,8 @@ parameter counted once), clip, step the masters, write them back into the comput
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -25,27 +23,18 @@ from parallel.buffer_pool import BufferPool
 from parallel.process_groups import module_device
 from parallel.zero.auto_wrap import group_units
 from parallel.zero.replicated_parameters import ReplicatedParameters
-from parallel.zero.grad_norm import global_norm
-from parallel.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from parallel.zero.grad_norm import global_norm_squared
+from parallel.zero.loss_scaler import ConstantLossScaler
 from parallel.zero.masters import MasterPiece, MasterShards, ShardSlot
 from parallel.zero.memory import sharded_at_stage_3, storage_bytes
 from parallel.zero.offload import SwappedOptimizerStates, default_sub_group_size, is_per_element
 from parallel.zero.sharded_parameters import ShardedParameters
+from parallel.zero.step import StepResult, step_together
 from parallel.zero.groups import ZeroGroups
 from parallel.zero.options import ZeroOptions
 from parallel.zero.swap import SwapSpace
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step did: the gradient norm before clipping, whether it was skipped (an
-    overflow or a non-finite norm), and the loss scale in force during the step."""
-
-    grad_norm: float
-    skipped: bool = False
-    loss_scale: float = 1.0
 
 
 class ZeroOptimizer:
@@ -83,13 +72,14 @@ class ZeroOptimizer:
         self.flat = ReplicatedParameters([[p for p in group["params"] if not sharded(p)]
                                           for group in param_groups], stage, dp,
                                          options.bucket_size, device, self.grad_dtype, self.model_parallel,
-                                         self.buffer_pool, options.quantized_weights, groups.gradient_levels)
+                                         self.buffer_pool, options.quantized_weights, groups.gradient_levels,
+                                         groups.average_over)
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,
                                            self.buffer_pool, device, options.prefetch_budget, self.grad_dtype,
                                            options.quantized_weights, groups.secondary_partition,
-                                           groups.gradient_levels)
+                                           groups.gradient_levels, groups.average_over)
         shard_numel = self.flat.shard_numel() + (self.units.shard_numel() if self.units is not None else 0)
         self.sub_group_size = options.sub_group_size or default_sub_group_size(shard_numel)
         # offloaded masters, their states and the step live on the CPU (swapped to files with nvme, where
@@ -167,43 +157,52 @@ class ZeroOptimizer:
         if self.model_parallel.model_parallel is not None:
             comm.all_reduce(value, self.model_parallel.model_parallel, op=op)
 
-    def _global_norm(self, tensors: list[torch.Tensor], scale: float, device: torch.device) -> float:
+    def norm_squared(self, tensors: list[torch.Tensor], scale: float, device: torch.device) -> torch.Tensor:
+        """The squared norm of ``tensors`` (one per master slot) / ``scale`` over every rank holding a part
+        of this optimizer's parameters (a collective over its groups), each parameter counted once."""
         tp_rank = self.model_parallel.tp.rank if self.model_parallel.tp is not None else 0
         # stage 0: every dp rank holds the same sum
-        return global_norm(self.slots, tensors, scale, device, tp_rank,
-                           lambda total: self._global_sum(total, over_dp=self.stage > 0))
+        return global_norm_squared(self.slots, tensors, scale, device, tp_rank,
+                                   lambda total: self._global_sum(total, over_dp=self.stage > 0))
+
+    def master_norm_squared(self) -> torch.Tensor:
+        """The squared norm of the fp32 master weights (a collective, as ``norm_squared``)."""
+        with self.states_in_memory():
+            return self.norm_squared([master.data for master in self.masters], 1.0,
+                                     module_device(self.module))
 
     def parameter_norm(self) -> float:
         """L2 norm of the fp32 master weights over the whole model (Megatron's --log-params-norm); a
         collective over data and model parallelism."""
-        with self.states_in_memory():
-            return self._global_norm([master.data for master in self.masters], 1.0,
-                                     module_device(self.module))
+        return self.master_norm_squared().sqrt().item()
 
-    def step(self) -> StepResult:
-        scale = self.loss_scale
+    def reduced_gradients(self) -> list[torch.Tensor]:
+        """Finish the gradient reductions: this rank's reduced gradient per master slot, in the gradient
+        dtype, still scaled by the loss scale."""
         self.flat.wait()  # the gathers of modules that did not run since the last step
         self.flat.finish()
         if self.units is not None:
             self.units.finish()
-        grads = [slot.grad() for slot in self.slots]  # reduced, in the gradient dtype, still scaled
+        grads = [slot.grad() for slot in self.slots]
         if self.replicas is not None:  # the shard group's sums, summed over its replicas (pre-divided by dp)
             for handle in [comm.all_reduce(grad, self.replicas, async_op=True) for grad in grads]:
                 handle.wait()
             for grad in grads:
                 grad.div_(self.replicas.size)
-        device = grads[0].device if grads else module_device(self.module)
+        return grads
+
+    def overflowed(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """1 where any rank of this optimizer's groups holds a non-finite gradient, else 0 (decided on the
+        device: no host read per shard)."""
         overflow = torch.zeros(1, dtype=torch.float32, device=device)
-        if isinstance(self.loss_scaler, DynamicLossScaler):  # decided on the device: no host read per shard
-            for grad in grads:
-                overflow = torch.maximum(overflow, torch.isfinite(grad).all().logical_not().float())
-            self._global_sum(overflow, op=torch.distributed.ReduceOp.MAX)
-        norm = self._global_norm(grads, scale, device)  # of the unscaled gradients
-        skipped = bool(overflow.item()) or not math.isfinite(norm)
-        self.loss_scaler.update(skipped)
-        if skipped:
-            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
-        coefficient = self.clip_grad / (norm + 1e-6) if 0 < self.clip_grad < norm else 1.0
+        for grad in grads:
+            overflow = torch.maximum(overflow, torch.isfinite(grad).all().logical_not().float())
+        self._global_sum(overflow, op=torch.distributed.ReduceOp.MAX)
+        return overflow
+
+    def apply(self, grads: list[torch.Tensor], scale: float, coefficient: float) -> None:
+        """Step the masters with ``grads`` / ``scale`` x ``coefficient`` (the clipping factor) and publish
+        the new values."""
         if self.swapped is not None:  # a swapped master's buffer is reused right after: copies land at once
             self.swapped.step(lambda index: self.master.gradient(index, scale, coefficient),
                               lambda index: self.master.write_back(index, blocking=True))
@@ -216,7 +215,9 @@ class ZeroOptimizer:
                 master.grad = None
             self.master.write_back_all()  # up to the accelerator behind the step's remaining work
         self._publish(overlap=self.options.overlap_param_gather and self.stage < 3)
-        return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def step(self) -> StepResult:
+        return step_together([self], self.loss_scaler, self.clip_grad)
 
     def _publish(self, overlap: bool = False) -> None:
         """The stepped values reach every rank: stage-3 shards into their files (NVMe), whole-kept buckets
@@ -373,3 +374,4 @@ class ZeroOptimizer:
                                                            for s in self.optimizer.state.values()
                                                            for t in s.values()
                                                            if torch.is_tensor(t) and not is_per_element(t))
+

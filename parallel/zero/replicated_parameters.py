@@ -30,7 +30,8 @@ class ReplicatedParameters:
 
     def __init__(self, groups: list[list[nn.Parameter]], stage: int, dp: AxisGroup, bucket_size: int,
                  device: torch.device, grad_dtype, model_parallel: ModelParallelGroups, pool: BufferPool,
-                 quantized_weights: bool = False, quantized_gradients: list[AxisGroup] | None = None):
+                 quantized_weights: bool = False, quantized_gradients: list[AxisGroup] | None = None,
+                 divisor: int | None = None):
         self.stage, self.dp, self.quantized_weights = stage, dp, quantized_weights
         self._all_gather = weight_all_gather(quantized_weights)
         self.shard = dp.rank if stage > 0 else 0
@@ -49,7 +50,7 @@ class ReplicatedParameters:
         for buffer in self.buffers:  # every replica starts from data-parallel rank 0's weights
             comm.broadcast(buffer.data, src=dp.ranks[0], group=dp)
         self.grad_sync = GradientSync(self.buffers, dp, min(stage, 2), model_parallel, pool,
-                                      quantized_gradients)
+                                      quantized_gradients, divisor)
         self._gathers: dict[tuple[int, int], object] = {}  # (buffer, bucket) -> all-gather in flight
         self._hooks: list = []
 

@@ -33,14 +33,16 @@ class ShardReduceScatter:
     keeps a gradient beyond its reduction and never writes a shard before its reduction completed."""
 
     def __init__(self, pool: BufferPool, name: str, largest: int, dtype: torch.dtype, dp: AxisGroup,
-                 quantized_levels: list[AxisGroup] | None = None):
+                 quantized_levels: list[AxisGroup] | None = None, divisor: int | None = None):
         self.dp, self.levels = dp, quantized_levels
+        self.divisor = dp.size if divisor is None else divisor
         if quantized_levels is not None and (math.prod(level.size for level in quantized_levels) != dp.size
                                              or hierarchy_rank(quantized_levels) != dp.rank):
             raise ValueError("the quantized gradient levels "
                              f"({' x '.join(level.axis for level in quantized_levels)}) "
                              f"do not make up the {dp.axis} group of {dp.size} in its order")
-        self._ring = StagingRing(pool, name, largest, dtype)
+        # an arena per group: the dense and the expert optimizers reduce at once
+        self._ring = StagingRing(pool, f"{name}-{dp.axis}", largest, dtype)
         self._in_flight: dict[Hashable, object] = {}
         self._open: dict[Hashable, tuple] = {}  # key -> (staging, slot or None, shard)
 
@@ -58,8 +60,8 @@ class ShardReduceScatter:
     def start(self, key: Hashable) -> None:
         """Reduce-scatter the filled staging of ``key`` asynchronously."""
         staging, _, shard = self._open.pop(key)
-        if self.dp.size > 1:
-            staging.div_(self.dp.size)
+        if self.divisor > 1:
+            staging.div_(self.divisor)
         into = shard()
         if self.levels is not None:
             # the earlier ones' next levels run behind what follows

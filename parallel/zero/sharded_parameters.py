@@ -61,7 +61,7 @@ class ShardedParameters:
                  pool: BufferPool, device: torch.device, prefetch_budget: int | None = 0,
                  grad_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
                  quantized_weights: bool = False, secondary: AxisGroup | None = None,
-                 quantized_gradients: list[AxisGroup] | None = None):
+                 quantized_gradients: list[AxisGroup] | None = None, divisor: int | None = None):
         self.dp, self.pool = dp, pool
         # hpZ: the group of the secondary partition (None: every gather is over dp)
         self.secondary = secondary if secondary is not None and 1 < secondary.size < dp.size else None
@@ -110,7 +110,7 @@ class ShardedParameters:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._staging = {dtype: ShardReduceScatter(pool, f"zero3-staging-{dtype}",  # in the gradient dtype
                                                     max(u.numel for u in self.units if u.dtype == dtype),
-                                                    grad_dtype(dtype), dp, quantized_gradients)
+                                                    grad_dtype(dtype), dp, quantized_gradients, divisor)
                          for dtype in {u.dtype for u in self.units}}
 
     def shard_numel(self) -> int:

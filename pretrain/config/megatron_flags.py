@@ -81,23 +81,25 @@ IGNORED = [
             "--check-weight-hash-across-dp-replicas-interval",
             "--test-mode:0"),
     *_flags("the backend follows the device here (gloo on CPUs, NCCL on GPUs)", "--distributed-backend"),
+    *_flags("fusions of the MoE permutation and router kernels; the unfused code runs here",
+            "--moe-permute-fusion:0", "--moe-router-fusion:0", "--moe-shared-expert-overlap:0",
+            "--moe-use-legacy-grouped-gemm:0"),
+    *_flags("meaningful only with --moe-router-enable-expert-bias, which is refused",
+            "--moe-router-bias-update-rate"),
     *_flags("the amax history of delayed fp8 scaling; the scales here are computed from each tensor as it "
             "is cast (--fp8-recipe tensorwise or rowwise)", "--fp8-amax-compute-algo",
             "--fp8-amax-history-len", "--fp8-margin", "--fp8-interval"),
     *_flags("parameters are gathered in the compute dtype here and cast to fp8 at each product (the "
             "fp8 values are the same; the gather moves twice the bytes)", "--fp8-param-gather:0"),
-    *_flags("meaningful only with mixture-of-experts layers, which are refused",
-            "--expert-tensor-parallel-size"),
 ]
 
 IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero_stage", 3)}
 
 REFUSED = [
-    *_flags("mixture-of-experts layers are not supported", "--num-experts", "--expert-model-parallel-size",
-            "--moe-ffn-hidden-size", "--moe-grouped-gemm:0", "--moe-router-dtype", "--moe-router-topk",
-            "--moe-router-score-function", "--moe-router-load-balancing-type:+", "--moe-aux-loss-coeff:+",
-            "--moe-z-loss-coeff", "--moe-shared-expert-gate:0", "--moe-shared-expert-intermediate-size",
-            "--moe-token-dispatcher-type", off=(None, "1")),
+    *_flags("the auxiliary-loss-free expert bias is not built yet (balance with --moe-aux-loss-coeff)",
+            "--moe-router-enable-expert-bias:0", off=(None,)),
+    *_flags("the flex dispatcher (DeepEP, HybridEP) is not built: use --moe-token-dispatcher-type alltoall",
+            "--moe-enable-deepep:0", "--moe-flex-dispatcher-backend", off=(None,)),
     *_flags("this attention variant (multi-latent, gated delta net, linear, sparse indexer, output "
             "gate) is not "
             "supported", "--multi-latent-attention:0", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",

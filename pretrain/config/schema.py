@@ -37,6 +37,11 @@ class ParallelConfig:
         "layers per model chunk (Megatron's way to ask for virtual stages: layers / pp / this)"))
     sequence_parallel: bool = field(
         default=False, metadata=flag("split norms and dropout along the sequence across tp ranks"))
+    expert_model_parallel_size: int = field(default=1, metadata=flag(
+        "ranks holding different experts of each MoE layer (ep): tokens reach their experts over them"))
+    expert_tensor_parallel_size: int | None = field(default=None, metadata=flag(
+        "ranks splitting each expert by width (etp; default: tp); the expert grid is etp x ep x expert dp x "
+        "pp"))
     pipeline_schedule: str | None = field(default=None, metadata=flag(
         "gpipe (all forward, then all backward), 1f1b, or interleaved (default: interleaved with virtual "
         "stages, else 1f1b)", choices=["gpipe", "1f1b", "interleaved"]))

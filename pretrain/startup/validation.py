@@ -12,6 +12,7 @@ from models.counting import num_parameters
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import resume_point
 from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args
+from pretrain.startup.expert_validation import validate_experts
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.recompute import RECOMPUTE_MODULES
@@ -29,7 +30,8 @@ def validate(config: Config, world_size: int) -> Topology:
     par, train, model = config.parallel, config.training, config.model
     try:
         topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                            par.context_parallel_size, gpus_per_node=par.gpus_per_node)
+                            par.context_parallel_size, gpus_per_node=par.gpus_per_node,
+                            ep=par.expert_model_parallel_size, etp=par.expert_tensor_parallel_size)
         resolve_settings(config, topology.pp)
         apply_checkpoint_args(config)
         model.validate(topology.tp)
@@ -40,6 +42,7 @@ def validate(config: Config, world_size: int) -> Topology:
                           f"--tensor-model-parallel-size {topology.tp}")
     _validate_context(config, topology)
     _validate_pipeline(config, topology)
+    validate_experts(config, topology)
     recompute = config.recompute
     if ((recompute.partition_activations or recompute.activations_on_cpu)
             and recompute.recompute_granularity is None):
@@ -48,7 +51,7 @@ def validate(config: Config, world_size: int) -> Topology:
     unknown = [name for name in recompute.recompute_modules if name not in RECOMPUTE_MODULES]
     if unknown:
         raise ConfigError(f"--recompute-modules {' '.join(unknown)}: this model has no such module (no "
-                          "mixture-of-experts or latent attention); choose from "
+                          "latent attention; a MoE layer is recomputed whole, as moe); choose from "
                           f"{', '.join(RECOMPUTE_MODULES)}")
     if "recompute_modules" in config.given and recompute.recompute_granularity != "selective":
         raise ConfigError("--recompute-modules chooses what --recompute-granularity selective recomputes: "

@@ -13,15 +13,17 @@ import torch
 from torch import nn
 
 from models.compile import compile_layers
+from models.moe.experts import Experts
 from models.pipeline_stage import build_pipeline_stage
 from parallel import zero
 from parallel.buffer_pool import BufferPool
+from parallel.param_meta import meta
 from parallel.process_groups import ParallelGroups, create_process_groups
 from parallel.recompute import RecomputePolicy, apply_recompute
 from parallel.tensor.fp8 import Fp8Recipe
 from parallel.tensor.layers import use_fp8
 from parallel.topology import Topology
-from parallel.zero import DynamicLossScaler, ZeroGroups, ZeroOptions
+from parallel.zero import ConstantLossScaler, DynamicLossScaler, ZeroGroups, ZeroOptions
 from pretrain.config.schema import Config
 from pretrain.training.param_groups import adamw_factory, parameter_groups
 
@@ -92,16 +94,32 @@ def build_compile(model: nn.ModuleList, config: Config) -> None:
 
 
 def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups,
-                    buffer_pool: BufferPool) -> zero.ZeroOptimizer:
-    """AdamW under ZeRO over the data-parallel groups; each chunk and transformer block one stage-3 unit."""
+                    buffer_pool: BufferPool) -> zero.ZeroOptimizer | zero.ChainedZeroOptimizer:
+    """AdamW under ZeRO over the data x context groups; each chunk and transformer block one stage-3 unit.
+    With experts, a second one over the expert data-parallel groups holds the expert parameters (each MoE
+    layer's experts one stage-3 unit), chained to the first: one loss scale, one norm, one step."""
     train, options = config.training, zero_options(config)
     scaler = (DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
                                 hysteresis=train.hysteresis, min_scale=train.min_loss_scale)
-              if train.fp16 else None)
+              if train.fp16 else ConstantLossScaler())
+    param_groups = parameter_groups(model, config.optimizer)
+
+    def only(expert: bool) -> list[dict]:
+        return [{**group, "params": [p for p in group["params"] if meta(p).expert == expert]}
+                for group in param_groups]
+
     _, optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
                                    ZeroGroups.from_parallel_groups(groups, options),
-                                   param_groups=parameter_groups(model, config.optimizer), loss_scaler=scaler,
+                                   param_groups=only(False), loss_scaler=scaler,
                                    unit_modules=[*model,
                                                  *(block for chunk in model for block in chunk.layers)],
                                    buffer_pool=buffer_pool)
-    return optimizer
+    experts = only(True)
+    if not any(group["params"] for group in experts):
+        return optimizer
+    _, expert_optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
+                                          ZeroGroups.for_experts(groups), param_groups=experts,
+                                          loss_scaler=scaler,
+                                          unit_modules=[m for m in model.modules() if isinstance(m, Experts)],
+                                          buffer_pool=buffer_pool)
+    return zero.ChainedZeroOptimizer([optimizer, expert_optimizer])

@@ -134,8 +134,8 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--recompute-modules", "mlp"], 1, "--recompute-modules chooses what --recompute-granularity selective "
                                         "recomputes: add it"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe_act"], 1,
-     "--recompute-modules moe_act: this model has no such module (no mixture-of-experts or latent "
-     "attention); choose from core_attn, mlp, layernorm"),
+     "--recompute-modules moe_act: this model has no such module (no latent attention; a MoE layer is "
+     "recomputed whole, as moe); choose from core_attn, mlp, layernorm, moe"),
     (["--sft", "--data-path", "x.jsonl", "--reset-attention-mask"], 1,
      "--reset-attention-mask act on packed pretraining documents; --sft puts one"),
 ])
@@ -194,7 +194,8 @@ def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_
 
 @pytest.mark.parametrize("flags, message", [
     (["--multi-latent-attention"], "--multi-latent-attention: this attention variant"),
-    (["--num-experts", "8"], "--num-experts 8: mixture-of-experts layers are not supported"),
+    (["--num-experts", "8", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias: the auxiliary-loss-free expert bias is not built yet"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),
 ])
 def test_megatron_features_this_build_lacks_are_refused_at_parse(flags, message):
