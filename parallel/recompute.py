@@ -2,13 +2,13 @@
 
 ``RecomputePolicy`` decides per layer: keep everything, recompute the whole layer (``full``), or
 recompute the modules Megatron's ``--recompute-modules`` names (``selective``): ``core_attn`` the
-attention core, ``mlp`` the MLP (its input kept), ``moe`` a mixture-of-experts layer in its place (the same
-way: its routing is a function of its input, so the recompute routes every token as the forward did),
-``layernorm`` the norms before attention and the MLP
-(their output, which the next linear keeps, is dropped once that sublayer has run and rebuilt before its
-backward: Megatron's output-discarding checkpoint). ``apply_recompute`` installs it on a model's chunks
-through the model's runner hooks (``GPTModel.recompute_layers_with``, ``SelfAttention.recompute_core_with``,
-``MLP.recompute_with`` / ``MoELayer.recompute_with``, ``TransformerBlock.recompute_norms_with``), so model code stays a plain GPT.
+attention core, ``mlp`` the MLP (its input kept), ``moe`` a mixture-of-experts layer in its place (the
+same way: its routing is a function of its input, so the recompute routes every token as the forward
+did), ``layernorm`` the norms before attention and the MLP (their output, which the next linear keeps,
+is dropped once that sublayer has run and rebuilt before its backward: Megatron's output-discarding
+checkpoint). ``apply_recompute`` installs it on a model's chunks through the model's runner hooks
+(``GPTModel.recompute_layers_with``, ``SelfAttention.recompute_core_with``, ``MLP.recompute_with`` /
+``MoELayer.recompute_with``, ``TransformerBlock.recompute_norms_with``), so model code stays a plain GPT.
 
 The recomputation is exact: the random state of the CPU, the GPU and the tensor-parallel tracker is
 saved before the forward and restored for the recompute, so dropout draws the same masks. Modules run

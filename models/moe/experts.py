@@ -66,7 +66,8 @@ class Experts(nn.Module):
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.grouped = config.moe_grouped_gemm
         for e in range(first, first + local):
-            self.add_module(str(e), Expert(config, f"layers.{layer}.mlp.experts.{e}", groups.etp, width, seed))
+            name = f"layers.{layer}.mlp.experts.{e}"
+            self.add_module(str(e), Expert(config, name, groups.etp, width, seed))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         experts = list(self.children())

@@ -12,21 +12,21 @@ def validate_experts(config: Config, topology: Topology) -> None:
     model, par, zero = config.model, config.parallel, config.zero
     if not model.num_experts:
         if topology.ep > 1 or topology.expert_tp != topology.tp:
-            raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size lay out experts: add "
-                              "--num-experts (or drop them)")
+            raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size lay out experts: "
+                              "add --num-experts (or drop them)")
         return
     try:
         model.validate_moe(model.num_layers, model.ffn_size, topology.expert_tp, topology.ep)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if topology.tp > 1 and not par.sequence_parallel:
-        raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each tp "
-                          "rank routes its own share of the tokens; without it every token would reach its "
-                          "experts tp times), as Megatron requires")
+        raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each "
+                          "tp rank routes its own share of the tokens; without it every token would reach "
+                          "its experts tp times), as Megatron requires")
     if (model.moe_expert_capacity_factor is not None and model.moe_token_drop_policy == "position"
             and topology.cp > 1):
-        raise ConfigError("--moe-token-drop-policy position with --context-parallel-size > 1: the zig-zag cut "
-                          "of each sequence hides the tokens' order from the dropping; use probs, or cp 1")
+        raise ConfigError("--moe-token-drop-policy position with --context-parallel-size > 1: the zig-zag "
+                          "cut of each sequence hides the tokens' order from the dropping; use probs, or cp 1")
     partitions = {"--zero-hpz-partition-size": zero.zero_hpz_partition_size > 1,
                   "--zero-quantized-gradients": zero.zero_quantized_gradients,
                   "--zero-shard-size": zero.zero_shard_size is not None}
