@@ -26,7 +26,7 @@ def validate_experts(config: Config, topology: Topology) -> None:
     if (model.moe_expert_capacity_factor is not None and model.moe_token_drop_policy == "position"
             and topology.cp > 1):
         raise ConfigError("--moe-token-drop-policy position with --context-parallel-size > 1: the zig-zag "
-                          "cut of each sequence hides the tokens' order from the dropping; use probs, or cp 1")
+                          "cut of each sequence hides the tokens' order from the dropping; use probs or cp 1")
     partitions = {"--zero-hpz-partition-size": zero.zero_hpz_partition_size > 1,
                   "--zero-quantized-gradients": zero.zero_quantized_gradients,
                   "--zero-shard-size": zero.zero_shard_size is not None}
