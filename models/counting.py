@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from models.config import GPTConfig
+from models.moe.layer import MoELayer
 from models.pipeline_stage import stage_chunks
 from parallel.comm import DetachedGroup
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -86,7 +87,8 @@ def non_embedding_parameters(config: GPTConfig) -> int:
 
 def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token: 3 x the forward's (backward costs two forwards), the forward being
-    2 FLOPs per weight of every matmul (attention, MLP, output layer, as built) plus the attention
+    2 FLOPs per weight of every matmul a token passes through (attention, MLP, output layer, as built; in
+    a MoE layer the router, its k experts' and the shared expert's) plus the attention
     scores and their weighted sum, 2 x 2 x s x (heads x head_dim) per layer (the full s x s product,
     as Megatron counts it). Kept per model: the planner asks it of every layout."""
     return _flops_per_token(_frozen(config))
@@ -99,6 +101,12 @@ def _flops_per_token(frozen: tuple) -> float:
     chunk = model[0]
     matmul = sum(module.weight.numel() for module in model.modules()
                  if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+    for layer in model.modules():  # a token's active expert weights: the router, k experts, the gate
+        if isinstance(layer, MoELayer):
+            experts = list(layer.experts.children())
+            per_expert = sum(e.fc1.weight.numel() + e.fc2.weight.numel() for e in experts) / len(experts)
+            gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
+            matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
     output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
     attention = 2 * 2 * config.seq_length * config.num_attention_heads * config.head_dim * config.num_layers
     return 3 * (2 * (matmul + output.numel()) + attention)

@@ -179,3 +179,19 @@ class SentencePieceTokenizer(SpecialIds):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (plain ints, numpy or torch integers)."""
         return self._processor.decode([int(token_id) for token_id in ids])
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """``--tokenizer-type Llama2Tokenizer``: a sentencepiece model used as Megatron's Llama-2 tokenizer,
+    which starts every encoded text with the model's BOS piece (its end of document is the EOS piece)."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        if self._processor.bos_id() < 0:
+            raise ValueError(f"--tokenizer-model {model_path}: --tokenizer-type Llama2Tokenizer starts "
+                             "every text with the BOS piece, which this model has none of: use "
+                             "SentencePieceTokenizer")
+
+    def encode(self, text: str) -> List[int]:
+        """BOS, then the token ids of ``text``."""
+        return [self._processor.bos_id()] + self._processor.encode(text)

@@ -2,6 +2,7 @@
 
     SentencePieceTokenizer   --tokenizer-model X.model
                              (the default; ``data.tokenizers.sentencepiece_tokenizer``)
+    Llama2Tokenizer          --tokenizer-model X.model: the same, each text started with BOS
     GPT2BPETokenizer         --vocab-file vocab.json --merge-file merges.txt
                              (``data.tokenizers.byte_level_bpe``)
     HuggingFaceTokenizer     --tokenizer-model DIR or tokenizer.json
@@ -21,7 +22,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,9 @@ class TokenizerSpec:
         elif self.vocab_file is not None:
             raise ValueError(f"--vocab-file / --merge-file are GPT-2 BPE files: add --tokenizer-type "
                              f"GPT2BPETokenizer (not {kind})")
-        if kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and self.tokenizer_model is None:
-            what = ("a sentencepiece .model" if kind == "SentencePieceTokenizer"
+        if kind in ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer") \
+                and self.tokenizer_model is None:
+            what = ("a sentencepiece .model" if kind != "HuggingFaceTokenizer"
                     else "a tokenizer.json or its directory")
             raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model ({what})")
         if kind in ("GPT2BPETokenizer", "NullTokenizer") and self.tokenizer_model is not None:
@@ -66,10 +69,11 @@ class TokenizerSpec:
 def build_tokenizer(spec: TokenizerSpec):
     """The tokenizer ``spec`` names, loaded (ValueError naming the flag when it cannot be)."""
     spec.check()
-    if spec.tokenizer_type == "SentencePieceTokenizer":
-        from data.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+    if spec.tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
+        from data.tokenizers.sentencepiece_tokenizer import Llama2Tokenizer, SentencePieceTokenizer
 
-        return SentencePieceTokenizer(spec.tokenizer_model)
+        kind = Llama2Tokenizer if spec.tokenizer_type == "Llama2Tokenizer" else SentencePieceTokenizer
+        return kind(spec.tokenizer_model)
     if spec.tokenizer_type == "NullTokenizer":
         from data.tokenizers.null import NullTokenizer
 

@@ -35,9 +35,12 @@ class ReshardError(ValueError):
     """The checkpoint cannot fill this model (another model, or pieces missing); names the parameter."""
 
 
-def held_geometry(param: nn.Parameter, shape, tp_rank: int, tp_size: int) -> SliceGeometry:
-    """The geometry of this rank's tensor-parallel slice of ``param`` (of shape ``shape``)."""
-    return SliceGeometry.of(shape, meta(param).partition_dim, tp_rank, tp_size, meta(param).unpadded_rows)
+def held_geometry(param: nn.Parameter, shape, tp: tuple[int, int],
+                  expert_tp: tuple[int, int] | None = None) -> SliceGeometry:
+    """The geometry of this rank's tensor-parallel slice of ``param`` (of shape ``shape``): ``tp`` is this
+    rank's (rank, size) in the tp group, ``expert_tp`` in the expert tp group (an expert's slices)."""
+    rank, size = expert_tp if meta(param).expert and expert_tp is not None else tp
+    return SliceGeometry.of(shape, meta(param).partition_dim, rank, size, meta(param).unpadded_rows)
 
 
 @dataclass(frozen=True)
@@ -256,14 +259,16 @@ class WeightsFile(PieceSource):
         return self._last[1]
 
 
-def load(source: PieceSource, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp_rank: int,
-         tp_size: int, weights_only: bool = False, loss_scaler_state: dict | None = None) -> None:
+def load(source: PieceSource, optimizer: ZeroOptimizer, names: dict[nn.Parameter, str], tp: tuple[int, int],
+         expert_tp: tuple[int, int] | None = None, weights_only: bool = False,
+         loss_scaler_state: dict | None = None) -> None:
     """Fill ``optimizer``'s masters and, unless ``weights_only``, its per-element states from ``source``,
-    whatever layout wrote it. ``weights_only`` leaves the optimizer fresh (fine-tuning). The parameters
+    whatever layout wrote it (``tp``, ``expert_tp``: this rank's (rank, size) in its tp and expert tp
+    groups). ``weights_only`` leaves the optimizer fresh (fine-tuning). The parameters
     take the masters' values at ``optimizer.masters_to_parameters()``, the caller's to call."""
 
     def fill(piece: MasterPiece, kind: str, target: torch.Tensor) -> None:
-        source.fill(names[piece.param], held_geometry(piece.param, piece.shape, tp_rank, tp_size),
+        source.fill(names[piece.param], held_geometry(piece.param, piece.shape, tp, expert_tp),
                     piece.start, kind, target)
 
     optimizer.load_by_parameter(fill, [] if weights_only else list(source.kinds),

@@ -81,7 +81,12 @@ class ZeroModelState:
         return self.optimizer.states_in_memory()
 
     def _geometry(self, piece) -> SliceGeometry:
-        return reshard.held_geometry(piece.param, piece.shape, self.groups.tp_rank, self.groups.topology.tp)
+        return reshard.held_geometry(piece.param, piece.shape, *self._places())
+
+    def _places(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's (rank, size) in the tp and the expert tp group: where its slices sit."""
+        groups = self.groups
+        return (groups.tp_rank, groups.topology.tp), (groups.etp.rank, groups.etp.size)
 
     def held(self) -> list[str]:
         """The names of the parameters this rank holds."""
@@ -120,8 +125,7 @@ class ZeroModelState:
         """Fill this rank's masters (and, unless ``weights_only``, its optimizer states and the loss scale
         ``loss_scaler``) from ``source`` (a ``reshard.PieceSource``) by parameter name; the parameters
         take the values at ``masters_to_parameters``."""
-        reshard.load(source, self.optimizer, self.names, self.groups.tp_rank, self.groups.topology.tp,
-                     weights_only, loss_scaler)
+        reshard.load(source, self.optimizer, self.names, *self._places(), weights_only, loss_scaler)
 
     def masters_to_parameters(self) -> None:
         """Every parameter takes its master's value (a collective over data parallelism)."""

@@ -86,6 +86,8 @@ IGNORED = [
             "--moe-use-legacy-grouped-gemm:0"),
     *_flags("meaningful only with --moe-router-enable-expert-bias, which is refused",
             "--moe-router-bias-update-rate"),
+    *_flags("Megatron's older spelling: no learned positions (rope and none have none; learned_absolute "
+            "becomes none)", "--no-position-embedding:0"),
     *_flags("the amax history of delayed fp8 scaling; the scales here are computed from each tensor as it "
             "is cast (--fp8-recipe tensorwise or rowwise)", "--fp8-amax-compute-algo",
             "--fp8-amax-history-len", "--fp8-margin", "--fp8-interval"),
@@ -214,6 +216,9 @@ def resolve_settings(config, pipeline_stages: int) -> None:
     """Turn Megatron's spellings of our settings into ours, in place, before the checks that read them
     (ValueError naming the flags when two of them disagree)."""
     par, zero, data, train = config.parallel, config.zero, config.data, config.training
+    model = config.model
+    if "--no-position-embedding" in config.ignored_flags and model.position_embedding == "learned_absolute":
+        model.position_embedding_type = "none"
     if zero.zero_stage is None:
         zero.zero_stage = 1 if zero.use_distributed_optimizer else 0
     if par.num_layers_per_virtual_pipeline_stage is not None:

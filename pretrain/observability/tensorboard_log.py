@@ -12,7 +12,9 @@ class TensorboardLog:
                "tokens_per_s": "throughput/tokens-per-s",
                "tflops_per_rank": "throughput/tflops-per-rank", "mfu": "throughput/mfu",
                "step_time_s": "iteration-time",
-               "valid_loss": "validation/lm loss", "valid_ppl": "validation/lm loss ppl"}
+               "valid_loss": "validation/lm loss", "valid_ppl": "validation/lm loss ppl",
+               "moe_aux_loss": "load_balancing_loss", "moe_seq_aux_loss": "seq_load_balancing_loss",
+               "moe_z_loss": "z_loss", "moe_load_max_over_mean_worst": "moe/load-max-over-mean"}
 
     def __init__(self, directory: str):
         from torch.utils.tensorboard import SummaryWriter

@@ -115,7 +115,8 @@ class PipelineRunner:
         weight = self._per_token_weight(micro_batch, num_micro_batches) if self.per_token_loss else None
         shares = self._sequence_shares(micro_batch, num_micro_batches) if weight is None else None
         for chunk in self.chunks:  # MoE balancing losses: trained as one micro-batch's loss, averaged over cp
-            if chunk.balancing is not None:
+            if chunk.balancing is not None and train:
+                chunk.balancing.reset()  # what the step's layers record, for its metrics
                 chunk.balancing.gradient_scale = self.gradients.scale_loss(
                     torch.ones(())).item() * self.cp / num_micro_batches
 

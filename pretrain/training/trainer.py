@@ -14,6 +14,7 @@ from models.compile import CompileReport
 from models.counting import flops_per_token, num_parameters
 from parallel import comm, zero
 from parallel.buffer_pool import BufferPool
+from parallel.param_meta import meta
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
@@ -28,6 +29,7 @@ from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only
 from pretrain.config.schema import Config
 from pretrain.training.lr_schedule import build_lr_schedule
 from pretrain.config.megatron_flags import describe_ignored
+from pretrain.observability.moe_metrics import moe_metrics
 from pretrain.observability.profiling import StepProfiler
 from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank,
                                             model_state_table, peak_flops,
@@ -132,13 +134,15 @@ class Trainer:
         self.eval_batch_size = train.eval_global_batch_size or self.schedule.final_batch_size
 
     def _expected_state_bytes(self) -> int:
-        """What the optimizer will hold for this rank's parameters, by the rule it shards them with."""
+        """What the optimizer will hold for this rank's parameters, by the rule it shards them with (expert
+        parameters over the expert data-parallel group)."""
         options, compute_bytes = zero_options(self.config), torch.finfo(self.dtype).bits // 8
-        return expected_parameter_state_bytes(self.model.parameters(), options.stage,
-                                              options.shard_size or self.groups.dp_cp.size, compute_bytes,
-                                              options.persistence_threshold,
-                                              gradient_bytes(compute_bytes, options.main_grads_in_fp32),
-                                              options.hpz_partition_size)
+        shards = ((False, options.shard_size or self.groups.dp_cp.size), (True, self.groups.edp.size))
+        return sum(expected_parameter_state_bytes(
+            [p for p in self.model.parameters() if meta(p).expert == expert], options.stage, dp,
+            compute_bytes, options.persistence_threshold,
+            gradient_bytes(compute_bytes, options.main_grads_in_fp32), options.hpz_partition_size)
+            for expert, dp in shards)
 
     def _load_checkpoint(self) -> None:
         """Resume --load, or start from --pretrained-checkpoint's weights (Megatron's fine-tuning flags:
@@ -244,6 +248,10 @@ class Trainer:
                           save_stall_s=self.save_stall_s)
         if self.config.logging.log_params_norm:
             record["params_norm"] = self.optimizer.parameter_norm()
+        model = self.config.model
+        if model.num_experts:
+            record.update(moe_metrics(self.model, self.groups, model.moe_layers(model.num_layers),
+                                      model.num_experts, batch_size // self.schedule.per_step, self.device))
         return record
 
     def train(self) -> TrainResult:

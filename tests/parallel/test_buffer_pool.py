@@ -84,7 +84,7 @@ def test_staged_reduction_gives_a_key_its_own_area_when_every_slot_is_still_open
     staged = ShardReduceScatter(pool, "staging", 8, torch.float32, DetachedGroup("dp", 1))
     shards = {key: torch.full((4,), 10.0) for key in "abc"}  # earlier micro-batches, kept
     areas = {key: staged.open(key, 4, lambda key=key: shards[key]) for key in "abc"}  # a, b fill both slots
-    arena = pool.view("staging", 0, 16, torch.float32)
+    arena = pool.view("staging-dp", 0, 16, torch.float32)  # the arena of the dp group's reductions
     inside = [arena.data_ptr() <= areas[k].data_ptr() < arena.data_ptr() + arena.numel() * 4 for k in "abc"]
     assert inside == [True, True, False]
     for value, key in enumerate("cab", start=1):  # filled and started in any order

@@ -2,7 +2,9 @@
 arguments) scaled down: examples/gpt3/train_gpt3_175b_distributed.sh (GPT-2 BPE data made by
 data.preprocess, fp16, tp2 x pp2, its batch ramp-up, a TensorBoard event file) and
 examples/llama/train_llama3_8b_h100_fp8.sh (its bf16 branch on mock data; its fp8 branch, delayed scaling's
-flags ignored, is refused on a machine without fp8 products, naming --fp8-emulate).
+flags ignored, is refused on a machine without fp8 products, naming --fp8-emulate) and
+examples/mixtral/train_mixtral_8x7b_distributed.sh (top-2 of 8 experts, grouped product, the all-to-all
+dispatcher, pp x ep, Llama-2 sentencepiece data; its split scaled to the small corpus).
 The scripts are shell: their flag arrays are expanded unquoted, as the originals do."""
 
 import os
@@ -61,6 +63,28 @@ EVAL_AND_LOGGING_ARGS=(--log-interval 1 --eval-iters 2 --eval-interval 100 --sav
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH")
 ALL=(${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS_LIST[@]}
      ${EVAL_AND_LOGGING_ARGS[@]})
+"""
+
+
+MIXTRAL = """
+MODEL_ARGS=(--use-mcore-models --disable-bias-linear --seq-length 64 --max-position-embeddings 256
+    --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --init-method-std 0.01
+    --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope
+    --swiglu --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2
+    --no-masked-softmax-fusion --no-position-embedding --rotary-base 1000000)
+MOE_ARGS=(--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss
+    --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather
+    --overlap-grad-reduce)
+DATA_ARGS=(--tokenizer-type Llama2Tokenizer --tokenizer-model ${TOKENIZER_MODEL} --data-path $DATA_PATH
+    --split 90,8,2)
+TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 8 --lr 1e-4 --train-iters 4 --lr-decay-iters 4
+    --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0 --bf16)
+MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
+    --expert-model-parallel-size 2 --use-distributed-optimizer --sequence-parallel)
+LOGGING_ARGS=(--log-interval 1 --save-interval 2 --eval-interval 2 --eval-iters 1 --save $CHECKPOINT_PATH
+    --load $CHECKPOINT_PATH --tensorboard-dir "${CHECKPOINT_PATH}/tensorboard" --no-load-optim --no-load-rng)
+ALL=(${MODEL_ARGS[@]} ${MOE_ARGS[@]} ${DATA_ARGS[@]} ${TRAINING_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]}
+     ${LOGGING_ARGS[@]})
 """
 
 
@@ -125,3 +149,23 @@ def test_the_llama3_example_trains_on_mock_data_in_bf16_and_refuses_its_fp8_bran
     # --profile works here (issue 49): nsys's capture range is for GPUs, said once on the CPU
     assert "--profile" not in ignored and "--profile drives nsys's capture range on a GPU" in job.stdout
     assert "--overlap-param-gather" not in ignored  # it means what it means in Megatron
+
+
+def test_the_mixtral_example_trains_its_experts_over_pp_and_ep(stdlib_corpus, tmp_path):
+    _, tokenizer = stdlib_corpus
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", make_documents(200))
+    subprocess.run([sys.executable, "-m", "data.preprocess", "--input", corpus, "--output-prefix",
+                    str(tmp_path / "mixtral"), "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+                    tokenizer, "--append-eod", "--workers", "1"], check=True, capture_output=True)
+    argv = _argv(MIXTRAL, TOKENIZER_MODEL=tokenizer, DATA_PATH=str(tmp_path / "mixtral_text_document"),
+                 CHECKPOINT_PATH=str(tmp_path / "checkpoints"))
+    job = _torchrun(4, argv + ["--data-cache-path", str(tmp_path / "cache")], tmp_path)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "experts: pp 2 x edp 1 x ep 2 x etp 1" in job.stdout
+    lines = [__import__("json").loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [line for line in lines if "loss" in line]  # the training lines
+    assert [line["iteration"] for line in lines] == [1, 2, 3, 4], lines
+    for line in lines:  # the balancing loss near its balanced value (coefficient x 1), the loads reported
+        assert 0.005 < line["moe_aux_loss"] < 0.05 and len(line["moe_load_max_over_mean"]) == 4
+        assert sum(rank["comm_bytes"]["all_to_all"] for rank in line["per_rank"]) > 0
+    assert open(tmp_path / "checkpoints" / "latest").read() == "iter_0000004"

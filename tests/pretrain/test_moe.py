@@ -47,14 +47,27 @@ LAYOUTS = {
 
 
 @pytest.mark.parity
-def test_every_expert_layout_reproduces_one_process(stdlib_corpus):
+def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(stdlib_corpus, tmp_path):
+    """Each layout within the fp32 bound of one process at every iteration; a checkpoint saved after 3
+    iterations at ep2 x tp2 + SP (etp 2, ZeRO-1) resumes at ep1 (dp4, ZeRO-3) and at ep4 (ZeRO-2) on the
+    straight run's trajectory (the experts re-cut by name and expert tp slice)."""
     dropless, dropping = run_world(1, _train, [MOE, MOE + CAPACITY], stdlib_corpus)[0]
     assert dropless[0] != dropping[0]  # the capacity drops tokens: another trajectory
-    results = run_world(4, _train, [flags for flags, _ in LAYOUTS.values()], stdlib_corpus, timeout_s=600)
-    for (name, (_, capacity)), result in zip(LAYOUTS.items(), results[-1]):
+    saved = str(tmp_path / "ep2tp2")
+    original = MOE + TP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "1"] + ALLTOALL
+    resumes = [original + ["--train-iters", "3", "--save", saved],
+               MOE + ["--zero-stage", "3", "--load", saved],
+               MOE + ["--expert-model-parallel-size", "4", "--zero-stage", "2", "--load", saved] + ALLTOALL]
+    results = run_world(4, _train, [flags for flags, _ in LAYOUTS.values()] + resumes, stdlib_corpus,
+                        timeout_s=600)[-1]
+    for (name, (_, capacity)), result in zip(LAYOUTS.items(), results):
         reference = dropping if capacity else dropless
         for what, got, want in zip(("loss", "grad norm"), result[:2], reference[:2]):
             assert_trajectory_close(got, want, f"{name}: {what}")
+    straight = results[0]  # ep2 x tp2 + SP, alltoall, ZeRO-0: the saved run's layout but its stage
+    for name, resumed in zip(("ep1 ZeRO-3", "ep4 ZeRO-2"), results[-2:]):
+        for what, got, want in zip(("loss", "grad norm"), resumed[:2], straight[:2]):
+            assert_trajectory_close(got, want[3:], f"resumed at {name}: {what}")
 
 
 @pytest.mark.parametrize("flags, world, message", [
