@@ -13,7 +13,7 @@ from models.moe.balancing import BalancingLosses
 from models.moe.experts import Experts, LinearWeights
 from models.moe.router import aux_scores, drop_tokens, route, sequence_aux_loss, switch_aux_loss, z_loss
 from parallel import comm
-from parallel.comm import AxisGroup
+from parallel.comm import AxisGroup, compile_boundary
 from parallel.experts import DISPATCHERS, ExpertGroups, gather_rows
 from parallel.param_meta import declare
 from parallel.tensor.layers import with_init
@@ -78,16 +78,25 @@ class MoELayer(nn.Module):
         weights, chosen = route(logits, self.options)
         if self.config.moe_expert_capacity_factor is not None:
             weights, chosen = self._dropped(weights, chosen)
-        self.balancing.record_tokens(self.layer, chosen.sum(dim=0))
-        out = self.dispatcher.run(tokens, weights, chosen, self.experts).to(x.dtype).view_as(x)
+        out = self._dispatched(tokens, weights, chosen).to(x.dtype).view_as(x)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(F.linear(x, self.shared_gate.weight))
             out = out + shared
         loss = self._balancing_loss(logits, local_length=x.shape[0])
-        return out if loss is None else self.balancing.attach(out, loss)
+        return out if loss is None else self._attached(out, loss)
 
+    @compile_boundary  # an autograd function holding the balancing's Python state
+    def _attached(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return self.balancing.attach(out, loss)
+
+    @compile_boundary  # tokens travel with host-read sizes; the experts' shapes follow the routing
+    def _dispatched(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        self.balancing.record_tokens(self.layer, chosen.sum(dim=0))
+        return self.dispatcher.run(tokens, weights, chosen, self.experts)
+
+    @compile_boundary  # it gathers over the tp x cp group
     def _dropped(self, weights: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each expert's tokens beyond its capacity dropped, decided over the whole micro-batch's tokens."""
         config, group = self.config, self.groups.tokens
@@ -99,6 +108,7 @@ class MoELayer(nn.Module):
         mine = kept[group.rank * weights.shape[0]:(group.rank + 1) * weights.shape[0]]
         return weights * mine, mine
 
+    @compile_boundary  # it sums token counts over the tp x cp group and records them
     def _balancing_loss(self, logits: torch.Tensor, local_length: int) -> torch.Tensor | None:
         """This rank's share of the layer's balancing and z losses (the shares over the tp x cp ranks sum to
         the losses of the micro-batch's whole sequences), recorded in ``balancing``; None without any."""

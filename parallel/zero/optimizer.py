@@ -96,14 +96,15 @@ class ZeroOptimizer:
         self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
         self.swapped = None
         if options.offload_optimizer == "nvme":
-            space = SwapSpace(options.nvme_path, f"zero-optimizer-pid{os.getpid()}")
+            # named by the group too: a run's dense and expert optimizers swap side by side
+            space = SwapSpace(options.nvme_path, f"zero-optimizer-{dp.axis}-pid{os.getpid()}")
             self._close_swap = weakref.finalize(self, space.close)  # swap files are scratch: gone with us
             resident = {i for i, slot in enumerate(self.slots) if slot.aliased}
             self.swapped = SwappedOptimizerStates(self.optimizer, self.masters, resident,
                                                   space, self.buffer_pool,
                                                   self.sub_group_size)
         if options.offload_param == "nvme":
-            space = SwapSpace(options.nvme_path, f"zero-params-pid{os.getpid()}")
+            space = SwapSpace(options.nvme_path, f"zero-params-{dp.axis}-pid{os.getpid()}")
             self._close_param_swap = weakref.finalize(self, space.close)
             self.units.swap_out(space)
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from parallel.process_groups import module_device
 from parallel.zero.loss_scaler import DynamicLossScaler
-
-if TYPE_CHECKING:
-    from parallel.zero.optimizer import ZeroOptimizer
 
 
 @dataclass
@@ -26,7 +24,22 @@ class StepResult:
     loss_scale: float = 1.0
 
 
-def step_together(parts: list[ZeroOptimizer], loss_scaler, clip_grad: float) -> StepResult:
+class SteppedPart(Protocol):
+    """What ``step_together`` needs of each optimizer (``ZeroOptimizer`` has it)."""
+
+    module: nn.Module
+
+    def reduced_gradients(self) -> list[torch.Tensor]: ...
+
+    def overflowed(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor: ...
+
+    def norm_squared(self, tensors: list[torch.Tensor], scale: float,
+                     device: torch.device) -> torch.Tensor: ...
+
+    def apply(self, grads: list[torch.Tensor], scale: float, coefficient: float) -> None: ...
+
+
+def step_together(parts: list[SteppedPart], loss_scaler, clip_grad: float) -> StepResult:
     """One step of ``parts`` (optimizers over different parameters and groups: the dense and the expert
     ones) as of one optimizer: the overflow decided over all of them, one gradient norm over every
     parameter, one clipping factor, one update of the loss scale (``loss_scaler``, the one they share)."""

@@ -1,6 +1,6 @@
 """Convert checkpoints: any layout of ours to one file or to Hugging Face, and Hugging Face to ours.
 
-    python -m pretrain.convert --load DIR --output OUT.safetensors [--with-optimizer-states]
+    python -m pretrain.convert --load DIR [--ckpt-step N] --output OUT.safetensors [--with-optimizer-states]
                                [--max-shard-size 5GB] [--workers N]
     python -m pretrain.convert --load DIR --output HF_DIR --to hf [--max-shard-size 5GB]
     python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
@@ -60,18 +60,19 @@ def write_shard(source: PieceSource, path: str, entries: list[tuple[str, str, tu
     writer.close()
 
 
-def _worker(directory: str, jobs: list[tuple[str, list, dict]]) -> None:
+def _worker(directory: str, step: int | None, jobs: list[tuple[str, list, dict]]) -> None:
     """A conversion process: its own view of the checkpoint, its shards."""
-    _, _, source = saved_weights(directory)
+    _, _, source = saved_weights(directory, step)
     for path, entries, metadata in jobs:
         write_shard(source, path, entries, metadata)
 
 
 def write_consolidated(source: PieceSource, manifest: dict, output: str, with_states: bool = False,
                        max_shard_bytes: int | None = None, workers: int = 1,
-                       directory: str | None = None) -> int:
+                       directory: str | None = None, step: int | None = None) -> int:
     """Write the consolidated file (or its shards and index); returns the number of files. With
-    ``workers`` > 1 the shards are shared among that many processes, each reading ``directory``."""
+    ``workers`` > 1 the shards are shared among that many processes, each reading ``directory`` (its
+    checkpoint of iteration ``step``, or the newest)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     names = sorted(source.by_name, key=_natural)
     kinds = ["master"] + (list(source.kinds) if with_states else [])
@@ -86,7 +87,7 @@ def write_consolidated(source: PieceSource, manifest: dict, output: str, with_st
             for path, entries in shards]
     if workers > 1 and len(jobs) > 1 and directory is not None:
         context = multiprocessing.get_context("spawn")
-        processes = [context.Process(target=_worker, args=(directory, jobs[number::workers]))
+        processes = [context.Process(target=_worker, args=(directory, step, jobs[number::workers]))
                      for number in range(min(workers, len(jobs)))]
         for process in processes:
             process.start()
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True,
                         help="the .safetensors file, the directory for --to hf, or the "
                                                         "checkpoint directory for --from-hf")
+    parser.add_argument("--ckpt-step", type=int, default=None,
+                        help="--load: the checkpoint of this iteration (default: the newest complete one)")
     parser.add_argument("--to", choices=["consolidated", "hf"], default="consolidated")
     parser.add_argument("--with-optimizer-states", action="store_true",
                         help="consolidated: add the optimizer states")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                       "flag and --data-path of data it tokenized (or --mock-data), and an export writes the "
                       "weights and config alone", file=sys.stderr)
             return
-        checkpoint, manifest, pieces = saved_weights(args.load)
+        checkpoint, manifest, pieces = saved_weights(args.load, args.ckpt_step)
         if args.to == "hf":
             try:
                 tokenizer = saved_tokenizer(checkpoint, manifest)
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             export_hf(pieces, model_config(manifest), tokenizer, args.output, max_shard_bytes)
         else:
             files = write_consolidated(pieces, manifest, args.output, args.with_optimizer_states,
-                                       max_shard_bytes, args.workers, args.load)
+                                       max_shard_bytes, args.workers, args.load, args.ckpt_step)
             if max_shard_bytes and files == 1:
                 print(f"the model fits in one shard of --max-shard-size {args.max_shard_size}: one file, no "
                       "index (as Hugging Face writes it)")

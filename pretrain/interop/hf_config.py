@@ -314,6 +314,9 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
 def hf_kind(config: GPTConfig) -> str:
     """The Hugging Face ``model_type`` that expresses ``config`` exactly: the one it was imported from
     (``hf_model_type``), else the first that can; HFMappingError naming the flags that stand in the way."""
+    if config.num_experts:  # no MoE family's names and layouts are mapped yet
+        raise HFMappingError(f"--num-experts {config.num_experts}: no Hugging Face mixture-of-experts class "
+                             "is mapped yet: convert with --to consolidated instead")
     if config.hf_model_type is not None:
         misses = (_gpt2_misses(config) if config.hf_model_type == "gpt2"
                   else _misses(config, FAMILIES[config.hf_model_type]))

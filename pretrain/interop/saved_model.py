@@ -11,11 +11,12 @@ from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, check
 from pretrain.checkpoint.reshard import LegacyPieces, PieceSource, SavedPieces, WeightsFile
 
 
-def saved_weights(directory: str) -> tuple[str, dict, PieceSource]:
+def saved_weights(directory: str, step: int | None = None) -> tuple[str, dict, PieceSource]:
     """(the checkpoint's path, its manifest, its pieces: ``whole(name)``, ``stream(name, ...)``) of the
-    newest complete checkpoint under ``directory``: a weights file (an import) or the rank files' pieces,
-    each checked against the manifest as it is read (CheckpointError naming the file)."""
-    checkpoint, manifest = read_manifest(directory)
+    newest complete checkpoint under ``directory`` (or of iteration ``step``): a weights file (an import)
+    or the rank files' pieces, each checked against the manifest as it is read (CheckpointError naming the
+    file)."""
+    checkpoint, manifest = read_manifest(directory, step)
     if manifest.get("kind") == "weights":
         return checkpoint, manifest, WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE))
     check_format(checkpoint, manifest)

@@ -2,14 +2,18 @@
 ZeRO 0-3 over the expert data-parallel group, both dispatchers, grouped product) follows the single-process
 trajectory, dropless and with a capacity factor."""
 
+import json
 import re
 
 import pytest
+from safetensors.torch import load_file
+
+from pretrain.interop.convert import main as convert
 
 from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
-from tests.parity import assert_trajectory_close
-from tests.pretrain.test_trainer import SHORT, TINY, _train
+from tests.parity import TRAJECTORY_RTOL, assert_trajectory_close, assert_within
+from tests.pretrain.test_trainer import COMPILED, SHORT, TINY, _train
 from tests.world import run_world
 
 # Qwen2-MoE-like: the first layer dense, then top-2 of 4 SwiGLU experts with a gated shared expert, the
@@ -30,8 +34,8 @@ LAYOUTS = {
                                            "--moe-grouped-gemm"] + ALLTOALL, False),
     "ep2 x expert dp 2 ZeRO-1, allgather": (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "1"],
                                             False),
-    "ep2 x expert dp 2 ZeRO-2": (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "2"] + ALLTOALL,
-                                 False),
+    "ep2 x expert dp 2 ZeRO-2, compiled": (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "2"]
+                                           + ALLTOALL + COMPILED, False),
     "ep2 x pp2 1F1B": (MOE + ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
                        + ALLTOALL, False),
     "ep2 x pp2 interleaved": (MOE + ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
@@ -51,8 +55,9 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
     """Each layout within the fp32 bound of one process at every iteration; a checkpoint saved after 3
     iterations at ep2 x tp2 + SP (etp 2, ZeRO-1) resumes at ep1 (dp4, ZeRO-3) and at ep4 (ZeRO-2) on the
     straight run's trajectory (the experts re-cut by name and expert tp slice)."""
-    dropless, dropping = run_world(1, _train, [MOE, MOE + CAPACITY], stdlib_corpus)[0]
-    assert dropless[0] != dropping[0]  # the capacity drops tokens: another trajectory
+    single = str(tmp_path / "single")
+    dropless, dropping = run_world(1, _train, [MOE + ["--save", single, "--save-interval", "3"],
+                                               MOE + CAPACITY], stdlib_corpus)[0]
     saved = str(tmp_path / "ep2tp2")
     original = MOE + TP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "1"] + ALLTOALL
     resumes = [original + ["--train-iters", "3", "--save", saved],
@@ -64,10 +69,27 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
         reference = dropping if capacity else dropless
         for what, got, want in zip(("loss", "grad norm"), result[:2], reference[:2]):
             assert_trajectory_close(got, want, f"{name}: {what}")
+        assert not result[5], (name, result[5])  # --compile: graph breaks at communication only
     straight = results[0]  # ep2 x tp2 + SP, alltoall, ZeRO-0: the saved run's layout but its stage
     for name, resumed in zip(("ep1 ZeRO-3", "ep4 ZeRO-2"), results[-2:]):
         for what, got, want in zip(("loss", "grad norm"), resumed[:2], straight[:2]):
             assert_trajectory_close(got, want[3:], f"resumed at {name}: {what}")
+    # the ep2 x etp2 checkpoint as one file, in safetensors shards: every expert whole under its name, the
+    # one-process run's weights at the same iteration up to another summation order
+    convert(["--load", single, "--ckpt-step", "3", "--output", str(tmp_path / "single.safetensors")])
+    (tmp_path / "shards").mkdir()
+    convert(["--load", saved, "--output", str(tmp_path / "shards" / "model.safetensors"), "--max-shard-size",
+             "64KB"])
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    cut = {}
+    for name in set(index["weight_map"].values()):
+        cut.update(load_file(str(tmp_path / "shards" / name)))
+    whole = load_file(str(tmp_path / "single.safetensors"))
+    assert {n: t.shape for n, t in cut.items()} == {n: t.shape for n, t in whole.items()}
+    assert "layers.3.mlp.experts.3.fc1.weight" in whole and "layers.0.mlp.fc1.weight" in whole
+    difference = sum((cut[name] - value).pow(2).sum() for name, value in whole.items()).sqrt()
+    scale = sum(value.pow(2).sum() for value in whole.values()).sqrt()
+    assert_within((difference / scale).item(), "ep2 x etp2 consolidated weights", TRAJECTORY_RTOL)
 
 
 @pytest.mark.parametrize("flags, world, message", [
@@ -82,3 +104,61 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
 def test_bad_expert_settings_name_the_flag(flags, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(parse_config(TINY + flags), world)
+
+
+def _train_and_count(rank, world_size, layouts, corpus):
+    """Each layout's last step: the bytes sent per "operation/axis", the tokens each MoE layer's experts
+    received from this rank's tokens, and this rank's place in the expert grid."""
+    import torch
+
+    from pretrain.training.trainer import Trainer
+
+    prefix, tokenizer = corpus
+    results = []
+    for flags in layouts:
+        config = parse_config(TINY + flags + ["--data-path", prefix, "--tokenizer-model", tokenizer,
+                                              "--data-cache-dir", f"{prefix}-cache"])
+        trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
+        trainer.train()
+        (chunk,) = trainer.model
+        counts = {layer: tokens.tolist() for layer, tokens in chunk.balancing.tokens_per_expert.items()}
+        results.append((trainer.groups.stats.snapshot()["bytes"], counts, trainer.groups.etp.rank,
+                        trainer.groups.ep.rank))
+    return results
+
+
+def _alltoall_bytes(everyone, rank, etp, ep, experts, row_bytes, micro_batches, layers):
+    """The all-to-all dispatcher's bytes of one step on ``rank``: per layer and micro-batch, forward and
+    backward, twice the rows it sends to other ranks plus the rows others send it (each routed row goes to
+    every etp rank of its expert's ep rank, none to itself), times a row's bytes; plus the forward's count
+    exchange, (etp x ep - 1) x E / ep int64s."""
+    _, counts, my_etp, my_ep = everyone[rank]
+    local = experts // ep
+    rows = 0
+    for layer in counts:
+        mine = [sum(counts[layer][r * local:(r + 1) * local]) for r in range(ep)]
+        rows += sum(n * (etp - (r == my_ep)) for r, n in enumerate(mine))  # sent
+        for _, theirs, their_etp, their_ep in everyone:  # received: what the others routed to my experts
+            if (their_etp, their_ep) != (my_etp, my_ep):
+                rows += sum(theirs[layer][my_ep * local:(my_ep + 1) * local])
+    return 2 * rows * row_bytes + layers * micro_batches * (etp * ep - 1) * local * 8
+
+
+def test_dispatcher_bytes_per_step_equal_the_formula(stdlib_corpus):
+    """Every rank's bytes of a step over the dispatch group equal the formula: the all-to-all dispatcher's
+    at ep2 x etp2 (tp2 + SP), from the routing each rank recorded; the allgather dispatcher's at ep4, which
+    the routing does not change ((G - 1) / G of the gathered tokens, weights and choices each way)."""
+    two = ["--train-iters", "2", "--global-batch-size", "8"]
+    layouts = [MOE + two + TP2 + ["--expert-model-parallel-size", "2"] + ALLTOALL,  # dp 2: 2 micro-batches
+               MOE + two + ["--expert-model-parallel-size", "4"]]  # dp 4: 1 micro-batch
+    results = run_world(4, _train_and_count, layouts, stdlib_corpus)
+    hidden, layers, experts = 64, 3, 4  # TINY's width; MOE's three MoE layers of 4 experts
+    alltoall = [rank_results[0] for rank_results in results]
+    for rank in range(4):
+        want = _alltoall_bytes(alltoall, rank, 2, 2, experts, hidden * 4, 2, layers)
+        assert alltoall[rank][0]["all_to_all/etp-ep"] == want, rank
+    others, tokens = 3, 32 * 2  # G - 1; a rank's tokens in its micro-batch (2 sequences of 32)
+    x, weights, choices = tokens * hidden * 4, tokens * experts * 4, tokens * experts  # fp32, fp32, bytes
+    for sent, *_ in (rank_results[1] for rank_results in results):
+        assert sent["all_gather/etp-ep"] == layers * others * (2 * x + weights + choices)
+        assert sent["reduce_scatter/etp-ep"] == layers * others * (2 * x + weights)
