@@ -36,6 +36,9 @@ LAYOUTS = {
                                             False),
     "ep2 x expert dp 2 ZeRO-2, compiled": (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "2"]
                                            + ALLTOALL + COMPILED, False),
+    "ep2 x expert dp 2 ZeRO-3, optimizer on the CPU, MoE layers recomputed": (
+        MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--offload-optimizer", "cpu",
+               "--recompute-granularity", "selective", "--recompute-modules", "moe"], False),
     "ep2 x pp2 1F1B": (MOE + ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
                        + ALLTOALL, False),
     "ep2 x pp2 interleaved": (MOE + ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
