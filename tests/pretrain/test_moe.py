@@ -111,7 +111,8 @@ def test_bad_expert_settings_name_the_flag(flags, world, message):
 
 def _train_and_count(rank, world_size, layouts, corpus):
     """Each layout's last step: the bytes sent per "operation/axis", the tokens each MoE layer's experts
-    received from this rank's tokens, and this rank's place in the expert grid."""
+    received from this rank's tokens, this rank's place in the expert grid; its model-state bytes predicted
+    and measured, and how many masters it steps."""
     import torch
 
     from pretrain.training.trainer import Trainer
@@ -125,8 +126,10 @@ def _train_and_count(rank, world_size, layouts, corpus):
         trainer.train()
         (chunk,) = trainer.model
         counts = {layer: tokens.tolist() for layer, tokens in chunk.balancing.tokens_per_expert.items()}
+        masters = sum(len(part.masters) for part in trainer.optimizer.parts)
         results.append((trainer.groups.stats.snapshot()["bytes"], counts, trainer.groups.etp.rank,
-                        trainer.groups.ep.rank))
+                        trainer.groups.ep.rank, trainer.expected_state_bytes,
+                        trainer.optimizer.model_state_bytes(), masters))
     return results
 
 
@@ -135,26 +138,35 @@ def _alltoall_bytes(everyone, rank, etp, ep, experts, row_bytes, micro_batches, 
     backward, twice the rows it sends to other ranks plus the rows others send it (each routed row goes to
     every etp rank of its expert's ep rank, none to itself), times a row's bytes; plus the forward's count
     exchange, (etp x ep - 1) x E / ep int64s."""
-    _, counts, my_etp, my_ep = everyone[rank]
+    _, counts, my_etp, my_ep, *_ = everyone[rank]
     local = experts // ep
     rows = 0
     for layer in counts:
         mine = [sum(counts[layer][r * local:(r + 1) * local]) for r in range(ep)]
         rows += sum(n * (etp - (r == my_ep)) for r, n in enumerate(mine))  # sent
-        for _, theirs, their_etp, their_ep in everyone:  # received: what the others routed to my experts
+        for _, theirs, their_etp, their_ep, *_ in everyone:  # received: what the others routed to my experts
             if (their_etp, their_ep) != (my_etp, my_ep):
                 rows += sum(theirs[layer][my_ep * local:(my_ep + 1) * local])
     return 2 * rows * row_bytes + layers * micro_batches * (etp * ep - 1) * local * 8
 
 
-def test_dispatcher_bytes_per_step_equal_the_formula(stdlib_corpus):
+def test_dispatcher_and_model_state_bytes_equal_the_formulas(stdlib_corpus):
     """Every rank's bytes of a step over the dispatch group equal the formula: the all-to-all dispatcher's
     at ep2 x etp2 (tp2 + SP), from the routing each rank recorded; the allgather dispatcher's at ep4, which
-    the routing does not change ((G - 1) / G of the gathered tokens, weights and choices each way)."""
+    the routing does not change ((G - 1) / G of the gathered tokens, weights and choices each way). At ep2 x
+    expert dp 2, ZeRO stages 0-3, every rank's model-state bytes are the formula's (the dense parameters'
+    states over dp 4, the experts' over expert dp 2) plus Adam's step counter, 4 bytes per master."""
     two = ["--train-iters", "2", "--global-batch-size", "8"]
     layouts = [MOE + two + TP2 + ["--expert-model-parallel-size", "2"] + ALLTOALL,  # dp 2: 2 micro-batches
                MOE + two + ["--expert-model-parallel-size", "4"]]  # dp 4: 1 micro-batch
+    layouts += [MOE + two + ["--expert-model-parallel-size", "2", "--zero-stage", str(stage),
+                             "--zero-persistence-threshold", "0"] for stage in (0, 1, 2, 3)]
     results = run_world(4, _train_and_count, layouts, stdlib_corpus)
+    for rank_results in results:
+        sizes = [(expected, measured, masters) for *_, expected, measured, masters in rank_results[2:]]
+        for stage, (expected, measured, masters) in enumerate(sizes):
+            assert measured == expected + 4 * masters, (stage, expected, measured, masters)
+        assert sizes[3][0] < sizes[2][0] < sizes[1][0] < sizes[0][0]  # each stage shards more
     hidden, layers, experts = 64, 3, 4  # TINY's width; MOE's three MoE layers of 4 experts
     alltoall = [rank_results[0] for rank_results in results]
     for rank in range(4):
