@@ -16,7 +16,7 @@ from torch import nn
 from models.attention import LayerInputs, SelfAttention
 from models.config import GPTConfig
 from models.mlp import MLP
-from models.moe.balancing import BalancingLosses
+from models.moe.balancing import LoadBalancing
 from models.moe.layer import MoELayer
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
@@ -48,7 +48,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
                  rng: RNGTracker | None = None, experts: ExpertGroups | None = None,
-                 balancing: BalancingLosses | None = None):
+                 balancing: LoadBalancing | None = None):
         super().__init__()
         self.layer = layer
         self.rng = rng or model_parallel_tracker(seed, tp.rank)
@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
         if config.moe_layers(config.num_layers)[layer]:  # a mixture of experts in the MLP's place
             self.mlp = MoELayer(config, layer, tp, seed, sequence_parallel,
                                 experts or ExpertGroups.detached(),
-                                balancing if balancing is not None else BalancingLosses())
+                                balancing if balancing is not None else load_balancing(config))
         else:
             self.mlp = MLP(config, layer, tp, seed, sequence_parallel)
         self.mlp_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
@@ -107,14 +107,15 @@ class GPTModel(nn.Module):
     weight of its own on the last stage. With ``context`` (cp > 1) its input holds this cp rank's share of
     each sequence and attention exchanges keys and values over the cp group. Its MoE layers
     (--num-experts) hold this rank's experts of ``experts`` (``ExpertGroups``) and exchange tokens over
-    them; ``balancing`` owns their balancing losses' scale and values. It never communicates over any
+    them; ``balancing`` (``LoadBalancing``, one per rank, shared by its chunks) owns their balancing
+    losses' scale and values and the expert biases. It never communicates over any
     other group than tp, cp and the expert groups.
     """
 
     def __init__(self, config: GPTConfig, tp: AxisGroup, *, seed: int, layer_indices: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  rng: RNGTracker | None = None, context: ContextParallel | None = None,
-                 experts: ExpertGroups | None = None):
+                 experts: ExpertGroups | None = None, balancing: LoadBalancing | None = None):
         super().__init__()
         config.validate(tp.size)
         experts = experts or ExpertGroups.detached()
@@ -138,8 +139,9 @@ class GPTModel(nn.Module):
         self.frequencies = RotaryFrequencies(config)
         self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
-        # the MoE layers' balancing losses: their gradient scale, and what they were (None without experts)
-        self.balancing = BalancingLosses() if config.num_experts else None
+        # the MoE layers' load balancing (None without experts)
+        self.balancing = balancing if balancing is not None or not config.num_experts \
+            else load_balancing(config)
         self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng,
                                                      experts, self.balancing)
                                     for i in self.layer_indices)
@@ -235,3 +237,9 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.config.vocab_size).t()
+
+
+def load_balancing(config: GPTConfig) -> LoadBalancing:
+    """The load balancing of a rank's MoE layers (the expert biases with --moe-router-enable-expert-bias)."""
+    return LoadBalancing(config.num_layers, config.num_experts or 0,
+                         config.moe_router_bias_update_rate if config.moe_router_enable_expert_bias else None)

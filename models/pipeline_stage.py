@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from models.config import GPTConfig
-from models.gpt import GPTModel
+from models.gpt import GPTModel, load_balancing
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel
 from parallel.experts import ExpertGroups
@@ -19,10 +19,12 @@ def stage_chunks(config: GPTConfig, tp: AxisGroup, pp: int, stage: int, *, seed:
                  rng: RNGTracker | None = None, context: ContextParallel | None = None,
                  experts: ExpertGroups | None = None) -> nn.ModuleList:
     """The ``vp`` model chunks of pipeline stage ``stage``: chunk c holds the blocks of piece c * pp + stage;
-    the embedding is in chunk 0 of stage 0, the output layer and loss in the last chunk of the last stage."""
+    the embedding is in chunk 0 of stage 0, the output layer and loss in the last chunk of the last stage;
+    the chunks' MoE layers share one ``LoadBalancing``."""
+    balancing = load_balancing(config) if config.num_experts else None
     return nn.ModuleList(
         GPTModel(config, tp, seed=seed, sequence_parallel=sequence_parallel, rng=rng, context=context,
-                 experts=experts,
+                 experts=experts, balancing=balancing,
                  layer_indices=chunk_layers(config.num_layers, pp, stage, chunk, vp, layers_per_stage),
                  pre_process=stage == 0 and chunk == 0, post_process=stage == pp - 1 and chunk == vp - 1)
         for chunk in range(vp))

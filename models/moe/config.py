@@ -36,6 +36,11 @@ class MoEConfig:
         "group-limited routing: experts cut into this many groups (DeepSeek-V3: 8)"))
     moe_router_group_topk: int | None = field(default=None, metadata=flag(
         "group-limited routing: the groups a token may choose from (DeepSeek-V3: 4)"))
+    moe_router_enable_expert_bias: bool = field(default=False, metadata=flag(
+        "auxiliary-loss-free balancing (DeepSeek-V3): a bias per expert decides the choice only, moved after "
+        "each step towards the mean load (sigmoid scores)"))
+    moe_router_bias_update_rate: float = field(default=1e-3, metadata=flag(
+        "how far each expert bias moves per step with --moe-router-enable-expert-bias"))
     moe_router_dtype: str | None = field(default=None, metadata=flag(
         "the router's logits and scores in fp32 or fp64 (default: the activations' dtype)",
         choices=["fp32", "fp64"]))
@@ -109,6 +114,10 @@ class MoEConfig:
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity pads to the capacity: add "
                              "--moe-expert-capacity-factor")
+        if self.moe_router_enable_expert_bias and (self.moe_router_score_function != "sigmoid"
+                                                   or not self.moe_router_bias_update_rate > 0):
+            raise ValueError("--moe-router-enable-expert-bias moves sigmoid scores' choice: add "
+                             "--moe-router-score-function sigmoid and a --moe-router-bias-update-rate > 0")
         self.router_options  # noqa: B018  (RouterOptions checks top-k and the groups, naming the flags)
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from models.config import GPTConfig
 from models.mlp import MLP
-from models.moe.balancing import BalancingLosses
+from models.moe.balancing import LoadBalancing
 from models.moe.experts import Experts, LinearWeights
 from models.moe.router import aux_scores, drop_tokens, route, sequence_aux_loss, switch_aux_loss, z_loss
 from parallel import comm
@@ -31,14 +31,15 @@ class MoELayer(nn.Module):
     decided here, once per forward, from the logits alone: a recomputed forward routes the same tokens the
     same way. With a capacity factor the choice of tokens to drop is made over the whole sequences of the
     micro-batch (all tp x cp ranks' tokens, as one process would), and every token counts in the
-    balancing losses, whose gradients enter through ``balancing`` (``models.moe.balancing``). It never
+    balancing losses, whose gradients enter through ``balancing`` (``models.moe.balancing``, which also
+    holds the expert biases of auxiliary-loss-free balancing). It never
     communicates outside its tp and expert groups.
     """
 
     RECOMPUTE_MODULE = "moe"  # --recompute-modules moe recomputes it
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
-                 groups: ExpertGroups, balancing: BalancingLosses):
+                 groups: ExpertGroups, balancing: LoadBalancing):
         super().__init__()
         h, experts = config.hidden_size, config.num_experts
         self.layer, self.config, self.groups, self.balancing = layer, config, groups, balancing
@@ -75,7 +76,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # position-major, as Megatron orders them
         dtype = self.router_dtype or x.dtype
         logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype))
-        weights, chosen = route(logits, self.options)
+        weights, chosen = route(logits, self.options, self.balancing.bias(self.layer, logits.device))
         if self.config.moe_expert_capacity_factor is not None:
             weights, chosen = self._dropped(weights, chosen)
         out = self._dispatched(tokens, weights, chosen).to(x.dtype).view_as(x)

@@ -84,8 +84,6 @@ IGNORED = [
     *_flags("fusions of the MoE permutation and router kernels; the unfused code runs here",
             "--moe-permute-fusion:0", "--moe-router-fusion:0", "--moe-shared-expert-overlap:0",
             "--moe-use-legacy-grouped-gemm:0"),
-    *_flags("meaningful only with --moe-router-enable-expert-bias, which is refused",
-            "--moe-router-bias-update-rate"),
     *_flags("Megatron's older spelling: no learned positions (rope and none have none; learned_absolute "
             "becomes none)", "--no-position-embedding:0"),
     *_flags("the amax history of delayed fp8 scaling; the scales here are computed from each tensor as it "
@@ -98,8 +96,6 @@ IGNORED = [
 IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero_stage", 3)}
 
 REFUSED = [
-    *_flags("the auxiliary-loss-free expert bias is not built yet (balance with --moe-aux-loss-coeff)",
-            "--moe-router-enable-expert-bias:0", off=(None,)),
     *_flags("the flex dispatcher (DeepEP, HybridEP) is not built: use --moe-token-dispatcher-type alltoall",
             "--moe-enable-deepep:0", "--moe-flex-dispatcher-backend", off=(None,)),
     *_flags("this attention variant (multi-latent, gated delta net, linear, sparse indexer, output "

@@ -21,8 +21,7 @@ def moe_metrics(chunks: nn.ModuleList, groups: ParallelGroups, moe_layers: list[
     # the losses, whether a rank has each (a middle stage may hold no MoE layer), tokens per expert per layer
     values = torch.zeros(2 * kinds + layers * num_experts, dtype=torch.float64, device=device)
     counts = values[2 * kinds:].view(layers, num_experts)
-    for chunk in chunks:
-        balancing = chunk.balancing
+    for balancing in {id(chunk.balancing): chunk.balancing for chunk in chunks}.values():  # shared by chunks
         for index, kind in enumerate(LOSSES):
             if kind in balancing.losses:
                 values[index] += balancing.losses[kind].to(device)

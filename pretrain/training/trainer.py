@@ -207,6 +207,8 @@ class Trainer:
             self.activation_meter.reset()
         loss, self.last_step_stats = self.runner.run(
             batches, self.schedule.micro_batches(self.progress.consumed_samples), measure=measure)
+        if self.model[0].balancing is not None:  # the expert biases move with the step's loads
+            self.model[0].balancing.update_biases(self.groups.world, self.device)
         self.watchdog.at(self.progress.iteration + 1, "optimizer step")
         return loss, self.optimizer.step()
 
@@ -366,6 +368,8 @@ class Trainer:
                 MODEL: ZeroModelState(self.optimizer, self.parameter_names, self.groups),
                 "progress": RunState(self.progress),  # the data position; the LR schedule follows it
                 "rng": self.model[0].rng}  # the stage's dropout streams and the default generator
+            if self.config.model.moe_router_enable_expert_bias:  # every MoE layer's, on every rank
+                self._checkpoint_states["load_balancing"] = RunState(self.model[0].balancing)
         return self._checkpoint_states
 
     def save(self) -> None:

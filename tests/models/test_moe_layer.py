@@ -9,7 +9,7 @@ from models.config import GPTConfig
 from models.mlp import activate
 from models.moe.config import parse_layer_freq
 from models.moe.layer import MoELayer
-from models.moe.balancing import BalancingLosses
+from models.moe.balancing import LoadBalancing
 from models.moe.router import route
 from parallel.comm import DetachedGroup
 from parallel.experts import ExpertGroups
@@ -22,7 +22,7 @@ CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
 
 def _layer(**changes) -> MoELayer:
     config = GPTConfig(**{**CONFIG, **changes})
-    return MoELayer(config, 0, DetachedGroup("tp", 1), 7, False, ExpertGroups.detached(), BalancingLosses())
+    return MoELayer(config, 0, DetachedGroup("tp", 1), 7, False, ExpertGroups.detached(), LoadBalancing())
 
 
 def _by_token(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:

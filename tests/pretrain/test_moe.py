@@ -16,67 +16,79 @@ from tests.parity import TRAJECTORY_RTOL, assert_trajectory_close, assert_within
 from tests.pretrain.test_trainer import COMPILED, SHORT, TINY, _train
 from tests.world import run_world
 
-# Qwen2-MoE-like: the first layer dense, then top-2 of 4 SwiGLU experts with a gated shared expert, the
-# Switch balancing loss and the z-loss
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([0]+[1]*3)", "--swiglu",
-       "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
-       "--moe-shared-expert-gate",
-       "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", *SHORT]
+# top-2 of 4 SwiGLU experts, the first layer dense, a gated shared expert (Qwen2-MoE); routed by softmax
+# with the Switch balancing loss and the z-loss, or as DeepSeek-V3 routes (sigmoid scores, group-limited
+# top-k, scaled weights, the auxiliary-loss-free expert bias and the sequence balancing loss)
+COMMON = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([0]+[1]*3)", "--swiglu",
+          "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
+          "--moe-shared-expert-gate", *SHORT]
+MOE = COMMON + ["--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+DEEPSEEK = COMMON + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                     "--moe-router-bias-update-rate", "1e-2", "--moe-router-load-balancing-type",
+                     "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-router-num-groups", "2",
+                     "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5"]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+EP2 = ["--expert-model-parallel-size", "2"]
 
+# name: (flags, the one-process run it follows)
 LAYOUTS = {
-    "ep2 x tp2 + SP (etp 2), alltoall": (MOE + TP2 + ["--expert-model-parallel-size", "2"] + ALLTOALL, False),
+    "DeepSeek routing: ep2 x tp2 + SP (etp 2), alltoall": (DEEPSEEK + TP2 + EP2 + ALLTOALL, "deepseek"),
+    "DeepSeek routing: ep2 x cp2, allgather": (DEEPSEEK + EP2 + ["--context-parallel-size", "2"], "deepseek"),
+    "ep2 x tp2 + SP (etp 2), alltoall": (MOE + TP2 + EP2 + ALLTOALL, "dropless"),
     "tp2 + SP, etp 1 x ep2 (an expert grid unlike the dense one), allgather":
-        (MOE + TP2 + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"], False),
+        (MOE + TP2 + ["--expert-tensor-parallel-size", "1"] + EP2, "dropless"),
     "ep4 ZeRO-3, grouped product": (MOE + ["--expert-model-parallel-size", "4", "--zero-stage", "3",
-                                           "--moe-grouped-gemm"] + ALLTOALL, False),
-    "ep2 x expert dp 2 ZeRO-1, allgather": (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "1"],
-                                            False),
-    "ep2 x expert dp 2 ZeRO-2, compiled": (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "2"]
-                                           + ALLTOALL + COMPILED, False),
+                                           "--moe-grouped-gemm"] + ALLTOALL, "dropless"),
+    "ep2 x expert dp 2 ZeRO-1, allgather": (MOE + EP2 + ["--zero-stage", "1"], "dropless"),
+    "ep2 x expert dp 2 ZeRO-2, compiled": (MOE + EP2 + ["--zero-stage", "2"] + ALLTOALL + COMPILED,
+                                           "dropless"),
     "ep2 x expert dp 2 ZeRO-3, optimizer on the CPU, MoE layers recomputed": (
-        MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--offload-optimizer", "cpu",
-               "--recompute-granularity", "selective", "--recompute-modules", "moe"], False),
-    "ep2 x pp2 1F1B": (MOE + ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-                       + ALLTOALL, False),
-    "ep2 x pp2 interleaved": (MOE + ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                                     "2", "--num-layers-per-virtual-pipeline-stage", "1"] + ALLTOALL, False),
-    "ep2 x cp2": (MOE + ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"] + ALLTOALL,
-                  False),
-    "capacity: ep2 x tp2 + SP": (MOE + CAPACITY + TP2 + ["--expert-model-parallel-size", "2"] + ALLTOALL,
-                                 True),
-    "capacity: ep2 x cp2, full recompute": (MOE + CAPACITY + ["--expert-model-parallel-size", "2",
-                                                              "--context-parallel-size", "2",
-                                                              "--recompute-granularity", "full"], True),
+        MOE + EP2 + ["--zero-stage", "3", "--offload-optimizer", "cpu", "--recompute-granularity",
+                     "selective", "--recompute-modules", "moe"], "dropless"),
+    "ep2 x pp2 1F1B": (MOE + EP2 + ["--pipeline-model-parallel-size", "2"] + ALLTOALL, "dropless"),
+    "ep2 x pp2 interleaved": (MOE + EP2 + ["--pipeline-model-parallel-size", "2",
+                                           "--num-layers-per-virtual-pipeline-stage", "1"] + ALLTOALL,
+                              "dropless"),
+    "ep2 x cp2": (MOE + EP2 + ["--context-parallel-size", "2"] + ALLTOALL, "dropless"),
+    "capacity: ep2 x tp2 + SP": (MOE + CAPACITY + TP2 + EP2 + ALLTOALL, "dropping"),
+    "capacity: ep2 x cp2, full recompute": (MOE + CAPACITY + EP2 + ["--context-parallel-size", "2",
+                                                                    "--recompute-granularity", "full"],
+                                            "dropping"),
 }
 
 
 @pytest.mark.parity
 def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(stdlib_corpus, tmp_path):
     """Each layout within the fp32 bound of one process at every iteration; a checkpoint saved after 3
-    iterations at ep2 x tp2 + SP (etp 2, ZeRO-1) resumes at ep1 (dp4, ZeRO-3) and at ep4 (ZeRO-2) on the
-    straight run's trajectory (the experts re-cut by name and expert tp slice)."""
+    iterations at ep2 x tp2 + SP (etp 2, ZeRO-1, DeepSeek routing) resumes at ep1 (dp4, ZeRO-3) and at ep4
+    (ZeRO-2) on the straight run's trajectory (the experts re-cut by name and expert tp slice, the expert
+    biases restored)."""
     single = str(tmp_path / "single")
-    dropless, dropping = run_world(1, _train, [MOE + ["--save", single, "--save-interval", "3"],
-                                               MOE + CAPACITY], stdlib_corpus)[0]
+    saving = DEEPSEEK + ["--save", single, "--save-interval", "3"]
+    deepseek, dropless, dropping = run_world(1, _train, [saving, MOE, MOE + CAPACITY], stdlib_corpus)[0]
+    references = {"deepseek": deepseek, "dropless": dropless, "dropping": dropping}
+    assert dropless[0] != dropping[0]  # the capacity drops tokens: another trajectory
     saved = str(tmp_path / "ep2tp2")
-    original = MOE + TP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "1"] + ALLTOALL
+    original = DEEPSEEK + TP2 + EP2 + ["--zero-stage", "1"] + ALLTOALL
     resumes = [original + ["--train-iters", "3", "--save", saved],
-               MOE + ["--zero-stage", "3", "--load", saved],
-               MOE + ["--expert-model-parallel-size", "4", "--zero-stage", "2", "--load", saved] + ALLTOALL]
+               DEEPSEEK + ["--zero-stage", "3", "--load", saved],
+               DEEPSEEK + ["--expert-model-parallel-size", "4", "--zero-stage", "2", "--load", saved]
+               + ALLTOALL]
     results = run_world(4, _train, [flags for flags, _ in LAYOUTS.values()] + resumes, stdlib_corpus,
                         timeout_s=600)[-1]
-    for (name, (_, capacity)), result in zip(LAYOUTS.items(), results):
-        reference = dropping if capacity else dropless
-        for what, got, want in zip(("loss", "grad norm"), result[:2], reference[:2]):
+    for (name, (_, reference)), result in zip(LAYOUTS.items(), results):
+        for what, got, want in zip(("loss", "grad norm"), result[:2], references[reference][:2]):
             assert_trajectory_close(got, want, f"{name}: {what}")
         assert not result[5], (name, result[5])  # --compile: graph breaks at communication only
-    straight = results[0]  # ep2 x tp2 + SP, alltoall, ZeRO-0: the saved run's layout but its stage
+    straight = results[0]  # ep2 x tp2 + SP, alltoall, ZeRO-0, DeepSeek routing: the saved run's layout
     for name, resumed in zip(("ep1 ZeRO-3", "ep4 ZeRO-2"), results[-2:]):
         for what, got, want in zip(("loss", "grad norm"), resumed[:2], straight[:2]):
             assert_trajectory_close(got, want[3:], f"resumed at {name}: {what}")
+    biases = json.loads((tmp_path / "ep2tp2" / "iter_0000003" / "manifest.json").read_text())
+    table = biases["states"]["load_balancing"]["expert_bias"]
+    assert table[0] == [0.0] * 4 and all(abs(b) > 0 for row in table[1:] for b in row)  # layer 0 is dense
     # the ep2 x etp2 checkpoint as one file, in safetensors shards: every expert whole under its name, the
     # one-process run's weights at the same iteration up to another summation order
     convert(["--load", single, "--ckpt-step", "3", "--output", str(tmp_path / "single.safetensors")])
