@@ -17,30 +17,35 @@ from models.config import GPTConfig
 from models.moe.layer import MoELayer
 from models.pipeline_stage import stage_chunks
 from parallel.comm import DetachedGroup
+from parallel.experts import ExpertGroups
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp: int = 1,
-                sequence_parallel: bool = False, layers_per_stage: list[int] | None = None) -> nn.ModuleList:
+                sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
+                experts: tuple[int, int] = (1, 1)) -> nn.ModuleList:
     """Pipeline stage ``stage``'s model chunks as tensor-parallel rank 0 of ``tp`` holds them, on the meta
-    device (every tp rank holds the same shapes)."""
+    device (every tp rank holds the same shapes); ``experts``: (ep, etp), its MoE layers' expert layout (a
+    rank holds E / ep experts, each 1 / etp of its width)."""
     layers = tuple(layers_per_stage) if layers_per_stage else None
-    return _stage_model(_frozen(config), tp, pp, stage, vp, sequence_parallel, layers)
+    return _stage_model(_frozen(config), tp, pp, stage, vp, sequence_parallel, layers, experts)
 
 
 def stage_parameters(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
-                     sequence_parallel: bool = False,
-                     layers_per_stage: list[int] | None = None) -> tuple[nn.Parameter, ...]:
+                     sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
+                     experts: tuple[int, int] = (1, 1)) -> tuple[nn.Parameter, ...]:
     """The parameters of ``stage_model(config, tp, pp, stage, ...)``, listed once per model and layout (a
     planner prices thousands of layouts; walking the module tree each time was most of its work)."""
     layers = tuple(layers_per_stage) if layers_per_stage else None
-    return _stage_parameters(_frozen(config), tp, pp, stage, sequence_parallel, layers)
+    return _stage_parameters(_frozen(config), tp, pp, stage, sequence_parallel, layers, experts)
 
 
 @functools.lru_cache(maxsize=256)
 def _stage_parameters(frozen: tuple, tp: int, pp: int, stage: int, sequence_parallel: bool,
-                      layers_per_stage: tuple[int, ...] | None) -> tuple[nn.Parameter, ...]:
-    return tuple(_stage_model(frozen, tp, pp, stage, 1, sequence_parallel, layers_per_stage).parameters())
+                      layers_per_stage: tuple[int, ...] | None,
+                      experts: tuple[int, int] = (1, 1)) -> tuple[nn.Parameter, ...]:
+    return tuple(_stage_model(frozen, tp, pp, stage, 1, sequence_parallel, layers_per_stage,
+                              experts).parameters())
 
 
 def _frozen(config: GPTConfig) -> tuple:
@@ -56,12 +61,14 @@ def _thawed(frozen: tuple) -> GPTConfig:
 
 @functools.lru_cache(maxsize=64)
 def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_parallel: bool,
-                 layers_per_stage: tuple[int, ...] | None) -> nn.ModuleList:
+                 layers_per_stage: tuple[int, ...] | None,
+                 experts: tuple[int, int] = (1, 1)) -> nn.ModuleList:
     config = _thawed(frozen)
     with torch.device("meta"):
         return stage_chunks(config, DetachedGroup("tp", tp), pp, stage, seed=0, vp=vp,
                             sequence_parallel=sequence_parallel,
-                            layers_per_stage=list(layers_per_stage) if layers_per_stage else None)
+                            layers_per_stage=list(layers_per_stage) if layers_per_stage else None,
+                            experts=ExpertGroups.detached(*experts))
 
 
 def num_parameters(config: GPTConfig) -> int:

@@ -17,7 +17,10 @@
 6. ``flash``: the flash scaled-dot-product-attention kernel runs our attention, forward and backward;
 7. ``fp8``: ``--fp8-format hybrid`` (torchao, tensorwise scales) against bf16 on the Llama shape, both
    compiled (emulated on the CPU: the check, not the speed);
-8. ``rates``: ``launch.bench.device_rates``: the device's achieved product, attention and copy rates,
+8. ``moe``: the Llama shape with its MLPs as top-2 of 8 experts of half the width (the same active
+   weights), the experts as one grouped product and as a loop, against the dense model, compiled (eager in
+   the smoke run): tokens/s, and that the grouped product runs on the device;
+9. ``rates``: ``launch.bench.device_rates``: the device's achieved product, attention and copy rates,
    written as a profile (runs/bench/device_profile.json) that ``launch.plan --device FILE`` reads.
 
 Prints one line per check and exits non-zero if one fails.
@@ -128,6 +131,27 @@ def check_fp8(size: str, iters: int) -> bool:
     return True
 
 
+def check_moe(size: str, iters: int) -> bool:
+    """A top-2-of-8 MoE of equal active weights against the dense Llama shape, grouped product and loop."""
+    from launch.bench.throughput import SIZES, run_system
+
+    width = SIZES[size]["llama"][4] // 2
+    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", str(width),
+           "--moe-aux-loss-coeff", "1e-2"]
+    system = "ours" if size == "smoke" else "ours-compiled"
+    variants = (("dense", []), ("moe loop", moe), ("moe grouped", moe + ["--moe-grouped-gemm"]))
+    runs = {name: run_system(size, "llama", system, iters, flags) for name, flags in variants}
+    failed = [f"{name}: {r['error'].splitlines()[-1]}" for name, r in runs.items() if "error" in r]
+    if failed:
+        print(f"moe: FAILED {'; '.join(failed)}", flush=True)
+        return False
+    dense = runs["dense"]["tokens_per_s"]
+    rates = [f"{name} {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / dense:.2f}x)"
+             for name, r in runs.items()]
+    print(f"moe ({system}): " + ", ".join(rates), flush=True)
+    return True
+
+
 def check_profiler(base: list[str], device: torch.device, workdir: str) -> bool:
     """--profile --use-pytorch-profiler writes a Chrome trace that parses; on a GPU --record-memory-history
     writes torch's memory snapshot, which loads."""
@@ -203,7 +227,7 @@ def check_flash_attention(device: torch.device) -> bool:
     return True
 
 
-SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8", "rates")
+SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8", "moe", "rates")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
             ok &= check_flash_attention(device)
         if "fp8" in args.sections:
             ok &= check_fp8(size, iters)
+        if "moe" in args.sections:
+            ok &= check_moe(size, iters)
         if "rates" in args.sections:
             from launch.bench.device_rates import main as device_rates
 

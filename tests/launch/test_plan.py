@@ -56,6 +56,14 @@ LLAMA_LAYOUTS = {f"llama dp2 x tp2 + SP stage {stage}": (
      "--zero-persistence-threshold", "1000",
      *(["--bf16"] if stage == 3 else [])], Layout(2, 1, 2, stage, sequence_parallel=True))
     for stage in range(4)}
+EXPERTS = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2",
+           "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate", "--moe-aux-loss-coeff",
+           "1e-2", "--moe-token-dispatcher-type", "alltoall"]
+LLAMA_LAYOUTS["llama MoE ep2 x expert dp 2 stage 1"] = (
+    [*LLAMA, *EXPERTS, "--expert-model-parallel-size", "2", "--zero-stage", "1"], Layout(1, 1, 4, 1, ep=2))
+LLAMA_LAYOUTS["llama MoE ep2 x tp2 + SP stage 3"] = (
+    [*LLAMA, *EXPERTS, *_tp(2, "--sequence-parallel"), "--expert-model-parallel-size", "2", "--zero-stage",
+     "3", "--zero-persistence-threshold", "1000"], Layout(2, 1, 2, 3, sequence_parallel=True, ep=2))
 LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
     [*LLAMA, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
     Layout(1, 1, 4, 0, recompute="selective", recompute_modules=("mlp",)))
@@ -77,7 +85,8 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         config.model.vocab_size = 512  # the corpus tokenizer's
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
                         sequence_parallel=layout.sequence_parallel, layers_per_stage=layout.layers_per_stage,
-                        zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules)
+                        zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules,
+                        ep=layout.ep)
         predicted = plan_layout(config.model, layout, 8, 2 if "--bf16" in flags else 4,
                                 persistence_threshold=config.zero.zero_persistence_threshold)
         states = max(r["model_state_bytes"] for r in ranks)
@@ -235,3 +244,17 @@ def test_one_layers_saved_activations_follow_its_architecture(dtype):
             block(x, LayerInputs(rotary)).float().sum().backward()
         predicted = layer_elements(config, Layout(1, 1, 1, 0, micro_batch_size=b)) * x.element_size()
         assert predicted == pytest.approx(meter.peak_bytes, rel=0.03), name
+
+
+def test_planner_searches_expert_parallelism():
+    """With experts every ep that divides them and the grid is a candidate: at a fixed grid a rank's
+    model states fall as ep spreads the experts, and the tokens' dispatch appears on the ep axis."""
+    config = parse_config(TINY + ["--num-experts", "8", "--moe-ffn-hidden-size", "128", "--swiglu",
+                                  "--global-batch-size", "64", "--vocab-size", "512"])
+    plans = plan(config.model, 16, 8, parse_bytes("1GiB"), 64, 4, tp=1, pp=1, cp=1, zero_stage=1)
+    grid = {p.layout.ep: p for p in plans if (p.layout.micro_batch_size, p.layout.recompute,
+                                               p.layout.offload_optimizer) == (1, None, "none")}
+    assert sorted(grid) == [1, 2, 4, 8]
+    states = [grid[ep].model_state_bytes for ep in (1, 2, 4, 8)]
+    assert states == sorted(states, reverse=True) and states[0] > states[-1]
+    assert grid[1].comm_bytes["ep"] == 0 < grid[2].comm_bytes["ep"]

@@ -194,8 +194,8 @@ def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_
 
 @pytest.mark.parametrize("flags, message", [
     (["--multi-latent-attention"], "--multi-latent-attention: this attention variant"),
-    (["--num-experts", "8", "--moe-router-enable-expert-bias"],
-     "--moe-router-enable-expert-bias: the auxiliary-loss-free expert bias is not built yet"),
+    (["--num-experts", "8", "--moe-enable-deepep"],
+     "--moe-enable-deepep: the flex dispatcher \\(DeepEP, HybridEP\\) is not built"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),
 ])
 def test_megatron_features_this_build_lacks_are_refused_at_parse(flags, message):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from launch.tools.planning.link_model import Transfer, ZeroCommOptions, ring, zero_transfers
+from launch.tools.planning.link_model import Transfer, ZeroCommOptions, all_to_all, ring, zero_transfers
 from models.config import GPTConfig
 from models.counting import stage_model, stage_parameters
+from parallel.param_meta import meta
 from parallel.topology import Topology
 from parallel.zero import gradient_bytes, optimizer_state_bytes
 from parallel.zero.memory import expected_profile_state_bytes, parameter_profile
@@ -33,6 +34,9 @@ class Layout:
     zero: ZeroCommOptions = ZeroCommOptions()  # ZeRO++ / MiCS
     cp: int = 1  # --context-parallel-size: each rank holds S / cp tokens of every sequence
     recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recompute redoes
+    ep: int = 1  # --expert-model-parallel-size: the ranks a MoE layer's experts are spread over
+    etp: int | None = None  # --expert-tensor-parallel-size (None: tp)
+    dispatcher: str = "alltoall"  # --moe-token-dispatcher-type
 
     @property
     def recompute_label(self) -> str:
@@ -45,6 +49,19 @@ class Layout:
         """The ranks gradients are reduced and ZeRO shards over: dp x cp."""
         return self.dp * self.cp
 
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_data_ranks(self) -> int:
+        """The ranks an expert's gradients are reduced and its ZeRO states sharded over (expert dp)."""
+        return self.tp * self.dp * self.cp // (self.expert_tp * self.ep)
+
+    def topology(self, gpus_per_node: int | None = None) -> Topology:
+        return Topology(self.tp * self.pp * self.dp * self.cp, self.tp, self.pp, self.cp,
+                        gpus_per_node=gpus_per_node, ep=self.ep, etp=self.etp)
+
     def layers_on(self, stage: int, num_layers: int) -> int:
         return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
 
@@ -52,25 +69,29 @@ class Layout:
 def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> tuple:
     """The parameters of pipeline ``stage``'s tp slice, as ``models.pipeline_stage`` builds them (on meta)."""
     return stage_parameters(config, layout.tp, layout.pp, stage, layout.sequence_parallel,
-                            list(layout.layers_per_stage or []) or None)
+                            list(layout.layers_per_stage or []) or None, (layout.ep, layout.expert_tp))
 
 
 @functools.lru_cache(maxsize=256)
-def _profile(params: tuple) -> tuple:
-    """``parameter_profile`` of one stage's parameters (a cached tuple: the key is its identity)."""
-    return parameter_profile(params)
+def _profile(params: tuple, expert: bool = False) -> tuple:
+    """``parameter_profile`` of one stage's dense (or expert) parameters (a cached tuple: the key is its
+    identity)."""
+    return parameter_profile([p for p in params if meta(p).expert == expert])
 
 
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
                       persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
-    """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded)."""
-    profile = _profile(_stage_parameters(config, layout, stage))
-    shard = layout.zero.shard_size or layout.data_ranks
-    total = expected_profile_state_bytes(profile, layout.zero_stage, shard, compute_bytes,
-                                         persistence_threshold, grad_bytes, layout.zero.hpz)
-    if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
-        total -= sum(numel * count for numel, _, count in profile) * optimizer_state_bytes(compute_bytes) / (
-            shard if layout.zero_stage else 1)
+    """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded): the dense
+    parameters' states sharded over dp x cp, the experts' over expert dp."""
+    params, total = _stage_parameters(config, layout, stage), 0.0
+    shards = ((False, layout.zero.shard_size or layout.data_ranks), (True, layout.expert_data_ranks))
+    for expert, shard in shards:
+        profile = _profile(params, expert)
+        total += expected_profile_state_bytes(profile, layout.zero_stage, shard, compute_bytes,
+                                              persistence_threshold, grad_bytes, layout.zero.hpz)
+        if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
+            total -= sum(numel * count for numel, _, count in profile) * optimizer_state_bytes(
+                compute_bytes) / (shard if layout.zero_stage else 1)
     return total
 
 
@@ -86,8 +107,14 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
     s, b, h, t = config.seq_length / layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
-    per_layer = sbh / split if layout.recompute == "full" else layer_elements(config, layout)
-    saved = per_layer * layout.layers_on(stage, config.num_layers) * compute_bytes
+    layers = layout.layers_on(stage, config.num_layers)
+    first = sum(layout.layers_on(earlier, config.num_layers) for earlier in range(stage))
+    moe = sum(config.moe_layers(config.num_layers)[first:first + layers])
+    if layout.recompute == "full":
+        saved = sbh / split * layers * compute_bytes
+    else:
+        saved = (layer_elements(config, layout) * (layers - moe)
+                 + (layer_elements(config, layout, moe=True) * moe if moe else 0)) * compute_bytes
     # final norm input and output; the loss's saved logits over this rank's vocabulary
     if stage == layout.pp - 1:
         # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in
@@ -96,7 +123,7 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
     return saved * alive_micro_batches(layout.pp, stage, micro_batches)
 
 
-def layer_elements(config: GPTConfig, layout: Layout) -> float:
+def layer_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:
     """Elements one transformer layer keeps for backward per micro-batch without full recompute, as our
     layer saves them, per token, t = tp, a query heads and G key/value groups of d channels:
 
@@ -114,7 +141,11 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
     the checkpoint keeps q, k, v instead); ``mlp`` keeps its input instead of its activations (0 for the
     MLP; its norm's output is the kept input); ``layernorm`` drops each pre-norm's output that a linear
     keeps (h, or h / t under sequence parallelism: the attention norm's, and the MLP norm's unless the MLP
-    is recomputed)."""
+    is recomputed). A MoE layer (``moe``) keeps instead of the MLP's, per token of this rank (1 / t of them
+    under sequence parallelism), on average: the k rows each routed token becomes at its experts, etp copies
+    of each (h each), their activations as the MLP's of width f' (4 f' or 2 f' a row, split over etp), the
+    k returned rows the routing weights multiply (h each), the router's and balancing's scores (2 E); and
+    the shared expert as an MLP of its width, with its gate's output (h and 1)."""
     t, h, f = layout.tp, config.hidden_size, config.ffn_size
     heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
     split = t if layout.sequence_parallel else 1
@@ -130,9 +161,23 @@ def layer_elements(config: GPTConfig, layout: Layout) -> float:
         attention += (heads + groups) * d + 2 * config.rotary_channels
     modules = layout.recompute_modules if layout.recompute == "selective" else ()
     mlp = 0 if "mlp" in modules else (4 if config.gated else 2) * f / t
+    if moe:
+        mlp = 0 if "moe" in modules else _moe_elements(config, layout, split)
     if "layernorm" in modules and config.norm_placement != "post":
         norms -= (1 if "mlp" in modules else 2) * h / split
     return config.seq_length / layout.cp * layout.micro_batch_size * (norms + attention + mlp)
+
+
+def _moe_elements(config: GPTConfig, layout: Layout, split: int) -> float:
+    """``layer_elements``' MoE part per token of the sequence (see there)."""
+    h, k, width = config.hidden_size, config.moe_router_topk, config.moe_ffn_hidden_size or config.ffn_size
+    activation = (4 if config.gated else 2) * width
+    routed = k * (layout.expert_tp * h + activation + h) + 2 * config.num_experts
+    shared = config.moe_shared_expert_intermediate_size or 0
+    kept = (4 if config.gated else 2) * shared / layout.tp
+    if shared and config.moe_shared_expert_gate:
+        kept += (h + 1) / split
+    return routed / split + kept
 
 
 def recompute_cost(config: GPTConfig, layout: Layout) -> float:
@@ -164,11 +209,15 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
 
 
 def _block_and_stage(config: GPTConfig, layout: Layout) -> tuple[int, int]:
-    """(one layer's parameters, the first pipeline stage's) on one tp rank."""
-    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel)
-    block = sum(p.numel() for p in chunks[0].layers[0].parameters())
+    """(one layer's dense parameters, the first pipeline stage's) on one tp rank (the dense optimizer's
+    units; the experts are the expert optimizer's)."""
+    experts = (layout.ep, layout.expert_tp)
+    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel,
+                         experts=experts)
+    block = sum(p.numel() for p in chunks[0].layers[0].parameters() if not meta(p).expert)
     return block, sum(p.numel() for p in stage_parameters(config, layout.tp, layout.pp, 0,
-                                                           layout.sequence_parallel))
+                                                           layout.sequence_parallel, experts=experts)
+                      if not meta(p).expert)
 
 
 def reused_elements(config: GPTConfig, layout: Layout) -> int:
@@ -197,9 +246,10 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
     ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    psi = sum(p.numel() for p in _stage_parameters(config, layout, 0))
-    topology = Topology(layout.tp * layout.pp * layout.dp * layout.cp, layout.tp, layout.pp, layout.cp,
-                        gpus_per_node=gpus_per_node)
+    params = _stage_parameters(config, layout, 0)
+    psi = sum(p.numel() for p in params if not meta(p).expert)
+    experts = sum(p.numel() for p in params if meta(p).expert)
+    topology = layout.topology(gpus_per_node)
     t, m = layout.tp, micro_batches
     sbh = config.seq_length / layout.cp * layout.micro_batch_size * config.hidden_size * compute_bytes
     layers = layout.layers_on(0, config.num_layers)
@@ -207,6 +257,13 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
                            layout.zero, gpus_per_node, backend, layers, bucket_size,
                            reused_elements(config, layout) if layout.zero_stage == 3 else 0)
+    if experts:  # the expert optimizer's, over expert dp; the tokens' trips to their experts and back
+        found += zero_transfers(topology, experts, layout.zero_stage, m, compute_bytes, grad_bytes,
+                                node_size=gpus_per_node, backend=backend, pieces=layers,
+                                bucket_size=bucket_size, axis="edp")
+        moe = sum(config.moe_layers(config.num_layers)[:layout.layers_on(0, config.num_layers)])
+        found.append(dispatch_transfer(config, layout, topology, compute_bytes, gpus_per_node, moe * m,
+                                       recompute))
     found.append(ring("all_reduce", "tp", topology.groups("tp"), gpus_per_node,
                       2 * (t - 1) / t * sbh * recompute, 4 * layers * m))
     if layout.cp > 1:  # ring attention's key/value blocks (and their gradients), every layer
@@ -218,6 +275,27 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
                                                     for g in topology.groups("pp") for a, b in zip(g, g[1:]))
         found.append(Transfer("p2p", "pp", 2 * sbh * m, 2 * sbh * m if crosses else 0.0, 2 * m))
     return found
+
+
+def dispatch_transfer(config: GPTConfig, layout: Layout, topology: Topology, compute_bytes: int,
+                      gpus_per_node: int | None, count: int, recompute: float = 1.0) -> Transfer:
+    """What one rank sends over the etp x ep group for ``count`` MoE layer passes (a layer's forward and
+    backward of one micro-batch each; ``recompute`` 1.5 where full recompute runs the forward again), the
+    routing spread evenly (``parallel.experts.dispatch``): alltoall, each
+    of its T tokens' k rows to the etp ranks of its expert's ep rank, 1 / ep of them its own, and the
+    outputs back, both again in backward, 4 T k (etp ep - 1) / ep rows; allgather, (G - 1) T rows each way
+    and pass with the routing weights (fp32) and choices (bytes): exposed, the layer waits for it."""
+    group = layout.expert_tp * layout.ep
+    tokens = config.seq_length / layout.cp * layout.micro_batch_size / (layout.tp if layout.sequence_parallel
+                                                                        else 1)
+    row, experts = config.hidden_size * compute_bytes, config.num_experts
+    if layout.dispatcher == "alltoall":
+        sent = 4 * tokens * config.moe_router_topk * (group - 1) / layout.ep * row \
+            + (group - 1) * experts / layout.ep * 8
+    else:
+        sent = (group - 1) * tokens * (4 * row + 2 * experts * 4 + experts)
+    return all_to_all("ep", topology.groups("etp-ep"), gpus_per_node,
+                      sent * recompute * group / max(group - 1, 1), count)
 
 
 def context_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
@@ -240,11 +318,13 @@ def context_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
 
 
 def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:
-    """Bytes a rank sends per step on each axis (dp: every data-parallel group, hpZ's and shard groups
-    included); with ``crossing``, those of the transfers that leave a node (on a rank whose ring
+    """Bytes a rank sends per step on each axis (dp: every data-parallel group, hpZ's, shard groups and
+    the expert data-parallel groups included; ep: the MoE tokens' dispatch, where a layout has experts);
+    with ``crossing``, those of the transfers that leave a node (on a rank whose ring
     neighbour is on another node: the most loaded)."""
     sent = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0}
     for transfer in found:
         if not crossing or transfer.leaving_node > 0:
-            sent[transfer.axis if transfer.axis in sent else "dp"] += transfer.per_rank * transfer.count
+            axis = transfer.axis if transfer.axis in sent or transfer.axis == "ep" else "dp"
+            sent[axis] = sent.get(axis, 0.0) + transfer.per_rank * transfer.count
     return sent

@@ -158,16 +158,19 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                    grad_bytes: int, options: ZeroCommOptions = ZeroCommOptions(),
                    node_size: int | None = None,
                    backend: str = "nccl", pieces: int = 1, bucket_size: int | None = None,
-                   reused: int = 0) -> list[Transfer]:
+                   reused: int = 0, axis: str = "dp-cp") -> list[Transfer]:
     """The data-parallel transfers of one step for ``params`` parameters per rank (nodes of ``node_size``
     consecutive ranks; default the topology's --gpus-per-node, else one node) as they travel on
     ``backend``, placed in the passes they run in: stage 3's in ``pieces`` a pass (its units, a layer
     each; backward gathers all but the ``reused`` parameters that stay gathered from the end of forward),
-    stages 0-2's in buckets of ``bucket_size`` elements (default: ``pieces`` of them)."""
+    stages 0-2's in buckets of ``bucket_size`` elements (default: ``pieces`` of them). ``axis``: the groups
+    the parameters are sharded over (data x context; "edp" for the experts of a mixture of experts, whose
+    optimizer has no ZeRO++ options)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
-    dp, m = topology.dp_cp, micro_batches  # gradients and ZeRO's shards span data x context
+    spans = topology.groups(axis)  # gradients and ZeRO's shards span data x context (or expert dp)
+    dp, m, label = len(spans[0]), micro_batches, "dp" if axis == "dp-cp" else axis
     shard = options.shard_size or dp
-    shards, replicas = topology.dp_partitions(shard) if shard < dp else (topology.groups("dp-cp"), None)
+    shards, replicas = topology.dp_partitions(shard) if shard < dp else (spans, None)
     weight_bytes = QUANTIZED_BYTES if options.quantized_weights else compute_bytes
     part = params * (shard - 1) / shard
     dequantized = params * (1 + 1 / shard) if options.quantized_weights else 0.0  # own shard, then all of it
@@ -187,7 +190,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                        quantized_elements=quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
-        return [placed(ring("all_reduce", "dp", topology.groups("dp-cp"), node_size,
+        return [placed(ring("all_reduce", label, spans, node_size,
                             2 * grad_bytes * params * (dp - 1) / dp),
                        "backward")]
     transfers = []
@@ -196,24 +199,24 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     if stage == 3 and options.hpz > 1:
         secondary = topology.dp_partitions(options.hpz)[0]
         within = compute_bytes * params * (options.hpz - 1) / options.hpz
-        transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part),
+        transfers += [placed(collective("all_gather", label, shards, weight_bytes * part),
                              "forward", dequantized),
                       placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within, m - 1),
                              "forward"),
                       placed(collective("all_gather", f"dp_part{options.hpz}", secondary, within * regathered,
                                         m), "backward")]
     elif stage == 3:  # every micro-batch's forward and backward
-        transfers += [placed(collective("all_gather", "dp", shards, weight_bytes * part * share, m), phase,
+        transfers += [placed(collective("all_gather", label, shards, weight_bytes * part * share, m), phase,
                              dequantized * share)
                       for phase, share in zip(PASSES, (1.0, regathered))]
     else:  # stages 1-2: after the step (waited for by the next forward module by module if overlapped)
-        transfers.append(placed(collective("all_gather", "dp", shards, weight_bytes * part),
+        transfers.append(placed(collective("all_gather", label, shards, weight_bytes * part),
                                 "forward" if options.overlap_param_gather else "exposed",
                                 quantized=dequantized))
     reductions = m if stage >= 2 else 1
     per_node = topology.dp_ranks_per_node(node_size)
     if options.quantized_gradients and stage >= 2:
-        levels = [topology.groups("dp-cp")] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
+        levels = [spans] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
         elements = float(params)
         for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
             transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index],
@@ -221,7 +224,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
                                     "backward", 2 * elements))
             elements /= len(groups[0])
     else:
-        transfers.append(placed(collective("reduce_scatter", "dp", shards, grad_bytes * part, reductions),
+        transfers.append(placed(collective("reduce_scatter", label, shards, grad_bytes * part, reductions),
                                 "backward"))
     if replicas is not None:  # MiCS / HSDP: the gradient shards summed over the replicas once a step
         copies = dp // shard

@@ -34,7 +34,7 @@ then the bytes sent to another node (``parallel.comm``'s ring model over the lay
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models.config import GPTConfig
 from parallel.topology import Topology
@@ -128,10 +128,13 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                       zero_stage: int | None, tp: int | None, pp: int | None,
                       layers_per_stage: tuple[int, ...] | None = None,
                       zero_plus_plus: bool = False, cp: int | None = None,
-                      micro_batch_size: int = 1) -> list[Layout]:
+                      micro_batch_size: int = 1, ep: int | None = None,
+                      etp: int | None = None) -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
     ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks.
-    Without ``global_batch_size`` each layout's is Megatron's default, ``micro_batch_size`` x dp."""
+    Without ``global_batch_size`` each layout's is Megatron's default, ``micro_batch_size`` x dp. With
+    experts, every expert-parallel size that divides the experts and the expert grid (etp: tp unless
+    given) and no ZeRO++ (the expert optimizer has none)."""
     layouts = []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
         try:
@@ -142,9 +145,25 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
             if world_size % (t * p):
                 continue
             for c in _context_sizes(config, t * p, world_size, cp):
-                layouts += _layouts_of(t, p, c, world_size // (t * p * c), gpus_per_node, global_batch_size,
-                                       zero_stage, layers_per_stage, zero_plus_plus, micro_batch_size)
+                d = world_size // (t * p * c)
+                for e in _expert_sizes(config, t * c * d, etp or t, ep):
+                    grid = _layouts_of(t, p, c, d, gpus_per_node, global_batch_size, zero_stage,
+                                       layers_per_stage, zero_plus_plus and not config.num_experts,
+                                       micro_batch_size)
+                    layouts += [replace(layout, ep=e, etp=etp) for layout in grid] if config.num_experts \
+                        else grid
     return layouts
+
+
+def _expert_sizes(config: GPTConfig, ranks: int, etp: int, ep: int | None) -> list[int]:
+    """The ep sizes worth trying on a stage's ``ranks``: those that divide the experts and, with etp, the
+    ranks (one, without experts)."""
+    if not config.num_experts:
+        return [1]
+    if ep:
+        return [ep]
+    experts = config.num_experts
+    return [e for e in range(1, experts + 1) if experts % e == 0 and ranks % (e * etp) == 0]
 
 
 def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int | None,
@@ -179,14 +198,15 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
          links: Links | None = None, device: Device = Device(), cp: int | None = None,
-         micro_batch_size: int = 1, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
+         micro_batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
+         ep: int | None = None, etp: int | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates). ``global_batch_size`` None: Megatron's default,
     ``micro_batch_size`` x dp, in each layout. ``progress(done, total)`` is called before the first layout
     is priced and after each."""
     layouts = candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
                                 layers_per_stage, zero_plus_plus=links is not None, cp=cp,
-                                micro_batch_size=micro_batch_size)
+                                micro_batch_size=micro_batch_size, ep=ep, etp=etp)
     plans = []
     for done, layout in enumerate(layouts):
         if progress is not None:

@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> None:
                     if "--tensor-model-parallel-size" in model_flags else None),
              "pp": (parallel.pipeline_model_parallel_size
                     if "--pipeline-model-parallel-size" in model_flags else None),
-             "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None}
+             "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None,
+             "ep": (parallel.expert_model_parallel_size
+                    if "--expert-model-parallel-size" in model_flags else None),
+             "etp": parallel.expert_tensor_parallel_size}
     compute_bytes = 2 if train.bf16 or train.fp16 else 4
     links = Links(intra, inter, args.link_latency) if inter is not None else None
     plans = planner.plan(config.model, args.world_size, args.gpus_per_node, memory_per_device,
@@ -212,19 +215,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
           "per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
-    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'zero':>4} {'recompute':>13} {'mbs':>3} "
+    axes = ("dp", "tp", "pp", "cp") + (("ep",) if config.model.num_experts else ())
+    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} " + (f"{'ep':>3} " if config.model.num_experts else "")
+          + f"{'zero':>4} {'recompute':>13} {'mbs':>3} "
           f"{'offload':>7} | {'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | "
-          "comm GiB/step dp / tp / pp / cp (to another node)"
+          f"comm GiB/step {' / '.join(axes)} (to another node)"
           + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
         layout, gib = p.layout, 2**30
-        print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} {layout.zero_stage:>4} "
+        print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} "
+              + (f"{layout.ep:>3} " if config.model.num_experts else "") + f"{layout.zero_stage:>4} "
               f"{layout.recompute_label:>13} "
               f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
               f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
-              + " / ".join(f"{p.comm_bytes[axis] / gib:.2f} ({p.comm_bytes_inter_node[axis] / gib:.2f})"
-                           for axis in ("dp", "tp", "pp", "cp"))
+              + " / ".join(f"{p.comm_bytes.get(axis, 0.0) / gib:.2f} "
+                           f"({p.comm_bytes_inter_node.get(axis, 0.0) / gib:.2f})"
+                           for axis in axes)
               + (f" | {layout.zero.label():>14} | {p.step_seconds:.3f}" if links else ""))
     if advice:
         print(advice)
