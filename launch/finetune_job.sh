@@ -4,7 +4,8 @@
 # small SFT set with ZeRO-3 in bf16 on 2 processes, exported back to Hugging Face, and asked held-out
 # prompts through transformers' text-generation pipeline. Creates .venv when missing.
 #   bash launch/finetune_job.sh [--family llama3.1|llama3.2|mistral|mistral-nemo|qwen2.5|qwen3|gemma2|gemma3|
-#                                phi3|olmo2|gpt2] [pretrain flags, e.g. --train-iters 100]
+#                                phi3|olmo2|gpt2|mixtral|qwen2-moe|qwen3-moe|olmoe] [pretrain flags, e.g.
+#                                --train-iters 100]   (the mixtures of experts train at ep2: each rank two experts)
 # WORK (default runs/finetune) holds everything it writes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,8 @@ if [ "${1:-}" = "--family" ]; then
     FAMILY=${2:?--family needs a name}
     shift 2
 fi
+EXPERTS=()
+case "$FAMILY" in mixtral|qwen2-moe|qwen3-moe|olmoe) EXPERTS=(--expert-model-parallel-size 2) ;; esac
 . launch/venv.sh
 WORK=${WORK:-runs/finetune}
 rm -rf "$WORK"
@@ -22,6 +25,6 @@ python -m launch.torchrun --nproc 2 --pretrained-checkpoint "$WORK/imported" --s
     --split 1,0,0 --seq-length 12 --micro-batch-size 8 --global-batch-size 16 --zero-stage 3 --bf16 \
     --train-iters 300 --lr 3e-3 --min-lr 1e-4 --lr-warmup-iters 10 --lr-decay-style cosine --weight-decay 0 \
     --hidden-dropout 0 --attention-dropout 0 --log-interval 50 --sample-prompt "" --save "$WORK/finetuned" \
-    --data-cache-path "$WORK/cache" "$@"
+    --data-cache-path "$WORK/cache" ${EXPERTS[@]+"${EXPERTS[@]}"} "$@"
 python -m pretrain.convert --load "$WORK/finetuned" --to hf --output "$WORK/hf-finetuned"
 python -m launch.examples.finetune_demo answer "$WORK/hf-finetuned" "$WORK/heldout.jsonl"

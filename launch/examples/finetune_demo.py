@@ -19,7 +19,7 @@ import json
 import os
 import random
 
-from launch.examples.hf_families import FAMILIES
+from launch.examples.hf_families import ALL_FAMILIES
 
 LETTERS = "abcdefgh"
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("make")
     made.add_argument("directory")
-    made.add_argument("--family", default="llama3.1", choices=FAMILIES,
+    made.add_argument("--family", default="llama3.1", choices=ALL_FAMILIES,
                       help="the Hugging Face family of the model (launch.examples.hf_families)")
     answered = commands.add_parser("answer")
     answered.add_argument("hf_dir")

@@ -5,13 +5,16 @@ an explicit head_dim, biases, query/key norms, soft-capping, fused projections.
 
     make_model(family, vocab_size, hidden_size=32, window=4, bos=None, eos=None) -> a transformers model
 
-``FAMILIES`` lists the names; ``launch/finetune_job.sh --family NAME`` and the interop tests use them.
+``FAMILIES`` lists the dense ones, ``MOE_FAMILIES`` the mixtures of experts; ``launch/finetune_job.sh
+--family NAME`` and the interop tests use them.
 """
 
 from __future__ import annotations
 
 FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3", "gemma2", "gemma3",
             "phi3", "olmo2", "gpt2")
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")  # top-2 of 4 experts each
+ALL_FAMILIES = FAMILIES + MOE_FAMILIES
 
 
 def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
@@ -62,11 +65,22 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
                              "long_factor": [2.0 + i for i in range(pairs)]})
     if family == "olmo2":  # norms after attention and the MLP, q/k norms over the whole projection
         return transformers.Olmo2Config(**common, tie_word_embeddings=False)
+    moe = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+    if family == "mixtral":  # every layer MoE, renormalised top-k
+        return transformers.MixtralConfig(**common, num_local_experts=4, sliding_window=None, **moe)
+    if family == "qwen2-moe":  # the first layer dense, a gated shared expert, q/k/v biases, raw top-k
+        return transformers.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=hidden // 2,
+                                           shared_expert_intermediate_size=hidden, mlp_only_layers=[0], **moe)
+    if family == "qwen3-moe":  # per-head q/k norms, renormalised top-k
+        return transformers.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=hidden // 2,
+                                           norm_topk_prob=True, head_dim=2 * hidden // heads, **moe)
+    if family == "olmoe":  # q/k norms over the projection, top-k not renormalised
+        return transformers.OlmoeConfig(**common, num_experts=4, **moe)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        **special)
-    raise ValueError(f"--family {family}: choose from {', '.join(FAMILIES)}")
+    raise ValueError(f"--family {family}: choose from {', '.join(ALL_FAMILIES)}")
 
 
 def make_model(family: str, vocab_size: int, hidden_size: int = 32, window: int = 4, bos: int | None = None,

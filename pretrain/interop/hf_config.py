@@ -4,9 +4,10 @@ A family is a ``model_type`` (GPT-2, Llama 3.x, Mistral / Mistral-Nemo, Qwen2 / 
 Gemma 3 text, Phi-3 / Phi-4, OLMo 2): the features it fixes (``Family.features``: our field -> its value)
 and the keys it reads beside the shared decoder ones. An import sets those features and records the
 family (``hf_model_type``), so an export writes the same class back; a model trained from scratch is
-exported as the first family that expresses it. What no family expresses exactly (mixture-of-experts,
-multimodal towers, encoder-decoders, bidirectional or chunked attention, biases where a family has
-none) is refused naming the config key and its value, before any weight is read.
+exported as the first family that expresses it (Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE with their
+experts: ``hf_moe``). What no family expresses exactly (other mixtures of experts, multimodal towers,
+encoder-decoders, bidirectional or chunked attention, biases where a family has none) is refused naming
+the config key and its value, before any weight is read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from models.config import GPTConfig
+from pretrain.interop.hf_moe import MOE_FAMILIES, MoEMappingError, moe_from_hf, moe_misses, moe_to_hf
 
 
 class HFMappingError(ValueError):
@@ -53,6 +55,12 @@ FAMILIES = {family.model_type: family for family in (
     Family("phi3", "Phi3ForCausalLM", LLAMA, windows="uniform"),
     Family("olmo2", "Olmo2ForCausalLM", {**LLAMA, "norm_placement": "post", "qk_layernorm": True},
            qk_scope="projection"),
+    # mixtures of experts (their experts: ``hf_moe``)
+    Family("mixtral", "MixtralForCausalLM", LLAMA, windows="uniform"),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", {**LLAMA, "add_qkv_bias": True}, windows="per_layer"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", {**LLAMA, "qk_layernorm": True}, windows="per_layer",
+           qk_scope="head"),
+    Family("olmoe", "OlmoeForCausalLM", {**LLAMA, "qk_layernorm": True}, qk_scope="projection"),
     Family("gemma2", "Gemma2ForCausalLM", {**GEMMA, "qk_layernorm": False}, windows="per_layer",
            tied_default=True, extras=("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
                                       "embedding_multiplier")),
@@ -146,7 +154,7 @@ def _layer_types(hf: dict, kind: str, layers: int) -> list[str]:
     if kind in ("gemma2", "gemma3_text"):
         pattern = 2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6)
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if kind in ("qwen2", "qwen3"):
+    if kind.startswith("qwen"):
         first = hf.get("max_window_layers", layers)
         return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     return ["sliding_attention"] * layers
@@ -155,7 +163,7 @@ def _layer_types(hf: dict, kind: str, layers: int) -> list[str]:
 def _windows(hf: dict, kind: str, layers: int) -> dict:
     """--window-size and --window-attn-skip-freq for the config's sliding window and layer types."""
     window = hf.get("sliding_window")
-    if kind in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    if kind.startswith("qwen") and not hf.get("use_sliding_window"):
         window = None
     if not window:
         return {}
@@ -183,10 +191,10 @@ def _hf_windows(config: GPTConfig) -> tuple[int | None, list[str]]:
 # ------------------------------------------------------------------------------------- config in
 
 def _refuse_unmapped(hf: dict, kind) -> None:
-    for key in MOE_KEYS:
+    for key in MOE_KEYS if kind not in MOE_FAMILIES else ():
         if hf.get(key):
-            raise HFMappingError(f"model_type {kind!r} with {key}={hf[key]}: mixture-of-experts layers are "
-                                 "not supported")
+            raise HFMappingError(f"model_type {kind!r} with {key}={hf[key]}: this mixture-of-experts family "
+                                 f"is not mapped ({', '.join(MOE_FAMILIES)} are)")
     for key in MULTIMODAL_KEYS:
         if hf.get(key) is not None:
             raise HFMappingError(f"model_type {kind!r} with {key}: multimodal towers are not supported (a "
@@ -214,7 +222,9 @@ def config_from_hf(hf: dict) -> GPTConfig:
     if activation not in wanted:
         raise HFMappingError(f"{kind} with hidden_act={activation!r}: {' or '.join(wanted)} map")
     biases = {key: hf[key] for key in ("mlp_bias", "attention_bias") if hf.get(key)}
-    if biases and not (kind == "qwen2" and list(biases) == ["attention_bias"]):
+    if kind == "qwen2_moe" and hf.get("qkv_bias") is False:
+        raise HFMappingError("qwen2_moe with qkv_bias=false: Qwen2-MoE maps with its q/k/v biases only")
+    if biases and not (kind in ("qwen2", "qwen2_moe") and list(biases) == ["attention_bias"]):
         key, value = next(iter(biases.items()))
         raise HFMappingError(f"{kind} with {key}={value}: biases there are not supported")
     heads = hf["num_attention_heads"]
@@ -237,6 +247,11 @@ def config_from_hf(hf: dict) -> GPTConfig:
                   apply_layernorm_1p=kind.startswith("gemma"),  # Gemma stores norm weights as offsets from 1
                   add_qkv_bias=family.features["add_qkv_bias"], **_rotary(hf, kind),
                   **_windows(hf, kind, layers))
+    if kind in MOE_FAMILIES:
+        try:
+            fields.update(moe_from_hf(hf, kind))
+        except MoEMappingError as error:
+            raise HFMappingError(str(error)) from None
     if kind.startswith("gemma"):
         fields.update(softmax_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
                       attn_logit_softcapping=hf.get("attn_logit_softcapping"),
@@ -278,7 +293,8 @@ def _gpt2_misses(config: GPTConfig) -> list[str]:
               "--norm-placement": (config.norm_placement, "pre"), "--window-size": (config.window_size, None),
               **{f"--{name.replace('_', '-')}": (getattr(config, name), value)
                  for name, value in EXTRAS.items()}}
-    return [f"{flag} {value}" for flag, (value, want) in wanted.items() if value != want]
+    return [f"{flag} {value}" for flag, (value, want) in wanted.items() if value != want] + moe_misses(config,
+                                                                                                      "gpt2")
 
 
 def _miss(name: str, value, wanted) -> str:
@@ -298,7 +314,7 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
     if "embedding_multiplier" in family.extras:
         wanted["embedding_multiplier"] = config.hidden_size ** 0.5
     misses = [_miss(name, getattr(config, name), value) for name, value in wanted.items()
-              if getattr(config, name) != value]
+              if getattr(config, name) != value] + moe_misses(config, family.model_type)
     window, types = _hf_windows(config)
     if window is not None and (family.windows == "none"
                                or (family.windows == "uniform" and "full_attention" in types)):
@@ -314,9 +330,6 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
 def hf_kind(config: GPTConfig) -> str:
     """The Hugging Face ``model_type`` that expresses ``config`` exactly: the one it was imported from
     (``hf_model_type``), else the first that can; HFMappingError naming the flags that stand in the way."""
-    if config.num_experts:  # no MoE family's names and layouts are mapped yet
-        raise HFMappingError(f"--num-experts {config.num_experts}: no Hugging Face mixture-of-experts class "
-                             "is mapped yet: convert with --to consolidated instead")
     if config.hf_model_type is not None:
         misses = (_gpt2_misses(config) if config.hf_model_type == "gpt2"
                   else _misses(config, FAMILIES[config.hf_model_type]))
@@ -369,6 +382,8 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
             hf.update(use_sliding_window=window is not None, max_window_layers=config.num_layers)
     if kind == "phi3" and config.rope_scaling != "none":
         hf["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
+    if kind in MOE_FAMILIES:
+        hf.update(moe_to_hf(config, kind), **({"qkv_bias": True} if kind == "qwen2_moe" else {}))
     if kind.startswith("gemma"):
         scalar = config.attention_scale ** -2
         hf.update(hidden_activation=activation, query_pre_attn_scalar=round(scalar)

@@ -19,6 +19,7 @@ import torch
 
 from models.config import GPTConfig
 from pretrain.interop.hf_config import hf_kind
+from pretrain.interop.hf_moe import GATE_UP_DOWN, MOE_FAMILIES
 
 PRE, POST = ("attention_norm", "input_layernorm"), ("attention_post_norm", "post_attention_layernorm")
 FFN_PRE, FFN_POST = ("mlp_norm", "pre_feedforward_layernorm"), ("mlp_post_norm", "post_feedforward_layernorm")
@@ -103,8 +104,30 @@ def _gpt2_rules(config: GPTConfig) -> Iterator[Rule]:
         yield _same("output_layer.weight", "lm_head.weight")
 
 
+def _gated(ours: str, theirs: str, names: tuple[str, str, str]) -> Iterator[Rule]:
+    """A gated MLP: our fc1 [2, f, h] is their gate and up stacked, our fc2 their down."""
+    gate, up, down = names
+    yield Rule(f"{ours}.fc1.weight", (f"{theirs}.{gate}.weight", f"{theirs}.{up}.weight"),
+               lambda g, u: torch.stack([g, u]), lambda x: (x[0], x[1]))
+    yield _same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
+
+
+def _moe_rules(config: GPTConfig, kind: str, ours: str, theirs: str) -> Iterator[Rule]:
+    """A MoE layer: the router, every expert (ours by its index in the layer), Qwen2-MoE's shared expert
+    and its gate (``hf_moe.MOE_FAMILIES`` says where the family keeps them)."""
+    family = MOE_FAMILIES[kind]
+    block = f"{theirs}.{family.prefix}"
+    yield _same(f"{ours}.mlp.router.weight", f"{block}.gate.weight")
+    for expert in range(config.num_experts):
+        yield from _gated(f"{ours}.mlp.experts.{expert}", f"{block}.experts.{expert}", family.projections)
+    if config.moe_shared_expert_intermediate_size:
+        yield from _gated(f"{ours}.mlp.shared_experts", f"{block}.shared_expert", GATE_UP_DOWN)
+        yield _same(f"{ours}.mlp.shared_gate.weight", f"{block}.shared_expert_gate.weight")
+
+
 def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
     offsets, fused = kind.startswith("gemma"), kind == "phi3"
+    moe = config.moe_layers(config.num_layers)
     yield _same("word_embedding.weight", "model.embed_tokens.weight")
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
@@ -124,14 +147,13 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
                 yield _norm(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
                             offsets)
         yield _same(f"{ours}.attention.proj.weight", f"{attention}.o_proj.weight")
-        if fused:
+        if moe[i]:
+            yield from _moe_rules(config, kind, ours, theirs)
+        elif fused:
             yield Rule(f"{ours}.mlp.fc1.weight", (f"{theirs}.mlp.gate_up_proj.weight",),
                        lambda w: torch.stack(w.chunk(2)), lambda x: (x.flatten(0, 1),))
         else:
-            yield Rule(f"{ours}.mlp.fc1.weight",
-                       (f"{theirs}.mlp.gate_proj.weight", f"{theirs}.mlp.up_proj.weight"),
-                       lambda gate, up: torch.stack([gate, up]), lambda x: (x[0], x[1]))
-        yield _same(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")
+            yield from _gated(f"{ours}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
     yield _norm(config, "final_norm.weight", "model.norm.weight", offsets)
     if config.untie_embeddings_and_output_weights:
         yield _same("output_layer.weight", "lm_head.weight")

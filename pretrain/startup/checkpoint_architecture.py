@@ -21,7 +21,11 @@ from pretrain.config.schema import Config
 # what the run may set freely whatever it loads: init, padding
 NOT_ARCHITECTURE = {"init_method_std", "make_vocab_size_divisible_by"}
 # taken from the checkpoint when not given (an imported Llama trains without dropout), never refused
-INHERITED = {"seq_length", "hidden_dropout", "attention_dropout"}
+INHERITED = {"seq_length", "hidden_dropout", "attention_dropout",
+             # how MoE layers compute and balance, not what they are
+             "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_dtype", "moe_aux_loss_coeff",
+             "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_bias_update_rate",
+             "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity"}
 # settings whose default depends on others: compared by the value they take
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups",
              "position_embedding_type": "position_embedding", "max_position_embeddings": "max_positions"}

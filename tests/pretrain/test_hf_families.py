@@ -188,9 +188,11 @@ def test_mixture_of_experts_multimodal_and_unknown_configs_are_refused_naming_th
     directory, _ = families["llama3.1"]
     base = json.load(open(os.path.join(directory, "config.json")))
     for change, message in [
-            ({"model_type": "mixtral", "num_local_experts": 8},
-             "model_type 'mixtral' with num_local_experts=8: mixture-of-experts layers are not supported"),
-            ({"model_type": "qwen2_moe", "num_experts": 60}, "num_experts=60: mixture-of-experts"),
+            ({"model_type": "deepseek_v3", "n_routed_experts": 8},
+             "model_type 'deepseek_v3' with n_routed_experts=8: this mixture-of-experts family is not mapped "
+             "(mixtral, qwen2_moe, qwen3_moe, olmoe are)"),
+            ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+              "router_jitter_noise": 0.1}, "mixtral with router_jitter_noise=0.1: router noise does not map"),
             ({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}},
              "model_type 'llava' with vision_config: multimodal towers are not supported"),
             ({"model_type": "t5", "is_encoder_decoder": True}, "is_encoder_decoder=true: encoder-decoder"),
