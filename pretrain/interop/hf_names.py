@@ -152,6 +152,7 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
         elif fused:
             yield Rule(f"{ours}.mlp.fc1.weight", (f"{theirs}.mlp.gate_up_proj.weight",),
                        lambda w: torch.stack(w.chunk(2)), lambda x: (x.flatten(0, 1),))
+            yield _same(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")
         else:
             yield from _gated(f"{ours}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
     yield _norm(config, "final_norm.weight", "model.norm.weight", offsets)
