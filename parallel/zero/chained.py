@@ -12,7 +12,7 @@ from torch import nn
 
 from parallel.zero.masters import MasterPiece
 from parallel.zero.optimizer import ZeroOptimizer
-from parallel.zero.step import StepResult, step_together
+from parallel.zero.step import StepResult, combined_norm, step_together
 
 
 class ChainedZeroOptimizer:
@@ -49,14 +49,6 @@ class ChainedZeroOptimizer:
         return self.dense.loss_scaler
 
     @property
-    def loss_scale(self) -> float:
-        return self.dense.loss_scale
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [param for part in self.parts for param in part.params]
-
-    @property
     def param_groups(self) -> list[dict]:
         return [group for part in self.parts for group in part.param_groups]
 
@@ -86,7 +78,7 @@ class ChainedZeroOptimizer:
         return step_together(self.parts, self.loss_scaler, self.clip_grad)
 
     def parameter_norm(self) -> float:
-        return torch.stack([part.master_norm_squared().cpu() for part in self.parts]).sum().sqrt().item()
+        return combined_norm([part.master_norm_squared() for part in self.parts])
 
     def master_pieces(self) -> list[MasterPiece]:
         return [piece for part in self.parts for piece in part.master_pieces()]

@@ -39,6 +39,11 @@ class SteppedPart(Protocol):
     def apply(self, grads: list[torch.Tensor], scale: float, coefficient: float) -> None: ...
 
 
+def combined_norm(squares: list[torch.Tensor]) -> float:
+    """The norm of several parts' squared norms (one-element tensors, on any devices), read on the host."""
+    return torch.stack([square.to(squares[0].device) for square in squares]).sum().sqrt().item()
+
+
 def step_together(parts: list[SteppedPart], loss_scaler, clip_grad: float) -> StepResult:
     """One step of ``parts`` (optimizers over different parameters and groups: the dense and the expert
     ones) as of one optimizer: the overflow decided over all of them, one gradient norm over every
@@ -51,7 +56,7 @@ def step_together(parts: list[SteppedPart], loss_scaler, clip_grad: float) -> St
         overflow = any(bool(part.overflowed(g, device).item())
                        for part, g, device in zip(parts, grads, devices))
     squared = [part.norm_squared(g, scale, device) for part, g, device in zip(parts, grads, devices)]
-    norm = torch.stack([value.to(devices[0]) for value in squared]).sum().sqrt().item()  # unscaled gradients
+    norm = combined_norm(squared)  # of the unscaled gradients
     skipped = overflow or not math.isfinite(norm)
     loss_scaler.update(skipped)
     if skipped:

@@ -21,13 +21,13 @@ def moe_metrics(chunks: nn.ModuleList, groups: ParallelGroups, moe_layers: list[
     # the losses, whether a rank has each (a middle stage may hold no MoE layer), tokens per expert per layer
     values = torch.zeros(2 * kinds + layers * num_experts, dtype=torch.float64, device=device)
     counts = values[2 * kinds:].view(layers, num_experts)
-    for balancing in {id(chunk.balancing): chunk.balancing for chunk in chunks}.values():  # shared by chunks
-        for index, kind in enumerate(LOSSES):
-            if kind in balancing.losses:
-                values[index] += balancing.losses[kind].to(device)
-                values[kinds + index] = 1.0
-        for layer, tokens in balancing.tokens_per_expert.items():
-            counts[layer] += tokens.to(device)
+    balancing = chunks[0].balancing  # the rank's, shared by its chunks
+    for index, kind in enumerate(LOSSES):
+        if kind in balancing.losses:
+            values[index] = balancing.losses[kind].to(device)
+            values[kinds + index] = 1.0
+    for layer, tokens in balancing.tokens_per_expert.items():
+        counts[layer] = tokens.to(device)
     # tp x cp shares of each loss, distinct tokens on each rank of a stage: sums (stages hold other layers)
     comm.all_reduce(values, groups.world)
     moe = sum(moe_layers)

@@ -114,11 +114,11 @@ class PipelineRunner:
 
         weight = self._per_token_weight(micro_batch, num_micro_batches) if self.per_token_loss else None
         shares = self._sequence_shares(micro_batch, num_micro_batches) if weight is None else None
-        for chunk in self.chunks:  # MoE balancing losses: trained as one micro-batch's loss, averaged over cp
-            if chunk.balancing is not None and train:
-                chunk.balancing.reset()  # what the step's layers record, for its metrics
-                chunk.balancing.gradient_scale = self.gradients.scale_loss(
-                    torch.ones(())).item() * self.cp / num_micro_batches
+        balancing = self.chunks[0].balancing  # the rank's MoE layers', shared by its chunks
+        if balancing is not None and train:  # the balancing losses train as a micro-batch's loss, cp-averaged
+            balancing.reset()  # what the step's layers record, for its metrics
+            balancing.gradient_scale = self.gradients.scale_loss(torch.ones(())).item() * self.cp \
+                / num_micro_batches
 
         def forward_step(chunk: int, index: int, received: torch.Tensor | None) -> torch.Tensor:
             model = self.chunks[chunk]

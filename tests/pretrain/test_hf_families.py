@@ -42,15 +42,14 @@ def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    """{family: (HF directory, its last-token logits on PROMPTS)}, every weight perturbed away from its
-    initial value (norm weights included) so that each mapping is exercised."""
+def made_families(tmp_path_factory, names) -> dict:
+    """{family: (HF directory, its last-token logits on PROMPTS)} for each of ``names``, every weight
+    perturbed away from its initial value (norm weights included) so that each mapping is exercised."""
     tokenizer = write_hf_directory(str(tmp_path_factory.mktemp("tokenizer")), make_documents(40),
                                    vocab_size=300)
     vocab = len(transformers.AutoTokenizer.from_pretrained(tokenizer))
     made = {}
-    for family in FAMILIES:
+    for family in names:
         directory = str(tmp_path_factory.mktemp(family))
         for name in os.listdir(tokenizer):
             shutil.copy(os.path.join(tokenizer, name), directory)
@@ -66,8 +65,20 @@ def families(tmp_path_factory):
     return made
 
 
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return made_families(tmp_path_factory, FAMILIES)
+
+
 @pytest.mark.parity
 def test_load_model_gives_transformers_logits_and_the_export_round_trips_bit_for_bit(families, tmp_path):
+    check_load_and_export(families, tmp_path)
+
+
+def check_load_and_export(families: dict, tmp_path) -> None:
+    """Each family's directory through ``load_model`` gives transformers' logits within the interop bound;
+    imported and exported again it is the same tensors bit for bit, which transformers loads to the same
+    logits."""
     from safetensors.torch import load_file
 
     batch = torch.tensor([list(range(3, 23)), list(range(40, 60))])  # 20 tokens: past every window
@@ -124,40 +135,45 @@ def _held_out_loss(directory: str, examples: list[dict]) -> float:
     return total / count
 
 
-def _layouts_and_fine_tune(rank, world_size, checkpoints, data, work):
-    """Per family: the logits at tp2 + SP x pp2; at tp2 x dp2 ZeRO-3 the logits, then a short SFT run
-    saved under ``work``."""
+# the layouts a family's logits are checked in: (name, its flags); the second also fine-tunes at ZeRO-3
+DENSE_LAYOUTS = (("tp2 + SP x pp2", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                     "2", "--sequence-parallel"]),
+                 ("tp2 x dp2 ZeRO-3", ["--tensor-model-parallel-size", "2"]))
+
+
+def _layouts_and_fine_tune(rank, world_size, checkpoints, data, work, layouts):
+    """Per family: the logits in the first of ``layouts``; in the second (at ZeRO-3) the logits, then a
+    short SFT run saved under ``work``."""
     from pretrain.training.trainer import Trainer
 
+    (_, first), (_, second) = layouts
     results = {}
     for family, checkpoint in checkpoints.items():
         common = ["--sample-prompt", "", "--data-cache-path", f"{work}/cache-{family}",
-                  "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2"]
+                  "--hidden-dropout", "0", "--attention-dropout", "0"]
         config = parse_config(["--load", checkpoint, "--mock-data", "--seq-length", "16",
-                               "--micro-batch-size", "1", "--train-iters", "1",
-                               "--pipeline-model-parallel-size", "2", "--sequence-parallel", *common])
+                               "--micro-batch-size", "1", "--train-iters", "1", *first, *common])
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         trainer.model.eval()
-        pipelined = [trainer.runner.next_token_logits(prompt) for prompt in PROMPTS]
+        split = [trainer.runner.next_token_logits(prompt) for prompt in PROMPTS]
         config = parse_config(["--pretrained-checkpoint", checkpoint, "--sft", "--data-path", data,
                                "--split", "1,0,0", "--seq-length", "24", "--micro-batch-size", "2",
                                "--global-batch-size", "8", "--train-iters", "12", "--lr", "2e-3",
                                "--lr-warmup-iters", "2", "--zero-stage", "3",
                                "--zero-persistence-threshold", "0", "--save", f"{work}/{family}",
-                               "--save-interval", "12", "--log-interval", "6", *common])
+                               "--save-interval", "12", "--log-interval", "6", *second, *common])
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         trainer.model.eval()
         sharded = [trainer.runner.next_token_logits(prompt) for prompt in PROMPTS]
         trainer.model.train()
         trainer.train()
-        results[family] = (pipelined, sharded)
+        results[family] = (split, sharded)
     return results
 
 
-@pytest.mark.slow
-@pytest.mark.parity
-def test_every_family_in_tp_pp_and_zero3_layouts_and_a_short_fine_tune_lowers_its_held_out_loss(families,
-                                                                                               tmp_path):
+def check_layouts_and_fine_tune(families: dict, tmp_path, layouts, features: dict) -> list[str]:
+    """Each family imported, its logits in both ``layouts`` within the interop bound of transformers', and
+    a short SFT (in the second) that lowers transformers' own held-out loss; returns the table's rows."""
     checkpoints = {}
     for family, (directory, _) in families.items():
         checkpoints[family] = str(tmp_path / "imported" / family)
@@ -165,13 +181,12 @@ def test_every_family_in_tp_pp_and_zero3_layouts_and_a_short_fine_tune_lowers_it
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in _sft_examples(64, seed=0)))
     held_out = _sft_examples(16, seed=1)
-    results = run_world(4, _layouts_and_fine_tune, checkpoints, str(data), str(tmp_path / "work"),
+    results = run_world(4, _layouts_and_fine_tune, checkpoints, str(data), str(tmp_path / "work"), layouts,
                         timeout_s=900)[0]
     table = ["| family | features | worst logit error | held-out loss before -> after |", "|---|---|---|---|"]
     for family, (directory, theirs) in families.items():
-        pipelined, sharded = results[family]
         worst = 0.0
-        for layout, logits in (("tp2 + SP x pp2", pipelined), ("tp2 x dp2 ZeRO-3", sharded)):
+        for (layout, _), logits in zip(layouts, results[family]):
             for ours, reference in zip(logits, theirs):
                 error = _relative(ours, reference)
                 worst = max(worst, error)
@@ -180,8 +195,15 @@ def test_every_family_in_tp_pp_and_zero3_layouts_and_a_short_fine_tune_lowers_it
         convert(["--load", str(tmp_path / "work" / family), "--to", "hf", "--output", tuned])
         before, after = _held_out_loss(directory, held_out), _held_out_loss(tuned, held_out)
         assert after < before, (family, before, after)
-        table.append(f"| {family} | {FEATURES[family]} | {worst:.1e} | {before:.3f} -> {after:.3f} |")
-    print("\n" + "\n".join(table))
+        table.append(f"| {family} | {features[family]} | {worst:.1e} | {before:.3f} -> {after:.3f} |")
+    return table
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_every_family_in_tp_pp_and_zero3_layouts_and_a_short_fine_tune_lowers_its_held_out_loss(families,
+                                                                                               tmp_path):
+    print("\n" + "\n".join(check_layouts_and_fine_tune(families, tmp_path, DENSE_LAYOUTS, FEATURES)))
 
 
 def test_mixture_of_experts_multimodal_and_unknown_configs_are_refused_naming_the_key(families, tmp_path):
