@@ -35,53 +35,27 @@ class LayerInputs:
     document_blocks: DocumentBlocks | None = None
 
 
-class SelfAttention(nn.Module):
-    """Causal self-attention: a query heads of ``head_dim`` channels sharing G key/value groups.
+class AttentionCore(nn.Module):
+    """What every kind of attention of a block shares: the core softmax(q k^T scale) v over the keys a
+    query sees (``scores``: its layer's window, scale and soft-capping; ``inputs``: documents, the cp
+    group, FlexAttention's blocks), attention dropout from the per-rank stream, and the hook selective
+    recompute runs the core through. Owns no weights; its subclasses own the projections."""
 
-    Owns the fused QKV projection (column-parallel; its rows are ordered group by group, each group
-    holding its a/G query heads, then its key, then its value head, so that a tp slice holds whole
-    groups: Megatron's layout, and head by head q, k, v when G = a), the optional query and key norms
-    (per head, or over the whole projection, split across tp like the heads), and the output projection
-    (row-parallel). Its layer's window, scale and soft-capping (``ScoreOptions``) decide which keys a
-    query sees and how. It never holds other ranks' groups.
-    """
-
-    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
-                 rng: RNGTracker):
+    def __init__(self, config: GPTConfig, layer: int, rng: RNGTracker):
         super().__init__()
-        h, std, d = config.hidden_size, config.init_method_std, config.head_dim
-        heads, groups = config.num_attention_heads, config.query_groups
         self.rng, self.layer = rng, layer
-        self.head_dim = d
-        self.groups_per_rank = groups // tp.size
-        self.queries_per_group = heads // groups
-        self.heads_per_rank = heads // tp.size
         self.dropout = config.attention_dropout
-        self.rotary_interleaved = config.rotary_interleaved
         self.scores = ScoreOptions(config.attention_scale, config.attention_window(layer),
                                    config.attn_logit_softcapping)
         self.core_runner = None  # how the core runs when it is recomputed (``recompute_core_with``)
-        bias = not config.disable_bias_linear
-        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
-                                        WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
-                                        bias=bias or config.add_qkv_bias,
-                                        sequence_parallel=sequence_parallel)
-        self.q_norm = self.k_norm = None
-        if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # a rank holds its heads' part
-            self.q_norm = build_split_norm(config, heads * d, tp)
-            self.k_norm = build_split_norm(config, groups * d, tp)
-        elif config.qk_layernorm:  # one norm over head_dim shared by all heads: a tp rank sees its own heads
-            self.q_norm, self.k_norm = (build_norm(config, d, partial_gradient=tp.size > 1),
-                                        build_norm(config, d, partial_gradient=tp.size > 1))
-        self.norm_per_head = config.qk_layernorm_scope == "head"
-        self.proj = RowParallelLinear(heads * d, h, tp,
-                                      WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
-                                      .scaled_for_residual(config.num_layers), bias=bias,
-                                      sequence_parallel=sequence_parallel)
 
     def recompute_core_with(self, runner) -> None:
         """Run the attention core through ``runner(core, q, k, v, inputs)`` (selective recompute)."""
         self.core_runner = runner
+
+    def attended(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """The core's output for q [b, heads, s, d], through the recompute runner when there is one."""
+        return self.core_runner(self.core, q, k, v, inputs) if self.core_runner else self.core(q, k, v, inputs)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """softmax(q k^T scale, causal, within the layer's window) v, q [b, heads, s, d] and k, v
@@ -105,6 +79,46 @@ class SelfAttention(nn.Module):
         with self.rng.fork():
             return attend(q, k, v, self.scores, mask, dropout)
 
+
+class SelfAttention(AttentionCore):
+    """Causal self-attention: a query heads of ``head_dim`` channels sharing G key/value groups.
+
+    Owns the fused QKV projection (column-parallel; its rows are ordered group by group, each group
+    holding its a/G query heads, then its key, then its value head, so that a tp slice holds whole
+    groups: Megatron's layout, and head by head q, k, v when G = a), the optional query and key norms
+    (per head, or over the whole projection, split across tp like the heads), and the output projection
+    (row-parallel). Its layer's window, scale and soft-capping (``ScoreOptions``) decide which keys a
+    query sees and how. It never holds other ranks' groups.
+    """
+
+    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
+                 rng: RNGTracker):
+        super().__init__(config, layer, rng)
+        h, std, d = config.hidden_size, config.init_method_std, config.head_dim
+        heads, groups = config.num_attention_heads, config.query_groups
+        self.head_dim = d
+        self.groups_per_rank = groups // tp.size
+        self.queries_per_group = heads // groups
+        self.heads_per_rank = heads // tp.size
+        self.rotary_interleaved = config.rotary_interleaved
+        bias = not config.disable_bias_linear
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
+                                        WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
+                                        bias=bias or config.add_qkv_bias,
+                                        sequence_parallel=sequence_parallel)
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # a rank holds its heads' part
+            self.q_norm = build_split_norm(config, heads * d, tp)
+            self.k_norm = build_split_norm(config, groups * d, tp)
+        elif config.qk_layernorm:  # one norm over head_dim shared by all heads: a tp rank sees its own heads
+            self.q_norm, self.k_norm = (build_norm(config, d, partial_gradient=tp.size > 1),
+                                        build_norm(config, d, partial_gradient=tp.size > 1))
+        self.norm_per_head = config.qk_layernorm_scope == "head"
+        self.proj = RowParallelLinear(heads * d, h, tp,
+                                      WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
+                                      .scaled_for_residual(config.num_layers), bias=bias,
+                                      sequence_parallel=sequence_parallel)
+
     def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [s, b, heads, d] and k [s, b, groups, d] through their norms, per head or over the projection."""
         if self.norm_per_head:
@@ -125,6 +139,5 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, *rotary, self.rotary_interleaved)
             k = apply_rotary(k, *rotary, self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
-        context = (self.core_runner(self.core, q, k, v, inputs) if self.core_runner
-                   else self.core(q, k, v, inputs))
+        context = self.attended(q, k, v, inputs)
         return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim))

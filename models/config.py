@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.flags import flag
+from models.latent.config import LatentAttentionConfig
 from models.moe.config import MoEConfig
 
 
 @dataclass
-class GPTConfig(MoEConfig):
+class GPTConfig(MoEConfig, LatentAttentionConfig):
     """Shape and options of the GPT. Owns no weights; ``validate(tp)`` checks what tp must divide."""
 
     num_layers: int = field(default=4, metadata=flag("transformer blocks"))
@@ -41,15 +42,19 @@ class GPTConfig(MoEConfig):
     use_rope_scaling: bool = field(default=False, metadata=flag(
         "Llama 3.x's rope scaling (Megatron's flag; the same as --rope-scaling-type llama3)"))
     rope_scaling_factor: float = field(default=8.0, metadata=flag(
-        "how many times the original context the scaled frequencies cover (Megatron's default 8)"))
+        "how many times the original context the scaled frequencies cover (Megatron's default 8)",
+        aliases=["--rotary-scaling-factor"]))
     rope_original_max_position_embeddings: int = field(default=8192, metadata=flag(
         "the context the rotary base was trained at (Llama 3.1: 8192)"))
     rope_low_freq_factor: float = field(default=1.0, metadata=flag("llama3: low-frequency factor"))
     rope_high_freq_factor: float = field(default=4.0, metadata=flag("llama3: high-frequency factor"))
     rope_beta_fast: float = field(default=32.0, metadata=flag("yarn: extrapolation boundary (rotations)"))
     rope_beta_slow: float = field(default=1.0, metadata=flag("yarn: interpolation boundary (rotations)"))
-    rope_mscale: float | None = field(default=None, metadata=flag("yarn: mscale (DeepSeek's form)"))
-    rope_mscale_all_dim: float | None = field(default=None, metadata=flag("yarn: mscale_all_dim"))
+    rope_mscale: float | None = field(default=None, metadata=flag("yarn: mscale (DeepSeek's form)",
+                                                                   aliases=["--mscale"]))
+    rope_mscale_all_dim: float | None = field(default=None, metadata=flag(
+        "yarn: mscale_all_dim (with --multi-latent-attention it also scales the attention scores)",
+        aliases=["--mscale-all-dim"]))
     rope_yarn_truncate: bool = field(default=True, metadata=flag(
         "yarn: round the correction range to whole dims"))
     rope_attention_factor: float | None = field(default=None, metadata=flag(
@@ -149,6 +154,8 @@ class GPTConfig(MoEConfig):
     @property
     def rope_scaling(self) -> str:
         """The rotary scaling kind, whichever spelling the flags used."""
+        if self.rope_type == "yarn":
+            return "yarn"
         return "llama3" if self.use_rope_scaling else self.rope_scaling_type
 
     @property
@@ -164,7 +171,9 @@ class GPTConfig(MoEConfig):
 
     @property
     def attention_scale(self) -> float:
-        return self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return self.latent_softmax_scale() if self.multi_latent_attention else self.head_dim ** -0.5
 
     def attention_window(self, layer: int) -> int | None:
         """The keys a query of (global, 0-based) ``layer`` sees, itself included (transformers'
@@ -195,7 +204,8 @@ class GPTConfig(MoEConfig):
                      "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if (self.kv_channels is None and not self.multi_latent_attention
+                and self.hidden_size % self.num_attention_heads):
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} does not divide "
                              "--hidden-size "
                              f"{self.hidden_size}: choose a head count that divides it, "
@@ -206,6 +216,7 @@ class GPTConfig(MoEConfig):
             raise ValueError("--swiglu, --geglu and --squared-relu are three MLP activations: choose one")
         self._validate_options()
         self._validate_attention(tp)
+        self.validate_latent(tp)
         self.validate_moe(self.num_layers, self.ffn_size)
         if self.ffn_size < 1:
             raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "
@@ -253,6 +264,9 @@ class GPTConfig(MoEConfig):
 
     def _validate_rope_scaling(self) -> None:
         kind = self.rope_scaling
+        if self.rope_type == "yarn" and self.rope_scaling_type not in ("none", "yarn"):
+            raise ValueError(f"--rope-type yarn and --rope-scaling-type {self.rope_scaling_type} are two "
+                             "rotary scalings: give one")
         if kind == "none":
             return
         if self.rope_scaling_factor <= 0 or self.rope_original_max_position_embeddings <= 0:
@@ -302,5 +316,8 @@ class GPTConfig(MoEConfig):
 
     @property
     def rotary_channels(self) -> int:
-        """Channels of each head that rotary positions turn (the first ones; the rest pass through)."""
+        """Channels of each head that rotary positions turn (the first ones; the rest pass through; with
+        latent attention its rotary part, --qk-pos-emb-head-dim)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
