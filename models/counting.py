@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from models.config import GPTConfig
+from models.latent.attention import LatentAttention
+from models.moe.experts import LinearWeights
 from models.moe.layer import MoELayer
 from models.pipeline_stage import stage_chunks
 from parallel.comm import DetachedGroup
@@ -115,5 +117,22 @@ def _flops_per_token(frozen: tuple) -> float:
             gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
             matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
     output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
-    attention = 2 * 2 * config.seq_length * config.num_attention_heads * config.head_dim * config.num_layers
-    return 3 * (2 * (matmul + output.numel()) + attention)
+    attention = (2 * config.seq_length * config.num_attention_heads
+                 * (config.query_key_channels + config.value_channels) * config.num_layers)
+    return 3 * (2 * (matmul + output.numel() + _latent_matmuls(model)) + attention)
+
+
+def _latent_matmuls(model: nn.ModuleList) -> int:
+    """The weights of latent attention's projections a token passes through (held as plain weights, not
+    parallel linear layers); 0 without latent attention."""
+    return sum(linear.weight.numel() for attention in model.modules() if isinstance(attention, LatentAttention)
+               for linear in attention.children() if isinstance(linear, LinearWeights))
+
+
+def kv_cache_values_per_token(config: GPTConfig) -> int:
+    """Values one token leaves in an inference key/value cache over all layers: with latent attention its
+    key/value latent and the rotary key the heads share (kv_lora_rank + qk_pos_emb_head_dim, DeepSeek's
+    cache), else each key/value group's key and value (2 G d)."""
+    per_layer = (config.kv_lora_rank + config.qk_pos_emb_head_dim if config.multi_latent_attention
+                 else 2 * config.query_groups * config.head_dim)
+    return per_layer * config.num_layers

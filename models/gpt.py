@@ -15,6 +15,7 @@ from torch import nn
 
 from models.attention import LayerInputs, SelfAttention
 from models.config import GPTConfig
+from models.latent.attention import LatentAttention
 from models.mlp import MLP
 from models.moe.balancing import LoadBalancing
 from models.moe.layer import MoELayer
@@ -55,7 +56,8 @@ class TransformerBlock(nn.Module):
         before, after = config.norm_placement != "post", config.norm_placement != "pre"
         h = config.hidden_size
         self.attention_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
-        self.attention = SelfAttention(config, layer, tp, seed, sequence_parallel, self.rng)
+        attention = LatentAttention if config.multi_latent_attention else SelfAttention
+        self.attention = attention(config, layer, tp, seed, sequence_parallel, self.rng)
         self.attention_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
         self.mlp_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
         if config.moe_layers(config.num_layers)[layer]:  # a mixture of experts in the MLP's place

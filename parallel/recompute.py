@@ -7,7 +7,7 @@ same way: its routing is a function of its input, so the recompute routes every 
 did), ``layernorm`` the norms before attention and the MLP (their output, which the next linear keeps,
 is dropped once that sublayer has run and rebuilt before its backward: Megatron's output-discarding
 checkpoint). ``apply_recompute`` installs it on a model's chunks through the model's runner hooks
-(``GPTModel.recompute_layers_with``, ``SelfAttention.recompute_core_with``, ``MLP.recompute_with`` /
+(``GPTModel.recompute_layers_with``, ``AttentionCore.recompute_core_with``, ``MLP.recompute_with`` /
 ``MoELayer.recompute_with``, ``TransformerBlock.recompute_norms_with``), so model code stays a plain GPT.
 
 The recomputation is exact: the random state of the CPU, the GPU and the tensor-parallel tracker is

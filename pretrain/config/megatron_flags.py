@@ -98,16 +98,17 @@ IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero
 REFUSED = [
     *_flags("the flex dispatcher (DeepEP, HybridEP) is not built: use --moe-token-dispatcher-type alltoall",
             "--moe-enable-deepep:0", "--moe-flex-dispatcher-backend", off=(None,)),
-    *_flags("this attention variant (multi-latent, gated delta net, linear, sparse indexer, output "
-            "gate) is not "
-            "supported", "--multi-latent-attention:0", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-            "--qk-pos-emb-head-dim", "--v-head-dim", "--experimental-attention-variant",
+    *_flags("this attention variant (gated delta net, linear, sparse indexer, output gate) is not "
+            "supported", "--experimental-attention-variant",
             "--linear-attention-freq",
             "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-num-key-heads",
             "--linear-num-value-heads",
             "--linear-value-head-dim", "--attention-output-gate:0", "--dsa-indexer-head-dim",
             "--dsa-indexer-n-heads",
             "--dsa-indexer-topk", "--dsa-indexer-loss-coeff", off=(None,)),
+    *_flags("multi-token prediction (DeepSeek-V3's extra prediction modules) is not built: drop it (a "
+            "checkpoint's MTP layers are refused on import)", "--mtp-num-layers", "--mtp-loss-scaling-factor",
+            "--mtp-use-repeated-layer:0", off=(None, "0")),
     *_flags("the embedding and loss always sit with the first and last stage's layers: give the split with "
             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers or "
             "--pipeline-layers-per-stage", "--account-for-embedding-in-pipeline-split:0",

@@ -1,6 +1,7 @@
 """Mixture-of-experts training against one process: every expert layout (ep, etp, with tp + SP, pp, cp,
 ZeRO 0-3 over the expert data-parallel group, both dispatchers, grouped product) follows the single-process
-trajectory, dropless and with a capacity factor."""
+trajectory, dropless and with a capacity factor; DeepSeek-V3's design (latent attention, its routing) in
+tp + SP, cp, pp and ZeRO-3 layouts."""
 
 import json
 import re
@@ -23,7 +24,14 @@ COMMON = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "(
           "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
           "--moe-shared-expert-gate", *SHORT]
 MOE = COMMON + ["--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
-DEEPSEEK = COMMON + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+# DeepSeek-V3's multi-head latent attention: a query latent, the key/value latent, rotary parts of their own
+# (interleaved pairs) under yarn scaling with DeepSeek's mscale, values wider than the query/key heads
+LATENT = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+          "--qk-pos-emb-head-dim", "8", "--v-head-dim", "24", "--position-embedding-type", "rope",
+          "--normalization", "RMSNorm", "--rotary-interleaved", "--rope-type", "yarn",
+          "--rotary-scaling-factor", "4", "--mscale", "0.707", "--mscale-all-dim", "0.707",
+          "--rope-original-max-position-embeddings", "16"]
+DEEPSEEK = COMMON + LATENT + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                      "--moe-router-bias-update-rate", "1e-2", "--moe-router-load-balancing-type",
                      "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-router-num-groups", "2",
                      "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5"]
@@ -36,6 +44,9 @@ EP2 = ["--expert-model-parallel-size", "2"]
 LAYOUTS = {
     "DeepSeek routing: ep2 x tp2 + SP (etp 2), alltoall": (DEEPSEEK + TP2 + EP2 + ALLTOALL, "deepseek"),
     "DeepSeek routing: ep2 x cp2, allgather": (DEEPSEEK + EP2 + ["--context-parallel-size", "2"], "deepseek"),
+    "DeepSeek: ep2 x pp2 ZeRO-3 (latent attention's weights sharded), compiled": (
+        DEEPSEEK + EP2 + ["--pipeline-model-parallel-size", "2", "--zero-stage", "3",
+                          "--zero-persistence-threshold", "0"] + ALLTOALL + COMPILED, "deepseek"),
     "ep2 x tp2 + SP (etp 2), alltoall": (MOE + TP2 + EP2 + ALLTOALL, "dropless"),
     "tp2 + SP, etp 1 x ep2 (an expert grid unlike the dense one), allgather":
         (MOE + TP2 + ["--expert-tensor-parallel-size", "1"] + EP2, "dropless"),

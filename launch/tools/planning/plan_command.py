@@ -8,12 +8,12 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from launch.tools.planning.devices import DGX_LINKS, PROFILES, load_profile
 from launch.tools.planning.link_model import Device, Links, parse_bandwidth
 from launch.tools.planning import plan as planner
-from models.counting import num_parameters
+from models.counting import kv_cache_values_per_token, num_parameters
 from parallel.zero import gradient_bytes
 from pretrain.config.arguments import ConfigError, build_parser, parse_config
 
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
           "per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
+    print(kv_cache_line(config.model, compute_bytes))
     axes = ("dp", "tp", "pp", "cp") + (("ep",) if config.model.num_experts else ())
     print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} " + (f"{'ep':>3} " if config.model.num_experts else "")
           + f"{'zero':>4} {'recompute':>13} {'mbs':>3} "
@@ -241,3 +242,20 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def kv_cache_line(model, value_bytes: int) -> str:
+    """The inference key/value cache a token costs, and (with latent attention) what grouped-query
+    attention of the same width would cost: as many groups as heads (multi-head) and 8."""
+    def kib(config) -> str:
+        return f"{kv_cache_values_per_token(config) * value_bytes / 1024:.1f} KiB"
+
+    line = f"key/value cache per token ({value_bytes}-byte values, all layers): {kib(model)}"
+    if not model.multi_latent_attention:
+        return line
+    width = {"multi_latent_attention": False, "q_lora_rank": None}
+    mha = replace(model, **width)
+    gqa = replace(model, **width, group_query_attention=True, num_query_groups=min(8, model.num_attention_heads))
+    return (line + f" (latent attention: {model.kv_lora_rank} + {model.qk_pos_emb_head_dim} values a layer); "
+            f"grouped-query attention at --hidden-size {model.hidden_size}: {kib(gqa)} with "
+            f"{gqa.query_groups} groups, {kib(mha)} with one per head")
