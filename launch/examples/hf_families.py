@@ -13,7 +13,7 @@ from __future__ import annotations
 
 FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3", "gemma2", "gemma3",
             "phi3", "olmo2", "gpt2")
-MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")  # top-2 of 4 experts each
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3")  # top-2 of 4 experts each
 ALL_FAMILIES = FAMILIES + MOE_FAMILIES
 
 
@@ -76,6 +76,15 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
                                            norm_topk_prob=True, head_dim=2 * hidden // heads, **moe)
     if family == "olmoe":  # q/k norms over the projection, top-k not renormalised
         return transformers.OlmoeConfig(**common, num_experts=4, **moe)
+    if family == "deepseek-v3":  # latent attention under yarn, sigmoid group-limited routing, a shared expert
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                "mscale_all_dim": 0.707, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                "beta_slow": 1.0}
+        return transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": heads}, n_routed_experts=4, moe_intermediate_size=hidden // 2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=12, rope_parameters=yarn, **moe)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

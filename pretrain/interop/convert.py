@@ -28,7 +28,7 @@ import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint.catalog import CheckpointError
+from pretrain.checkpoint.catalog import CheckpointError, run_states
 from pretrain.checkpoint.reshard import PieceSource, ReshardError
 from pretrain.interop.safetensors_shards import parse_size, plan_shards, write_index
 from pretrain.interop.saved_model import model_config, saved_tokenizer, saved_weights
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             except ValueError as error:
                 print(f"note: no tokenizer files written: {error}", file=sys.stderr)
                 tokenizer = None
-            export_hf(pieces, model_config(manifest), tokenizer, args.output, max_shard_bytes)
+            export_hf(pieces, model_config(manifest), tokenizer, args.output, max_shard_bytes,
+                      run_states(manifest))
         else:
             files = write_consolidated(pieces, manifest, args.output, args.with_optimizer_states,
                                        max_shard_bytes, args.workers, args.load, args.ckpt_step)

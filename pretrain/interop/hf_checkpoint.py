@@ -27,7 +27,7 @@ from data.file_digest import files_sha256
 from data.tokenizers.base import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
-from pretrain.interop.hf_names import export_plan, import_plan
+from pretrain.interop.hf_names import expert_bias_names, export_plan, import_plan
 
 # every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -99,7 +99,8 @@ class HFModel:
         self.tensors = _HFTensors(hf_dir)
         self.expected = _expected_shapes(self.config)
         self.plan = list(import_plan(self.config))
-        used = {name for _, theirs, _ in self.plan for name in theirs}
+        self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)
+        used = {name for _, theirs, _ in self.plan for name in theirs} | set(self.bias_names.values())
         tied = not self.config.untie_embeddings_and_output_weights
         unused = sorted(name for name in self.tensors.where if name not in used
                         and not name.endswith(IGNORED_BUFFERS) and not (name == "lm_head.weight" and tied))
@@ -118,6 +119,21 @@ class HFModel:
                                       f"shape {tuple(tensor.shape)}; the architecture in config.json needs "
                                       f"{self.expected[ours]}")
             yield ours, tensor
+
+
+    def run_states(self) -> dict:
+        """The checkpoint's run states the model carries: the expert-bias table (DeepSeek-V3's
+        score-correction biases; dense layers' rows zero), else none."""
+        if not self.bias_names:
+            return {}
+        table = torch.zeros(self.config.num_layers, self.config.num_experts)
+        for layer, name in self.bias_names.items():
+            bias = self.tensors.get(name).float()
+            if tuple(bias.shape) != (self.config.num_experts,):
+                raise CheckpointError(f"--from-hf {self.directory}: {name} has shape {tuple(bias.shape)}, "
+                                      f"the config's experts need ({self.config.num_experts},)")
+            table[layer] = bias
+        return {"load_balancing": {"expert_bias": table.tolist()}}
 
 
 def import_hf(hf_dir: str, output: str) -> str:
@@ -144,7 +160,7 @@ def import_hf(hf_dir: str, output: str) -> str:
                             "sha256": files_sha256(os.path.join(staging, WEIGHTS_FILE))}}
     manifest = {"kind": "weights", "iteration": 0, "consumed_samples": 0, "layout": None, "files": files,
                 "config": {name: getattr(config, name) for name in GPTConfig.__dataclass_fields__},
-                "tokenizer": tokenizer,
+                "tokenizer": tokenizer, "states": model.run_states(),
                 "source": f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}"}
     write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1).encode())
     shutil.rmtree(final, ignore_errors=True)
@@ -184,13 +200,15 @@ def tokenizer_flags(present: list[str], folder: str) -> dict:
 
 
 def export_hf(source, config: GPTConfig, tokenizer, directory: str,
-              max_shard_bytes: int | None = None) -> None:
+              max_shard_bytes: int | None = None, states: dict | None = None) -> None:
     """Write the model that ``source`` (a ``reshard.PieceSource``: ``whole(name)``) holds as a Hugging
     Face model directory, with ``tokenizer``'s files (None: none) and its special ids; its weights in
-    shards of at most ``max_shard_bytes`` with their index (None: one file). One of our tensors is
+    shards of at most ``max_shard_bytes`` with their index (None: one file); ``states``: the checkpoint's
+    run states (the expert biases, where the family keeps them as tensors). One of our tensors is
     rebuilt at a time."""
     try:
         plan = list(export_plan(config))
+        biases = expert_bias_names(config)
         special = tokenizer.save_for_hugging_face(directory) if tokenizer is not None else {}
         hf_config = config_to_hf(config, special)
     except HFMappingError as error:
@@ -204,8 +222,13 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str,
             cached[name] = source.whole(name)
         return cached[name]
 
+    table = (states or {}).get("load_balancing", {}).get("expert_bias")
+    if biases and table is None:
+        raise CheckpointError("--to hf: the checkpoint has no expert-bias table (--moe-router-enable-expert-bias "
+                              f"was on): {next(iter(biases.values()))} cannot be written")
+    extra = {theirs: torch.tensor(table[layer], dtype=torch.float32) for layer, theirs in biases.items()}
     shapes = [(theirs, tuple(transform(torch.empty(source.shape(name), device="meta")).shape))
-              for theirs, name, transform in plan]
+              for theirs, name, transform in plan] + [(name, tuple(t.shape)) for name, t in extra.items()]
     path = os.path.join(directory, "model.safetensors")
     shards = plan_shards(path, shapes, 4, max_shard_bytes)
     transforms = {theirs: (name, transform) for theirs, name, transform in plan}
@@ -213,6 +236,9 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str,
         writer = StreamedSafetensors(shard, entries, metadata={"format": "pt"})
         try:
             for theirs, _ in entries:
+                if theirs in extra:
+                    writer.write(theirs, extra[theirs])
+                    continue
                 name, transform = transforms[theirs]
                 writer.write(theirs, transform(ours(name)))
         except BaseException:

@@ -16,14 +16,11 @@ import math
 from dataclasses import dataclass, field
 
 from models.config import GPTConfig
+from pretrain.interop.hf_deepseek import KIND as DEEPSEEK, deepseek_from_hf, deepseek_misses, deepseek_to_hf
 from pretrain.interop.hf_moe import MOE_FAMILIES, MoEMappingError, moe_from_hf, moe_misses, moe_to_hf
+from pretrain.interop.hf_positions import HFMappingError, hf_windows, rope_parameters, rotary, windows
 
 
-class HFMappingError(ValueError):
-    """A Hugging Face model or one of ours that the other side cannot express exactly; names why."""
-
-
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 LLAMA = {"norm_placement": "pre", "activation": "swiglu", "qk_layernorm": False, "add_qkv_bias": False}
 GEMMA = {"norm_placement": "sandwich", "activation": "geglu", "add_qkv_bias": False}
 # settings only some families have a key for: elsewhere they must keep these values
@@ -61,6 +58,7 @@ FAMILIES = {family.model_type: family for family in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", {**LLAMA, "qk_layernorm": True}, windows="per_layer",
            qk_scope="head"),
     Family("olmoe", "OlmoeForCausalLM", {**LLAMA, "qk_layernorm": True}, qk_scope="projection"),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", {**LLAMA, "multi_latent_attention": True}),
     Family("gemma2", "Gemma2ForCausalLM", {**GEMMA, "qk_layernorm": False}, windows="per_layer",
            tied_default=True, extras=("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
                                       "embedding_multiplier")),
@@ -70,122 +68,10 @@ FAMILIES = {family.model_type: family for family in (
                    "embedding_multiplier", "rotary_base_local")),
 )}
 DECODER = {"position_embedding": "rope", "normalization": "RMSNorm", "disable_bias_linear": True,
-           "rotary_interleaved": False}
+           "rotary_interleaved": False, "multi_latent_attention": False}
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_vision_tower",
                    "image_token_index", "image_token_id")
-
-
-# ------------------------------------------------------------------------------------------ rotary
-
-def _rope_fields(hf: dict, parameters: dict) -> dict:
-    """Our rotary fields (base and scaling) for rope ``parameters`` (``rope_parameters``, or the older
-    ``rope_scaling`` with ``rope_theta`` beside it); HFMappingError naming a rope_type we do not have."""
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise HFMappingError(f"rope_type {kind!r} is not supported: {', '.join(ROPE_TYPES)} are")
-    fields = {"rotary_base": float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    if kind == "default":
-        return fields
-    longest = hf["max_position_embeddings"]
-    original = parameters.get("original_max_position_embeddings",
-                              hf.get("original_max_position_embeddings", longest))
-    if kind == "dynamic":  # transformers scales dynamic NTK against max_position_embeddings
-        original = longest
-    factor = parameters.get("factor") or longest / original
-    fields.update(rope_scaling_type=kind, rope_scaling_factor=float(factor),
-                  rope_original_max_position_embeddings=int(original))
-    optional = {"low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
-                "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
-                "mscale_all_dim": "rope_mscale_all_dim", "attention_factor": "rope_attention_factor",
-                "truncate": "rope_yarn_truncate", "short_factor": "rope_short_factor",
-                "long_factor": "rope_long_factor"}
-    fields.update({ours: parameters[theirs] for theirs, ours in optional.items()
-                   if parameters.get(theirs) is not None})
-    return fields
-
-
-def _rope_parameters(config: GPTConfig) -> dict:
-    """transformers' ``rope_parameters`` for our rotary fields (the inverse of ``_rope_fields``)."""
-    kind = config.rope_scaling
-    parameters = {"rope_theta": config.rotary_base, "rope_type": "default" if kind == "none" else kind}
-    if config.rotary_percent != 1.0:
-        parameters["partial_rotary_factor"] = config.rotary_percent
-    if kind == "none":
-        return parameters
-    parameters["factor"] = config.rope_scaling_factor
-    if kind != "dynamic":
-        parameters["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
-    extra = {"llama3": {"low_freq_factor": config.rope_low_freq_factor,
-                        "high_freq_factor": config.rope_high_freq_factor},
-             "yarn": {"beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
-                      "mscale": config.rope_mscale, "mscale_all_dim": config.rope_mscale_all_dim,
-                      "attention_factor": config.rope_attention_factor,
-                      "truncate": config.rope_yarn_truncate},
-             "longrope": {"short_factor": config.rope_short_factor, "long_factor": config.rope_long_factor,
-                          "attention_factor": config.rope_attention_factor}}.get(kind, {})
-    return {**parameters, **{key: value for key, value in extra.items() if value is not None}}
-
-
-def _rotary(hf: dict, kind: str) -> dict:
-    """The rotary fields of a decoder config; Gemma 3 keeps one set per layer type, the sliding-window
-    layers' unscaled with a base of their own."""
-    parameters = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    if kind != "gemma3_text":
-        fields = _rope_fields(hf, parameters)
-    else:
-        local = parameters.get("sliding_attention") or {}
-        if local.get("rope_type", "default") != "default":
-            raise HFMappingError(f"gemma3_text with rope_parameters.sliding_attention.rope_type="
-                                 f"{local['rope_type']!r}: the sliding-window layers' rotary positions "
-                                 "map unscaled only")
-        fields = _rope_fields(hf, {"rope_theta": 1_000_000.0, **(parameters.get("full_attention") or {})})
-        fields["rotary_base_local"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
-    fields["rotary_percent"] = float(parameters.get("partial_rotary_factor",
-                                                    hf.get("partial_rotary_factor", 1.0)))
-    return fields
-
-
-# ----------------------------------------------------------------------------------------- windows
-
-def _layer_types(hf: dict, kind: str, layers: int) -> list[str]:
-    if hf.get("layer_types"):
-        return list(hf["layer_types"])
-    if kind in ("gemma2", "gemma3_text"):
-        pattern = 2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6)
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if kind.startswith("qwen"):
-        first = hf.get("max_window_layers", layers)
-        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    return ["sliding_attention"] * layers
-
-
-def _windows(hf: dict, kind: str, layers: int) -> dict:
-    """--window-size and --window-attn-skip-freq for the config's sliding window and layer types."""
-    window = hf.get("sliding_window")
-    if kind.startswith("qwen") and not hf.get("use_sliding_window"):
-        window = None
-    if not window:
-        return {}
-    types = _layer_types(hf, kind, layers)
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if unknown or len(types) != layers:
-        raise HFMappingError(f"{kind} with layer_types {unknown or types}: only sliding_attention and "
-                             f"full_attention layers map, one per layer ({layers})")
-    windowed = [layer_type == "sliding_attention" for layer_type in types]
-    if not any(windowed):
-        return {}
-    fields = {"window_size": [int(window) - 1, 0]}
-    if not all(windowed):
-        fields["window_attn_skip_freq"] = [int(w) for w in windowed]
-    return fields
-
-
-def _hf_windows(config: GPTConfig) -> tuple[int | None, list[str]]:
-    """(sliding_window, layer_types) of our windows."""
-    windows = [config.attention_window(layer) for layer in range(config.num_layers)]
-    window = next((w for w in windows if w is not None), None)
-    return window, ["full_attention" if w is None else "sliding_attention" for w in windows]
 
 
 # ------------------------------------------------------------------------------------- config in
@@ -245,11 +131,11 @@ def config_from_hf(hf: dict) -> GPTConfig:
                   norm_placement=family.features["norm_placement"],
                   qk_layernorm=family.features["qk_layernorm"], qk_layernorm_scope=family.qk_scope or "head",
                   apply_layernorm_1p=kind.startswith("gemma"),  # Gemma stores norm weights as offsets from 1
-                  add_qkv_bias=family.features["add_qkv_bias"], **_rotary(hf, kind),
-                  **_windows(hf, kind, layers))
+                  add_qkv_bias=family.features["add_qkv_bias"], **rotary(hf, kind),
+                  **windows(hf, kind, layers))
     if kind in MOE_FAMILIES:
         try:
-            fields.update(moe_from_hf(hf, kind))
+            fields.update(deepseek_from_hf(hf) if kind == DEEPSEEK else moe_from_hf(hf, kind))
         except MoEMappingError as error:
             raise HFMappingError(str(error)) from None
     if kind.startswith("gemma"):
@@ -291,6 +177,7 @@ def _gpt2_misses(config: GPTConfig) -> list[str]:
               "--disable-bias-linear": (config.disable_bias_linear, False),
               "--qk-layernorm": (config.qk_layernorm, False), "--add-qkv-bias": (config.add_qkv_bias, False),
               "--norm-placement": (config.norm_placement, "pre"), "--window-size": (config.window_size, None),
+              "--multi-latent-attention": (config.multi_latent_attention, False),
               **{f"--{name.replace('_', '-')}": (getattr(config, name), value)
                  for name, value in EXTRAS.items()}}
     return [f"{flag} {value}" for flag, (value, want) in wanted.items() if value != want] + moe_misses(config,
@@ -308,14 +195,18 @@ def _miss(name: str, value, wanted) -> str:
 def _misses(config: GPTConfig, family: Family) -> list[str]:
     """The flags of ``config`` that ``family`` cannot express, each with its value."""
     wanted = {**DECODER, **family.features}
+    if family.model_type == DEEPSEEK:  # its rotary pairs are either layout (rope_interleave)
+        del wanted["rotary_interleaved"]
     if family.qk_scope:
         wanted["qk_layernorm_scope"] = family.qk_scope
     wanted.update({name: value for name, value in EXTRAS.items() if name not in family.extras})
     if "embedding_multiplier" in family.extras:
         wanted["embedding_multiplier"] = config.hidden_size ** 0.5
     misses = [_miss(name, getattr(config, name), value) for name, value in wanted.items()
-              if getattr(config, name) != value] + moe_misses(config, family.model_type)
-    window, types = _hf_windows(config)
+              if getattr(config, name) != value]
+    misses += (deepseek_misses(config) if family.model_type == DEEPSEEK
+               else moe_misses(config, family.model_type))
+    window, types = hf_windows(config)
     if window is not None and (family.windows == "none"
                                or (family.windows == "uniform" and "full_attention" in types)):
         misses.append(f"--window-size {config.window_size[0]} 0 (on {types.count('sliding_attention')} of "
@@ -371,10 +262,10 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
           "num_key_value_heads": config.query_groups, "head_dim": config.head_dim,
           "hidden_act": activation, "max_position_embeddings": config.max_positions,
           "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
-          "rope_parameters": _rope_parameters(config), "attention_bias": config.add_qkv_bias,
+          "rope_parameters": rope_parameters(config), "attention_bias": config.add_qkv_bias,
           "mlp_bias": False, "tie_word_embeddings": tied, "attention_dropout": config.attention_dropout,
           "torch_dtype": "float32", **special}
-    window, types = _hf_windows(config)
+    window, types = hf_windows(config)
     hf["sliding_window"] = window
     if family.windows == "per_layer":
         hf["layer_types"] = types
@@ -383,7 +274,8 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
     if kind == "phi3" and config.rope_scaling != "none":
         hf["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
     if kind in MOE_FAMILIES:
-        hf.update(moe_to_hf(config, kind), **({"qkv_bias": True} if kind == "qwen2_moe" else {}))
+        hf.update(deepseek_to_hf(config) if kind == DEEPSEEK else moe_to_hf(config, kind),
+                  **({"qkv_bias": True} if kind == "qwen2_moe" else {}))
     if kind.startswith("gemma"):
         scalar = config.attention_scale ** -2
         hf.update(hidden_activation=activation, query_pre_attn_scalar=round(scalar)
@@ -394,6 +286,6 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
             hf["sliding_window"] = config.max_positions  # Gemma wants one; no layer uses it
     if kind == "gemma3_text":
         local = config.rotary_base_local or config.rotary_base
-        hf["rope_parameters"] = {"full_attention": _rope_parameters(config),
+        hf["rope_parameters"] = {"full_attention": rope_parameters(config),
                                  "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     return hf

@@ -24,14 +24,15 @@ class MoEMappingError(ValueError):
 @dataclass(frozen=True)
 class MoEFamily:
     """Where one family keeps its experts: the config keys of their count and width, the module holding
-    the router (``prefix``.gate) and the experts (``prefix``.experts.E.{gate, up, down}), whether it has
-    Qwen's shared expert and sparse-layer keys, and its default for renormalised top-k weights."""
+    the router (``prefix``.gate) and the experts (``prefix``.experts.E.{gate, up, down}), the module of its
+    shared expert (``prefix``.``shared``; Qwen's gated, DeepSeek's not), whether it has Qwen's sparse-layer
+    keys, and its default for renormalised top-k weights."""
 
     experts_key: str
     width_key: str
     prefix: str
     projections: tuple[str, str, str]
-    shared: bool = False
+    shared: str | None = None
     sparse_layers: bool = False
     normalised: bool | None = None  # norm_topk_prob's default (None: no such key, always renormalised)
 
@@ -39,11 +40,14 @@ class MoEFamily:
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 MOE_FAMILIES = {
     "mixtral": MoEFamily("num_local_experts", "intermediate_size", "block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen2_moe": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN, shared=True,
+    "qwen2_moe": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN, shared="shared_expert",
                            sparse_layers=True, normalised=False),
     "qwen3_moe": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN, sparse_layers=True,
                            normalised=False),
     "olmoe": MoEFamily("num_experts", "intermediate_size", "mlp", GATE_UP_DOWN, normalised=False),
+    # its routing and latent attention keys: ``hf_deepseek``
+    "deepseek_v3": MoEFamily("n_routed_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN,
+                             shared="shared_experts"),
 }
 
 
@@ -102,7 +106,7 @@ def moe_misses(config: GPTConfig, kind: str) -> list[str]:
     if family.normalised is None and config.moe_router_pre_softmax:
         misses.append("--moe-router-pre-softmax (Mixtral renormalises the top-k weights)")
     shared = config.moe_shared_expert_intermediate_size
-    if shared and not (family.shared and config.moe_shared_expert_gate):
+    if shared and not (family.shared is not None and config.moe_shared_expert_gate):
         misses.append(f"--moe-shared-expert-intermediate-size {shared}"
                       + ("" if family.shared else f" ({kind} has no shared expert)") + " without its gate")
     wanted = {"moe_router_score_function": "softmax", "moe_router_num_groups": None,

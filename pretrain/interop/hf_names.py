@@ -121,8 +121,33 @@ def _moe_rules(config: GPTConfig, kind: str, ours: str, theirs: str) -> Iterator
     for expert in range(config.num_experts):
         yield from _gated(f"{ours}.mlp.experts.{expert}", f"{block}.experts.{expert}", family.projections)
     if config.moe_shared_expert_intermediate_size:
-        yield from _gated(f"{ours}.mlp.shared_experts", f"{block}.shared_expert", GATE_UP_DOWN)
+        yield from _gated(f"{ours}.mlp.shared_experts", f"{block}.{family.shared}", GATE_UP_DOWN)
+    if config.moe_shared_expert_gate:
         yield _same(f"{ours}.mlp.shared_gate.weight", f"{block}.shared_expert_gate.weight")
+
+
+LATENT = {"q_proj": "q_proj", "q_down": "q_a_proj", "q_latent_norm": "q_a_layernorm", "q_up": "q_b_proj",
+          "kv_down": "kv_a_proj_with_mqa", "kv_latent_norm": "kv_a_layernorm", "kv_up": "kv_b_proj"}
+
+
+def _latent_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Latent attention's projections and norms (DeepSeek-V3's names; the same layouts: each head's rows
+    [qk | rope] and [qk | v], the key/value latent then the shared rotary key)."""
+    parts = ("q_proj",) if config.q_lora_rank is None else ("q_down", "q_latent_norm", "q_up")
+    for part in (*parts, "kv_down", "kv_latent_norm", "kv_up"):
+        yield _same(f"{ours}.attention.{part}.weight", f"{theirs}.self_attn.{LATENT[part]}.weight")
+
+
+def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, str]:
+    """Layer -> the Hugging Face tensor holding its expert biases (DeepSeek-V3's score-correction bias),
+    for the MoE layers of a model with --moe-router-enable-expert-bias; our side keeps them as the
+    checkpoint's expert-bias table (a run state), not as parameters."""
+    kind = kind or hf_kind(config)
+    if kind not in MOE_FAMILIES or not config.moe_router_enable_expert_bias:
+        return {}
+    block = MOE_FAMILIES[kind].prefix
+    return {i: f"model.layers.{i}.{block}.gate.e_score_correction_bias"
+            for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
 
 
 def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
@@ -134,10 +159,12 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
         for mine, hf_name in NORMS[config.norm_placement]:
             yield _norm(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
         attention = f"{theirs}.self_attn"
-        if fused:
+        if config.multi_latent_attention:
+            yield from _latent_rules(config, ours, theirs)
+        elif fused:
             yield Rule(f"{ours}.attention.qkv.weight", (f"{attention}.qkv_proj.weight",),
                        lambda w: _qkv_rows(config, w), lambda x: (torch.cat(_qkv_to(config, x)),))
-        for part in ("weight", "bias") if not fused else ():
+        for part in ("weight", "bias") if not fused and not config.multi_latent_attention else ():
             if part == "weight" or config.add_qkv_bias:
                 yield Rule(f"{ours}.attention.qkv.{part}",
                            tuple(f"{attention}.{p}_proj.{part}" for p in "qkv"),

@@ -17,7 +17,7 @@ from models.config import GPTConfig
 from models.gpt import GPTModel
 from parallel.comm import DetachedGroup
 from parallel.param_meta import meta
-from pretrain.checkpoint.catalog import CheckpointError
+from pretrain.checkpoint.catalog import CheckpointError, run_states
 
 
 class LoadedModel(nn.Module):
@@ -36,8 +36,9 @@ class LoadedModel(nn.Module):
         return logits[..., :self.config.vocab_size].transpose(0, 1)
 
 
-def _weights(path: str) -> tuple[GPTConfig, object, object]:
-    """(config, iterator of (our name, whole fp32 tensor), tokenizer) of a checkpoint or an HF directory."""
+def _weights(path: str) -> tuple[GPTConfig, object, object, dict]:
+    """(config, iterator of (our name, whole fp32 tensor), tokenizer, run states) of a checkpoint or an HF
+    directory."""
     from pretrain.interop.hf_checkpoint import TOKENIZER_FILES, HFModel, tokenizer_flags
     from pretrain.interop.saved_model import model_config, saved_tokenizer, saved_weights
 
@@ -49,14 +50,15 @@ def _weights(path: str) -> tuple[GPTConfig, object, object]:
             from data.tokenizers.spec import TokenizerSpec, build_tokenizer
 
             tokenizer = build_tokenizer(TokenizerSpec(**tokenizer_flags(present, path)))
-        return model.config, model.parameters(), tokenizer
+        return model.config, model.parameters(), tokenizer, model.run_states()
     checkpoint, manifest, pieces = saved_weights(path)
     try:
         tokenizer = saved_tokenizer(checkpoint, manifest)
     except ValueError:
         tokenizer = None
     config = model_config(manifest)
-    return config, ((name, pieces.whole(name)) for name in sorted(pieces.by_name)), tokenizer
+    return (config, ((name, pieces.whole(name)) for name in sorted(pieces.by_name)), tokenizer,
+            run_states(manifest))
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -65,7 +67,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     ``nn.Module`` in eval mode. CheckpointError naming what cannot be read."""
     if not os.path.isdir(path):
         raise CheckpointError(f"load_model({path!r}): no such directory")
-    config, weights, tokenizer = _weights(path)
+    config, weights, tokenizer, states = _weights(path)
     config.hidden_dropout = config.attention_dropout = 0.0
     with torch.device("meta"):
         gpt = GPTModel(config, DetachedGroup("tp", 1), seed=0)
@@ -85,4 +87,6 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     missing = sorted(set(parameters) - filled)
     if missing:
         raise CheckpointError(f"load_model({path!r}): the checkpoint lacks {', '.join(missing[:5])}")
+    if gpt.balancing is not None and "load_balancing" in states:  # the routing's expert biases
+        gpt.balancing.load_state_dict(states["load_balancing"])
     return LoadedModel(config, gpt.to(dtype), tokenizer).eval()

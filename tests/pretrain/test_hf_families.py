@@ -58,6 +58,9 @@ def made_families(tmp_path_factory, names) -> dict:
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+            for name, buffer in model.named_buffers():  # DeepSeek-V3's score-correction bias routes too
+                if name.endswith("e_score_correction_bias"):
+                    buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.1)
         # the Llama in shards of a few tensors, with an index, as large checkpoints come
         model.save_pretrained(directory, max_shard_size="40KB" if family == "llama3.1" else "5GB")
         with torch.no_grad():
