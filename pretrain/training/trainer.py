@@ -157,8 +157,8 @@ class Trainer:
             return
         starts_over = directory != ckpt.load or ckpt.finetune
         states = self.checkpoint_states()
-        if starts_over:  # the weights alone
-            states = {MODEL: states[MODEL]}
+        if starts_over:  # the weights alone, and the expert biases that route with them (Megatron's buffers)
+            states = {name: states[name] for name in (MODEL, "load_balancing") if name in states}
         elif ckpt.no_load_rng:
             del states["rng"]
         self.watchdog.at(0, "checkpoint load", watched=False)  # a slow disk is no hang

@@ -1,4 +1,4 @@
-"""The mixture-of-experts families the interop maps (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), against
+"""The mixture-of-experts families the interop maps (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3), against
 transformers' own code: a tiny random model of each (made by transformers from the family's config class,
 every weight perturbed) gives transformers' logits through ``pretrain.load_model``, at ep2 x tp2 + SP and
 at ep2 x expert dp 2 ZeRO-3; exports back bit for bit; and a short SFT at ep2 ZeRO-3 lowers transformers'
@@ -30,7 +30,9 @@ MOE_LAYOUTS = (("ep2 x tp2 + SP", ["--expert-model-parallel-size", "2", "--tenso
 FEATURES = {"mixtral": "every layer MoE, renormalised top-2",
             "qwen2-moe": "dense first layer, gated shared expert, q/k/v biases, raw top-k",
             "qwen3-moe": "per-head q/k norms, renormalised top-k",
-            "olmoe": "q/k norms over the projection, raw top-k"}
+            "olmoe": "q/k norms over the projection, raw top-k",
+            "deepseek-v3": "latent attention (yarn, query latent), sigmoid group-limited top-2 with the "
+                           "score-correction bias, routed scaling, shared expert, dense first layer"}
 
 
 @pytest.mark.parity
