@@ -14,7 +14,7 @@ from models.rotary import apply_rotary
 from parallel.comm import AxisGroup, compile_boundary
 from parallel.context import (ContextParallel, DocumentBlocks, ScoreOptions, attend, context_attention,
                               sequence_mask)
-from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, shard_parameter
 from parallel.tensor.random import RNGTracker
 from parallel.tensor.weight_init import WeightInit
 
@@ -39,7 +39,9 @@ class AttentionCore(nn.Module):
     """What every kind of attention of a block shares: the core softmax(q k^T scale) v over the keys a
     query sees (``scores``: its layer's window, scale and soft-capping; ``inputs``: documents, the cp
     group, FlexAttention's blocks), attention dropout from the per-rank stream, and the hook selective
-    recompute runs the core through. Owns no weights; its subclasses own the projections."""
+    recompute runs the core through. Owns no weights; its subclasses own the projections and, with
+    --softmax-type learnable, ``sinks``: this rank's heads' sink logits [heads / tp] (None otherwise;
+    off-by-one sinks are zeros made here)."""
 
     def __init__(self, config: GPTConfig, layer: int, rng: RNGTracker):
         super().__init__()
@@ -48,6 +50,8 @@ class AttentionCore(nn.Module):
         self.scores = ScoreOptions(config.attention_scale, config.attention_window(layer),
                                    config.attn_logit_softcapping)
         self.core_runner = None  # how the core runs when it is recomputed (``recompute_core_with``)
+        self.off_by_one = config.softmax_type == "off-by-one"
+        self.register_parameter("sinks", None)  # a subclass sets it with --softmax-type learnable
 
     def recompute_core_with(self, runner) -> None:
         """Run the attention core through ``runner(core, q, k, v, inputs)`` (selective recompute)."""
@@ -63,21 +67,25 @@ class AttentionCore(nn.Module):
         exchanges keys and values again). Attention dropout draws from the per-tp (and per-cp) rank
         stream: each rank holds other heads (and tokens)."""
         dropout = self.dropout if self.training else 0.0
+        sinks = q.new_zeros(q.shape[1], dtype=torch.float32) if self.off_by_one else self.sinks
         if inputs.context is not None:
+            if sinks is not None:
+                raise ValueError("--softmax-type off-by-one / learnable: attention sinks are not implemented "
+                                 "under context parallelism (--context-parallel-size > 1)")
             return context_attention(q, k, v, inputs.context, self.layer, self.scores, dropout, self.rng,
                                      inputs.documents)
         blocks = inputs.document_blocks
-        if blocks is not None and blocks.usable(q.device, self.scores.softcap, dropout):
+        if blocks is not None and sinks is None and blocks.usable(q.device, self.scores.softcap, dropout):
             return blocks.attend(q, k, v, self.scores.window, self.scores.scale)
         mask = sequence_mask(q.shape[2], self.scores.window, inputs.documents, q.device)
         if dropout > 0:
-            return self._attend_with_dropout(q, k, v, mask, dropout)
-        return attend(q, k, v, self.scores, mask)
+            return self._attend_with_dropout(q, k, v, mask, dropout, sinks)
+        return attend(q, k, v, self.scores, mask, sinks=sinks)
 
     @compile_boundary  # the per-rank random stream is swapped in around it
-    def _attend_with_dropout(self, q, k, v, mask, dropout: float) -> torch.Tensor:
+    def _attend_with_dropout(self, q, k, v, mask, dropout: float, sinks=None) -> torch.Tensor:
         with self.rng.fork():
-            return attend(q, k, v, self.scores, mask, dropout)
+            return attend(q, k, v, self.scores, mask, dropout, sinks)
 
 
 class SelfAttention(AttentionCore):
@@ -87,7 +95,8 @@ class SelfAttention(AttentionCore):
     holding its a/G query heads, then its key, then its value head, so that a tp slice holds whole
     groups: Megatron's layout, and head by head q, k, v when G = a), the optional query and key norms
     (per head, or over the whole projection, split across tp like the heads), and the output projection
-    (row-parallel). Its layer's window, scale and soft-capping (``ScoreOptions``) decide which keys a
+    (row-parallel), and with --softmax-type learnable its heads' sink logits (``sinks``, split by head as
+    the queries are). Its layer's window, scale and soft-capping (``ScoreOptions``) decide which keys a
     query sees and how. It never holds other ranks' groups.
     """
 
@@ -118,6 +127,9 @@ class SelfAttention(AttentionCore):
                                       WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
                                       .scaled_for_residual(config.num_layers), bias=bias,
                                       sequence_parallel=sequence_parallel)
+        if config.softmax_type == "learnable":  # each head's sink logit, drawn as Megatron draws it
+            sink = WeightInit(seed, f"layers.{layer}.attention.sinks", std)
+            self.sinks = shard_parameter(lambda: sink.full((heads,)), 0, tp)
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [s, b, heads, d] and k [s, b, groups, d] through their norms, per head or over the projection."""

@@ -74,6 +74,10 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
         "or one 0/1 per layer, 1 = windowed (Megatron's)"))
     softmax_scale: float | None = field(default=None, metadata=flag(
         "the attention scores' scale (default 1/sqrt(--kv-channels); Gemma: query_pre_attn_scalar^-1/2)"))
+    softmax_type: str = field(default="vanilla", metadata=flag(
+        "attention sinks: each head's softmax also sums exp(sink), a logit with no value, fixed at 0 "
+        "(off-by-one) or learned per head (learnable: gpt-oss's sinks)",
+        choices=["vanilla", "off-by-one", "learnable"]))
     attn_logit_softcapping: float | None = field(default=None, metadata=flag(
         "cap the attention scores at +-C smoothly, C tanh(s / C) (Gemma 2: 50)"))
     final_logit_softcapping: float | None = field(default=None, metadata=flag(
@@ -102,6 +106,13 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
         "gated GELU MLP: gelu(x W_gate) * (x W_up) -> W_down (Gemma; tanh GELU with --openai-gelu); "
         "--ffn-hidden-size defaults as with --swiglu"))
     squared_relu: bool = field(default=False, metadata=flag("squared ReLU MLP activation instead of GELU"))
+    quick_geglu: bool = field(default=False, metadata=flag(
+        "gated quick-GELU MLP: quick_gelu(x W_gate) * (x W_up) -> W_down, quick_gelu(z) = z sigmoid(1.702 z) "
+        "(gpt-oss); --ffn-hidden-size defaults as with --swiglu"))
+    glu_linear_offset: float = field(default=0.0, metadata=flag(
+        "a gated MLP's up part is offset: act(gate) * (up + F) (gpt-oss: 1)"))
+    activation_func_clamp_value: float | None = field(default=None, metadata=flag(
+        "a gated MLP clamps its gate to <= C and its up part to [-C, C] before the activation (gpt-oss: 7)"))
     openai_gelu: bool = field(default=False,
                               metadata=flag("GELU's tanh approximation (OpenAI's GPT-2) instead of erf"))
     group_query_attention: bool = field(
@@ -160,14 +171,16 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
 
     @property
     def activation(self) -> str:
-        if self.swiglu or self.geglu:
-            return "swiglu" if self.swiglu else "geglu"
-        return "squared_relu" if self.squared_relu else "gelu"
+        """gelu, squared_relu, or a gated one: swiglu, geglu, quick_geglu."""
+        for name in ("swiglu", "geglu", "quick_geglu", "squared_relu"):
+            if getattr(self, name):
+                return name
+        return "gelu"
 
     @property
     def gated(self) -> bool:
-        """A gated MLP (SwiGLU, GeGLU): fc1 holds the gate and up matrices."""
-        return self.swiglu or self.geglu
+        """A gated MLP (SwiGLU, GeGLU, quick GeGLU): fc1 holds the gate and up matrices."""
+        return self.swiglu or self.geglu or self.quick_geglu
 
     @property
     def attention_scale(self) -> float:
@@ -212,8 +225,16 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
                              "or give --kv-channels")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
-        if sum((self.swiglu, self.geglu, self.squared_relu)) > 1:
-            raise ValueError("--swiglu, --geglu and --squared-relu are three MLP activations: choose one")
+        if sum((self.swiglu, self.geglu, self.quick_geglu, self.squared_relu)) > 1:
+            raise ValueError("--swiglu, --geglu, --quick-geglu and --squared-relu are four MLP activations: "
+                             "choose one")
+        for name in ("glu_linear_offset", "activation_func_clamp_value"):
+            if getattr(self, name) not in (None, 0.0) and not self.gated:
+                raise ValueError(f"--{name.replace('_', '-')} acts on a gated MLP's gate and up parts: add "
+                                 "--swiglu, --geglu or --quick-geglu")
+        if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
+            raise ValueError("--activation-func-clamp-value must be > 0, got "
+                             f"{self.activation_func_clamp_value}")
         self._validate_options()
         self._validate_attention(tp)
         self.validate_latent(tp)
@@ -286,7 +307,7 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
                                      f"{'none' if factors is None else len(factors)}")
 
     def _validate_options(self) -> None:
-        """The window, soft-capping, scale, norm and embedding options."""
+        """The window, soft-capping, scale, sink, norm and embedding options."""
         window = self.window_size
         if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < -1):
             raise ValueError(f"--window-size {' '.join(map(str, window))}: give LEFT RIGHT with LEFT >= 0 "
@@ -308,6 +329,9 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.softmax_type == "learnable" and self.multi_latent_attention:
+            raise ValueError("--softmax-type learnable: latent attention (--multi-latent-attention) has no "
+                             "learned sinks; use --softmax-type off-by-one or vanilla")
         if not self.embedding_multiplier > 0:
             raise ValueError(f"--embedding-multiplier must be > 0, got {self.embedding_multiplier}")
         if self.qk_layernorm_scope == "projection" and self.normalization != "RMSNorm":

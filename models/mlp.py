@@ -1,5 +1,5 @@
-"""The transformer's MLP: GELU, squared ReLU, SwiGLU or GeGLU, split across the tensor-parallel group by
-width."""
+"""The transformer's MLP: GELU, squared ReLU, SwiGLU, GeGLU or quick GeGLU (gpt-oss's, with Megatron's
+--glu-linear-offset and --activation-func-clamp-value), split across the tensor-parallel group by width."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from parallel.tensor.weight_init import WeightInit
 class MLP(nn.Module):
     """h -> ffn (column-parallel) -> activation -> h (row-parallel). Never holds the full ffn activation.
 
-    Gated (SwiGLU, GeGLU) ``fc1`` holds the gate and up matrices stacked ([2, ffn/tp, h] per rank, each
-    split by width), so a rank computes act(gate) * up on its own slice of both, whatever tp is.
+    Gated (SwiGLU, GeGLU, quick GeGLU) ``fc1`` holds the gate and up matrices stacked ([2, ffn/tp, h] per
+    rank, each split by width), so a rank computes act(gate) * up on its own slice of both, whatever tp is.
     """
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
@@ -26,6 +26,7 @@ class MLP(nn.Module):
         h, f, std = config.hidden_size, width or config.ffn_size, config.init_method_std
         self.activation = config.activation
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
+        self.glu = glu_options(config)
         bias = not config.disable_bias_linear
         self.fc1 = ColumnParallelLinear(h, f, tp,
                                         WeightInit(seed, f"layers.{layer}.{name}.fc1.weight", std), bias=bias,
@@ -47,17 +48,31 @@ class MLP(nn.Module):
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """fc2(act(fc1(x))): what --recompute-modules mlp redoes in backward."""
-        return self.fc2(activate(self.fc1(x), self.activation, self.gelu_approximation))
+        return self.fc2(activate(self.fc1(x), self.activation, self.gelu_approximation, *self.glu))
 
 
-def activate(y: torch.Tensor, activation: str, gelu_approximation: str = "none") -> torch.Tensor:
-    """The MLP's activation of fc1's output ``y`` (gated: its last dim holds the gate, then the up part)."""
-    if activation == "swiglu":
+def glu_options(config: GPTConfig) -> tuple[float, float | None]:
+    """(offset, clamp) of a gated activation: --glu-linear-offset, --activation-func-clamp-value."""
+    return config.glu_linear_offset, config.activation_func_clamp_value
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU's sigmoid approximation, x sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def activate(y: torch.Tensor, activation: str, gelu_approximation: str = "none", offset: float = 0.0,
+             clamp: float | None = None) -> torch.Tensor:
+    """The MLP's activation of fc1's output ``y``. Gated, its last dim holds the gate, then the up part:
+    act(gate) * (up + offset), gate first clamped to <= ``clamp`` and up to [-clamp, clamp] (Megatron's
+    order: the clamp, then the activation)."""
+    if activation in ("swiglu", "geglu", "quick_geglu"):
         gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if activation == "geglu":
-        gate, up = y.chunk(2, dim=-1)
-        return F.gelu(gate, approximate=gelu_approximation) * up
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        act = (F.silu(gate) if activation == "swiglu" else quick_gelu(gate) if activation == "quick_geglu"
+               else F.gelu(gate, approximate=gelu_approximation))
+        return act * (up + offset if offset else up)
     if activation == "squared_relu":
         return F.relu(y).square()
     return F.gelu(y, approximate=gelu_approximation)

@@ -26,8 +26,9 @@ class MoELayer(nn.Module):
     """x [s, b, h] (a sequence shard under sequence parallelism) -> sum over each token's top-k experts of
     weight x expert(token), plus the shared expert's output (gated with --moe-shared-expert-gate).
 
-    Owns the router's weight [E, h] (replicated; its gradient partial under sequence parallelism), this
-    rank's ``experts`` and the ``shared_experts`` MLP (split over tp as the dense MLP is). The routing is
+    Owns the router's weight [E, h] and bias [E] (with linear biases; both replicated, their gradients
+    partial under sequence parallelism), this rank's ``experts`` and the ``shared_experts`` MLP (split
+    over tp as the dense MLP is). The routing is
     decided here, once per forward, from the logits alone: a recomputed forward routes the same tokens the
     same way. With a capacity factor the choice of tokens to drop is made over the whole sequences of the
     micro-batch (all tp x cp ranks' tokens, as one process would), and every token counts in the
@@ -47,9 +48,13 @@ class MoELayer(nn.Module):
         self.router_dtype = ROUTER_DTYPES.get(config.moe_router_dtype)
         split = sequence_parallel and tp.size > 1
         router = WeightInit(seed, f"layers.{layer}.mlp.router.weight", config.init_method_std)
+        router_bias = None
+        if not config.disable_bias_linear:  # Megatron's router has a bias with linear biases (gpt-oss)
+            router_bias = declare(with_init(nn.Parameter(torch.zeros(experts)), lambda: torch.zeros(experts)),
+                                  sequence_parallel=split)
         self.router = LinearWeights(declare(with_init(nn.Parameter(router.full((experts, h))),
                                                       lambda: router.full((experts, h))),
-                                            sequence_parallel=split), None)
+                                            sequence_parallel=split), router_bias)
         self.experts = Experts(config, layer, groups, seed)
         self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](experts, groups)
         self.shared_experts = None
@@ -75,7 +80,9 @@ class MoELayer(nn.Module):
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # position-major, as Megatron orders them
         dtype = self.router_dtype or x.dtype
-        logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype))
+        bias = self.router.bias
+        logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype),
+                          None if bias is None else bias.to(dtype))
         weights, chosen = route(logits, self.options, self.balancing.bias(self.layer, logits.device))
         if self.config.moe_expert_capacity_factor is not None:
             weights, chosen = self._dropped(weights, chosen)

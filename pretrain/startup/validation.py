@@ -228,6 +228,9 @@ def _validate_context(config: Config, topology: Topology) -> None:
                           f"(--num-layers {model.num_layers})")
     if cp == 1:
         return
+    if model.softmax_type != "vanilla":
+        raise ConfigError(f"--softmax-type {model.softmax_type} with --context-parallel-size {cp}: attention "
+                          "sinks are not implemented under context parallelism; use cp 1")
     if model.seq_length % (2 * cp):
         raise ConfigError(f"--seq-length {model.seq_length} is not a multiple of 2 x --context-parallel-size "
                           f"{cp} = {2 * cp}: each sequence is cut into 2 x cp chunks")
