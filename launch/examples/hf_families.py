@@ -13,7 +13,7 @@ from __future__ import annotations
 
 FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3", "gemma2", "gemma3",
             "phi3", "olmo2", "gpt2")
-MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3")  # top-2 of 4 experts each
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")  # top-2 of 4 experts each
 ALL_FAMILIES = FAMILIES + MOE_FAMILIES
 
 
@@ -85,6 +85,13 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
             q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=8, qk_rope_head_dim=4,
             v_head_dim=12, rope_parameters=yarn, **moe)
+    if family == "gpt-oss":  # sinks, sliding and full layers alternating, clamped SwiGLU, biases everywhere
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 16}
+        return transformers.GptOssConfig(**common, num_local_experts=4, sliding_window=window,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         head_dim=2 * hidden // heads, rope_parameters=yarn, swiglu_limit=1.5,
+                                         **moe)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -27,6 +27,7 @@ from data.file_digest import files_sha256
 from data.tokenizers.base import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
+from pretrain.interop.mxfp4 import dequantize_mxfp4, quantized_pairs
 from pretrain.interop.hf_names import expert_bias_names, export_plan, import_plan
 
 # every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
@@ -36,9 +37,11 @@ IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # 
 
 
 class _HFTensors:
-    """The tensors of a Hugging Face model directory, single-file or sharded, opened lazily."""
+    """The tensors of a Hugging Face model directory, single-file or sharded, opened lazily; with
+    ``mxfp4`` its quantized tensors (``X_blocks`` and ``X_scales``) read as ``X`` dequantized. The last
+    tensor read is kept (a layer's stacked experts are read once for all of them)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, mxfp4: bool = False):
         from safetensors import safe_open
 
         index = os.path.join(directory, "model.safetensors.index.json")
@@ -56,8 +59,25 @@ class _HFTensors:
                                   "(save the model with save_pretrained(safe_serialization=True))")
         self._open = {}
         self._safe_open = safe_open
+        self.quantized = quantized_pairs(self.where) if mxfp4 else {}
+        self._last: tuple[str | None, torch.Tensor | None] = (None, None)
+
+    def names(self) -> set[str]:
+        """The tensors as the model reads them: the plain ones and the dequantized ones."""
+        parts = {part for pair in self.quantized.values() for part in pair}
+        return (set(self.where) - parts) | set(self.quantized)
 
     def get(self, name: str) -> torch.Tensor:
+        if self._last[0] != name:
+            if name in self.quantized:
+                blocks, scales = self.quantized[name]
+                tensor = dequantize_mxfp4(self._read(blocks), self._read(scales), name=name)
+            else:
+                tensor = self._read(name)
+            self._last = (name, tensor)
+        return self._last[1]
+
+    def _read(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise CheckpointError(f"the Hugging Face model has no tensor {name} (a model of another "
                                   "architecture, "
@@ -96,13 +116,14 @@ class HFModel:
         except HFMappingError as error:
             raise CheckpointError(f"--from-hf {hf_dir}: {error}") from None
         self.directory = hf_dir
-        self.tensors = _HFTensors(hf_dir)
+        quantization = self.hf.get("quantization_config") or {}
+        self.tensors = _HFTensors(hf_dir, mxfp4=quantization.get("quant_method") == "mxfp4")
         self.expected = _expected_shapes(self.config)
         self.plan = list(import_plan(self.config))
         self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)
         used = {name for _, theirs, _ in self.plan for name in theirs} | set(self.bias_names.values())
         tied = not self.config.untie_embeddings_and_output_weights
-        unused = sorted(name for name in self.tensors.where if name not in used
+        unused = sorted(name for name in self.tensors.names() if name not in used
                         and not name.endswith(IGNORED_BUFFERS) and not (name == "lm_head.weight" and tied))
         if unused:
             raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: "
@@ -227,11 +248,11 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str,
         raise CheckpointError("--to hf: the checkpoint has no expert-bias table (--moe-router-enable-expert-bias "
                               f"was on): {next(iter(biases.values()))} cannot be written")
     extra = {theirs: torch.tensor(table[layer], dtype=torch.float32) for layer, theirs in biases.items()}
-    shapes = [(theirs, tuple(transform(torch.empty(source.shape(name), device="meta")).shape))
-              for theirs, name, transform in plan] + [(name, tuple(t.shape)) for name, t in extra.items()]
+    shapes = [(theirs, tuple(transform(*(torch.empty(source.shape(name), device="meta") for name in names)).shape))
+              for theirs, names, transform in plan] + [(name, tuple(t.shape)) for name, t in extra.items()]
     path = os.path.join(directory, "model.safetensors")
     shards = plan_shards(path, shapes, 4, max_shard_bytes)
-    transforms = {theirs: (name, transform) for theirs, name, transform in plan}
+    transforms = {theirs: (names, transform) for theirs, names, transform in plan}
     for shard, entries in shards:
         writer = StreamedSafetensors(shard, entries, metadata={"format": "pt"})
         try:
@@ -239,8 +260,9 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str,
                 if theirs in extra:
                     writer.write(theirs, extra[theirs])
                     continue
-                name, transform = transforms[theirs]
-                writer.write(theirs, transform(ours(name)))
+                names, transform = transforms[theirs]
+                writer.write(theirs, transform(*(ours(name) if len(names) == 1 else source.whole(name)
+                                                 for name in names)))
         except BaseException:
             writer.abort()
             raise

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from models.config import GPTConfig
 from pretrain.interop.hf_deepseek import KIND as DEEPSEEK, deepseek_from_hf, deepseek_misses, deepseek_to_hf
+from pretrain.interop.hf_gpt_oss import KIND as GPT_OSS, gpt_oss_from_hf, gpt_oss_misses, gpt_oss_to_hf
 from pretrain.interop.hf_moe import MOE_FAMILIES, MoEMappingError, moe_from_hf, moe_misses, moe_to_hf
 from pretrain.interop.hf_positions import HFMappingError, hf_windows, rope_parameters, rotary, windows
 
@@ -25,7 +26,7 @@ LLAMA = {"norm_placement": "pre", "activation": "swiglu", "qk_layernorm": False,
 GEMMA = {"norm_placement": "sandwich", "activation": "geglu", "add_qkv_bias": False}
 # settings only some families have a key for: elsewhere they must keep these values
 EXTRAS = {"softmax_scale": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
-          "embedding_multiplier": 1.0, "rotary_base_local": None}
+          "embedding_multiplier": 1.0, "rotary_base_local": None, "activation_func_clamp_value": None}
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ FAMILIES = {family.model_type: family for family in (
            qk_scope="head"),
     Family("olmoe", "OlmoeForCausalLM", {**LLAMA, "qk_layernorm": True}, qk_scope="projection"),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", {**LLAMA, "multi_latent_attention": True}),
+    Family("gpt_oss", "GptOssForCausalLM", {**LLAMA, "activation": "quick_geglu", "softmax_type": "learnable",
+                                            "glu_linear_offset": 1.0, "disable_bias_linear": False},
+           windows="per_layer", extras=("activation_func_clamp_value",)),
     Family("gemma2", "Gemma2ForCausalLM", {**GEMMA, "qk_layernorm": False}, windows="per_layer",
            tied_default=True, extras=("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
                                       "embedding_multiplier")),
@@ -68,7 +72,8 @@ FAMILIES = {family.model_type: family for family in (
                    "embedding_multiplier", "rotary_base_local")),
 )}
 DECODER = {"position_embedding": "rope", "normalization": "RMSNorm", "disable_bias_linear": True,
-           "rotary_interleaved": False, "multi_latent_attention": False}
+           "rotary_interleaved": False, "multi_latent_attention": False, "softmax_type": "vanilla",
+           "glu_linear_offset": 0.0}
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_vision_tower",
                    "image_token_index", "image_token_id")
@@ -88,6 +93,10 @@ def _refuse_unmapped(hf: dict, kind) -> None:
     if hf.get("is_encoder_decoder"):
         raise HFMappingError(f"model_type {kind!r} with is_encoder_decoder=true: encoder-decoder models are "
                              "not supported")
+    quantization = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None and not (kind == GPT_OSS and quantization == "mxfp4"):
+        raise HFMappingError(f"model_type {kind!r} with quantization_config.quant_method={quantization!r}: "
+                             "quantized weights are not supported (gpt-oss's mxfp4 is, dequantized on import)")
     if hf.get("use_bidirectional_attention"):
         raise HFMappingError(f"model_type {kind!r} with use_bidirectional_attention=true: only causal "
                              "attention maps")
@@ -104,13 +113,14 @@ def config_from_hf(hf: dict) -> GPTConfig:
                              f"{', '.join(FAMILIES)} are")
     family = FAMILIES[kind]
     activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
-    wanted = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu")}[family.features["activation"]]
+    wanted = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu"),
+              "quick_geglu": ("silu",)}[family.features["activation"]]  # gpt-oss names silu, runs its own
     if activation not in wanted:
         raise HFMappingError(f"{kind} with hidden_act={activation!r}: {' or '.join(wanted)} map")
     biases = {key: hf[key] for key in ("mlp_bias", "attention_bias") if hf.get(key)}
     if kind == "qwen2_moe" and hf.get("qkv_bias") is False:
         raise HFMappingError("qwen2_moe with qkv_bias=false: Qwen2-MoE maps with its q/k/v biases only")
-    if biases and not (kind in ("qwen2", "qwen2_moe") and list(biases) == ["attention_bias"]):
+    if biases and not (kind in ("qwen2", "qwen2_moe", GPT_OSS) and list(biases) == ["attention_bias"]):
         key, value = next(iter(biases.items()))
         raise HFMappingError(f"{kind} with {key}={value}: biases there are not supported")
     heads = hf["num_attention_heads"]
@@ -135,7 +145,8 @@ def config_from_hf(hf: dict) -> GPTConfig:
                   **windows(hf, kind, layers))
     if kind in MOE_FAMILIES:
         try:
-            fields.update(deepseek_from_hf(hf) if kind == DEEPSEEK else moe_from_hf(hf, kind))
+            fields.update(deepseek_from_hf(hf) if kind == DEEPSEEK else gpt_oss_from_hf(hf) if kind == GPT_OSS
+                          else moe_from_hf(hf, kind))
         except MoEMappingError as error:
             raise HFMappingError(str(error)) from None
     if kind.startswith("gemma"):
@@ -178,6 +189,7 @@ def _gpt2_misses(config: GPTConfig) -> list[str]:
               "--qk-layernorm": (config.qk_layernorm, False), "--add-qkv-bias": (config.add_qkv_bias, False),
               "--norm-placement": (config.norm_placement, "pre"), "--window-size": (config.window_size, None),
               "--multi-latent-attention": (config.multi_latent_attention, False),
+              "--softmax-type": (config.softmax_type, "vanilla"),
               **{f"--{name.replace('_', '-')}": (getattr(config, name), value)
                  for name, value in EXTRAS.items()}}
     return [f"{flag} {value}" for flag, (value, want) in wanted.items() if value != want] + moe_misses(config,
@@ -204,8 +216,8 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
         wanted["embedding_multiplier"] = config.hidden_size ** 0.5
     misses = [_miss(name, getattr(config, name), value) for name, value in wanted.items()
               if getattr(config, name) != value]
-    misses += (deepseek_misses(config) if family.model_type == DEEPSEEK
-               else moe_misses(config, family.model_type))
+    misses += {DEEPSEEK: deepseek_misses, GPT_OSS: gpt_oss_misses}.get(
+        family.model_type, lambda c: moe_misses(c, family.model_type))(config)
     window, types = hf_windows(config)
     if window is not None and (family.windows == "none"
                                or (family.windows == "uniform" and "full_attention" in types)):
@@ -254,7 +266,7 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
                 "embd_pdrop": config.hidden_dropout, "attn_pdrop": config.attention_dropout,
                 "tie_word_embeddings": tied, "torch_dtype": "float32", **special}
     family = FAMILIES[kind]
-    activation = ("silu" if config.activation == "swiglu"
+    activation = ("silu" if config.activation in ("swiglu", "quick_geglu")
                   else "gelu_pytorch_tanh" if config.openai_gelu else "gelu")
     hf = {"model_type": kind, "architectures": [family.architecture], "vocab_size": config.vocab_size,
           "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
@@ -274,7 +286,7 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
     if kind == "phi3" and config.rope_scaling != "none":
         hf["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
     if kind in MOE_FAMILIES:
-        hf.update(deepseek_to_hf(config) if kind == DEEPSEEK else moe_to_hf(config, kind),
+        hf.update({DEEPSEEK: deepseek_to_hf, GPT_OSS: gpt_oss_to_hf}.get(kind, lambda c: moe_to_hf(c, kind))(config),
                   **({"qkv_bias": True} if kind == "qwen2_moe" else {}))
     if kind.startswith("gemma"):
         scalar = config.attention_scale ** -2

@@ -24,7 +24,7 @@ class MoEMappingError(ValueError):
 @dataclass(frozen=True)
 class MoEFamily:
     """Where one family keeps its experts: the config keys of their count and width, the module holding
-    the router (``prefix``.gate) and the experts (``prefix``.experts.E.{gate, up, down}), the module of its
+    the router (``prefix``.``router``) and the experts (``prefix``.experts.E.{gate, up, down}), the module of its
     shared expert (``prefix``.``shared``; Qwen's gated, DeepSeek's not), whether it has Qwen's sparse-layer
     keys, and its default for renormalised top-k weights."""
 
@@ -33,6 +33,8 @@ class MoEFamily:
     prefix: str
     projections: tuple[str, str, str]
     shared: str | None = None
+    router: str = "gate"  # the module of the router's weight (and bias)
+    stacked: bool = False  # the layer's experts as one [E, in, out] tensor per matrix (gpt-oss)
     sparse_layers: bool = False
     normalised: bool | None = None  # norm_topk_prob's default (None: no such key, always renormalised)
 
@@ -48,6 +50,9 @@ MOE_FAMILIES = {
     # its routing and latent attention keys: ``hf_deepseek``
     "deepseek_v3": MoEFamily("n_routed_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN,
                              shared="shared_experts"),
+    # its sinks, activation and biases: ``hf_gpt_oss``
+    "gpt_oss": MoEFamily("num_local_experts", "intermediate_size", "mlp", ("gate_up_proj", "", "down_proj"),
+                         router="router", stacked=True),
 }
 
 

@@ -37,6 +37,17 @@ class Rule:
     split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
+@dataclass(frozen=True)
+class StackedRule:
+    """Expert e's tensor ``ours[e]`` is ``take(theirs, e)`` of one Hugging Face tensor holding the layer's
+    experts stacked (gpt-oss); ``stack(*ours)`` gives it back."""
+
+    ours: tuple[str, ...]
+    theirs: str
+    take: Callable[[torch.Tensor, int], torch.Tensor]
+    stack: Callable[..., torch.Tensor]
+
+
 def _same(ours: str, theirs: str) -> Rule:
     return Rule(ours, (theirs,), lambda x: x, lambda x: (x,))
 
@@ -117,13 +128,42 @@ def _moe_rules(config: GPTConfig, kind: str, ours: str, theirs: str) -> Iterator
     and its gate (``hf_moe.MOE_FAMILIES`` says where the family keeps them)."""
     family = MOE_FAMILIES[kind]
     block = f"{theirs}.{family.prefix}"
-    yield _same(f"{ours}.mlp.router.weight", f"{block}.gate.weight")
-    for expert in range(config.num_experts):
-        yield from _gated(f"{ours}.mlp.experts.{expert}", f"{block}.experts.{expert}", family.projections)
+    yield _same(f"{ours}.mlp.router.weight", f"{block}.{family.router}.weight")
+    if not config.disable_bias_linear:
+        yield _same(f"{ours}.mlp.router.bias", f"{block}.{family.router}.bias")
+    if family.stacked:
+        yield from _stacked_experts(config, f"{ours}.mlp.experts", f"{block}.experts")
+    else:
+        for expert in range(config.num_experts):
+            yield from _gated(f"{ours}.mlp.experts.{expert}", f"{block}.experts.{expert}", family.projections)
     if config.moe_shared_expert_intermediate_size:
         yield from _gated(f"{ours}.mlp.shared_experts", f"{block}.{family.shared}", GATE_UP_DOWN)
     if config.moe_shared_expert_gate:
         yield _same(f"{ours}.mlp.shared_gate.weight", f"{block}.shared_expert_gate.weight")
+
+
+def _interleaved(parts: torch.Tensor) -> torch.Tensor:
+    """Our gate and up [2, f, ...] as gpt-oss's columns [..., 2f], gate and up alternating."""
+    return torch.stack([parts[0], parts[1]], dim=1).flatten(0, 1).movedim(0, -1)
+
+
+def _stacked_experts(config: GPTConfig, ours: str, theirs: str) -> Iterator[StackedRule]:
+    """gpt-oss's experts: gate_up_proj [E, h, 2f] (gate and up columns alternating) and its bias [E, 2f],
+    down_proj [E, f, h] and its bias [E, h], cut into each expert's fc1 [2, f, h] / [2, f] and fc2
+    [h, f] / [h]."""
+    def each(part: str) -> tuple[str, ...]:
+        return tuple(f"{ours}.{e}.{part}" for e in range(config.num_experts))
+
+    yield StackedRule(each("fc1.weight"), f"{theirs}.gate_up_proj",
+                      lambda t, e: torch.stack([t[e][:, 0::2].t(), t[e][:, 1::2].t()]),
+                      lambda *xs: torch.stack([_interleaved(x) for x in xs]))
+    yield StackedRule(each("fc1.bias"), f"{theirs}.gate_up_proj_bias",
+                      lambda t, e: torch.stack([t[e][0::2], t[e][1::2]]),
+                      lambda *xs: torch.stack([_interleaved(x) for x in xs]))
+    yield StackedRule(each("fc2.weight"), f"{theirs}.down_proj", lambda t, e: t[e].t(),
+                      lambda *xs: torch.stack([x.t() for x in xs]))
+    yield StackedRule(each("fc2.bias"), f"{theirs}.down_proj_bias", lambda t, e: t[e],
+                      lambda *xs: torch.stack(xs))
 
 
 LATENT = {"q_proj": "q_proj", "q_down": "q_a_proj", "q_latent_norm": "q_a_layernorm", "q_up": "q_b_proj",
@@ -165,7 +205,7 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
             yield Rule(f"{ours}.attention.qkv.weight", (f"{attention}.qkv_proj.weight",),
                        lambda w: _qkv_rows(config, w), lambda x: (torch.cat(_qkv_to(config, x)),))
         for part in ("weight", "bias") if not fused and not config.multi_latent_attention else ():
-            if part == "weight" or config.add_qkv_bias:
+            if part == "weight" or config.add_qkv_bias or not config.disable_bias_linear:
                 yield Rule(f"{ours}.attention.qkv.{part}",
                            tuple(f"{attention}.{p}_proj.{part}" for p in "qkv"),
                            lambda q, k, v: _qkv_from(config, q, k, v), lambda x: _qkv_to(config, x))
@@ -174,6 +214,10 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
                 yield _norm(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
                             offsets)
         yield _same(f"{ours}.attention.proj.weight", f"{attention}.o_proj.weight")
+        if not config.disable_bias_linear:
+            yield _same(f"{ours}.attention.proj.bias", f"{attention}.o_proj.bias")
+        if config.softmax_type == "learnable":
+            yield _same(f"{ours}.attention.sinks", f"{attention}.sinks")
         if moe[i]:
             yield from _moe_rules(config, kind, ours, theirs)
         elif fused:
@@ -187,7 +231,7 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
         yield _same("output_layer.weight", "lm_head.weight")
 
 
-def rules(config: GPTConfig, kind: str | None = None) -> list[Rule]:
+def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule]:
     """Every parameter of ours as the Hugging Face ``kind`` (default: the one that expresses ``config``)
     names and lays it out."""
     kind = kind or hf_kind(config)
@@ -197,11 +241,18 @@ def rules(config: GPTConfig, kind: str | None = None) -> list[Rule]:
 def import_plan(config: GPTConfig) -> Iterator[tuple[str, list[str], Callable[..., torch.Tensor]]]:
     """(our name, the Hugging Face tensors it is made of, how) for every parameter of ours."""
     for rule in rules(config, config.hf_model_type):
-        yield rule.ours, list(rule.theirs), rule.join
+        if isinstance(rule, StackedRule):
+            for expert, ours in enumerate(rule.ours):
+                yield ours, [rule.theirs], lambda t, rule=rule, expert=expert: rule.take(t, expert)
+        else:
+            yield rule.ours, list(rule.theirs), rule.join
 
 
-def export_plan(config: GPTConfig) -> Iterator[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]]:
-    """(Hugging Face name, our parameter it comes from, how) for every tensor of the Hugging Face model."""
+def export_plan(config: GPTConfig) -> Iterator[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
+    """(Hugging Face name, our parameters it comes from, how) for every tensor of the Hugging Face model."""
     for rule in rules(config):
+        if isinstance(rule, StackedRule):
+            yield rule.theirs, rule.ours, rule.stack
+            continue
         for index, theirs in enumerate(rule.theirs):
-            yield theirs, rule.ours, lambda x, rule=rule, index=index: rule.split(x)[index]
+            yield theirs, (rule.ours,), lambda x, rule=rule, index=index: rule.split(x)[index]

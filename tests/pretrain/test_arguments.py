@@ -193,7 +193,7 @@ def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--multi-latent-attention"], "--multi-latent-attention: this attention variant"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token prediction .* is not built"),
     (["--num-experts", "8", "--moe-enable-deepep"],
      "--moe-enable-deepep: the flex dispatcher \\(DeepEP, HybridEP\\) is not built"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),

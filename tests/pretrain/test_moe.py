@@ -126,6 +126,12 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
     (MOE + ["--moe-layer-freq", "__import__('os').system('true')"], 1, "--moe-layer-freq"),
     (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "2", "--zero-hpz-partition-size", "2"], 2,
      "--zero-hpz-partition-size with --num-experts"),
+    (LATENT[:10] + ["--position-embedding-type", "learned_absolute"], 1,
+     "--multi-latent-attention turns its --qk-pos-emb-head-dim channels by rotary positions"),
+    (LATENT + ["--group-query-attention", "--num-query-groups", "2"], 1,
+     "--group-query-attention with --multi-latent-attention"),
+    (["--q-lora-rank", "32"], 1, "--q-lora-rank shapes multi-head latent attention: add --multi-latent-attention"),
+    (LATENT + ["--tensor-model-parallel-size", "8"], 8, "--tensor-model-parallel-size 8 does not divide"),
 ])
 def test_bad_expert_settings_name_the_flag(flags, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
