@@ -4,7 +4,7 @@
 # small SFT set with ZeRO-3 in bf16 on 2 processes, exported back to Hugging Face, and asked held-out
 # prompts through transformers' text-generation pipeline. Creates .venv when missing.
 #   bash launch/finetune_job.sh [--family llama3.1|llama3.2|mistral|mistral-nemo|qwen2.5|qwen3|gemma2|gemma3|
-#                                phi3|olmo2|gpt2|mixtral|qwen2-moe|qwen3-moe|olmoe|deepseek-v3] [pretrain flags, e.g.
+#                                phi3|olmo2|gpt2|mixtral|qwen2-moe|qwen3-moe|olmoe|deepseek-v3|gpt-oss] [pretrain flags, e.g.
 #                                --train-iters 100]   (the mixtures of experts train at ep2: each rank two experts)
 # WORK (default runs/finetune) holds everything it writes.
 set -euo pipefail
@@ -15,7 +15,7 @@ if [ "${1:-}" = "--family" ]; then
     shift 2
 fi
 EXPERTS=()
-case "$FAMILY" in mixtral|qwen2-moe|qwen3-moe|olmoe|deepseek-v3) EXPERTS=(--expert-model-parallel-size 2) ;; esac
+case "$FAMILY" in mixtral|qwen2-moe|qwen3-moe|olmoe|deepseek-v3|gpt-oss) EXPERTS=(--expert-model-parallel-size 2) ;; esac
 . launch/venv.sh
 WORK=${WORK:-runs/finetune}
 rm -rf "$WORK"

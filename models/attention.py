@@ -57,9 +57,12 @@ class AttentionCore(nn.Module):
         """Run the attention core through ``runner(core, q, k, v, inputs)`` (selective recompute)."""
         self.core_runner = runner
 
-    def attended(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+    def attended(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 inputs: LayerInputs) -> torch.Tensor:
         """The core's output for q [b, heads, s, d], through the recompute runner when there is one."""
-        return self.core_runner(self.core, q, k, v, inputs) if self.core_runner else self.core(q, k, v, inputs)
+        if self.core_runner is not None:
+            return self.core_runner(self.core, q, k, v, inputs)
+        return self.core(q, k, v, inputs)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """softmax(q k^T scale, causal, within the layer's window) v, q [b, heads, s, d] and k, v

@@ -125,7 +125,8 @@ def _flops_per_token(frozen: tuple) -> float:
 def _latent_matmuls(model: nn.ModuleList) -> int:
     """The weights of latent attention's projections a token passes through (held as plain weights, not
     parallel linear layers); 0 without latent attention."""
-    return sum(linear.weight.numel() for attention in model.modules() if isinstance(attention, LatentAttention)
+    return sum(linear.weight.numel() for attention in model.modules()
+               if isinstance(attention, LatentAttention)
                for linear in attention.children() if isinstance(linear, LinearWeights))
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3", "gemma2", "gemma3",
             "phi3", "olmo2", "gpt2")
-MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")  # top-2 of 4 experts each
+# top-2 of 4 experts each
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")
 ALL_FAMILIES = FAMILIES + MOE_FAMILIES
 
 
@@ -86,8 +87,8 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
             q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=8, qk_rope_head_dim=4,
             v_head_dim=12, rope_parameters=yarn, **moe)
     if family == "gpt-oss":  # sinks, sliding and full layers alternating, clamped SwiGLU, biases everywhere
-        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "truncate": False, "original_max_position_embeddings": 16}
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
         return transformers.GptOssConfig(**common, num_local_experts=4, sliding_window=window,
                                          layer_types=["sliding_attention", "full_attention"],
                                          head_dim=2 * hidden // heads, rope_parameters=yarn, swiglu_limit=1.5,

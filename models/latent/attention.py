@@ -57,8 +57,8 @@ class LatentAttention(AttentionCore):
 
         def replicated(part: str, rows: int) -> LinearWeights:
             init = WeightInit(seed, f"{name}.{part}.weight", std)
-            weight = declare(with_init(torch.nn.Parameter(init.full((rows, h))), lambda: init.full((rows, h))),
-                             sequence_parallel=self.split)
+            weight = declare(with_init(torch.nn.Parameter(init.full((rows, h))),
+                                       lambda: init.full((rows, h))), sequence_parallel=self.split)
             return LinearWeights(weight, declare(with_init(torch.nn.Parameter(torch.zeros(rows)),
                                                            lambda: torch.zeros(rows)),
                                                  sequence_parallel=self.split) if bias else None)

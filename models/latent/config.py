@@ -27,7 +27,8 @@ class LatentAttentionConfig:
         "--multi-latent-attention: each head's query / key channels without positions"))
     qk_pos_emb_head_dim: int = field(default=64, metadata=flag(
         "--multi-latent-attention: each head's rotary query / key channels (the key's shared by the heads)"))
-    v_head_dim: int = field(default=128, metadata=flag("--multi-latent-attention: each head's value channels"))
+    v_head_dim: int = field(default=128, metadata=flag(
+        "--multi-latent-attention: each head's value channels"))
     rope_type: str | None = field(default=None, metadata=flag(
         "Megatron's rotary kind: rope, or yarn (the same as --rope-scaling-type yarn; its factor, mscale "
         "and mscale-all-dim are --rotary-scaling-factor, --mscale, --mscale-all-dim)",
@@ -71,7 +72,8 @@ class LatentAttentionConfig:
         if self.position_embedding != "rope":
             raise ValueError("--multi-latent-attention turns its --qk-pos-emb-head-dim channels by rotary "
                              "positions: add --position-embedding-type rope")
-        conflicts = {"--group-query-attention": self.group_query_attention, "--qk-layernorm": self.qk_layernorm,
+        conflicts = {"--group-query-attention": self.group_query_attention,
+                     "--qk-layernorm": self.qk_layernorm,
                      "--kv-channels": self.kv_channels is not None,
                      "--rotary-percent": self.rotary_percent != 1.0,
                      "--attn-logit-softcapping": self.attn_logit_softcapping is not None}

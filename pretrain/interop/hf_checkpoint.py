@@ -245,10 +245,12 @@ def export_hf(source, config: GPTConfig, tokenizer, directory: str,
 
     table = (states or {}).get("load_balancing", {}).get("expert_bias")
     if biases and table is None:
-        raise CheckpointError("--to hf: the checkpoint has no expert-bias table (--moe-router-enable-expert-bias "
-                              f"was on): {next(iter(biases.values()))} cannot be written")
+        raise CheckpointError("--to hf: the checkpoint has no expert-bias table "
+                              f"(--moe-router-enable-expert-bias was on): {next(iter(biases.values()))} "
+                              "cannot be written")
     extra = {theirs: torch.tensor(table[layer], dtype=torch.float32) for layer, theirs in biases.items()}
-    shapes = [(theirs, tuple(transform(*(torch.empty(source.shape(name), device="meta") for name in names)).shape))
+    shapes = [(theirs, tuple(transform(*(torch.empty(source.shape(name), device="meta")
+                                         for name in names)).shape))
               for theirs, names, transform in plan] + [(name, tuple(t.shape)) for name, t in extra.items()]
     path = os.path.join(directory, "model.safetensors")
     shards = plan_shards(path, shapes, 4, max_shard_bytes)

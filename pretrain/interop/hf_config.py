@@ -96,7 +96,8 @@ def _refuse_unmapped(hf: dict, kind) -> None:
     quantization = (hf.get("quantization_config") or {}).get("quant_method")
     if quantization is not None and not (kind == GPT_OSS and quantization == "mxfp4"):
         raise HFMappingError(f"model_type {kind!r} with quantization_config.quant_method={quantization!r}: "
-                             "quantized weights are not supported (gpt-oss's mxfp4 is, dequantized on import)")
+                             "quantized weights are not supported (gpt-oss's mxfp4 is, dequantized on "
+                             "import)")
     if hf.get("use_bidirectional_attention"):
         raise HFMappingError(f"model_type {kind!r} with use_bidirectional_attention=true: only causal "
                              "attention maps")
@@ -286,7 +287,8 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
     if kind == "phi3" and config.rope_scaling != "none":
         hf["original_max_position_embeddings"] = config.rope_original_max_position_embeddings
     if kind in MOE_FAMILIES:
-        hf.update({DEEPSEEK: deepseek_to_hf, GPT_OSS: gpt_oss_to_hf}.get(kind, lambda c: moe_to_hf(c, kind))(config),
+        own = {DEEPSEEK: deepseek_to_hf, GPT_OSS: gpt_oss_to_hf}.get(kind, lambda c: moe_to_hf(c, kind))
+        hf.update(own(config),
                   **({"qkv_bias": True} if kind == "qwen2_moe" else {}))
     if kind.startswith("gemma"):
         scalar = config.attention_scale ** -2

@@ -24,9 +24,10 @@ class MoEMappingError(ValueError):
 @dataclass(frozen=True)
 class MoEFamily:
     """Where one family keeps its experts: the config keys of their count and width, the module holding
-    the router (``prefix``.``router``) and the experts (``prefix``.experts.E.{gate, up, down}), the module of its
-    shared expert (``prefix``.``shared``; Qwen's gated, DeepSeek's not), whether it has Qwen's sparse-layer
-    keys, and its default for renormalised top-k weights."""
+    the router (``prefix``.``router``) and the experts (``prefix``.experts.E.{gate, up, down}), the module
+    of its shared expert (``prefix``.``shared``; Qwen's gated, DeepSeek's not), whether it has Qwen's
+    sparse-layer keys, and its default for renormalised top-k weights; ``stacked``: the layer's experts as
+    one [E, in, out] tensor per matrix (gpt-oss)."""
 
     experts_key: str
     width_key: str
@@ -34,7 +35,7 @@ class MoEFamily:
     projections: tuple[str, str, str]
     shared: str | None = None
     router: str = "gate"  # the module of the router's weight (and bias)
-    stacked: bool = False  # the layer's experts as one [E, in, out] tensor per matrix (gpt-oss)
+    stacked: bool = False
     sparse_layers: bool = False
     normalised: bool | None = None  # norm_topk_prob's default (None: no such key, always renormalised)
 
@@ -42,7 +43,8 @@ class MoEFamily:
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 MOE_FAMILIES = {
     "mixtral": MoEFamily("num_local_experts", "intermediate_size", "block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen2_moe": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN, shared="shared_expert",
+    "qwen2_moe": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN,
+                           shared="shared_expert",
                            sparse_layers=True, normalised=False),
     "qwen3_moe": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN, sparse_layers=True,
                            normalised=False),

@@ -217,8 +217,8 @@ def test_mixture_of_experts_multimodal_and_unknown_configs_are_refused_naming_th
              "model_type 'granitemoe' with num_local_experts=8: this mixture-of-experts family is not mapped "
              "(mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss are)"),
             ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}},
-             "model_type 'deepseek_v3' with quantization_config.quant_method='fp8': quantized weights are not "
-             "supported"),
+             "model_type 'deepseek_v3' with quantization_config.quant_method='fp8': quantized weights are "
+             "not supported"),
             ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
               "router_jitter_noise": 0.1}, "mixtral with router_jitter_noise=0.1: router noise does not map"),
             ({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}},

@@ -34,8 +34,8 @@ FEATURES = {"mixtral": "every layer MoE, renormalised top-2",
             "olmoe": "q/k norms over the projection, raw top-k",
             "deepseek-v3": "latent attention (yarn, query latent), sigmoid group-limited top-2 with the "
                            "score-correction bias, routed scaling, shared expert, dense first layer",
-            "gpt-oss": "attention sinks, sliding and full layers alternating, clamped SwiGLU, biases on every "
-                       "projection and the router, stacked experts"}
+            "gpt-oss": "attention sinks, sliding and full layers alternating, clamped SwiGLU, biases on "
+                       "every projection and the router, stacked experts"}
 
 
 @pytest.mark.parity

@@ -130,7 +130,8 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
      "--multi-latent-attention turns its --qk-pos-emb-head-dim channels by rotary positions"),
     (LATENT + ["--group-query-attention", "--num-query-groups", "2"], 1,
      "--group-query-attention with --multi-latent-attention"),
-    (["--q-lora-rank", "32"], 1, "--q-lora-rank shapes multi-head latent attention: add --multi-latent-attention"),
+    (["--q-lora-rank", "32"], 1,
+     "--q-lora-rank shapes multi-head latent attention: add --multi-latent-attention"),
     (LATENT + ["--tensor-model-parallel-size", "8"], 8, "--tensor-model-parallel-size 8 does not divide"),
 ])
 def test_bad_expert_settings_name_the_flag(flags, world, message):

@@ -255,7 +255,8 @@ def kv_cache_line(model, value_bytes: int) -> str:
         return line
     width = {"multi_latent_attention": False, "q_lora_rank": None}
     mha = replace(model, **width)
-    gqa = replace(model, **width, group_query_attention=True, num_query_groups=min(8, model.num_attention_heads))
+    gqa = replace(model, **width, group_query_attention=True,
+                  num_query_groups=min(8, model.num_attention_heads))
     return (line + f" (latent attention: {model.kv_lora_rank} + {model.qk_pos_emb_head_dim} values a layer); "
             f"grouped-query attention at --hidden-size {model.hidden_size}: {kib(gqa)} with "
             f"{gqa.query_groups} groups, {kib(mha)} with one per head")
