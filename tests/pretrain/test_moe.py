@@ -43,7 +43,9 @@ EP2 = ["--expert-model-parallel-size", "2"]
 # name: (flags, the one-process run it follows)
 LAYOUTS = {
     "DeepSeek routing: ep2 x tp2 + SP (etp 2), alltoall": (DEEPSEEK + TP2 + EP2 + ALLTOALL, "deepseek"),
-    "DeepSeek routing: ep2 x cp2, allgather": (DEEPSEEK + EP2 + ["--context-parallel-size", "2"], "deepseek"),
+    "DeepSeek routing: ep2 x cp2, allgather, attention cores recomputed": (
+        DEEPSEEK + EP2 + ["--context-parallel-size", "2", "--recompute-granularity", "selective",
+                          "--recompute-modules", "core_attn"], "deepseek"),
     "DeepSeek: ep2 x pp2 ZeRO-3 (latent attention's weights sharded), compiled": (
         DEEPSEEK + EP2 + ["--pipeline-model-parallel-size", "2", "--zero-stage", "3",
                           "--zero-persistence-threshold", "0"] + ALLTOALL + COMPILED, "deepseek"),
