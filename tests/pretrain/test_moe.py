@@ -128,7 +128,7 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
     (MOE + ["--moe-layer-freq", "__import__('os').system('true')"], 1, "--moe-layer-freq"),
     (MOE + ["--expert-model-parallel-size", "2", "--zero-stage", "2", "--zero-hpz-partition-size", "2"], 2,
      "--zero-hpz-partition-size with --num-experts"),
-    (LATENT[:10] + ["--position-embedding-type", "learned_absolute"], 1,
+    (LATENT[:11] + ["--position-embedding-type", "learned_absolute"], 1,
      "--multi-latent-attention turns its --qk-pos-emb-head-dim channels by rotary positions"),
     (LATENT + ["--group-query-attention", "--num-query-groups", "2"], 1,
      "--group-query-attention with --multi-latent-attention"),
