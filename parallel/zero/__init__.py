@@ -30,17 +30,20 @@ __all__ = ["initialize", "ZeroOptions", "ZeroGroups", "dp_partitions", "ZeroOpti
 
 def initialize(module: nn.Module, optimizer_factory: OptimizerFactory, options: ZeroOptions = ZeroOptions(),
                group=None, *, param_groups: list[dict] | None = None, loss_scaler=None, unit_modules=None,
-               buffer_pool: BufferPool | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+               buffer_pool: BufferPool | None = None,
+               backward_parts: list[nn.Module] | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Wrap ``module`` for data-parallel training as ``options`` say over ``group``: ``ZeroGroups``, or a
     torch ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``parallel.comm.AxisGroup``, or None (the world).
 
     ``param_groups``: torch-style groups of the module's parameters with their optimizer options;
     ``loss_scaler``: a ``DynamicLossScaler`` for fp16; ``unit_modules`` (stage 3): the modules gathered as
     one, a list or module classes (default: the repeated blocks, ``auto_wrap.repeated_blocks``);
-    ``buffer_pool``: a ``BufferPool`` shared with activation recompute (one of its own otherwise).
+    ``buffer_pool``: a ``BufferPool`` shared with activation recompute (one of its own otherwise);
+    ``backward_parts``: modules whose backward passes run apart, micro-batches of one between those of
+    another (a pipeline rank's model chunks under an interleaved schedule): no gradient bucket spans two.
     Call ``optimizer.close()`` at the end to remove any swap files.
     """
     units = unit_modules_of(module, unit_modules) if options.stage == 3 else None
     return module, ZeroOptimizer(module, optimizer_factory, options, ZeroGroups.of(group, options),
                                  param_groups=param_groups, loss_scaler=loss_scaler, unit_modules=units,
-                                 buffer_pool=buffer_pool)
+                                 buffer_pool=buffer_pool, backward_parts=backward_parts)

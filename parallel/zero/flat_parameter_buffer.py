@@ -92,14 +92,18 @@ class FlatParameterBuffer:
     """Owns the flat parameter (and optionally gradient) storage of same-dtype parameters.
 
     Owns: ``data``, ``grad`` (None when gradients are not kept whole), each parameter's offset, the
-    buckets. Never communicates and never steps an optimizer; it only lays memory out.
+    buckets. A bucket never holds parameters of two ``part``s (a pipeline rank's model chunks: one backward
+    pass gives every parameter of its chunk a gradient, so a bucket of one chunk is complete after each,
+    while one spanning two would see one chunk's micro-batches arrive before the other's). Never
+    communicates and never steps an optimizer; it only lays memory out.
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, num_shards: int = 1,
                  keep_grad: bool = True,
                  deferred: Callable[[nn.Parameter], bool] = lambda param: False,
                  device: torch.device | None = None,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None,
+                 part: Callable[[nn.Parameter], int] = lambda param: 0):
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")
         if bucket_size < 1:
@@ -115,6 +119,9 @@ class FlatParameterBuffer:
         for is_deferred in (False, True):
             members: list[nn.Parameter] = []
             for param in (p for p in ordered if deferred(p) == is_deferred):
+                if members and part(param) != part(members[-1]):
+                    end = self._close_bucket(members, end, is_deferred)
+                    members = []
                 self.offsets[param] = end + sum(p.numel() for p in members)
                 members.append(param)
                 if sum(p.numel() for p in members) >= bucket_size:

@@ -48,12 +48,14 @@ class ZeroOptimizer:
     Stage 3 shards the parameters of ``unit_modules`` above the persistence threshold; smaller ones, and
     those whose gradients need a tensor/pipeline reduction first, stay whole as in stage 2. Masters are
     cut to at most ``sub_group_size`` elements, offloaded or not, so that runs with and without offload
-    step the same masters bit for bit. ``close()`` removes the swap files.
+    step the same masters bit for bit. ``backward_parts``: modules whose backward passes interleave (a
+    pipeline rank's chunks); no gradient bucket spans two. ``close()`` removes the swap files.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, options: ZeroOptions,
                  groups: ZeroGroups, *, param_groups: list[dict] | None = None, loss_scaler=None,
-                 unit_modules: list[nn.Module] | None = None, buffer_pool: BufferPool | None = None):
+                 unit_modules: list[nn.Module] | None = None, buffer_pool: BufferPool | None = None,
+                 backward_parts: list[nn.Module] | None = None):
         groups.check(options)
         self.module, self.options, self.groups = module, options, groups
         self.dp, self.stage, self.clip_grad = groups.shard, options.stage, options.clip_grad
@@ -69,11 +71,12 @@ class ZeroOptimizer:
         master_groups = [{"params": [], **{k: v for k, v in group.items() if k != "params"}}
                          for group in param_groups]
         self.buffer_pool = buffer_pool or BufferPool(device)
+        part_of = {p: index for index, part in enumerate(backward_parts or []) for p in part.parameters()}
         self.flat = ReplicatedParameters([[p for p in group["params"] if not sharded(p)]
                                           for group in param_groups], stage, dp,
                                          options.bucket_size, device, self.grad_dtype, self.model_parallel,
                                          self.buffer_pool, options.quantized_weights, groups.gradient_levels,
-                                         groups.average_over)
+                                         groups.average_over, part=lambda p: part_of.get(p, 0))
         self.units = None
         if stage == 3:
             self.units = ShardedParameters(group_units(module, unit_modules or [], param_groups, sharded), dp,

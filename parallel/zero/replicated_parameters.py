@@ -6,6 +6,7 @@ gradient shards every micro-batch at 2); after the step each rank's updated chun
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,13 +26,14 @@ class ReplicatedParameters:
     all-gathers (left in flight behind the next forward with ``overlap``; with ``quantized_weights`` sent
     as block-wise int8, ``parallel.quantization``; stages 2-3 reduce the gradients as int8 with
     ``quantized_gradients``). Never steps and never holds a master: it hands each
-    bucket chunk to ``MasterShards`` as a slot.
+    bucket chunk to ``MasterShards`` as a slot. ``part``: which part of the model (a pipeline chunk)
+    a parameter's backward belongs to; buckets never span two.
     """
 
     def __init__(self, groups: list[list[nn.Parameter]], stage: int, dp: AxisGroup, bucket_size: int,
                  device: torch.device, grad_dtype, model_parallel: ModelParallelGroups, pool: BufferPool,
                  quantized_weights: bool = False, quantized_gradients: list[AxisGroup] | None = None,
-                 divisor: int | None = None):
+                 divisor: int | None = None, part: Callable[[nn.Parameter], int] = lambda param: 0):
         self.stage, self.dp, self.quantized_weights = stage, dp, quantized_weights
         self._all_gather = weight_all_gather(quantized_weights)
         self.shard = dp.rank if stage > 0 else 0
@@ -45,7 +47,8 @@ class ReplicatedParameters:
                 self.buffers.append(FlatParameterBuffer(members, size,
                                                         dp.size if stage > 0 else 1, keep_grad=stage < 2,
                                                         deferred=needs_model_parallel_reduction,
-                                                        device=device, grad_dtype=grad_dtype(dtype)))
+                                                        device=device, grad_dtype=grad_dtype(dtype),
+                                                        part=part))
                 self.group_of.append(index)
         for buffer in self.buffers:  # every replica starts from data-parallel rank 0's weights
             comm.broadcast(buffer.data, src=dp.ranks[0], group=dp)

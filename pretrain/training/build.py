@@ -113,7 +113,7 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
                                    param_groups=only(False), loss_scaler=scaler,
                                    unit_modules=[*model,
                                                  *(block for chunk in model for block in chunk.layers)],
-                                   buffer_pool=buffer_pool)
+                                   buffer_pool=buffer_pool, backward_parts=list(model))
     experts = only(True)
     if not any(group["params"] for group in experts):
         return optimizer
@@ -121,5 +121,5 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
                                           ZeroGroups.for_experts(groups), param_groups=experts,
                                           loss_scaler=scaler,
                                           unit_modules=[m for m in model.modules() if isinstance(m, Experts)],
-                                          buffer_pool=buffer_pool)
+                                          buffer_pool=buffer_pool, backward_parts=list(model))
     return zero.ChainedZeroOptimizer([optimizer, expert_optimizer])

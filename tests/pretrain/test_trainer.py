@@ -211,8 +211,15 @@ def test_recompute_composes_with_every_zero_stage_and_pipelines(stdlib_corpus):
                # Megatron's --recompute-modules: the MLP checkpointed, the norms' outputs dropped and rebuilt
                # from their inputs in backward (their weights gathered again by ZeRO-3)
                _tp(2, "--sequence-parallel", "--zero-stage", "3", *zero3, "--recompute-granularity",
-                   "selective", "--recompute-modules", "mlp", "layernorm")]
-    _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus), "recompute at tp2 x dp2")
+                   "selective", "--recompute-modules", "mlp", "layernorm"),
+               # interleaved chunks at stages 2 and 3: a rank's two chunks take their micro-batches' gradients
+               # in turn, so no gradient bucket may hold both (one chunk's second micro-batch overwrote its
+               # first in a shared bucket's staging before the other chunk's arrived)
+               _pp(2, "interleaved", "--virtual-pipeline-size", "2", "--zero-stage", "2"),
+               _pp(2, "interleaved", "--virtual-pipeline-size", "2", "--zero-stage", "3",
+                   "--zero-bucket-size", "20000")]
+    _assert_stages_match_stage_0(run_world(4, _train, layouts, stdlib_corpus),
+                                 "recompute at tp2 x dp2, interleaved pp2 x dp2 at ZeRO-2 and 3")
     piped = [_pp(2), _pp(2, "1f1b", "--zero-stage", "3", *zero3, "--recompute-granularity", "full")]
     _assert_stages_match_stage_0(run_world(2, _train, piped, stdlib_corpus), "recompute at pp2")
 
