@@ -15,12 +15,11 @@ from torch import nn
 
 from models.config import GPTConfig
 from models.latent.attention import LatentAttention
-from models.moe.experts import LinearWeights
 from models.moe.layer import MoELayer
 from models.pipeline_stage import stage_chunks
 from parallel.comm import DetachedGroup
 from parallel.experts import ExpertGroups
-from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor.layers import ColumnParallelLinear, LinearWeights, RowParallelLinear
 
 
 def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp: int = 1,

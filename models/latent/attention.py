@@ -19,12 +19,11 @@ import torch.nn.functional as F
 
 from models.attention import AttentionCore, LayerInputs
 from models.config import GPTConfig
-from models.moe.experts import LinearWeights
 from models.norms import build_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup
 from parallel.param_meta import declare
-from parallel.tensor.layers import RowParallelLinear, shard_parameter, with_init
+from parallel.tensor.layers import LinearWeights, RowParallelLinear, shard_parameter, with_init
 from parallel.tensor.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
 from parallel.tensor.random import RNGTracker
 from parallel.tensor.weight_init import WeightInit

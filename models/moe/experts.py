@@ -11,17 +11,8 @@ from models.mlp import activate, glu_options
 from parallel.comm import AxisGroup
 from parallel.experts import ExpertGroups, grouped_linear
 from parallel.param_meta import declare
-from parallel.tensor.layers import shard_parameter, with_init
+from parallel.tensor.layers import LinearWeights, shard_parameter, with_init
 from parallel.tensor.weight_init import WeightInit
-
-
-class LinearWeights(nn.Module):
-    """A linear map's ``weight`` (and ``bias``), named as torch's linear layers name them; its owner (the
-    experts, the router) multiplies, never it."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
 
 
 class Expert(nn.Module):

@@ -10,13 +10,13 @@ from torch import nn
 from models.config import GPTConfig
 from models.mlp import MLP
 from models.moe.balancing import LoadBalancing
-from models.moe.experts import Experts, LinearWeights
+from models.moe.experts import Experts
 from models.moe.router import aux_scores, drop_tokens, route, sequence_aux_loss, switch_aux_loss, z_loss
 from parallel import comm
 from parallel.comm import AxisGroup, compile_boundary
 from parallel.experts import DISPATCHERS, ExpertGroups, gather_rows
 from parallel.param_meta import declare
-from parallel.tensor.layers import with_init
+from parallel.tensor.layers import LinearWeights, with_init
 from parallel.tensor.weight_init import WeightInit
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}

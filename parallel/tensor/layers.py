@@ -76,6 +76,15 @@ class _SequenceParallelLinear(torch.autograd.Function):
 _sequence_parallel_linear = compile_boundary(_SequenceParallelLinear.apply)  # it communicates
 
 
+class LinearWeights(nn.Module):
+    """A linear map's ``weight`` (and ``bias``), named as torch's linear layers name them; its owner (the
+    experts, the router, latent attention's projections) multiplies, never it."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: each rank computes out/tp columns of Y.
 
