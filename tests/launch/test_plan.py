@@ -215,7 +215,14 @@ ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
                  "llama": {"normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 160,
                            "position_embedding_type": "rope", "group_query_attention": True,
                            "num_query_groups": 2,
-                           "disable_bias_linear": True, "qk_layernorm": True}}
+                           "disable_bias_linear": True, "qk_layernorm": True},
+                 "latent attention": {"normalization": "RMSNorm", "position_embedding_type": "rope",
+                                      "multi_latent_attention": True, "q_lora_rank": 24, "kv_lora_rank": 16,
+                                      "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 12},
+                 "latent attention, one query projection": {
+                     "normalization": "RMSNorm", "position_embedding_type": "rope",
+                     "multi_latent_attention": True, "kv_lora_rank": 16, "qk_head_dim": 8,
+                     "qk_pos_emb_head_dim": 4, "v_head_dim": 12}}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

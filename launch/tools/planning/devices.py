@@ -135,14 +135,31 @@ def layer_forward_seconds(config: GPTConfig, tokens: int, tp: int, context: int,
     h, d, f = config.hidden_size, config.head_dim, config.ffn_size
     heads, groups = config.num_attention_heads, config.query_groups
     element = 2  # 16-bit activations
-    attention = (profile.matmul_seconds(tokens, (heads + 2 * groups) * d // tp, h)
-                 + profile.matmul_seconds(tokens, h, heads * d // tp)
-                 + 4 * tokens * context * heads * d / tp / profile.attention_flops
-                 + 6 * tokens * h * element / profile.memory_bandwidth)
+    if config.multi_latent_attention:
+        attention = _latent_seconds(config, tokens, tp, context, profile)
+    else:
+        attention = (profile.matmul_seconds(tokens, (heads + 2 * groups) * d // tp, h)
+                     + profile.matmul_seconds(tokens, h, heads * d // tp)
+                     + 4 * tokens * context * heads * d / tp / profile.attention_flops)
+    attention += 6 * tokens * h * element / profile.memory_bandwidth
     up = f * (2 if config.gated else 1) // tp
     mlp = (profile.matmul_seconds(tokens, up, h) + profile.matmul_seconds(tokens, h, f // tp)
            + (6 * tokens * h + 2 * tokens * (up + f // tp)) * element / profile.memory_bandwidth)
     return attention, mlp
+
+
+def _latent_seconds(config: GPTConfig, tokens: int, tp: int, context: int, profile: DeviceProfile) -> float:
+    """Latent attention's products (the down projections whole on every rank, the up and output
+    projections split by head) and its kernel (query/key and value widths of their own)."""
+    heads, rank = config.num_attention_heads // tp, config.q_lora_rank
+    query_key, value, h = config.query_key_channels, config.value_channels, config.hidden_size
+    latent = config.kv_lora_rank + config.qk_pos_emb_head_dim + (rank or 0)
+    queries = (profile.matmul_seconds(tokens, heads * query_key, rank) if rank
+               else profile.matmul_seconds(tokens, heads * query_key, h))
+    return (profile.matmul_seconds(tokens, latent, h) + queries
+            + profile.matmul_seconds(tokens, heads * (config.qk_head_dim + value), config.kv_lora_rank)
+            + profile.matmul_seconds(tokens, h, heads * value)
+            + 2 * tokens * context * heads * (query_key + value) / profile.attention_flops)
 
 
 def compute_seconds(config: GPTConfig, tp: int, cp: int, micro_batch_size: int, layers: int,

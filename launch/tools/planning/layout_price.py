@@ -151,13 +151,17 @@ def layer_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> floa
     split = t if layout.sequence_parallel else 1
     norms = 2 * 2 * h / split
     attention = (heads + 2 * groups) * d + heads * d
+    if config.multi_latent_attention:
+        attention = _latent_elements(config, t)
     rotary, normed = config.position_embedding == "rope", config.qk_layernorm
     query_copy = heads * d if groups < heads else 0
-    if normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries and keys
+    if config.multi_latent_attention:
+        pass
+    elif normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries, keys
         attention += query_copy + (0 if rotary else (heads + groups) * d)
     elif not rotary:
         attention += query_copy  # attention itself keeps the copied queries
-    if rotary:  # rotation keeps only its tables; attention keeps the rotated queries and keys
+    if rotary and not config.multi_latent_attention:  # rotation keeps its tables; attention the rotated q, k
         attention += (heads + groups) * d + 2 * config.rotary_channels
     modules = layout.recompute_modules if layout.recompute == "selective" else ()
     mlp = 0 if "mlp" in modules else (4 if config.gated else 2) * f / t
@@ -166,6 +170,18 @@ def layer_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> floa
     if "layernorm" in modules and config.norm_placement != "post":
         norms -= (1 if "mlp" in modules else 2) * h / split
     return config.seq_length / layout.cp * layout.micro_batch_size * (norms + attention + mlp)
+
+
+def _latent_elements(config: GPTConfig, t: int) -> float:
+    """``layer_elements``' latent attention per token: the latents as the down projections made them and
+    as their norms gave them (whole on every tp rank: they are gathered before the heads read them), the
+    queries and keys made whole from their two parts, the up projection's keys and values, the attention
+    output, and the rotary tables."""
+    heads = config.num_attention_heads / t
+    query_key, value = config.query_key_channels, config.value_channels
+    latents = 2 * config.kv_lora_rank + config.qk_pos_emb_head_dim + 2 * (config.q_lora_rank or 0)
+    return (latents + 2 * heads * query_key + heads * (config.qk_head_dim + value) + heads * value
+            + 2 * config.qk_pos_emb_head_dim)
 
 
 def _moe_elements(config: GPTConfig, layout: Layout, split: int) -> float:
