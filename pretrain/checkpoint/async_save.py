@@ -148,8 +148,11 @@ class AsyncSaver:
         return self._local_problem is not None or (self._outcome is not None and "error" in self._outcome)
 
     def poll(self) -> None:
-        """Take in a finished save's outcome without waiting (``published``)."""
-        if self._thread is not None and not self._thread.is_alive():
+        """Take in a finished save's outcome without waiting (``published``). A failure is left for the
+        world to agree on (``failed_here``, then ``wait`` on every rank at the same iteration): raised here,
+        on the rank whose writer happened to finish first, it ended that rank while the others went on
+        into the next step's collectives."""
+        if self._thread is not None and not self._thread.is_alive() and not self.failed_here():
             self.wait()
 
     def wait(self) -> None:
