@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,9 +27,7 @@ class MLP(nn.Module):
                  width: int | None = None, name: str = "mlp"):
         super().__init__()
         h, f, std = config.hidden_size, width or config.ffn_size, config.init_method_std
-        self.activation = config.activation
-        self.gelu_approximation = "tanh" if config.openai_gelu else "none"
-        self.glu = glu_options(config)
+        self.activate = activation_of(config)
         bias = not config.disable_bias_linear
         self.fc1 = ColumnParallelLinear(h, f, tp,
                                         WeightInit(seed, f"layers.{layer}.{name}.fc1.weight", std), bias=bias,
@@ -48,12 +49,15 @@ class MLP(nn.Module):
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """fc2(act(fc1(x))): what --recompute-modules mlp redoes in backward."""
-        return self.fc2(activate(self.fc1(x), self.activation, self.gelu_approximation, *self.glu))
+        return self.fc2(self.activate(self.fc1(x)))
 
 
-def glu_options(config: GPTConfig) -> tuple[float, float | None]:
-    """(offset, clamp) of a gated activation: --glu-linear-offset, --activation-func-clamp-value."""
-    return config.glu_linear_offset, config.activation_func_clamp_value
+def activation_of(config: GPTConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``activate`` with the model's choices: the activation, GELU's approximation (--openai-gelu), and a
+    gated one's --glu-linear-offset and --activation-func-clamp-value (the dense MLP's and the experts')."""
+    return functools.partial(activate, activation=config.activation,
+                             gelu_approximation="tanh" if config.openai_gelu else "none",
+                             offset=config.glu_linear_offset, clamp=config.activation_func_clamp_value)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from models.config import GPTConfig
-from models.mlp import activate, glu_options
+from models.mlp import activation_of
 from parallel.comm import AxisGroup
 from parallel.experts import ExpertGroups, grouped_linear
 from parallel.param_meta import declare
@@ -53,9 +53,7 @@ class Experts(nn.Module):
         local = config.num_experts // groups.ep.size
         first = groups.ep.rank * local
         self.etp = groups.etp.size
-        self.activation = config.activation
-        self.gelu_approximation = "tanh" if config.openai_gelu else "none"
-        self.glu = glu_options(config)
+        self.activate = activation_of(config)
         self.grouped = config.moe_grouped_gemm
         for e in range(first, first + local):
             name = f"layers.{layer}.mlp.experts.{e}"
@@ -68,7 +66,7 @@ class Experts(nn.Module):
         biases = [linear.bias.flatten() for linear in fc1] if fc1[0].bias is not None else None
         hidden = grouped_linear(rows, [linear.weight.flatten(0, -2) for linear in fc1], counts, biases,
                                 self.grouped)
-        hidden = activate(hidden, self.activation, self.gelu_approximation, *self.glu)
+        hidden = self.activate(hidden)
         biases = None
         if fc2[0].bias is not None:
             biases = [linear.bias / self.etp if self.etp > 1 else linear.bias for linear in fc2]

@@ -14,7 +14,7 @@ checkpoint has them, are refused by name on import.
 from __future__ import annotations
 
 from models.config import GPTConfig
-from pretrain.interop.hf_moe import MoEMappingError
+from pretrain.interop.hf_moe import MoEMappingError, unexpressed
 
 KIND = "deepseek_v3"
 LATENT_EPS = 1e-6  # transformers' latent norms keep their default epsilon whatever rms_norm_eps says
@@ -89,8 +89,7 @@ def deepseek_misses(config: GPTConfig) -> list[str]:
         misses.append(f"--moe-shared-expert-intermediate-size {shared} (whole experts of {width}, ungated)")
     wanted = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
               "moe_expert_capacity_factor": None, "moe_z_loss_coeff": None, "disable_bias_linear": True}
-    misses += [f"--{name.replace('_', '-')} {getattr(config, name)}" for name, value in wanted.items()
-               if getattr(config, name) != value and not (value is None and not getattr(config, name))]
+    misses += unexpressed(config, wanted)
     groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
     if groups and groups > 1 and config.moe_router_topk != 2 * group_topk:
         misses.append(f"--moe-router-group-topk {group_topk} (transformers scores a group by its best two "

@@ -11,7 +11,7 @@ quantized as MXFP4 (``*_blocks`` / ``*_scales``), dequantized on import (``mxfp4
 from __future__ import annotations
 
 from models.config import GPTConfig
-from pretrain.interop.hf_moe import MoEMappingError
+from pretrain.interop.hf_moe import MoEMappingError, sequence_loss_miss, unexpressed
 
 KIND = "gpt_oss"
 ALPHA = 1.702  # quick GELU's sigmoid slope: transformers' swiglu_alpha, fixed in Megatron's quick_gelu
@@ -55,8 +55,4 @@ def gpt_oss_misses(config: GPTConfig) -> list[str]:
               "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None,
               "moe_expert_capacity_factor": None, "moe_router_enable_expert_bias": False,
               "moe_z_loss_coeff": None, "moe_shared_expert_intermediate_size": None}
-    misses += [f"--{name.replace('_', '-')} {getattr(config, name)}" for name, value in wanted.items()
-               if getattr(config, name) != value and not (value is None and not getattr(config, name))]
-    if config.moe_router_load_balancing_type == "seq_aux_loss" and config.moe_aux_loss_coeff:
-        misses.append("--moe-router-load-balancing-type seq_aux_loss")
-    return misses
+    return misses + unexpressed(config, wanted) + sequence_loss_miss(config)

@@ -120,10 +120,18 @@ def moe_misses(config: GPTConfig, kind: str) -> list[str]:
               "moe_router_topk_scaling_factor": None, "moe_expert_capacity_factor": None,
               "moe_router_enable_expert_bias": False, "moe_z_loss_coeff": None,
               "disable_bias_linear": True}
-    for name, value in wanted.items():
-        mine = getattr(config, name)
-        if mine != value and not (value is None and not mine):  # a z-loss of 0 is none
-            misses.append(f"--{name.replace('_', '-')} {mine}")
+    return misses + unexpressed(config, wanted) + sequence_loss_miss(config)
+
+
+def unexpressed(config: GPTConfig, wanted: dict) -> list[str]:
+    """``--flag value`` for each of ``config``'s fields that differs from the value a family fixes (None:
+    off, which a zero also is: a z-loss of 0 is none)."""
+    return [f"--{name.replace('_', '-')} {getattr(config, name)}" for name, value in wanted.items()
+            if getattr(config, name) != value and not (value is None and not getattr(config, name))]
+
+
+def sequence_loss_miss(config: GPTConfig) -> list[str]:
+    """The per-sequence balancing loss, which no family's config has a key for (none when it is off)."""
     if config.moe_router_load_balancing_type == "seq_aux_loss" and config.moe_aux_loss_coeff:
-        misses.append("--moe-router-load-balancing-type seq_aux_loss")
-    return misses
+        return ["--moe-router-load-balancing-type seq_aux_loss"]
+    return []
