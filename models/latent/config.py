@@ -57,9 +57,8 @@ class LatentAttentionConfig:
     def validate_latent(self, tp: int) -> None:
         """Raise ValueError naming the flag for a latent attention the model cannot take."""
         if not self.multi_latent_attention:
-            given = [name for name in ("q_lora_rank",) if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"--{given[0].replace('_', '-')} shapes multi-head latent attention: add "
+            if self.q_lora_rank is not None:
+                raise ValueError("--q-lora-rank shapes multi-head latent attention: add "
                                  "--multi-latent-attention")
             return
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):

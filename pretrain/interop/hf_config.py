@@ -5,7 +5,9 @@ Gemma 3 text, Phi-3 / Phi-4, OLMo 2): the features it fixes (``Family.features``
 and the keys it reads beside the shared decoder ones. An import sets those features and records the
 family (``hf_model_type``), so an export writes the same class back; a model trained from scratch is
 exported as the first family that expresses it (Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE with their
-experts: ``hf_moe``). What no family expresses exactly (other mixtures of experts, multimodal towers,
+experts: ``hf_moe``; DeepSeek-V3's latent attention and routing: ``hf_deepseek``; gpt-oss's sinks,
+activation and biases: ``hf_gpt_oss``; rotary scaling and windows: ``hf_positions``). What no family
+expresses exactly (other mixtures of experts, quantized weights but gpt-oss's MXFP4, multimodal towers,
 encoder-decoders, bidirectional or chunked attention, biases where a family has none) is refused naming
 the config key and its value, before any weight is read.
 """

@@ -185,8 +185,8 @@ def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, s
     kind = kind or hf_kind(config)
     if kind not in MOE_FAMILIES or not config.moe_router_enable_expert_bias:
         return {}
-    block = MOE_FAMILIES[kind].prefix
-    return {i: f"model.layers.{i}.{block}.gate.e_score_correction_bias"
+    family = MOE_FAMILIES[kind]
+    return {i: f"model.layers.{i}.{family.prefix}.{family.router}.e_score_correction_bias"
             for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
 
 
