@@ -125,15 +125,15 @@ class MetricsWriter:
         if console:
             peak = max((r["peak_mem_bytes"] for r in record.get("per_rank", [])), default=0)
             norm = f" | params norm {record['params_norm']:.3f}" if "params_norm" in record else ""
-            print(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr "
-                  f"{record['lr']:.3e} | "
-                  f"grad norm {record['grad_norm']:.3f}{norm} | batch {record['batch_size']} | "
-                  f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} "
-                  "GFLOP/s/rank | "
-                  + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "") +
-                  f"peak mem {_human_bytes(peak)} | step {record['step_time_s']:.2f} s | ETA "
-                  f"{_human_seconds(eta_s)}"
-                  + (" | skipped" if record["skipped"] else ""), flush=True)
+            console_line(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr "
+                         f"{record['lr']:.3e} | "
+                         f"grad norm {record['grad_norm']:.3f}{norm} | batch {record['batch_size']} | "
+                         f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} "
+                         "GFLOP/s/rank | "
+                         + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "") +
+                         f"peak mem {_human_bytes(peak)} | step {record['step_time_s']:.2f} s | ETA "
+                         f"{_human_seconds(eta_s)}"
+                         + (" | skipped" if record["skipped"] else ""))
         self.write(record)
 
     def progress(self, iteration: int, train_iters: int, loss: float, lr: float, tokens_per_s: float,
@@ -141,8 +141,8 @@ class MetricsWriter:
         """A console line between the logged iterations (none written to the file): long
         ``--log-interval``s, Megatron's default 100 among them, are never silent for long."""
         if self.enabled:
-            print(f"iter {iteration:>6}/{train_iters} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:.0f} "
-                  f"tok/s | ETA {_human_seconds(eta_s)}", flush=True)
+            console_line(f"iter {iteration:>6}/{train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
+                         f"{tokens_per_s:.0f} tok/s | ETA {_human_seconds(eta_s)}")
 
     def write(self, record: dict) -> None:
         """Append ``record`` to the metrics file and wandb (no console line)."""
@@ -200,6 +200,14 @@ def comm_table(per_rank: list[dict], node_size: int | None) -> str:
     return "\n".join(lines)
 
 
+def console_line(line: str) -> None:
+    """Write ``line`` to the console in one piece, newline included, and flush: the checkpoint writer's
+    thread says a save was published while the training thread prints its lines, and print's separate
+    writes of a text and its newline let one line run into the other."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def print_rank0(enabled: bool, *parts) -> None:
     if enabled:
-        print(*parts, flush=True, file=sys.stdout)
+        console_line(" ".join(map(str, parts)))
