@@ -34,6 +34,7 @@ from parallel.buffer_pool import BufferPool
 from parallel.comm import AxisGroup, compile_boundary
 from parallel.saved_activations import drop_storage
 from parallel.tensor.random import RNGTracker
+from parallel.tensor.weight_grad import nested_backward, splitting
 
 
 class CheckpointStore:
@@ -93,17 +94,18 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         restored = [ctx.store.restore(kept, like) for kept, like in zip(ctx.saved_tensors, ctx.like)]
-        inputs = [x for x, _ in restored]
+        # a split backward's weight pass reads the region's inputs after the slots serve other checkpoints
+        inputs = [x.detach().clone().requires_grad_() if splitting() else x for x, _ in restored]
         current = ctx.tracker.state_dict()
         ctx.tracker.load_state_dict(ctx.states)  # the same dropout masks as the first forward
         with torch.enable_grad():
             out = ctx.run(*inputs, *ctx.rest)
         ctx.tracker.load_state_dict(current)
-        torch.autograd.backward(out, grad_out)
+        grads = nested_backward(out, grad_out, inputs)
         for _, used in restored:  # the recompute's graph is gone: its slots can serve the next checkpoint
             for slots, buffer in used:
                 slots.give_back(buffer)
-        return (None,) * 4 + tuple(x.grad for x in inputs) + (None,) * len(ctx.rest)
+        return (None,) * 4 + tuple(grads) + (None,) * len(ctx.rest)
 
 
 _checkpoint = compile_boundary(_Checkpoint.apply)  # it keeps pool slots and random states
@@ -185,8 +187,7 @@ class _NormOutput(torch.autograd.Function):
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
             out = ctx.norm(leaf)
-        torch.autograd.backward(out, grad)
-        return None, leaf.grad
+        return None, nested_backward(out, grad, [leaf])[0]
 
 
 class DroppedNormOutput:

@@ -1,13 +1,13 @@
-"""Point-to-point exchange of activations and their gradients between neighbouring pipeline stages.
+"""Point-to-point exchange of activations and their gradients between pipeline stages.
 
 Shapes are known in advance (every stage computes them from the config), so no shape handshake is
-sent. Each exchange posts its sends and its receives as one batch and waits for all of them, as
-Megatron's ``send_forward_recv_backward`` does. That matters on NCCL, where a rank's point-to-point
-operations run in posting order on one stream and a send completes only when the peer receives it:
-a send posted on its own ahead of a receive can wait for a peer that is itself waiting in a send,
-and both stall. Posted together, the pair of neighbours each find the other's half in their current
-batch. Waiting for the sends also frees every sent tensor as soon as it has arrived, so a stage
-holds no boundary tensor beyond the activations its schedule keeps.
+sent. Each exchange posts its sends and its receives as one batch and waits for all of them. Which
+transfers form a batch is decided by ``parallel.pipeline.timeline``: both sides of a transfer post it
+in their batch of the same tick. That matters on NCCL, where a rank's point-to-point operations run in
+posting order on one stream and a send completes only when the peer receives it: a send posted on
+its own ahead of a receive can wait for a peer that is itself waiting in a send, and both stall.
+Waiting for the sends also frees every sent tensor as soon as it has arrived, so a stage holds no
+boundary tensor beyond the activations its schedule keeps.
 
 The stages form a ring: the last stage's "next" is stage 0, which the interleaved schedule uses to
 pass chunk c's output to chunk c + 1.
@@ -38,27 +38,35 @@ class StageExchange:
 
     def __init__(self, pp: AxisGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.pp, self.shape, self.dtype, self.device = pp, shape, dtype, device
-        index = pp.rank
-        self.prev_rank = pp.ranks[(index - 1) % pp.size]
-        self.next_rank = pp.ranks[(index + 1) % pp.size]
         self.wait_seconds = 0.0  # time blocked on neighbours: the pipeline bubble plus transfer time
 
     def exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
                  recv_forward: bool = False, recv_backward: bool = False) -> tuple[torch.Tensor | None, ...]:
         """One batch: send an activation to the next stage and/or a gradient to the previous one, receive
         the activation from the previous stage and/or the gradient from the next one; return the
-        received (forward input, backward gradient), None where not asked for. Blocks until every
-        operation of the batch has completed."""
-        sends = [(tensor.detach().contiguous(), peer, tag) for tensor, peer, tag in
-                 ((send_forward, self.next_rank, FORWARD), (send_backward, self.prev_rank, BACKWARD))
+        received (forward input, backward gradient), None where not asked for."""
+        index, size = self.pp.rank, self.pp.size
+        sends = [(tensor, peer, tag) for tensor, peer, tag in
+                 ((send_forward, (index + 1) % size, FORWARD), (send_backward, (index - 1) % size, BACKWARD))
                  if tensor is not None]
-        received = {tag: torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    for tag, wanted in ((FORWARD, recv_forward), (BACKWARD, recv_backward)) if wanted}
-        peers = {FORWARD: self.prev_rank, BACKWARD: self.next_rank}
-        recvs = [(buffer, peers[tag], tag) for tag, buffer in received.items()]
-        if sends or recvs:
+        wanted = [(peer, tag) for peer, tag, asked in
+                  (((index - 1) % size, FORWARD, recv_forward), ((index + 1) % size, BACKWARD, recv_backward))
+                  if asked]
+        received = dict(zip((tag for _, tag in wanted), self.transfer(sends, wanted)))
+        return received.get(FORWARD), received.get(BACKWARD)
+
+    def transfer(self, sends: list[tuple[torch.Tensor, int, int]],
+                 receives: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """One batch: ``sends`` (tensor, pipeline index of the peer, tag) and ``receives`` (pipeline index of
+        the peer, tag) of tensors of this exchange's shape; returns the received tensors in order. Blocks
+        until every operation of the batch has completed."""
+        ranks = self.pp.ranks
+        outgoing = [(tensor.detach().contiguous(), ranks[peer], tag) for tensor, peer, tag in sends]
+        received = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in receives]
+        incoming = [(buffer, ranks[peer], tag) for buffer, (peer, tag) in zip(received, receives)]
+        if outgoing or incoming:
             started = time.perf_counter()
-            for handle in comm.batch_isend_irecv(sends, recvs, self.pp):
+            for handle in comm.batch_isend_irecv(outgoing, incoming, self.pp):
                 handle.wait()
             self.wait_seconds += time.perf_counter() - started
-        return received.get(FORWARD), received.get(BACKWARD)
+        return received

@@ -20,6 +20,7 @@ from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
                                       gather_from_sequence_parallel, reduce_from_tensor_parallel,
                                       reduce_scatter_dim0, reduce_scatter_to_sequence_parallel)
 from parallel.tensor.fp8 import Float8Matmul, Fp8Recipe, fp8_eligible
+from parallel.tensor.weight_grad import WeightGradStore
 from parallel.tensor.weight_init import WeightInit
 
 
@@ -49,31 +50,45 @@ def mark_sequence_parallel(param: nn.Parameter, enabled: bool) -> nn.Parameter:
     return declare(param, sequence_parallel=enabled)
 
 
-class _SequenceParallelLinear(torch.autograd.Function):
-    """Y = all_gather(X_shard) A^T + b, saving only X_shard: backward all-gathers it again.
-
-    Keeps the saved input of a column-parallel layer at 1/tp under sequence parallelism (the
-    gathered input is never kept for backward), as the Korthikanti et al. activation formula assumes.
+class _Linear(torch.autograd.Function):
+    """Y = X A^T + b, where X is all-gathered over ``group`` first under sequence parallelism (saving only
+    this rank's piece: backward gathers it again, so the saved input of a column-parallel layer stays at
+    1/tp, as the Korthikanti et al. activation formula assumes). Inside a split backward's input pass
+    (``store``, ``parallel.tensor.weight_grad``) the weight's gradient is left to the store's weight pass.
+    ``weight`` is the parameter itself (stacked ones are flattened here), so a deferred gradient reaches it.
     """
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x_shard, weight)
-        return F.linear(all_gather_dim0(x_shard, group), weight, bias)
+    def forward(ctx, x, weight, bias, group, store):
+        ctx.group, ctx.store, ctx.has_bias = group, store, bias is not None
+        ctx.save_for_backward(x, weight)
+        ctx.weight = weight
+        full = x if group is None else all_gather_dim0(x, group)
+        return F.linear(full, weight.flatten(0, -2), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_shard, weight = ctx.saved_tensors
-        x_full = all_gather_dim0(x_shard, ctx.group)
-        grad_x = reduce_scatter_dim0(grad_out.matmul(weight), ctx.group)
-        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(
-            x_full.reshape(-1, x_full.shape[-1]))
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        grad_full = grad_out.matmul(weight.flatten(0, -2))
+        grad_x = grad_full if group is None else reduce_scatter_dim0(grad_full, group)
+        shape = weight.shape  # ZeRO-3 may have freed the weight by the time a deferred product runs
+
+        def weight_grad() -> torch.Tensor:
+            full = x if group is None else all_gather_dim0(x, group)
+            return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(
+                full.reshape(-1, full.shape[-1])).view(shape)
+
+        if ctx.store is not None and ctx.store.splitting:  # this store's input pass
+            ctx.store.defer(ctx.weight, weight_grad)
+            grad_weight = None
+        else:
+            grad_weight = weight_grad()
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
-_sequence_parallel_linear = compile_boundary(_SequenceParallelLinear.apply)  # it communicates
+_linear = compile_boundary(_Linear.apply)  # it communicates, or keeps Python state for a split backward
 
 
 class LinearWeights(nn.Module):
@@ -93,10 +108,12 @@ class ColumnParallelLinear(nn.Module):
     shape side by side (weight [k, out/tp, in], split along ``out`` each): a rank's output is its
     slice of each in turn, e.g. SwiGLU's gate and up, so that every tp computes the same numbers.
     ``fp8`` (``parallel.tensor.fp8``), when set, computes the product in fp8; under sequence parallelism it
-    then keeps the gathered input for backward (torchao's product saves its own operands).
+    then keeps the gathered input for backward (torchao's product saves its own operands). ``weight_grads``
+    (``defer_weight_gradients``), when set, lets a split backward leave the weight's gradient for later.
     """
 
     fp8: Float8Matmul | None = None
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
                  bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
@@ -119,8 +136,9 @@ class ColumnParallelLinear(nn.Module):
                         else copy_to_tensor_parallel(x, self.group))
             out = self.fp8(gathered, weight)
             return out if bias is None else out + bias
-        if split:
-            return _sequence_parallel_linear(x, weight, bias, self.group)
+        if split or self.weight_grads is not None:
+            return _linear(x if split else copy_to_tensor_parallel(x, self.group), self.weight, bias,
+                           self.group if split else None, self.weight_grads)
         return F.linear(copy_to_tensor_parallel(x, self.group), weight, bias)
 
 
@@ -129,10 +147,11 @@ class RowParallelLinear(nn.Module):
 
     Owns its weight slice [out, in/tp] and the full (replicated) bias, added once after the partial
     products are summed. It never sees the full input. ``fp8``, when set, computes the partial product in
-    fp8 (``parallel.tensor.fp8``).
+    fp8 (``parallel.tensor.fp8``); ``weight_grads``, as the column-parallel layer's.
     """
 
     fp8: Float8Matmul | None = None
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, group: AxisGroup, init: WeightInit, *,
                  bias: bool = True, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
@@ -145,7 +164,12 @@ class RowParallelLinear(nn.Module):
                                             sequence_parallel) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
+        if self.fp8 is not None:
+            partial = self.fp8(x, self.weight)
+        elif self.weight_grads is not None:
+            partial = _linear(x, self.weight, None, None, self.weight_grads)
+        else:
+            partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel(partial, self.group)
         else:
@@ -197,7 +221,10 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelOutput(nn.Module):
     """The output layer: hidden -> this rank's vocabulary slice of the logits, with a weight of its own
     (an untied model's, or a last pipeline stage's copy of the tied embedding). Owns rows [start, end)
-    of the [vocabulary, hidden] table; the full logits never exist."""
+    of the [vocabulary, hidden] table; the full logits never exist. ``weight_grads``, as the column-parallel
+    layer's."""
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
                  init: WeightInit, *, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32):
@@ -206,15 +233,31 @@ class VocabParallelOutput(nn.Module):
         self.weight = vocab_parallel_table(vocab_size, padded_vocab_size, hidden_size, group, init, dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(hidden, self.weight, self.group, self.sequence_parallel)
+        return vocab_parallel_logits(hidden, self.weight, self.group, self.sequence_parallel,
+                                     self.weight_grads)
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, group: AxisGroup,
-                          sequence_parallel: bool = False) -> torch.Tensor:
+                          sequence_parallel: bool = False, weight_grads: WeightGradStore | None = None
+                          ) -> torch.Tensor:
     """Logits of this rank's vocabulary range, [s, b, vocab/tp]; the full logits never exist."""
-    if sequence_parallel and group.size > 1:
-        return _sequence_parallel_linear(hidden, weight_shard, None, group)
+    split = sequence_parallel and group.size > 1
+    if split or weight_grads is not None:
+        return _linear(hidden if split else copy_to_tensor_parallel(hidden, group), weight_shard, None,
+                       group if split else None, weight_grads)
     return F.linear(copy_to_tensor_parallel(hidden, group), weight_shard)
+
+
+def defer_weight_gradients(module: nn.Module, store: WeightGradStore) -> set[nn.Parameter]:
+    """Give ``store`` to every tensor-parallel linear layer inside ``module`` that computes its own product
+    (not an fp8 one); return their weights, whose gradients a split backward defers."""
+    deferring = set()
+    for layer in module.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, VocabParallelOutput)) \
+                and getattr(layer, "fp8", None) is None:
+            layer.weight_grads = store
+            deferring.add(layer.weight)
+    return deferring
 
 
 def use_fp8(module: nn.Module, recipe: Fp8Recipe) -> tuple[int, int]:

@@ -11,10 +11,14 @@ from torch import nn
 from models.generate import gather_vocab_logits
 from parallel import comm
 from parallel.context import shard_sequence
+from parallel.pipeline.executor import PipelineExecutor, StepStats
 from parallel.pipeline.p2p import StageExchange
-from parallel.pipeline.schedules import PipelineExecutor, StepStats, schedule_steps
+from parallel.pipeline.schedules import SPLIT_SCHEDULES, Action, schedule_actions
+from parallel.pipeline.timeline import Exchange, simulate
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
+from parallel.tensor.layers import defer_weight_gradients
+from parallel.tensor.weight_grad import WeightGradStore
 from pretrain.config.schema import Config
 
 
@@ -58,9 +62,11 @@ class PipelineRunner:
     cut of each sequence (its two zig-zag chunks of tokens, labels, loss mask and positions; documents
     stay whole). Backward starts from ``gradients.scale_loss(loss)`` and runs inside ``gradients.no_sync()``
     until a chunk's last micro-batch: the optimizer owns the loss scale and when gradients sync, this
-    runner is their one caller. Never steps the optimizer; the loss it returns is the unscaled
-    global-batch mean over every token of each sequence (sums and token counts reduced over cp), the same
-    on every rank of the pipeline.
+    runner is their one caller. With a zero-bubble schedule it owns the store of the weight-gradient work
+    each split backward leaves for its weight pass (``parallel.tensor.weight_grad``), given to the chunks'
+    linear layers, and the weight pass syncs instead. Never steps the optimizer; the loss it returns is the
+    unscaled global-batch mean over every token of each sequence (sums and token counts reduced over cp),
+    the same on every rank of the pipeline.
     """
 
     def __init__(self, config: Config, groups: ParallelGroups, chunks: nn.ModuleList, device: torch.device,
@@ -78,6 +84,20 @@ class PipelineRunner:
         self.dtype = next(chunks.parameters()).dtype
         self.executor = PipelineExecutor(self._exchange(model.seq_length // self.cp, train.micro_batch_size),
                                          self.stage, self.pp, self.vp)
+        self.weight_grads = WeightGradStore() if self.kind in SPLIT_SCHEDULES else None
+        if self.weight_grads is not None:
+            for chunk in chunks:
+                self.weight_grads.deferring |= defer_weight_gradients(chunk, self.weight_grads)
+        self._programs: dict[tuple[int, bool], list[Action | Exchange]] = {}
+
+    def program(self, num_micro_batches: int, train: bool = True) -> list[Action | Exchange]:
+        """This stage's actions and exchanges for a step (forwards only when not ``train``)."""
+        key = (num_micro_batches, train)
+        if key not in self._programs:
+            orders = [[a for a in schedule_actions(self.kind, num_micro_batches, self.pp, stage, self.vp)
+                       if train or a.kind == "F"] for stage in range(self.pp)]
+            self._programs[key] = simulate(orders, self.pp, self.vp).program(self.stage)
+        return self._programs[key]
 
     def _exchange(self, length: int, batch: int) -> StageExchange | None:
         """The pipeline exchange of [length, batch, hidden] activations (length: this rank's tokens)."""
@@ -138,15 +158,25 @@ class PipelineRunner:
             return out
 
         def backward_step(chunk: int, index: int, output: torch.Tensor, grad: torch.Tensor | None,
-                          last: bool) -> None:
-            with contextlib.nullcontext() if last else self.gradients.no_sync():
-                torch.autograd.backward(self.gradients.scale_loss(output) if grad is None else output, grad)
+                          hidden: torch.Tensor | None, last: bool) -> torch.Tensor | None:
+            root = self.gradients.scale_loss(output) if grad is None else output
+            if self.weight_grads is not None:  # B of a split backward: the parameters' gradients wait for W
+                # the chunk's parameters in reverse, the order a whole backward hands their gradients on
+                parameters = list(self.chunks[chunk].parameters())[::-1]
+                input_grad = self.weight_grads.input_pass((chunk, index), root, grad, hidden, parameters)
+            else:
+                with contextlib.nullcontext() if last else self.gradients.no_sync():
+                    torch.autograd.backward(root, grad)
+                input_grad = None if hidden is None else hidden.grad
             self.meter.release((chunk, index))
+            return input_grad
 
-        steps = schedule_steps(self.kind, num_micro_batches, self.pp, self.stage, self.vp)
-        if not train:
-            steps = [(a,) for step in steps for a in step if a.kind == "F"]
-        stats = self.executor.run(steps, forward_step, backward_step, train=train)
+        def weight_step(chunk: int, index: int, last: bool) -> None:
+            with contextlib.nullcontext() if last else self.gradients.no_sync():
+                self.weight_grads.weight_pass((chunk, index))
+
+        stats = self.executor.run(self.program(num_micro_batches, train), forward_step, backward_step,
+                                  weight_step, train=train)
         return self._loss_from_last_stage(stats.losses), stats
 
     def _per_token_weight(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:

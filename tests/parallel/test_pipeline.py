@@ -24,7 +24,9 @@ import torch
 from parallel import comm
 from parallel.pipeline.p2p import StageExchange
 from parallel.pipeline.partition import chunk_layers, validate_partition
-from parallel.pipeline.schedules import PipelineExecutor, schedule_steps, validate_schedule
+from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.schedules import SPLIT_SCHEDULES, Action, schedule_actions, validate_schedule
+from parallel.pipeline.timeline import simulate
 
 
 def test_interleaved_partition_follows_megatron():
@@ -224,7 +226,27 @@ def _run_stages(kind, m, pp, vp, semantics):
                 x = inputs[micro_batch] if received is None else received
                 return _forward(x, weights[v], v == pp * vp - 1)
 
-            stats = executor.run(schedule_steps(kind, m, pp, stage, vp), forward_step)
+            deferred = {}
+
+            def input_backward(chunk, micro_batch, output, grad, hidden, last):
+                """B of a split schedule: the input's gradient now, the weight's kept for W."""
+                weight = weights[_virtual_stage(stage, chunk, pp)]
+                inputs_ = [weight] if hidden is None else [hidden, weight]
+                grads = torch.autograd.grad(output, inputs_, grad)
+                deferred[(chunk, micro_batch)] = grads[-1]
+                return None if hidden is None else grads[0]
+
+            def weight_pass(chunk, micro_batch, last):
+                torch.autograd.backward(weights[_virtual_stage(stage, chunk, pp)],
+                                        deferred.pop((chunk, micro_batch)))
+
+            orders = [schedule_actions(kind, m, pp, s, vp) for s in range(pp)]
+            program = simulate(orders, pp, vp).program(stage)
+            if kind in SPLIT_SCHEDULES:
+                stats = executor.run(program, forward_step, input_backward, weight_pass)
+                assert not deferred
+            else:
+                stats = executor.run(program, forward_step)
             peaks[stage] = max(stats.max_live_micro_batches.values())
         except BaseException as error:  # noqa: BLE001 - reported by the test thread
             errors.append(error)
@@ -249,7 +271,8 @@ def _run_stages(kind, m, pp, vp, semantics):
 CASES = [("gpipe", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
         [("1f1b", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
         [("interleaved", groups * pp, pp, vp) for pp, vp in [(2, 2), (2, 3), (4, 2), (4, 4), (3, 2), (8, 2)]
-         for groups in (1, 2, 3)]
+         for groups in (1, 2, 3)] + \
+        [("zb-h1", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)]
 
 
 @pytest.mark.parametrize("semantics", ["gloo", "nccl"])
@@ -269,6 +292,26 @@ def test_schedules_run_without_deadlock_and_compute_the_sequential_gradients(sem
             assert peaks == [m] * pp, case
         elif kind == "1f1b":
             assert peaks == [min(pp - stage, m) for stage in range(pp)], case
+        elif kind == "zb-h1":  # the executor frees a micro-batch's activations at B; its W holds no more
+            assert peaks == [min(pp - stage, m) for stage in range(pp)], case
         else:
             assert peaks[0] <= min(m * vp, 2 * (pp - 1) + (vp - 1) * pp + 1), case
         assert max(network.max_sent_alive) <= pp, (case, network.max_sent_alive)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 8)])
+def test_zb_h1_cuts_the_bubble_to_f_plus_b_minus_w_and_holds_no_more_than_1f1b_s_first_stage(pp, m):
+    """Equal stages, each action's time given: the idle time of every stage is (pp - 1)(F + B + W) for 1F1B
+    and (pp - 1)(F + B - W) for ZB-H1 (Qi et al.), and ZB-H1 holds at most pp micro-batches on any stage."""
+    costs = {"F": 1.0, "B": 1.25, "W": 0.75}
+    for kind, idle in (("1f1b", 3.0), ("zb-h1", 1.5)):
+        timeline = simulate([schedule_actions(kind, m, pp, s) for s in range(pp)], pp, costs=costs)
+        for stage in range(pp):
+            assert timeline.step_time - timeline.busy(stage) == pytest.approx((pp - 1) * idle), (kind, stage)
+            assert timeline.peak_live(stage) == (pp if kind == "zb-h1" else pp - stage)
+
+
+def test_an_order_that_deadlocks_is_refused():
+    orders = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("B", 0, 0), Action("F", 0, 0)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(orders, 2)

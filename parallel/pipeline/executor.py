@@ -1,0 +1,108 @@
+"""The executor that runs one pipeline rank's program: its schedule's actions with the exchanges
+``parallel.pipeline.timeline`` placed between them."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from parallel.pipeline.p2p import BACKWARD, FORWARD, StageExchange
+from parallel.pipeline.schedules import Action
+from parallel.pipeline.timeline import Exchange, virtual_stage
+
+
+@dataclass
+class StepStats:
+    """What the executor measured in one step: the losses (last stage; device tensors, read once the
+    step ends, so the host never waits for a micro-batch) and activation residency."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    max_live_micro_batches: dict[int, int] = field(default_factory=dict)
+
+
+ForwardStep = Callable[[int, int, torch.Tensor | None], torch.Tensor]
+BackwardStep = Callable[[int, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool],
+                        torch.Tensor | None]
+WeightStep = Callable[[int, int, bool], None]
+
+
+def plain_backward(chunk: int, micro_batch: int, output: torch.Tensor, grad: torch.Tensor | None,
+                   hidden: torch.Tensor | None, last: bool) -> torch.Tensor | None:
+    torch.autograd.backward(output, grad)
+    return None if hidden is None else hidden.grad
+
+
+class PipelineExecutor:
+    """Runs a program (``Timeline.program``) on this stage's model chunks.
+
+    Owns the activations kept between a micro-batch's forward and its backward (input and output of
+    each chunk) and releases them right after the backward, and the tensors between their producing
+    action and their exchange. ``forward_step(chunk, micro_batch, input)`` runs one chunk (``input`` is
+    None where the chunk reads tokens) and returns the next stage's input, or the micro-batch's loss on
+    the last virtual stage. ``backward_step(chunk, micro_batch, output, grad, input, last)`` runs its
+    backward (``grad`` is None for a loss) and returns the input's gradient; ``weight_step(chunk,
+    micro_batch, last)`` runs a split backward's weight pass. ``last``: the chunk's last backward (or weight
+    pass) of the step, where gradient sync may start. Never touches the optimizer, the loss scale or
+    gradient sync: the caller's steps do.
+    """
+
+    def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int):
+        self.exchange, self.stage, self.pp, self.vp = exchange, stage, pp, vp
+
+    def _exchange(self, item: Exchange, outbox: dict, inbox: dict) -> None:
+        tags = {"F": FORWARD, "B": BACKWARD}
+        sends = [(outbox.pop(t.key), t.target, tags[t.kind])
+                 for t in item.transfers if t.source == self.stage]
+        wanted = [t for t in item.transfers if t.target == self.stage]
+        received = self.exchange.transfer(sends, [(t.source, tags[t.kind]) for t in wanted])
+        inbox.update((t.key, tensor) for t, tensor in zip(wanted, received))
+
+    def run(self, program: list[Action | Exchange], forward_step: ForwardStep,
+            backward_step: BackwardStep = plain_backward, weight_step: WeightStep | None = None,
+            train: bool = True) -> StepStats:
+        stats = StepStats()
+        stages = self.pp * self.vp
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        actions = [a for a in program if isinstance(a, Action)]
+        closing = "W" if any(a.kind == "W" for a in actions) else "B"
+        last_of_chunk = {a.chunk: a.micro_batch for a in actions if a.kind == closing}
+        outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, not yet sent (or taken locally)
+        inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        for item in program:
+            if isinstance(item, Exchange):
+                self._exchange(item, outbox, inbox)
+                continue
+            key, virtual = (item.chunk, item.micro_batch), virtual_stage(self.stage, item.chunk, self.pp)
+            last = item.kind == closing and last_of_chunk[item.chunk] == item.micro_batch
+            if item.kind == "F":
+                source = ("F", virtual - 1, item.micro_batch)
+                hidden = inbox.pop(source) if source in inbox else outbox.pop(source, None)
+                if hidden is not None and train:
+                    hidden = hidden.detach().requires_grad_()
+                with contextlib.nullcontext() if train else torch.no_grad():
+                    output = forward_step(item.chunk, item.micro_batch, hidden)
+                if virtual == stages - 1:
+                    stats.losses.append(output.detach())
+                else:
+                    outbox[("F", virtual, item.micro_batch)] = output
+                if train:
+                    saved[key] = (hidden, output)
+                    live = sum(1 for c, _ in saved if c == item.chunk)
+                    stats.max_live_micro_batches[item.chunk] = max(
+                        stats.max_live_micro_batches.get(item.chunk, 0), live)
+            elif item.kind == "B":
+                hidden, output = saved.pop(key)
+                source = ("B", virtual + 1, item.micro_batch)
+                grad = inbox.pop(source) if source in inbox else outbox.pop(source, None)
+                input_grad = backward_step(item.chunk, item.micro_batch, output, grad, hidden, last)
+                if virtual > 0:
+                    outbox[("B", virtual, item.micro_batch)] = input_grad
+                del hidden, output, grad, input_grad
+            else:
+                weight_step(item.chunk, item.micro_batch, last)
+        if outbox or inbox:
+            raise RuntimeError(f"pipeline program left tensors unexchanged: {sorted(outbox)} {sorted(inbox)}")
+        return stats

@@ -1,0 +1,156 @@
+"""Every pipeline rank's schedule laid out in time at once: when each action runs, how long each stage
+waits, how many micro-batches it holds, and where the neighbours exchange tensors.
+
+``simulate`` runs the ranks' orders (``parallel.pipeline.schedules``) against each other with a cost
+per kind of action and no transfer time: an action starts when its rank is free and its input is there
+(a forward needs the previous virtual stage's forward of the micro-batch, a backward the next one's
+backward, or its own forward on the last virtual stage, a weight pass its own backward). A backward
+that is not split from its weight pass (no W in the schedule) costs B + W.
+
+The same layout, with unit costs, fixes the exchanges (``Timeline.program``): a transfer happens at the
+tick its producer ends, and both ranks post it in their batch of that tick, placed after the rank's
+actions that started earlier and before those that start then or later. Every rank therefore meets
+its batches in the one global order of the ticks, and each batch's operations are matched by the
+peers' batches of the same tick: on NCCL, where a rank's point-to-point batches run one after another
+and a send completes only when received, no batch can wait on one the peer posts later. The planner
+reads the same layout with measured costs for the bubble and the activations a stage holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel.pipeline.schedules import Action
+
+UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
+
+
+def virtual_stage(stage: int, chunk: int, pp: int) -> int:
+    """The place of chunk ``chunk`` of pipeline rank ``stage`` in a micro-batch's path (chunk-major)."""
+    return chunk * pp + stage
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A tensor between two pipeline ranks: the activation ("F") a virtual stage's forward sends to the
+    next, or the input gradient ("B") its backward sends to the previous one, at ``tick``."""
+
+    kind: str
+    virtual: int  # the producer's virtual stage
+    micro_batch: int
+    source: int
+    target: int
+    tick: float
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.kind, self.virtual, self.micro_batch
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The transfers a rank posts as one batch at ``tick`` (sends and receives, in one order on both
+    sides)."""
+
+    tick: float
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass
+class Timeline:
+    """The ranks' actions with their start and end times. Owns nothing but the layout; runs nothing."""
+
+    pp: int
+    vp: int
+    orders: list[list[Action]]
+    starts: list[list[float]] = field(default_factory=list)
+    ends: list[list[float]] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+
+    @property
+    def step_time(self) -> float:
+        return max(ends[-1] for ends in self.ends if ends)
+
+    def busy(self, stage: int) -> float:
+        return sum(end - start for start, end in zip(self.starts[stage], self.ends[stage]))
+
+    def bubble(self, stage: int) -> float:
+        """The fraction of the step ``stage`` spends waiting."""
+        return 1.0 - self.busy(stage) / self.step_time
+
+    def peak_live(self, stage: int) -> int:
+        """The most micro-batches (over all chunks) whose forward has run on ``stage`` and whose backward
+        has not ended: a split backward holds them until its weight pass."""
+        order = self.orders[stage]
+        ends = {(a.chunk, a.micro_batch): a.kind for a in order if a.kind != "F"}  # W where there is one
+        live = peak = 0
+        for action in order:
+            if action.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif ends[(action.chunk, action.micro_batch)] == action.kind:
+                live -= 1
+        return peak
+
+    def program(self, stage: int) -> list[Action | Exchange]:
+        """``stage``'s actions with its exchanges between them (see the module docstring)."""
+        batches: dict[float, list[Transfer]] = {}
+        for transfer in self.transfers:
+            if stage in (transfer.source, transfer.target):
+                batches.setdefault(transfer.tick, []).append(transfer)
+        exchanges = [Exchange(tick, tuple(sorted(items, key=lambda t: (t.kind, t.virtual, t.micro_batch))))
+                     for tick, items in sorted(batches.items())]
+        program: list[Action | Exchange] = []
+        for action, start in zip(self.orders[stage], self.starts[stage]):
+            while exchanges and exchanges[0].tick <= start:
+                program.append(exchanges.pop(0))
+            program.append(action)
+        return program + exchanges
+
+
+def _input_of(action: Action, virtual: int, stages: int) -> tuple[str, int, int] | None:
+    """The (kind, virtual stage, micro-batch) whose end ``action`` (at ``virtual``) waits for."""
+    if action.kind == "F":
+        return ("F", virtual - 1, action.micro_batch) if virtual > 0 else None
+    if action.kind == "W":
+        return "B", virtual, action.micro_batch
+    if virtual < stages - 1:
+        return "B", virtual + 1, action.micro_batch
+    return "F", virtual, action.micro_batch
+
+
+def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
+             costs: dict[str, float] | None = None) -> Timeline:
+    """Lay out ``orders`` (one per pipeline rank) in time; ``costs`` per kind (default: one each). Raises
+    ValueError if the orders deadlock (a rank waits for an action that waits for it)."""
+    costs = costs or UNIT_COSTS
+    stages = pp * vp
+    split = any(a.kind == "W" for order in orders for a in order)
+    cost = {"F": costs["F"], "W": costs["W"], "B": costs["B"] if split else costs["B"] + costs["W"]}
+    timeline = Timeline(pp, vp, orders, [[] for _ in orders], [[] for _ in orders])
+    ended: dict[tuple[str, int, int], float] = {}
+    clocks, positions = [0.0] * pp, [0] * pp
+    while any(positions[r] < len(orders[r]) for r in range(pp)):
+        moved = False
+        for rank, order in enumerate(orders):
+            while positions[rank] < len(order):
+                action = order[positions[rank]]
+                virtual = virtual_stage(rank, action.chunk, pp)
+                needed = _input_of(action, virtual, stages)
+                if needed is not None and needed not in ended:
+                    break
+                start = max(clocks[rank], ended.get(needed, 0.0))
+                clocks[rank] = ended[(action.kind, virtual, action.micro_batch)] = start + cost[action.kind]
+                timeline.starts[rank].append(start)
+                timeline.ends[rank].append(clocks[rank])
+                positions[rank] += 1
+                moved = True
+                neighbour = {"F": virtual + 1, "B": virtual - 1}.get(action.kind)
+                if neighbour is not None and 0 <= neighbour < stages and neighbour % pp != rank:
+                    timeline.transfers.append(Transfer(action.kind, virtual, action.micro_batch, rank,
+                                                       neighbour % pp, clocks[rank]))
+        if not moved:
+            stuck = {rank: orders[rank][positions[rank]] for rank in range(pp)
+                     if positions[rank] < len(orders[rank])}
+            raise ValueError(f"the pipeline schedule deadlocks: each stage waits ({stuck})")
+    return timeline
