@@ -9,7 +9,7 @@ from models.gpt import GPTModel, load_balancing
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel
 from parallel.experts import ExpertGroups
-from parallel.pipeline.partition import chunk_layers
+from parallel.pipeline.partition import chunk_layers, virtual_stage
 from parallel.process_groups import ParallelGroups
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
 
@@ -17,16 +17,18 @@ from parallel.tensor.random import RNGTracker, model_parallel_tracker
 def stage_chunks(config: GPTConfig, tp: AxisGroup, pp: int, stage: int, *, seed: int, vp: int = 1,
                  sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
                  rng: RNGTracker | None = None, context: ContextParallel | None = None,
-                 experts: ExpertGroups | None = None) -> nn.ModuleList:
-    """The ``vp`` model chunks of pipeline stage ``stage``: chunk c holds the blocks of piece c * pp + stage;
-    the embedding is in chunk 0 of stage 0, the output layer and loss in the last chunk of the last stage;
-    the chunks' MoE layers share one ``LoadBalancing``."""
+                 experts: ExpertGroups | None = None, v: bool = False) -> nn.ModuleList:
+    """The ``vp`` model chunks of pipeline stage ``stage``: chunk c holds the blocks of its virtual stage
+    (``parallel.pipeline.partition``; ``v``: placed in a V); the embedding is in the first virtual stage, the
+    output layer and loss in the last; the chunks' MoE layers share one ``LoadBalancing``."""
     balancing = load_balancing(config) if config.num_experts else None
+    last = pp * vp - 1
     return nn.ModuleList(
         GPTModel(config, tp, seed=seed, sequence_parallel=sequence_parallel, rng=rng, context=context,
                  experts=experts, balancing=balancing,
-                 layer_indices=chunk_layers(config.num_layers, pp, stage, chunk, vp, layers_per_stage),
-                 pre_process=stage == 0 and chunk == 0, post_process=stage == pp - 1 and chunk == vp - 1)
+                 layer_indices=chunk_layers(config.num_layers, pp, stage, chunk, vp, layers_per_stage, v),
+                 pre_process=virtual_stage(stage, chunk, pp, v) == 0,
+                 post_process=virtual_stage(stage, chunk, pp, v) == last)
         for chunk in range(vp))
 
 
@@ -40,4 +42,4 @@ def build_pipeline_stage(config: GPTConfig, groups: ParallelGroups, *, seed: int
     return stage_chunks(config, groups.tp, groups.topology.pp, stage, seed=seed, vp=vp,
                         sequence_parallel=sequence_parallel, layers_per_stage=layers_per_stage,
                         rng=model_parallel_tracker(seed, groups.tp_rank, stage, groups.cp_rank),
-                        context=context, experts=ExpertGroups.of(groups))
+                        context=context, experts=ExpertGroups.of(groups), v=groups.topology.pipeline_v)

@@ -149,7 +149,7 @@ class ParallelGroups:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.topology.pp - 1
+        return self.pp_rank == self.topology.last_stage
 
 
 def create_process_groups(topology: Topology, timeout_s: float | None = None,

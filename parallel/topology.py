@@ -69,6 +69,7 @@ class Topology:
     gpus_per_node: int | None = None
     ep: int = 1
     etp: int | None = None
+    pipeline_v: bool = False  # each pp rank holds two model chunks in a V (zbv): the loss is on pp rank 0
 
     def __post_init__(self) -> None:
         for name, value in (("world size", self.world_size), ("--tensor-model-parallel-size", self.tp),
@@ -114,6 +115,11 @@ class Topology:
         return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     @property
+    def last_stage(self) -> int:
+        """The pipeline rank that holds the last virtual stage (the output layer and the loss)."""
+        return 0 if self.pipeline_v else self.pp - 1
+
+    @property
     def dp(self) -> int:
         """Data-parallel size: world / (tp * cp * pp)."""
         return self.world_size // (self.tp * self.cp * self.pp)
@@ -152,7 +158,7 @@ class Topology:
 
     def _enumerate(self, axis: str) -> list[list[int]]:
         if axis == "embedding":
-            return [sorted({ranks[0], ranks[-1]}) for ranks in self._enumerate("pp")]
+            return [sorted({ranks[0], ranks[self.last_stage]}) for ranks in self._enumerate("pp")]
         if axis in EXPERT_AXES:
             dims = (("etp", self.expert_tp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))
         elif axis in AXES:

@@ -11,7 +11,8 @@ import torch
 
 from parallel.pipeline.p2p import BACKWARD, FORWARD, StageExchange
 from parallel.pipeline.schedules import Action
-from parallel.pipeline.timeline import Exchange, virtual_stage
+from parallel.pipeline.partition import virtual_stage
+from parallel.pipeline.timeline import Exchange
 
 
 @dataclass
@@ -49,8 +50,8 @@ class PipelineExecutor:
     gradient sync: the caller's steps do.
     """
 
-    def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int):
-        self.exchange, self.stage, self.pp, self.vp = exchange, stage, pp, vp
+    def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int, v: bool = False):
+        self.exchange, self.stage, self.pp, self.vp, self.v = exchange, stage, pp, vp, v
 
     def _exchange(self, item: Exchange, outbox: dict, inbox: dict) -> None:
         tags = {"F": FORWARD, "B": BACKWARD}
@@ -75,7 +76,8 @@ class PipelineExecutor:
             if isinstance(item, Exchange):
                 self._exchange(item, outbox, inbox)
                 continue
-            key, virtual = (item.chunk, item.micro_batch), virtual_stage(self.stage, item.chunk, self.pp)
+            key = (item.chunk, item.micro_batch)
+            virtual = virtual_stage(self.stage, item.chunk, self.pp, self.v)
             last = item.kind == closing and last_of_chunk[item.chunk] == item.micro_batch
             if item.kind == "F":
                 source = ("F", virtual - 1, item.micro_batch)

@@ -1,9 +1,12 @@
 """Which transformer blocks each pipeline stage (and each of its virtual chunks) holds.
 
-The ``num_layers`` blocks are cut into ``pp * vp`` equal consecutive pieces; piece ``c * pp + p`` goes
-to chunk ``c`` of stage ``p`` (Megatron's interleaving), so a micro-batch visits stage 0, 1, ..., pp-1
-for chunk 0, then again for chunk 1, and so on. The embedding lives in chunk 0 of stage 0; the final
-norm, the tied output layer and the loss in the last chunk of the last stage.
+The ``num_layers`` blocks are cut into ``pp * vp`` equal consecutive pieces, the virtual stages a
+micro-batch visits in order. Piece ``c * pp + p`` goes to chunk ``c`` of stage ``p`` (Megatron's
+interleaving), so a micro-batch visits stage 0, 1, ..., pp-1 for chunk 0, then again for chunk 1, and so
+on. In a V (``v``: the zbv schedule, two chunks) chunk 0 of stage ``p`` holds piece ``p`` and chunk 1
+piece ``2 pp - 1 - p``: down the stages and back up, so the last stage passes chunk 0's output to its own
+chunk 1 and stage 0 holds both ends. The embedding lives in the first virtual stage; the final norm, the
+output layer and the loss in the last.
 """
 
 from __future__ import annotations
@@ -30,13 +33,23 @@ def validate_partition(num_layers: int, pp: int, vp: int = 1,
                          f"--virtual-pipeline-size {vp} = {pp * vp}: choose sizes whose product divides it")
 
 
+def virtual_stage(stage: int, chunk: int, pp: int, v: bool = False) -> int:
+    """The place of chunk ``chunk`` of pipeline rank ``stage`` in a micro-batch's path."""
+    return 2 * pp - 1 - stage if v and chunk == 1 else chunk * pp + stage
+
+
+def stage_of(virtual: int, pp: int, v: bool = False) -> int:
+    """The pipeline rank that holds virtual stage ``virtual``."""
+    return 2 * pp - 1 - virtual if v and virtual >= pp else virtual % pp
+
+
 def chunk_layers(num_layers: int, pp: int, stage: int, chunk: int = 0, vp: int = 1,
-                 layers_per_stage: list[int] | None = None) -> list[int]:
+                 layers_per_stage: list[int] | None = None, v: bool = False) -> list[int]:
     """Global indices of the blocks in chunk ``chunk`` of stage ``stage``."""
     validate_partition(num_layers, pp, vp, layers_per_stage)
     if layers_per_stage is not None:
         start = sum(layers_per_stage[:stage])
         return list(range(start, start + layers_per_stage[stage]))
     size = num_layers // (pp * vp)
-    start = (chunk * pp + stage) * size
+    start = virtual_stage(stage, chunk, pp, v) * size
     return list(range(start, start + size))

@@ -13,6 +13,10 @@ otherwise wait. Every rank derives its order from the same rule:
                  holds back s weight passes in the steady state and runs them in the cool-down's gaps;
                  no stage holds more micro-batches than 1F1B's first stage (pp), the bubble is
                  (pp - 1)(F + B - W) instead of (pp - 1)(F + B + W)
+    zbv          two chunks per stage placed in a V (``parallel.pipeline.partition``), B split from W: the
+                 forwards of chunk 0 fill the start, chunk 1's B and W follow at once, and the steady state
+                 runs F B W of each chunk in turn (Qi et al., ZB-V); with F = B = W and m >= 2 pp - 1 no
+                 stage idles after its first forward arrives, holding 1F1B's first-stage activations
 
 Where the neighbours' tensors are exchanged is not part of a schedule: ``parallel.pipeline.timeline``
 derives it from every rank's order at once.
@@ -23,8 +27,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_SCHEDULES = ("zb-h1",)  # those whose backward is split into B and W
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # those whose backward is split into B and W
+V_SCHEDULES = ("zbv",)  # those whose two chunks per stage are placed in a V
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,44 @@ def _zero_bubble_h1(m: int, pp: int, stage: int) -> list[Action]:
     return order + [Action("W", 0, i) for i in pending]
 
 
+def _zero_bubble_v(m: int, pp: int, stage: int) -> list[Action]:
+    """ZB-V's order for stage ``stage``, laid out for max(m, 2 pp - 1) micro-batches (the fewest that fill
+    the V) and cut to those that exist."""
+    n = max(m, 2 * pp - 1)
+    order: list[Action] = []
+    made = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0, ("W", 0): 0, ("W", 1): 0}
+
+    def run(kind: str, chunk: int) -> None:
+        order.append(Action(kind, chunk, made[(kind, chunk)]))
+        made[(kind, chunk)] += 1
+
+    for _ in range(2 * (pp - stage) - 1):  # chunk 0's forwards until the first micro-batch turns in the V
+        run("F", 0)
+    for _ in range(stage):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(pp - stage):  # chunk 1 starts its backwards, each with its weight pass
+        for kind in "FBW":
+            run(kind, 1)
+    while made[("F", 1)] < made[("F", 0)] or made[("F", 0)] < n:  # the steady state
+        if made[("F", 0)] < n:
+            run("F", 0)
+        for chunk in (0, 1):
+            for kind in ("BW" if chunk == 0 else "FBW"):
+                run(kind, chunk)
+    for _ in range(stage):  # the cool-down: input gradients first, the weight passes in the gaps
+        run("B", 0)
+        run("B", 1)
+    for _ in range(pp - stage):
+        run("B", 0)
+        run("W", 0)
+    while made[("W", 1)] < made[("B", 1)]:
+        run("W", 1)
+    while made[("W", 0)] < made[("B", 0)]:
+        run("W", 0)
+    return [a for a in order if a.micro_batch < m]
+
+
 def schedule_actions(kind: str, num_micro_batches: int, pp: int, stage: int, vp: int = 1) -> list[Action]:
     """The ordered actions of pipeline stage ``stage`` for one optimizer step (see the module docstring)."""
     m = num_micro_batches
@@ -79,12 +122,17 @@ def schedule_actions(kind: str, num_micro_batches: int, pp: int, stage: int, vp:
         return _one_f_one_b(forwards, backwards, min((pp - stage - 1) * 2 + (vp - 1) * pp, total))
     if kind == "zb-h1":
         return _zero_bubble_h1(m, pp, stage)
+    if kind == "zbv":
+        return _zero_bubble_v(m, pp, stage)
     raise ValueError(f"unknown --pipeline-schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
 
 
 def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> None:
     """Raise ValueError naming the flags for a schedule that cannot run."""
-    if vp > 1 and kind != "interleaved":
+    if kind in V_SCHEDULES and vp != 2:
+        raise ValueError(f"--pipeline-schedule {kind} runs two model chunks per stage in a V: "
+                         f"--virtual-pipeline-size must be 2 (or left out), got {vp}")
+    if vp > 1 and kind not in ("interleaved", *V_SCHEDULES):
         raise ValueError(f"--virtual-pipeline-size {vp} needs --pipeline-schedule interleaved")
     if kind == "interleaved" and pp > 1 and num_micro_batches % pp:
         raise ValueError(f"--pipeline-schedule interleaved needs the micro-batches per step "

@@ -20,14 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallel.pipeline.partition import stage_of, virtual_stage
 from parallel.pipeline.schedules import Action
 
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
-
-
-def virtual_stage(stage: int, chunk: int, pp: int) -> int:
-    """The place of chunk ``chunk`` of pipeline rank ``stage`` in a micro-batch's path (chunk-major)."""
-    return chunk * pp + stage
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,7 @@ class Timeline:
 
     pp: int
     vp: int
+    v: bool  # the chunks placed in a V
     orders: list[list[Action]]
     starts: list[list[float]] = field(default_factory=list)
     ends: list[list[float]] = field(default_factory=list)
@@ -120,14 +117,15 @@ def _input_of(action: Action, virtual: int, stages: int) -> tuple[str, int, int]
 
 
 def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
-             costs: dict[str, float] | None = None) -> Timeline:
-    """Lay out ``orders`` (one per pipeline rank) in time; ``costs`` per kind (default: one each). Raises
-    ValueError if the orders deadlock (a rank waits for an action that waits for it)."""
+             costs: dict[str, float] | None = None, v: bool = False) -> Timeline:
+    """Lay out ``orders`` (one per pipeline rank; ``v``: their chunks placed in a V) in time; ``costs`` per
+    kind (default: one each). Raises ValueError if the orders deadlock (a rank waits for an action that
+    waits for it). A tensor between two chunks of one rank is no transfer."""
     costs = costs or UNIT_COSTS
     stages = pp * vp
     split = any(a.kind == "W" for order in orders for a in order)
     cost = {"F": costs["F"], "W": costs["W"], "B": costs["B"] if split else costs["B"] + costs["W"]}
-    timeline = Timeline(pp, vp, orders, [[] for _ in orders], [[] for _ in orders])
+    timeline = Timeline(pp, vp, v, orders, [[] for _ in orders], [[] for _ in orders])
     ended: dict[tuple[str, int, int], float] = {}
     clocks, positions = [0.0] * pp, [0] * pp
     while any(positions[r] < len(orders[r]) for r in range(pp)):
@@ -135,7 +133,7 @@ def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
         for rank, order in enumerate(orders):
             while positions[rank] < len(order):
                 action = order[positions[rank]]
-                virtual = virtual_stage(rank, action.chunk, pp)
+                virtual = virtual_stage(rank, action.chunk, pp, v)
                 needed = _input_of(action, virtual, stages)
                 if needed is not None and needed not in ended:
                     break
@@ -146,9 +144,9 @@ def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
                 positions[rank] += 1
                 moved = True
                 neighbour = {"F": virtual + 1, "B": virtual - 1}.get(action.kind)
-                if neighbour is not None and 0 <= neighbour < stages and neighbour % pp != rank:
+                if neighbour is not None and 0 <= neighbour < stages and stage_of(neighbour, pp, v) != rank:
                     timeline.transfers.append(Transfer(action.kind, virtual, action.micro_batch, rank,
-                                                       neighbour % pp, clocks[rank]))
+                                                       stage_of(neighbour, pp, v), clocks[rank]))
         if not moved:
             stuck = {rank: orders[rank][positions[rank]] for rank in range(pp)
                      if positions[rank] < len(orders[rank])}

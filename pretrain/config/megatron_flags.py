@@ -233,6 +233,8 @@ def resolve_settings(config, pipeline_stages: int) -> None:
         par.virtual_pipeline_size = chunks
     if par.pipeline_schedule is None:
         par.pipeline_schedule = "interleaved" if (par.virtual_pipeline_size or 1) > 1 else "1f1b"
+    if par.pipeline_schedule == "zbv" and par.virtual_pipeline_size is None:
+        par.virtual_pipeline_size = 2  # its V is two chunks per stage
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     if first is not None or last is not None:
         if par.pipeline_layers_per_stage is not None:

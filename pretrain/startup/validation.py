@@ -17,7 +17,7 @@ from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.recompute import RECOMPUTE_MODULES
 from parallel.tensor.fp8 import RECIPES as FP8_RECIPES, torchao_float8
-from parallel.pipeline.schedules import validate_schedule
+from parallel.pipeline.schedules import V_SCHEDULES, validate_schedule
 from parallel.topology import Topology
 from parallel.zero.swap import check_swap_directory
 from pretrain.config.arguments import ConfigError
@@ -31,7 +31,8 @@ def validate(config: Config, world_size: int) -> Topology:
     try:
         topology = Topology(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                             par.context_parallel_size, gpus_per_node=par.gpus_per_node,
-                            ep=par.expert_model_parallel_size, etp=par.expert_tensor_parallel_size)
+                            ep=par.expert_model_parallel_size, etp=par.expert_tensor_parallel_size,
+                            pipeline_v=par.pipeline_schedule in V_SCHEDULES)
         resolve_settings(config, topology.pp)
         apply_checkpoint_args(config)
         model.validate(topology.tp)
@@ -251,8 +252,12 @@ def _validate_pipeline(config: Config, topology: Topology) -> None:
     vp = par.virtual_pipeline_size or 1
     if vp < 1:
         raise ConfigError(f"--virtual-pipeline-size must be >= 1, got {vp}")
-    if vp > 1 and topology.pp == 1:
+    if vp > 1 and topology.pp == 1 and not topology.pipeline_v:
         raise ConfigError("--virtual-pipeline-size needs --pipeline-model-parallel-size > 1")
+    if topology.pipeline_v and not config.model.untie_embeddings_and_output_weights:
+        raise ConfigError(f"--pipeline-schedule {par.pipeline_schedule} places the embedding and the output "
+                          "layer on the first stage, in its two chunks, where no pipeline all-reduce keeps a "
+                          "tied copy equal: give --untie-embeddings-and-output-weights")
     try:
         validate_partition(config.model.num_layers, topology.pp, vp, par.pipeline_layers_per_stage)
     except ValueError as error:

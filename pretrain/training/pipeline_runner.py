@@ -13,7 +13,7 @@ from parallel import comm
 from parallel.context import shard_sequence
 from parallel.pipeline.executor import PipelineExecutor, StepStats
 from parallel.pipeline.p2p import StageExchange
-from parallel.pipeline.schedules import SPLIT_SCHEDULES, Action, schedule_actions
+from parallel.pipeline.schedules import SPLIT_SCHEDULES, V_SCHEDULES, Action, schedule_actions
 from parallel.pipeline.timeline import Exchange, simulate
 from parallel.process_groups import ParallelGroups
 from parallel.saved_activations import SavedActivationMeter
@@ -82,8 +82,9 @@ class PipelineRunner:
         data = config.data
         self.every_stage_reads = data.reset_attention_mask or data.reset_position_ids
         self.dtype = next(chunks.parameters()).dtype
+        self.v = self.kind in V_SCHEDULES
         self.executor = PipelineExecutor(self._exchange(model.seq_length // self.cp, train.micro_batch_size),
-                                         self.stage, self.pp, self.vp)
+                                         self.stage, self.pp, self.vp, self.v)
         self.weight_grads = WeightGradStore() if self.kind in SPLIT_SCHEDULES else None
         if self.weight_grads is not None:
             for chunk in chunks:
@@ -96,7 +97,7 @@ class PipelineRunner:
         if key not in self._programs:
             orders = [[a for a in schedule_actions(self.kind, num_micro_batches, self.pp, stage, self.vp)
                        if train or a.kind == "F"] for stage in range(self.pp)]
-            self._programs[key] = simulate(orders, self.pp, self.vp).program(self.stage)
+            self._programs[key] = simulate(orders, self.pp, self.vp, v=self.v).program(self.stage)
         return self._programs[key]
 
     def _exchange(self, length: int, batch: int) -> StageExchange | None:
@@ -106,6 +107,11 @@ class PipelineRunner:
         local = length // self.groups.tp.size if self.sequence_parallel else length
         return StageExchange(self.groups.pp, (local, batch, self.config.model.hidden_size),
                              self.dtype, self.device)
+
+    @property
+    def _loss_rank(self) -> int:
+        """The global rank of this pipeline's stage that holds the loss (the last virtual stage)."""
+        return self.groups.pp.ranks[self.groups.topology.last_stage]
 
     @property
     def reads_data(self) -> bool:
@@ -219,7 +225,7 @@ class PipelineRunner:
         if self.cp > 1 and self.groups.is_last_stage:
             comm.all_reduce(value, self.groups.cp)
             value /= self.cp
-        comm.broadcast(value, src=self.groups.pp.ranks[-1], group=self.groups.pp)
+        comm.broadcast(value, src=self._loss_rank, group=self.groups.pp)
         return value.item()
 
     @torch.no_grad()
@@ -229,17 +235,16 @@ class PipelineRunner:
         padded = length + (-length % self.groups.tp.size if self.sequence_parallel else 0)
         ids = torch.tensor([tokens + [0] * (padded - length)], dtype=torch.long, device=self.device)
         positions = torch.arange(padded, device=self.device).unsqueeze(0)
-        exchange = self._exchange(padded, 1)
-        hidden = None
-        for model in self.chunks:
-            if not model.pre_process:
-                hidden, _ = exchange.exchange(recv_forward=True)
-            out = model(ids if model.pre_process else None, positions, hidden=hidden, whole_sequence=True)
-            if not model.post_process:
-                exchange.exchange(send_forward=out)
+
+        def forward_step(chunk: int, index: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            model = self.chunks[chunk]
+            return model(ids if model.pre_process else None, positions, hidden=hidden, whole_sequence=True)
+
+        executor = PipelineExecutor(self._exchange(padded, 1), self.stage, self.pp, self.vp, self.v)
+        out = executor.run(self.program(1, train=False), forward_step, train=False).losses
         vocab = self.config.model.vocab_size
         logits = torch.empty(vocab, dtype=torch.float32, device=self.device)
-        if self.stage == self.pp - 1:
-            logits.copy_(gather_vocab_logits(out[length - 1, 0], self.chunks[-1]))
-        comm.broadcast(logits, src=self.groups.pp.ranks[-1], group=self.groups.pp)
+        if self.groups.is_last_stage:
+            logits.copy_(gather_vocab_logits(out[0][length - 1, 0], self.chunks[-1]))
+        comm.broadcast(logits, src=self._loss_rank, group=self.groups.pp)
         return logits

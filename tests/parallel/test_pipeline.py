@@ -23,9 +23,10 @@ import torch
 
 from parallel import comm
 from parallel.pipeline.p2p import StageExchange
-from parallel.pipeline.partition import chunk_layers, validate_partition
+from parallel.pipeline.partition import chunk_layers, validate_partition, virtual_stage
 from parallel.pipeline.executor import PipelineExecutor
-from parallel.pipeline.schedules import SPLIT_SCHEDULES, Action, schedule_actions, validate_schedule
+from parallel.pipeline.schedules import (SPLIT_SCHEDULES, V_SCHEDULES, Action, schedule_actions,
+                                         validate_schedule)
 from parallel.pipeline.timeline import simulate
 
 
@@ -33,6 +34,9 @@ def test_interleaved_partition_follows_megatron():
     assert [chunk_layers(8, 2, stage, chunk, vp=2) for stage in (0, 1) for chunk in (0, 1)] == \
         [[0, 1], [4, 5], [2, 3], [6, 7]]
     assert [chunk_layers(6, 2, s, layers_per_stage=[2, 4]) for s in (0, 1)] == [[0, 1], [2, 3, 4, 5]]
+    # a V (zbv): down the stages with chunk 0, back up with chunk 1
+    assert [chunk_layers(8, 2, stage, chunk, vp=2, v=True) for stage in (0, 1) for chunk in (0, 1)] == \
+        [[0, 1], [6, 7], [2, 3], [4, 5]]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -189,10 +193,6 @@ def _inputs(m):
     return [torch.randn(1, WIDTH, generator=generator) for _ in range(m)]
 
 
-def _virtual_stage(stage, chunk, pp):
-    return chunk * pp + stage
-
-
 def _forward(x, weight, is_last):
     y = torch.tanh(x * weight)
     return y.sum() if is_last else y
@@ -219,35 +219,37 @@ def _run_stages(kind, m, pp, vp, semantics):
     def stage_main(stage):
         try:
             exchange = StageExchange(_Group(stage, pp), (1, WIDTH), torch.float32, torch.device("cpu"))
-            executor = PipelineExecutor(exchange, stage, pp, vp)
+            v = kind in V_SCHEDULES
+            executor = PipelineExecutor(exchange, stage, pp, vp, v)
 
             def forward_step(chunk, micro_batch, received):
-                v = _virtual_stage(stage, chunk, pp)
+                place = virtual_stage(stage, chunk, pp, v)
                 x = inputs[micro_batch] if received is None else received
-                return _forward(x, weights[v], v == pp * vp - 1)
+                return _forward(x, weights[place], place == pp * vp - 1)
 
             deferred = {}
 
             def input_backward(chunk, micro_batch, output, grad, hidden, last):
                 """B of a split schedule: the input's gradient now, the weight's kept for W."""
-                weight = weights[_virtual_stage(stage, chunk, pp)]
+                weight = weights[virtual_stage(stage, chunk, pp, v)]
                 inputs_ = [weight] if hidden is None else [hidden, weight]
                 grads = torch.autograd.grad(output, inputs_, grad)
                 deferred[(chunk, micro_batch)] = grads[-1]
                 return None if hidden is None else grads[0]
 
             def weight_pass(chunk, micro_batch, last):
-                torch.autograd.backward(weights[_virtual_stage(stage, chunk, pp)],
+                torch.autograd.backward(weights[virtual_stage(stage, chunk, pp, v)],
                                         deferred.pop((chunk, micro_batch)))
 
             orders = [schedule_actions(kind, m, pp, s, vp) for s in range(pp)]
-            program = simulate(orders, pp, vp).program(stage)
+            program = simulate(orders, pp, vp, v=v).program(stage)
             if kind in SPLIT_SCHEDULES:
                 stats = executor.run(program, forward_step, input_backward, weight_pass)
                 assert not deferred
             else:
                 stats = executor.run(program, forward_step)
-            peaks[stage] = max(stats.max_live_micro_batches.values())
+            peaks[stage] = sum(stats.max_live_micro_batches.values()) if v else \
+                max(stats.max_live_micro_batches.values())
         except BaseException as error:  # noqa: BLE001 - reported by the test thread
             errors.append(error)
         finally:
@@ -272,7 +274,8 @@ CASES = [("gpipe", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] +
         [("1f1b", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
         [("interleaved", groups * pp, pp, vp) for pp, vp in [(2, 2), (2, 3), (4, 2), (4, 4), (3, 2), (8, 2)]
          for groups in (1, 2, 3)] + \
-        [("zb-h1", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)]
+        [("zb-h1", m, pp, 1) for pp in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
+        [("zbv", m, pp, 2) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 4, 7, 8, 16)]
 
 
 @pytest.mark.parametrize("semantics", ["gloo", "nccl"])
@@ -294,6 +297,8 @@ def test_schedules_run_without_deadlock_and_compute_the_sequential_gradients(sem
             assert peaks == [min(pp - stage, m) for stage in range(pp)], case
         elif kind == "zb-h1":  # the executor frees a micro-batch's activations at B; its W holds no more
             assert peaks == [min(pp - stage, m) for stage in range(pp)], case
+        elif kind == "zbv":  # chunks of half a stage; B frees them, W holds only its products' operands
+            assert max(peaks) <= 2 * pp + 1, case
         else:
             assert peaks[0] <= min(m * vp, 2 * (pp - 1) + (vp - 1) * pp + 1), case
         assert max(network.max_sent_alive) <= pp, (case, network.max_sent_alive)
@@ -309,6 +314,17 @@ def test_zb_h1_cuts_the_bubble_to_f_plus_b_minus_w_and_holds_no_more_than_1f1b_s
         for stage in range(pp):
             assert timeline.step_time - timeline.busy(stage) == pytest.approx((pp - 1) * idle), (kind, stage)
             assert timeline.peak_live(stage) == (pp if kind == "zb-h1" else pp - stage)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbv_idles_only_while_the_first_micro_batch_comes_down_the_v(pp, m):
+    """Equal chunk actions and m >= 2 pp - 1: every stage idles (pp - 1) F (stage s waits s forwards at the
+    start, and the others as long at the end), a sixth of 1F1B's (pp - 1)(F + B + W) over whole stages, and
+    holds 2 pp chunks' activations: pp stages' worth, 1F1B's first stage's."""
+    timeline = simulate([schedule_actions("zbv", m, pp, s, 2) for s in range(pp)], pp, 2, v=True)
+    for stage in range(pp):
+        assert timeline.step_time - timeline.busy(stage) == pp - 1
+        assert timeline.peak_live(stage) == 2 * pp
 
 
 def test_an_order_that_deadlocks_is_refused():

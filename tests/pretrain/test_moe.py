@@ -61,6 +61,12 @@ LAYOUTS = {
         MOE + EP2 + ["--zero-stage", "3", "--offload-optimizer", "cpu", "--recompute-granularity",
                      "selective", "--recompute-modules", "moe"], "dropless"),
     "ep2 x pp2 1F1B": (MOE + EP2 + ["--pipeline-model-parallel-size", "2"] + ALLTOALL, "dropless"),
+    "ep2 x pp2 ZB-H1 (the experts' gradients in the weight pass)": (
+        MOE + EP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + ALLTOALL,
+        "dropless"),
+    "ep2 x pp2 ZBV, ZeRO-1": (MOE + EP2 + ["--untie-embeddings-and-output-weights",
+                                           "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                                           "--zero-stage", "1"], "untied"),
     "ep2 x pp2 interleaved": (MOE + EP2 + ["--pipeline-model-parallel-size", "2",
                                            "--num-layers-per-virtual-pipeline-stage", "1"] + ALLTOALL,
                               "dropless"),
@@ -80,8 +86,10 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
     biases restored)."""
     single = str(tmp_path / "single")
     saving = DEEPSEEK + ["--save", single, "--save-interval", "3"]
-    deepseek, dropless, dropping = run_world(1, _train, [saving, MOE, MOE + CAPACITY], stdlib_corpus)[0]
-    references = {"deepseek": deepseek, "dropless": dropless, "dropping": dropping}
+    deepseek, dropless, dropping, untied = run_world(
+        1, _train, [saving, MOE, MOE + CAPACITY, MOE + ["--untie-embeddings-and-output-weights"]],
+        stdlib_corpus)[0]
+    references = {"deepseek": deepseek, "dropless": dropless, "dropping": dropping, "untied": untied}
     assert dropless[0] != dropping[0]  # the capacity drops tokens: another trajectory
     saved = str(tmp_path / "ep2tp2")
     original = DEEPSEEK + TP2 + EP2 + ["--zero-stage", "1"] + ALLTOALL

@@ -154,6 +154,42 @@ def test_3d_grid_on_8_processes_reproduces_the_single_process_run(reference, std
             _assert_same_trajectory((losses, norms), reference, "dp2 x tp2 x pp2")
 
 
+UNTIED = ["--untie-embeddings-and-output-weights"]
+LLAMA = ["--num-layers", "8", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", *UNTIED]
+ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--zero-bucket-size", "20000"]
+
+
+@pytest.mark.parity
+def test_zero_bubble_schedules_reproduce_the_single_process_run(reference, stdlib_corpus):
+    """ZB-H1 and ZBV (each backward split into the input's gradient and the weights', the latter run in the
+    bubble) at pp2 and pp4, with tp2 + SP, ZeRO-1 and ZeRO-3 (each micro-batch's gradients reach the buckets
+    in its weight pass), recompute and --compile, for the GPT (ZBV untied: its first stage holds both ends)
+    and a Llama-class model, each within the fp32 trajectory bound of its one-process run."""
+    untied, llama = run_world(1, _train, [UNTIED, LLAMA], stdlib_corpus)[0]
+    layouts = {
+        "GPT: ZB-H1 pp4": (_pp(4, "zb-h1"), reference),
+        "GPT: ZB-H1 pp2 x tp2 + SP": (_pp(2, "zb-h1", *_tp(2, "--sequence-parallel")), reference),
+        "GPT: ZB-H1 pp2 x dp2 ZeRO-1": (_pp(2, "zb-h1", "--zero-stage", "1"), reference),
+        "GPT: ZB-H1 pp2 x dp2 ZeRO-3, full recompute": (
+            _pp(2, "zb-h1", *ZERO3, "--recompute-granularity", "full"), reference),
+        "GPT untied: ZBV pp2 x tp2 + SP": (UNTIED + _pp(2, "zbv", *_tp(2, "--sequence-parallel")), untied),
+        "GPT untied: ZBV pp2 x dp2 ZeRO-3, compiled": (UNTIED + _pp(2, "zbv", *ZERO3, *COMPILED), untied),
+        "Llama: ZBV pp4": (LLAMA + _pp(4, "zbv"), llama),
+        "Llama: ZB-H1 pp2 x dp2 ZeRO-1, selective recompute of every module": (
+            LLAMA + _pp(2, "zb-h1", "--zero-stage", "1", "--recompute-granularity", "selective",
+                        "--recompute-modules", "core_attn", "mlp", "layernorm"), llama),
+        "Llama: ZBV pp2 x dp2 ZeRO-1, compiled": (LLAMA + _pp(2, "zbv", "--zero-stage", "1", *COMPILED),
+                                                  llama),
+    }
+    results = run_world(4, _train, _short([flags for flags, _ in layouts.values()]), stdlib_corpus,
+                        timeout_s=300)
+    for rank_results in results:
+        for (name, (_, want)), got in zip(layouts.items(), rank_results):
+            _assert_same_trajectory(got[:2], want[:2], name)
+            assert not got[5], (name, got[5])  # --compile: graph breaks at communication only
+
+
 def test_live_micro_batches_on_stage_0(stdlib_corpus):
     """1F1B keeps at most pp micro-batches' activations on the first stage; GPipe keeps all m."""
     few = ["--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "8"]
