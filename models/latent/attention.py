@@ -23,9 +23,11 @@ from models.norms import build_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup
 from parallel.param_meta import declare
-from parallel.tensor.layers import LinearWeights, RowParallelLinear, shard_parameter, with_init
+from parallel.tensor.layers import (LinearWeights, RowParallelLinear, deferring_linear, shard_parameter,
+                                    with_init)
 from parallel.tensor.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
 from parallel.tensor.random import RNGTracker
+from parallel.tensor.weight_grad import WeightGradStore
 from parallel.tensor.weight_init import WeightInit
 
 
@@ -38,8 +40,11 @@ class LatentAttention(AttentionCore):
     (whole heads, each head's rows [qk | rope] and [qk | v]) and of the output projection ``proj``. Under
     context parallelism the query/key and value widths are padded with zeros to one width (the scores
     and the output are unchanged) so every cp attention kind can carry them. It never holds other
-    ranks' heads.
+    ranks' heads. ``weight_grads`` (``parallel.tensor.layers.defer_weight_gradients``), when set, lets a split
+    backward defer the projections' weight products.
     """
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
                  rng: RNGTracker):
@@ -83,9 +88,14 @@ class LatentAttention(AttentionCore):
                                       .scaled_for_residual(config.num_layers), bias=bias,
                                       sequence_parallel=sequence_parallel)
 
-    @staticmethod
-    def _linear(x: torch.Tensor, linear: LinearWeights) -> torch.Tensor:
-        return F.linear(x, linear.weight, linear.bias)
+    def _linear(self, x: torch.Tensor, linear: LinearWeights) -> torch.Tensor:
+        return deferring_linear(x, linear.weight, linear.bias, self.weight_grads)
+
+    def deferred_weights(self) -> list[torch.nn.Parameter]:
+        """The projections' weights but ``proj``'s (a layer of its own), whose gradients a split backward
+        defers (``weight_grads``)."""
+        projections = (getattr(self, name, None) for name in ("q_down", "q_proj", "q_up", "kv_down", "kv_up"))
+        return [linear.weight for linear in projections if linear is not None]
 
     def _entered(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as every tp rank's heads read it: gathered over the sequence under sequence parallelism

@@ -12,6 +12,7 @@ from parallel.comm import AxisGroup
 from parallel.experts import ExpertGroups, grouped_linear
 from parallel.param_meta import declare
 from parallel.tensor.layers import LinearWeights, shard_parameter, with_init
+from parallel.tensor.weight_grad import WeightGradStore
 from parallel.tensor.weight_init import WeightInit
 
 
@@ -44,8 +45,12 @@ class Experts(nn.Module):
 
     ``forward(rows, counts)``: rows grouped by local expert (``counts`` each) -> this etp rank's partial
     outputs, as one grouped product per matrix (``grouped``: --moe-grouped-gemm) or one product per expert.
-    Never communicates: the token dispatcher brings the rows and sums the partials.
+    Never communicates: the token dispatcher brings the rows and sums the partials. ``weight_grads``
+    (``parallel.tensor.layers.defer_weight_gradients``), when set, lets a split backward defer the products
+    for the weights' gradients.
     """
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, config: GPTConfig, layer: int, groups: ExpertGroups, seed: int):
         super().__init__()
@@ -64,10 +69,15 @@ class Experts(nn.Module):
         fc1 = [expert.fc1 for expert in experts]
         fc2 = [expert.fc2 for expert in experts]
         biases = [linear.bias.flatten() for linear in fc1] if fc1[0].bias is not None else None
-        hidden = grouped_linear(rows, [linear.weight.flatten(0, -2) for linear in fc1], counts, biases,
-                                self.grouped)
+        hidden = grouped_linear(rows, [linear.weight for linear in fc1], counts, biases, self.grouped,
+                                self.weight_grads)
         hidden = self.activate(hidden)
         biases = None
         if fc2[0].bias is not None:
             biases = [linear.bias / self.etp if self.etp > 1 else linear.bias for linear in fc2]
-        return grouped_linear(hidden, [linear.weight for linear in fc2], counts, biases, self.grouped)
+        return grouped_linear(hidden, [linear.weight for linear in fc2], counts, biases, self.grouped,
+                              self.weight_grads)
+
+    def deferred_weights(self) -> list[nn.Parameter]:
+        """The weights whose gradients a split backward defers (``weight_grads``)."""
+        return [linear.weight for expert in self.children() for linear in (expert.fc1, expert.fc2)]

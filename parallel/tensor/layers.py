@@ -141,6 +141,10 @@ class ColumnParallelLinear(nn.Module):
                            self.group if split else None, self.weight_grads)
         return F.linear(copy_to_tensor_parallel(x, self.group), weight, bias)
 
+    def deferred_weights(self) -> list[nn.Parameter]:
+        """The weight, whose gradient a split backward defers (``weight_grads``), unless multiplied in fp8."""
+        return [self.weight] if self.fp8 is None else []
+
 
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its input dim: each rank takes in/tp features of X.
@@ -175,6 +179,10 @@ class RowParallelLinear(nn.Module):
         else:
             out = reduce_from_tensor_parallel(partial, self.group)
         return out if self.bias is None else out + self.bias
+
+    def deferred_weights(self) -> list[nn.Parameter]:
+        """The weight, whose gradient a split backward defers (``weight_grads``), unless multiplied in fp8."""
+        return [self.weight] if self.fp8 is None else []
 
 
 def vocab_parallel_table(vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
@@ -236,6 +244,10 @@ class VocabParallelOutput(nn.Module):
         return vocab_parallel_logits(hidden, self.weight, self.group, self.sequence_parallel,
                                      self.weight_grads)
 
+    def deferred_weights(self) -> list[nn.Parameter]:
+        """The weight, whose gradient a split backward defers (``weight_grads``)."""
+        return [self.weight]
+
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, group: AxisGroup,
                           sequence_parallel: bool = False, weight_grads: WeightGradStore | None = None
@@ -249,15 +261,23 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, grou
 
 
 def defer_weight_gradients(module: nn.Module, store: WeightGradStore) -> set[nn.Parameter]:
-    """Give ``store`` to every tensor-parallel linear layer inside ``module`` that computes its own product
-    (not an fp8 one); return their weights, whose gradients a split backward defers."""
+    """Give ``store`` to every layer inside ``module`` that can defer its weights' products (one that has
+    ``deferred_weights``: the tensor-parallel linear layers, the output layer, the experts, latent
+    attention's projections); return those weights, whose gradients a split backward defers."""
     deferring = set()
     for layer in module.modules():
-        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, VocabParallelOutput)) \
-                and getattr(layer, "fp8", None) is None:
+        if hasattr(layer, "deferred_weights"):
             layer.weight_grads = store
-            deferring.add(layer.weight)
+            deferring.update(layer.deferred_weights())
     return deferring
+
+
+def deferring_linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
+                     weight_grads: WeightGradStore | None) -> torch.Tensor:
+    """``F.linear``, whose weight's gradient a split backward defers to ``weight_grads`` when given."""
+    if weight_grads is None:
+        return F.linear(x, weight, bias)
+    return _linear(x, weight, bias, None, weight_grads)
 
 
 def use_fp8(module: nn.Module, recipe: Fp8Recipe) -> tuple[int, int]:

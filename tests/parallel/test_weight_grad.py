@@ -16,10 +16,17 @@ from parallel.tensor.weight_grad import WeightGradStore
 from tests.parity import ONE_STEP_RTOL, assert_tensors_close
 
 
-def _model(recompute: RecomputePolicy | None) -> GPTModel:
+# a dense layer, then a MoE layer (top-2 of 4 experts and a shared expert) under latent attention
+MOE_LATENT = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1], moe_ffn_hidden_size=24,
+                  moe_shared_expert_intermediate_size=24, moe_aux_loss_coeff=1e-2,
+                  multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+                  qk_pos_emb_head_dim=4, v_head_dim=8)
+
+
+def _model(recompute: RecomputePolicy | None, **features) -> GPTModel:
     config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                        hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
-                       normalization="RMSNorm", swiglu=True, ffn_hidden_size=48)
+                       normalization="RMSNorm", swiglu=True, ffn_hidden_size=48, **features)
     tp = AxisGroup("tp", (0,), None, CommStats())
     model = GPTModel(config, tp, seed=3, pre_process=False)  # takes a hidden input, ends in the loss
     if recompute is not None:
@@ -29,21 +36,28 @@ def _model(recompute: RecomputePolicy | None) -> GPTModel:
 
 POLICIES = {"no recompute": None, "full": RecomputePolicy("full"),
             "selective": RecomputePolicy("selective", modules=("core_attn", "mlp", "layernorm"))}
+# model: (features, products deferred: GPT: q/k/v, projection, fc1, fc2 per layer and the output layer; MoE
+# under latent attention: per layer q_down, q_up, kv_down, kv_up and proj, the dense layer's fc1 and fc2, the
+# 4 experts' and the shared expert's fc1 and fc2, the output layer)
+MODELS = {"GPT": ({}, 9), "MoE under latent attention": (MOE_LATENT, 2 * 5 + 2 + 5 * 2 + 1)}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_split_backward_gives_a_whole_backwards_gradients_and_accumulates_only_in_w(policy, monkeypatch):
+@pytest.mark.parametrize("model", MODELS)
+def test_the_split_backward_gives_a_whole_backwards_gradients_and_accumulates_only_in_w(model, policy,
+                                                                                         monkeypatch):
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(16, 2, 32, generator=generator)
     labels = torch.randint(0, 64, (2, 16), generator=generator)
     positions = torch.arange(16).expand(2, 16)
 
-    whole = _model(POLICIES[policy])
+    features, deferred = MODELS[model]
+    whole = _model(POLICIES[policy], **features)
     x = hidden.clone().requires_grad_()
     whole(None, positions, labels=labels, hidden=x).sum().backward()
     want = {name: p.grad for name, p in whole.named_parameters()}
 
-    split = _model(POLICIES[policy])
+    split = _model(POLICIES[policy], **features)
     store = WeightGradStore()
     store.deferring |= defer_weight_gradients(split, store)
     products = []
@@ -59,9 +73,10 @@ def test_the_split_backward_gives_a_whole_backwards_gradients_and_accumulates_on
                                   parameters)
     assert_tensors_close([input_grad], [x.grad], f"{policy}: the input's gradient", ONE_STEP_RTOL)
     assert not arrived and all(p.grad is None for p in split.parameters())
-    # every linear layer's weight (q/k/v, projection, fc1, fc2 per layer and the output layer) deferred
-    linear = {id(p) for name, p in split.named_parameters() if name.endswith("weight") and "norm" not in name}
-    assert {id(p) for p in products} == linear and len(products) == 9
+    # every product's weight deferred but the router's (its product is small, computed in B)
+    linear = {id(p) for name, p in split.named_parameters()
+              if name.endswith("weight") and not any(part in name for part in ("norm", "router"))}
+    assert {id(p) for p in products} == linear and len(products) == deferred
 
     store.weight_pass((0, 0))
     assert store.pending() == 0

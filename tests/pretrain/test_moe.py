@@ -64,9 +64,9 @@ LAYOUTS = {
     "ep2 x pp2 ZB-H1 (the experts' gradients in the weight pass)": (
         MOE + EP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + ALLTOALL,
         "dropless"),
-    "ep2 x pp2 ZBV, ZeRO-1": (MOE + EP2 + ["--untie-embeddings-and-output-weights",
-                                           "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
-                                           "--zero-stage", "1"], "untied"),
+    "ep2 x pp2 ZBV, ZeRO-1": (MOE + EP2 + ["--untie-embeddings-and-output-weights", "--zero-stage", "1",
+                                           "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                           "zbv"], "untied"),
     "ep2 x pp2 interleaved": (MOE + EP2 + ["--pipeline-model-parallel-size", "2",
                                            "--num-layers-per-virtual-pipeline-stage", "1"] + ALLTOALL,
                               "dropless"),
