@@ -99,11 +99,18 @@ def flops_per_token(config: GPTConfig) -> float:
     a MoE layer the router, its k experts' and the shared expert's) plus the attention
     scores and their weighted sum, 2 x 2 x s x (heads x head_dim) per layer (the full s x s product,
     as Megatron counts it). Kept per model: the planner asks it of every layout."""
-    return _flops_per_token(_frozen(config))
+    return 3 * sum(forward_flops_per_token(config))
+
+
+def forward_flops_per_token(config: GPTConfig) -> tuple[float, float]:
+    """A token's forward FLOPs (``flops_per_token``'s third) as (weight products, attention scores and sum):
+    backward repeats the weight products twice, once for the inputs' gradients and once for the weights',
+    and the attention part twice for the inputs' (it has no weights)."""
+    return _forward_flops_per_token(_frozen(config))
 
 
 @functools.lru_cache(maxsize=64)
-def _flops_per_token(frozen: tuple) -> float:
+def _forward_flops_per_token(frozen: tuple) -> tuple[float, float]:
     config = _thawed(frozen)
     model = _stage_model(frozen, 1, 1, 0, 1, False, None)
     chunk = model[0]
@@ -118,7 +125,7 @@ def _flops_per_token(frozen: tuple) -> float:
     output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
     attention = (2 * config.seq_length * config.num_attention_heads
                  * (config.query_key_channels + config.value_channels) * config.num_layers)
-    return 3 * (2 * (matmul + output.numel() + _latent_matmuls(model)) + attention)
+    return 2 * (matmul + output.numel() + _latent_matmuls(model)), attention
 
 
 def _latent_matmuls(model: nn.ModuleList) -> int:

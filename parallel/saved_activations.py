@@ -70,6 +70,13 @@ class SavedActivationMeter:
         if address in seen:
             seen[address] = 0
 
+    def hold(self, key: object, storages: dict[int, int]) -> None:
+        """Count ``storages`` (address: bytes) as held under ``key`` until its ``release`` (what a split
+        backward keeps for its weight pass)."""
+        self._by_key[key] = dict(storages)
+        self.current_bytes += sum(storages.values())
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
     def release(self, key: object = None) -> None:
         """The backward of ``key`` has run: what it saved is gone."""
         self.current_bytes -= sum(self._by_key.pop(key, {}).values())

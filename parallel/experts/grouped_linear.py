@@ -48,7 +48,7 @@ class _DeferringProduct(torch.autograd.Function):
     weight gradient (its rows' output gradient times its rows) to the store's weight pass."""
 
     @staticmethod
-    def forward(ctx, x, counts, grouped, store, *weights):
+    def forward(ctx, x, counts, grouped, store, anchor, *weights):
         ctx.counts, ctx.grouped, ctx.store, ctx.weights = counts, grouped, store, weights
         ctx.save_for_backward(x, *weights)
         return _product(x, [w.flatten(0, -2) for w in weights], counts, grouped)
@@ -66,9 +66,9 @@ class _DeferringProduct(torch.autograd.Function):
         grads = [weight_grad(*piece) for piece in pieces]
         if ctx.store.splitting:  # this store's input pass
             for param, compute in zip(ctx.weights, grads):
-                ctx.store.defer(param, compute)
-            return (grad_x, None, None, None) + (None,) * len(weights)
-        return (grad_x, None, None, None) + tuple(compute() for compute in grads)
+                ctx.store.defer(param, compute, x, grad)
+            return (grad_x, None, None, None, None) + (None,) * len(weights)
+        return (grad_x, None, None, None, None) + tuple(compute() for compute in grads)
 
 
 _deferring_product = compile_boundary(_DeferringProduct.apply)  # it keeps Python state for a split backward
@@ -83,7 +83,7 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], counts: list[in
     (the weights are stacked: a copy), else a loop. ``weight_grads``: a split backward defers the weights'
     gradients to it (``parallel.tensor.weight_grad``)."""
     if weight_grads is not None:
-        out = _deferring_product(x, counts, grouped, weight_grads, *weights)
+        out = _deferring_product(x, counts, grouped, weight_grads, weight_grads.anchor, *weights)
     else:
         out = _product(x, [w.flatten(0, -2) for w in weights], counts, grouped)
     if biases is not None:

@@ -78,16 +78,22 @@ class Timeline:
     def peak_live(self, stage: int) -> int:
         """The most micro-batches (over all chunks) whose forward has run on ``stage`` and whose backward
         has not ended: a split backward holds them until its weight pass."""
-        order = self.orders[stage]
-        ends = {(a.chunk, a.micro_batch): a.kind for a in order if a.kind != "F"}  # W where there is one
-        live = peak = 0
-        for action in order:
-            if action.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif ends[(action.chunk, action.micro_batch)] == action.kind:
-                live -= 1
+        return round(self.peak_held(stage, 1.0, 1.0))
+
+    def peak_held(self, stage: int, saved: float, pending: float) -> float:
+        """The most ``stage`` holds at once when a (chunk, micro-batch) holds ``saved`` from its forward to
+        its backward and ``pending`` from a split backward to its weight pass (the weight products'
+        operands and the gradients kept for W)."""
+        held = peak = 0.0
+        for action in self.orders[stage]:
+            held += {"F": saved, "B": pending - saved if self.split else -saved, "W": -pending}[action.kind]
+            peak = max(peak, held)
         return peak
+
+    @property
+    def split(self) -> bool:
+        """Whether the backwards are split from their weight passes."""
+        return any(a.kind == "W" for order in self.orders for a in order)
 
     def program(self, stage: int) -> list[Action | Exchange]:
         """``stage``'s actions with its exchanges between them (see the module docstring)."""
@@ -123,9 +129,9 @@ def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
     waits for it). A tensor between two chunks of one rank is no transfer."""
     costs = costs or UNIT_COSTS
     stages = pp * vp
-    split = any(a.kind == "W" for order in orders for a in order)
-    cost = {"F": costs["F"], "W": costs["W"], "B": costs["B"] if split else costs["B"] + costs["W"]}
     timeline = Timeline(pp, vp, v, orders, [[] for _ in orders], [[] for _ in orders])
+    cost = {"F": costs["F"], "W": costs["W"],
+            "B": costs["B"] if timeline.split else costs["B"] + costs["W"]}
     ended: dict[tuple[str, int, int], float] = {}
     clocks, positions = [0.0] * pp, [0] * pp
     while any(positions[r] < len(orders[r]) for r in range(pp)):

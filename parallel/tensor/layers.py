@@ -55,11 +55,12 @@ class _Linear(torch.autograd.Function):
     this rank's piece: backward gathers it again, so the saved input of a column-parallel layer stays at
     1/tp, as the Korthikanti et al. activation formula assumes). Inside a split backward's input pass
     (``store``, ``parallel.tensor.weight_grad``) the weight's gradient is left to the store's weight pass.
-    ``weight`` is the parameter itself (stacked ones are flattened here), so a deferred gradient reaches it.
+    ``weight`` is the parameter itself (stacked ones are flattened here), so a deferred gradient reaches it;
+    ``anchor``: the store's (it makes the input pass run this backward whatever it is asked for).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, store):
+    def forward(ctx, x, weight, bias, group, store, anchor):
         ctx.group, ctx.store, ctx.has_bias = group, store, bias is not None
         ctx.save_for_backward(x, weight)
         ctx.weight = weight
@@ -80,15 +81,20 @@ class _Linear(torch.autograd.Function):
                 full.reshape(-1, full.shape[-1])).view(shape)
 
         if ctx.store is not None and ctx.store.splitting:  # this store's input pass
-            ctx.store.defer(ctx.weight, weight_grad)
+            ctx.store.defer(ctx.weight, weight_grad, x, grad_out)
             grad_weight = None
         else:
             grad_weight = weight_grad()
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
-_linear = compile_boundary(_Linear.apply)  # it communicates, or keeps Python state for a split backward
+_linear_function = compile_boundary(_Linear.apply)  # it communicates, or keeps state for a split backward
+
+
+def _linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None, group: AxisGroup | None,
+            store: WeightGradStore | None) -> torch.Tensor:
+    return _linear_function(x, weight, bias, group, store, None if store is None else store.anchor)
 
 
 class LinearWeights(nn.Module):
@@ -200,13 +206,45 @@ def vocab_parallel_table(vocab_size: int, padded_vocab_size: int, hidden_size: i
     return declare(shard_parameter(table, 0, group), unpadded_rows=vocab_size)
 
 
+class _Lookup(torch.autograd.Function):
+    """``F.embedding(rows, table)`` with the positions ``outside`` (None: none) zeroed, whose table gradient
+    (torch's own dense embedding backward) a split backward's input pass leaves to the store (``store``,
+    ``parallel.tensor.weight_grad``): until then it keeps the output's gradient, not a table-sized one."""
+
+    @staticmethod
+    def forward(ctx, rows, table, outside, store, anchor):
+        ctx.save_for_backward(rows, outside)
+        ctx.table, ctx.store, ctx.shape = table, store, table.shape
+        out = F.embedding(rows, table)
+        return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, outside = ctx.saved_tensors
+        grad = grad if outside is None else grad.masked_fill(outside.unsqueeze(-1), 0.0)
+        count = ctx.shape[0]
+
+        def table_grad() -> torch.Tensor:
+            return torch.ops.aten.embedding_dense_backward(grad, rows, count, -1, False)
+
+        if ctx.store.splitting:  # this store's input pass
+            ctx.store.defer(ctx.table, table_grad, grad, rows)
+            return None, None, None, None, None
+        return None, table_grad(), None, None, None
+
+
+_lookup = compile_boundary(_Lookup.apply)  # it keeps Python state for a split backward
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose table is split by vocabulary range across the tensor-parallel group.
 
     Owns rows [start, end) of the (padded) table (``vocab_parallel_table``). Each rank looks up the
     tokens in its range, zeros the rest, and the partial embeddings are summed over the group. It never
-    holds another rank's rows.
+    holds another rank's rows. ``weight_grads``, when set, lets a split backward defer the table's gradient.
     """
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, group: AxisGroup,
                  init: WeightInit, *, dtype: torch.dtype = torch.float32):
@@ -218,12 +256,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            out = F.embedding(tokens, self.weight)
+            rows, outside = tokens, None
         else:
             outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
-            local = (tokens - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            rows = (tokens - self.vocab_start).masked_fill(outside, 0)
+        if self.weight_grads is not None:
+            out = _lookup(rows, self.weight, outside, self.weight_grads, self.weight_grads.anchor)
+        else:
+            out = F.embedding(rows, self.weight)
+            out = out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel(out, self.group)
+
+    def deferred_weights(self) -> list[nn.Parameter]:
+        """The table, whose gradient a split backward defers (``weight_grads``)."""
+        return [self.weight]
 
 
 class VocabParallelOutput(nn.Module):

@@ -80,17 +80,31 @@ class WeightGradStore:
 
     def __init__(self):
         self.deferring: set[nn.Parameter] = set()
+        # every deferring layer's autograd function takes it as an input, and the input pass asks for its
+        # gradient (always none): autograd then runs each of them, even one that leads to nothing else asked
+        # for (the first stage's embedding, whose input is tokens)
+        self.anchor = torch.zeros((), requires_grad=True)
         self._key: tuple[int, int] | None = None
         self._work: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor | Callable]]] = {}
         self._order: dict[tuple[int, int], dict[nn.Parameter, int]] = {}
+        self._operands: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     @property
     def splitting(self) -> bool:
         return self._key is not None
 
-    def defer(self, param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
-        """From a layer's backward inside ``input_pass``: ``compute()`` is ``param``'s gradient, for W."""
+    def defer(self, param: nn.Parameter, compute: Callable[[], torch.Tensor],
+              *operands: torch.Tensor) -> None:
+        """From a layer's backward inside ``input_pass``: ``compute()`` is ``param``'s gradient, for W, made
+        from ``operands`` (what it keeps alive until then)."""
         self._work[self._key].append((param, compute))
+        self._operands[self._key].extend(operands)
+
+    def held_storages(self, key: tuple[int, int]) -> dict[int, int]:
+        """The storages (address: bytes) micro-batch ``key`` holds until its W: the deferred products'
+        operands and the other parameters' gradients."""
+        tensors = self._operands[key] + [g for _, g in self._work[key] if isinstance(g, torch.Tensor)]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
     def input_pass(self, key: tuple[int, int], root: torch.Tensor, grad: torch.Tensor | None,
                    hidden: torch.Tensor | None, parameters: list[nn.Parameter]) -> torch.Tensor | None:
@@ -98,7 +112,7 @@ class WeightGradStore:
         stage) and to the ``parameters`` that do not defer; returns ``hidden``'s gradient. ``parameters``:
         the chunk's, in the order W hands their gradients on."""
         global _running
-        self._key, self._work[key] = key, []
+        self._key, self._work[key], self._operands[key] = key, [], []
         self._order[key] = {p: i for i, p in enumerate(parameters)}
         _running = self
         try:
@@ -121,15 +135,16 @@ class WeightGradStore:
                    parameters: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """Autograd to ``wanted`` and the ``parameters`` that do not defer, the latter's gradients kept for
         W; returns ``wanted``'s (deferring layers hand their products to ``defer`` meanwhile)."""
-        computed = [p for p in parameters if p not in self.deferring]
-        grads = torch.autograd.grad(root, wanted + computed, grad, allow_unused=True)
-        self._work[self._key] += [(p, g) for p, g in zip(computed, grads[len(wanted):]) if g is not None]
+        computed = [p for p in parameters if p not in self.deferring and p is not self.anchor]
+        grads = torch.autograd.grad(root, wanted + computed + [self.anchor], grad, allow_unused=True)
+        self._work[self._key] += [(p, g) for p, g in zip(computed, grads[len(wanted):-1]) if g is not None]
         return grads[:len(wanted)]
 
     def weight_pass(self, key: tuple[int, int]) -> None:
         """W of micro-batch ``key``: each parameter's gradient (a deferred product computed now, summed
         where a parameter has more than one part) accumulated by autograd, which runs its hooks."""
         order, parts = self._order.pop(key), {}
+        del self._operands[key]
         for param, grad in self._work.pop(key):
             value = grad() if callable(grad) else grad
             parts[param] = value if param not in parts else parts[param] + value

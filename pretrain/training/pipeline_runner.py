@@ -170,16 +170,19 @@ class PipelineRunner:
                 # the chunk's parameters in reverse, the order a whole backward hands their gradients on
                 parameters = list(self.chunks[chunk].parameters())[::-1]
                 input_grad = self.weight_grads.input_pass((chunk, index), root, grad, hidden, parameters)
-            else:
-                with contextlib.nullcontext() if last else self.gradients.no_sync():
-                    torch.autograd.backward(root, grad)
-                input_grad = None if hidden is None else hidden.grad
+                self.meter.release((chunk, index))
+                if measure:  # what the weight pass keeps until it runs
+                    self.meter.hold(("W", chunk, index), self.weight_grads.held_storages((chunk, index)))
+                return input_grad
+            with contextlib.nullcontext() if last else self.gradients.no_sync():
+                torch.autograd.backward(root, grad)
             self.meter.release((chunk, index))
-            return input_grad
+            return None if hidden is None else hidden.grad
 
         def weight_step(chunk: int, index: int, last: bool) -> None:
             with contextlib.nullcontext() if last else self.gradients.no_sync():
                 self.weight_grads.weight_pass((chunk, index))
+            self.meter.release(("W", chunk, index))
 
         stats = self.executor.run(self.program(num_micro_batches, train), forward_step, backward_step,
                                   weight_step, train=train)
