@@ -34,19 +34,20 @@ def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp:
 
 def stage_parameters(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
                      sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
-                     experts: tuple[int, int] = (1, 1)) -> tuple[nn.Parameter, ...]:
-    """The parameters of ``stage_model(config, tp, pp, stage, ...)``, listed once per model and layout (a
-    planner prices thousands of layouts; walking the module tree each time was most of its work)."""
+                     experts: tuple[int, int] = (1, 1), v: bool = False) -> tuple[nn.Parameter, ...]:
+    """The parameters of ``stage_model(config, tp, pp, stage, ...)`` (``v``: its two chunks placed in a V,
+    zbv's), listed once per model and layout (a planner prices thousands of layouts; walking the module tree
+    each time was most of its work)."""
     layers = tuple(layers_per_stage) if layers_per_stage else None
-    return _stage_parameters(_frozen(config), tp, pp, stage, sequence_parallel, layers, experts)
+    return _stage_parameters(_frozen(config), tp, pp, stage, sequence_parallel, layers, experts, v)
 
 
 @functools.lru_cache(maxsize=256)
 def _stage_parameters(frozen: tuple, tp: int, pp: int, stage: int, sequence_parallel: bool,
                       layers_per_stage: tuple[int, ...] | None,
-                      experts: tuple[int, int] = (1, 1)) -> tuple[nn.Parameter, ...]:
-    return tuple(_stage_model(frozen, tp, pp, stage, 1, sequence_parallel, layers_per_stage,
-                              experts).parameters())
+                      experts: tuple[int, int] = (1, 1), v: bool = False) -> tuple[nn.Parameter, ...]:
+    return tuple(_stage_model(frozen, tp, pp, stage, 2 if v else 1, sequence_parallel, layers_per_stage,
+                              experts, v).parameters())
 
 
 def _frozen(config: GPTConfig) -> tuple:
@@ -63,13 +64,13 @@ def _thawed(frozen: tuple) -> GPTConfig:
 @functools.lru_cache(maxsize=64)
 def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_parallel: bool,
                  layers_per_stage: tuple[int, ...] | None,
-                 experts: tuple[int, int] = (1, 1)) -> nn.ModuleList:
+                 experts: tuple[int, int] = (1, 1), v: bool = False) -> nn.ModuleList:
     config = _thawed(frozen)
     with torch.device("meta"):
         return stage_chunks(config, DetachedGroup("tp", tp), pp, stage, seed=0, vp=vp,
                             sequence_parallel=sequence_parallel,
                             layers_per_stage=list(layers_per_stage) if layers_per_stage else None,
-                            experts=ExpertGroups.detached(*experts))
+                            experts=ExpertGroups.detached(*experts), v=v)
 
 
 def num_parameters(config: GPTConfig) -> int:

@@ -18,6 +18,7 @@ reads the same layout with measured costs for the bubble and the activations a s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from parallel.pipeline.partition import stage_of, virtual_stage
@@ -63,6 +64,7 @@ class Timeline:
     starts: list[list[float]] = field(default_factory=list)
     ends: list[list[float]] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
+    _counts: dict[int, set[tuple[int, int]]] = field(default_factory=dict, repr=False)
 
     @property
     def step_time(self) -> float:
@@ -84,13 +86,21 @@ class Timeline:
         """The most ``stage`` holds at once when a (chunk, micro-batch) holds ``saved`` from its forward to
         its backward and ``pending`` from a split backward to its weight pass (the weight products'
         operands and the gradients kept for W)."""
-        held = peak = 0.0
-        for action in self.orders[stage]:
-            held += {"F": saved, "B": pending - saved if self.split else -saved, "W": -pending}[action.kind]
-            peak = max(peak, held)
-        return peak
+        return max(full * saved + waiting * pending for full, waiting in self._held_counts(stage))
 
-    @property
+    def _held_counts(self, stage: int) -> set[tuple[int, int]]:
+        """Every (micro-batches between forward and backward, between B and W) ``stage`` passes through."""
+        if stage not in self._counts:
+            full = waiting = 0
+            counts = {(0, 0)}
+            for action in self.orders[stage]:
+                full += {"F": 1, "B": -1, "W": 0}[action.kind]
+                waiting += {"F": 0, "B": 1 if self.split else 0, "W": -1}[action.kind]
+                counts.add((full, waiting))
+            self._counts[stage] = counts
+        return self._counts[stage]
+
+    @functools.cached_property
     def split(self) -> bool:
         """Whether the backwards are split from their weight passes."""
         return any(a.kind == "W" for order in self.orders for a in order)

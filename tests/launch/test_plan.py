@@ -39,6 +39,12 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
                                             "--gpus-per-node", "2", "--zero-shard-size", "2"],
                                            Layout(1, 1, 4, 3, zero=ZeroCommOptions(shard_size=2))),
     "cp2 x dp2 stage 2": (["--context-parallel-size", "2", "--zero-stage", "2"], Layout(1, 1, 2, 2, cp=2)),
+    # the zero-bubble schedules: what each weight pass keeps from B to W counted with the activations
+    "pp4 ZB-H1 stage 0": (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zb-h1",
+                           "--global-batch-size", "16"], Layout(1, 4, 1, 0, schedule="zb-h1")),
+    "pp2 x tp2 + SP ZBV stage 1": (["--untie-embeddings-and-output-weights", *_pp(2, "zbv"),
+                                   *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
+                                  Layout(2, 2, 1, 1, sequence_parallel=True, schedule="zbv")),
     "cp4 stage 1 bf16 full recompute": (["--context-parallel-size", "4", "--zero-stage", "1", "--bf16",
                                          "--recompute-granularity", "full", "--recompute-num-layers", "1"],
                                         Layout(1, 1, 1, 1, recompute="full", cp=4)),
@@ -86,8 +92,9 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
                         sequence_parallel=layout.sequence_parallel, layers_per_stage=layout.layers_per_stage,
                         zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules,
-                        ep=layout.ep)
-        predicted = plan_layout(config.model, layout, 8, 2 if "--bf16" in flags else 4,
+                        ep=layout.ep, schedule=layout.schedule)
+        predicted = plan_layout(config.model, layout, config.training.global_batch_size,
+                                2 if "--bf16" in flags else 4,
                                 persistence_threshold=config.zero.zero_persistence_threshold)
         states = max(r["model_state_bytes"] for r in ranks)
         activations = max(r["saved_activation_bytes"] for r in ranks)
@@ -265,3 +272,25 @@ def test_planner_searches_expert_parallelism():
     states = [grid[ep].model_state_bytes for ep in (1, 2, 4, 8)]
     assert states == sorted(states, reverse=True) and states[0] > states[-1]
     assert grid[1].comm_bytes["ep"] == 0 < grid[2].comm_bytes["ep"]
+
+
+def test_planner_prices_each_pipeline_schedules_bubble_and_activations(capsys):
+    """pp4 with 8 micro-batches: 1F1B's bubble is (p - 1) / (m + p - 1); ZB-H1's and ZBV's are smaller, laid
+    out with the layers' own costs (B without the weights' products, W those); their activations peak no
+    lower than 1F1B's first stage (they hold as many micro-batches, plus the weight passes' operands); the
+    command prints each layout's schedule and bubble."""
+    flags = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--seq-length", "2048", "--vocab-size", "32000", "--untie-embeddings-and-output-weights",
+             "--bf16"]
+    config = parse_config(flags).model
+    plans = {kind: plan_layout(config, Layout(1, 4, 1, 1, schedule=kind), 8, 2)
+             for kind in ("1f1b", "zb-h1", "zbv")}
+    assert plans["1f1b"].bubble == pytest.approx(3 / 11)
+    assert plans["zbv"].bubble < plans["zb-h1"].bubble < plans["1f1b"].bubble
+    assert plans["zb-h1"].activation_bytes >= plans["1f1b"].activation_bytes
+    assert plans["zbv"].score < plans["zb-h1"].score < plans["1f1b"].score
+    plan_main([*flags, "--world-size", "4", "--pipeline-model-parallel-size", "4",
+               "--tensor-model-parallel-size", "1", "--zero-stage", "1", "--global-batch-size", "8",
+               "--top", "30"])
+    printed = capsys.readouterr().out
+    assert "schedule bubble" in printed and all(f" {kind} " in printed for kind in ("1f1b", "zb-h1", "zbv"))

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from launch.tools.planning.link_model import Transfer, ZeroCommOptions, all_to_all, ring, zero_transfers
 from models.config import GPTConfig
 from models.counting import stage_model, stage_parameters
+from launch.tools.planning.schedule_price import held_bytes
+from parallel.pipeline.partition import chunk_layers
+from parallel.pipeline.schedules import SPLIT_SCHEDULES, V_SCHEDULES
 from parallel.param_meta import meta
 from parallel.topology import Topology
 from parallel.zero import gradient_bytes, optimizer_state_bytes
@@ -37,6 +40,7 @@ class Layout:
     ep: int = 1  # --expert-model-parallel-size: the ranks a MoE layer's experts are spread over
     etp: int | None = None  # --expert-tensor-parallel-size (None: tp)
     dispatcher: str = "alltoall"  # --moe-token-dispatcher-type
+    schedule: str = "1f1b"  # --pipeline-schedule (``schedule_price.SCHEDULES``)
 
     @property
     def recompute_label(self) -> str:
@@ -58,18 +62,31 @@ class Layout:
         """The ranks an expert's gradients are reduced and its ZeRO states sharded over (expert dp)."""
         return self.tp * self.dp * self.cp // (self.expert_tp * self.ep)
 
+    @property
+    def v(self) -> bool:
+        """Whether each stage holds two chunks in a V (zbv)."""
+        return self.schedule in V_SCHEDULES
+
     def topology(self, gpus_per_node: int | None = None) -> Topology:
         return Topology(self.tp * self.pp * self.dp * self.cp, self.tp, self.pp, self.cp,
-                        gpus_per_node=gpus_per_node, ep=self.ep, etp=self.etp)
+                        gpus_per_node=gpus_per_node, ep=self.ep, etp=self.etp, pipeline_v=self.v)
 
     def layers_on(self, stage: int, num_layers: int) -> int:
         return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
+
+    def stage_layers(self, stage: int, num_layers: int) -> list[int]:
+        """The global indices of the layers ``stage`` holds (both chunks' in a V)."""
+        layers = list(self.layers_per_stage) if self.layers_per_stage else None
+        vp = 2 if self.v else 1
+        return [index for chunk in range(vp)
+                for index in chunk_layers(num_layers, self.pp, stage, chunk, vp, layers, self.v)]
 
 
 def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> tuple:
     """The parameters of pipeline ``stage``'s tp slice, as ``models.pipeline_stage`` builds them (on meta)."""
     return stage_parameters(config, layout.tp, layout.pp, stage, layout.sequence_parallel,
-                            list(layout.layers_per_stage or []) or None, (layout.ep, layout.expert_tp))
+                            list(layout.layers_per_stage or []) or None, (layout.ep, layout.expert_tp),
+                            layout.v)
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,32 +112,59 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
     return total
 
 
-def alive_micro_batches(pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations 1F1B keeps on ``stage`` at its peak."""
-    return min(micro_batches, pp - stage)
-
-
 def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int,
                      compute_bytes: int) -> float:
-    """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring); a cp rank keeps
-    those of its S / cp tokens (ring attention saves what fused attention saves: q, k, v, output, lse)."""
+    """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring), and with a split
+    backward what its weight passes keep (``schedule_price.held_bytes``); a cp rank keeps those of its S / cp
+    tokens (ring attention saves what fused attention saves: q, k, v, output, lse)."""
     s, b, h, t = config.seq_length / layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
-    layers = layout.layers_on(stage, config.num_layers)
-    first = sum(layout.layers_on(earlier, config.num_layers) for earlier in range(stage))
-    moe = sum(config.moe_layers(config.num_layers)[first:first + layers])
+    indices = layout.stage_layers(stage, config.num_layers)
+    layers, moe = len(indices), sum(config.moe_layers(config.num_layers)[i] for i in indices)
     if layout.recompute == "full":
         saved = sbh / split * layers * compute_bytes
     else:
         saved = (layer_elements(config, layout) * (layers - moe)
                  + (layer_elements(config, layout, moe=True) * moe if moe else 0)) * compute_bytes
     # final norm input and output; the loss's saved logits over this rank's vocabulary
-    if stage == layout.pp - 1:
+    loss_stage, vocabulary = stage == layout.topology().last_stage, config.padded_vocab_size(t) / t
+    if loss_stage:
         # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in
         # fp32)
-        saved += 2 * sbh / split * compute_bytes + s * b * config.padded_vocab_size(t) / t * compute_bytes
-    return saved * alive_micro_batches(layout.pp, stage, micro_batches)
+        saved += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
+    pending = 0.0
+    if layout.schedule in SPLIT_SCHEDULES:  # the output layer's input and logits' gradient, the embedding's
+        pending = (weight_pass_elements(config, layout) * (layers - moe)
+                   + weight_pass_elements(config, layout, moe=True) * moe
+                   + (h / split + vocabulary if loss_stage else 0) + (h if stage == 0 else 0)) * s * b \
+            * compute_bytes
+    return held_bytes(layout.schedule, layout.pp, stage, micro_batches, saved, pending)
+
+
+def weight_pass_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:
+    """Elements per token one layer keeps from a split backward's B to its W: each deferred product's input
+    and output gradient (q/k/v: h in, (a + 2G) d / t out; the projection: a d / t in, h out (its partial
+    sum, whole); fc1: h in, f / t (2 f / t gated) out; fc2: f / t in, h out; the inputs split by t under
+    sequence parallelism where they are saved split). A MoE layer's routed experts take k rows of each of
+    this rank's tokens at width f' / etp, its shared expert is an MLP of its width. Latent attention is
+    priced as the attention of its heads' widths. Norm and bias gradients are left out (vectors), and so are
+    the output layer's and the embedding's (``activation_bytes`` adds them on their stages)."""
+    t, h = layout.tp, config.hidden_size
+    heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
+    split = t if layout.sequence_parallel else 1
+    attention = h / split + (heads + 2 * groups) * d + heads * d + h
+    gate = 2 if config.gated else 1
+
+    def mlp(width: float, inputs: float = h / split) -> float:  # fc1's input and output, fc2's
+        return inputs + gate * width + width + h
+
+    if not moe:
+        return attention + mlp(config.ffn_size / t)
+    width = (config.moe_ffn_hidden_size or config.ffn_size) / layout.expert_tp
+    shared = config.moe_shared_expert_intermediate_size or 0
+    routed = config.moe_router_topk * mlp(width, h) / split  # the experts' rows are whole
+    return attention + routed + (mlp(shared / t) if shared else 0.0)
 
 
 def layer_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:

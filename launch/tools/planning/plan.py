@@ -16,7 +16,9 @@ states):
   et al.'s for a fused attention that keeps no s^2 matrix, following the architecture: sbh(4 + 12/t)
   elements per GPT-3 layer, 16 sbh/t with sequence parallelism; sbh (or sbh/t) with full recompute of
   each layer, i.e. --recompute-num-layers 1), times
-  the micro-batches 1F1B keeps alive, plus the last stage's logits and loss; with full recompute also
+  the micro-batches the pipeline schedule keeps alive (and, for a zero-bubble schedule, what the weight
+  passes it defers keep: ``schedule_price``), plus the loss stage's logits and loss; with full recompute
+  also
   the transient of rebuilding one layer in backward; a context-parallel rank keeps those of its S / cp
   tokens (cp is tried for every divisor that cuts the sequence into 2 x cp chunks);
 - gradients are fp32 main gradients for 16-bit parameters (4 bytes each, staging and reductions
@@ -27,7 +29,9 @@ states):
   counts them (exposed in the link model: how much of them hides behind attention is not modelled).
 
 Layouts that fit are ranked by a step-time proxy: recompute cost x offload cost / (1 - pipeline bubble),
-then the bytes sent to another node (``parallel.comm``'s ring model over the layout's groups).
+the bubble of the layout's schedule (1F1B, ZB-H1 or ZBV) laid out with its layers' costs
+(``schedule_price``), then the bytes sent to another node (``parallel.comm``'s ring model over the layout's
+groups).
 ``--json`` prints the list as JSON. The command line is ``launch.tools.planning.plan_command``.
 """
 
@@ -44,6 +48,7 @@ from launch.tools.planning.devices import DeviceProfile, compute_seconds
 from models.counting import flops_per_token, num_parameters
 from launch.tools.planning.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
                                                 recompute_cost, sent_by_axis, transfers)
+from launch.tools.planning.schedule_price import pipeline_bubble, schedules_for
 
 @dataclass
 class Plan:
@@ -58,6 +63,7 @@ class Plan:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     comm_bytes_inter_node: dict[str, float] = field(default_factory=dict)  # of those, to another node
     score: float = 0.0
+    bubble: float = 0.0  # the fraction of a step the most idle stage waits (``schedule_price``)
     transfers: list[Transfer] = field(default_factory=list, repr=False)  # what the link model times
     step_seconds: float | None = None  # predicted by the link model (``links`` given)
 
@@ -84,7 +90,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     plan = Plan(layout, states, activations,
                 buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
                 sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
-    bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
+    bubble = pipeline_bubble(config, layout.schedule, layout.pp, micro_batches, layout.recompute)
+    plan.bubble = bubble
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
     plan.score = recompute_cost(config, layout) * offload_cost / (1 - bubble)
     if links is not None:
@@ -129,12 +136,13 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                       layers_per_stage: tuple[int, ...] | None = None,
                       zero_plus_plus: bool = False, cp: int | None = None,
                       micro_batch_size: int = 1, ep: int | None = None,
-                      etp: int | None = None) -> list[Layout]:
+                      etp: int | None = None, schedule: str | None = None) -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
     ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks.
     Without ``global_batch_size`` each layout's is Megatron's default, ``micro_batch_size`` x dp. With
     experts, every expert-parallel size that divides the experts and the expert grid (etp: tp unless
-    given) and no ZeRO++ (the expert optimizer has none)."""
+    given) and no ZeRO++ (the expert optimizer has none). A pipeline runs each schedule it can
+    (``schedule_price.schedules_for``), or ``schedule``."""
     layouts = []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
         try:
@@ -150,8 +158,10 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                     grid = _layouts_of(t, p, c, d, gpus_per_node, global_batch_size, zero_stage,
                                        layers_per_stage, zero_plus_plus and not config.num_experts,
                                        micro_batch_size)
-                    layouts += [replace(layout, ep=e, etp=etp) for layout in grid] if config.num_experts \
-                        else grid
+                    if config.num_experts:
+                        grid = [replace(layout, ep=e, etp=etp) for layout in grid]
+                    kinds = [schedule] if schedule else schedules_for(config, p, not layers_per_stage)
+                    layouts += [replace(layout, schedule=kind) for layout in grid for kind in kinds]
     return layouts
 
 
@@ -199,14 +209,14 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
          links: Links | None = None, device: Device = Device(), cp: int | None = None,
          micro_batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
-         ep: int | None = None, etp: int | None = None) -> list[Plan]:
+         ep: int | None = None, etp: int | None = None, schedule: str | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates). ``global_batch_size`` None: Megatron's default,
     ``micro_batch_size`` x dp, in each layout. ``progress(done, total)`` is called before the first layout
     is priced and after each."""
     layouts = candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
                                 layers_per_stage, zero_plus_plus=links is not None, cp=cp,
-                                micro_batch_size=micro_batch_size, ep=ep, etp=etp)
+                                micro_batch_size=micro_batch_size, ep=ep, etp=etp, schedule=schedule)
     plans = []
     for done, layout in enumerate(layouts):
         if progress is not None:

@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
              "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None,
              "ep": (parallel.expert_model_parallel_size
                     if "--expert-model-parallel-size" in model_flags else None),
-             "etp": parallel.expert_tensor_parallel_size}
+             "etp": parallel.expert_tensor_parallel_size,
+             "schedule": parallel.pipeline_schedule if "--pipeline-schedule" in model_flags else None}
     compute_bytes = 2 if train.bf16 or train.fp16 else 4
     links = Links(intra, inter, args.link_latency) if inter is not None else None
     plans = planner.plan(config.model, args.world_size, args.gpus_per_node, memory_per_device,
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
-                           "total_bytes": p.total_bytes, "comm_bytes_per_step": p.comm_bytes,
+                           "total_bytes": p.total_bytes, "bubble": p.bubble,
+                           "comm_bytes_per_step": p.comm_bytes,
                            "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score,
                            "step_seconds": p.step_seconds} for p in plans], indent=1))
         return
@@ -219,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     axes = ("dp", "tp", "pp", "cp") + (("ep",) if config.model.num_experts else ())
     print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} " + (f"{'ep':>3} " if config.model.num_experts else "")
           + f"{'zero':>4} {'recompute':>13} {'mbs':>3} "
-          f"{'offload':>7} | {'states GiB':>10} {'activ GiB':>9} {'buffers GiB':>11} {'total GiB':>9} | "
+          f"{'offload':>7} {'schedule':>8} {'bubble':>6} | {'states GiB':>10} {'activ GiB':>9} "
+          f"{'buffers GiB':>11} {'total GiB':>9} | "
           f"comm GiB/step {' / '.join(axes)} (to another node)"
           + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{layout.tp:>3} {layout.pp:>3} {layout.cp:>3} {layout.dp:>4} "
               + (f"{layout.ep:>3} " if config.model.num_experts else "") + f"{layout.zero_stage:>4} "
               f"{layout.recompute_label:>13} "
-              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} | "
+              f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} {layout.schedule:>8} "
+              f"{p.bubble:>6.1%} | "
               f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
               + " / ".join(f"{p.comm_bytes.get(axis, 0.0) / gib:.2f} "
