@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from parallel.pipeline.p2p import BACKWARD, FORWARD, StageExchange
+from parallel.pipeline.p2p import BACKWARD, FORWARD, PostedBatch, StageExchange
 from parallel.pipeline.schedules import Action
 from parallel.pipeline.partition import virtual_stage
 from parallel.pipeline.timeline import Exchange
@@ -53,13 +53,28 @@ class PipelineExecutor:
     def __init__(self, exchange: StageExchange | None, stage: int, pp: int, vp: int, v: bool = False):
         self.exchange, self.stage, self.pp, self.vp, self.v = exchange, stage, pp, vp, v
 
-    def _exchange(self, item: Exchange, outbox: dict, inbox: dict) -> None:
+    def _exchange(self, item: Exchange, outbox: dict, inbox: dict, sending: list[PostedBatch]) -> None:
+        """Post ``item``'s batch; a batch that receives is waited for where its tensors are used, one that
+        only sends at the next exchange (``sending``)."""
+        for batch in sending:
+            self.exchange.wait(batch)
+        sending.clear()
         tags = {"F": FORWARD, "B": BACKWARD}
         sends = [(outbox.pop(t.key), t.target, tags[t.kind])
                  for t in item.transfers if t.source == self.stage]
         wanted = [t for t in item.transfers if t.target == self.stage]
-        received = self.exchange.transfer(sends, [(t.source, tags[t.kind]) for t in wanted])
-        inbox.update((t.key, tensor) for t, tensor in zip(wanted, received))
+        batch = self.exchange.post(sends, [(t.source, tags[t.kind]) for t in wanted])
+        if not wanted:
+            sending.append(batch)
+        inbox.update((t.key, (batch, tensor)) for t, tensor in zip(wanted, batch.received))
+
+    def _take(self, key: tuple[str, int, int], inbox: dict, outbox: dict) -> torch.Tensor | None:
+        """The tensor ``key`` from a neighbour (its batch waited for now) or from this rank's own chunk."""
+        if key not in inbox:
+            return outbox.pop(key, None)
+        batch, tensor = inbox.pop(key)
+        self.exchange.wait(batch)
+        return tensor
 
     def run(self, program: list[Action | Exchange], forward_step: ForwardStep,
             backward_step: BackwardStep = plain_backward, weight_step: WeightStep | None = None,
@@ -71,17 +86,17 @@ class PipelineExecutor:
         closing = "W" if any(a.kind == "W" for a in actions) else "B"
         last_of_chunk = {a.chunk: a.micro_batch for a in actions if a.kind == closing}
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, not yet sent (or taken locally)
-        inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        inbox: dict[tuple[str, int, int], tuple[PostedBatch, torch.Tensor]] = {}  # posted receives
+        sending: list[PostedBatch] = []  # posted batches that only send
         for item in program:
             if isinstance(item, Exchange):
-                self._exchange(item, outbox, inbox)
+                self._exchange(item, outbox, inbox, sending)
                 continue
             key = (item.chunk, item.micro_batch)
             virtual = virtual_stage(self.stage, item.chunk, self.pp, self.v)
             last = item.kind == closing and last_of_chunk[item.chunk] == item.micro_batch
             if item.kind == "F":
-                source = ("F", virtual - 1, item.micro_batch)
-                hidden = inbox.pop(source) if source in inbox else outbox.pop(source, None)
+                hidden = self._take(("F", virtual - 1, item.micro_batch), inbox, outbox)
                 if hidden is not None and train:
                     hidden = hidden.detach().requires_grad_()
                 with contextlib.nullcontext() if train else torch.no_grad():
@@ -97,14 +112,15 @@ class PipelineExecutor:
                         stats.max_live_micro_batches.get(item.chunk, 0), live)
             elif item.kind == "B":
                 hidden, output = saved.pop(key)
-                source = ("B", virtual + 1, item.micro_batch)
-                grad = inbox.pop(source) if source in inbox else outbox.pop(source, None)
+                grad = self._take(("B", virtual + 1, item.micro_batch), inbox, outbox)
                 input_grad = backward_step(item.chunk, item.micro_batch, output, grad, hidden, last)
                 if virtual > 0:
                     outbox[("B", virtual, item.micro_batch)] = input_grad
                 del hidden, output, grad, input_grad
             else:
                 weight_step(item.chunk, item.micro_batch, last)
+        for batch in sending:
+            self.exchange.wait(batch)
         if outbox or inbox:
             raise RuntimeError(f"pipeline program left tensors unexchanged: {sorted(outbox)} {sorted(inbox)}")
         return stats
