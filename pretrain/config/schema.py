@@ -43,10 +43,9 @@ class ParallelConfig:
         "ranks splitting each expert by width (etp; default: tp); the expert grid is etp x ep x expert dp x "
         "pp"))
     pipeline_schedule: str | None = field(default=None, metadata=flag(
-        "gpipe (all forward, then all backward), 1f1b, interleaved, zb-h1 (1F1B with each backward split "
-        "into its input and weight gradients, the latter filling the bubble) or zbv (zero bubble over two "
-        "chunks per stage placed in a V) (default: interleaved with virtual stages, else 1f1b)",
-        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]))
+        "gpipe, 1f1b, interleaved, zb-h1 (1F1B, each backward split: the weights' gradients fill the bubble) "
+        "or zbv (the same over two chunks per stage in a V) (default: interleaved with virtual stages, else "
+        "1f1b)", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]))
     pipeline_layers_per_stage: list[int] | None = field(default=None, metadata=flag(
         "explicit layers per pipeline stage, e.g. 3 5 (default: an even split)"))
     decoder_first_pipeline_num_layers: int | None = field(default=None, metadata=flag(
