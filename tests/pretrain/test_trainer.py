@@ -163,9 +163,10 @@ ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--zero-bucke
 @pytest.mark.parity
 def test_zero_bubble_schedules_reproduce_the_single_process_run(reference, stdlib_corpus):
     """ZB-H1 and ZBV (each backward split into the input's gradient and the weights', the latter run in the
-    bubble) at pp2 and pp4, with tp2 + SP, ZeRO-1 and ZeRO-3 (each micro-batch's gradients reach the buckets
-    in its weight pass), recompute and --compile, for the GPT (ZBV untied: its first stage holds both ends)
-    and a Llama-class model, each within the fp32 trajectory bound of its one-process run."""
+    bubble) at pp2 and pp4, with tp2 + SP, cp2, ZeRO-1 and ZeRO-3 (each micro-batch's gradients reach the
+    buckets in its weight pass), offload, recompute and --compile, for the GPT (ZBV untied: its first stage
+    holds both ends) and a Llama-class model, each within the fp32 trajectory bound of its one-process
+    run."""
     untied, llama = run_world(1, _train, [UNTIED, LLAMA], stdlib_corpus)[0]
     layouts = {
         "GPT: ZB-H1 pp4": (_pp(4, "zb-h1"), reference),
@@ -174,7 +175,9 @@ def test_zero_bubble_schedules_reproduce_the_single_process_run(reference, stdli
         "GPT: ZB-H1 pp2 x dp2 ZeRO-3, full recompute": (
             _pp(2, "zb-h1", *ZERO3, "--recompute-granularity", "full"), reference),
         "GPT untied: ZBV pp2 x tp2 + SP": (UNTIED + _pp(2, "zbv", *_tp(2, "--sequence-parallel")), untied),
-        "GPT untied: ZBV pp2 x dp2 ZeRO-3, compiled": (UNTIED + _pp(2, "zbv", *ZERO3, *COMPILED), untied),
+        "GPT untied: ZBV pp2 x dp2 ZeRO-3, optimizer on the CPU, compiled": (
+            UNTIED + _pp(2, "zbv", *ZERO3, "--offload-optimizer", "cpu", *COMPILED), untied),
+        "GPT: ZB-H1 pp2 x cp2": (_pp(2, "zb-h1", "--context-parallel-size", "2"), reference),
         "Llama: ZBV pp4": (LLAMA + _pp(4, "zbv"), llama),
         "Llama: ZB-H1 pp2 x dp2 ZeRO-1, selective recompute of every module": (
             LLAMA + _pp(2, "zb-h1", "--zero-stage", "1", "--recompute-granularity", "selective",
