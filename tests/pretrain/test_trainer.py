@@ -161,12 +161,12 @@ ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--zero-bucke
 
 
 @pytest.mark.parity
-def test_zero_bubble_schedules_reproduce_the_single_process_run(reference, stdlib_corpus):
+def test_zero_bubble_schedules_reproduce_the_single_process_run(reference, stdlib_corpus, tmp_path):
     """ZB-H1 and ZBV (each backward split into the input's gradient and the weights', the latter run in the
     bubble) at pp2 and pp4, with tp2 + SP, cp2, ZeRO-1 and ZeRO-3 (each micro-batch's gradients reach the
     buckets in its weight pass), offload, recompute and --compile, for the GPT (ZBV untied: its first stage
     holds both ends) and a Llama-class model, each within the fp32 trajectory bound of its one-process
-    run."""
+    run; a checkpoint saved under ZBV (its chunks in a V) resumes at pp4 ZB-H1 on the same trajectory."""
     untied, llama = run_world(1, _train, [UNTIED, LLAMA], stdlib_corpus)[0]
     layouts = {
         "GPT: ZB-H1 pp4": (_pp(4, "zb-h1"), reference),
@@ -185,12 +185,19 @@ def test_zero_bubble_schedules_reproduce_the_single_process_run(reference, stdli
         "Llama: ZBV pp2 x dp2 ZeRO-1, compiled": (LLAMA + _pp(2, "zbv", "--zero-stage", "1", *COMPILED),
                                                   llama),
     }
-    results = run_world(4, _train, _short([flags for flags, _ in layouts.values()]), stdlib_corpus,
+    saved = str(tmp_path / "zbv")
+    resumes = [UNTIED + _pp(2, "zbv", "--zero-stage", "1", "--train-iters", "3", "--save", saved),
+               UNTIED + _pp(4, "zb-h1", "--zero-stage", "1", "--load", saved)]
+    results = run_world(4, _train, _short([flags for flags, _ in layouts.values()] + resumes), stdlib_corpus,
                         timeout_s=300)
     for rank_results in results:
         for (name, (_, want)), got in zip(layouts.items(), rank_results):
             _assert_same_trajectory(got[:2], want[:2], name)
             assert not got[5], (name, got[5])  # --compile: graph breaks at communication only
+        for name, got, iterations in zip(("saved under ZBV", "resumed at pp4 ZB-H1"), rank_results[-2:],
+                                         (slice(0, 3), slice(3, 6))):
+            for what, values, want in zip(("loss", "grad norm"), got[:2], untied[:2]):
+                assert_trajectory_close(values, want[iterations], f"{name}: {what}")
 
 
 def test_live_micro_batches_on_stage_0(stdlib_corpus):
