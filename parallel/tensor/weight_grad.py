@@ -1,11 +1,12 @@
 """A backward split in two (the zero-bubble pipeline schedules): the input-gradient pass (B), which the
 previous pipeline stage waits for, and the weight-gradient pass (W), which can run later.
 
-B runs autograd for the chunk's input and for every parameter that is not a deferring linear layer's
-weight (norms, biases, embeddings, routers, the experts), without accumulating anything: those
-gradients are kept. The tensor-parallel linear layers given the store (``defer_weight_gradients``)
-compute only their input's gradient in B and leave the product for their weight's gradient (their
-input and output gradient) to the store. W computes the products and hands every gradient of the
+B runs autograd for the chunk's input and for every parameter whose layer does not defer (norms,
+biases, routers), without accumulating anything: those gradients are kept. The layers given the store
+(``parallel.tensor.layers.defer_weight_gradients``: tensor-parallel linears, the output layer, the
+embedding, the experts, latent attention's projections) compute only their input's gradient in B and
+leave the product for their weight's gradient (its operands: their input and output gradient) to the
+store. W computes the products and hands every gradient of the
 micro-batch to autograd's accumulation, one parameter at a time in the order a whole backward would
 produce them: the gradient hooks (ZeRO's buckets) therefore see a micro-batch's gradients arrive
 together, in W, and start their reductions when W ends, exactly as after a whole backward.
