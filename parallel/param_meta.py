@@ -22,14 +22,15 @@ class ParamMeta:
     """A parameter's place in the parallel layout.
 
     ``tensor_parallel``: a slice of a weight split over the tp group along ``partition_dim``;
-    ``sequence_parallel``: replicated over tp but fed a sequence shard, so its gradient is partial and
-    summed over tp; ``tied_embedding``: the word embedding shared by the first and last pipeline stage,
-    its gradient summed over the embedding group; ``tied_copy``: the last stage's copy of it (counted
-    once, on the first stage); ``unpadded_rows``: rows beyond are vocabulary padding (dropped by
-    checkpoints and exports); ``expert``: a weight of one expert of a mixture of experts, held by the ranks of
-    its expert-parallel place and replicated over the expert data-parallel group (ZeRO reduces and shards it
-    there; its tp split and sequence-parallel sum are over the expert tp group); ``init_fn``: rebuilds the
-    initial value (a model made on the meta device is materialised from it). Never holds tensors or groups.
+    ``sequence_parallel``: replicated over tp but fed a sequence shard, so its gradient is partial and summed
+    over tp; ``tied_embedding``: the word embedding shared by the first and last pipeline stage, its gradient
+    summed over the embedding group (on one rank where it holds both: zbv's first stage); ``tied_copy``: the
+    last stage's copy of it (counted once, on the first stage); ``unpadded_rows``: rows beyond are vocabulary
+    padding (dropped by checkpoints and exports); ``expert``: a weight of one expert of a mixture of experts,
+    held by the ranks of its expert-parallel place and replicated over the expert data-parallel group (ZeRO
+    reduces and shards it there; its tp split and sequence-parallel sum are over the expert tp group);
+    ``init_fn``: rebuilds the initial value (a model made on the meta device is materialised from it). Never
+    holds tensors or groups.
     """
 
     tensor_parallel: bool = False

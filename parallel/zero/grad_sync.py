@@ -240,6 +240,8 @@ class GradientSync:
         if self._alone:
             self._finish_alone()
             return
+        self._sum_tied_here(lambda buffer, param: buffer.grad_view(param) if buffer.grad is not None
+                            else self._deferred.get(param, param.grad))
         for index, buffer in enumerate(self.buffers):
             for bucket in buffer.buckets:
                 key = (index, bucket.index)
@@ -263,6 +265,17 @@ class GradientSync:
         self._ready.clear()
         self._launched.clear()
 
+    def _sum_tied_here(self, grad_of) -> None:
+        """Where this rank holds both the tied embedding and its copy (zbv's first stage holds both ends of
+        the model), sum their gradients here, as the embedding group's all-reduce sums them across ranks
+        (the group is then this rank alone). ``grad_of(buffer, param)``: the gradient to sum into."""
+        tied = [grad for buffer in self.buffers for param in buffer.params if meta(param).tied_embedding
+                if (grad := grad_of(buffer, param)) is not None]
+        if len(tied) > 1:
+            total = torch.stack(tied).sum(0)
+            for grad in tied:
+                grad.copy_(total)
+
     def _finish_alone(self) -> None:
         """One rank, no hooks: a gradient autograd made after ``zero_grad(set_to_none=True)`` joins its view
         of the buffer now; the tensor- and pipeline-parallel sums still run."""
@@ -274,8 +287,11 @@ class GradientSync:
                     self._accumulate(param, view, grad)
                     if grad is not None:
                         param.grad = view
+        self._sum_tied_here(lambda buffer, param: buffer.grad_view(param))
+        for buffer in self.buffers:
+            for param in buffer.params:
                 if needs_model_parallel_reduction(param):  # on every rank of the group, gradient or not
-                    reduce_model_parallel_grad(param, view, self.model_parallel)
+                    reduce_model_parallel_grad(param, buffer.grad_view(param), self.model_parallel)
 
     def zero(self, unwritten: bool = False) -> None:
         """Start a new step: clear the gradient shards (stage 2); ``unwritten``: the flat buffers' views were

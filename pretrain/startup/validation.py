@@ -254,10 +254,6 @@ def _validate_pipeline(config: Config, topology: Topology) -> None:
         raise ConfigError(f"--virtual-pipeline-size must be >= 1, got {vp}")
     if vp > 1 and topology.pp == 1 and not topology.pipeline_v:
         raise ConfigError("--virtual-pipeline-size needs --pipeline-model-parallel-size > 1")
-    if topology.pipeline_v and not config.model.untie_embeddings_and_output_weights:
-        raise ConfigError(f"--pipeline-schedule {par.pipeline_schedule} places the embedding and the output "
-                          "layer on the first stage, in its two chunks, where no pipeline all-reduce keeps a "
-                          "tied copy equal: give --untie-embeddings-and-output-weights")
     try:
         validate_partition(config.model.num_layers, topology.pp, vp, par.pipeline_layers_per_stage)
     except ValueError as error:

@@ -75,8 +75,6 @@ def test_wrong_yaml_type_is_named(tmp_path):
       "--global-batch-size", "4", "--micro-batch-size", "4", "--num-layers", "4"], 2,
      "--pipeline-schedule interleaved needs the micro-batches per step (1 = --global-batch-size"),
     (["--virtual-pipeline-size", "2"], 1, "--virtual-pipeline-size needs --pipeline-model-parallel-size > 1"),
-    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], 2,
-     "give --untie-embeddings-and-output-weights"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--virtual-pipeline-size", "1",
       "--untie-embeddings-and-output-weights"], 2, "--virtual-pipeline-size must be 2 (or left out), got 1"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--virtual-pipeline-size", "2",

@@ -27,10 +27,10 @@ SCHEDULES = ("1f1b", "zb-h1", "zbv")  # the schedules the planner compares
 
 def schedules_for(config: GPTConfig, pp: int, even: bool = True) -> tuple[str, ...]:
     """The schedules a layout of ``pp`` stages can run (``even``: the layers split evenly): ZB-H1 on any
-    pipeline, ZBV on an untied model whose layers cut into 2 pp equal chunks."""
+    pipeline, ZBV where the layers cut into 2 pp equal chunks."""
     if pp == 1:
         return ("1f1b",)
-    zbv = even and config.untie_embeddings_and_output_weights and config.num_layers % (2 * pp) == 0
+    zbv = even and config.num_layers % (2 * pp) == 0
     return ("1f1b", "zb-h1") + (("zbv",) if zbv else ())
 
 
