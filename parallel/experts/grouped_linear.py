@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.comm import compile_boundary
-from parallel.tensor.weight_grad import WeightGradStore
+from parallel.tensor.weight_grad import WeightGradStore, weight_gradient
 
 _ALIGNMENT = 16  # bytes: the grouped product wants every row stride a multiple of it
 
@@ -63,12 +63,9 @@ class _DeferringProduct(torch.autograd.Function):
         def weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor, shape: torch.Size):
             return lambda: grad_rows.t().matmul(rows).view(shape)
 
-        grads = [weight_grad(*piece) for piece in pieces]
-        if ctx.store.splitting:  # this store's input pass
-            for param, compute in zip(ctx.weights, grads):
-                ctx.store.defer(param, compute, x, grad)
-            return (grad_x, None, None, None, None) + (None,) * len(weights)
-        return (grad_x, None, None, None, None) + tuple(compute() for compute in grads)
+        return (grad_x, None, None, None, None) + tuple(
+            weight_gradient(ctx.store, param, weight_grad(*piece), x, grad)
+            for param, piece in zip(ctx.weights, pieces))
 
 
 _deferring_product = compile_boundary(_DeferringProduct.apply)  # it keeps Python state for a split backward

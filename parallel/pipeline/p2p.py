@@ -43,35 +43,13 @@ class StageExchange:
     """Sends and receives of one pipeline rank over its pp group.
 
     Owns the receive buffers it allocates and the time spent waiting on neighbours. Never computes
-    anything, never keeps a sent tensor after its exchange returns, and never sends to a rank outside
+    anything, never keeps a sent tensor after its batch's ``wait``, and never sends to a rank outside
     its pipeline group.
     """
 
     def __init__(self, pp: AxisGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.pp, self.shape, self.dtype, self.device = pp, shape, dtype, device
         self.wait_seconds = 0.0  # time blocked on neighbours: the pipeline bubble plus transfer time
-
-    def exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
-                 recv_forward: bool = False, recv_backward: bool = False) -> tuple[torch.Tensor | None, ...]:
-        """One batch: send an activation to the next stage and/or a gradient to the previous one, receive
-        the activation from the previous stage and/or the gradient from the next one; return the
-        received (forward input, backward gradient), None where not asked for."""
-        index, size = self.pp.rank, self.pp.size
-        sends = [(tensor, peer, tag) for tensor, peer, tag in
-                 ((send_forward, (index + 1) % size, FORWARD), (send_backward, (index - 1) % size, BACKWARD))
-                 if tensor is not None]
-        wanted = [(peer, tag) for peer, tag, asked in
-                  (((index - 1) % size, FORWARD, recv_forward), ((index + 1) % size, BACKWARD, recv_backward))
-                  if asked]
-        received = dict(zip((tag for _, tag in wanted), self.transfer(sends, wanted)))
-        return received.get(FORWARD), received.get(BACKWARD)
-
-    def transfer(self, sends: list[tuple[torch.Tensor, int, int]],
-                 receives: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """``post`` and wait: returns the received tensors in order once every operation has completed."""
-        batch = self.post(sends, receives)
-        self.wait(batch)
-        return batch.received
 
     def post(self, sends: list[tuple[torch.Tensor, int, int]],
              receives: list[tuple[int, int]]) -> PostedBatch:

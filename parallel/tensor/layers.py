@@ -20,7 +20,7 @@ from parallel.tensor.mappings import (all_gather_dim0, copy_to_tensor_parallel,
                                       gather_from_sequence_parallel, reduce_from_tensor_parallel,
                                       reduce_scatter_dim0, reduce_scatter_to_sequence_parallel)
 from parallel.tensor.fp8 import Float8Matmul, Fp8Recipe, fp8_eligible
-from parallel.tensor.weight_grad import WeightGradStore
+from parallel.tensor.weight_grad import WeightGradStore, weight_gradient
 from parallel.tensor.weight_init import WeightInit
 
 
@@ -80,11 +80,7 @@ class _Linear(torch.autograd.Function):
             return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(
                 full.reshape(-1, full.shape[-1])).view(shape)
 
-        if ctx.store is not None and ctx.store.splitting:  # this store's input pass
-            ctx.store.defer(ctx.weight, weight_grad, x, grad_out)
-            grad_weight = None
-        else:
-            grad_weight = weight_grad()
+        grad_weight = weight_gradient(ctx.store, ctx.weight, weight_grad, x, grad_out)
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None, None, None
 
@@ -176,10 +172,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             partial = self.fp8(x, self.weight)
-        elif self.weight_grads is not None:
-            partial = _linear(x, self.weight, None, None, self.weight_grads)
         else:
-            partial = F.linear(x, self.weight)
+            partial = deferring_linear(x, self.weight, None, self.weight_grads)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel(partial, self.group)
         else:
@@ -227,10 +221,7 @@ class _Lookup(torch.autograd.Function):
         def table_grad() -> torch.Tensor:
             return torch.ops.aten.embedding_dense_backward(grad, rows, count, -1, False)
 
-        if ctx.store.splitting:  # this store's input pass
-            ctx.store.defer(ctx.table, table_grad, grad, rows)
-            return None, None, None, None, None
-        return None, table_grad(), None, None, None
+        return None, weight_gradient(ctx.store, ctx.table, table_grad, grad, rows), None, None, None
 
 
 _lookup = compile_boundary(_Lookup.apply)  # it keeps Python state for a split backward

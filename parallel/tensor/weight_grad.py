@@ -42,6 +42,16 @@ def nested_backward(out: torch.Tensor, grad: torch.Tensor,
     return _running.nested_pass(out, grad, inputs)
 
 
+def weight_gradient(store: WeightGradStore | None, param: nn.Parameter, compute: Callable[[], torch.Tensor],
+                    *operands: torch.Tensor) -> torch.Tensor | None:
+    """For a layer's backward: ``param``'s gradient ``compute()`` now, or, inside ``store``'s input pass,
+    None and the product left to its weight pass (keeping ``operands`` until then)."""
+    if store is not None and store.splitting:
+        store.defer(param, compute, *operands)
+        return None
+    return compute()
+
+
 def _parameters_under(root: torch.Tensor) -> list[torch.Tensor]:
     """The leaves that require grad in ``root``'s graph, in the order a backward reaches them."""
     seen, leaves, stack = set(), [], [root.grad_fn]

@@ -240,8 +240,7 @@ class GradientSync:
         if self._alone:
             self._finish_alone()
             return
-        self._sum_tied_here(lambda buffer, param: buffer.grad_view(param) if buffer.grad is not None
-                            else self._deferred.get(param, param.grad))
+        self._sum_tied_here(self._deferred_grad)
         for index, buffer in enumerate(self.buffers):
             for bucket in buffer.buckets:
                 key = (index, bucket.index)
@@ -251,8 +250,7 @@ class GradientSync:
                             self._accumulate(param, buffer.grad_view(param), None)
                 if bucket.deferred:
                     for param in bucket.params:
-                        grad = buffer.grad_view(param) if buffer.grad is not None else \
-                            self._deferred.get(param, param.grad)
+                        grad = self._deferred_grad(buffer, param)
                         if grad is not None:
                             reduce_model_parallel_grad(param, grad, self.model_parallel)
                     self._launch(index, bucket)
@@ -264,6 +262,11 @@ class GradientSync:
             staged.finish()
         self._ready.clear()
         self._launched.clear()
+
+    def _deferred_grad(self, buffer: FlatParameterBuffer, param: nn.Parameter) -> torch.Tensor | None:
+        """The gradient a deferred bucket reduces for ``param``: its buffer view, or at stage 2 the fp32 sum
+        kept until ``finish`` (or the gradient itself)."""
+        return buffer.grad_view(param) if buffer.grad is not None else self._deferred.get(param, param.grad)
 
     def _sum_tied_here(self, grad_of) -> None:
         """Where this rank holds both the tied embedding and its copy (zbv's first stage holds both ends of

@@ -89,6 +89,8 @@ class PipelineRunner:
         if self.weight_grads is not None:
             for chunk in chunks:
                 self.weight_grads.deferring |= defer_weight_gradients(chunk, self.weight_grads)
+        # each chunk's parameters in reverse, the order a whole backward hands their gradients on
+        self._backward_order = [list(chunk.parameters())[::-1] for chunk in chunks]
         self._programs: dict[tuple[int, bool], list[Action | Exchange]] = {}
 
     def program(self, num_micro_batches: int, train: bool = True) -> list[Action | Exchange]:
@@ -167,9 +169,8 @@ class PipelineRunner:
                           hidden: torch.Tensor | None, last: bool) -> torch.Tensor | None:
             root = self.gradients.scale_loss(output) if grad is None else output
             if self.weight_grads is not None:  # B of a split backward: the parameters' gradients wait for W
-                # the chunk's parameters in reverse, the order a whole backward hands their gradients on
-                parameters = list(self.chunks[chunk].parameters())[::-1]
-                input_grad = self.weight_grads.input_pass((chunk, index), root, grad, hidden, parameters)
+                input_grad = self.weight_grads.input_pass((chunk, index), root, grad, hidden,
+                                                          self._backward_order[chunk])
                 self.meter.release((chunk, index))
                 if measure:  # what the weight pass keeps until it runs
                     self.meter.hold(("W", chunk, index), self.weight_grads.held_storages((chunk, index)))
