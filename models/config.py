@@ -204,6 +204,15 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
+    def recomputable_modules(self) -> list[str]:
+        """The --recompute-modules names of the parts this model has (Megatron's names)."""
+        moe = self.moe_layers(self.num_layers)
+        have = ["core_attn", "layernorm"] + (["mlp"] if not all(moe) else [])
+        if any(moe):
+            shared = self.moe_shared_expert_intermediate_size is not None
+            have += ["moe", "moe_act"] + (["shared_experts"] if shared else [])
+        return have + (["mla_up_proj"] if self.multi_latent_attention else [])
+
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by x tp (Megatron's rule)."""
         if self.vocab_size is None:

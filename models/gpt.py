@@ -71,16 +71,30 @@ class TransformerBlock(nn.Module):
         self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
         self.norm_runner = None  # how a pre-norm and its sublayer run when the norm is recomputed
 
-    def recompute_norms_with(self, runner) -> None:
-        """Run each pre-norm through ``runner.norm(norm, x)`` and, once the sublayer that reads its output
-        has run, ``runner.drop(norm, x, normed, out)`` (--recompute-modules layernorm: the output is
-        dropped then and rebuilt in backward)."""
-        self.norm_runner = runner
+    def recompute_selectively(self, modules: tuple[str, ...], runner, dropped) -> None:
+        """Selective recompute of the parts ``modules`` names (Megatron's --recompute-modules) that this
+        layer has: ``runner(compute, *inputs)`` recomputes a part from its inputs, ``dropped`` (a
+        ``parallel.recompute.DroppedOutput``) drops a cheap function's output and rebuilds it. A part
+        recomputed whole takes what it holds along (``moe`` its experts, ``mla_up_proj`` the core)."""
+        attention, mlp = self.attention, self.mlp
+        if "mla_up_proj" in modules and isinstance(attention, LatentAttention):
+            attention.recompute_up_with(runner)
+        elif "core_attn" in modules:
+            attention.recompute_core_with(runner)
+        if mlp.RECOMPUTE_MODULE in modules:  # "mlp" or "moe"
+            mlp.recompute_with(runner)
+        elif isinstance(mlp, MoELayer):
+            if "moe_act" in modules:
+                mlp.experts.recompute_activation_with(dropped)
+            if "shared_experts" in modules and mlp.shared_experts is not None:
+                mlp.shared_experts.recompute_with(runner)
+        if "layernorm" in modules:  # each pre-norm's output dropped once its sublayer has run
+            self.norm_runner = dropped
 
     def _normed(self, norm: nn.Module, x: torch.Tensor, sublayer) -> torch.Tensor:
         if self.norm_runner is None or isinstance(norm, nn.Identity):
             return sublayer(norm(x))
-        normed = self.norm_runner.norm(norm, x)
+        normed = self.norm_runner.run(norm, x)
         out = sublayer(normed)
         self.norm_runner.drop(norm, x, normed, out)
         return out

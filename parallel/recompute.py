@@ -1,14 +1,16 @@
 """Activation checkpointing: keep a layer's input, drop what it computed, redo it in backward.
 
 ``RecomputePolicy`` decides per layer: keep everything, recompute the whole layer (``full``), or
-recompute the modules Megatron's ``--recompute-modules`` names (``selective``): ``core_attn`` the
-attention core, ``mlp`` the MLP (its input kept), ``moe`` a mixture-of-experts layer in its place (the
-same way: its routing is a function of its input, so the recompute routes every token as the forward
-did), ``layernorm`` the norms before attention and the MLP (their output, which the next linear keeps,
-is dropped once that sublayer has run and rebuilt before its backward: Megatron's output-discarding
-checkpoint). ``apply_recompute`` installs it on a model's chunks through the model's runner hooks
-(``GPTModel.recompute_layers_with``, ``AttentionCore.recompute_core_with``, ``MLP.recompute_with`` /
-``MoELayer.recompute_with``, ``TransformerBlock.recompute_norms_with``), so model code stays a plain GPT.
+recompute the modules Megatron's ``--recompute-modules`` names (``selective``): ``core_attn`` the attention
+core, ``mlp`` the MLP (its input kept), ``moe`` a mixture-of-experts layer in its place (the same way: its
+routing is a function of its input, so the recompute routes every token as the forward did),
+``shared_experts`` a MoE layer's shared expert, ``mla_up_proj`` latent attention from its latents (the up
+projections, rotary and the core they feed: only the latents are kept), ``layernorm`` the norms before
+attention and the MLP and ``moe_act`` the experts' activation (their outputs, which the next linear keeps,
+are dropped once it has run and rebuilt before its backward: Megatron's output-discarding checkpoint).
+``apply_recompute`` installs it on a model's chunks through the model's runner hooks
+(``GPTModel.recompute_layers_with``, ``TransformerBlock.recompute_selectively``), so model code stays a
+plain GPT and this module knows none of its parts.
 
 The recomputation is exact: the random state of the CPU, the GPU and the tensor-parallel tracker is
 saved before the forward and restored for the recompute, so dropout draws the same masks. Modules run
@@ -121,8 +123,8 @@ def checkpoint(run: Callable, inputs: tuple[torch.Tensor, ...], *rest, tracker: 
     return _checkpoint(run, tracker, store, len(inputs), *inputs, *rest)
 
 
-# Megatron's --recompute-modules that this model has
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+# Megatron's --recompute-modules (which of them a model has: ``GPTConfig.recomputable_modules``)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
 
 
 @dataclass(frozen=True)
@@ -151,13 +153,9 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
     for chunk in chunks:
         if policy.granularity == "selective":  # q, k, v are already split by heads: nothing to partition
             store = CheckpointStore(pool, offload=policy.offload)
-            for layer in chunk.layers:
-                if "core_attn" in policy.modules:
-                    layer.attention.recompute_core_with(_selective_runner(chunk.rng, store))
-                if layer.mlp.RECOMPUTE_MODULE in policy.modules:  # "mlp" or "moe"
-                    layer.mlp.recompute_with(_selective_runner(chunk.rng, store))
-                if "layernorm" in policy.modules:
-                    layer.recompute_norms_with(DroppedNormOutput())
+            for layer in chunk.layers:  # each layer installs the runners on the modules it has
+                layer.recompute_selectively(policy.modules, _selective_runner(chunk.rng, store),
+                                            DroppedOutput())
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
             chunk.recompute_layers_with(_full_runner(chunk, policy,
@@ -171,50 +169,51 @@ def _selective_runner(tracker: RNGTracker, store: CheckpointStore):
     return run
 
 
-class _NormOutput(torch.autograd.Function):
-    """y = norm(x) made without a graph; backward makes it again from x with one."""
+class _RebuiltOutput(torch.autograd.Function):
+    """y = fn(x) made without a graph; backward makes it again from x with one."""
 
     @staticmethod
-    def forward(ctx, norm, x):
-        ctx.norm = norm
-        ctx.save_for_backward(x)  # the norm itself keeps its input for backward
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)  # fn itself keeps its input for backward
         with torch.no_grad():
-            return norm(x)
+            return fn(x)
 
     @staticmethod
     def backward(ctx, grad):
         x, = ctx.saved_tensors
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
-            out = ctx.norm(leaf)
+            out = ctx.fn(leaf)
         return None, nested_backward(out, grad, [leaf])[0]
 
 
-class DroppedNormOutput:
-    """Megatron's output-discarding checkpoint for the norms (--recompute-modules layernorm): ``norm``
-    gives the norm's output; ``drop`` frees its storage once the sublayer that read it has run (that
-    sublayer's first linear keeps it for its weight gradient), and a hook on the sublayer's output puts
-    the values back, into the same storage, before its backward reads them. Owns nothing between steps;
-    its calls run eagerly under torch.compile."""
+class DroppedOutput:
+    """Megatron's output-discarding checkpoint of a cheap function ``fn`` (the norms of --recompute-modules
+    layernorm, the experts' activation of moe_act): ``run`` gives ``fn(x)``; ``drop`` frees its storage
+    once the layer that read it has run (that layer's linear keeps it for its weight gradient), and a
+    hook on that layer's output puts the values back, into the same storage, before its backward reads
+    them. Owns nothing between steps; its calls run eagerly under torch.compile."""
 
     @staticmethod
     @compile_boundary
-    def norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _NormOutput.apply(norm, x) if torch.is_grad_enabled() and x.requires_grad else norm(x)
+    def run(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return _RebuiltOutput.apply(fn, x) if torch.is_grad_enabled() and x.requires_grad else fn(x)
 
     @staticmethod
     @compile_boundary
-    def drop(norm: nn.Module, x: torch.Tensor, normed: torch.Tensor, out: torch.Tensor) -> None:
+    def drop(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+             out: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and out.requires_grad):
             return
-        nbytes = normed.untyped_storage().nbytes()
-        drop_storage(normed)
+        nbytes = y.untyped_storage().nbytes()
+        drop_storage(y)
 
         def rebuild(grad: torch.Tensor) -> None:
             with torch.no_grad():
-                values = norm(x)
-            normed.untyped_storage().resize_(nbytes)
-            normed.untyped_storage().copy_(values.untyped_storage())  # no version bump: still the saved one
+                values = fn(x)
+            y.untyped_storage().resize_(nbytes)
+            y.untyped_storage().copy_(values.untyped_storage())  # no version bump: still the saved one
         out.register_hook(rebuild)
 
 

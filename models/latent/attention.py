@@ -83,6 +83,7 @@ class LatentAttention(AttentionCore):
         self.kv_down = replicated("kv_down", self.kv_rank + self.rope)
         self.kv_latent_norm = build_norm(config, self.kv_rank, partial_gradient=tp.size > 1)
         self.kv_up = by_head("kv_up", heads * (self.nope + self.value), self.kv_rank)
+        self.up_runner = None  # how the part after the latents runs when it is recomputed
         self.proj = RowParallelLinear(heads * self.value, h, tp,
                                       WeightInit(seed, f"{name}.proj.weight", std)
                                       .scaled_for_residual(config.num_layers), bias=bias,
@@ -107,15 +108,34 @@ class LatentAttention(AttentionCore):
     def _turned(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         return x if inputs.rotary is None else apply_rotary(x, *inputs.rotary, self.rotary_interleaved)
 
+    def recompute_up_with(self, runner) -> None:
+        """Run everything after the latents through ``runner(compute, q_source, kv_latent, inputs)``
+        (--recompute-modules mla_up_proj: the up projections, rotary and the core, from the latents)."""
+        self.up_runner = runner
+
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         kv_latent = self._linear(x, self.kv_down)
         if self.q_down is None:
             kv_latent = self._entered(kv_latent)
-            query = self._linear(self._entered(x), self.q_proj)
+            q_source = self._entered(x)
         else:
             latents = self._entered(torch.cat([self._linear(x, self.q_down), kv_latent], dim=-1))
-            q_latent, kv_latent = latents.split([self.q_rank, self.kv_rank + self.rope], dim=-1)
-            query = self._linear(self.q_latent_norm(q_latent), self.q_up)
+            q_source, kv_latent = latents.split([self.q_rank, self.kv_rank + self.rope], dim=-1)
+        if self.up_runner is not None:
+            context = self.up_runner(self._from_latents, q_source, kv_latent, inputs)
+        else:
+            context = self._from_latents(q_source, kv_latent, inputs)
+        s, b = context.shape[2], context.shape[0]
+        return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.value))
+
+    def _from_latents(self, q_source: torch.Tensor, kv_latent: torch.Tensor,
+                      inputs: LayerInputs) -> torch.Tensor:
+        """The attention core's output [b, heads, s, v] from the query's source (its latent, or the layer
+        input without one) and the key/value latent with the shared rotary key: what mla_up_proj redoes."""
+        if self.q_down is None:
+            query = self._linear(q_source, self.q_proj)
+        else:
+            query = self._linear(self.q_latent_norm(q_source), self.q_up)
         s, b = query.shape[:2]
         query = query.view(s, b, self.heads_per_rank, self.nope + self.rope)
         q_nope, q_rope = query.split([self.nope, self.rope], dim=-1)
@@ -131,5 +151,4 @@ class LatentAttention(AttentionCore):
         if inputs.context is not None and width != self.value:  # one width for the cp exchanges
             widest = max(width, self.value)
             q, k, v = (F.pad(t, (0, widest - t.shape[-1])) for t in (q, k, v))
-        context = self.attended(q, k, v, inputs)[..., :self.value]
-        return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.value))
+        return self.attended(q, k, v, inputs)[..., :self.value]

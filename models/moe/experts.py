@@ -60,6 +60,7 @@ class Experts(nn.Module):
         self.etp = groups.etp.size
         self.activate = activation_of(config)
         self.grouped = config.moe_grouped_gemm
+        self.activation_runner = None  # how the activation runs when it is recomputed
         for e in range(first, first + local):
             name = f"layers.{layer}.mlp.experts.{e}"
             self.add_module(str(e), Expert(config, name, groups.etp, width, seed))
@@ -71,12 +72,21 @@ class Experts(nn.Module):
         biases = [linear.bias.flatten() for linear in fc1] if fc1[0].bias is not None else None
         hidden = grouped_linear(rows, [linear.weight for linear in fc1], counts, biases, self.grouped,
                                 self.weight_grads)
-        hidden = self.activate(hidden)
+        runner = self.activation_runner
+        activated = self.activate(hidden) if runner is None else runner.run(self.activate, hidden)
         biases = None
         if fc2[0].bias is not None:
             biases = [linear.bias / self.etp if self.etp > 1 else linear.bias for linear in fc2]
-        return grouped_linear(hidden, [linear.weight for linear in fc2], counts, biases, self.grouped,
-                              self.weight_grads)
+        out = grouped_linear(activated, [linear.weight for linear in fc2], counts, biases, self.grouped,
+                             self.weight_grads)
+        if runner is not None:  # fc2 has read the activation: dropped until its backward
+            runner.drop(self.activate, hidden, activated, out)
+        return out
+
+    def recompute_activation_with(self, runner) -> None:
+        """Run the activation through ``runner.run(activate, hidden)`` and drop its output once fc2 has
+        read it (``runner.drop``: --recompute-modules moe_act)."""
+        self.activation_runner = runner
 
     def deferred_weights(self) -> list[nn.Parameter]:
         """The weights whose gradients a split backward defers (``weight_grads``)."""

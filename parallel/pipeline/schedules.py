@@ -42,10 +42,14 @@ class Action:
     micro_batch: int
 
 
-def _forward_slot(k: int, pp: int, vp: int) -> tuple[int, int]:
-    """(chunk, micro-batch) of this rank's k-th forward in the interleaved order."""
-    group, within = divmod(k, pp * vp)
-    return within // pp, group * pp + within % pp
+def _interleaved_slots(m: int, pp: int, vp: int) -> list[tuple[int, int]]:
+    """(chunk, micro-batch) of this rank's forwards in the interleaved order: groups of pp micro-batches
+    (the last one shorter when pp does not divide m: a forward-only step, generation's one sequence), each
+    group through every chunk in turn."""
+    slots = []
+    for start in range(0, m, pp):
+        slots += [(chunk, i) for chunk in range(vp) for i in range(start, min(start + pp, m))]
+    return slots
 
 
 def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
@@ -116,10 +120,10 @@ def schedule_actions(kind: str, num_micro_batches: int, pp: int, stage: int, vp:
         return _one_f_one_b([Action("F", 0, i) for i in range(m)], [Action("B", 0, i) for i in range(m)],
                             min(pp - stage - 1, m))
     if kind == "interleaved":
-        total = m * vp
-        forwards = [Action("F", *_forward_slot(k, pp, vp)) for k in range(total)]
-        backwards = [Action("B", vp - 1 - c, i) for c, i in (_forward_slot(k, pp, vp) for k in range(total))]
-        return _one_f_one_b(forwards, backwards, min((pp - stage - 1) * 2 + (vp - 1) * pp, total))
+        slots = _interleaved_slots(m, pp, vp)
+        forwards = [Action("F", c, i) for c, i in slots]
+        backwards = [Action("B", vp - 1 - c, i) for c, i in slots]
+        return _one_f_one_b(forwards, backwards, min((pp - stage - 1) * 2 + (vp - 1) * pp, len(slots)))
     if kind == "zb-h1":
         return _zero_bubble_h1(m, pp, stage)
     if kind == "zbv":
@@ -127,13 +131,20 @@ def schedule_actions(kind: str, num_micro_batches: int, pp: int, stage: int, vp:
     raise ValueError(f"unknown --pipeline-schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
 
 
-def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> None:
-    """Raise ValueError naming the flags for a schedule that cannot run."""
+def validate_schedule_flags(kind: str, vp: int) -> None:
+    """Raise ValueError naming the flags for a schedule that cannot run with ``vp`` chunks per stage, at
+    any batch."""
     if kind in V_SCHEDULES and vp != 2:
         raise ValueError(f"--pipeline-schedule {kind} runs two model chunks per stage in a V: "
                          f"--virtual-pipeline-size must be 2 (or left out), got {vp}")
     if vp > 1 and kind not in ("interleaved", *V_SCHEDULES):
-        raise ValueError(f"--virtual-pipeline-size {vp} needs --pipeline-schedule interleaved")
+        raise ValueError(f"--virtual-pipeline-size {vp} runs {vp} model chunks per stage: it needs "
+                         f"--pipeline-schedule interleaved (or zbv for 2), not {kind}")
+
+
+def validate_schedule(kind: str, num_micro_batches: int, pp: int, vp: int) -> None:
+    """Raise ValueError naming the flags for a schedule that cannot run ``num_micro_batches``."""
+    validate_schedule_flags(kind, vp)
     if kind == "interleaved" and pp > 1 and num_micro_batches % pp:
         raise ValueError(f"--pipeline-schedule interleaved needs the micro-batches per step "
                          f"({num_micro_batches} = --global-batch-size / (--micro-batch-size x dp)) to be a "

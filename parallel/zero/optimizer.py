@@ -37,6 +37,25 @@ from parallel.zero.swap import SwapSpace
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
+class NoParameters:
+    """The torch optimizer of a ``ZeroOptimizer`` that holds no parameter on this rank (the expert part on a
+    pipeline stage without MoE layers): no state, nothing to step. It never holds a tensor."""
+
+    def __init__(self):
+        self.state, self.param_groups = {}, []
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["state"] or state["param_groups"]:
+            raise ValueError("it holds optimizer states for parameters this rank does not have (another "
+                             "model or layout?)")
+
+
 class ZeroOptimizer:
     """Data-parallel training with ZeRO stage 0, 1, 2 or 3 (``ZeroOptions``) over ``ZeroGroups``.
 
@@ -96,7 +115,9 @@ class ZeroOptimizer:
                                  aliasable=options.offload_param == "none")
         if options.overlap_param_gather and stage in (1, 2):
             self.flat.wait_in_forward(module)
-        self.optimizer = optimizer_factory([g for g in master_groups if g["params"]])
+        held = [g for g in master_groups if g["params"]]
+        # no parameter here (a pipeline stage without experts): it still joins its groups' collectives
+        self.optimizer = optimizer_factory(held) if held else NoParameters()
         self.swapped = None
         if options.offload_optimizer == "nvme":
             # named by the group too: a run's dense and expert optimizers swap side by side

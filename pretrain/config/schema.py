@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from data.tokenizers.spec import TOKENIZER_TYPES, TokenizerSpec
 from models.config import GPTConfig, flag
+from parallel.recompute import RECOMPUTE_MODULES
 
 
 @dataclass
@@ -54,8 +55,7 @@ class ParallelConfig:
         "layers of the last pipeline stage (the others split the rest evenly)"))
     gpus_per_node: int | None = field(default=None, metadata=flag(
         "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): which bytes cross nodes "
-        "(comm_bytes_inter_node), "
-        "and a warning when tp spans nodes"))
+        "(comm_bytes_inter_node), and a warning when tp spans nodes"))
     distributed_timeout_s: float = field(default=600.0, metadata=flag(
         "seconds a collective may wait before the run fails (never a silent hang)",
         aliases={"--distributed-timeout-minutes": 60.0}))
@@ -125,10 +125,10 @@ class RecomputeConfig:
         "recompute whole layers (full) or the --recompute-modules (selective); none turns a YAML choice off",
         choices=["full", "selective"]))
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata=flag(
-        "selective: what is recomputed (Megatron's names): core_attn the attention core (saves nothing with "
-        "a fused attention, which keeps no s x s matrix), mlp the MLP (the most: its FFN-wide activations), "
-        "layernorm the norms before attention and the MLP (their outputs)",
-        choices=["core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"]))
+        "selective: what is recomputed (Megatron's names): core_attn the attention core, mlp the MLP, "
+        "layernorm the pre-norms' outputs, moe a MoE layer, moe_act its experts' activation, shared_experts "
+        "its shared expert, mla_up_proj latent attention from its latents",
+        choices=list(RECOMPUTE_MODULES)))
     recompute_num_layers: int | None = field(default=None, metadata=flag(
         "full: layers per checkpoint (uniform) or checkpointed layers per model chunk (block); default all"))
     recompute_method: str = field(default="uniform", metadata=flag(

@@ -114,11 +114,12 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
                                    unit_modules=[*model,
                                                  *(block for chunk in model for block in chunk.layers)],
                                    buffer_pool=buffer_pool, backward_parts=list(model))
-    experts = only(True)
-    if not any(group["params"] for group in experts):
+    if not any(config.model.moe_layers(config.model.num_layers)):
         return optimizer
+    # on every rank, with or without experts on its stage: the expert part's norm and overflow are
+    # collectives over every stage's expert ranks
     _, expert_optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
-                                          ZeroGroups.for_experts(groups), param_groups=experts,
+                                          ZeroGroups.for_experts(groups), param_groups=only(True),
                                           loss_scaler=scaler,
                                           unit_modules=[m for m in model.modules() if isinstance(m, Experts)],
                                           buffer_pool=buffer_pool, backward_parts=list(model))

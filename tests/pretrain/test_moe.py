@@ -39,6 +39,11 @@ ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 EP2 = ["--expert-model-parallel-size", "2"]
+SAMPLE = ["--sample-prompt", "def", "--sample-tokens", "3"]  # generation runs every schedule's program
+PP2, PP4 = (["--pipeline-model-parallel-size", str(pp)] + SAMPLE for pp in (2, 4))
+ZERO1, ZERO3 = ["--zero-stage", "1"], ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
+DENSE_FIRST = MOE + ["--moe-layer-freq", "[0,0,1,1]"]
+MOE_FIRST = MOE + ["--num-layers", "8", "--moe-layer-freq", "([1]+[0]*7)"]
 
 # name: (flags, the one-process run it follows)
 LAYOUTS = {
@@ -46,9 +51,12 @@ LAYOUTS = {
     "DeepSeek routing: ep2 x cp2, allgather, attention cores recomputed": (
         DEEPSEEK + EP2 + ["--context-parallel-size", "2", "--recompute-granularity", "selective",
                           "--recompute-modules", "core_attn"], "deepseek"),
-    "DeepSeek: ep2 x pp2 ZeRO-3 (latent attention's weights sharded), compiled": (
+    "DeepSeek: ep2 x pp2 ZeRO-3 (latent attention's weights sharded), compiled, its up projections, "
+    "experts' activation and shared expert recomputed": (
         DEEPSEEK + EP2 + ["--pipeline-model-parallel-size", "2", "--zero-stage", "3",
-                          "--zero-persistence-threshold", "0"] + ALLTOALL + COMPILED, "deepseek"),
+                          "--zero-persistence-threshold", "0", "--recompute-granularity", "selective",
+                          "--recompute-modules", "mla_up_proj", "moe_act", "shared_experts"]
+        + ALLTOALL + COMPILED, "deepseek"),
     "ep2 x tp2 + SP (etp 2), alltoall": (MOE + TP2 + EP2 + ALLTOALL, "dropless"),
     "tp2 + SP, etp 1 x ep2 (an expert grid unlike the dense one), allgather":
         (MOE + TP2 + ["--expert-tensor-parallel-size", "1"] + EP2, "dropless"),
@@ -60,16 +68,23 @@ LAYOUTS = {
     "ep2 x expert dp 2 ZeRO-3, optimizer on the CPU, MoE layers recomputed": (
         MOE + EP2 + ["--zero-stage", "3", "--offload-optimizer", "cpu", "--recompute-granularity",
                      "selective", "--recompute-modules", "moe"], "dropless"),
-    "ep2 x pp2 1F1B": (MOE + EP2 + ["--pipeline-model-parallel-size", "2"] + ALLTOALL, "dropless"),
-    "ep2 x pp2 ZB-H1 (the experts' gradients in the weight pass)": (
-        MOE + EP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + ALLTOALL,
-        "dropless"),
-    "ep2 x pp2 ZBV, ZeRO-1": (MOE + EP2 + ["--untie-embeddings-and-output-weights", "--zero-stage", "1",
-                                           "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                           "zbv"], "untied"),
-    "ep2 x pp2 interleaved": (MOE + EP2 + ["--pipeline-model-parallel-size", "2",
-                                           "--num-layers-per-virtual-pipeline-stage", "1"] + ALLTOALL,
-                              "dropless"),
+    # stages without any MoE layer (dense first layers, as DeepSeek-V3 and Qwen2-MoE are built; or the
+    # experts in the first layer only): the expert optimizer's collectives still span every stage
+    "dense first: ep2 x pp2 1F1B, ZeRO-1": (DENSE_FIRST + EP2 + PP2 + ZERO1 + ALLTOALL, "dense first"),
+    "dense first: ep2 x pp2 ZB-H1 (the experts' gradients in the weight pass), ZeRO-3": (
+        DENSE_FIRST + EP2 + PP2 + ["--pipeline-schedule", "zb-h1"] + ZERO3 + ALLTOALL, "dense first"),
+    "dense first: ep2 x pp2 ZBV, ZeRO-1": (DENSE_FIRST + EP2 + PP2 + ["--pipeline-schedule", "zbv"] + ZERO1,
+                                           "dense first"),
+    "dense first: ep2 x pp2 interleaved, ZeRO-3": (
+        DENSE_FIRST + EP2 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + ZERO3 + ALLTOALL,
+        "dense first"),
+    "experts in layer 0 only: pp4 1F1B, ZeRO-3": (MOE_FIRST + PP4 + ZERO3, "MoE first"),
+    "experts in layer 0 only: pp4 ZB-H1, ZeRO-1": (MOE_FIRST + PP4 + ["--pipeline-schedule", "zb-h1"] + ZERO1,
+                                                   "MoE first"),
+    "experts in layer 0 only: pp4 ZBV, ZeRO-3": (MOE_FIRST + PP4 + ["--pipeline-schedule", "zbv"] + ZERO3,
+                                                 "MoE first"),
+    "experts in layer 0 only: pp4 interleaved, ZeRO-1": (
+        MOE_FIRST + PP4 + ["--num-layers-per-virtual-pipeline-stage", "1"] + ZERO1, "MoE first"),
     "ep2 x cp2": (MOE + EP2 + ["--context-parallel-size", "2"] + ALLTOALL, "dropless"),
     "capacity: ep2 x tp2 + SP": (MOE + CAPACITY + TP2 + EP2 + ALLTOALL, "dropping"),
     "capacity: ep2 x cp2, full recompute": (MOE + CAPACITY + EP2 + ["--context-parallel-size", "2",
@@ -86,10 +101,10 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
     biases restored)."""
     single = str(tmp_path / "single")
     saving = DEEPSEEK + ["--save", single, "--save-interval", "3"]
-    deepseek, dropless, dropping, untied = run_world(
-        1, _train, [saving, MOE, MOE + CAPACITY, MOE + ["--untie-embeddings-and-output-weights"]],
-        stdlib_corpus)[0]
-    references = {"deepseek": deepseek, "dropless": dropless, "dropping": dropping, "untied": untied}
+    deepseek, dropless, dropping, dense_first, moe_first = run_world(
+        1, _train, [saving, MOE, MOE + CAPACITY, DENSE_FIRST, MOE_FIRST], stdlib_corpus)[0]
+    references = {"deepseek": deepseek, "dropless": dropless, "dropping": dropping,
+                  "dense first": dense_first, "MoE first": moe_first}
     assert dropless[0] != dropping[0]  # the capacity drops tokens: another trajectory
     saved = str(tmp_path / "ep2tp2")
     original = DEEPSEEK + TP2 + EP2 + ["--zero-stage", "1"] + ALLTOALL
@@ -103,6 +118,8 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
         for what, got, want in zip(("loss", "grad norm"), result[:2], references[reference][:2]):
             assert_trajectory_close(got, want, f"{name}: {what}")
         assert not result[5], (name, result[5])  # --compile: graph breaks at communication only
+        if "dense first" in name or "layer 0 only" in name:  # every schedule ends with its sample
+            assert result[6].startswith("def") and len(result[6]) > 3, (name, result[6])
     straight = results[0]  # ep2 x tp2 + SP, alltoall, ZeRO-0, DeepSeek routing: the saved run's layout
     for name, resumed in zip(("ep1 ZeRO-3", "ep4 ZeRO-2"), results[-2:]):
         for what, got, want in zip(("loss", "grad norm"), resumed[:2], straight[:2]):
@@ -130,6 +147,16 @@ def test_expert_layouts_reproduce_one_process_and_a_checkpoint_recuts_across_ep(
 
 @pytest.mark.parametrize("flags, world, message", [
     (["--expert-model-parallel-size", "2"], 2, "lay out experts: add --num-experts"),
+    (["--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.1"], 1, "--moe-aux-loss-coeff, --moe-router-topk "
+     "set up mixture-of-experts layers, which this model has none of: add --num-experts (or drop them)"),
+    (MOE + ["--moe-layer-freq", "[0,0,0,0]"], 1, "--moe-layer-freq [0,0,0,0] makes none of the 4 layers a "
+     "mixture of experts: put a 1 where one should be, or drop --num-experts to train a dense model"),
+    (MOE + TP2 + ["--moe-ffn-hidden-size", "33"], 2, "--expert-tensor-parallel-size 2 (not given: it "
+     "defaults to --tensor-model-parallel-size; give it, e.g. 1) does not divide --moe-ffn-hidden-size 33"),
+    (MOE + LATENT + ["--moe-layer-freq", "1", "--recompute-granularity", "selective", "--recompute-modules",
+                     "mlp", "mla_up_proj"], 1,
+     "--recompute-modules mlp: this model has no such part; its modules are core_attn, layernorm, moe, "
+     "moe_act, shared_experts, mla_up_proj"),
     (MOE + TP2[:2], 2, "MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel"),
     (MOE + ["--expert-model-parallel-size", "3"], 3, "--expert-model-parallel-size 3 does not divide "
                                                      "--num-experts 4"),

@@ -22,8 +22,8 @@ COMPILED = ["--compile", "--compile-backend", "aot_eager"]
 
 def _train(rank, world_size, layouts, corpus, base=TINY):
     """Run each layout (a list of flags added to ``base``) in this world; return its losses, grad norms,
-    validation losses, pipeline rank, live micro-batches and (--compile) the graph breaks that are not at
-    communication boundaries."""
+    validation losses, pipeline rank, live micro-batches, (--compile) the graph breaks that are not at
+    communication boundaries and the text sampled at the end (None without --sample-prompt)."""
     import torch.distributed as dist
 
     from models.compile import CompileReport
@@ -39,7 +39,7 @@ def _train(rank, world_size, layouts, corpus, base=TINY):
         result = trainer.train()
         results.append((result.losses, result.grad_norms, result.valid_losses,
                         trainer.groups.pp_rank, trainer.last_step_stats.max_live_micro_batches,
-                        CompileReport.now().unexpected_breaks()))
+                        CompileReport.now().unexpected_breaks(), result.sample))
         dist.barrier()
     return results
 
