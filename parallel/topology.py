@@ -99,8 +99,8 @@ class Topology:
         experts = self.expert_tp * self.ep * self.pp
         if self.world_size % experts:
             raise ValueError(
-                f"world size {self.world_size} is not divisible by --expert-tensor-parallel-size "
-                f"{self.expert_tp} x --expert-model-parallel-size {self.ep} x "
+                f"world size {self.world_size} is not divisible by {self.expert_tp_flag} x "
+                f"--expert-model-parallel-size {self.ep} x "
                 f"--pipeline-model-parallel-size {self.pp} = {experts}: the expert layers lay the same ranks "
                 "out as etp x ep x expert dp x pp")
 
@@ -108,6 +108,13 @@ class Topology:
     def expert_tp(self) -> int:
         """Expert tensor-parallel size (--expert-tensor-parallel-size; default the dense tp)."""
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_tp_flag(self) -> str:
+        """The expert tp size as an error names it: the flag, and where its value came from when not given."""
+        return f"--expert-tensor-parallel-size {self.expert_tp}" + (
+            "" if self.etp is not None else
+            " (not given: it defaults to --tensor-model-parallel-size; give it, e.g. 1)")
 
     @property
     def edp(self) -> int:

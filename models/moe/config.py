@@ -98,6 +98,10 @@ class MoEConfig:
                 len(pattern) != num_layers or set(pattern) - {0, 1}):
             raise ValueError(f"--moe-layer-freq {self.moe_layer_freq}: give N >= 1 or one 0/1 per layer "
                              f"({num_layers})")
+        if not any(self.moe_layers(num_layers)):
+            raise ValueError(f"--moe-layer-freq {self.moe_layer_freq} makes none of the {num_layers} layers "
+                             "a mixture of experts: put a 1 where one should be, or drop --num-experts to "
+                             "train a dense model")
         width = self.moe_ffn_hidden_size or ffn_size
         if width < 1 or width % etp:
             raise ValueError(f"--expert-tensor-parallel-size {etp} does not divide --moe-ffn-hidden-size "

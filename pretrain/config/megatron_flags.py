@@ -230,18 +230,25 @@ def resolve_settings(config, pipeline_stages: int) -> None:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} makes {chunks} virtual "
                              "stages, "
                              f"--virtual-pipeline-size says {par.virtual_pipeline_size}: give one of them")
+        if par.pipeline_schedule == "zbv" and chunks != 2:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} makes {chunks} chunk(s) "
+                             "per stage; --pipeline-schedule zbv runs two in a V: give "
+                             f"{layers // (2 * pipeline_stages)} (--num-layers {layers} / 2 / "
+                             f"--pipeline-model-parallel-size {pipeline_stages}) or leave it out")
         par.virtual_pipeline_size = chunks
     if par.pipeline_schedule is None:
         par.pipeline_schedule = "interleaved" if (par.virtual_pipeline_size or 1) > 1 else "1f1b"
-    if par.pipeline_schedule == "zbv" and par.virtual_pipeline_size is None:
-        par.virtual_pipeline_size = 2  # its V is two chunks per stage
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
     if first is not None or last is not None:
+        uneven = _uneven_flags(first, last)
         if par.pipeline_layers_per_stage is not None:
-            raise ValueError("--decoder-first/last-pipeline-num-layers and --pipeline-layers-per-stage "
-                             "both split "
-                             "the layers: give one")
+            raise ValueError(f"{uneven} and --pipeline-layers-per-stage both split the layers: give one")
+        if par.pipeline_schedule in ("zbv", "interleaved") or (par.virtual_pipeline_size or 1) > 1:
+            raise ValueError(f"{uneven} with --pipeline-schedule {par.pipeline_schedule}: its virtual stages "
+                             "are equal chunks of the layers; drop the uneven split, or use 1f1b or zb-h1")
         par.pipeline_layers_per_stage = _uneven_split(config.model.num_layers, pipeline_stages, first, last)
+    if par.pipeline_schedule == "zbv" and par.virtual_pipeline_size is None:
+        par.virtual_pipeline_size = 2  # its V is two chunks per stage
     if data.tokenizer_type is None:  # as Megatron's pretrain_gpt: GPT-2 BPE when its files are given
         data.tokenizer_type = ("GPT2BPETokenizer" if data.vocab_file or data.merge_file
                                else "SentencePieceTokenizer")
@@ -249,18 +256,27 @@ def resolve_settings(config, pipeline_stages: int) -> None:
         train.train_iters = 100
 
 
+def _uneven_flags(first: int | None, last: int | None) -> str:
+    """Megatron's uneven-split flags as given, for a message."""
+    return " / ".join(f"--decoder-{end}-pipeline-num-layers {count}"
+                      for end, count in (("first", first), ("last", last)) if count is not None)
+
+
 def _uneven_split(layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
     """Megatron's uneven pipeline split: the given first / last stage counts, the rest evenly."""
+    given = _uneven_flags(first, last)
     fixed = [count for count in (first, last) if count is not None]
     middle = stages - len(fixed)
     rest = layers - sum(fixed)
-    if stages < 2 or any(count < 1 for count in fixed) or rest < 0 or (middle and rest % middle) or \
-            (middle and rest < middle) or (not middle and rest):
-        raise ValueError(f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers "
-                         f"{last}: "
-                         f"the other {middle} of {stages} stages cannot split the remaining {rest} of "
-                         f"{layers} "
-                         "layers evenly")
+    if stages < 2:
+        raise ValueError(f"{given} sets the first or last pipeline stage's layers: it needs "
+                         "--pipeline-model-parallel-size >= 2")
+    if any(count < 1 for count in fixed):
+        raise ValueError(f"{given}: every stage holds at least one layer")
+    if rest < 0 or (middle and (rest % middle or rest < middle)) or (not middle and rest):
+        room = (f"the other {middle} of {stages} stages cannot split the remaining {rest} layers evenly"
+                if middle else f"the two stages hold {sum(fixed)} layers")
+        raise ValueError(f"{given}: {room} (--num-layers {layers})")
     even = rest // middle if middle else 0
     return ([first if first is not None else even] + [even] * (stages - 2)
             + [last if last is not None else even])

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+from models.moe.config import MoEConfig
 from parallel.topology import Topology
 from pretrain.config.arguments import ConfigError
 from pretrain.config.schema import Config
+
+
+MOE_SETTINGS = {f.name for f in fields(MoEConfig)}  # the settings that mean nothing without --num-experts
 
 
 def validate_experts(config: Config, topology: Topology) -> None:
@@ -14,11 +20,19 @@ def validate_experts(config: Config, topology: Topology) -> None:
         if topology.ep > 1 or topology.expert_tp != topology.tp:
             raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size lay out experts: "
                               "add --num-experts (or drop them)")
+        moe_flags = sorted(f"--{name.replace('_', '-')}" for name in config.given
+                           if name in MOE_SETTINGS and name != "num_experts")
+        if moe_flags:
+            raise ConfigError(f"{', '.join(moe_flags)} set{'s' if len(moe_flags) == 1 else ''} up mixture-of-"
+                              "experts layers, which this model has none of: add --num-experts (or drop "
+                              f"{'it' if len(moe_flags) == 1 else 'them'})")
         return
     try:
         model.validate_moe(model.num_layers, model.ffn_size, topology.expert_tp, topology.ep)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        message = str(error).replace(f"--expert-tensor-parallel-size {topology.expert_tp}",
+                                     topology.expert_tp_flag)
+        raise ConfigError(message) from None
     if topology.tp > 1 and not par.sequence_parallel:
         raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each "
                           "tp rank routes its own share of the tokens; without it every token would reach "

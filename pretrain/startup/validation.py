@@ -11,13 +11,12 @@ import torch
 from models.counting import num_parameters
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import resume_point
-from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args
+from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args, made_with
 from pretrain.startup.expert_validation import validate_experts
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
-from parallel.recompute import RECOMPUTE_MODULES
 from parallel.tensor.fp8 import RECIPES as FP8_RECIPES, torchao_float8
-from parallel.pipeline.schedules import V_SCHEDULES, validate_schedule
+from parallel.pipeline.schedules import V_SCHEDULES, validate_schedule, validate_schedule_flags
 from parallel.topology import Topology
 from parallel.zero.swap import check_swap_directory
 from pretrain.config.arguments import ConfigError
@@ -49,11 +48,11 @@ def validate(config: Config, world_size: int) -> Topology:
             and recompute.recompute_granularity is None):
         raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
                           "add --recompute-granularity full or selective")
-    unknown = [name for name in recompute.recompute_modules if name not in RECOMPUTE_MODULES]
+    have = model.recomputable_modules()
+    unknown = [name for name in recompute.recompute_modules if name not in have]
     if unknown:
-        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: this model has no such module (no "
-                          "latent attention; a MoE layer is recomputed whole, as moe); choose from "
-                          f"{', '.join(RECOMPUTE_MODULES)}")
+        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: this model has no such part; its "
+                          f"modules are {', '.join(have)}")
     if "recompute_modules" in config.given and recompute.recompute_granularity != "selective":
         raise ConfigError("--recompute-modules chooses what --recompute-granularity selective recomputes: "
                           "add it (full recomputes whole layers)")
@@ -255,6 +254,7 @@ def _validate_pipeline(config: Config, topology: Topology) -> None:
     if vp > 1 and topology.pp == 1 and not topology.pipeline_v:
         raise ConfigError("--virtual-pipeline-size needs --pipeline-model-parallel-size > 1")
     try:
+        validate_schedule_flags(par.pipeline_schedule, vp)
         validate_partition(config.model.num_layers, topology.pp, vp, par.pipeline_layers_per_stage)
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -342,10 +342,12 @@ def _validate_data(config: Config) -> None:
     elif vocab > model.vocab_size:  # the size came from the checkpoint loaded
         tokenizer = ("the built-in corpus's tokenizer, as no --data-path is given" if not sources
                      else "the tokenizer given")
+        made = made_with(config)
+        fix = (f"it was made with {made}: give that again" if made else
+               "give the tokenizer it was made with (e.g. --tokenizer-type HuggingFaceTokenizer "
+               "--tokenizer-model DIR) and --data-path of data tokenized by it, or --mock-data")
         raise ConfigError(f"the checkpoint's model has a vocabulary of {model.vocab_size}, smaller than "
-                          f"{tokenizer} ({vocab}) and it brought no tokenizer of its own: give the one it "
-                          "was made with (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR) and "
-                          "--data-path of data tokenized by it, or --mock-data")
+                          f"{tokenizer} ({vocab}) and it brought no tokenizer of its own: {fix}")
 
 
 def _opened_prefixes(flag: str, paths: list[str]) -> list[tuple]:

@@ -78,7 +78,8 @@ def test_wrong_yaml_type_is_named(tmp_path):
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--virtual-pipeline-size", "1",
       "--untie-embeddings-and-output-weights"], 2, "--virtual-pipeline-size must be 2 (or left out), got 1"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--virtual-pipeline-size", "2",
-      "--num-layers", "4"], 2, "--virtual-pipeline-size 2 needs --pipeline-schedule interleaved"),
+      "--num-layers", "4"], 2, "--virtual-pipeline-size 2 runs 2 model chunks per stage: it needs "
+                               "--pipeline-schedule interleaved (or zbv for 2), not zb-h1"),
     (["--offload-optimizer", "cpu"], 1, "--offload-optimizer cpu needs --zero-stage 1, 2 or 3"),
     (["--zero-stage", "2", "--offload-optimizer", "nvme"], 1, "NVMe offload needs --nvme-path DIR"),
     (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/nonexistent/nvme"], 1,
@@ -137,9 +138,23 @@ def test_wrong_yaml_type_is_named(tmp_path):
      "--cp-comm-type has 3 values: give one, or one per layer (--num-layers 2)"),
     (["--recompute-modules", "mlp"], 1, "--recompute-modules chooses what --recompute-granularity selective "
                                         "recomputes: add it"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe_act"], 1,
-     "--recompute-modules moe_act: this model has no such module (no latent attention; a MoE layer is "
-     "recomputed whole, as moe); choose from core_attn, mlp, layernorm, moe"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe_act", "mla_up_proj"], 1,
+     "--recompute-modules moe_act mla_up_proj: this model has no such part; its modules are core_attn, "
+     "layernorm, mlp"),
+    # pipeline refusals name the flag that was given, not one derived from it
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+      "--num-layers-per-virtual-pipeline-stage", "2", "--num-layers", "4"], 2,
+     "--num-layers-per-virtual-pipeline-stage 2 makes 1 chunk(s) per stage; --pipeline-schedule zbv runs two "
+     "in a V: give 1"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+      "--decoder-first-pipeline-num-layers", "1"], 2,
+     "--decoder-first-pipeline-num-layers 1 with --pipeline-schedule zbv: its virtual stages are equal"),
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1", "--num-layers", "4"],
+     3,
+     "--decoder-first-pipeline-num-layers 1: the other 2 of 3 stages cannot split the remaining 3 layers"),
+    (["--decoder-last-pipeline-num-layers", "2"], 1,
+     "--decoder-last-pipeline-num-layers 2 sets the first or last pipeline stage's layers: it needs "
+     "--pipeline-model-parallel-size >= 2"),
     (["--sft", "--data-path", "x.jsonl", "--reset-attention-mask"], 1,
      "--reset-attention-mask act on packed pretraining documents; --sft puts one"),
 ])
