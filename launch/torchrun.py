@@ -89,7 +89,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     except SignalException as stop:  # torch's agent passed the signal on to the workers and waited for them
         name = signal.Signals(stop.sigval).name
         sys.stderr.write(f"error: the launcher on {socket.gethostname()} received {name}: the workers were "
-                         "stopped (with --save, each saved a checkpoint first: 'saved checkpoint' above)\n")
+                         "stopped (with --save, each saved a checkpoint first: the 'saved checkpoint' line "
+                         "above, or 'published checkpoint' with --async-save)\n")
         return 128 + stop.sigval
     except RendezvousError as error:  # the agent hosting the rendezvous (another node's) has ended
         sys.stderr.write(f"error: the rendezvous at {args.rdzv_endpoint} stopped answering "

@@ -110,24 +110,36 @@ def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
             raise CheckpointError(not_a_checkpoint_directory(directory) or
                                   f"--load {directory}: no readable 'latest' pointer ({error.strerror}): "
                                   "not a directory that --save wrote, or no save there completed") from None
-    path = os.path.join(directory, name, "manifest.json")
     if not _plain_name(name):
         raise CheckpointError(f"{os.path.join(directory, 'latest')}: names {name!r}, not a checkpoint of "
                               "this directory; nothing was loaded")
+    try:
+        manifest = _manifest_of(os.path.join(directory, name))
+    except CheckpointError as error:
+        digits = name[len("iter_"):]
+        if not (name.startswith("iter_") and digits.isdigit()):
+            raise
+        raise CheckpointError(f"{error}; {_intact_advice(directory, int(digits))}") from None
+    named = [(entry, False) for entry in manifest["files"]] + [
+        (value, True) for key, value in (manifest.get("tokenizer") or {}).items() if key != "tokenizer_type"]
+    outside = [entry for entry, nested in named
+               if not isinstance(entry, str) or not _plain_name(entry, nested)]
+    if outside:
+        raise CheckpointError(f"{os.path.join(directory, name, 'manifest.json')}: names {outside[0]!r}, a "
+                              "file outside its checkpoint directory; refused, nothing was loaded")
+    return os.path.join(directory, name), manifest
+
+
+def _manifest_of(checkpoint: str) -> dict:
+    """The manifest of one checkpoint directory, its required keys present."""
+    path = os.path.join(checkpoint, "manifest.json")
     try:
         with open(path) as handle:
             manifest = json.load(handle)
         manifest["files"], manifest["iteration"], manifest["layout"]  # noqa: B018 - required keys
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: unreadable manifest ({error}); nothing was loaded") from None
-    named = [(entry, False) for entry in manifest["files"]] + [
-        (value, True) for key, value in (manifest.get("tokenizer") or {}).items() if key != "tokenizer_type"]
-    outside = [entry for entry, nested in named
-               if not isinstance(entry, str) or not _plain_name(entry, nested)]
-    if outside:
-        raise CheckpointError(f"{path}: names {outside[0]!r}, a file outside its checkpoint directory; "
-                              "refused, nothing was loaded")
-    return os.path.join(directory, name), manifest
+    return manifest
 
 
 def _plain_name(name: str, nested: bool = False) -> bool:
@@ -174,10 +186,14 @@ def verify(directory: str, step: int | None) -> None:
         for entry in files_to_read(manifest):
             verified(checkpoint, manifest, entry)
     except CheckpointError as error:
-        intact = newest_intact(directory, below=manifest["iteration"])
-        advice = (f"the newest intact checkpoint is {intact[0]}: resume from it with --ckpt-step {intact[1]}"
-                  if intact else f"no earlier intact checkpoint under {directory}: start without --load")
-        raise CheckpointError(f"{error}; {advice}") from None
+        raise CheckpointError(f"{error}; {_intact_advice(directory, manifest['iteration'])}") from None
+
+
+def _intact_advice(directory: str, damaged: int) -> str:
+    """Where a run goes instead of the damaged checkpoint of iteration ``damaged``."""
+    intact = newest_intact(directory, below=damaged)
+    return (f"the newest intact checkpoint is {intact[0]}: resume from it with --ckpt-step {intact[1]}"
+            if intact else f"no earlier intact checkpoint under {directory}: start without --load")
 
 
 def newest_intact(directory: str, below: int) -> tuple[str, int] | None:

@@ -29,14 +29,19 @@ def step_to_load(config: Config, directory: str) -> int | None:
     return config.checkpoint.ckpt_step if directory == config.checkpoint.load else None
 
 
-def resume_point(config: Config) -> tuple[int, int] | None:
-    """(iteration, consumed samples) of the checkpoint the run resumes whole, or None when it starts at
-    iteration 0 (nothing to load, fine-tuning, a weights-only import). Reads its manifest alone."""
+def resumed_state(config: Config, name: str) -> dict | None:
+    """The run state ``name`` (a manifest entry: "progress", "opt_param_scheduler") of the checkpoint the
+    run resumes whole, or None when it starts at iteration 0 (nothing to load, fine-tuning, a weights-only
+    import) or the checkpoint has none. Reads its manifest alone."""
     directory = checkpoint_to_load(config)
     if directory is None or directory != config.checkpoint.load or config.checkpoint.finetune:
         return None
     _, manifest = read_manifest(directory, step_to_load(config, directory))
-    progress = manifest.get("states", {}).get("progress")
-    if manifest.get("kind") == "weights" or not progress:
-        return None
-    return int(progress["iteration"]), int(progress["consumed_samples"])
+    return None if manifest.get("kind") == "weights" else manifest.get("states", {}).get(name)
+
+
+def resume_point(config: Config) -> tuple[int, int] | None:
+    """(iteration, consumed samples) of the checkpoint the run resumes whole, or None when it starts at
+    iteration 0."""
+    progress = resumed_state(config, "progress")
+    return None if not progress else (int(progress["iteration"]), int(progress["consumed_samples"]))

@@ -4,7 +4,8 @@ Megatron's ``--use-checkpoint-args``, always on: the model settings the flags (o
 taken from the checkpoint to be loaded (``--load``, else ``--pretrained-checkpoint``); one they set
 differently stops the run before any process group exists, naming the flag and both values. The
 sequence length and dropout are taken when not given, and may be changed. A Hugging Face import also
-brings its tokenizer, used when no tokenizer flag is given. A run that resumes a checkpoint whole keeps
+brings its tokenizer, used when no tokenizer flag is given; a run on the built-in corpus again takes its
+--default-corpus-vocab-size (the tokenizer it trains). A run that resumes a checkpoint whole keeps
 its global batch (and batch schedule) unless a batch flag is given: Megatron's default batch, micro-batch
 x data-parallel size, would otherwise change with the process count, and with it the run.
 """
@@ -30,6 +31,7 @@ INHERITED = {"seq_length", "hidden_dropout", "attention_dropout",
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups",
              "position_embedding_type": "position_embedding", "max_position_embeddings": "max_positions"}
 TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+DATA_SOURCES = ("data_path", "mock_data", "train_data_path")  # none of them: the built-in corpus
 BATCH = ("global_batch_size", "rampup_batch_size", "step_batch_size_schedule")
 
 
@@ -86,6 +88,28 @@ def apply_checkpoint_args(config: Config) -> None:
     if tokenizer and not any(name in config.given for name in TOKENIZER):
         for name, value in tokenizer.items():
             setattr(config.data, name, value if name == "tokenizer_type" else os.path.join(path, value))
+    saved_data = manifest["config"]
+    if (not any(saved_data.get(name) for name in DATA_SOURCES)
+            and not any(getattr(config.data, name) for name in DATA_SOURCES)
+            and "default_corpus_vocab_size" not in config.given
+            and "default_corpus_vocab_size" in saved_data):
+        # the built-in corpus again: its tokenizer is the one this vocabulary size trains
+        config.data.default_corpus_vocab_size = saved_data["default_corpus_vocab_size"]
+
+
+def made_with(config: Config) -> str | None:
+    """The data and tokenizer flags the checkpoint to be loaded was made with (None: no checkpoint, or it
+    recorded none): what a run that cannot read its vocabulary should give again."""
+    directory = checkpoint_to_load(config)
+    if directory is None:
+        return None
+    saved = read_manifest(directory, step_to_load(config, directory))[1]["config"]
+    if not any(saved.get(name) for name in DATA_SOURCES):
+        size = saved.get("default_corpus_vocab_size")
+        return None if size is None else f"the built-in corpus with --default-corpus-vocab-size {size}"
+    flags = [f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+             for name, value in saved.items() if name in (*TOKENIZER, *DATA_SOURCES) and value]
+    return " ".join(flags) or None
 
 
 def _keep_global_batch(config: Config, manifest: dict) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from models.counting import num_parameters
 from pretrain.training.batch_schedule import build_batch_schedule
-from pretrain.checkpoint.selection import resume_point
+from pretrain.checkpoint.selection import resume_point, resumed_state
 from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args, made_with
 from pretrain.startup.expert_validation import validate_experts
 from pretrain.config.megatron_flags import resolve_settings
@@ -22,6 +22,7 @@ from parallel.zero.swap import check_swap_directory
 from pretrain.config.arguments import ConfigError
 from pretrain.config.schema import Config
 from pretrain.training.build import zero_options
+from pretrain.training.param_scheduler import FIX, build_param_scheduler, schedule_mismatch
 
 
 def validate(config: Config, world_size: int) -> Topology:
@@ -191,6 +192,23 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
                               config.parallel.virtual_pipeline_size or 1)
         except ValueError as error:
             raise ConfigError(f"a global batch of {size}: {error}") from None
+    _validate_resumed_schedule(config, schedule)
+
+
+def _validate_resumed_schedule(config: Config, batches) -> None:
+    """Megatron's check of a resumed run's learning-rate schedule and weight decay against the
+    checkpoint's (``pretrain.training.param_scheduler``): a difference names the flags and both values."""
+    ckpt = config.checkpoint
+    if ckpt.use_checkpoint_opt_param_scheduler and ckpt.override_opt_param_scheduler:
+        raise ConfigError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler choose "
+                          "opposite schedules: give one")
+    saved = None if ckpt.no_load_optim else resumed_state(config, "opt_param_scheduler")
+    if saved is None or ckpt.use_checkpoint_opt_param_scheduler or ckpt.override_opt_param_scheduler:
+        return
+    differences = schedule_mismatch(saved, build_param_scheduler(config, batches).state_dict())
+    if differences:
+        raise ConfigError(f"the learning-rate schedule differs from the checkpoint's under --load "
+                          f"{ckpt.load}: {differences}; {FIX}")
 
 
 def _validate_zero(config: Config, topology: Topology) -> None:

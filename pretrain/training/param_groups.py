@@ -42,6 +42,7 @@ def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
             decays = param.ndim >= 2 or (qk_norm and opt.apply_wd_to_qk_layernorm)
             decoupled = opt.decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
             groups.setdefault((decays, decoupled), []).append(param)
-    return [{"params": params, "weight_decay": opt.weight_decay if decays else 0.0, "decoupled": decoupled}
+    return [{"params": params, "weight_decay": opt.weight_decay if decays else 0.0,
+             "wd_mult": 1.0 if decays else 0.0, "decoupled": decoupled}
             for (decays, decoupled),
             params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))]

@@ -6,7 +6,6 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from dataclasses import replace as dataclass_replace
 
 import torch
 
@@ -27,7 +26,7 @@ from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, resume_point, step_to_load
 from pretrain.config.schema import Config
-from pretrain.training.lr_schedule import build_lr_schedule
+from pretrain.training.param_scheduler import build_param_scheduler
 from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.moe_metrics import moe_metrics
 from pretrain.observability.profiling import StepProfiler
@@ -119,18 +118,14 @@ class Trainer:
 
     def _build_schedules(self, topology: Topology) -> None:
         """The batch-size schedule and the learning-rate schedules it sizes."""
-        train, opt = self.config.training, self.config.optimizer
+        train = self.config.training
         self.schedule = build_batch_schedule(train.global_batch_size, train.micro_batch_size, topology.dp,
                                              train.rampup_batch_size, train.step_batch_size_schedule,
                                              self.config.model.seq_length)
         point = resume_point(self.config)  # a batch unlike the checkpoint's continues from its sample
         if point is not None:
             self.schedule = self.schedule.resumed_at(*point)
-        self.lr_schedule = build_lr_schedule(opt, train.train_iters, train.train_samples, self.schedule)
-        self.decoupled_lr_schedule = None if opt.decoupled_lr is None else build_lr_schedule(
-            dataclass_replace(opt, lr=opt.decoupled_lr,
-                              min_lr=opt.decoupled_min_lr if opt.decoupled_min_lr is not None
-                              else opt.min_lr), train.train_iters, train.train_samples, self.schedule)
+        self.param_scheduler = build_param_scheduler(self.config, self.schedule)
         self.eval_batch_size = train.eval_global_batch_size or self.schedule.final_batch_size
 
     def _expected_state_bytes(self) -> int:
@@ -156,11 +151,14 @@ class Trainer:
                             f"no checkpoint under --load {ckpt.load} yet: training from iteration 0")
             return
         starts_over = directory != ckpt.load or ckpt.finetune
-        states = self.checkpoint_states()
+        states = dict(self.checkpoint_states())  # a copy: every save writes them all
         if starts_over:  # the weights alone, and the expert biases that route with them (Megatron's buffers)
             states = {name: states[name] for name in (MODEL, "load_balancing") if name in states}
-        elif ckpt.no_load_rng:
-            del states["rng"]
+        else:
+            if ckpt.no_load_rng:
+                del states["rng"]
+            if ckpt.no_load_optim:  # Megatron's: the flags' schedule, with the fresh optimizer
+                del states["opt_param_scheduler"]
         self.watchdog.at(0, "checkpoint load", watched=False)  # a slow disk is no hang
         manifest = checkpointer.load(directory, states, self.groups,
                                      weights_only=loads_weights_only(self.config, directory),
@@ -188,14 +186,6 @@ class Trainer:
                               device=self.device)  # NCCL reduces device tensors only
         comm.all_reduce(tensor, self.groups.dp)
         return tensor.item() / self.groups.dp.size
-
-    def _set_learning_rates(self) -> float:
-        """Every group's rate for the step that starts now; returns the main one."""
-        lr = self.lr_schedule(self.progress.consumed_samples)
-        for group in self.optimizer.param_groups:
-            group["lr"] = (self.decoupled_lr_schedule(self.progress.consumed_samples)
-                           if group.get("decoupled") else lr)
-        return lr
 
     def train_step(self, batches, measure: bool = True) -> tuple[float, zero.StepResult]:
         """One optimizer step over the global batch that starts at the consumed samples; returns this
@@ -287,7 +277,7 @@ class Trainer:
             for iteration in range(self.start_iteration + 1, train.train_iters + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
-                lr = self._set_learning_rates()
+                lr = self.param_scheduler.step(self.optimizer.param_groups, self.progress.consumed_samples)
                 batch_size = self.schedule.batch_size(self.progress.consumed_samples)
                 step_start = time.perf_counter()
                 profiler.step_begin(iteration)
@@ -367,6 +357,7 @@ class Trainer:
             self._checkpoint_states = {
                 MODEL: ZeroModelState(self.optimizer, self.parameter_names, self.groups),
                 "progress": RunState(self.progress),  # the data position; the LR schedule follows it
+                "opt_param_scheduler": RunState(self.param_scheduler),
                 "rng": self.model[0].rng}  # the stage's dropout streams and the default generator
             if self.config.model.moe_router_enable_expert_bias:  # every MoE layer's, on every rank
                 self._checkpoint_states["load_balancing"] = RunState(self.model[0].balancing)

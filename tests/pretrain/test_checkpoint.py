@@ -1,6 +1,7 @@
 """Checkpoints: exact resume in the 3D grid for every ZeRO stage, and refusal of damaged files."""
 
 import json
+import math
 import os
 
 import pytest
@@ -139,7 +140,8 @@ def _load_only(rank, world_size, directory, corpus):
 
 def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path):
     directory = str(tmp_path / "ckpt")
-    run_world(1, _train, [["--train-iters", "2", "--save", directory]], stdlib_corpus)
+    run_world(1, _train, [["--train-iters", "2", "--lr-decay-iters", "10", "--save", directory,
+                           "--save-interval", "1"]], stdlib_corpus)  # loaded by a run of 10
     checkpoint, manifest = read_manifest(directory)
     shard = os.path.join(checkpoint, "rank_00000.pt")
     assert run_world(1, _load_only, directory, stdlib_corpus) == ["loaded"]
@@ -173,7 +175,9 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
         run_world(1, _load_only, directory, stdlib_corpus)[0]
 
     open(manifest_path, "w").write("{not json")
-    assert "unreadable manifest" in run_world(1, _load_only, directory, stdlib_corpus)[0]
+    message = run_world(1, _load_only, directory, stdlib_corpus)[0]
+    assert "unreadable manifest" in message and message.endswith(
+        f"the newest intact checkpoint is {directory}/iter_0000001: resume from it with --ckpt-step 1")
 
 
 def test_an_unfinished_save_never_becomes_latest(stdlib_corpus, tmp_path):
@@ -297,3 +301,65 @@ def test_a_shape_flag_that_contradicts_the_checkpoint_is_refused(stdlib_corpus, 
     inherited = parse_config(["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved])
     validate(inherited, 1)
     assert (inherited.model.hidden_size, inherited.model.num_layers) == (64, 4)  # no shape flags needed
+
+
+def _resumed_schedules(rank, world_size, cache, directory):
+    """A run on the built-in corpus (vocabulary 512), saved at 4 of 8 iterations, resumed as a user would:
+    without repeating its corpus flag, with another --lr (refused, then taken from the checkpoint or from
+    the flags as Megatron's two flags say). Returns each run's (losses, learning rates) and the refusals."""
+    from pretrain.config.arguments import ConfigError, parse_config
+    from pretrain.startup.validation import validate
+    from pretrain.training.trainer import Trainer
+    from tests.pretrain.test_trainer import TINY
+
+    builtin = TINY + ["--default-corpus-max-bytes", "400000", "--data-cache-dir", cache, "--lr-decay-iters",
+                      "10", "--log-interval", "1"]
+    made = ["--default-corpus-vocab-size", "512"]
+
+    def run(flags, name):
+        metrics = f"{directory}-{name}.jsonl"
+        config = parse_config(builtin + flags + ["--metrics-file", metrics])
+        result = Trainer(config, validate(config, world_size), torch.device("cpu")).train()
+        return result.losses, [json.loads(line)["lr"] for line in open(metrics)]
+
+    def refusal(flags):
+        try:
+            validate(parse_config(builtin + flags), world_size)
+        except ConfigError as error:
+            return str(error)
+        return None
+
+    runs = {"straight": run(made + ["--train-iters", "8"], "straight"),
+            "saved": run(made + ["--train-iters", "4", "--save", directory], "saved")}
+    resume = ["--train-iters", "8", "--load", directory]
+    refusals = [refusal(resume + ["--lr", "1e-2"]), refusal(resume + ["--default-corpus-vocab-size", "4096"]),
+                refusal(resume + ["--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"])]
+    runs["resumed"] = run(resume, "resumed")  # the corpus flag left out: the checkpoint's vocabulary
+    runs["checkpoint's"] = run(resume + ["--lr", "1e-2", "--use-checkpoint-opt_param-scheduler"], "kept")
+    runs["flags'"] = run(resume + ["--lr", "1e-2", "--override-opt_param-scheduler"], "overridden")
+    return runs, refusals
+
+
+def test_a_resume_takes_the_checkpoints_schedule_and_corpus_or_names_what_differs(stdlib_corpus, tmp_path):
+    """Megatron's scheduler check: a resumed run whose learning-rate schedule differs from the checkpoint's
+    is refused naming the flag and both values, unless --use-checkpoint-opt_param-scheduler (the straight
+    run's rates and losses, bit for bit) or --override-opt_param-scheduler (the flags' rates) says which to
+    take; a built-in-corpus checkpoint resumes without repeating --default-corpus-vocab-size, and a
+    vocabulary it cannot read names the flag it was made with."""
+    cache = os.path.dirname(os.path.dirname(stdlib_corpus[0]))  # the fixture's corpus, built once
+    (runs, refusals), = run_world(1, _resumed_schedules, cache, str(tmp_path / "ckpt"))
+    straight_losses, straight_rates = runs["straight"]
+    assert runs["saved"][0] == straight_losses[:4]
+    for name in ("resumed", "checkpoint's"):
+        assert runs[name] == (straight_losses[4:], straight_rates[4:]), name  # bit for bit
+    assert refusals[0].startswith(f"the learning-rate schedule differs from the checkpoint's under --load "
+                                  f"{tmp_path / 'ckpt'}: --lr: 0.01 (the checkpoint's: 0.003); add "
+                                  "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, "
+                                  "or --override-opt_param-scheduler to take these flags'")
+    assert refusals[1].endswith("it was made with the built-in corpus with --default-corpus-vocab-size 512: "
+                                "give that again")
+    assert "choose opposite schedules: give one" in refusals[2]
+    # the flags' cosine from 1e-2 over the same warm-up (2 iterations) and decay (10) of batches of 8
+    progress = [(8 * step - 16) / (80 - 16) for step in range(4, 8)]
+    want = [3e-4 + (1e-2 - 3e-4) * 0.5 * (1 + math.cos(math.pi * p)) for p in progress]
+    assert runs["flags'"][1] == pytest.approx(want, rel=1e-9) and runs["flags'"][0] != straight_losses[4:]

@@ -1,0 +1,111 @@
+"""The learning rate and weight decay of every step, and the record of them a checkpoint keeps: Megatron's
+``OptimizerParamScheduler``.
+
+The state is Megatron's (its key names, lengths in samples): the peak, last and first rates, the warm-up
+and decay lengths, the decay style and the weight decay at the start and end (constant here), with the
+decoupled rates of the embedding and output layer when --decoupled-lr is set. A resumed run compares its
+own schedule with the checkpoint's before any process group exists (``schedule_mismatch``), as Megatron
+does when it loads the scheduler: a difference is refused naming the flags, unless
+``--use-checkpoint-opt_param-scheduler`` takes the checkpoint's schedule or
+``--override-opt_param-scheduler`` takes the flags'. --finetune and --no-load-optim neither load nor check
+it (Megatron's rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pretrain.config.schema import Config, OptimizerConfig
+from pretrain.training.batch_schedule import BatchSchedule
+from pretrain.training.lr_schedule import LRSchedule, build_lr_schedule
+
+# state key -> the flags that set it
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "init_lr": "--lr-warmup-init",
+                  "lr_warmup_steps": "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction",
+                  "lr_decay_steps": "--lr-decay-iters / --lr-decay-samples (default: the run's length, "
+                                    "--train-iters / --train-samples)",
+                  "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",
+                  "end_wd": "--weight-decay",
+                  "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
+FIX = ("add --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, or "
+       "--override-opt_param-scheduler to take these flags'")
+
+
+class OptimizerParamScheduler:
+    """Owns the rates of the run: the main learning-rate schedule, the decoupled one of the embedding and
+    output layer (--decoupled-lr), and the weight decay; ``step`` writes them into the optimizer's groups
+    before each step (a group's weight decay times its ``wd_mult``: 0 for norms and biases). Its state
+    is a run state (plain JSON, the same on every rank). Loading one takes it only with
+    ``use_checkpoint`` (--use-checkpoint-opt_param-scheduler); it never checks: validation has compared
+    both before anything was built."""
+
+    def __init__(self, lr: LRSchedule, decoupled: LRSchedule | None, weight_decay: float,
+                 use_checkpoint: bool = False):
+        self.lr, self.decoupled, self.weight_decay = lr, decoupled, weight_decay
+        self.use_checkpoint = use_checkpoint
+
+    def step(self, param_groups: list[dict], consumed_samples: int) -> float:
+        """Set every group's rate and weight decay for the step that starts after ``consumed_samples``;
+        returns the main rate."""
+        lr = self.lr(consumed_samples)
+        for group in param_groups:
+            group["lr"] = self.decoupled(consumed_samples) if group.get("decoupled") else lr
+            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+        return lr
+
+    def state_dict(self) -> dict:
+        state = {"max_lr": self.lr.lr, "min_lr": self.lr.min_lr, "init_lr": self.lr.init_lr,
+                 "lr_warmup_steps": self.lr.warmup_samples, "lr_decay_steps": self.lr.decay_samples,
+                 "lr_decay_style": self.lr.style, "start_wd": self.weight_decay, "end_wd": self.weight_decay,
+                 "wd_incr_style": "constant"}
+        if self.decoupled is not None:
+            state.update(decoupled_max_lr=self.decoupled.lr, decoupled_min_lr=self.decoupled.min_lr)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.use_checkpoint:
+            return
+        self.lr = LRSchedule(state["max_lr"], state["min_lr"], state["init_lr"], state["lr_warmup_steps"],
+                             state["lr_decay_steps"], state["lr_decay_style"])
+        if self.decoupled is not None and "decoupled_max_lr" in state:
+            self.decoupled = dataclasses.replace(self.lr, lr=state["decoupled_max_lr"],
+                                                 min_lr=state["decoupled_min_lr"])
+        self.weight_decay = state["start_wd"]
+
+
+def build_param_scheduler(config: Config, batches: BatchSchedule) -> OptimizerParamScheduler:
+    """The scheduler of the flags, for a run whose batches follow ``batches``."""
+    opt = config.optimizer
+    decoupled = None
+    if opt.decoupled_lr is not None:
+        min_lr = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
+        decoupled = _schedule(dataclasses.replace(opt, lr=opt.decoupled_lr, min_lr=min_lr), config, batches)
+    return OptimizerParamScheduler(_schedule(opt, config, batches), decoupled, opt.weight_decay,
+                                   config.checkpoint.use_checkpoint_opt_param_scheduler)
+
+
+def _schedule(opt: OptimizerConfig, config: Config, batches: BatchSchedule) -> LRSchedule:
+    return build_lr_schedule(opt, config.training.train_iters, config.training.train_samples, batches)
+
+
+def schedule_mismatch(saved: dict, ours: dict) -> str | None:
+    """What differs between a checkpoint's scheduler state and this run's, as "FLAGS: VALUE (the
+    checkpoint's: VALUE)" parts, or None when they agree."""
+    differences = []
+    for key, flags in SCHEDULE_FLAGS.items():
+        if key == "end_wd" or (key not in saved and key not in ours):
+            continue
+        theirs, mine = saved.get(key), ours.get(key)
+        if isinstance(theirs, float) or isinstance(mine, float):
+            same = (theirs is not None and mine is not None
+                    and abs(theirs - mine) <= 1e-12 * max(abs(theirs), 1))
+        else:
+            same = theirs == mine
+        if not same:
+            unit = " samples" if key.endswith("_steps") else ""
+            differences.append(f"{flags}: {_shown(mine)}{unit} (the checkpoint's: {_shown(theirs)}{unit})")
+    return "; ".join(differences) or None
+
+
+def _shown(value) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
