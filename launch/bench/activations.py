@@ -19,6 +19,7 @@ import statistics
 import time
 
 from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
+from launch.help_text import help_description
 
 POLICIES = ("none", "selective", "mlp+layernorm", "full", "full+partitioned")
 
@@ -65,7 +66,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.activations",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--hidden", type=int, default=256)

@@ -36,6 +36,7 @@ from launch.pretrain_run import run_pretrain
 from models.config import GPTConfig
 from models.counting import num_parameters
 from pretrain.checkpoint.geometry import SliceGeometry
+from launch.help_text import help_description
 
 
 def _resume_read_seconds(directory: str, rank: int, passes: int) -> float:
@@ -167,7 +168,7 @@ def _touch(value) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.checkpoint",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)

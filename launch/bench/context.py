@@ -18,6 +18,7 @@ import statistics
 import time
 
 from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
+from launch.help_text import help_description
 
 KINDS = ("p2p", "a2a", "allgather")
 
@@ -67,7 +68,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.context",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from launch.help_text import help_description
 
 
 def _timed(run, device: torch.device, repeats: int) -> float:
@@ -67,7 +68,7 @@ def measure(device: torch.device, smoke: bool = False, repeats: int = 5):
 
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m launch.bench.device_rates",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--output", default="runs/bench/device_profile.json")
     parser.add_argument("--smoke", action="store_true", help="small sizes (a check, not a profile)")
     args = parser.parse_args(argv)

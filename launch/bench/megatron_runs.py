@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from launch.bench.world import write_table
+from launch.help_text import help_description
 
 SEQUENCE, VOCABULARY = 2048, 51_200
 # (name, heads, hidden, layers, tp, pp, GPUs, batch, achieved teraFLOP/s per GPU)
@@ -61,7 +62,7 @@ def predict(device: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.megatron_runs",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--device", default="a100",
                         help="a built-in profile or a profile file (default: a100)")
     parser.add_argument("--output", default="runs/bench/megatron_runs.md")

@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 from launch.bench.world import write_table
+from launch.help_text import help_description
 
 SIZES = {  # layers, width, heads, expert width, experts, top-k, tokens, micro-batch, global batch
     "cpu": (4, 256, 4, 256, 8, 2, 256, 4, 16),
@@ -72,7 +73,7 @@ def _tokens(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.moe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.moe", description=help_description(__doc__))
     parser.add_argument("--size", choices=tuple(SIZES), default="cpu")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--nproc", type=int, default=2, help="ranks per world (ep of the MoE runs)")

@@ -22,6 +22,7 @@ from launch.bench.world import write_table
 from launch.pretrain_run import run_pretrain
 from models.config import GPTConfig
 from models.counting import num_parameters
+from launch.help_text import help_description
 
 SYSTEMS = {
     "in memory": [],
@@ -33,7 +34,7 @@ SYSTEMS = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.offload",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)

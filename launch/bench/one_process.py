@@ -30,6 +30,7 @@ import sys
 import tempfile
 
 from launch.bench.world import write_table
+from launch.help_text import help_description
 
 RECIPE = {"layers": 4, "heads": 4, "width": 128, "block": 64, "batch": 12, "lr": 1e-3, "min_lr": 1e-4,
           "beta2": 0.99, "weight_decay": 0.1, "warmup": 100, "clip": 1.0, "eval_iters": 20}
@@ -128,7 +129,7 @@ def _finish(name: str, process: subprocess.Popen) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.one_process",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--iters", type=int, default=2000, help="training iterations (the recipe: 2000)")
     parser.add_argument("--pairs", type=int, default=2,
                         help="times to run both (the second swaps their cores)")

@@ -23,6 +23,7 @@ import statistics
 import time
 
 from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
+from launch.help_text import help_description
 
 OURS = ("1f1b", "interleaved", "zb-h1", "zbv")
 
@@ -96,7 +97,7 @@ def _row(system: str, schedule: str, pp: int, m: int, results: list[dict], basel
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.pipeline",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--pp", type=int, nargs="+", default=[2])
     parser.add_argument("--vp", type=int, default=2, help="model chunks per stage for the interleaved rows")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])

@@ -38,6 +38,7 @@ from launch.bench.netns_link import LinkSetupError, TwoNodes
 from launch.tools.planning.layout_price import Layout, transfers
 from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
+from launch.help_text import help_description
 
 CONFIGURATIONS = {
     "ZeRO-2": (2, ZeroCommOptions(), []),
@@ -88,7 +89,7 @@ def compute_of(step: float, found: list[Transfer], links: Links, micro_batches: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.slow_link",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit"],
                         help="tc rates of the link (two or more)")
     parser.add_argument("--iters", type=int, default=6)

@@ -106,6 +106,9 @@ def _theirs(flags: list[str], iters: int, compiled: bool) -> list[tuple[float, i
     """(step seconds, peak bytes) of each iteration of transformers' model of the same shape, trained by a
     plain loop (random tokens: the data costs nothing on either side)."""
     import torch
+
+    from parallel.tensor.fp8 import preload_torchao
+    preload_torchao()  # transformers imports it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pretrain.interop.hf_config import config_to_hf

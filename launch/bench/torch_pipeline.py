@@ -16,6 +16,7 @@ import statistics
 import time
 
 from launch.bench.world import add_worker_arguments, write_result
+from launch.help_text import help_description
 
 
 class _Held:
@@ -164,7 +165,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.torch_pipeline",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     add_worker_arguments(parser)
     parser.add_argument("--worker-schedule", dest="schedule", default="1f1b")
     parser.add_argument("--worker-micro-batches", dest="m", type=int, default=4)

@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 import tempfile
+from launch.help_text import help_description
 
 HEADER = 14 + 20 + 20 + 12
 RANKS, PER_NODE = 4, 2
@@ -122,7 +123,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.bench.wire_bytes",
-                                     description=__doc__.split("\n")[0])
+                                     description=help_description(__doc__))
     parser.add_argument("--mib", type=float, default=8.0, help="fp32 MiB each rank's operation holds")
     parser.add_argument("--rate", default="10gbit", help="tc rate of the link")
     parser.add_argument("--output", default="runs/bench/wire_bytes.md")

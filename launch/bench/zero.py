@@ -28,6 +28,7 @@ import statistics
 import time
 
 from launch.bench.world import add_worker_arguments, run_world, write_result, write_table
+from launch.help_text import help_description
 
 
 def _written_bytes() -> int:
@@ -179,7 +180,8 @@ def _step(ranks: list[dict], name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench.zero", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.bench.zero",
+                                     description=help_description(__doc__))
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", choices=["plain", "ours"], default="plain",
                         help="plain: launch.bench.plain_gpt, a GPT that is not ours; ours: models.gpt")

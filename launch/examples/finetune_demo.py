@@ -20,6 +20,7 @@ import os
 import random
 
 from launch.examples.hf_families import ALL_FAMILIES
+from parallel.tensor.fp8 import preload_torchao
 
 LETTERS = "abcdefgh"
 
@@ -30,6 +31,7 @@ def _examples(count: int, rng: random.Random) -> list[dict]:
 
 
 def make(directory: str, family: str = "llama3.1", seed: int = 0, hidden_size: int = 64) -> None:
+    preload_torchao()  # transformers imports it
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -61,6 +63,7 @@ def make(directory: str, family: str = "llama3.1", seed: int = 0, hidden_size: i
 
 def answer(hf_dir: str, heldout: str) -> float:
     """transformers' greedy answers to the held-out prompts; the fraction right (printed with each)."""
+    preload_torchao()  # transformers imports it
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

@@ -11,6 +11,8 @@ an explicit head_dim, biases, query/key norms, soft-capping, fused projections.
 
 from __future__ import annotations
 
+from parallel.tensor.fp8 import preload_torchao
+
 FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3", "gemma2", "gemma3",
             "phi3", "olmo2", "gpt2")
 # top-2 of 4 experts each
@@ -19,6 +21,7 @@ ALL_FAMILIES = FAMILIES + MOE_FAMILIES
 
 
 def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
+    preload_torchao()  # transformers imports it
     import transformers
 
     heads, layers, positions = 4, 2, 64
@@ -104,6 +107,7 @@ def make_model(family: str, vocab_size: int, hidden_size: int = 32, window: int 
                eos: int | None = None, seed: int = 0):
     """A random ``family`` model from transformers' own classes (AutoModelForCausalLM.from_config)."""
     import torch
+    preload_torchao()  # transformers imports it
     import transformers
 
     special = {key: value for key, value in (("bos_token_id", bos), ("eos_token_id", eos))

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from parallel.tensor.fp8 import preload_torchao
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a few iterations, each logged, and a short sample at the end (pretrain's flags; the last one given wins)
@@ -192,6 +193,7 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ messa
 
 
 def _make_llama() -> None:
+    preload_torchao()  # transformers imports it
     import transformers
 
     from launch.examples.hf_families import make_model

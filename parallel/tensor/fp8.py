@@ -22,6 +22,15 @@ RECIPES = ("tensorwise", "rowwise")
 ALIGNMENT = 16
 
 
+def preload_torchao() -> None:
+    """torchao imported now, without its start-up chatter, where it is installed: transformers imports it
+    as it builds a model, and its lines would reach the console of every tool that builds one."""
+    try:
+        torchao_float8()
+    except ImportError:
+        pass
+
+
 def torchao_float8():
     """``torchao.float8``, imported without its start-up chatter (its CUDA extensions that a CPU build of
     torch cannot load, an enum it registers twice with torch): the run's own line says what fp8 does. Raises

@@ -48,12 +48,11 @@ class NoParameters:
         pass
 
     def state_dict(self) -> dict:
-        return {"state": {}, "param_groups": []}
+        return {"state": self.state, "param_groups": self.param_groups}
 
     def load_state_dict(self, state: dict) -> None:
         if state["state"] or state["param_groups"]:
-            raise ValueError("it holds optimizer states for parameters this rank does not have (another "
-                             "model or layout?)")
+            raise ValueError("it holds states of parameters this rank lacks (another model or layout?)")
 
 
 class ZeroOptimizer:
@@ -197,8 +196,7 @@ class ZeroOptimizer:
                                      module_device(self.module))
 
     def parameter_norm(self) -> float:
-        """L2 norm of the fp32 master weights over the whole model (Megatron's --log-params-norm); a
-        collective over data and model parallelism."""
+        """L2 norm of the fp32 masters over the whole model (--log-params-norm): a collective over dp x mp."""
         return self.master_norm_squared().sqrt().item()
 
     def reduced_gradients(self) -> list[torch.Tensor]:

@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         for f in group_fields:
             base, _, is_list = _field_type(f)
             kwargs = {"help": f.metadata.get("help", "") + _default_text(f)}
-            if base is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
+            if base is bool:  # a switch named --no-X is only a switch: argparse would read it as X's "off"
+                kwargs["action"] = ("store_true" if f.name.startswith("no_")
+                                    else argparse.BooleanOptionalAction)
             else:
                 kwargs["type"] = base
                 if is_list:

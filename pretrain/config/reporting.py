@@ -43,7 +43,8 @@ class ProfilingConfig:
         "trace the steps after --profile-step-start up to --profile-step-end on --profile-ranks: with "
         "--use-pytorch-profiler a torch.profiler trace per rank under --tensorboard-dir (TensorBoard and "
         "Perfetto read it), else (GPUs) nsys's capture range and NVTX ranges"))
-    profile_step_start: int = field(default=10, metadata=flag("steps done before the traced ones"))
+    profile_step_start: int = field(default=10, metadata=flag(
+        "steps done before the traced ones (the torch profiler warms up on the last of them)"))
     profile_step_end: int = field(default=12, metadata=flag("the last traced step (1-based, as logged)"))
     profile_ranks: list[int] = field(default_factory=lambda: [0], metadata=flag("global ranks to trace"))
     use_pytorch_profiler: bool = field(default=False, metadata=flag("trace with torch.profiler"))

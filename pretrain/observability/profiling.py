@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import tempfile
+import warnings
 
 import torch
 
@@ -44,19 +47,24 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     def step_begin(self, iteration: int) -> None:
-        """Before step ``iteration`` (1-based): the first traced one starts the profiler."""
-        if self.traced and iteration == self.settings.profile_step_start + 1 and self._active is None:
+        """Before step ``iteration`` (1-based): the torch profiler starts one step before the first traced
+        one (its warm-up, as Megatron's), nsys's capture range with the first traced one."""
+        start, torch_profiler = self.settings.profile_step_start, self.settings.use_pytorch_profiler
+        warmup = 1 if torch_profiler and start > 0 else 0
+        if self.traced and iteration == start + 1 - warmup and self._active is None:
             self._active = contextlib.ExitStack()
-            if self.settings.use_pytorch_profiler:
+            if torch_profiler:
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if self.device.type == "cuda":
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                 handler = torch.profiler.tensorboard_trace_handler(self.directory,
                                                                    worker_name=f"rank{self.rank}")
-                steps = self.settings.profile_step_end - self.settings.profile_step_start
-                self._profile = self._active.enter_context(torch.profiler.profile(
-                    activities=activities, record_shapes=True, on_trace_ready=handler,
-                    schedule=torch.profiler.schedule(wait=0, warmup=0, active=steps, repeat=1)))
+                steps = self.settings.profile_step_end - start
+                with warnings.catch_warnings(), _without_kineto_lines():  # tracing from step 1 has no
+                    warnings.filterwarnings("ignore", "Profiler won't be using warmup")  # step to warm up on
+                    self._profile = self._active.enter_context(torch.profiler.profile(
+                        activities=activities, record_shapes=True, on_trace_ready=handler,
+                        schedule=torch.profiler.schedule(wait=0, warmup=warmup, active=steps, repeat=1)))
             else:
                 torch.cuda.cudart().cudaProfilerStart()
                 self._active.callback(torch.cuda.cudart().cudaProfilerStop)
@@ -72,7 +80,8 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
             torch.cuda.nvtx.range_pop()
         if self._profile is not None:  # each traced step a ProfilerStep#N range of its own
-            self._profile.step()
+            with _without_kineto_lines():
+                self._profile.step()
         if iteration >= self.settings.profile_step_end:
             self._stop()
 
@@ -88,6 +97,29 @@ class StepProfiler:
     def _stop(self) -> None:
         if self._active is not None:
             active, self._active, self._profile = self._active, None, None
-            active.close()
+            with _without_kineto_lines():
+                active.close()
             if self.settings.use_pytorch_profiler:
                 print(f"rank {self.rank}: profiler trace written under {self.directory}", flush=True)
+
+
+@contextlib.contextmanager
+def _without_kineto_lines():
+    """Kineto's lines as its profiler starts and stops ("USDT: ... profiler_start", "STAGE: ..."), which its
+    C++ logger writes to the process's stderr whatever KINETO_LOG_LEVEL says, kept off the console: stderr
+    is caught in a file meanwhile and every other line written on after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True)
+                    if not line.startswith((b"USDT:", b"STAGE:"))]
+            if kept:
+                os.write(2, b"".join(kept))

@@ -55,7 +55,8 @@ def test_bad_partitions_name_the_flags(args, message):
 @pytest.mark.parametrize("args, message", [
     (("interleaved", 3, 2, 2), "multiple of --pipeline-model-parallel-size 2"),
     (("interleaved", 2, 4, 2), "needs the micro-batches per step"),
-    (("1f1b", 4, 2, 2), "--virtual-pipeline-size 2 needs --pipeline-schedule interleaved"),
+    (("1f1b", 4, 2, 2), "--virtual-pipeline-size 2 runs 2 model chunks per stage: it needs "
+                        "--pipeline-schedule interleaved"),
 ])
 def test_bad_schedules_name_the_flags(args, message):
     with pytest.raises(ValueError, match=message):

@@ -62,9 +62,13 @@ def test_expert_groups_equal_megatron_cores_expert_rank_generator():
                     assert sorted(topology.groups("pp")) == sorted(oracle.get_ranks("pp"))
                     checked += 1
     assert checked > 700
-    with pytest.raises(ValueError, match="world size 6 is not divisible by --expert-tensor-parallel-size 1 x "
-                                         "--expert-model-parallel-size 4"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by --expert-tensor-parallel-size 1 "
+                                         r"\(not given: it defaults to --tensor-model-parallel-size; give "
+                                         r"it, e.g. 1\) x --expert-model-parallel-size 4"):
         Topology(6, ep=4)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by --expert-tensor-parallel-size 1 "
+                                         "x"):
+        Topology(6, ep=4, etp=1)  # given: named as given
     assert Topology(8, tp=2, ep=2).expert_tp == 2 and Topology(8, tp=2, ep=2, etp=1).edp == 4
 
 

@@ -182,7 +182,8 @@ def test_damaged_checkpoints_are_refused_naming_the_file(stdlib_corpus, tmp_path
 
 def test_an_unfinished_save_never_becomes_latest(stdlib_corpus, tmp_path):
     directory = str(tmp_path / "ckpt")
-    run_world(1, _train, [["--train-iters", "2", "--save", directory]], stdlib_corpus)
+    run_world(1, _train, [["--train-iters", "2", "--lr-decay-iters", "10", "--save", directory]],
+              stdlib_corpus)
     os.makedirs(os.path.join(directory, "iter_0000004.tmp"))  # a save that died half-way
     open(os.path.join(directory, "iter_0000004.tmp", "rank_00000.pt"), "wb").write(b"partial")
     checkpoint, manifest = read_manifest(directory)
@@ -277,11 +278,14 @@ def test_fine_tuning_flags_load_weights_only_or_keep_the_position(stdlib_corpus,
                ["--train-iters", "3", "--load", saved, "--finetune"],
                ["--train-iters", "3", "--load", str(tmp_path / "empty"), "--pretrained-checkpoint", saved],
                ["--train-iters", "6", "--load", saved, "--no-load-optim", "--no-load-rng"],
+               ["--train-iters", "6", "--load", saved, "--override-opt_param-scheduler"],
                ["--train-iters", "3"]]
-    (pretrained, finetuned, fallback, kept, fresh), = run_world(1, _train, layouts, stdlib_corpus)
+    (pretrained, finetuned, fallback, kept, resumed, fresh), = run_world(1, _train, layouts, stdlib_corpus)
     assert len(finetuned[0]) == len(fallback[0]) == 3 and finetuned[0] == fallback[0]
     assert finetuned[0][0] < fresh[0][0] - 0.1  # the trained weights, on the run's first batch again
     assert len(kept[0]) == 2  # iterations 5 and 6
+    # the same weights and batch at iteration 5; then Adam's fresh moments take another step than the saved
+    assert kept[1][0] == resumed[1][0] and kept[0][1] != resumed[0][1]
 
 
 def test_a_shape_flag_that_contradicts_the_checkpoint_is_refused(stdlib_corpus, tmp_path):
@@ -298,7 +302,8 @@ def test_a_shape_flag_that_contradicts_the_checkpoint_is_refused(stdlib_corpus, 
                        match=f"--hidden-size 128 contradicts the checkpoint {saved}/iter_0000001, "
                                           "whose model has 64"):
         validate(config, 1)
-    inherited = parse_config(["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved])
+    inherited = parse_config(["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved,
+                              "--use-checkpoint-opt_param-scheduler"])  # its rates, not the defaults
     validate(inherited, 1)
     assert (inherited.model.hidden_size, inherited.model.num_layers) == (64, 4)  # no shape flags needed
 

@@ -228,7 +228,8 @@ def test_a_checkpoint_resumes_on_other_process_counts_with_its_batch_or_a_new_on
     """The 2-process job's checkpoint 4 (global batch 8) resumed without a batch flag on 1 and on 4
     processes keeps its batch (Megatron's default, micro-batch x dp, would change with the process count)
     and ends where the job ended, within the fp32 bound of another reduction order; with
-    --global-batch-size 16 on 4 it continues from sample 32 in batches of 16 to iteration 8. A kept batch
+    --global-batch-size 16 on 4 (and --override-opt_param-scheduler: the iteration-based schedule's lengths
+    count the new batch's samples) it continues from sample 32 in batches of 16 to iteration 8. A kept batch
     the new layout cannot divide is refused naming --global-batch-size."""
     from tests.parity import TRAJECTORY_RTOL, assert_within, relative_error
 
@@ -239,8 +240,9 @@ def test_a_checkpoint_resumes_on_other_process_counts_with_its_batch_or_a_new_on
                                          "--data-cache-dir", f"{prefix}-cache", "--train-iters", "8",
                                          "--load", reference_directory, "--ckpt-step", "4",
                                          "--log-interval", "1"]
-    for nproc, extra in ((1, []), (4, []), (4, ["--global-batch-size", "16"])):
-        name = f"{nproc}-{''.join(extra[1:]) or 'kept'}"
+    new_batch = ["--global-batch-size", "16", "--override-opt_param-scheduler"]
+    for nproc, extra in ((1, []), (4, []), (4, new_batch)):
+        name = f"{nproc}-{''.join(extra[1:2]) or 'kept'}"
         command = [sys.executable, "-m", "launch.torchrun", "--nproc", str(nproc), *flags, *extra,
                    "--save", str(tmp_path / name), "--metrics-file", str(tmp_path / f"{name}.jsonl")]
         job = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=300,

@@ -284,6 +284,7 @@ def test_compiled_layers_reproduce_the_single_process_run(reference, stdlib_corp
                       ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--recompute-granularity",
                        "full", "--offload-optimizer", "cpu", *COMPILED]])
     for rank_results in run_world(2, _train, layouts, stdlib_corpus):
-        for (losses, norms, _, _, _, unexpected), name in zip(rank_results, ("tp2+SP", "pp2 vp2", "ZeRO-3")):
+        for (losses, norms, _, _, _, unexpected, _), name in zip(rank_results,
+                                                                 ("tp2+SP", "pp2 vp2", "ZeRO-3")):
             _assert_same_trajectory((losses, norms), reference, f"compiled {name}")
             assert not unexpected, (name, unexpected)

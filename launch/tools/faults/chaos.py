@@ -26,6 +26,7 @@ import threading
 import time
 
 from launch.torchrun import IN_PROCESS
+from launch.help_text import help_description
 
 REPOSITORY = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the repository
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -169,7 +170,7 @@ def report(rows: list[dict], summary: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.chaos", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.chaos", description=help_description(__doc__))
     parser.add_argument("--faults", type=int, default=20, help="faults, one per start (default 20)")
     parser.add_argument("--iterations", type=int, default=300, help="--train-iters of the job (default 300)")
     parser.add_argument("--save-interval", type=int, default=10,

@@ -53,6 +53,7 @@ import numpy as np
 from launch.tools.scaling.scaling_fits import (FitError, Runs, approach1, approach2, approach3, bootstrap,
                                                optimal_points)
 from launch.tools.scaling.scaling_plots import plot_all
+from launch.help_text import help_description
 
 
 def read_runs(path: str, loss_column: str = "val_loss",
@@ -172,7 +173,8 @@ def _log_to_wandb(table: str, result: dict, output: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.scaling_law", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m launch.scaling_law",
+                                     description=help_description(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fitting = commands.add_parser("fit", help="fit the three approaches to a results table")

@@ -52,6 +52,7 @@ from launch.tools.scaling.isoflop import FLOPS_FORMULA, generated_models, plan_b
 from models.counting import flops_per_token, non_embedding_parameters, num_parameters
 from models.config import GPTConfig
 from pretrain.config.arguments import parse_config
+from launch.help_text import help_description
 
 COLUMNS = ["run", "model", "layout", "lr", "seed", "budget", "train_iters", "parameters",
            "non_embedding_parameters", "final_loss", "val_loss", "tokens", "flops", "tokens_per_s",
@@ -214,7 +215,7 @@ def plot(sweep: dict, table: str, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m launch.sweep", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m launch.sweep", description=help_description(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("sweep", help="the sweep's YAML file")
     args = parser.parse_args(argv)
