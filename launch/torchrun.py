@@ -71,6 +71,10 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun with ``torchrun_args`` here; return the job's exit status (see the module)."""
     import logging
 
+    # c10's warnings (a store client's retries with their C++ stack, a socket's poll timeout) before the
+    # workers' own lines name what failed; set before torch loads here, inherited by every worker
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError

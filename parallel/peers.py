@@ -135,6 +135,29 @@ def process_state(pid: int) -> str:
     return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "")
 
 
+def local_workers() -> list[tuple[int, int]]:
+    """(global rank, pid) of the other workers this process's launcher started (the children of its parent
+    that run under the same TORCHELASTIC_RUN_ID), read from /proc; none without a launcher."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None or not os.path.isdir("/proc"):
+        return []
+    parent, me, found = os.getppid(), os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environment = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError, IndexError):  # it ended meanwhile, or is not ours to read
+            continue
+        if environment.get(b"TORCHELASTIC_RUN_ID") == run.encode() and b"RANK" in environment:
+            found.append((int(environment[b"RANK"]), int(entry)))
+    return sorted(found)
+
+
 @dataclass
 class Survey:
     """Every other rank, looked at twice some seconds apart; ``unreachable`` when the store did not answer

@@ -64,6 +64,19 @@ def _stalled(config):
     return on_stall
 
 
+def _start_stalled(config):
+    """The start-up deadline's answer to a start that did not finish: say who the rank waits for (one rank
+    of the node says it), exit 1."""
+    def on_expiry(phase: str, who: str, says: bool) -> None:
+        if says:
+            say(f"the start did not finish within {_timeout_flag(config)} ({phase}): {who}; the run stopped"
+                f"{_resume(config)}")
+        else:
+            time.sleep(5)  # the rank that says it speaks before the launcher tears the job down
+        _exit(1)
+    return on_expiry
+
+
 def _exit(status: int) -> None:
     """Exit at once after an error, the output flushed: the process groups' threads must not meet the
     interpreter's teardown (a rank could end by SIGABRT after its error was said), and an orderly
@@ -78,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     # same bad input) waits: the rank that says the error must live to say it. Torch is imported after this.
     terminated: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10 warnings: our lines say what failed
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from pretrain.config.arguments import ConfigError, parse_config
     from pretrain.startup.validation import validate
@@ -98,16 +112,32 @@ def main(argv: list[str] | None = None) -> None:
     from pretrain.checkpoint.catalog import CheckpointError
     from pretrain.checkpoint.checkpointer import LoadError, SaveError
     from pretrain.startup.preflight import PreflightError, agree, local_problems
+    from parallel.startup_deadline import StartupDeadline
     from parallel.watchdog import HangWatchdog
     from pretrain.training.trainer import Trainer
 
     # Ctrl-C reaches every worker (and the launcher, which passes it on): end at once without a traceback,
     # unless --save, where the trainer's RunControl takes it over to save and stop after the step
     signal.signal(signal.SIGINT, lambda signum, frame: _exit(128 + signum))
-    device = init_distributed(config.parallel.distributed_timeout_s)
-    watchdog = HangWatchdog(config.parallel.distributed_timeout_s, _stalled(config))
+    timeout_s = config.parallel.distributed_timeout_s
+    deadline = StartupDeadline(timeout_s, _start_stalled(config))
+    try:  # every phase of the start ends within the timeout, naming whom it waits for
+        device = init_distributed(timeout_s)
+        deadline.at("registering with the hang watchdog through the job's store")
+        watchdog = HangWatchdog(timeout_s, _stalled(config))
+        deadline.at("the first collective: the ranks' pre-flight checks")
+        problems = local_problems(config, topology, rank)
+        agree(problems, as_axis_group(None, axis="world"), device)
+    except RuntimeError as error:
+        if not any(text in str(error) for text in COMMUNICATION_FAILURES):
+            raise
+        deadline.expire()
+    except PreflightError as error:  # every rank raised it alike
+        if rank == 0:
+            say(str(error))
+        _exit(2)
+    deadline.finished()  # the hang watchdog watches from here on
     try:
-        agree(local_problems(config, topology, rank), as_axis_group(None, axis="world"), device)
         Trainer(config, topology, device, watchdog).train()
     except (PreflightError, SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
         if rank == 0:

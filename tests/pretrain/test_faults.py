@@ -206,6 +206,27 @@ def test_a_failed_save_ends_every_rank_with_one_line_and_keeps_the_previous_chec
             and lines == [])
 
 
+@pytest.mark.slow
+def test_a_rank_stopped_as_the_world_forms_is_named_within_the_timeout_and_the_restart_trains(
+        stdlib_corpus, tmp_path, reference_job):
+    """Start-up is bounded as training is: rank 0 (whose process holds the job's store) stops once the
+    process groups have formed, then, in the restarted world, rank 1 stops before it joins them; each time
+    the other names it as hung within the 6 s timeout (not after the store's own 300 s), the launcher
+    restarts, and the third world trains to the reference's end."""
+    job, seconds, lines, _ = _job(stdlib_corpus, tmp_path, "startup", max_restarts=2,
+                                  die_at="startup:2@0,startup:1@1", timeout_s=6)
+    assert job.returncode == 0 and seconds < 120, (job.returncode, seconds, job.stderr[-3000:])
+    said = [line for line in job.stderr.splitlines() if "the start did not finish" in line]
+    assert len(said) == 2 and not [line for line in job.stderr.splitlines()
+                                   if line.startswith(("[W", "[E", "Traceback"))], job.stderr
+    for line, rank, phase in zip(said, (0, 1), ("registering with the hang watchdog through the job's store",
+                                                "joining the job's store and forming the process groups")):
+        assert line.startswith(f"error: the start did not finish within --distributed-timeout-s 6 ({phase}): "
+                               f"rank {rank} (pid "), line
+        assert ") hung (stopped: SIGSTOP or a debugger); the run stopped" in line, line
+    assert lines[-1]["iteration"] == 8 and lines[-1]["loss"] == reference_job[1]  # the same run, exactly
+
+
 def test_a_rank_stopped_inside_a_collective_is_named_as_hung_at_the_timeout(stdlib_corpus, tmp_path):
     """Rank 1 stops (SIGSTOP) as it enters a collective of iteration 5, the other waiting inside it: rank 0
     names it as hung (stopped), with what it was last doing, once the 10 s timeout passes; the launcher

@@ -4,7 +4,9 @@ one rank dies by SIGKILL on its first start (torchrun's restart count 0), at ``D
 collective of iteration N, the others waiting inside it), ``hangcollective:N`` (it stops there, SIGSTOP),
 ``save:N`` (right after writing its file of checkpoint N, before the others finished theirs) or
 ``hang:N`` (it stops, SIGSTOP, as iteration N begins: alive but silent) or ``full:N`` (as iteration N
-begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next save). Rank
+begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next save) or ``startup:1`` (it
+stops, SIGSTOP, before it joins the job's store and the process groups) or ``startup:2`` (it stops once the
+process groups have formed, before the first collective). Rank
 ``DIE_RANK`` dies; a restarted job does not. Faults in a save's writer (an asynchronous save's
 thread): ``write:N`` (before its first byte), ``midfile:N`` (part of its file written), ``publish:N``
 (every file written, before rank 0 publishes: give DIE_RANK 0), ``fullsave:N`` (its file may grow to
@@ -41,7 +43,9 @@ def _log() -> None:
 def _arm(kind: str, number: int) -> None:
     from pretrain.training.trainer import Trainer
 
-    if kind in ("iteration", "hang", "full", "collective", "hangcollective"):
+    if kind == "startup":
+        _arm_startup(number)
+    elif kind in ("iteration", "hang", "full", "collective", "hangcollective"):
         train_step, started = Trainer.train_step, [0]
 
         def dying_step(self, batches, measure=True):
@@ -59,6 +63,22 @@ def _arm(kind: str, number: int) -> None:
         Trainer.train_step = dying_step
     else:
         _arm_writer(kind, number)
+
+
+def _arm_startup(point: int) -> None:
+    """Stop (SIGSTOP) before the process groups form (1) or right after (2)."""
+    from parallel import process_groups
+
+    init = process_groups.init_distributed
+
+    def stopping_init(*args, **kwargs):
+        if point == 1:
+            _die(signal.SIGSTOP)
+        device = init(*args, **kwargs)
+        if point == 2:
+            _die(signal.SIGSTOP)
+        return device
+    process_groups.init_distributed = stopping_init
 
 
 def _arm_collective(how: int) -> None:
