@@ -66,20 +66,25 @@ def reduce_model_parallel_grad(param: nn.Parameter, grad: torch.Tensor, groups: 
         comm.all_reduce(grad, groups.embedding)
 
 
-SMALLEST_STAGED_BUCKET = 1 << 20  # elements: below this a bucket's collective costs more than its memory
+SMALLEST_BUCKET = 1 << 20  # elements: below this a bucket's collective costs more than it overlaps or saves
+OVERLAPPED_BUCKETS = 4  # a buffer is cut into at least this many: the first reduces while backward goes on
 
 
-def staged_bucket_size(bucket_size: int, numel: int, dp: int) -> int:
-    """Stage 2's bucket size for a flat buffer of ``numel`` elements: at most ``bucket_size``, and small
-    enough that its two staging slots hold at most half of the gradient memory that sharding saves
-    ((dp - 1) / dp of the buffer), so that stage 2 holds less than stage 1; never below
-    ``SMALLEST_STAGED_BUCKET`` (a buffer of fewer than ~8M elements keeps two slots of 4 MB of fp32:
-    more, smaller collectives would cost latency for memory that does not matter). (A bucket closes at
-    the first parameter that reaches the size, so a single larger parameter still gets a bucket, and a
-    slot, of its own: a model made mostly of one huge weight saves less.)"""
+def bucket_size_for(bucket_size: int, numel: int, dp: int, stage: int) -> int:
+    """The bucket size of a flat buffer of ``numel`` elements: at most ``bucket_size``, and at most a
+    ``OVERLAPPED_BUCKETS``-th of the buffer, so that its reductions overlap backward at every model size
+    (as DDP's 25 MB buckets do; a buffer within one bucket reduces after backward, all of it exposed). At
+    stage 2 also small enough that its two staging slots hold at most half of the gradient memory that
+    sharding saves ((dp - 1) / dp of the buffer), so that stage 2 holds less than stage 1. Never below
+    ``SMALLEST_BUCKET`` (4 MB of fp32: more, smaller collectives would cost latency for overlap and memory
+    that do not matter). (A bucket closes at the first parameter that reaches the size, so a single larger
+    parameter still gets a bucket, and a slot, of its own.)"""
     if dp == 1:
         return bucket_size
-    return min(bucket_size, max(SMALLEST_STAGED_BUCKET, numel * (dp - 1) // (4 * dp)))
+    share = -(-numel // OVERLAPPED_BUCKETS)
+    if stage == 2:
+        share = min(share, numel * (dp - 1) // (4 * dp))
+    return min(bucket_size, max(SMALLEST_BUCKET, share))
 
 
 class GradientSync:

@@ -8,17 +8,18 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ZeroOptions:
     """The settings of one ZeRO optimizer: stage, buckets, clipping, stage-3 sharding, offload,
-    precision and the ZeRO++ / MiCS switches, with the trainer's flag for each.
+    precision and the ZeRO++ / MiCS switches, with the trainer's flag for each; the defaults are the
+    trainer's (its flags take them from here), clipping aside.
 
     Owns the rules of which settings a stage can take (``check``); it never holds a process group
     or a tensor (``ZeroGroups`` holds the groups).
     """
 
     stage: int = 0  # --zero-stage
-    bucket_size: int = 40_000_000  # --zero-bucket-size: elements per fused collective
-    clip_grad: float = 0.0  # --clip-grad: max global norm, 0 for none
+    bucket_size: int = 20_000_000  # --zero-bucket-size: elements per fused collective (at most)
+    clip_grad: float = 0.0  # --clip-grad: max global norm, 0 for none (as a torch optimizer; the flag: 1.0)
     persistence_threshold: int = 100_000  # --zero-persistence-threshold: stage 3 keeps smaller ones whole
-    prefetch_budget: int | None = 0  # --zero-prefetch-budget: gathered elements alive; None: two units
+    prefetch_budget: int | None = None  # --zero-prefetch-budget: gathered elements alive; None: two units
     offload_optimizer: str = "none"  # --offload-optimizer: none, cpu or nvme
     offload_param: str = "none"  # --offload-param: none or nvme (stage 3)
     nvme_path: str | None = None  # --nvme-path: the swap files' directory

@@ -74,3 +74,18 @@ class ParameterUnit:
         for param in self.params:
             param.data = self.views[param]
         return self.full.data  # a fresh version counter: writing it never invalidates saved tensors
+
+
+def default_prefetch_budget(units: list[ParameterUnit]) -> int:
+    """Room for the modules whose units enclose others' (a model's embedding and head around its blocks:
+    gathered all through its forward) and for two of the largest other modules (all of a module's units,
+    one per dtype and optimizer group), so that the next one is gathered while one computes. (A fixed
+    count of units would stop prefetching altogether once one block outgrows it; twice the largest unit
+    would, once the enclosing one is the largest or a block holds several units.)"""
+    sizes: dict[nn.Module, int] = {}
+    for unit in units:
+        sizes[unit.module] = sizes.get(unit.module, 0) + unit.numel
+    enclosing = [module for module in sizes
+                 if any(inner is not module and inner in sizes for inner in module.modules())]
+    rest = [size for module, size in sizes.items() if module not in enclosing]
+    return sum(sizes[module] for module in enclosing) + 2 * max(rest, default=0)

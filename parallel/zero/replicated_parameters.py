@@ -17,7 +17,7 @@ from parallel.comm import AxisGroup
 from parallel.quantization import weight_all_gather
 from parallel.zero.flat_parameter_buffer import FlatParameterBuffer
 from parallel.zero.grad_sync import (GradientSync, ModelParallelGroups, needs_model_parallel_reduction,
-                                     staged_bucket_size)
+                                     bucket_size_for)
 from parallel.zero.masters import MasterShards
 
 
@@ -42,8 +42,7 @@ class ReplicatedParameters:
         for index, params in enumerate(groups):
             for dtype in sorted({p.dtype for p in params}, key=str):
                 members = [p for p in params if p.dtype == dtype]
-                size = staged_bucket_size(bucket_size, sum(p.numel() for p in members), dp.size) \
-                    if stage >= 2 else bucket_size
+                size = bucket_size_for(bucket_size, sum(p.numel() for p in members), dp.size, min(stage, 2))
                 self.buffers.append(FlatParameterBuffer(members, size,
                                                         dp.size if stage > 0 else 1, keep_grad=stage < 2,
                                                         deferred=needs_model_parallel_reduction,

@@ -42,7 +42,7 @@ from parallel.comm import AxisGroup
 from parallel.quantization import weight_all_gather
 from parallel.zero.flat_parameter_buffer import pieces_within
 from parallel.zero.masters import MasterShards
-from parallel.zero.parameter_unit import ParameterUnit
+from parallel.zero.parameter_unit import ParameterUnit, default_prefetch_budget
 from parallel.zero.shard_reduce_scatter import ShardReduceScatter
 from parallel.zero.swap import SwapSpace
 
@@ -73,9 +73,7 @@ class ShardedParameters:
         self._shards_resident = False  # swapped shards read back in (a checkpoint is saved or loaded)
         self.units = [ParameterUnit(i, name, module, params, group, dp, device)
                       for i, (name, module, params, group) in enumerate(units)]
-        # None: room for the two largest units, so the next one is gathered while one computes (a fixed
-        # count would stop prefetching altogether once one block outgrows it)
-        self.prefetch_budget = 2 * max((u.numel for u in self.units), default=0) if prefetch_budget is None \
+        self.prefetch_budget = default_prefetch_budget(self.units) if prefetch_budget is None \
             else prefetch_budget
         self.shards: dict[torch.dtype, torch.Tensor] = {}
         self.grad_shards: dict[torch.dtype, torch.Tensor] = {}
@@ -397,3 +395,4 @@ class ShardedParameters:
         for shard in self.grad_shards.values():
             shard.zero_()
         self._position = 0
+

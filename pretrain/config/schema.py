@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from data.tokenizers.spec import TOKENIZER_TYPES, TokenizerSpec
 from models.config import GPTConfig, flag
 from parallel.recompute import RECOMPUTE_MODULES
+from parallel.zero.options import ZeroOptions
 from pretrain.config.reporting import LoggingConfig, ProfilingConfig
 
 
@@ -96,11 +97,12 @@ class ZeroConfig:
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "under --bf16, accumulate and reduce gradients in bf16 (half the gradient memory and traffic) "
         "instead of in fp32 main gradients (the default, as Megatron's)"))
-    zero_bucket_size: int = field(default=20_000_000,
-                                  metadata=flag("elements per fused communication bucket"))
-    zero_persistence_threshold: int = field(default=100_000, metadata=flag(
+    zero_bucket_size: int = field(default=ZeroOptions.bucket_size, metadata=flag(
+        "elements per fused communication bucket at most (a flat buffer is cut into at least 4, so that its "
+        "reductions overlap backward at any model size)"))
+    zero_persistence_threshold: int = field(default=ZeroOptions.persistence_threshold, metadata=flag(
         "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
-    zero_prefetch_budget: int | None = field(default=None, metadata=flag(
+    zero_prefetch_budget: int | None = field(default=ZeroOptions.prefetch_budget, metadata=flag(
         "stage 3: elements of gathered parameters allowed alive at once when prefetching the next modules "
         "(default: twice the largest unit, so the next block is always gathered while one computes)"))
     offload_optimizer: str = field(default="none", metadata=flag(

@@ -74,7 +74,8 @@ def _stages_world(rank, world_size, cases):
         whole = sum(p.numel() for p in model.parameters() if p.numel() <= 16)
         module, optimizer = zero.initialize(model, _adam,
                                             zero.ZeroOptions(stage=stage, bucket_size=bucket_size,
-                                                             clip_grad=0.5, persistence_threshold=16),
+                                                             clip_grad=0.5, persistence_threshold=16,
+                                                             prefetch_budget=0),  # the formulas' case
                                             groups.dp, param_groups=_groups(model), unit_modules=list(model))
         micro = 4 // world_size
         _train(module, optimizer, _data(5, 8), rank, world_size, micro_batches=micro)
@@ -119,7 +120,8 @@ def _bf16_bytes(rank, world_size):
             model = _model(width=1024, dtype=torch.bfloat16)
             module, optimizer = zero.initialize(model, _adam,
                                                 zero.ZeroOptions(stage=stage, bucket_size=100_000,
-                                                                 main_grads_in_fp32=fp32_grads), groups.dp,
+                                                                 main_grads_in_fp32=fp32_grads,
+                                                                 prefetch_budget=0), groups.dp,
                                                 unit_modules=list(model))
             _train(module, optimizer, _data(1, 8), rank, world_size, micro_batches=1)
             groups.stats.reset()

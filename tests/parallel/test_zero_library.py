@@ -6,6 +6,8 @@ project but ``parallel.zero``: no group objects (the world group, or a torch Pro
 (stage 3 finds the blocks), torch's ``zero_grad(set_to_none=True)``, and a state_dict round trip.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,3 +110,30 @@ def test_zero_initialize_on_a_plain_torch_gpt_at_every_stage_without_project_obj
             assert_tensors_close(params, weights, case)
             if stage == 3:
                 assert units >= 3, case  # the three blocks found as units (and the rest)
+
+
+def test_the_librarys_defaults_are_the_trainers_and_overlap_at_every_model_size():
+    """zero.initialize with ZeroOptions() runs as the trainer's flags do by default (stage 3 prefetches,
+    buckets of the same size), its buckets cut a model into several at any size, as DDP's 25 MB ones do (a
+    23M-parameter GPT in one 40M-element bucket reduced after backward, nothing overlapped), and stage 3's
+    default budget leaves room to prefetch a block beside the embedding and head that enclose them."""
+    from parallel.zero.grad_sync import OVERLAPPED_BUCKETS, bucket_size_for
+    from parallel.zero.parameter_unit import default_prefetch_budget
+    from pretrain.config.arguments import parse_config
+    from pretrain.training.build import zero_options
+
+    trainer = zero_options(parse_config(["--zero-stage", "0"]))  # clipping aside: a torch optimizer clips
+    assert dataclasses.replace(trainer, clip_grad=0.0) == zero.ZeroOptions()  # nothing, Megatron at 1.0
+    defaults = zero.ZeroOptions()
+    for numel in (23_000_000, 350_000_000, 7_000_000_000):
+        for stage in (0, 1, 2):
+            size = bucket_size_for(defaults.bucket_size, numel, 2, stage)
+            assert size <= defaults.bucket_size and -(-numel // size) >= OVERLAPPED_BUCKETS, (numel, stage)
+    assert bucket_size_for(defaults.bucket_size, 2_000_000, 2, 1) == 1 << 20  # no bucket below 4 MB
+
+    class Unit:  # what the budget reads of a ParameterUnit
+        def __init__(self, module, numel):
+            self.module, self.numel = module, numel
+    model = PlainGPT(vocab=4096, width=32)  # the embedding and head (131k) outweigh a block (13k)
+    units = [Unit(model, 131_072 + 512)] + [Unit(block, 12_704) for block in model.blocks]
+    assert default_prefetch_budget(units) == 131_072 + 512 + 2 * 12_704

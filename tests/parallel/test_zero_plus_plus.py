@@ -77,6 +77,7 @@ def _zero_plus_plus(rank, world_size):
         model = _model(width=128)
         stage = case.get("stage", 3)
         options = zero.ZeroOptions(stage=stage, bucket_size=5000, persistence_threshold=0,
+                                   prefetch_budget=0,  # no unit kept: each gathered 4 times a step
                                    quantized_weights=case.get("quantized_weights", False),
                                    quantized_gradients=case.get("quantized_gradients", False),
                                    hpz_partition_size=2 if case.get("secondary") else 1,

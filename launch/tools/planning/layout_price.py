@@ -17,7 +17,7 @@ from parallel.param_meta import meta
 from parallel.topology import Topology
 from parallel.zero import gradient_bytes, optimizer_state_bytes
 from parallel.zero.memory import expected_profile_state_bytes, parameter_profile
-from parallel.zero.grad_sync import staged_bucket_size
+from parallel.zero.grad_sync import bucket_size_for
 
 @dataclass(frozen=True)
 class Layout:
@@ -261,7 +261,7 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
     layer's activations in backward."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     block, params = _block_and_stage(config, layout)
-    slot = staged_bucket_size(bucket_size, params, layout.data_ranks) if layout.zero_stage == 2 else block
+    slot = bucket_size_for(bucket_size, params, layout.data_ranks, 2) if layout.zero_stage == 2 else block
     staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
     recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
@@ -283,13 +283,11 @@ def _block_and_stage(config: GPTConfig, layout: Layout) -> tuple[int, int]:
 def reused_elements(config: GPTConfig, layout: Layout) -> int:
     """Stage 3: the first stage's parameters that stay gathered from the end of a micro-batch's forward to
     its backward (``parallel.zero.sharded_parameters`` keeps what its prefetcher would gather right back,
-    within the default budget of twice the largest unit): the stage's own unit (embedding, head) and the
-    last layers that fit beside it."""
+    within the default budget, ``parameter_unit.default_prefetch_budget``: the enclosing unit and two
+    layers): the stage's own unit (embedding, head) and the last two layers."""
     block, params = _block_and_stage(config, layout)
     layers = layout.layers_on(0, config.num_layers)
-    own = params - layers * block
-    budget = 2 * max(block, own)
-    return own + min(layers, (budget - own) // block) * block if block else own
+    return params - layers * block + min(layers, 2) * block
 
 
 def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
