@@ -128,18 +128,18 @@ def main(argv: list[str] | None = None) -> None:
         deadline.at("the first collective: the ranks' pre-flight checks")
         problems = local_problems(config, topology, rank)
         agree(problems, as_axis_group(None, axis="world"), device)
+    except PreflightError as error:  # every rank raised it alike (a RuntimeError: caught first)
+        if rank == 0:
+            say(str(error))
+        _exit(2)
     except RuntimeError as error:
         if not any(text in str(error) for text in COMMUNICATION_FAILURES):
             raise
         deadline.expire()
-    except PreflightError as error:  # every rank raised it alike
-        if rank == 0:
-            say(str(error))
-        _exit(2)
     deadline.finished()  # the hang watchdog watches from here on
     try:
         Trainer(config, topology, device, watchdog).train()
-    except (PreflightError, SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
+    except (SaveError, LoadError, FloatingPointError) as error:  # every rank raised it alike
         if rank == 0:
             say(str(error))
         _exit(2)

@@ -131,6 +131,11 @@ def test_torchrun_takes_torchruns_spelling_of_the_process_count(monkeypatch):
                         "lists them)"),
     ("launch.tools.fault_sweep", "The cases' pretrain flags are fixed (python -m pretrain --help lists every "
                                  "flag); this command takes only the options below."),
+    # benchmarks whose first docstring line used to end mid-sentence
+    ("launch.bench.moe", "each run in a torchrun world of its own on the built-in corpus"),
+    ("launch.bench.pipeline", "on a plain-torch GPT of the same shape (its own world)."),
+    ("launch.bench.offload", "on a GPT whose optimizer states dominate its model states."),
+    ("launch.bench.checkpoint", "the memory a re-cut and a conversion take beyond the largest saved piece"),
 ])
 def test_help_describes_the_command_in_whole_sentences(module, says, capsys):
     with pytest.raises(SystemExit):
