@@ -1,37 +1,60 @@
 """All-gather attention (``--cp-comm-type allgather``): every rank gathers the whole sequence's K/V.
 
-Keys and values are all-gathered over the cp group in forward (each rank then holds all of them for
-the layer's attention) and their gradients reduce-scattered in backward; queries stay local. The
-simplest of the three, and the one whose memory grows with the whole sequence.
+Keys and values are all-gathered over the cp group in forward, and this rank's queries attend to each
+rank's block in turn (``zigzag_blocks``: the chunk pairs of ring attention, merged by their log-sum-exp,
+the same dropout masks in the same order). As Llama 3's all-gather context parallelism does, backward
+gathers the keys and values again instead of keeping them: only this rank's q, k, v, its output and
+log-sum-exp are kept (1/cp of the sequence, as ring attention keeps), the whole sequence's K/V is held only
+while a layer's attention runs, and no attention is computed twice. The fp32 dK/dV of every block are
+reduce-scattered back to their owners.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
 from parallel import comm
 from parallel.comm import AxisGroup
-from parallel.context.local_attention import ScoreOptions, attend, visible
-from parallel.context.sharding import token_indices
+from parallel.context.local_attention import ScoreOptions
+from parallel.context.zigzag_blocks import Queries, sources
 
 
-class _GatherSequence(torch.autograd.Function):
-    """x -> [cp, *x.shape], every rank's x; backward sums each rank's part of the gradient onto it."""
+def _gathered(k: torch.Tensor, v: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
+    """[source rank, 2, *k.shape]: every cp rank's keys and values."""
+    mine = torch.stack([k, v])
+    everyone = mine.new_empty((cp.size, *mine.shape))
+    comm.all_gather_into_tensor(everyone, mine, cp)
+    return everyone
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, options, dropout, rng, documents):
+        mine = Queries(q, cp.size, cp.rank, options, dropout, rng, documents)
+        out, lse = [None, None], [None, None]
+        everyone = _gathered(k, v, cp)
+        for source in sources(cp.size, cp.rank):
+            mine.forward(source, everyone[source, 0], everyone[source, 1], out, lse)
+        result = torch.cat(out, dim=3).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=3))
+        mine.q = None  # autograd keeps it
+        ctx.cp, ctx.mine = cp, mine
+        return result
 
     @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        out = x.new_empty((cp.size, *x.shape))
-        comm.all_gather_into_tensor(out, x.contiguous(), cp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        mine = grad.new_empty(grad.shape[1:])
-        comm.reduce_scatter_tensor(mine, grad.contiguous(), ctx.cp)
-        return mine, None
+    def backward(ctx, grad_output):
+        q, k, v, result, lse = ctx.saved_tensors
+        cp, mine = ctx.cp, ctx.mine
+        grad_output, delta, grad_q, keeps = mine.start_backward(q, grad_output, result)
+        everyone = _gathered(k, v, cp)  # again: not kept since forward
+        grad_everyone = torch.empty((cp.size, 2, *k.shape), dtype=torch.float32, device=k.device)
+        for source in sources(cp.size, cp.rank):
+            grad_everyone[source] = mine.backward(source, everyone[source, 0], everyone[source, 1],
+                                                  grad_output, result, lse, delta, grad_q, keeps)
+        grad_kv = grad_everyone.new_empty(grad_everyone.shape[1:])
+        comm.reduce_scatter_tensor(grad_kv, grad_everyone, cp)
+        return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype),
+                None, None, None, None, None)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup,
@@ -40,15 +63,4 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: A
     """Causal attention of this rank's queries q [b, G, Q, s, d] on the gathered k, v [b, G, s, d] (all in
     zig-zag order), scored as ``options`` say; ``documents`` [b, S]: attention stays within a document.
     Returns [b, G, Q, s, d]."""
-    n = cp.size
-    gathered = _GatherSequence.apply(torch.stack([k, v]), cp)  # [source rank, 2, b, G, s, d]
-    first, second = gathered.chunk(2, dim=-2)
-    whole = torch.cat([first[c] if c < n else second[2 * n - 1 - c] for c in range(2 * n)], dim=-2)
-    b, groups, queries, length, d = q.shape
-    # [b or 1, 1, s, S]: 4-D, the shape torch's fused kernels take (a 3-D mask falls back to the math
-    # path, which saves s x S)
-    mask = visible(token_indices(length * n, n, cp.rank, q.device), torch.arange(length * n, device=q.device),
-                   options.window, documents)
-    with rng.fork() if rng is not None and dropout > 0 else contextlib.nullcontext():
-        out = attend(q.flatten(1, 2), whole[0], whole[1], options, mask, dropout)
-    return out.view(b, groups, queries, length, d)
+    return _AllGatherAttention.apply(q, k, v, cp, options, dropout, rng, documents)

@@ -9,6 +9,7 @@ from models.config import GPTConfig
 from parallel.context import ContextParallel, ScoreOptions, context_attention, shard_sequence, token_indices
 from parallel.context.sharding import unshard_sequence
 from parallel.process_groups import create_process_groups
+from parallel.saved_activations import SavedActivationMeter
 from parallel.topology import Topology
 from tests.parity import ONE_STEP_RTOL, assert_tensors_close
 from tests.world import run_world
@@ -64,7 +65,7 @@ def _attention_against_one_process(rank, world_size):
     """Output and input gradients of every comm type at cp 2 and 4 equal full attention's on this rank's
     tokens: causal, grouped queries, an uneven head count, packed documents, a sliding window (cutting and
     skipping chunk pairs), soft-capped scores, fp32 and bf16."""
-    checked = []
+    checked, kept = [], {}
     for cp in (2, 4):
         group = create_process_groups(Topology(world_size, cp=cp)).cp
         for kind in ("p2p", "a2a", "allgather"):
@@ -83,8 +84,11 @@ def _attention_against_one_process(rank, world_size):
                     mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_()
                             for t in (q, k, v)]
                     group.stats.reset()
-                    out = context_attention(*mine, ContextParallel(group, (kind,)), 0,
-                                            ScoreOptions(d ** -0.5, window, softcap), documents=documents)
+                    meter = SavedActivationMeter()
+                    with meter.recording():
+                        out = context_attention(*mine, ContextParallel(group, (kind,)), 0,
+                                                ScoreOptions(d ** -0.5, window, softcap), documents=documents)
+                    kept[kind, cp, heads, groups, dtype, documents_on, window, softcap] = meter.peak_bytes
                     out.backward(shard_sequence(grad, cp, group.rank, dim=2))
                     sent = group.stats.bytes_by_axis()["cp"]
                     config = GPTConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
@@ -107,18 +111,24 @@ def _attention_against_one_process(rank, world_size):
                                match="2 key/value groups per tensor-parallel rank do not divide by "
                                                  "--context-parallel-size 4"):
                 context_attention(q, k, k, ContextParallel(group, ("a2a",)), 0, ScoreOptions(0.5))
-    return len(checked)
+    return len(checked), kept
 
 
 def test_context_attention_equals_full_attention():
-    counts = run_world(4, _attention_against_one_process, timeout_s=300)
-    assert counts[0] == 2 * (3 * 4 - 1) * len(CASES) - len(CASES)  # cp 4 skips a2a at 6/2 too
+    """Every kind equals full attention, sends the bytes the planner prices, and keeps about 1/cp of the
+    sequence for backward: all-gather attention gathers the keys and values again in backward rather than
+    keep them (at most 1.1x of ring attention's bytes, which keeps its output and log-sum-exp besides)."""
+    (count, kept), *_ = run_world(4, _attention_against_one_process, timeout_s=300)
+    assert count == 2 * (3 * 4 - 1) * len(CASES) - len(CASES)  # cp 4 skips a2a at 6/2 too
+    for (kind, *case), held in kept.items():
+        if kind == "allgather":
+            assert held <= 1.1 * kept[("p2p", *case)], (case, held, kept[("p2p", *case)])
 
 
 def _replayed_keep_mask(cp, length, shape, dropout, seed):
     """The whole [b, G, Q, S, S] mask of kept attention probabilities that ring attention draws on every
     cp rank (rank r's stream seeded seed + r), replayed in its order of steps and chunk pairs."""
-    from parallel.context.ring_attention import _pairs
+    from parallel.context.zigzag_blocks import _pairs
     from parallel.context.sharding import chunk_ids
     from parallel.tensor.random import TENSOR_PARALLEL_STREAM, RNGTracker
 
@@ -139,8 +149,9 @@ def _replayed_keep_mask(cp, length, shape, dropout, seed):
 
 
 def _ring_dropout_against_its_replay(rank, world_size):
-    """Ring attention with attention dropout: output and gradients equal the explicit attention of one
-    process under the same kept probabilities (each cp rank's stream replayed)."""
+    """Ring and all-gather attention with attention dropout: output and gradients equal the explicit
+    attention of one process under the same kept probabilities (each cp rank's stream replayed: both meet
+    the blocks in the same order)."""
     from parallel.tensor.random import TENSOR_PARALLEL_STREAM, RNGTracker
 
     for cp in (2, 4):
@@ -158,20 +169,21 @@ def _ring_dropout_against_its_replay(rank, world_size):
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1) * keep / (1 - dropout)
         want = torch.einsum("bgqst,bgtd->bgqsd", probs, full[2]).reshape(b, heads, length, d)
         want.backward(grad)
-        tracker = RNGTracker()
-        tracker.add(TENSOR_PARALLEL_STREAM, 100 + group.rank)
-        mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        out = context_attention(*mine, ContextParallel(group, ("p2p",)), 0, ScoreOptions(d ** -0.5),
-                                dropout=dropout, rng=tracker)
-        out.backward(shard_sequence(grad, cp, group.rank, dim=2))
-        assert_tensors_close([out.detach(), *(t.grad for t in mine)],
-                             [shard_sequence(t, cp, group.rank, dim=2)
-                              for t in (want.detach(), *(t.grad for t in full))],
-                             f"cp {cp} ring attention with dropout", ONE_STEP_RTOL)
+        for kind in ("p2p", "allgather"):
+            tracker = RNGTracker()
+            tracker.add(TENSOR_PARALLEL_STREAM, 100 + group.rank)
+            mine = [shard_sequence(t, cp, group.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+            out = context_attention(*mine, ContextParallel(group, (kind,)), 0, ScoreOptions(d ** -0.5),
+                                    dropout=dropout, rng=tracker)
+            out.backward(shard_sequence(grad, cp, group.rank, dim=2))
+            assert_tensors_close([out.detach(), *(t.grad for t in mine)],
+                                 [shard_sequence(t, cp, group.rank, dim=2)
+                                  for t in (want.detach(), *(t.grad for t in full))],
+                                 f"cp {cp} {kind} attention with dropout", ONE_STEP_RTOL)
     return True
 
 
-def test_ring_attention_dropout_follows_each_cp_ranks_stream():
+def test_ring_and_allgather_attention_dropout_follows_each_cp_ranks_stream():
     assert all(run_world(4, _ring_dropout_against_its_replay))
 
 

@@ -361,8 +361,9 @@ def context_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
     """Bytes one rank sends over the cp group for one layer and micro-batch, (forward, backward), as
     ``parallel.context`` sends them (KV: this rank's keys and values, 2 b (S/cp) (G/t) d elements):
     p2p passes cp - 1 blocks on in forward, cp - 1 again in backward and the fp32 dK/dV accumulators cp
-    times; a2a sends (cp - 1)/cp of q, k, v and the output each way; allgather gathers K/V in forward and
-    reduce-scatters their gradients in backward, (cp - 1) KV each."""
+    times; a2a sends (cp - 1)/cp of q, k, v and the output each way; allgather gathers K/V in forward, and
+    in backward gathers them again (it keeps only its own) and reduce-scatters their fp32 gradients,
+    (cp - 1) KV each."""
     n = layout.cp
     tokens = config.seq_length / n * layout.micro_batch_size
     heads, groups = config.num_attention_heads / layout.tp, config.query_groups / layout.tp
@@ -372,7 +373,7 @@ def context_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
     if comm_type == "a2a":
         moved = tokens * (2 * heads + 2 * groups) * config.head_dim * compute_bytes * (n - 1) / n
         return moved, moved
-    return (n - 1) * kv * compute_bytes, (n - 1) * kv * compute_bytes
+    return (n - 1) * kv * compute_bytes, (n - 1) * kv * (compute_bytes + 4)
 
 
 def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:
