@@ -4,6 +4,7 @@ or rate without a unit, says how far its search is and lists pretrain's flags in
 takes torchrun's spelling of the process count; --help describes each command in whole sentences."""
 
 import glob
+import json
 import importlib
 import importlib.util
 import os
@@ -82,6 +83,36 @@ def test_plan_refuses_a_size_or_rate_without_a_unit_in_one_line(flag, value, mes
     assert str(stop.value.code).startswith(message) and "\n" not in str(stop.value.code), stop.value.code
     assert planner.parse_bytes("80gib") == planner.parse_bytes("80 GiB") == 80 * 2**30
     assert planner.parse_bytes("40GB") == 40 * 10**9
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "0"], "error: --world-size 0: give the devices, at least 1"),
+    (["--world-size", "-4"], "error: --world-size -4: give the devices, at least 1"),
+    (["--world-size", "8", "--top", "0"], "error: --top 0: give the layouts to print, at least 1"),
+    (["--world-size", "8", "--global-batch-size", "0"], "error: --global-batch-size 0: give at least 1"),
+    (["--world-size", "8", "--num-layers", "0"], "error: --num-layers must be >= 1, got 0"),
+    (["--world-size", "8", "--hidden-size", "63"], "error: --num-attention-heads 4 does not divide "
+                                                   "--hidden-size 63"),
+    (["--world-size", "8", "--seq-length", "-5"], "error: --seq-length must be >= 1, got -5"),
+    (["--world-size", "8", "--num-experts", "3", "--moe-router-topk", "5"],
+     "error: --moe-router-topk 5 must be between 1 and --num-experts 3"),
+    (["--world-size", "8", "--num-experts", "4", "--expert-model-parallel-size", "3"],
+     "error: --expert-model-parallel-size 3 does not divide --num-experts 4"),
+])
+def test_plan_refuses_a_model_or_size_that_cannot_be_in_one_line(flags, message):
+    with pytest.raises(SystemExit) as stop:
+        planner.main([*TINY, *flags])
+    assert str(stop.value.code).startswith(message) and "\n" not in str(stop.value.code), stop.value.code
+
+
+def test_plan_skips_the_grids_that_cannot_hold_the_expert_size_asked(capsys):
+    """--expert-model-parallel-size 4 on 8 devices: the layouts whose etp (their tp) x 4 does not divide
+    the ranks are skipped, not a traceback; those that can are priced."""
+    planner.main([*TINY, "--world-size", "8", "--num-experts", "8", "--expert-model-parallel-size", "4",
+                  "--json"])
+    layouts = json.loads(capsys.readouterr().out)
+    assert layouts and {layout["ep"] for layout in layouts} == {4} and all(
+        8 % (layout["tp"] * 4) == 0 for layout in layouts)
 
 
 def test_plan_says_how_far_its_search_is_on_stderr(monkeypatch, capsys):

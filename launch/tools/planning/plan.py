@@ -170,10 +170,9 @@ def _expert_sizes(config: GPTConfig, ranks: int, etp: int, ep: int | None) -> li
     ranks (one, without experts)."""
     if not config.num_experts:
         return [1]
-    if ep:
-        return [ep]
     experts = config.num_experts
-    return [e for e in range(1, experts + 1) if experts % e == 0 and ranks % (e * etp) == 0]
+    return [e for e in ([ep] if ep else range(1, experts + 1))  # a grid that cannot hold ep is skipped
+            if experts % e == 0 and ranks % (e * etp) == 0]
 
 
 def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int | None,

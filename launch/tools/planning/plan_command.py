@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     _add_pretrain_flags(parser)
     args, rest = parser.parse_known_args(argv)
     model_flags = [*getattr(args, "pretrain_flags", []), *rest]
+    for flag, value, what in (("--world-size", args.world_size, "devices"),
+                              ("--gpus-per-node", args.gpus_per_node, "devices per node"),
+                              ("--top", args.top, "layouts to print")):
+        if value < 1:
+            sys.exit(f"error: {flag} {value}: give the {what}, at least 1")
     try:
         memory_per_device = parse_bytes(args.memory_per_device)
     except ValueError as error:
@@ -183,6 +188,16 @@ def main(argv: list[str] | None = None) -> None:
         config.model.vocab_size = config.data.default_corpus_vocab_size
     train, zero = config.training, config.zero
     parallel = config.parallel
+    try:  # the model's own rules at tp 1 and the experts' at the ep asked for, before any layout is tried
+        config.model.validate()
+        config.model.validate_moe(config.model.num_layers, config.model.ffn_size,
+                                  parallel.expert_tensor_parallel_size or 1,
+                                  parallel.expert_model_parallel_size)
+        if train.global_batch_size is not None and train.global_batch_size < 1:
+            raise ValueError(f"--global-batch-size {train.global_batch_size}: give at least 1 sequence a "
+                             "step")
+    except ValueError as error:
+        sys.exit(f"error: {error}")
     fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
              "tp": (parallel.tensor_model_parallel_size
                     if "--tensor-model-parallel-size" in model_flags else None),
@@ -193,9 +208,18 @@ def main(argv: list[str] | None = None) -> None:
                     if "--expert-model-parallel-size" in model_flags else None),
              "etp": parallel.expert_tensor_parallel_size,
              "schedule": parallel.pipeline_schedule if "--pipeline-schedule" in model_flags else None}
-    compute_bytes = 2 if train.bf16 or train.fp16 else 4
     links = Links(intra, inter, args.link_latency) if inter is not None else None
-    plans = planner.plan(config.model, args.world_size, args.gpus_per_node, memory_per_device,
+    try:
+        plans = _plans(config, args, fixed, memory_per_device, links, profile)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    _report(config, args, plans, links)
+
+
+def _plans(config, args, fixed: dict, memory_per_device: float, links, profile) -> list:
+    train, zero, parallel = config.training, config.zero, config.parallel
+    compute_bytes = 2 if train.bf16 or train.fp16 else 4
+    return planner.plan(config.model, args.world_size, args.gpus_per_node, memory_per_device,
                  train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
                  persistence_threshold=zero.zero_persistence_threshold,
                  grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
@@ -203,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
                  device=Device(args.device_flops, profile.quantize_rate if profile else args.quantize_rate,
                                args.backend, profile),
                  micro_batch_size=train.micro_batch_size, progress=_Progress())
+
+
+def _report(config, args, plans: list, links) -> None:
+    """The layouts found, as a table (or JSON), best first, and the link model's ZeRO advice."""
+    compute_bytes = 2 if config.training.bf16 or config.training.fp16 else 4
     advice = planner.zero_advice(plans) if links is not None else None
     plans = plans[:args.top]
     if args.json:
