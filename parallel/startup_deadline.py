@@ -17,6 +17,7 @@ import threading
 from typing import Callable
 
 from parallel import peers
+from parallel.watchdog import LOST, STOPPED
 
 GRACE_S = 2.0  # past the timeout: a collective's or the store's own timeout, when it has one, goes first
 
@@ -55,12 +56,12 @@ class StartupDeadline:
 def explain() -> tuple[str, bool]:
     """(the sentence naming the workers of this node that are stopped or gone, or saying the rank waited
     for is elsewhere; whether this rank says it: the lowest-ranked running worker of its node)."""
-    me, host = int(os.environ.get("RANK", "0")), socket.gethostname()
-    states = [(rank, pid, peers.process_state(pid)) for rank, pid in peers.local_workers()]
-    faults = [f"rank {rank} (pid {pid} on {host}) " + (
-        "hung (stopped: SIGSTOP or a debugger)" if state == "stopped" else "died (killed, or out of memory)")
-        for rank, pid, state in states if state]
-    running = [rank for rank, _, state in states if not state] + [me]
+    me, host, node = int(os.environ.get("RANK", "0")), socket.gethostname(), os.environ.get("GROUP_RANK", "0")
+    states = [(peers.Peer(rank, host, pid, node, local=True), peers.process_state(pid))
+              for rank, pid in peers.local_workers()]
+    faults = [f"{peer.name()} " + (f"hung ({STOPPED})" if state == "stopped" else f"died ({LOST})")
+              for peer, state in states if state]
+    running = [peer.rank for peer, state in states if not state] + [me]
     who = "; ".join(faults) or ("every worker of this node runs: the rank waited for is on another node, or "
                                 "the job's store there does not answer")
     return who, me == min(running)

@@ -30,14 +30,13 @@ def _gathered(k: torch.Tensor, v: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, options, dropout, rng, documents):
-        mine = Queries(q, cp.size, cp.rank, options, dropout, rng, documents)
+        mine = Queries.of(q, cp, options, dropout, rng, documents)
         out, lse = [None, None], [None, None]
         everyone = _gathered(k, v, cp)
         for source in sources(cp.size, cp.rank):
-            mine.forward(source, everyone[source, 0], everyone[source, 1], out, lse)
+            mine.forward(q, source, everyone[source, 0], everyone[source, 1], out, lse)
         result = torch.cat(out, dim=3).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=3))
-        mine.q = None  # autograd keeps it
         ctx.cp, ctx.mine = cp, mine
         return result
 
@@ -49,7 +48,7 @@ class _AllGatherAttention(torch.autograd.Function):
         everyone = _gathered(k, v, cp)  # again: not kept since forward
         grad_everyone = torch.empty((cp.size, 2, *k.shape), dtype=torch.float32, device=k.device)
         for source in sources(cp.size, cp.rank):
-            grad_everyone[source] = mine.backward(source, everyone[source, 0], everyone[source, 1],
+            grad_everyone[source] = mine.backward(q, source, everyone[source, 0], everyone[source, 1],
                                                   grad_output, result, lse, delta, grad_q, keeps)
         grad_kv = grad_everyone.new_empty(grad_everyone.shape[1:])
         comm.reduce_scatter_tensor(grad_kv, grad_everyone, cp)

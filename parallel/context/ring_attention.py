@@ -5,8 +5,8 @@ each step it posts the send of the block it holds to the next rank and the recei
 rank's (one batch of isend/irecv, the NCCL-safe pairing the pipeline uses), computes attention on the
 block it holds while that transfer runs, and merges the partial result exactly by its log-sum-exp
 (``zigzag_blocks``: the chunk pairs, causal, windowed and document masks). Backward sends the K/V blocks
-round again and, one
-step behind them, the fp32 dK/dV accumulators, which arrive back at their owner after the last step.
+round again and, one step behind them, the fp32 dK/dV accumulators, which arrive back at their owner after
+the last step.
 A rank holds at most its own block, the one in flight and one accumulator: never the whole sequence.
 """
 
@@ -40,17 +40,16 @@ class _Transfer:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, options, dropout, rng, documents):
-        mine = Queries(q, cp.size, cp.rank, options, dropout, rng, documents)
+        mine = Queries.of(q, cp, options, dropout, rng, documents)
         out, lse = [None, None], [None, None]
         held = torch.stack([k, v])  # one message per step
         for step, source in enumerate(sources(cp.size, cp.rank)):
             pending = _Transfer(held, cp, KV) if step + 1 < cp.size else None
-            mine.forward(source, held[0], held[1], out, lse)
+            mine.forward(q, source, held[0], held[1], out, lse)
             if pending is not None:
                 held = pending.wait()
         result = torch.cat(out, dim=3).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=3))
-        mine.q = None  # autograd keeps it
         ctx.cp, ctx.mine = cp, mine
         return result
 
@@ -62,7 +61,8 @@ class _RingAttention(torch.autograd.Function):
         held, arriving = torch.stack([k, v]), None
         for step, source in enumerate(sources(cp.size, cp.rank)):
             pending = _Transfer(held, cp, KV) if step + 1 < cp.size else None
-            grad_kv = mine.backward(source, held[0], held[1], grad_output, result, lse, delta, grad_q, keeps)
+            grad_kv = mine.backward(q, source, held[0], held[1], grad_output, result, lse, delta, grad_q,
+                                    keeps)
             if arriving is not None:  # what the ranks before this one added to the block held now
                 grad_kv += arriving.wait()
             arriving = _Transfer(grad_kv, cp, GRAD_KV)

@@ -47,11 +47,13 @@ def _explicit_mask(diagonal: bool, mask: torch.Tensor | None, causal: torch.Tens
 
 @dataclass
 class Queries:
-    """This rank's queries q [b, G, Q, 2 chunks, d] as a cp rank of ``cp`` meets the key/value blocks of the
-    others (attention dropout drawn from ``rng``'s stream in the order the blocks are met), and what its
-    forward keeps for backward: the dropout masks, in that order. Never communicates."""
+    """How this rank's queries q [b, G, Q, 2 chunks, d] (chunks of ``length`` tokens, on ``device``) meet the
+    key/value blocks of the cp ranks, as cp rank ``rank`` of ``cp`` (attention dropout drawn from ``rng``'s
+    stream in the order the blocks are met), and what its forward keeps for backward: the dropout masks, in
+    that order. Holds no tensor of the attention's (autograd keeps q); never communicates."""
 
-    q: torch.Tensor
+    length: int
+    device: torch.device
     cp: int
     rank: int
     options: ScoreOptions
@@ -61,24 +63,31 @@ class Queries:
     keeps: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.length = self.q.shape[3] // 2
         self.mine = chunk_ids(self.cp, self.rank)
-        self.causal = torch.ones(self.length, self.length, dtype=torch.bool, device=self.q.device).tril()
+        self.causal = torch.ones(self.length, self.length, dtype=torch.bool, device=self.device).tril()
+
+    @classmethod
+    def of(cls, q: torch.Tensor, cp, options: ScoreOptions, dropout: float, rng,
+           documents: torch.Tensor | None) -> Queries:
+        """The meeting of ``q`` with the blocks of the cp group ``cp``."""
+        return cls(q.shape[3] // 2, q.device, cp.size, cp.rank, options, dropout, rng, documents)
 
     def _pairs(self, source: int):
         return _pairs(self.mine, chunk_ids(self.cp, source), self.length, self.options.window, self.documents,
-                      self.q.device)
+                      self.device)
 
-    def forward(self, source: int, k: torch.Tensor, v: torch.Tensor, out: list, lse: list) -> None:
-        """Attend to cp rank ``source``'s block k, v [b, G, 2 chunks, d], merging into ``out`` / ``lse`` (one
-        entry per query chunk, None before any)."""
-        queries = self.q.split(self.length, dim=3)
+    def forward(self, q: torch.Tensor, source: int, k: torch.Tensor, v: torch.Tensor, out: list,
+                lse: list) -> None:
+        """Attend with ``q`` to cp rank ``source``'s block k, v [b, G, 2 chunks, d], merging into ``out`` /
+        ``lse`` (one entry per query chunk, None before any)."""
+        options = self.options
+        queries = q.split(self.length, dim=3)
         keys, values = k.split(self.length, dim=2), v.split(self.length, dim=2)
         for a, b, diagonal, mask in self._pairs(source):
-            keep, options = None, self.options
+            keep = None
             if self.dropout > 0:
                 with self.rng.fork() if self.rng is not None else contextlib.nullcontext():
-                    keep = torch.rand(queries[a].shape[:4] + (self.length,), device=self.q.device)
+                    keep = torch.rand(queries[a].shape[:4] + (self.length,), device=self.device)
                 keep = keep >= self.dropout
             self.keeps.append(keep)
             if block.fused(queries[a], options, mask is None, keep):
@@ -92,22 +101,21 @@ class Queries:
 
     def start_backward(self, q: torch.Tensor, grad_output: torch.Tensor, result: torch.Tensor):
         """(grad_output in q's dtype, delta, the fp32 dq accumulator, the forward's dropout masks in order)
-        for the backward of the forward that gave ``result`` from ``q`` (which autograd kept)."""
-        self.q = q
+        for the backward of the forward that gave ``result`` from ``q``."""
         grad_output = grad_output.to(q.dtype)
         delta = (grad_output.float() * result.float()).sum(-1)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         return grad_output, delta, grad_q, iter(self.keeps)
 
-    def backward(self, source: int, k: torch.Tensor, v: torch.Tensor, grad_output: torch.Tensor,
-                 result: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, grad_q: torch.Tensor,
-                 keeps) -> torch.Tensor:
+    def backward(self, q: torch.Tensor, source: int, k: torch.Tensor, v: torch.Tensor,
+                 grad_output: torch.Tensor, result: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                 grad_q: torch.Tensor, keeps) -> torch.Tensor:
         """Source ``source``'s share of the gradients, given the merged ``result``, ``lse`` and ``delta`` =
         rowsum(grad_output * result): dq added into ``grad_q`` (fp32), the block's fp32 dK/dV returned
         [2, *k.shape]; ``keeps``: the forward's masks, met in the same order."""
         length, options, dropout = self.length, self.options, self.dropout
         queries, grads, outs, lses, deltas = (t.split(length, dim=3)
-                                              for t in (self.q, grad_output, result, lse, delta))
+                                              for t in (q, grad_output, result, lse, delta))
         grad_queries = grad_q.split(length, dim=3)
         keys, values = k.split(length, dim=2), v.split(length, dim=2)
         grad_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)

@@ -19,7 +19,8 @@ class ZeroOptions:
     bucket_size: int = 20_000_000  # --zero-bucket-size: elements per fused collective (at most)
     clip_grad: float = 0.0  # --clip-grad: max global norm, 0 for none (as a torch optimizer; the flag: 1.0)
     persistence_threshold: int = 100_000  # --zero-persistence-threshold: stage 3 keeps smaller ones whole
-    prefetch_budget: int | None = None  # --zero-prefetch-budget: gathered elements alive; None: two units
+    prefetch_budget: int | None = None  # --zero-prefetch-budget: gathered elements alive (None: see
+    # parameter_unit.default_prefetch_budget)
     offload_optimizer: str = "none"  # --offload-optimizer: none, cpu or nvme
     offload_param: str = "none"  # --offload-param: none or nvme (stage 3)
     nvme_path: str | None = None  # --nvme-path: the swap files' directory

@@ -104,7 +104,8 @@ class ZeroConfig:
         "stage 3: parameters with at most this many elements stay whole (norms, biases)"))
     zero_prefetch_budget: int | None = field(default=ZeroOptions.prefetch_budget, metadata=flag(
         "stage 3: elements of gathered parameters allowed alive at once when prefetching the next modules "
-        "(default: twice the largest unit, so the next block is always gathered while one computes)"))
+        "(default: the modules enclosing others, such as the embedding and head, and two blocks, so the next "
+        "block is always gathered while one computes)"))
     offload_optimizer: str = field(default="none", metadata=flag(
         "where the fp32 masters, optimizer states and the step live: with the parameters (none), in CPU "
         "memory (cpu), or in swap files under --nvme-path (nvme); stages 1-3",

@@ -24,8 +24,7 @@ SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "init_lr": "--lr-warmu
                   "lr_warmup_steps": "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction",
                   "lr_decay_steps": "--lr-decay-iters / --lr-decay-samples (default: the run's length, "
                                     "--train-iters / --train-samples)",
-                  "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",
-                  "end_wd": "--weight-decay",
+                  "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",  # end_wd: the same
                   "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
 FIX = ("add --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, or "
        "--override-opt_param-scheduler to take these flags'")
@@ -93,7 +92,7 @@ def schedule_mismatch(saved: dict, ours: dict) -> str | None:
     checkpoint's: VALUE)" parts, or None when they agree."""
     differences = []
     for key, flags in SCHEDULE_FLAGS.items():
-        if key == "end_wd" or (key not in saved and key not in ours):
+        if key not in saved and key not in ours:
             continue
         theirs, mine = saved.get(key), ours.get(key)
         if isinstance(theirs, float) or isinstance(mine, float):

@@ -16,6 +16,7 @@ from launch.tools.planning import plan as planner
 from models.counting import kv_cache_values_per_token, num_parameters
 from parallel.zero import gradient_bytes
 from pretrain.config.arguments import ConfigError, build_parser, parse_config
+from launch.help_text import help_description
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20,
          "GiB": 2**30, "TiB": 2**40}
@@ -125,7 +126,7 @@ class _Progress:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m launch.plan", description=planner.__doc__.split("\n")[0],
+        prog="python -m launch.plan", description=help_description(planner.__doc__),
         usage="%(prog)s [--config FILE] [pretrain flags] --world-size N [--gpus-per-node N]\n"
               "       [--memory-per-device SIZE] [--inter-node-bandwidth RATE] [options]")
     parser.add_argument("--world-size", type=int, required=True, metavar="N", help="devices in all")
