@@ -23,60 +23,73 @@ from parallel.tensor.layers import ColumnParallelLinear, LinearWeights, RowParal
 
 
 def stage_model(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0, vp: int = 1,
-                sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
+                sequence_parallel: bool = False, split: list[int] | None = None,
                 experts: tuple[int, int] = (1, 1)) -> nn.ModuleList:
     """Pipeline stage ``stage``'s model chunks as tensor-parallel rank 0 of ``tp`` holds them, on the meta
     device (every tp rank holds the same shapes); ``experts``: (ep, etp), its MoE layers' expert layout (a
     rank holds E / ep experts, each 1 / etp of its width)."""
-    layers = tuple(layers_per_stage) if layers_per_stage else None
-    return _stage_model(_frozen(config), tp, pp, stage, vp, sequence_parallel, layers, experts)
+    layers = tuple(split) if split else None
+    return _stage_model(frozen_config(config), tp, pp, stage, vp, sequence_parallel, layers, experts)
 
 
 def stage_parameters(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
-                     sequence_parallel: bool = False, layers_per_stage: list[int] | None = None,
-                     experts: tuple[int, int] = (1, 1), v: bool = False) -> tuple[nn.Parameter, ...]:
-    """The parameters of ``stage_model(config, tp, pp, stage, ...)`` (``v``: its two chunks placed in a V,
-    zbv's), listed once per model and layout (a planner prices thousands of layouts; walking the module tree
-    each time was most of its work)."""
-    layers = tuple(layers_per_stage) if layers_per_stage else None
-    return _stage_parameters(_frozen(config), tp, pp, stage, sequence_parallel, layers, experts, v)
+                     sequence_parallel: bool = False, split: list[int] | None = None,
+                     experts: tuple[int, int] = (1, 1), v: bool = False,
+                     vp: int | None = None) -> tuple[nn.Parameter, ...]:
+    """The parameters of ``stage_model(config, tp, pp, stage, ...)`` (``vp`` chunks; ``v``: two chunks
+    placed in a V, zbv's), listed once per model and layout (a planner prices thousands of layouts; walking
+    the module tree each time was most of its work)."""
+    layers = tuple(split) if split else None
+    return _stage_parameters(frozen_config(config), tp, pp, stage, sequence_parallel, layers, experts, v,
+                             vp or (2 if v else 1))
 
 
 @functools.lru_cache(maxsize=256)
 def _stage_parameters(frozen: tuple, tp: int, pp: int, stage: int, sequence_parallel: bool,
-                      layers_per_stage: tuple[int, ...] | None,
-                      experts: tuple[int, int] = (1, 1), v: bool = False) -> tuple[nn.Parameter, ...]:
-    return tuple(_stage_model(frozen, tp, pp, stage, 2 if v else 1, sequence_parallel, layers_per_stage,
-                              experts, v).parameters())
+                      split: tuple[int, ...] | None, experts: tuple[int, int], v: bool,
+                      vp: int) -> tuple[nn.Parameter, ...]:
+    return tuple(_stage_model(frozen, tp, pp, stage, vp, sequence_parallel, split, experts, v).parameters())
 
 
-def _frozen(config: GPTConfig) -> tuple:
-    """The config as a hashable key (list fields as tuples)."""
-    return tuple(sorted((name, tuple(value) if isinstance(value, list) else value)
-                        for name, value in vars(config).items()))
+_FROZEN: dict[int, tuple[dict, tuple]] = {}  # id(config) -> (its fields when frozen, the key)
 
 
-def _thawed(frozen: tuple) -> GPTConfig:
-    """The config a ``_frozen`` key was made of."""
+def frozen_config(config: GPTConfig) -> tuple:
+    """The config as a hashable key (list fields as tuples), remembered per config object while its fields
+    stay the same (a planner asks it of one config for every layout)."""
+    known = _FROZEN.get(id(config))
+    if known is not None and known[0] == vars(config):  # the copies of list fields compare by value
+        return known[1]
+    fields = {name: list(value) if isinstance(value, list) else value for name, value in vars(config).items()}
+    frozen = tuple(sorted((name, tuple(value) if isinstance(value, list) else value)
+                          for name, value in fields.items()))
+    if len(_FROZEN) > 64:
+        _FROZEN.clear()
+    _FROZEN[id(config)] = (fields, frozen)
+    return frozen
+
+
+def thawed_config(frozen: tuple) -> GPTConfig:
+    """The config a ``frozen_config`` key was made of."""
     return GPTConfig(**{name: list(value) if isinstance(value, tuple) else value for name, value in frozen})
 
 
 @functools.lru_cache(maxsize=64)
 def _stage_model(frozen: tuple, tp: int, pp: int, stage: int, vp: int, sequence_parallel: bool,
-                 layers_per_stage: tuple[int, ...] | None,
+                 split: tuple[int, ...] | None,
                  experts: tuple[int, int] = (1, 1), v: bool = False) -> nn.ModuleList:
-    config = _thawed(frozen)
+    config = thawed_config(frozen)
     with torch.device("meta"):
         return stage_chunks(config, DetachedGroup("tp", tp), pp, stage, seed=0, vp=vp,
                             sequence_parallel=sequence_parallel,
-                            layers_per_stage=list(layers_per_stage) if layers_per_stage else None,
+                            split=list(split) if split else None,
                             experts=ExpertGroups.detached(*experts), v=v)
 
 
 def num_parameters(config: GPTConfig) -> int:
     """Parameters of the whole model: one process holds them all (vocabulary padded as at tp = 1; a tied
     output layer is the embedding, counted once). Kept per model: the planner asks it of every layout."""
-    return _num_parameters(_frozen(config))
+    return _num_parameters(frozen_config(config))
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,29 +120,47 @@ def forward_flops_per_token(config: GPTConfig) -> tuple[float, float]:
     """A token's forward FLOPs (``flops_per_token``'s third) as (weight products, attention scores and sum):
     backward repeats the weight products twice, once for the inputs' gradients and once for the weights',
     and the attention part twice for the inputs' (it has no weights)."""
-    return _forward_flops_per_token(_frozen(config))
+    return _forward_flops_per_token(frozen_config(config))
 
 
 @functools.lru_cache(maxsize=64)
 def _forward_flops_per_token(frozen: tuple) -> tuple[float, float]:
-    config = _thawed(frozen)
-    model = _stage_model(frozen, 1, 1, 0, 1, False, None)
-    chunk = model[0]
-    matmul = sum(module.weight.numel() for module in model.modules()
-                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
-    for layer in model.modules():  # a token's active expert weights: the router, k experts, the gate
-        if isinstance(layer, MoELayer):
-            experts = list(layer.experts.children())
-            per_expert = sum(e.fc1.weight.numel() + e.fc2.weight.numel() for e in experts) / len(experts)
-            gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
-            matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
-    output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
+    layers, head = _forward_flops_parts(frozen)
+    return sum(matmul for matmul, _ in layers) + head, sum(attention for _, attention in layers)
+
+
+def forward_flops_parts(config: GPTConfig) -> tuple[tuple[tuple[float, float], ...], float]:
+    """``forward_flops_per_token`` by part: (weight products, attention) of each transformer layer, and the
+    output layer's products (a pipeline stage costs what its layers and, last, the head cost)."""
+    return _forward_flops_parts(frozen_config(config))
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...], float]:
+    config = thawed_config(frozen)
+    chunk = _stage_model(frozen, 1, 1, 0, 1, False, None)[0]
     attention = (2 * config.seq_length * config.num_attention_heads
-                 * (config.query_key_channels + config.value_channels) * config.num_layers)
-    return 2 * (matmul + output.numel() + _latent_matmuls(model)), attention
+                 * (config.query_key_channels + config.value_channels))
+    layers = []
+    for block in chunk.layers:
+        matmul = sum(module.weight.numel() for module in block.modules()
+                     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+        for layer in block.modules():  # a token's active expert weights: the router, k experts, the gate
+            if isinstance(layer, MoELayer):
+                experts = list(layer.experts.children())
+                per_expert = sum(e.fc1.weight.numel() + e.fc2.weight.numel() for e in experts) / len(experts)
+                gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
+                matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
+        layers.append((2.0 * (matmul + _latent_matmuls(block)), float(attention)))
+    output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
+    head = sum(module.weight.numel() for module in chunk.modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear))) \
+        - sum(module.weight.numel() for block in chunk.layers for module in block.modules()
+              if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+    return tuple(layers), 2.0 * (head + output.numel())
 
 
-def _latent_matmuls(model: nn.ModuleList) -> int:
+def _latent_matmuls(model: nn.Module) -> int:
     """The weights of latent attention's projections a token passes through (held as plain weights, not
     parallel linear layers); 0 without latent attention."""
     return sum(linear.weight.numel() for attention in model.modules()

@@ -64,7 +64,7 @@ class Timeline:
     starts: list[list[float]] = field(default_factory=list)
     ends: list[list[float]] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
-    _counts: dict[int, set[tuple[int, int]]] = field(default_factory=dict, repr=False)
+    _counts: dict[int, set] = field(default_factory=dict, repr=False)
 
     @property
     def step_time(self) -> float:
@@ -82,22 +82,31 @@ class Timeline:
         has not ended: a split backward holds them until its weight pass."""
         return round(self.peak_held(stage, 1.0, 1.0))
 
-    def peak_held(self, stage: int, saved: float, pending: float) -> float:
+    def peak_held(self, stage: int, saved: float | tuple[float, ...],
+                  pending: float | tuple[float, ...]) -> float:
         """The most ``stage`` holds at once when a (chunk, micro-batch) holds ``saved`` from its forward to
         its backward and ``pending`` from a split backward to its weight pass (the weight products'
-        operands and the gradients kept for W)."""
-        return max(full * saved + waiting * pending for full, waiting in self._held_counts(stage))
+        operands and the gradients kept for W); each a number, or one per chunk (chunks of unequal
+        layers)."""
+        saved = saved if isinstance(saved, tuple) else (saved,) * self.vp
+        pending = pending if isinstance(pending, tuple) else (pending,) * self.vp
+        return max(sum(f * s + w * p for f, w, s, p in zip(full, waiting, saved, pending))
+                   for full, waiting in self._held_counts(stage))
 
-    def _held_counts(self, stage: int) -> set[tuple[int, int]]:
-        """Every (micro-batches between forward and backward, between B and W) ``stage`` passes through."""
+    def _held_counts(self, stage: int) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Every (micro-batches between forward and backward, between B and W), per chunk, ``stage``
+        passes through."""
         if stage not in self._counts:
-            full = waiting = 0
-            counts = {(0, 0)}
+            full, waiting = [0] * self.vp, [0] * self.vp
+            counts = {(tuple(full), tuple(waiting))}
             for action in self.orders[stage]:
-                full += {"F": 1, "B": -1, "W": 0}[action.kind]
-                waiting += {"F": 0, "B": 1 if self.split else 0, "W": -1}[action.kind]
-                counts.add((full, waiting))
-            self._counts[stage] = counts
+                full[action.chunk] += {"F": 1, "B": -1, "W": 0}[action.kind]
+                waiting[action.chunk] += {"F": 0, "B": 1 if self.split else 0, "W": -1}[action.kind]
+                counts.add((tuple(full), tuple(waiting)))
+            flat = [full + waiting for full, waiting in counts]  # a count another covers is never the peak
+            self._counts[stage] = {count for count, values in zip(counts, flat)
+                                   if not any(other != values and all(o >= v for o, v in zip(other, values))
+                                              for other in flat)}
         return self._counts[stage]
 
     @functools.cached_property
@@ -133,15 +142,15 @@ def _input_of(action: Action, virtual: int, stages: int) -> tuple[str, int, int]
 
 
 def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
-             costs: dict[str, float] | None = None, v: bool = False) -> Timeline:
+             costs: dict[str, float] | list[dict[str, float]] | None = None, v: bool = False) -> Timeline:
     """Lay out ``orders`` (one per pipeline rank; ``v``: their chunks placed in a V) in time; ``costs`` per
-    kind (default: one each). Raises ValueError if the orders deadlock (a rank waits for an action that
-    waits for it). A tensor between two chunks of one rank is no transfer."""
-    costs = costs or UNIT_COSTS
+    kind (default: one each), or one such dict per virtual stage (stages of unequal work). Raises
+    ValueError if the orders deadlock (a rank waits for an action that waits for it). A tensor between two
+    chunks of one rank is no transfer."""
     stages = pp * vp
+    per_stage = costs if isinstance(costs, list) else [costs or UNIT_COSTS] * stages
     timeline = Timeline(pp, vp, v, orders, [[] for _ in orders], [[] for _ in orders])
-    cost = {"F": costs["F"], "W": costs["W"],
-            "B": costs["B"] if timeline.split else costs["B"] + costs["W"]}
+    cost = [{"F": c["F"], "W": c["W"], "B": c["B"] if timeline.split else c["B"] + c["W"]} for c in per_stage]
     ended: dict[tuple[str, int, int], float] = {}
     clocks, positions = [0.0] * pp, [0] * pp
     while any(positions[r] < len(orders[r]) for r in range(pp)):
@@ -154,7 +163,8 @@ def simulate(orders: list[list[Action]], pp: int, vp: int = 1,
                 if needed is not None and needed not in ended:
                     break
                 start = max(clocks[rank], ended.get(needed, 0.0))
-                clocks[rank] = ended[(action.kind, virtual, action.micro_batch)] = start + cost[action.kind]
+                end = start + cost[virtual][action.kind]
+                clocks[rank] = ended[(action.kind, virtual, action.micro_batch)] = end
                 timeline.starts[rank].append(start)
                 timeline.ends[rank].append(clocks[rank])
                 positions[rank] += 1

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from parallel.pipeline.layer_split import SplitRequest
+
 
 @dataclass(frozen=True)
 class MegatronFlag:
@@ -108,10 +110,6 @@ REFUSED = [
     *_flags("multi-token prediction (DeepSeek-V3's extra prediction modules) is not built: drop it (a "
             "checkpoint's MTP layers are refused on import)", "--mtp-num-layers", "--mtp-loss-scaling-factor",
             "--mtp-use-repeated-layer:0", off=(None, "0")),
-    *_flags("the embedding and loss always sit with the first and last stage's layers: give the split with "
-            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers or "
-            "--pipeline-layers-per-stage", "--account-for-embedding-in-pipeline-split:0",
-            "--account-for-loss-in-pipeline-split:0"),
     *_flags("ranks are laid out in Megatron's default order (tp, dp, pp) only", "--use-tp-pp-dp-mapping:0"),
     *_flags("several distributed-optimizer instances (sharding within groups) are not supported",
             "--num-distributed-optimizer-instances", off=("1",)),
@@ -235,19 +233,13 @@ def resolve_settings(config, pipeline_stages: int) -> None:
                              f"{layers // (2 * pipeline_stages)} (--num-layers {layers} / 2 / "
                              f"--pipeline-model-parallel-size {pipeline_stages}) or leave it out")
         par.virtual_pipeline_size = chunks
+    if par.virtual_pipeline_size is None and par.pipeline_schedule != "zbv":  # a layout string's chunks
+        par.virtual_pipeline_size = split_request(par).chunks(pipeline_stages, config.model.num_layers)
     if par.pipeline_schedule is None:
         par.pipeline_schedule = "interleaved" if (par.virtual_pipeline_size or 1) > 1 else "1f1b"
-    first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-    if first is not None or last is not None:
-        uneven = _uneven_flags(first, last)
-        if par.pipeline_layers_per_stage is not None:
-            raise ValueError(f"{uneven} and --pipeline-layers-per-stage both split the layers: give one")
-        if par.pipeline_schedule in ("zbv", "interleaved") or (par.virtual_pipeline_size or 1) > 1:
-            raise ValueError(f"{uneven} with --pipeline-schedule {par.pipeline_schedule}: its virtual stages "
-                             "are equal chunks of the layers; drop the uneven split, or use 1f1b or zb-h1")
-        par.pipeline_layers_per_stage = _uneven_split(config.model.num_layers, pipeline_stages, first, last)
     if par.pipeline_schedule == "zbv" and par.virtual_pipeline_size is None:
         par.virtual_pipeline_size = 2  # its V is two chunks per stage
+    par.pipeline_layers_per_stage = resolve_split(config, pipeline_stages)
     if data.tokenizer_type is None:  # as Megatron's pretrain_gpt: GPT-2 BPE when its files are given
         data.tokenizer_type = ("GPT2BPETokenizer" if data.vocab_file or data.merge_file
                                else "SentencePieceTokenizer")
@@ -255,27 +247,19 @@ def resolve_settings(config, pipeline_stages: int) -> None:
         train.train_iters = 100
 
 
-def _uneven_flags(first: int | None, last: int | None) -> str:
-    """Megatron's uneven-split flags as given, for a message."""
-    return " / ".join(f"--decoder-{end}-pipeline-num-layers {count}"
-                      for end, count in (("first", first), ("last", last)) if count is not None)
+def split_request(par) -> SplitRequest:
+    """The uneven-cut flags of ``par`` (a ParallelConfig) as given."""
+    return SplitRequest(par.pipeline_model_parallel_layout,
+                        tuple(par.pipeline_layers_per_stage) if par.pipeline_layers_per_stage is not None
+                        else None,
+                        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
+                        par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split)
 
 
-def _uneven_split(layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
-    """Megatron's uneven pipeline split: the given first / last stage counts, the rest evenly."""
-    given = _uneven_flags(first, last)
-    fixed = [count for count in (first, last) if count is not None]
-    middle = stages - len(fixed)
-    rest = layers - sum(fixed)
-    if stages < 2:
-        raise ValueError(f"{given} sets the first or last pipeline stage's layers: it needs "
-                         "--pipeline-model-parallel-size >= 2")
-    if any(count < 1 for count in fixed):
-        raise ValueError(f"{given}: every stage holds at least one layer")
-    if rest < 0 or (middle and (rest % middle or rest < middle)) or (not middle and rest):
-        room = (f"the other {middle} of {stages} stages cannot split the remaining {rest} layers evenly"
-                if middle else f"the two stages hold {sum(fixed)} layers")
-        raise ValueError(f"{given}: {room} (--num-layers {layers})")
-    even = rest // middle if middle else 0
-    return ([first if first is not None else even] + [even] * (stages - 2)
-            + [last if last is not None else even])
+def resolve_split(config, pipeline_stages: int) -> list[int] | None:
+    """The layers of each virtual stage (``parallel.pipeline.partition``) from whichever of Megatron's ways
+    to cut them unevenly was given (None: even)."""
+    par = config.parallel
+    split = split_request(par).split(config.model.num_layers, pipeline_stages, par.virtual_pipeline_size or 1,
+                                     par.pipeline_schedule == "zbv")
+    return list(split) if split is not None else None

@@ -50,11 +50,19 @@ class ParallelConfig:
         "or zbv (the same over two chunks per stage in a V) (default: interleaved with virtual stages, else "
         "1f1b)", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]))
     pipeline_layers_per_stage: list[int] | None = field(default=None, metadata=flag(
-        "explicit layers per pipeline stage, e.g. 3 5 (default: an even split)"))
+        "explicit layers per pipeline stage, e.g. 3 5 (each cut evenly over its virtual chunks), or per "
+        "virtual stage in the order a micro-batch visits them (default: an even split)"))
     decoder_first_pipeline_num_layers: int | None = field(default=None, metadata=flag(
         "layers of the first pipeline stage (the others split the rest evenly)"))
     decoder_last_pipeline_num_layers: int | None = field(default=None, metadata=flag(
         "layers of the last pipeline stage (the others split the rest evenly)"))
+    account_for_embedding_in_pipeline_split: bool = field(default=False, metadata=flag(
+        "count the embedding as a layer of the first virtual stage, which holds one layer fewer"))
+    account_for_loss_in_pipeline_split: bool = field(default=False, metadata=flag(
+        "count the loss as a layer of the last virtual stage, which holds one layer fewer"))
+    pipeline_model_parallel_layout: str | None = field(default=None, metadata=flag(
+        "Megatron's layout string: per virtual stage in path order, separated by |, E (embedding), t "
+        "(layer), L (loss), x*n and (...)*n repeat; e.g. 'Et|(tt|)*2tL' (sets the virtual stages)"))
     gpus_per_node: int | None = field(default=None, metadata=flag(
         "ranks per node (default: the launcher's LOCAL_WORLD_SIZE): which bytes cross nodes "
         "(comm_bytes_inter_node), and a warning when tp spans nodes"))

@@ -60,7 +60,7 @@ def build_model(config: Config, groups: ParallelGroups, device: torch.device) ->
         model = build_pipeline_stage(config.model, groups, seed=config.training.seed,
                                      vp=par.virtual_pipeline_size or 1,
                                      sequence_parallel=par.sequence_parallel,
-                                     layers_per_stage=par.pipeline_layers_per_stage,
+                                     split=par.pipeline_layers_per_stage,
                                      cp_comm_type=tuple(par.cp_comm_type))
     return model.to(compute_dtype(config)) if sharded else model.to(device, compute_dtype(config))
 

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from launch.tools.planning import plan_command as planner
+from parallel.pipeline.partition import rank_layer_counts
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README_COMMANDS = {"launch.plan", "launch.sweep", "launch.scaling_law", "launch.chaos",
@@ -98,11 +99,51 @@ def test_plan_refuses_a_size_or_rate_without_a_unit_in_one_line(flag, value, mes
      "error: --moe-router-topk 5 must be between 1 and --num-experts 3"),
     (["--world-size", "8", "--num-experts", "4", "--expert-model-parallel-size", "3"],
      "error: --expert-model-parallel-size 3 does not divide --num-experts 4"),
+    # sizes the world cannot hold, and cuts of the layers pretrain refuses
+    (["--world-size", "8", "--pipeline-model-parallel-size", "3"],
+     "error: --world-size 8 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--world-size", "8", "--tensor-model-parallel-size", "3"],
+     "error: --world-size 8 is not divisible by --tensor-model-parallel-size 3"),
+    (["--world-size", "8", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "9"],
+     "error: --decoder-first-pipeline-num-layers 9: leaves -1 of --num-layers 8 for the other 1 stage(s)"),
+    (["--world-size", "8", "--num-layers", "8", "--pipeline-model-parallel-size", "8", "--pipeline-schedule",
+      "zbv"], "error: zbv: --num-layers 8 is not divisible by --pipeline-model-parallel-size 8 x "
+              "--virtual-pipeline-size 2"),
+    (["--world-size", "8", "--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+      "zbv", "--pipeline-layers-per-stage", "3", "5"],
+     "error: --pipeline-layers-per-stage: a stage of 3 layers does not cut into its 2 virtual chunks"),
+    (["--world-size", "8", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+      "--pipeline-model-parallel-layout", "E|t*4|t*3|tL"],
+     "error: no layout of 8 devices runs as asked: at the last tried, --pipeline-schedule interleaved needs"),
+    (["--world-size", "8", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+      "--pipeline-model-parallel-layout", "Et|tmL"], "error: --pipeline-model-parallel-layout 'Et|tmL': "
+                                                      "multi-token prediction layers (m) are not built here"),
 ])
 def test_plan_refuses_a_model_or_size_that_cannot_be_in_one_line(flags, message):
     with pytest.raises(SystemExit) as stop:
         planner.main([*TINY, *flags])
     assert str(stop.value.code).startswith(message) and "\n" not in str(stop.value.code), stop.value.code
+
+
+def test_plan_prices_what_pretrain_runs(capsys):
+    """Agreement with pretrain: 7 layers cut 1 + 2 + 2 + 2 over pp4 (Megatron's first-stage count), ZBV with
+    an explicit split (each stage's layers over its two chunks), a layout string, a model of 4 layers at
+    pp2 with Megatron's default batch (one micro-batch a step): each priced, with its cut shown (an
+    interleaved layout string at one micro-batch a step is refused above, as pretrain refuses it)."""
+    cases = [(["--num-layers", "7", "--decoder-first-pipeline-num-layers", "1",
+               "--pipeline-model-parallel-size", "4"], {(1, 2, 2, 2)}),
+             (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+               "--pipeline-layers-per-stage", "2", "6"], {(2, 6)}),
+             (["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+               "--pipeline-model-parallel-layout", "E|t*4|t*3|tL", "--global-batch-size", "16"], {(3, 5)}),
+             (["--pipeline-model-parallel-size", "2"], {None})]
+    for flags, cuts in cases:
+        planner.main([*TINY, "--world-size", "8", *flags, "--json"])
+        layouts = json.loads(capsys.readouterr().out)
+        assert layouts, flags
+        assert {tuple(rank_layer_counts(layout["split"], layout["pp"], layout["schedule"] == "zbv"))
+                if layout["split"] else None for layout in layouts} == cuts, flags
 
 
 def test_plan_skips_the_grids_that_cannot_hold_the_expert_size_asked(capsys):

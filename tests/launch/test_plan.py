@@ -5,8 +5,10 @@ import json
 import pytest
 
 from launch.tools.planning.link_model import Links, ZeroCommOptions
-from launch.tools.planning.layout_price import Layout, layer_elements, sent_by_axis, transfers
+from launch.tools.planning.layout_price import (Layout, activation_bytes, layer_elements, model_state_bytes,
+                                                sent_by_axis, transfers)
 from launch.tools.planning.plan import plan, plan_layout
+from launch.tools.planning.schedule_price import pipeline_time
 from launch.tools.planning.plan_command import main as plan_main, parse_bytes
 from models.counting import num_parameters
 from pretrain.config.arguments import parse_config
@@ -28,7 +30,12 @@ LAYOUTS = {  # flags -> the planner's layout (world of 4)
                          Layout(1, 1, 4, 3)),
     "pp2 (1 + 3 layers) x dp2 stage 2": ([*_pp(2), "--pipeline-layers-per-stage", "1", "3",
                                           "--zero-stage", "2"],
-                                         Layout(1, 2, 2, 2, layers_per_stage=(1, 3))),
+                                         Layout(1, 2, 2, 2, split=(1, 3))),
+    # an uneven pp4 cut (Megatron's first / last stage counts), each stage's bytes checked on its own
+    "pp4 (1 + 2 + 2 + 1 of 6 layers) stage 1": (["--num-layers", "6", *_pp(4), "--zero-stage", "1",
+                                                  "--decoder-first-pipeline-num-layers", "1",
+                                                  "--decoder-last-pipeline-num-layers", "1"],
+                                                 Layout(1, 4, 1, 1, split=(1, 2, 2, 1))),
     # two nodes of 2: ZeRO++ and shard groups
     "dp4 stage 3 bf16 hpZ + qwZ + qgZ": (["--zero-stage", "3", "--zero-persistence-threshold", "0", "--bf16",
                                           "--gpus-per-node", "2", "--zero-hpz-partition-size", "2",
@@ -90,7 +97,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         config = parse_config(TINY + flags)
         config.model.vocab_size = 512  # the corpus tokenizer's
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
-                        sequence_parallel=layout.sequence_parallel, layers_per_stage=layout.layers_per_stage,
+                        sequence_parallel=layout.sequence_parallel, split=layout.split,
                         zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules,
                         ep=layout.ep, schedule=layout.schedule)
         predicted = plan_layout(config.model, layout, config.training.global_batch_size,
@@ -101,6 +108,13 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         assert predicted.model_state_bytes == pytest.approx(states, rel=0.05), (name, predicted, states)
         assert predicted.activation_bytes == pytest.approx(activations, rel=0.10), (name,
                                                                                     predicted, activations)
+        if layout.pp == 4:  # rank r is stage r: each stage's states and activations on their own
+            micro_batches = config.training.global_batch_size // 2
+            for stage, rank in enumerate(ranks):
+                assert model_state_bytes(config.model, layout, stage, 4) == pytest.approx(
+                    rank["model_state_bytes"], rel=0.05), (name, stage)
+                assert activation_bytes(config.model, layout, stage, micro_batches, 4) == pytest.approx(
+                    rank["saved_activation_bytes"], rel=0.10), (name, stage)
         if name in DATA_PARALLEL_ONLY:
             nodes = 2 if "--gpus-per-node" in flags else None
             found = transfers(config.model, layout, 8 // (2 * layout.dp), 2 if "--bf16" in flags else 4,
@@ -285,7 +299,9 @@ def test_planner_prices_each_pipeline_schedules_bubble_and_activations(capsys):
     config = parse_config(flags).model
     plans = {kind: plan_layout(config, Layout(1, 4, 1, 1, schedule=kind), 8, 2)
              for kind in ("1f1b", "zb-h1", "zbv")}
-    assert plans["1f1b"].bubble == pytest.approx(3 / 11)
+    assert pipeline_time("1f1b", 4, 8, ((1.0, 2.0, 0.0),) * 4) == (pytest.approx(3 / 11), 1.0)
+    # the untied output layer (2.6 layers' products) makes the last stage the busiest: it waits least
+    assert plans["1f1b"].imbalance > 1.3 and plans["1f1b"].bubble < 3 / 11
     assert plans["zbv"].bubble < plans["zb-h1"].bubble < plans["1f1b"].bubble
     assert plans["zb-h1"].activation_bytes >= plans["1f1b"].activation_bytes
     assert plans["zbv"].score < plans["zb-h1"].score < plans["1f1b"].score

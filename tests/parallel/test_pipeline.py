@@ -33,7 +33,12 @@ from parallel.pipeline.timeline import simulate
 def test_interleaved_partition_follows_megatron():
     assert [chunk_layers(8, 2, stage, chunk, vp=2) for stage in (0, 1) for chunk in (0, 1)] == \
         [[0, 1], [4, 5], [2, 3], [6, 7]]
-    assert [chunk_layers(6, 2, s, layers_per_stage=[2, 4]) for s in (0, 1)] == [[0, 1], [2, 3, 4, 5]]
+    assert [chunk_layers(6, 2, s, split=[2, 4]) for s in (0, 1)] == [[0, 1], [2, 3, 4, 5]]
+    # an uneven split per virtual stage, in a micro-batch's path: interleaved, and in a V
+    assert [chunk_layers(6, 2, stage, chunk, vp=2, split=[0, 2, 3, 1]) for stage in (0, 1)
+            for chunk in (0, 1)] == [[], [2, 3, 4], [0, 1], [5]]
+    assert [chunk_layers(6, 2, stage, chunk, vp=2, split=[1, 2, 2, 1], v=True) for stage in (0, 1)
+            for chunk in (0, 1)] == [[0], [5], [1, 2], [3, 4]]
     # a V (zbv): down the stages with chunk 0, back up with chunk 1
     assert [chunk_layers(8, 2, stage, chunk, vp=2, v=True) for stage in (0, 1) for chunk in (0, 1)] == \
         [[0, 1], [6, 7], [2, 3], [4, 5]]
@@ -45,11 +50,70 @@ def test_interleaved_partition_follows_megatron():
     ((8, 2, 3),
      "--num-layers 8 is not divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-size 3"),
     ((2, 4), "--pipeline-model-parallel-size 4 is larger than --num-layers 2"),
-    ((6, 2, 1, [2, 3]), "must be 2 positive counts summing to --num-layers 6"),
+    ((6, 2, 1, [2, 3]), "must be 2 counts .--pipeline-model-parallel-size 2 x 1 chunks. summing to "
+                        "--num-layers 6"),
+    ((6, 2, 2, [3, 0, 0, 3]), "virtual stage 1 of 4 would hold no layer, embedding or loss"),
 ])
 def test_bad_partitions_name_the_flags(args, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message if "." in message else message.replace("(", r"\(")):
         validate_partition(*args)
+
+
+MEGATRON_LAYOUTS = [("Et*3|(tt|)*29,m|L", 16, 61), ("E|t*4|t*3|tL", 2, 8), ("Ett|t|tt|tL", 2, 6),
+                    ("(t|)*7tL", 4, 8), ("Et|tt|t*3|(t)*2L", 2, 8)]
+
+
+@pytest.mark.parametrize("layout, pp, layers", MEGATRON_LAYOUTS)
+def test_layout_strings_cut_as_megatron_core_cuts_them(layout, pp, layers):
+    """``--pipeline-model-parallel-layout`` against megatron-core's own parser: the same layers in each
+    virtual stage (its MTP layer, which is not built here, refused by name)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from parallel.pipeline.layer_split import layout_split
+
+    theirs = PipelineParallelLayerLayout(layout, pp)
+    stages = [theirs.layout[virtual % pp][virtual // pp].count(LayerType.decoder)
+              for virtual in range(pp * theirs.virtual_pipeline_model_parallel_size)]
+    if "m" in layout:
+        with pytest.raises(ValueError, match="multi-token prediction layers .m. are not built here"):
+            layout_split(layout, pp, layers)
+        return
+    if "E" not in layout:
+        with pytest.raises(ValueError, match="the embedding .E. must be in the first virtual stage"):
+            layout_split(layout, pp, layers)
+        return
+    assert layout_split(layout, pp, layers) == (tuple(stages), theirs.virtual_pipeline_model_parallel_size)
+
+
+def test_megatron_split_flags_cut_as_megatron_core_cuts_them():
+    """--decoder-first/last-pipeline-num-layers (with virtual stages too) and the account-for flags against
+    megatron-core's get_num_layers_to_build, stage by stage."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core.transformer import transformer_block
+
+    from parallel.pipeline.layer_split import SplitRequest
+
+    cases = [(SplitRequest(first=1), 7, 4, 1), (SplitRequest(first=2, last=2), 8, 3, 1),
+             (SplitRequest(first=4, last=2), 14, 3, 2), (SplitRequest(embedding=True, loss=True), 6, 4, 1),
+             (SplitRequest(embedding=True, loss=True), 4, 2, 3), (SplitRequest(loss=True), 7, 2, 2)]
+    for request, layers, pp, vp in cases:
+        config = SimpleNamespace(pipeline_model_parallel_layout=None, num_layers=layers,
+                                 pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+                                 num_layers_in_first_pipeline_stage=request.first,
+                                 num_layers_in_last_pipeline_stage=request.last,
+                                 account_for_embedding_in_pipeline_split=request.embedding,
+                                 account_for_loss_in_pipeline_split=request.loss)
+        theirs = []
+        for virtual in range(pp * vp):
+            with mock.patch.object(transformer_block.parallel_state,
+                                   "get_virtual_pipeline_model_parallel_world_size",
+                                   return_value=vp if vp > 1 else None):
+                theirs.append(transformer_block.get_num_layers_to_build(config, virtual // pp, virtual % pp))
+        assert request.split(layers, pp, vp) == tuple(theirs), (request, layers, pp, vp)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -288,3 +288,46 @@ def test_compiled_layers_reproduce_the_single_process_run(reference, stdlib_corp
                                                                  ("tp2+SP", "pp2 vp2", "ZeRO-3")):
             _assert_same_trajectory((losses, norms), reference, f"compiled {name}")
             assert not unexpected, (name, unexpected)
+
+
+SIX = ["--num-layers", "6"]  # 6 + the embedding + the loss = 8 "layers" for Megatron's account-for flags
+
+
+@pytest.mark.parity
+def test_uneven_pipeline_splits_reproduce_the_single_process_run(stdlib_corpus, tmp_path):
+    """Every way Megatron cuts the layers unevenly (first / last stage counts, the embedding and the loss
+    counted as layers, a layout string with a virtual stage holding only the embedding or the loss), at pp4
+    and pp2 x dp2 in 1F1B, interleaved, ZB-H1 and ZBV, ZeRO-1 and ZeRO-3, each within the fp32 trajectory
+    bound of the 6-layer GPT's one-process run; checkpoints re-cut from an uneven split to an even one and
+    back on the same trajectory."""
+    reference, = run_world(1, _train, [SIX], stdlib_corpus)[0]
+    account = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    layouts = {
+        "pp4 1f1b, embedding and loss counted [1, 2, 2, 1]": _pp(4, "1f1b", *account),
+        "pp4 interleaved, layout E|t|t|t|t|t|t|L": _pp(4, "interleaved", "--pipeline-model-parallel-layout",
+                                                       "E|t|t|t|t|t|t|L"),
+        "pp4 zb-h1, last stage 3 [1, 1, 1, 3]": _pp(4, "zb-h1", "--decoder-last-pipeline-num-layers", "3"),
+        "pp2 x dp2 interleaved ZeRO-1, embedding and loss counted [1, 2, 2, 1]": _pp(
+            2, "interleaved", "--virtual-pipeline-size", "2", "--zero-stage", "1", *account),
+        "pp2 x dp2 zb-h1 ZeRO-3, first stage 2 [2, 4]": _pp(2, "zb-h1", *ZERO3,
+                                                             "--decoder-first-pipeline-num-layers", "2"),
+        "pp2 x dp2 zbv ZeRO-1, layout Ett|t|tt|tL": _pp(2, "zbv", "--zero-stage", "1",
+                                                         "--pipeline-model-parallel-layout", "Ett|t|tt|tL"),
+    }
+    uneven, even = str(tmp_path / "uneven"), str(tmp_path / "even")
+    resumes = {
+        "saved at pp4 [1, 2, 2, 1]": _pp(4, "1f1b", *account, "--train-iters", "3", "--save", uneven),
+        "resumed at pp2 x dp2 even": _pp(2, "1f1b", "--zero-stage", "1", "--load", uneven),
+        "saved at pp2 x dp2 even": _pp(2, "1f1b", "--zero-stage", "1", "--train-iters", "3", "--save", even),
+        "resumed at pp4, layout Et|t|tt|ttL": _pp(4, "1f1b", "--pipeline-model-parallel-layout",
+                                                 "Et|t|tt|ttL", "--load", even),
+    }
+    results = run_world(4, _train, _short([SIX + flags for flags in [*layouts.values(), *resumes.values()]]),
+                        stdlib_corpus, timeout_s=300)
+    for rank_results in results:
+        for name, got in zip(layouts, rank_results):
+            _assert_same_trajectory(got[:2], reference[:2], name)
+        for (name, _), got in zip(list(resumes.items()), rank_results[len(layouts):]):
+            iterations = slice(0, 3) if name.startswith("saved") else slice(3, 6)
+            for what, values, want in zip(("loss", "grad norm"), got[:2], reference):
+                assert_trajectory_close(values, want[iterations], f"{name}: {what}")

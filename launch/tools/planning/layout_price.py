@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from launch.tools.planning.link_model import Transfer, ZeroCommOptions, all_to_all, ring, zero_transfers
 from models.config import GPTConfig
-from models.counting import stage_model, stage_parameters
-from launch.tools.planning.schedule_price import held_bytes
-from parallel.pipeline.partition import chunk_layers
+from models.counting import frozen_config, stage_model, stage_parameters, thawed_config
+from launch.tools.planning.schedule_price import chunks_of, held_bytes
+from parallel.pipeline.partition import chunk_layers, virtual_stage
 from parallel.pipeline.schedules import SPLIT_SCHEDULES, V_SCHEDULES
 from parallel.param_meta import meta
 from parallel.topology import Topology
@@ -33,7 +33,7 @@ class Layout:
     micro_batch_size: int = 1
     offload_optimizer: str = "none"
     sequence_parallel: bool = False
-    layers_per_stage: tuple[int, ...] | None = None  # --pipeline-layers-per-stage (else even)
+    split: tuple[int, ...] | None = None  # layers per virtual stage (``partition``; None: even)
     zero: ZeroCommOptions = ZeroCommOptions()  # ZeRO++ / MiCS
     cp: int = 1  # --context-parallel-size: each rank holds S / cp tokens of every sequence
     recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recompute redoes
@@ -41,6 +41,7 @@ class Layout:
     etp: int | None = None  # --expert-tensor-parallel-size (None: tp)
     dispatcher: str = "alltoall"  # --moe-token-dispatcher-type
     schedule: str = "1f1b"  # --pipeline-schedule (``schedule_price.SCHEDULES``)
+    vp: int = 1  # --virtual-pipeline-size (interleaved)
 
     @property
     def recompute_label(self) -> str:
@@ -71,39 +72,73 @@ class Layout:
         return Topology(self.tp * self.pp * self.dp * self.cp, self.tp, self.pp, self.cp,
                         gpus_per_node=gpus_per_node, ep=self.ep, etp=self.etp, pipeline_v=self.v)
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks per stage: two in a V, ``vp`` interleaved."""
+        return chunks_of(self.schedule, self.vp)
+
     def layers_on(self, stage: int, num_layers: int) -> int:
-        return self.layers_per_stage[stage] if self.layers_per_stage else num_layers // self.pp
+        return len(self.stage_layers(stage, num_layers))
+
+    def chunk_layers(self, stage: int, num_layers: int) -> list[list[int]]:
+        """The global indices of the layers each chunk of ``stage`` holds."""
+        return [chunk_layers(num_layers, self.pp, stage, chunk, self.chunks, self.split, self.v)
+                for chunk in range(self.chunks)]
 
     def stage_layers(self, stage: int, num_layers: int) -> list[int]:
-        """The global indices of the layers ``stage`` holds (both chunks' in a V)."""
-        layers = list(self.layers_per_stage) if self.layers_per_stage else None
-        vp = 2 if self.v else 1
-        return [index for chunk in range(vp)
-                for index in chunk_layers(num_layers, self.pp, stage, chunk, vp, layers, self.v)]
+        """The global indices of the layers ``stage`` holds (all its chunks')."""
+        return [index for chunk in self.chunk_layers(stage, num_layers) for index in chunk]
+
+    def holds(self, stage: int, chunk: int) -> tuple[bool, bool]:
+        """Whether chunk ``chunk`` of ``stage`` holds (the embedding, the loss)."""
+        virtual = virtual_stage(stage, chunk, self.pp, self.v)
+        return virtual == 0, virtual == self.pp * self.chunks - 1
 
 
 def _stage_parameters(config: GPTConfig, layout: Layout, stage: int) -> tuple:
     """The parameters of pipeline ``stage``'s tp slice, as ``models.pipeline_stage`` builds them (on meta)."""
     return stage_parameters(config, layout.tp, layout.pp, stage, layout.sequence_parallel,
-                            list(layout.layers_per_stage or []) or None, (layout.ep, layout.expert_tp),
-                            layout.v)
+                            list(layout.split) if layout.split else None, (layout.ep, layout.expert_tp),
+                            layout.v, layout.chunks)
 
 
-@functools.lru_cache(maxsize=256)
-def _profile(params: tuple, expert: bool = False) -> tuple:
-    """``parameter_profile`` of one stage's dense (or expert) parameters (a cached tuple: the key is its
-    identity)."""
-    return parameter_profile([p for p in params if meta(p).expert == expert])
+@dataclass(frozen=True)
+class StageCount:
+    """What a stage's tp slice holds, as the pricing reads it: ``parameter_profile`` of its dense and of its
+    expert parameters, and their elements."""
+
+    dense: tuple
+    expert: tuple
+    dense_elements: int
+    expert_elements: int
+
+
+_COUNTS: dict[tuple, StageCount] = {}
+
+
+def stage_count(config: GPTConfig, layout: Layout, stage: int) -> StageCount:
+    """``StageCount`` of ``stage``, kept per model and stage shape (a search prices a shape many times)."""
+    key = (frozen_config(config), layout.tp, layout.pp, stage, layout.sequence_parallel, layout.split,
+           layout.ep, layout.expert_tp, layout.v, layout.chunks)
+    if key not in _COUNTS:
+        params = _stage_parameters(config, layout, stage)
+        dense = [p for p in params if not meta(p).expert]
+        expert = [p for p in params if meta(p).expert]
+        if len(_COUNTS) > 4096:
+            _COUNTS.clear()
+        _COUNTS[key] = StageCount(parameter_profile(dense), parameter_profile(expert),
+                                  sum(p.numel() for p in dense), sum(p.numel() for p in expert))
+    return _COUNTS[key]
 
 
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
                       persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded): the dense
     parameters' states sharded over dp x cp, the experts' over expert dp."""
-    params, total = _stage_parameters(config, layout, stage), 0.0
-    shards = ((False, layout.zero.shard_size or layout.data_ranks), (True, layout.expert_data_ranks))
-    for expert, shard in shards:
-        profile = _profile(params, expert)
+    count, total = stage_count(config, layout, stage), 0.0
+    shards = ((count.dense, layout.zero.shard_size or layout.data_ranks),
+              (count.expert, layout.expert_data_ranks))
+    for profile, shard in shards:
         total += expected_profile_state_bytes(profile, layout.zero_stage, shard, compute_bytes,
                                               persistence_threshold, grad_bytes, layout.zero.hpz)
         if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
@@ -115,31 +150,36 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
 def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batches: int,
                      compute_bytes: int) -> float:
     """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring), and with a split
-    backward what its weight passes keep (``schedule_price.held_bytes``); a cp rank keeps those of its S / cp
-    tokens (ring attention saves what fused attention saves: q, k, v, output, lse)."""
+    backward what its weight passes keep (``schedule_price.held_bytes``), chunk by chunk; a cp rank keeps
+    those of its S / cp tokens (ring attention saves what fused attention saves: q, k, v, output, lse)."""
     s, b, h, t = config.seq_length / layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
-    indices = layout.stage_layers(stage, config.num_layers)
-    layers, moe = len(indices), sum(config.moe_layers(config.num_layers)[i] for i in indices)
-    if layout.recompute == "full":
-        saved = sbh / split * layers * compute_bytes
-    else:
-        saved = (layer_elements(config, layout) * (layers - moe)
-                 + (layer_elements(config, layout, moe=True) * moe if moe else 0)) * compute_bytes
-    # final norm input and output; the loss's saved logits over this rank's vocabulary
-    loss_stage, vocabulary = stage == layout.topology().last_stage, config.padded_vocab_size(t) / t
-    if loss_stage:
-        # (16-bit logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in
-        # fp32)
-        saved += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
-    pending = 0.0
-    if layout.schedule in SPLIT_SCHEDULES:  # the output layer's input and logits' gradient, the embedding's
-        pending = (weight_pass_elements(config, layout) * (layers - moe)
-                   + weight_pass_elements(config, layout, moe=True) * moe
-                   + (h / split + vocabulary if loss_stage else 0) + (h if stage == 0 else 0)) * s * b \
-            * compute_bytes
-    return held_bytes(layout.schedule, layout.pp, stage, micro_batches, saved, pending)
+    vocabulary = config.padded_vocab_size(t) / t
+    moe_layers = config.moe_layers(config.num_layers)
+    saved, pending = [], []
+    for chunk, indices in enumerate(layout.chunk_layers(stage, config.num_layers)):
+        layers, moe = len(indices), sum(moe_layers[i] for i in indices)
+        embedding, loss = layout.holds(stage, chunk)
+        if layout.recompute == "full":
+            kept = sbh / split * layers * compute_bytes
+        else:
+            kept = (layer_elements(config, layout) * (layers - moe)
+                    + (layer_elements(config, layout, moe=True) * moe if moe else 0)) * compute_bytes
+        # final norm input and output; the loss's saved logits over this rank's vocabulary (16-bit logits
+        # under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
+        if loss:
+            kept += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
+        saved.append(kept)
+        waiting = 0.0
+        if layout.schedule in SPLIT_SCHEDULES:  # also the output layer's input and logits' gradient, the
+            # embedding's
+            waiting = (weight_pass_elements(config, layout) * (layers - moe)
+                       + weight_pass_elements(config, layout, moe=True) * moe
+                       + (h / split + vocabulary if loss else 0) + (h if embedding else 0)) * s * b \
+                * compute_bytes
+        pending.append(waiting)
+    return held_bytes(layout.schedule, layout.pp, stage, micro_batches, tuple(saved), tuple(pending))
 
 
 def weight_pass_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:
@@ -271,12 +311,18 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
 def _block_and_stage(config: GPTConfig, layout: Layout) -> tuple[int, int]:
     """(one layer's dense parameters, the first pipeline stage's) on one tp rank (the dense optimizer's
     units; the experts are the expert optimizer's)."""
-    experts = (layout.ep, layout.expert_tp)
-    chunks = stage_model(config, layout.tp, layout.pp, 0, sequence_parallel=layout.sequence_parallel,
-                         experts=experts)
-    block = sum(p.numel() for p in chunks[0].layers[0].parameters() if not meta(p).expert)
-    return block, sum(p.numel() for p in stage_parameters(config, layout.tp, layout.pp, 0,
-                                                           layout.sequence_parallel, experts=experts)
+    return _block_and_stage_of(frozen_config(config), layout.tp, layout.pp, layout.sequence_parallel,
+                               (layout.ep, layout.expert_tp), layout.split, layout.v, layout.chunks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_and_stage_of(frozen: tuple, tp: int, pp: int, sequence_parallel: bool, experts: tuple[int, int],
+                        split: tuple[int, ...] | None, v: bool, chunks: int) -> tuple[int, int]:
+    config = thawed_config(frozen)
+    one = stage_model(config, tp, 1, 0, sequence_parallel=sequence_parallel, experts=experts)
+    block = sum(p.numel() for p in one[0].layers[0].parameters() if not meta(p).expert)
+    return block, sum(p.numel() for p in stage_parameters(config, tp, pp, 0, sequence_parallel,
+                                                           list(split) if split else None, experts, v, chunks)
                       if not meta(p).expert)
 
 
@@ -304,9 +350,8 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
     ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    params = _stage_parameters(config, layout, 0)
-    psi = sum(p.numel() for p in params if not meta(p).expert)
-    experts = sum(p.numel() for p in params if meta(p).expert)
+    count = stage_count(config, layout, 0)
+    psi, experts = count.dense_elements, count.expert_elements
     topology = layout.topology(gpus_per_node)
     t, m = layout.tp, micro_batches
     sbh = config.seq_length / layout.cp * layout.micro_batch_size * config.hidden_size * compute_bytes

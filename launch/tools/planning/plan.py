@@ -45,10 +45,13 @@ from parallel.topology import Topology
 from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommOptions, step_seconds,
                                               zero_variants)
 from launch.tools.planning.devices import DeviceProfile, compute_seconds
-from models.counting import flops_per_token, num_parameters
+from models.counting import flops_per_token, forward_flops_parts, num_parameters
 from launch.tools.planning.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
                                                 recompute_cost, sent_by_axis, transfers)
-from launch.tools.planning.schedule_price import pipeline_bubble, schedules_for
+from launch.tools.planning.schedule_price import pipeline_time, stage_costs
+from parallel.pipeline.layer_split import SplitRequest, first_last_counts, per_rank_split
+from parallel.pipeline.partition import validate_partition
+from parallel.pipeline.schedules import V_SCHEDULES, validate_schedule
 
 @dataclass
 class Plan:
@@ -63,7 +66,8 @@ class Plan:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     comm_bytes_inter_node: dict[str, float] = field(default_factory=dict)  # of those, to another node
     score: float = 0.0
-    bubble: float = 0.0  # the fraction of a step the most idle stage waits (``schedule_price``)
+    bubble: float = 0.0  # the fraction of a step the busiest stage waits (``schedule_price``)
+    imbalance: float = 1.0  # the busiest stage's work over a stage's mean (an uneven cut, the head)
     transfers: list[Transfer] = field(default_factory=list, repr=False)  # what the link model times
     step_seconds: float | None = None  # predicted by the link model (``links`` given)
 
@@ -90,10 +94,12 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     plan = Plan(layout, states, activations,
                 buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
                 sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
-    bubble = pipeline_bubble(config, layout.schedule, layout.pp, micro_batches, layout.recompute)
-    plan.bubble = bubble
+    bubble, imbalance = pipeline_time(layout.schedule, layout.pp, micro_batches,
+                                      stage_costs(config, layout.recompute, layout.pp, layout.chunks,
+                                                  layout.split))
+    plan.bubble, plan.imbalance = bubble, imbalance
     offload_cost = {"none": 1.0, "cpu": 1.3}[layout.offload_optimizer]
-    plan.score = recompute_cost(config, layout) * offload_cost / (1 - bubble)
+    plan.score = recompute_cost(config, layout) * offload_cost * imbalance / (1 - bubble)
     if links is not None:
         if device.profile is not None:  # the achieved rates of the layout's shapes, recompute included
             compute = _profiled_compute(config, layout, micro_batches, device.profile) * offload_cost \
@@ -113,8 +119,9 @@ def _profiled_compute(config: GPTConfig, layout: Layout, micro_batches: int, pro
     """The busiest pipeline stage's compute in a step at ``profile``'s rates (``devices.compute_seconds``)."""
     shard = layout.data_ranks if layout.zero_stage >= 1 else 1
     parameters = num_parameters(config) / (layout.tp * layout.pp * shard)
-    kinds = {(layout.layers_on(stage, config.num_layers), stage == layout.pp - 1)
-             for stage in range(layout.pp)}  # stages that differ: their layers, the last's head
+    kinds = {(layout.layers_on(stage, config.num_layers),
+              any(layout.holds(stage, chunk)[1] for chunk in range(layout.chunks)))
+             for stage in range(layout.pp)}  # stages that differ: their layers, the head
     return max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size, layers, micro_batches,
                                layout.recompute, layout.recompute_modules, last, parameters, profile)
                for layers, last in kinds)
@@ -133,36 +140,134 @@ def _context_sizes(config: GPTConfig, model_parallel: int, world_size: int, cp: 
 
 def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, global_batch_size: int | None,
                       zero_stage: int | None, tp: int | None, pp: int | None,
-                      layers_per_stage: tuple[int, ...] | None = None,
+                      request: SplitRequest = SplitRequest(),
                       zero_plus_plus: bool = False, cp: int | None = None,
                       micro_batch_size: int = 1, ep: int | None = None,
-                      etp: int | None = None, schedule: str | None = None) -> list[Layout]:
+                      etp: int | None = None, schedule: str | None = None,
+                      vp: int | None = None) -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
     ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks.
     Without ``global_batch_size`` each layout's is Megatron's default, ``micro_batch_size`` x dp. With
     experts, every expert-parallel size that divides the experts and the expert grid (etp: tp unless
-    given) and no ZeRO++ (the expert optimizer has none). A pipeline runs each schedule it can
-    (``schedule_price.schedules_for``), or ``schedule``."""
-    layouts = []
+    given) and no ZeRO++ (the expert optimizer has none). A pipeline runs each schedule it can, or
+    ``schedule``, with the layers cut as ``request`` says, or evenly and as ``balanced_split`` proposes
+    (``_splits``). ValueError (one line) where the flags given leave no layout."""
+    layouts, refusals = [], []
     for t in ([tp] if tp else [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]):
         try:
             config.validate(t)
         except ValueError:  # tp must divide the heads, groups and widths
             continue
-        for p in ([pp] if pp else [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]):
+        for p in ([pp] if pp else range(1, config.num_layers + 1)):
             if world_size % (t * p):
+                continue
+            cuts = _splits(config, p, request, schedule, vp, strict=pp is not None, refusals=refusals)
+            if not cuts:
                 continue
             for c in _context_sizes(config, t * p, world_size, cp):
                 d = world_size // (t * p * c)
                 for e in _expert_sizes(config, t * c * d, etp or t, ep):
                     grid = _layouts_of(t, p, c, d, gpus_per_node, global_batch_size, zero_stage,
-                                       layers_per_stage, zero_plus_plus and not config.num_experts,
-                                       micro_batch_size)
+                                       zero_plus_plus and not config.num_experts, micro_batch_size)
                     if config.num_experts:
                         grid = [replace(layout, ep=e, etp=etp) for layout in grid]
-                    kinds = [schedule] if schedule else schedules_for(config, p, not layers_per_stage)
-                    layouts += [replace(layout, schedule=kind) for layout in grid for kind in kinds]
+                    layouts += [replace(layout, schedule=kind, vp=chunks, split=split) for layout in grid
+                                for kind, chunks, split in cuts
+                                if _runs(kind, layout_micro_batches(layout, global_batch_size), p, chunks,
+                                         refusals)]
+    if not layouts and refusals:
+        raise ValueError(f"no layout of {world_size} devices runs as asked: at the last tried, "
+                         f"{refusals[-1]}")
     return layouts
+
+
+def _runs(schedule: str, micro_batches: int, pp: int, chunks: int, refusals: list[str]) -> bool:
+    """Whether ``schedule`` runs ``micro_batches`` a step (pretrain refuses the others; why joins
+    ``refusals``)."""
+    try:
+        validate_schedule(schedule, micro_batches, pp, chunks)
+    except ValueError as error:
+        refusals.append(str(error))
+        return False
+    return True
+
+
+def layout_micro_batches(layout: Layout, global_batch_size: int | None) -> int:
+    """Micro-batches per step of ``layout`` (Megatron's default batch, one per dp rank, without one)."""
+    batch = global_batch_size if global_batch_size is not None else layout.micro_batch_size * layout.dp
+    return batch // (layout.micro_batch_size * layout.dp)
+
+
+def _splits(config: GPTConfig, pp: int, request: SplitRequest, schedule: str | None, vp: int | None,
+            strict: bool, refusals: list[str]) -> list[tuple[str, int, tuple[int, ...] | None]]:
+    """(schedule, chunks per stage, split) of each way to run ``pp`` stages: ``schedule`` or each the
+    planner compares (interleaved where ``vp`` is given), each with ``request``'s cut, or the even one and
+    ``balanced_split``'s where it differs. A cut that cannot be made is left out, or with ``strict`` (the
+    pipeline size was given) raises its ValueError; else its message joins ``refusals``."""
+    if pp == 1 and not request.given():
+        return [("1f1b", 1, None)]
+    if request.layout:  # its virtual stages say how many chunks
+        try:
+            vp = request.chunks(pp, config.num_layers)
+        except ValueError as error:
+            if strict:
+                raise
+            refusals.append(str(error))
+            return []
+    kinds = [schedule] if schedule else ["interleaved"] if vp and vp > 1 else ["1f1b", "zb-h1", "zbv"]
+    first_refusal = len(refusals)
+    if pp == 1:
+        kinds = ["1f1b"]
+    found = []
+    for kind in kinds:
+        chunks = 2 if kind in V_SCHEDULES else (vp or 1) if kind == "interleaved" else 1
+        if request.given():
+            try:
+                split = request.split(config.num_layers, pp, chunks, kind in V_SCHEDULES)
+                found.append((kind, chunks, split))
+            except ValueError as error:
+                if strict and (schedule or len(kinds) == 1):
+                    raise
+                refusals.append(str(error))
+            continue
+        balanced = balanced_split(config, pp, chunks, kind in V_SCHEDULES)
+        try:
+            validate_partition(config.num_layers, pp, chunks)
+            found.append((kind, chunks, None))
+        except ValueError as error:
+            if balanced is None:
+                refusals.append(f"{kind}: {error}" if chunks > 1 else str(error))
+        if balanced is not None:
+            found.append((kind, chunks, balanced))
+    if strict and not found:
+        raise ValueError(refusals[first_refusal])
+    return found
+
+
+def balanced_split(config: GPTConfig, pp: int, chunks: int, v: bool) -> tuple[int, ...] | None:
+    """The first / last stage counts (Megatron's ``--decoder-first/last-pipeline-num-layers``, the other
+    stages even, every stage's count cut into its ``chunks``) whose busiest stage does the least work, the
+    output layer counted on the stage that holds it; None where that is the even cut or none exists."""
+    layers, head = forward_flops_parts(config)
+    cost = [matmul + attention for matmul, attention in layers]
+    loss_rank = 0 if v else pp - 1
+    best, best_cost = None, None
+    for first in range(1, config.num_layers):
+        for last in range(1, config.num_layers - first + 1):
+            try:
+                counts = first_last_counts(config.num_layers, pp, first, last)
+            except ValueError:
+                continue
+            if any(count % chunks for count in counts):
+                continue
+            starts = [sum(counts[:stage]) for stage in range(pp)]
+            work = [sum(cost[i] for i in range(start, start + count)) for start, count in zip(starts, counts)]
+            work[loss_rank] += head
+            if best_cost is None or max(work) < best_cost:
+                best, best_cost = counts, max(work)
+    if best is None or len(set(best)) == 1:
+        return None
+    return per_rank_split(config.num_layers, pp, chunks, best, "the proposed split", v)
 
 
 def _expert_sizes(config: GPTConfig, ranks: int, etp: int, ep: int | None) -> list[int]:
@@ -176,14 +281,13 @@ def _expert_sizes(config: GPTConfig, ranks: int, etp: int, ep: int | None) -> li
 
 
 def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int | None,
-                zero_stage: int | None, layers_per_stage: tuple[int, ...] | None,
-                zero_plus_plus: bool, micro_batch_size: int) -> list[Layout]:
+                zero_stage: int | None, zero_plus_plus: bool, micro_batch_size: int) -> list[Layout]:
     """The layouts of one tp x pp x cp x dp grid: micro-batch sizes, ZeRO stages and options, recompute,
     offload."""
     layouts = []
     for micro in (1, 2, 4, 8) if global_batch_size is not None else (micro_batch_size,):
         batch = global_batch_size if global_batch_size is not None else micro * dp
-        if batch % (micro * dp) or batch // (micro * dp) < p:
+        if batch % (micro * dp):
             continue
         for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
             # selective as it buys memory (the attention core's recompute buys none with a fused kernel)
@@ -194,10 +298,7 @@ def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batc
                                     if zero_plus_plus else [ZeroCommOptions()]):
                         layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,
                                               recompute_modules=modules,
-                                              sequence_parallel=t > 1,
-                                              layers_per_stage=layers_per_stage
-                                              if layers_per_stage and p == len(layers_per_stage) else None,
-                                              zero=options, cp=c))
+                                              sequence_parallel=t > 1, zero=options, cp=c))
     return layouts
 
 
@@ -205,17 +306,18 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          global_batch_size: int | None,
          compute_bytes: int = 2, zero_stage: int | None = None, tp: int | None = None, pp: int | None = None,
          bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
-         grad_bytes: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
+         grad_bytes: int | None = None, request: SplitRequest = SplitRequest(),
          links: Links | None = None, device: Device = Device(), cp: int | None = None,
          micro_batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
-         ep: int | None = None, etp: int | None = None, schedule: str | None = None) -> list[Plan]:
+         ep: int | None = None, etp: int | None = None, schedule: str | None = None,
+         vp: int | None = None) -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates). ``global_batch_size`` None: Megatron's default,
     ``micro_batch_size`` x dp, in each layout. ``progress(done, total)`` is called before the first layout
     is priced and after each."""
     layouts = candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
-                                layers_per_stage, zero_plus_plus=links is not None, cp=cp,
-                                micro_batch_size=micro_batch_size, ep=ep, etp=etp, schedule=schedule)
+                                request, zero_plus_plus=links is not None, cp=cp,
+                                micro_batch_size=micro_batch_size, ep=ep, etp=etp, schedule=schedule, vp=vp)
     plans = []
     for done, layout in enumerate(layouts):
         if progress is not None:

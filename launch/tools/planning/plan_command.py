@@ -14,8 +14,10 @@ from launch.tools.planning.devices import DGX_LINKS, PROFILES, load_profile
 from launch.tools.planning.link_model import Device, Links, parse_bandwidth
 from launch.tools.planning import plan as planner
 from models.counting import kv_cache_values_per_token, num_parameters
+from parallel.pipeline.partition import rank_layer_counts
 from parallel.zero import gradient_bytes
 from pretrain.config.arguments import ConfigError, build_parser, parse_config
+from pretrain.config.megatron_flags import split_request
 from launch.help_text import help_description
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20,
@@ -56,7 +58,11 @@ PLAN_FLAGS = {
     "--pipeline-model-parallel-size": "pp: only this one is tried (default: each divisor of the layers)",
     "--context-parallel-size": "cp: only this one is tried (default: each that cuts the sequence into 2 x cp "
                                "chunks)",
-    "--pipeline-layers-per-stage": None,
+    "--pipeline-layers-per-stage": None, "--decoder-first-pipeline-num-layers": None,
+    "--decoder-last-pipeline-num-layers": None, "--account-for-embedding-in-pipeline-split": None,
+    "--account-for-loss-in-pipeline-split": None, "--pipeline-model-parallel-layout": None,
+    "--virtual-pipeline-size": "chunks per stage: interleaved layouts are priced (default: 1F1B, ZB-H1, ZBV)",
+    "--pipeline-schedule": "only this schedule is tried",
     "--zero-stage": "only this ZeRO stage is tried (default: 0, 1, 2 and 3)",
     "--zero-bucket-size": None, "--zero-persistence-threshold": None,
 }
@@ -189,16 +195,6 @@ def main(argv: list[str] | None = None) -> None:
         config.model.vocab_size = config.data.default_corpus_vocab_size
     train, zero = config.training, config.zero
     parallel = config.parallel
-    try:  # the model's own rules at tp 1 and the experts' at the ep asked for, before any layout is tried
-        config.model.validate()
-        config.model.validate_moe(config.model.num_layers, config.model.ffn_size,
-                                  parallel.expert_tensor_parallel_size or 1,
-                                  parallel.expert_model_parallel_size)
-        if train.global_batch_size is not None and train.global_batch_size < 1:
-            raise ValueError(f"--global-batch-size {train.global_batch_size}: give at least 1 sequence a "
-                             "step")
-    except ValueError as error:
-        sys.exit(f"error: {error}")
     fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
              "tp": (parallel.tensor_model_parallel_size
                     if "--tensor-model-parallel-size" in model_flags else None),
@@ -208,7 +204,32 @@ def main(argv: list[str] | None = None) -> None:
              "ep": (parallel.expert_model_parallel_size
                     if "--expert-model-parallel-size" in model_flags else None),
              "etp": parallel.expert_tensor_parallel_size,
-             "schedule": parallel.pipeline_schedule if "--pipeline-schedule" in model_flags else None}
+             "schedule": parallel.pipeline_schedule if "--pipeline-schedule" in model_flags else None,
+             "vp": parallel.virtual_pipeline_size}
+    try:  # the model's own rules at tp 1 and the experts' at the ep asked for, before any layout is tried
+        config.model.validate()
+        config.model.validate_moe(config.model.num_layers, config.model.ffn_size,
+                                  parallel.expert_tensor_parallel_size or 1,
+                                  parallel.expert_model_parallel_size)
+        model_parallel = 1
+        for flag, size in (("--tensor-model-parallel-size", fixed["tp"]),
+                           ("--pipeline-model-parallel-size", fixed["pp"]),
+                           ("--context-parallel-size", fixed["cp"])):
+            if size is None:
+                continue
+            if size < 1:
+                raise ValueError(f"{flag} {size}: give at least 1")
+            model_parallel *= size
+            if args.world_size % model_parallel:
+                raise ValueError(f"--world-size {args.world_size} is not divisible by {flag} {size} (with "
+                                 f"the other sizes given, {model_parallel}): give sizes that divide it")
+        if fixed["tp"]:
+            config.model.validate(fixed["tp"])
+        if train.global_batch_size is not None and train.global_batch_size < 1:
+            raise ValueError(f"--global-batch-size {train.global_batch_size}: give at least 1 sequence a "
+                             "step")
+    except ValueError as error:
+        sys.exit(f"error: {error}")
     links = Links(intra, inter, args.link_latency) if inter is not None else None
     try:
         plans = _plans(config, args, fixed, memory_per_device, links, profile)
@@ -224,7 +245,7 @@ def _plans(config, args, fixed: dict, memory_per_device: float, links, profile) 
                  train.global_batch_size, compute_bytes, **fixed, bucket_size=zero.zero_bucket_size,
                  persistence_threshold=zero.zero_persistence_threshold,
                  grad_bytes=gradient_bytes(compute_bytes, not zero.grad_reduce_in_bf16),
-                 layers_per_stage=tuple(parallel.pipeline_layers_per_stage or ()) or None, links=links,
+                 request=split_request(parallel), links=links,
                  device=Device(args.device_flops, profile.quantize_rate if profile else args.quantize_rate,
                                args.backend, profile),
                  micro_batch_size=train.micro_batch_size, progress=_Progress())
@@ -251,7 +272,8 @@ def _report(config, args, plans: list, links) -> None:
     axes = ("dp", "tp", "pp", "cp") + (("ep",) if config.model.num_experts else ())
     print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} " + (f"{'ep':>3} " if config.model.num_experts else "")
           + f"{'zero':>4} {'recompute':>13} {'mbs':>3} "
-          f"{'offload':>7} {'schedule':>8} {'bubble':>6} | {'states GiB':>10} {'activ GiB':>9} "
+          f"{'offload':>7} {'schedule':>8} {'layers per stage':>16} {'bubble':>6} | "
+          f"{'states GiB':>10} {'activ GiB':>9} "
           f"{'buffers GiB':>11} {'total GiB':>9} | "
           f"comm GiB/step {' / '.join(axes)} (to another node)"
           + (" | ZeRO++ / MiCS | step s" if links else ""))
@@ -261,6 +283,7 @@ def _report(config, args, plans: list, links) -> None:
               + (f"{layout.ep:>3} " if config.model.num_experts else "") + f"{layout.zero_stage:>4} "
               f"{layout.recompute_label:>13} "
               f"{layout.micro_batch_size:>3} {layout.offload_optimizer:>7} {layout.schedule:>8} "
+              f"{split_label(layout, config.model.num_layers):>16} "
               f"{p.bubble:>6.1%} | "
               f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
@@ -276,6 +299,18 @@ def _report(config, args, plans: list, links) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def split_label(layout, num_layers: int) -> str:
+    """The layers of each pipeline stage, first, middle ones (as many times) and last: "even" for the even
+    cut, e.g. "7,8x14,7"."""
+    if layout.split is None:
+        return "even"
+    counts = rank_layer_counts(layout.split, layout.pp, layout.v)
+    middle = counts[1:-1]
+    inner = (f"{middle[0]}x{len(middle)}" if len(set(middle)) == 1 and len(middle) > 2
+             else ",".join(map(str, middle)))
+    return ",".join(part for part in (str(counts[0]), inner, str(counts[-1])) if part)
 
 
 def kv_cache_line(model, value_bytes: int) -> str:
