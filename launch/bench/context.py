@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args)
         return
-    from launch.tools.planning.layout_price import Layout, context_bytes, layer_elements
+    from launch.tools.planning.activation_price import layer_elements
+    from launch.tools.planning.layout import Layout
+    from launch.tools.planning.layout_price import context_bytes
 
     config = _config(args)
     measured = {}

@@ -40,7 +40,7 @@ def measured_step_seconds(hidden: int, layers: int, batch: int, gpus: int, teraf
 def predict(device: str) -> list[dict]:
     """Every run of ``RUNS``: its layout, measured and predicted step seconds."""
     from launch.tools.planning.devices import DGX_LINKS, load_profile
-    from launch.tools.planning.layout_price import Layout
+    from launch.tools.planning.layout import Layout
     from launch.tools.planning.link_model import Device, Links
     from launch.tools.planning.plan import plan_layout
     from models.config import GPTConfig

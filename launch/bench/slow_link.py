@@ -35,7 +35,8 @@ from launch.bench.wire_bytes import table as operations_table
 from launch.bench.world import write_table
 from launch.tools.planning.link_model import Links, Transfer, ZeroCommOptions, step_seconds
 from launch.bench.netns_link import LinkSetupError, TwoNodes
-from launch.tools.planning.layout_price import Layout, transfers
+from launch.tools.planning.layout import Layout
+from launch.tools.planning.layout_price import transfers
 from pretrain.config.arguments import parse_config
 from parallel.process_groups import free_port
 from launch.help_text import help_description

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from launch.tools.planning.link_model import Links, ZeroCommOptions
-from launch.tools.planning.layout_price import (Layout, activation_bytes, layer_elements, model_state_bytes,
-                                                sent_by_axis, transfers)
+from launch.tools.planning.activation_price import activation_bytes, layer_elements
+from launch.tools.planning.layout import Layout
+from launch.tools.planning.layout_price import model_state_bytes, sent_by_axis, transfers
 from launch.tools.planning.plan import plan, plan_layout
 from launch.tools.planning.schedule_price import pipeline_time
 from launch.tools.planning.plan_command import main as plan_main, parse_bytes
@@ -309,4 +310,4 @@ def test_planner_prices_each_pipeline_schedules_bubble_and_activations(capsys):
                "--tensor-model-parallel-size", "1", "--zero-stage", "1", "--global-batch-size", "8",
                "--top", "30"])
     printed = capsys.readouterr().out
-    assert "schedule bubble" in printed and all(f" {kind} " in printed for kind in ("1f1b", "zb-h1", "zbv"))
+    assert "schedule layers per stage bubble" in printed and all(f" {kind} " in printed for kind in ("1f1b", "zb-h1", "zbv"))

@@ -4,7 +4,8 @@ formula, and its sequence cut."""
 import pytest
 import torch
 
-from launch.tools.planning.layout_price import Layout, context_bytes
+from launch.tools.planning.layout import Layout
+from launch.tools.planning.layout_price import context_bytes
 from models.config import GPTConfig
 from parallel.context import ContextParallel, ScoreOptions, context_attention, shard_sequence, token_indices
 from parallel.context.sharding import unshard_sequence

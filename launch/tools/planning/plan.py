@@ -46,8 +46,10 @@ from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommO
                                               zero_variants)
 from launch.tools.planning.devices import DeviceProfile, compute_seconds
 from models.counting import flops_per_token, forward_flops_parts, num_parameters
-from launch.tools.planning.layout_price import (Layout, activation_bytes, buffer_bytes, model_state_bytes,
-                                                recompute_cost, sent_by_axis, transfers)
+from launch.tools.planning.activation_price import activation_bytes
+from launch.tools.planning.layout import Layout
+from launch.tools.planning.layout_price import (buffer_bytes, model_state_bytes, recompute_cost, sent_by_axis,
+                                                transfers)
 from launch.tools.planning.schedule_price import pipeline_time, stage_costs
 from parallel.pipeline.layer_split import SplitRequest, first_last_counts, per_rank_split
 from parallel.pipeline.partition import validate_partition
