@@ -163,6 +163,10 @@ class Topology:
         """Every group of ``axis`` as a list of ranks, in a fixed order shared by all ranks."""
         return [list(ranks) for ranks in _groups(self, axis)]
 
+    def group_tuples(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """``groups``, as one object kept per topology and axis (not copied: for readers that only count)."""
+        return _groups(self, axis)
+
     def _enumerate(self, axis: str) -> list[list[int]]:
         if axis == "embedding":
             return [sorted({ranks[0], ranks[self.last_stage]}) for ranks in self._enumerate("pp")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from launch.tools.planning.layout import Layout
 from launch.tools.planning.schedule_price import held_bytes
 from models.config import GPTConfig
+from models.counting import frozen_config
 from parallel.pipeline.schedules import SPLIT_SCHEDULES
 
 
@@ -15,34 +16,63 @@ def activation_bytes(config: GPTConfig, layout: Layout, stage: int, micro_batche
     """Peak bytes saved for backward on a rank of ``stage`` (see the module docstring), and with a split
     backward what its weight passes keep (``schedule_price.held_bytes``), chunk by chunk; a cp rank keeps
     those of its S / cp tokens (ring attention saves what fused attention saves: q, k, v, output, lse)."""
+    return stage_activation_bytes(config, layout, micro_batches, compute_bytes)[stage]
+
+
+def stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: int,
+                           compute_bytes: int) -> list[float]:
+    """``activation_bytes`` of every stage (a layer's elements counted once for all of them), kept per
+    model and what of the layout they depend on (its ZeRO stage and offload do not change them)."""
+    key = (frozen_config(config), layout.tp, layout.pp, layout.cp, layout.micro_batch_size,
+           layout.sequence_parallel, layout.recompute, layout.recompute_modules, layout.split,
+           layout.schedule, layout.vp, layout.ep, layout.etp, micro_batches, compute_bytes)
+    if key not in _PEAKS:
+        if len(_PEAKS) > 65536:
+            _PEAKS.clear()
+        _PEAKS[key] = _stage_activation_bytes(config, layout, micro_batches, compute_bytes)
+    return _PEAKS[key]
+
+
+_PEAKS: dict[tuple, list[float]] = {}
+
+
+def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: int,
+                            compute_bytes: int) -> list[float]:
     s, b, h, t = config.seq_length / layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
     vocabulary = config.padded_vocab_size(t) / t
     moe_layers = config.moe_layers(config.num_layers)
-    saved, pending = [], []
-    for chunk, indices in enumerate(layout.chunk_layers(stage, config.num_layers)):
-        layers, moe = len(indices), sum(moe_layers[i] for i in indices)
-        embedding, loss = layout.holds(stage, chunk)
-        if layout.recompute == "full":
-            kept = sbh / split * layers * compute_bytes
-        else:
-            kept = (layer_elements(config, layout) * (layers - moe)
-                    + (layer_elements(config, layout, moe=True) * moe if moe else 0)) * compute_bytes
-        # final norm input and output; the loss's saved logits over this rank's vocabulary (16-bit logits
-        # under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
-        if loss:
-            kept += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
-        saved.append(kept)
-        waiting = 0.0
-        if layout.schedule in SPLIT_SCHEDULES:  # also the output layer's input and logits' gradient, the
-            # embedding's
-            waiting = (weight_pass_elements(config, layout) * (layers - moe)
-                       + weight_pass_elements(config, layout, moe=True) * moe
-                       + (h / split + vocabulary if loss else 0) + (h if embedding else 0)) * s * b \
-                * compute_bytes
-        pending.append(waiting)
-    return held_bytes(layout.schedule, layout.pp, stage, micro_batches, tuple(saved), tuple(pending))
+    if layout.recompute == "full":
+        dense = moe_kept = sbh / split
+    else:
+        dense = layer_elements(config, layout)
+        moe_kept = layer_elements(config, layout, moe=True) if config.num_experts else 0.0
+    split_backward = layout.schedule in SPLIT_SCHEDULES
+    dense_pass = weight_pass_elements(config, layout) if split_backward else 0.0
+    moe_pass = (weight_pass_elements(config, layout, moe=True) if split_backward and config.num_experts
+                else 0.0)
+    peaks = []
+    for stage in range(layout.pp):
+        saved, pending = [], []
+        for chunk, indices in enumerate(layout.chunk_layers(stage, config.num_layers)):
+            layers, moe = len(indices), sum(moe_layers[i] for i in indices)
+            embedding, loss = layout.holds(stage, chunk)
+            kept = (dense * (layers - moe) + moe_kept * moe) * compute_bytes
+            # final norm input and output; the loss's saved logits over this rank's vocabulary (16-bit
+            # logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
+            if loss:
+                kept += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
+            saved.append(kept)
+            waiting = 0.0
+            if split_backward:  # also the output layer's input and logits' gradient, the embedding's
+                waiting = (dense_pass * (layers - moe) + moe_pass * moe
+                           + (h / split + vocabulary if loss else 0) + (h if embedding else 0)) * s * b \
+                    * compute_bytes
+            pending.append(waiting)
+        peaks.append(held_bytes(layout.schedule, layout.pp, stage, micro_batches, tuple(saved),
+                                tuple(pending)))
+    return peaks
 
 
 def weight_pass_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:

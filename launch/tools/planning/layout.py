@@ -3,6 +3,7 @@ says which layers each stage and chunk holds, and nothing about what it costs.""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from launch.tools.planning.link_model import ZeroCommOptions
@@ -75,8 +76,7 @@ class Layout:
 
     def chunk_layers(self, stage: int, num_layers: int) -> list[list[int]]:
         """The global indices of the layers each chunk of ``stage`` holds."""
-        return [chunk_layers(num_layers, self.pp, stage, chunk, self.chunks, self.split, self.v)
-                for chunk in range(self.chunks)]
+        return _chunk_layers(self.pp, self.chunks, self.split, self.v, stage, num_layers)
 
     def stage_layers(self, stage: int, num_layers: int) -> list[int]:
         """The global indices of the layers ``stage`` holds (all its chunks')."""
@@ -86,3 +86,9 @@ class Layout:
         """Whether chunk ``chunk`` of ``stage`` holds (the embedding, the loss)."""
         virtual = virtual_stage(stage, chunk, self.pp, self.v)
         return virtual == 0, virtual == self.pp * self.chunks - 1
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_layers(pp: int, chunks: int, split: tuple[int, ...] | None, v: bool, stage: int,
+                  num_layers: int) -> list[list[int]]:
+    return [chunk_layers(num_layers, pp, stage, chunk, chunks, split, v) for chunk in range(chunks)]

@@ -55,6 +55,21 @@ def stage_count(config: GPTConfig, layout: Layout, stage: int) -> StageCount:
     return _COUNTS[key]
 
 
+def distinct_stages(config: GPTConfig, layout: Layout) -> list[int]:
+    """One stage of each different ``StageCount`` (middle stages of an even cut hold the same)."""
+    key = (frozen_config(config), layout.tp, layout.pp, layout.sequence_parallel, layout.split, layout.ep,
+           layout.expert_tp, layout.v, layout.chunks)
+    if key not in _DISTINCT:
+        seen: dict[StageCount, int] = {}
+        for stage in range(layout.pp):
+            seen.setdefault(stage_count(config, layout, stage), stage)
+        _DISTINCT[key] = list(seen.values())
+    return _DISTINCT[key]
+
+
+_DISTINCT: dict[tuple, list[int]] = {}
+
+
 def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_bytes: int,
                       persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
     """What ``parallel.zero`` holds on a rank of ``stage`` (offloaded optimizer states excluded): the dense
@@ -158,15 +173,16 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
         moe = sum(config.moe_layers(config.num_layers)[:layout.layers_on(0, config.num_layers)])
         found.append(dispatch_transfer(config, layout, topology, compute_bytes, gpus_per_node, moe * m,
                                        recompute))
-    found.append(ring("all_reduce", "tp", topology.groups("tp"), gpus_per_node,
+    found.append(ring("all_reduce", "tp", topology.group_tuples("tp"), gpus_per_node,
                       2 * (t - 1) / t * sbh * recompute, 4 * layers * m))
     if layout.cp > 1:  # ring attention's key/value blocks (and their gradients), every layer
         forward, backward = context_bytes(config, layout, compute_bytes)
-        found.append(ring("p2p", "cp", topology.groups("cp"), gpus_per_node,
+        found.append(ring("p2p", "cp", topology.group_tuples("cp"), gpus_per_node,
                           (forward * (2 if layout.recompute == "full" else 1) + backward) * layers * m))
     if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
+        lines = topology.group_tuples("pp")
         crosses = gpus_per_node is not None and any(a // gpus_per_node != b // gpus_per_node
-                                                    for g in topology.groups("pp") for a, b in zip(g, g[1:]))
+                                                    for g in lines for a, b in zip(g, g[1:]))
         found.append(Transfer("p2p", "pp", 2 * sbh * m, 2 * sbh * m if crosses else 0.0, 2 * m))
     return found
 
@@ -188,7 +204,7 @@ def dispatch_transfer(config: GPTConfig, layout: Layout, topology: Topology, com
             + (group - 1) * experts / layout.ep * 8
     else:
         sent = (group - 1) * tokens * (4 * row + 2 * experts * 4 + experts)
-    return all_to_all("ep", topology.groups("etp-ep"), gpus_per_node,
+    return all_to_all("ep", topology.group_tuples("etp-ep"), gpus_per_node,
                       sent * recompute * group / max(group - 1, 1), count)
 
 

@@ -121,7 +121,18 @@ def _crossings(groups: list[list[int]], node_size: int | None, directly: bool) -
     consecutive ranks (None: one node)."""
     if node_size is None:
         return 0
-    return _counted_crossings(tuple(map(tuple, groups)), node_size, directly)
+    known = _CROSSINGS.get((id(groups), node_size, directly))
+    if known is not None and known[0] is groups:  # the same kept groups (``Topology.group_tuples``)
+        return known[1]
+    count = _counted_crossings(tuple(map(tuple, groups)), node_size, directly)
+    if isinstance(groups, tuple):
+        if len(_CROSSINGS) > 4096:
+            _CROSSINGS.clear()
+        _CROSSINGS[(id(groups), node_size, directly)] = (groups, count)
+    return count
+
+
+_CROSSINGS: dict[tuple, tuple] = {}  # (id of kept groups, node size, directly) -> (the groups, the count)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -167,7 +178,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     the parameters are sharded over (data x context; "edp" for the experts of a mixture of experts, whose
     optimizer has no ZeRO++ options)."""
     node_size = node_size or topology.gpus_per_node or topology.world_size
-    spans = topology.groups(axis)  # gradients and ZeRO's shards span data x context (or expert dp)
+    spans = topology.group_tuples(axis)  # gradients and ZeRO's shards span data x context (or expert dp)
     dp, m, label = len(spans[0]), micro_batches, "dp" if axis == "dp-cp" else axis
     shard = options.shard_size or dp
     shards, replicas = topology.dp_partitions(shard) if shard < dp else (spans, None)

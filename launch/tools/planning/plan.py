@@ -46,10 +46,10 @@ from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommO
                                               zero_variants)
 from launch.tools.planning.devices import DeviceProfile, compute_seconds
 from models.counting import flops_per_token, forward_flops_parts, num_parameters
-from launch.tools.planning.activation_price import activation_bytes
+from launch.tools.planning.activation_price import stage_activation_bytes
 from launch.tools.planning.layout import Layout
-from launch.tools.planning.layout_price import (buffer_bytes, model_state_bytes, recompute_cost, sent_by_axis,
-                                                transfers)
+from launch.tools.planning.layout_price import (buffer_bytes, distinct_stages, model_state_bytes,
+                                                recompute_cost, sent_by_axis, transfers)
 from launch.tools.planning.schedule_price import pipeline_time, stage_costs
 from parallel.pipeline.layer_split import SplitRequest, first_last_counts, per_rank_split
 from parallel.pipeline.partition import validate_partition
@@ -88,9 +88,8 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
     with the communication that hides behind it on its backend."""
     micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
     states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold, grad_bytes)
-                 for stage in range(layout.pp))
-    activations = max(activation_bytes(config, layout, stage, micro_batches, compute_bytes)
-                      for stage in range(layout.pp))
+                 for stage in distinct_stages(config, layout))
+    activations = max(stage_activation_bytes(config, layout, micro_batches, compute_bytes))
     found = transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node, device.backend,
                       bucket_size)
     plan = Plan(layout, states, activations,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 
 from models.config import GPTConfig
-from models.counting import forward_flops_parts
+from models.counting import forward_flops_parts, frozen_config, thawed_config
 from parallel.pipeline.partition import chunk_layers
 from parallel.pipeline.schedules import V_SCHEDULES, schedule_actions
 from parallel.pipeline.timeline import Timeline, simulate
@@ -35,6 +35,13 @@ def chunks_of(schedule: str, vp: int = 1) -> int:
 def stage_costs(config: GPTConfig, recompute: str | None, pp: int, chunks: int = 1,
                 split: tuple[int, ...] | None = None) -> tuple[tuple[float, float, float], ...]:
     """(F, B, W) of each virtual stage's micro-batch, in a token's FLOPs (see the module docstring)."""
+    return _stage_costs(frozen_config(config), recompute, pp, chunks, split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_costs(frozen: tuple, recompute: str | None, pp: int, chunks: int,
+                 split: tuple[int, ...] | None) -> tuple[tuple[float, float, float], ...]:
+    config = thawed_config(frozen)
     layers, head = forward_flops_parts(config)
     stages, found = pp * chunks, []
     for virtual in range(stages):
