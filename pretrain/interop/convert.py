@@ -124,16 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="consolidated: processes writing the shards at once (default 1)")
     args = parser.parse_args(argv)
-    try:
+    try:  # each bad value in one line naming its flag, before anything is read
         max_shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
     except ValueError as error:
-        parser.error(str(error))
+        sys.exit(f"error: {error}")
     if args.workers < 1:
-        parser.error(f"--workers {args.workers}: give 1 or more processes")
+        sys.exit(f"error: --workers {args.workers}: give 1 or more processes")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        sys.exit(f"error: --ckpt-step {args.ckpt_step}: give an iteration a checkpoint was saved at (>= 0)")
     if args.load and args.to == "consolidated" and not args.output.endswith(".safetensors"):
-        parser.error(f"--output {args.output}: the consolidated model is a safetensors file: give --output "
-                     f"{args.output.rstrip('/')}/model.safetensors (or --to hf for a Hugging Face "
-                     "directory)")
+        sys.exit(f"error: --output {args.output}: the consolidated model is a safetensors file: give "
+                 f"--output {args.output.rstrip('/')}/model.safetensors (or --to hf for a Hugging Face "
+                 "directory)")
     from pretrain.interop.hf_checkpoint import export_hf, import_hf
 
     try:

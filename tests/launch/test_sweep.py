@@ -72,3 +72,66 @@ def test_an_isoflop_sweep_meets_its_budgets_resumes_and_is_fitted(stdlib_corpus,
     assert budget["sizes"] == 5 and fit["approach2"]["a"] is None
     assert "power laws need 2 budgets" in capsys.readouterr().out
     assert fit["approach3"]["objective"] >= 0 and fit["input"]["loss_column"] == "val_loss"
+
+
+GOOD = {"name": "bad", "tokens_per_step": 256, "seq_length": 32, "train_iters": 2,
+        "models": {"m": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2}},
+        "layouts": {"one": {"nproc": 1}}}
+BAD_SWEEPS = [
+    ({"tokens_per_step": 0}, "tokens_per_step 0: give a whole number > 0"),
+    ({"train_iters": -2}, "train_iters -2: give a whole number > 0"),
+    ({"mode": "isoflop", "budgets": [-1.0]}, "a budget of -1.0: give a number > 0"),
+    ({"mode": "isoflop", "budgets": ["1e20"], "max_iters": 10}, "no run to train: m at 1e+20 FLOPs"),
+    ({"models": 7}, "models must map names to settings"),
+    ({"layouts": {"one": {"nproc": 0}}}, "layout one's nproc 0: give a whole number > 0"),
+    ({"lrs": []}, "lrs []: give a list"),
+    ({"models": {"m": {"num_layers": 2, "hidden_size": 63, "num_attention_heads": 2}}},
+     "model m with layout one: --num-attention-heads 2 does not divide --hidden-size 63"),
+    ({"models": {"m": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "bogus_flag": 3}}},
+     "model m with layout one: unknown flag --bogus-flag"),
+    ({"layouts": {"tp3": {"nproc": 2, "tensor_model_parallel_size": 3}}}, "model m with layout tp3: "),
+]
+
+
+def test_every_tool_refuses_bad_input_in_one_line_naming_it(tmp_path, capsys):
+    """launch.sweep (its grid and IsoFLOP modes), launch.scaling_law and pretrain.convert: each bad input is
+    one line naming the key or flag (and the file), before any run trains or anything is read."""
+    from pretrain.interop import convert
+
+    def refused(main, argv) -> str:
+        try:
+            main(argv)
+        except SystemExit as stop:
+            said = str(stop.code)
+            assert said.startswith("error: ") and "\n" not in said, said
+            return said
+        raise AssertionError(f"{argv} was not refused")
+
+    for number, (change, message) in enumerate(BAD_SWEEPS):
+        path = tmp_path / f"sweep{number}.yaml"
+        path.write_text(yaml.safe_dump({**GOOD, "output": str(tmp_path / f"out{number}"), **change}))
+        assert message in refused(sweep.main, [str(path)]), (change, message)
+        assert not (tmp_path / f"out{number}" / "runs").exists()  # nothing started
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: x\n  bad: [\n")
+    assert "not valid YAML (" in refused(sweep.main, [str(broken)])
+    assert "No such file" in refused(sweep.main, [str(tmp_path / "none.yaml")])
+    table = tmp_path / "table.csv"
+    table.write_text("parameters,tokens,val_loss\n1,2,abc\n")
+    assert "line 2: val_loss is 'abc'" in refused(scaling_law.main, ["fit", str(table), "--output",
+                                                                     str(tmp_path / "fit")])
+    assert "--budget -5: give compute budgets" in refused(scaling_law.main, [
+        "fit", str(table), "--output", str(tmp_path / "fit"), "--budget", "-5"])
+    for argv, message in ((["--load", str(tmp_path), "--output", "x.safetensors", "--workers", "0"],
+                           "--workers 0: give 1 or more processes"),
+                          (["--load", str(tmp_path), "--output", "x.safetensors", "--ckpt-step", "-1"],
+                           "--ckpt-step -1: give an iteration"),
+                          (["--load", str(tmp_path), "--output", "x.safetensors", "--max-shard-size", "big"],
+                           "--max-shard-size big: give a positive size"),
+                          (["--load", str(tmp_path), "--output", str(tmp_path / "x")],
+                           "the consolidated model is a safetensors file"),
+                          (["--load", str(tmp_path / "none"), "--output", "x.safetensors"],
+                           "no such directory"),
+                          (["--from-hf", str(tmp_path), "--output", str(tmp_path / "ck")],
+                           "no readable config.json")):
+        assert message in refused(convert.main, argv), (argv, message)

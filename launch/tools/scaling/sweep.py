@@ -51,7 +51,8 @@ from launch.pretrain_run import run_pretrain
 from launch.tools.scaling.isoflop import FLOPS_FORMULA, generated_models, plan_budget
 from models.counting import flops_per_token, non_embedding_parameters, num_parameters
 from models.config import GPTConfig
-from pretrain.config.arguments import parse_config
+from pretrain.config.arguments import ConfigError, parse_config
+from pretrain.startup.validation import validate
 from launch.help_text import help_description
 
 COLUMNS = ["run", "model", "layout", "lr", "seed", "budget", "train_iters", "parameters",
@@ -78,8 +79,10 @@ def load_sweep(path: str) -> dict:
     try:  # safe_load: a tag that would construct a Python object is refused, never run
         with open(path) as handle:
             sweep = yaml.safe_load(handle) or {}
+    except OSError as error:
+        raise ValueError(f"{path}: {error.strerror or error}") from None
     except yaml.YAMLError as error:
-        raise ValueError(f"{path}: not valid YAML ({error})") from None
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
     if not isinstance(sweep, dict):
         raise ValueError(f"{path}: expected a mapping (name, output, models, ...)")
     mode = sweep.setdefault("mode", "grid")
@@ -90,12 +93,61 @@ def load_sweep(path: str) -> dict:
         missing.append("models (or sizes)")
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)} (see python -m launch.sweep --help)")
+    _check_values(path, sweep)
     if sweep["tokens_per_step"] % sweep["seq_length"]:
         raise ValueError(f"{path}: tokens_per_step {sweep['tokens_per_step']} is not a multiple of "
                          f"seq_length {sweep['seq_length']}")
     if "sizes" in sweep:
         sweep["models"] = {**generated_models(sweep["sizes"]), **sweep.get("models", {})}
     return sweep
+
+
+def _check_values(path: str, sweep: dict) -> None:
+    """ValueError naming the key for a count, rate or table of the wrong kind."""
+    def positive(key: str, value, kind=int) -> None:
+        if kind is float and isinstance(value, str):  # YAML 1.1 reads 1e12 (no dot, no sign) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+                or value <= 0:
+            what = "number" if kind is float else "whole number"
+            raise ValueError(f"{path}: {key} {value!r}: give a {what} > 0")
+
+    for key in ("tokens_per_step", "seq_length", "train_iters", "min_iters", "max_iters", "eval_iters"):
+        if key in sweep and (key != "eval_iters" or sweep[key]):
+            positive(key, sweep[key])
+    for key in ("budgets", "lrs", "seeds"):
+        if key in sweep and (not isinstance(sweep[key], list) or not sweep[key]):
+            raise ValueError(f"{path}: {key} {sweep[key]!r}: give a list, e.g. {key}: [1, 2]")
+    for budget in sweep.get("budgets", []):
+        positive("a budget of", budget, float)
+    for lr in sweep.get("lrs", []):
+        positive("a learning rate of", lr, float)
+    for key in ("models", "layouts", "common"):
+        tables = {"common": sweep[key]} if key == "common" and key in sweep else sweep.get(key, {})
+        if not isinstance(tables, dict) or not all(isinstance(value, dict) for value in tables.values()):
+            raise ValueError(f"{path}: {key} must map names to settings, e.g. {key}: "
+                             "{small: {num_layers: 2}}" if key != "common"
+                             else f"{path}: common must be a mapping of settings")
+    for name, layout in sweep["layouts"].items():
+        positive(f"layout {name}'s nproc", layout.get("nproc", 1))
+
+
+def check_runs(path: str, sweep: dict, runs: list[dict]) -> None:
+    """Each run's pretrain settings validated at its world size before any run starts (ValueError naming the
+    run and the flag): a bad model or layout is said once, not after the runs before it."""
+    seen = set()
+    for run in runs:
+        if (run["model"], run["layout"]) in seen:
+            continue
+        seen.add((run["model"], run["layout"]))
+        nproc, settings = _settings(sweep, run)
+        try:
+            validate(parse_config(_flags(settings)), nproc)
+        except ConfigError as error:
+            raise ValueError(f"{path}: model {run['model']} with layout {run['layout']}: {error}") from None
 
 
 def _settings(sweep: dict, run: dict) -> tuple[int, dict]:
@@ -224,7 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         table = os.path.join(sweep["output"], "results.csv")
         done = finished_runs(table)
         runs, skipped = runs_of(sweep)
-    except (OSError, ValueError, yaml.YAMLError) as error:
+        if not runs:
+            raise ValueError(f"{args.sweep}: no run to train: {skipped[0] if skipped else 'no models'}"
+                             + (f" (and {len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""))
+        check_runs(args.sweep, sweep, runs)
+    except (OSError, ValueError, ConfigError) as error:
         sys.exit(f"error: {error}")
     os.makedirs(os.path.join(sweep["output"], "runs"), exist_ok=True)
     with open(os.path.join(sweep["output"], "sweep.json"), "w") as handle:
