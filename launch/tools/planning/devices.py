@@ -14,12 +14,12 @@ sheets'; their rates are estimates of what a device achieves inside a training s
 about 80% of the data sheet's, products below an isolated cuBLAS benchmark (an A100 reaches about 270
 TFLOP/s on a large bf16 product alone, about 225 among a step's other kernels), the H100's and H200's
 scaled from the A100's by their peaks. They are checked, not fitted, against published runs
-(``launch.bench.megatron_runs`` prices Megatron-LM's GPT runs on up to 3,072 A100s, Narayanan et al.
-2021; the H200's predicts 56k tokens/s for this project's GPT-3 XL run on one H200, measured 50k eager
-and 55.5k for plain PyTorch compiled). A device's own rates replace them: ``python -m
-launch.tools.gpu_check --sections rates`` measures the device it runs on and writes a profile file that
-``launch.plan --device FILE`` reads, a JSON object of the fields below and nothing else (an unknown
-field, a missing one or a non-positive rate is refused by name).
+(``launch.bench.published_runs`` prices Megatron-LM's, MT-NLG's, BLOOM's and Llama 3's runs on up to
+16,384 A100s and H100s: docs/published_runs.md; the H200's predicts 56k tokens/s for this project's GPT-3
+XL run on one H200, measured 50k eager and 55.5k for plain PyTorch compiled). A device's own rates replace
+them: ``python -m launch.tools.gpu_check --sections rates`` measures the device it runs on and writes a
+profile file that ``launch.plan --device FILE`` reads, a JSON object of the fields below and nothing else
+(an unknown field, a missing one or a non-positive rate is refused by name).
 """
 
 from __future__ import annotations
