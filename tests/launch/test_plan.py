@@ -8,7 +8,7 @@ from launch.tools.planning.link_model import Links, ZeroCommOptions
 from launch.tools.planning.activation_price import activation_bytes, layer_elements
 from launch.tools.planning.layout import Layout
 from launch.tools.planning.layout_price import model_state_bytes, sent_by_axis, transfers
-from launch.tools.planning.plan import plan, plan_layout
+from launch.tools.planning.plan import balanced_split, plan, plan_layout
 from launch.tools.planning.schedule_price import pipeline_time
 from launch.tools.planning.plan_command import main as plan_main, parse_bytes
 from models.counting import num_parameters
@@ -312,3 +312,24 @@ def test_planner_prices_each_pipeline_schedules_bubble_and_activations(capsys):
     printed = capsys.readouterr().out
     assert "schedule layers per stage bubble" in printed
     assert all(f" {kind} " in printed for kind in ("1f1b", "zb-h1", "zbv"))
+
+
+def test_planner_proposes_the_cut_that_unloads_the_output_layers_stage(capsys):
+    """An untied output layer over 128k tokens costs about ten of this model's layers: the even pp4 cut
+    leaves the last stage busiest, so the planner proposes Megatron's first/last counts 1 + 3 + 3 + 1 and
+    ranks it first (less imbalance, a shorter step); 7 layers, which pp4 cannot cut evenly, are priced on
+    the proposed cut alone, the last stage the lighter (2 + 2 + 2 + 1)."""
+    flags = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length",
+             "2048", "--vocab-size", "128000", "--untie-embeddings-and-output-weights", "--bf16"]
+    config = parse_config(flags).model
+    proposed = balanced_split(config, 4, 1, False)
+    assert proposed == (1, 3, 3, 1)
+    even, uneven = (plan_layout(config, Layout(1, 4, 1, 1, split=split), 8, 2) for split in (None, proposed))
+    assert uneven.imbalance < even.imbalance and uneven.score < even.score
+    grid = ["--world-size", "4", "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "1",
+            "--zero-stage", "1", "--global-batch-size", "8", "--json"]
+    plan_main([*flags, *grid])
+    best = json.loads(capsys.readouterr().out)[0]
+    assert tuple(best["split"]) == proposed, best
+    plan_main([*flags, "--num-layers", "7", *grid])
+    assert {tuple(layout["split"]) for layout in json.loads(capsys.readouterr().out)} == {(2, 2, 2, 1)}
