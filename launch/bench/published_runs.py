@@ -118,13 +118,10 @@ def _llama_runs() -> list[PublishedRun]:
 
 
 def _config(model: dict):
+    from launch.tools.scaling.sweep import settings_flags
     from pretrain.config.arguments import parse_config
 
-    flags = []
-    for key, value in model.items():
-        flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
-    return parse_config(flags).model
+    return parse_config(settings_flags(model)).model
 
 
 def predict(runs: list[PublishedRun]) -> list[dict]:

@@ -62,7 +62,7 @@ def first_last_counts(num_layers: int, pp: int, first: int | None, last: int | N
     if rest < middle:
         raise ValueError(f"{given}: leaves {rest} of --num-layers {num_layers} for the other {middle} "
                          "stage(s), which hold at least one each")
-    if rest < 0 or (middle and (rest % middle or rest < middle)) or (not middle and rest):
+    if (middle and rest % middle) or (not middle and rest):  # rest >= middle >= 0 from here
         room = (f"the other {middle} of {pp} stages cannot split the remaining {rest} layers evenly"
                 if middle else f"the two stages hold {sum(fixed)} layers")
         raise ValueError(f"{given}: {room} (--num-layers {num_layers})")

@@ -62,7 +62,7 @@ REQUIRED = {"grid": ("name", "output", "tokens_per_step", "seq_length", "train_i
             "isoflop": ("name", "output", "tokens_per_step", "seq_length", "budgets", "layouts")}
 
 
-def _flags(settings: dict) -> list[str]:
+def settings_flags(settings: dict) -> list[str]:
     """{"num_layers": 2, "sequence_parallel": True} -> ["--num-layers", "2", "--sequence-parallel"]."""
     flags = []
     for key, value in settings.items():
@@ -145,7 +145,7 @@ def check_runs(path: str, sweep: dict, runs: list[dict]) -> None:
         seen.add((run["model"], run["layout"]))
         nproc, settings = _settings(sweep, run)
         try:
-            validate(parse_config(_flags(settings)), nproc)
+            validate(parse_config(settings_flags(settings)), nproc)
         except ConfigError as error:
             raise ValueError(f"{path}: model {run['model']} with layout {run['layout']}: {error}") from None
 
@@ -165,7 +165,7 @@ def _settings(sweep: dict, run: dict) -> tuple[int, dict]:
 
 def model_config(sweep: dict, model: str) -> GPTConfig:
     """The model a run of ``model`` trains, as pretrain reads its flags (vocabulary from its tokenizer)."""
-    config = parse_config(_flags({**sweep.get("common", {}), **sweep["models"][model],
+    config = parse_config(settings_flags({**sweep.get("common", {}), **sweep["models"][model],
                                   "seq_length": sweep["seq_length"]}))
     if config.model.vocab_size is None:  # the tokenizer's vocabulary (the built-in corpus's by default)
         config.model.vocab_size = (build_tokenizer(config.data.tokenizer_spec(None)).vocab_size
@@ -213,7 +213,7 @@ def train_run(sweep: dict, run: dict) -> dict:
     if sweep.get("wandb_project"):
         settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"],
                         wandb_exp_name=run["run"])
-    lines = run_pretrain(nproc, _flags(settings))
+    lines = run_pretrain(nproc, settings_flags(settings))
     with open(os.path.join(sweep["output"], "runs", f"{run['run']}.jsonl"), "w") as handle:
         handle.writelines(json.dumps(line) + "\n" for line in lines)
     config = model_config(sweep, run["model"])
