@@ -12,6 +12,7 @@ from models.config import GPTConfig
 from models.norms import build_norm, build_split_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup, compile_boundary
+from parallel.param_meta import declare
 from parallel.context import (ContextParallel, DocumentBlocks, ScoreOptions, attend, context_attention,
                               sequence_mask)
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, shard_parameter
@@ -118,6 +119,7 @@ class SelfAttention(AttentionCore):
                                         WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
                                         bias=bias or config.add_qkv_bias,
                                         sequence_parallel=sequence_parallel)
+        declare(self.qkv.weight, fused_rows=(self.queries_per_group * d, d, d))
         self.q_norm = self.k_norm = None
         if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # a rank holds its heads' part
             self.q_norm = build_split_norm(config, heads * d, tp)

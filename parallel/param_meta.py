@@ -29,8 +29,9 @@ class ParamMeta:
     padding (dropped by checkpoints and exports); ``expert``: a weight of one expert of a mixture of experts,
     held by the ranks of its expert-parallel place and replicated over the expert data-parallel group (ZeRO
     reduces and shards it there; its tp split and sequence-parallel sum are over the expert tp group);
-    ``init_fn``: rebuilds the initial value (a model made on the meta device is materialised from it). Never
-    holds tensors or groups.
+    ``fused_rows``: the rows are query groups, each of these many rows of q, k and v in turn (a fused QKV
+    weight: Muon orthogonalizes each part on its own); ``init_fn``: rebuilds the initial value (a model made
+    on the meta device is materialised from it). Never holds tensors or groups.
     """
 
     tensor_parallel: bool = False
@@ -40,6 +41,7 @@ class ParamMeta:
     tied_copy: bool = False
     unpadded_rows: int | None = None
     expert: bool = False
+    fused_rows: tuple[int, ...] | None = None
     init_fn: Callable[[], torch.Tensor] | None = None
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from parallel.buffer_pool import BufferPool
+from parallel.muon import Muon
 from parallel.zero.swap import SwapSpace
 
 
@@ -67,7 +68,7 @@ class SwappedOptimizerStates:
         self.groups = _sub_groups(masters, sub_group_numel)
         largest = max(self._capacity(group) for group in range(len(self.groups)))
         self._slots = pool.slots("optimizer-swap", largest, torch.float32, torch.device("cpu"))
-        self.file_keys: list[list[str]] = [[] for _ in self.groups]  # the states each file holds
+        self.file_keys: list[dict[int, list[str]]] = [{} for _ in self.groups]  # master -> states in a file
         self._placeholder = torch.empty(0)
         self._buffers: dict[int, torch.Tensor] = {}
         self._writes: dict[int, Future] = {}
@@ -89,12 +90,12 @@ class SwappedOptimizerStates:
         """(master index, state key or None for the master itself, element offset) in file order."""
         offset = 0
         for index in self.groups[group]:
-            for key in ([None] if self.swapped_masters[index] else []) + self.file_keys[group]:
+            for key in ([None] if self.swapped_masters[index] else []) + self.file_keys[group].get(index, []):
                 yield index, key, offset
                 offset += self._size(index)
 
     def _numel(self, group: int) -> int:
-        return sum(self._size(i) * (int(self.swapped_masters[i]) + len(self.file_keys[group]))
+        return sum(self._size(i) * (int(self.swapped_masters[i]) + len(self.file_keys[group].get(i, [])))
                    for i in self.groups[group])
 
     def _bind(self, group: int, copy_in: bool = False) -> None:
@@ -140,17 +141,20 @@ class SwappedOptimizerStates:
             self._writes.pop(group).result()
             self._slots.give_back(self._buffers.pop(group))
 
-    def _state_keys(self, group: int) -> list[str]:
-        """The states the optimizer keeps per element for ``group``'s masters (none before its first step)."""
-        master = self.masters[self.groups[group][0]]
-        state = self.optimizer.state.get(master, {})
-        keys = sorted(k for k, v in state.items() if is_per_element(v))
-        for key in keys:
-            if state[key].shape != master.shape or state[key].dtype != master.dtype:
-                raise ValueError("NVMe offload swaps optimizer states shaped like their parameter "
-                                 "(Adam, AdamW, "
-                                 f"SGD with momentum); state {key!r} of {type(self.optimizer).__name__} is "
-                                 f"{tuple(state[key].shape)} {state[key].dtype}")
+    def _state_keys(self, group: int) -> dict[int, list[str]]:
+        """The states the optimizer keeps per element for each of ``group``'s masters (none before its first
+        step; Muon keeps a momentum for matrices, AdamW's two moments for the rest)."""
+        keys = {}
+        for index in self.groups[group]:
+            master = self.masters[index]
+            state = self.optimizer.state.get(master, {})
+            keys[index] = sorted(k for k, v in state.items() if is_per_element(v))
+            for key in keys[index]:
+                if state[key].shape != self.shapes[index] or state[key].dtype != master.dtype:
+                    raise ValueError("NVMe offload swaps optimizer states shaped like their parameter "
+                                     "(Adam, AdamW, SGD with momentum, Muon); state "
+                                     f"{key!r} of {type(self.optimizer).__name__} is "
+                                     f"{tuple(state[key].shape)} {state[key].dtype}")
         return keys
 
     def _adopt_states(self, group: int) -> None:
@@ -162,21 +166,46 @@ class SwappedOptimizerStates:
     # the step ----------------------------------------------------------------------------------------
     def step(self, grad_of, write_back) -> None:
         """One optimizer step: ``grad_of(i)`` makes master i's gradient (when its sub-group is stepped);
-        ``write_back(i)`` copies master i into its compute-precision parameter while it is in memory."""
-        reads = {0: self._read_ahead(0)}
-        for group, members in enumerate(self.groups):
-            reads.pop(group).result()
-            self._finish_write(group - 2)  # its buffer serves the read of the next group
-            if group + 1 < len(self.groups):
-                reads[group + 1] = self._read_ahead(group + 1)
-            self._bind(group)
+        ``write_back(i)`` copies master i into its compute-precision parameter while it is in memory.
+        Muon walks the sub-groups twice: its element-wise ``prepare`` (AdamW whole, Muon's momentum), the
+        orthogonalization of every matrix at once (a collective), then ``finish`` where updates wait."""
+        phased = isinstance(self.optimizer, Muon)
+
+        def first(members: list[int]) -> None:
             for index in members:
                 self.masters[index].grad = grad_of(index)
-            self.optimizer.step()  # masters without a gradient (the other groups) are skipped
+            if phased:
+                self.optimizer.prepare(keep=True)
+            else:
+                self.optimizer.step()  # masters without a gradient (the other groups) are skipped
             for index in members:
                 self.masters[index].grad = None
+                if not (phased and self.optimizer.waiting(self.masters[index])):
+                    write_back(index)
+
+        def second(members: list[int]) -> None:
+            self.optimizer.finish([self.masters[index] for index in members])
+            for index in members:
                 write_back(index)
-            if not self.file_keys[group]:  # the first step created the states
+
+        self._walk(list(range(len(self.groups))), first)
+        if phased:
+            self.optimizer.exchange()
+            self._walk([group for group, members in enumerate(self.groups)
+                        if any(self.optimizer.waiting(self.masters[i]) for i in members)], second)
+
+    def _walk(self, groups: list[int], visit) -> None:
+        """``visit(members)`` on each of ``groups`` in memory, reading ahead and writing behind."""
+        reads = {groups[0]: self._read_ahead(groups[0])} if groups else {}
+        for position, group in enumerate(groups):
+            reads.pop(group).result()
+            if position >= 2:
+                self._finish_write(groups[position - 2])  # its buffer serves the read of the next group
+            if position + 1 < len(groups):
+                reads[groups[position + 1]] = self._read_ahead(groups[position + 1])
+            self._bind(group)
+            visit(self.groups[group])
+            if self._state_keys(group) != self.file_keys[group]:  # the first step created the states
                 self._adopt_states(group)
             self._write_behind(group)
         for group in list(self._writes):

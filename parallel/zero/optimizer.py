@@ -32,27 +32,10 @@ from parallel.zero.sharded_parameters import ShardedParameters
 from parallel.zero.step import StepResult, step_together
 from parallel.zero.groups import ZeroGroups
 from parallel.zero.options import ZeroOptions
+from parallel.zero.wrapped_optimizer import optimizer_over_masters, state_kinds
 from parallel.zero.swap import SwapSpace
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
-
-
-class NoParameters:
-    """The torch optimizer of a ``ZeroOptimizer`` that holds no parameter on this rank (the expert part on a
-    pipeline stage without MoE layers): no state, nothing to step. It never holds a tensor."""
-
-    def __init__(self):
-        self.state, self.param_groups = {}, []
-
-    def step(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {"state": self.state, "param_groups": self.param_groups}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["state"] or state["param_groups"]:
-            raise ValueError("it holds states of parameters this rank lacks (another model or layout?)")
 
 
 class ZeroOptimizer:
@@ -114,9 +97,7 @@ class ZeroOptimizer:
                                  aliasable=options.offload_param == "none")
         if options.overlap_param_gather and stage in (1, 2):
             self.flat.wait_in_forward(module)
-        held = [g for g in master_groups if g["params"]]
-        # no parameter here (a pipeline stage without experts): it still joins its groups' collectives
-        self.optimizer = optimizer_factory(held) if held else NoParameters()
+        self.optimizer = optimizer_over_masters(self, optimizer_factory, param_groups, master_groups)
         self.swapped = None
         if options.offload_optimizer == "nvme":
             # named by the group too: a run's dense and expert optimizers swap side by side
@@ -287,7 +268,7 @@ class ZeroOptimizer:
             for piece in self.master_pieces():
                 span = slice(piece.offset, piece.offset + piece.length)
                 fill(piece, "master", self.masters[piece.master].data[span])
-                for kind in kinds:
+                for kind in state_kinds(self.optimizer, self.masters[piece.master], kinds):
                     per_master = new_states.setdefault(piece.state, {})
                     target = per_master.setdefault(kind, torch.zeros_like(self.masters[piece.master].data))
                     fill(piece, kind, target[span])

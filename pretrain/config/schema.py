@@ -15,6 +15,7 @@ from data.tokenizers.spec import TOKENIZER_TYPES, TokenizerSpec
 from models.config import GPTConfig, flag
 from parallel.recompute import RECOMPUTE_MODULES
 from parallel.zero.options import ZeroOptions
+from pretrain.config.optimizer import OptimizerConfig
 from pretrain.config.reporting import LoggingConfig, ProfilingConfig
 
 
@@ -150,40 +151,6 @@ class RecomputeConfig:
         default=False, metadata=flag("keep 1/tp of each checkpointed layer input per tensor-parallel rank"))
     activations_on_cpu: bool = field(
         default=False, metadata=flag("keep the checkpointed inputs (or their partitions) in CPU memory"))
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW and the learning-rate schedule."""
-
-    optimizer: str = field(default="adam",
-                           metadata=flag("adam (AdamW: decoupled weight decay, as Megatron's adam)",
-                                                          choices=["adam"]))
-    lr: float = field(default=6e-4, metadata=flag("peak learning rate"))
-    min_lr: float = field(default=0.0, metadata=flag("learning rate at the end of decay"))
-    lr_warmup_init: float = field(default=0.0, metadata=flag("learning rate warm-up starts from"))
-    lr_warmup_iters: int = field(default=0,
-                                 metadata=flag("iterations of linear warm-up (x the global batch, in "
-                                                           "samples)"))
-    lr_warmup_samples: int = field(default=0, metadata=flag("samples of linear warm-up"))
-    lr_warmup_fraction: float | None = field(default=None,
-                                             metadata=flag("warm-up as a fraction of the decay length"))
-    lr_decay_iters: int | None = field(default=None, metadata=flag(
-        "iteration where decay ends (default: --train-iters)"))
-    lr_decay_samples: int | None = field(default=None, metadata=flag(
-        "sample where decay ends (default: --train-samples)"))
-    lr_decay_style: str = field(default="linear", metadata=flag("decay after warm-up",
-                                                                 choices=["cosine", "linear", "constant"]))
-    decoupled_lr: float | None = field(default=None, metadata=flag(
-        "a learning rate of their own for the input embedding and the output layer"))
-    decoupled_min_lr: float | None = field(default=None, metadata=flag("the --min-lr of --decoupled-lr"))
-    weight_decay: float = field(default=0.01, metadata=flag("AdamW weight decay (never on norms and biases)"))
-    apply_wd_to_qk_layernorm: bool = field(default=False,
-                                           metadata=flag("weight decay on the query/key norms too"))
-    adam_beta1: float = field(default=0.9, metadata=flag("AdamW beta1"))
-    adam_beta2: float = field(default=0.999, metadata=flag("AdamW beta2"))
-    adam_eps: float = field(default=1e-8, metadata=flag("AdamW epsilon"))
-    clip_grad: float = field(default=1.0, metadata=flag("clip the global gradient norm to this (0 = off)"))
 
 
 @dataclass

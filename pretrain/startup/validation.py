@@ -13,6 +13,7 @@ from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import resume_point, resumed_state
 from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args, made_with
 from pretrain.startup.expert_validation import validate_experts
+from pretrain.startup.optimizer_validation import validate_optimizer
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
 from parallel.tensor.fp8 import RECIPES as FP8_RECIPES, torchao_float8
@@ -44,6 +45,7 @@ def validate(config: Config, world_size: int) -> Topology:
     _validate_context(config, topology)
     _validate_pipeline(config, topology)
     validate_experts(config, topology)
+    validate_optimizer(config)
     recompute = config.recompute
     if ((recompute.partition_activations or recompute.activations_on_cpu)
             and recompute.recompute_granularity is None):

@@ -25,7 +25,7 @@ from parallel.tensor.layers import use_fp8
 from parallel.topology import Topology
 from parallel.zero import ConstantLossScaler, DynamicLossScaler, ZeroGroups, ZeroOptions
 from pretrain.config.schema import Config
-from pretrain.training.param_groups import adamw_factory, parameter_groups
+from pretrain.training.param_groups import optimizer_factory, parameter_groups
 
 
 def zero_options(config: Config) -> ZeroOptions:
@@ -108,7 +108,7 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
         return [{**group, "params": [p for p in group["params"] if meta(p).expert == expert]}
                 for group in param_groups]
 
-    _, optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
+    _, optimizer = zero.initialize(model, optimizer_factory(config.optimizer), options,
                                    ZeroGroups.from_parallel_groups(groups, options),
                                    param_groups=only(False), loss_scaler=scaler,
                                    unit_modules=[*model,
@@ -118,7 +118,7 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
         return optimizer
     # on every rank, with or without experts on its stage: the expert part's norm and overflow are
     # collectives over every stage's expert ranks
-    _, expert_optimizer = zero.initialize(model, adamw_factory(config.optimizer), options,
+    _, expert_optimizer = zero.initialize(model, optimizer_factory(config.optimizer), options,
                                           ZeroGroups.for_experts(groups), param_groups=only(True),
                                           loss_scaler=scaler,
                                           unit_modules=[m for m in model.modules() if isinstance(m, Experts)],

@@ -1,9 +1,12 @@
-"""The optimizer a run steps with: AdamW over parameter groups, as Megatron-LM groups them.
+"""The optimizer a run steps with, over parameter groups as Megatron-LM makes them: AdamW (--optimizer adam),
+SGD (sgd) or Muon (muon: the transformer layers' matrices orthogonalized, AdamW with the --adam-* flags on
+embeddings, the output layer, norms and biases).
 
 Groups: weight decay on matrices, none on norms and biases (1-D parameters; the query/key norms too
 unless --apply-wd-to-qk-layernorm); with --decoupled-lr, the input embedding and the output layer in
 groups of their own, whose learning rate follows the same warm-up and decay between --decoupled-lr
-and --decoupled-min-lr. Each group records which schedule it follows (``decoupled``).
+and --decoupled-min-lr; under Muon, its matrices in groups of their own. Each group records which schedule
+it follows (``decoupled``).
 """
 
 from __future__ import annotations
@@ -12,13 +15,31 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from parallel.muon import Muon
 from pretrain.config.schema import OptimizerConfig
 
 EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight")
+NOT_MUON = (*EMBEDDING_OR_OUTPUT, "position_embedding.weight")  # matrices that take AdamW under Muon
 
 
-def adamw_factory(opt: OptimizerConfig):
+def muon_options(opt: OptimizerConfig) -> dict:
+    """Muon's settings from the --muon-* flags (its AdamW groups take the --adam-* ones)."""
+    return {"momentum": opt.muon_momentum, "nesterov": opt.muon_use_nesterov,
+            "ns_steps": opt.muon_num_ns_steps,
+            "coefficient_type": opt.muon_coefficient_type, "scale_mode": opt.muon_scale_mode,
+            "extra_scale_factor": opt.muon_extra_scale_factor, "precision": opt.muon_fp32_matmul_prec,
+            "split_qkv": not opt.muon_no_split_qkv, "tp_mode": opt.muon_tp_mode,
+            "betas": (opt.adam_beta1, opt.adam_beta2), "eps": opt.adam_eps}
+
+
+def optimizer_factory(opt: OptimizerConfig):
+    """Makes the --optimizer over torch-style groups (a group's own ``weight_decay`` and ``use_muon`` win)."""
     def make(param_groups: list[dict]) -> torch.optim.Optimizer:
+        if opt.optimizer == "muon":
+            return Muon(param_groups, lr=opt.lr, weight_decay=opt.weight_decay, **muon_options(opt))
+        if opt.optimizer == "sgd":
+            return torch.optim.SGD(param_groups, lr=opt.lr, weight_decay=opt.weight_decay,
+                                   momentum=opt.sgd_momentum, foreach=True)
         # torch's fused kernel (one pass over each master, as Megatron's fused Adam) where the masters' device
         # has one, the CPU included (4-5x faster there than the multi-tensor loop: 0.9 vs 4.7 ms a step for
         # 870K fp32 masters, one thread); otherwise the multi-tensor loop
@@ -32,8 +53,8 @@ def adamw_factory(opt: OptimizerConfig):
 
 
 def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
-    """AdamW groups of the trainable parameters of ``chunks`` (empty groups dropped)."""
-    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    """The groups of the trainable parameters of ``chunks`` (empty groups dropped)."""
+    groups: dict[tuple[bool, bool, bool], list[nn.Parameter]] = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -41,8 +62,10 @@ def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
             qk_norm = name.endswith(("q_norm.weight", "k_norm.weight", "q_norm.bias", "k_norm.bias"))
             decays = param.ndim >= 2 or (qk_norm and opt.apply_wd_to_qk_layernorm)
             decoupled = opt.decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
-            groups.setdefault((decays, decoupled), []).append(param)
+            muon = opt.optimizer == "muon" and param.ndim >= 2 and not name.endswith(NOT_MUON)
+            groups.setdefault((decays, decoupled, muon), []).append(param)
     return [{"params": params, "weight_decay": opt.weight_decay if decays else 0.0,
-             "wd_mult": 1.0 if decays else 0.0, "decoupled": decoupled}
-            for (decays, decoupled),
-            params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))]
+             "wd_mult": 1.0 if decays else 0.0, "decoupled": decoupled,
+             **({"use_muon": muon} if opt.optimizer == "muon" else {})}
+            for (decays, decoupled, muon),
+            params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1], not item[0][2]))]

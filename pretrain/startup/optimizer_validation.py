@@ -1,0 +1,31 @@
+"""The optimizer flags checked before any process group exists: the --optimizer name and Muon's settings."""
+
+from __future__ import annotations
+
+from parallel.muon import MuonSettings
+from pretrain.config.arguments import ConfigError
+from pretrain.config.optimizer import OPTIMIZERS
+from pretrain.config.schema import Config
+from pretrain.training.param_groups import muon_options
+
+# --optimizer names Megatron-LM takes that this build has no optimizer for
+MEGATRON_ONLY = ("dist_muon", "soap", "adaptive_muon", "lion", "shampoo", "adafactor")
+
+
+def validate_optimizer(config: Config) -> None:
+    opt = config.optimizer
+    if opt.optimizer not in OPTIMIZERS:
+        hint = ("Megatron-LM's layer-wise distributed Muon: --optimizer muon is sharded by ZeRO here"
+                if opt.optimizer == "dist_muon" else
+                "a Megatron-LM optimizer this build does not have" if opt.optimizer in MEGATRON_ONLY else
+                "not an optimizer this build knows")
+        raise ConfigError(f"--optimizer {opt.optimizer}: {hint}; choose {', '.join(OPTIMIZERS)}")
+    for name, value in (("--sgd-momentum", opt.sgd_momentum), ("--muon-momentum", opt.muon_momentum)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{name} {value}: a momentum is in [0, 1)")
+    if opt.optimizer == "muon":
+        settings = {k: v for k, v in muon_options(opt).items() if k in MuonSettings.__dataclass_fields__}
+        try:
+            MuonSettings(**settings).check()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
