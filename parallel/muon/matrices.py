@@ -57,19 +57,30 @@ def orthogonalized(update: torch.Tensor, fused_rows: tuple[int, ...] | None,
                    settings: MuonSettings) -> torch.Tensor:
     """The scaled orthogonalized ``update`` (fp32, ``update``'s shape): Newton-Schulz of each matrix, times
     its scale mode's factor and the extra scale factor."""
+    result, scale = orthogonalized_and_scale(update, fused_rows, settings)
+    return result.mul_(scale) if scale != 1.0 else result
+
+
+def orthogonalized_and_scale(update: torch.Tensor, fused_rows: tuple[int, ...] | None,
+                             settings: MuonSettings) -> tuple[torch.Tensor, float]:
+    """``orthogonalized`` as (result, a factor still to apply): one matrix comes back unscaled with its
+    factor, which the optimizer folds into the learning rate as torch.optim.Muon does (the same rounding);
+    split parts come back scaled, factor 1."""
     coefficients = iteration_coefficients(settings.coefficient_type, settings.ns_steps)
     matrix = update.reshape(-1, update.shape[-1])
 
+    def scale_of(part: torch.Tensor) -> float:
+        return scale_factor(part.shape[0], part.shape[1], settings.scale_mode) * settings.extra_scale_factor
+
     def one(part: torch.Tensor) -> torch.Tensor:
-        scale = scale_factor(part.shape[0], part.shape[1], settings.scale_mode) * settings.extra_scale_factor
-        return newton_schulz(part, coefficients, settings.ns_eps, settings.precision).mul_(scale)
+        return newton_schulz(part, coefficients, settings.ns_eps, settings.precision)
 
     if not (settings.split_qkv and fused_rows):
-        return one(matrix).view(update.shape)
+        return one(matrix).view(update.shape), scale_of(matrix)
     per_group = matrix.view(-1, sum(fused_rows), matrix.shape[-1])
-    parts = [one(part.reshape(-1, matrix.shape[-1])).view(per_group.shape[0], -1, matrix.shape[-1])
-             for part in per_group.split(list(fused_rows), dim=1)]
-    return torch.cat(parts, dim=1).view(update.shape)
+    parts = [part.reshape(-1, matrix.shape[-1]) for part in per_group.split(list(fused_rows), dim=1)]
+    parts = [one(part).mul_(scale_of(part)).view(per_group.shape[0], -1, matrix.shape[-1]) for part in parts]
+    return torch.cat(parts, dim=1).view(update.shape), 1.0
 
 
 def orthogonalization_flops(shape: torch.Size, fused_rows: tuple[int, ...] | None,

@@ -18,19 +18,22 @@ from torch import nn
 from torch.optim.adam import adam
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from parallel.muon.matrices import MuonSettings, orthogonalized
+from parallel.muon.matrices import MuonSettings, orthogonalized_and_scale
 from parallel.param_meta import meta
 
-# (parameter, the update to orthogonalize, its settings) -> the orthogonalized, scaled updates, in order
-Orthogonalizer = Callable[[list[tuple[nn.Parameter, torch.Tensor, MuonSettings]]], list[torch.Tensor]]
+# (parameter, the update to orthogonalize, its settings) -> each orthogonalized update and a factor still
+# to apply to it (folded into the learning rate), in order
+Orthogonalizer = Callable[[list[tuple[nn.Parameter, torch.Tensor, MuonSettings]]],
+                          list[tuple[torch.Tensor, float]]]
 
 MUON_STATE, ADAM_STATES = ("momentum_buffer",), ("exp_avg", "exp_avg_sq")
 
 
-def local_matrices(updates: list[tuple[nn.Parameter, torch.Tensor, MuonSettings]]) -> list[torch.Tensor]:
+def local_matrices(updates: list[tuple[nn.Parameter, torch.Tensor, MuonSettings]]
+                   ) -> list[tuple[torch.Tensor, float]]:
     """Each parameter's update orthogonalized as it is: the parameters are whole (one process, or data
     parallelism without sharding)."""
-    return [orthogonalized(update.view(param.shape), meta(param).fused_rows, settings)
+    return [orthogonalized_and_scale(update.view(param.shape), meta(param).fused_rows, settings)
             for param, update, settings in updates]
 
 
@@ -60,7 +63,8 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["use_muon"]:
                 MuonSettings.of(group).check()
-                flat = [tuple(p.shape) for p in group["params"] if p.ndim < 2]
+                # (an empty one is a stage-3 parameter freed between its gathers: its shape is not here)
+                flat = [tuple(p.shape) for p in group["params"] if p.ndim < 2 and p.numel()]
                 if flat and not shards:
                     raise ValueError(f"Muon orthogonalizes matrices; parameters of shape {flat[0]} take "
                                      "AdamW (a group with use_muon False)")
@@ -133,8 +137,9 @@ class Muon(torch.optim.Optimizer):
             for param in group["params"]:
                 if param not in self._updates or (wanted is not None and id(param) not in wanted):
                     continue
+                update, scale = self._updates.pop(param)
                 param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(self._updates.pop(param).view(param.shape).to(param.device), alpha=-group["lr"])
+                param.add_(update.view(param.shape).to(param.device), alpha=-(group["lr"] * scale))
 
     def _adamw(self, group: dict, params: list[nn.Parameter]) -> None:
         if not params:

@@ -100,7 +100,8 @@ class WholeMatrices:
         return torch.Size(dims)
 
     # the exchange ------------------------------------------------------------------------------------
-    def __call__(self, updates: list[tuple[nn.Parameter, torch.Tensor, MuonSettings]]) -> list[torch.Tensor]:
+    def __call__(self, updates: list[tuple[nn.Parameter, torch.Tensor, MuonSettings]]
+                 ) -> list[tuple[torch.Tensor, float]]:
         position = {id(master): index for index, (master, _, _) in enumerate(updates)}
         flat = [update.reshape(-1) for _, update, _ in updates]
         update_of = [flat[position[id(self.masters[item[3]])]] for item in self.mine]
@@ -109,7 +110,7 @@ class WholeMatrices:
         for item, values in zip(self.mine, self._scatter_dp(results)):
             master, offset, length = item[3], item[4], item[2]
             out[position[id(self.masters[master])]][offset:offset + length].copy_(values)
-        return out
+        return [(update, 1.0) for update in out]
 
     def _owned_dp(self, number: int) -> bool:
         return self.matrices[number].owner[0] == self.dp.rank

@@ -42,7 +42,7 @@ def optimizer_over_masters(zero, factory: Callable[[list[dict]], torch.optim.Opt
     held = [group for group in master_groups if group["params"]]
     if not held:  # none here (a pipeline stage without experts): it still joins its groups' collectives
         return NoParameters()
-    made = factory([dict(group) for group in param_groups])
+    made = factory(_stand_ins(zero, param_groups))
     if isinstance(made, (Muon, torch.optim.Muon)):
         options = settings_of_torch_muon(made) if isinstance(made, torch.optim.Muon) else \
             [{k: v for k, v in group.items() if k not in ("params", "fused")} for group in made.param_groups]
@@ -54,6 +54,20 @@ def optimizer_over_masters(zero, factory: Callable[[list[dict]], torch.optim.Opt
         raise ValueError(f"{type(made).__name__} reads whole tensors and ZeRO steps flat shards of them: "
                          "pick an element-wise optimizer (AdamW, SGD, ...) or Muon")
     return factory(held)
+
+
+def _stand_ins(zero, param_groups: list[dict]) -> list[dict]:
+    """Copies of ``param_groups`` for the factory to look at: a stage-3 parameter freed between its gathers
+    stands in as a tensor of its whole shape that holds one element (expanded), the others as themselves."""
+    shapes = {id(param): shape for param, shape in zero.parameter_shapes()}
+
+    def shown(param: nn.Parameter) -> nn.Parameter:
+        shape = shapes.get(id(param), param.shape)
+        if param.shape == shape:
+            return param
+        return nn.Parameter(torch.empty(1, dtype=param.dtype, device=param.device).expand(shape),
+                            requires_grad=param.requires_grad)
+    return [{**group, "params": [shown(p) for p in group["params"]]} for group in param_groups]
 
 
 def state_kinds(optimizer, master: nn.Parameter, kinds: list[str]) -> list[str]:

@@ -1,0 +1,52 @@
+"""Muon (--optimizer muon) against one process: every layout and ZeRO stage, offloaded, with pipelines,
+context and expert parallelism, within the fp32 trajectory bound; a checkpoint re-cut across dp, tp and
+ZeRO stage on the straight trajectory."""
+
+import pytest
+
+from tests.parity import assert_trajectory_close
+from tests.pretrain.test_moe import EP2, MOE
+from tests.pretrain.test_trainer import SHORT, ZERO3, _pp, _tp, _train
+from tests.world import run_world
+
+# Newton-Schulz in fp32: under bf16 iterations ("medium", Megatron's default) two layouts' updates differ
+# by a bf16 rounding wherever their fp32 inputs do, which no fp32 bound covers
+MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest", "--muon-use-nesterov"]
+
+
+def _assert_on(got, want, iterations, what):
+    for name, values, reference in zip(("loss", "grad norm"), got[:2], want):
+        assert_trajectory_close(values, reference[iterations], f"{what}: {name}")
+
+
+@pytest.mark.parity
+def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_corpus, tmp_path):
+    """dp4 at ZeRO 0-3, optimizer on the CPU and in NVMe swap files, tp2 + SP x dp2 (whole matrices),
+    pp2 interleaved x dp2, cp2 x dp2, and a MoE model at ep2 x dp2: each within the fp32 trajectory bound of
+    its one-process run. Saved at dp2 x tp2 ZeRO-1, resumed at dp4 ZeRO-3 and at dp1."""
+    dense, moe = run_world(1, _train, [MUON + SHORT, MUON + MOE], stdlib_corpus)[0]
+    saved = str(tmp_path / "muon")
+    layouts = {
+        **{f"dp4 ZeRO-{stage}": ["--zero-stage", stage] for stage in "0123"},
+        "dp4 ZeRO-2, optimizer on the CPU": ["--zero-stage", "2", "--offload-optimizer", "cpu"],
+        "dp4 ZeRO-3, optimizer in NVMe files": ZERO3 + ["--offload-optimizer", "nvme", "--nvme-path",
+                                                        str(tmp_path), "--zero-sub-group-size", "30000"],
+        "tp2 + SP x dp2 ZeRO-1": _tp(2, "--sequence-parallel", "--zero-stage", "1"),
+        "pp2 interleaved x dp2 ZeRO-2": _pp(2, "interleaved", "--virtual-pipeline-size", "2",
+                                            "--zero-stage", "2"),
+        "cp2 x dp2 ZeRO-3": ["--context-parallel-size", "2", *ZERO3],
+    }
+    resumes = {"saved at dp2 x tp2 ZeRO-1": _tp(2, "--zero-stage", "1", "--train-iters", "3",
+                                                "--save", saved),
+               "resumed at dp4 ZeRO-3": ZERO3 + ["--load", saved]}
+    runs = [MUON + SHORT + flags for flags in [*layouts.values(), *resumes.values()]]
+    runs.append(MUON + MOE + EP2 + ["--zero-stage", "1"])
+    results = run_world(4, _train, runs, stdlib_corpus, timeout_s=400)
+    one, = run_world(1, _train, [MUON + SHORT + ["--load", saved]], stdlib_corpus)[0]
+    _assert_on(one, dense, slice(3, 6), "resumed at dp1")
+    for rank_results in results:
+        for name, got in zip(layouts, rank_results):
+            _assert_on(got, dense, slice(0, 6), name)
+        for (name, _), got in zip(resumes.items(), rank_results[len(layouts):]):
+            _assert_on(got, dense, slice(0, 3) if name.startswith("saved") else slice(3, 6), name)
+        _assert_on(rank_results[-1], moe, slice(0, 6), "MoE at ep2 x dp2 ZeRO-1")
