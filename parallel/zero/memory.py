@@ -13,7 +13,7 @@ rule). The trainer's start-up table and ``launch.tools.planning.plan`` both pric
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
@@ -36,18 +36,18 @@ def gradient_bytes(compute_bytes: int, main_grads_in_fp32: bool = True) -> int:
     return 4 if main_grads_in_fp32 else compute_bytes
 
 
-def optimizer_state_bytes(compute_bytes: int) -> int:
+def optimizer_state_bytes(compute_bytes: int, moments: int = 2) -> int:
     """Bytes per parameter of what the optimizer step owns (and offload moves): an fp32 master where the
-    parameters are not fp32 already, and Adam's two fp32 moments."""
-    return (4 if compute_bytes != 4 else 0) + 8
+    parameters are not fp32 already, and ``moments`` fp32 states (Adam's two; Muon's and SGD's momentum)."""
+    return (4 if compute_bytes != 4 else 0) + 4 * moments
 
 
 def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: int,
-                               grad_bytes: int | None = None) -> float:
-    """Model-state bytes of ``params`` elements at ``stage``, ``compute_bytes`` per compute element and
-    ``grad_bytes`` per gradient element (default: fp32 main gradients)."""
+                               grad_bytes: int | None = None, moments: int = 2) -> float:
+    """Model-state bytes of ``params`` elements at ``stage``, ``compute_bytes`` per compute element,
+    ``grad_bytes`` per gradient element (default: fp32 main gradients) and ``moments`` optimizer states."""
     grad = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    states = optimizer_state_bytes(compute_bytes)
+    states = optimizer_state_bytes(compute_bytes, moments)
     if stage == 0:
         return params * (compute_bytes + grad + states)
     if stage == 1:
@@ -57,32 +57,36 @@ def expected_model_state_bytes(stage: int, params: int, dp: int, compute_bytes: 
     return params * (compute_bytes + grad + states) / dp
 
 
-def parameter_profile(params: Iterable[nn.Parameter]) -> tuple[tuple[int, bool, int], ...]:
-    """(elements, whether a model-parallel reduction needs the gradient whole, how many such parameters):
-    all that the state bytes of ``params`` depend on (a planner keeps it per layout and model)."""
-    counts = Counter((param.numel(), needs_model_parallel_reduction(param)) for param in params)
-    return tuple((numel, whole, count) for (numel, whole), count in sorted(counts.items()))
+def parameter_profile(params: Iterable[nn.Parameter], moments: Callable[[nn.Parameter], int] = lambda param: 2
+                      ) -> tuple[tuple[int, ...], ...]:
+    """(elements, whether a model-parallel reduction needs the gradient whole, the optimizer's fp32 states
+    per element, how many such parameters): all that the state bytes of ``params`` depend on (a planner
+    keeps it per layout and model)."""
+    counts = Counter((param.numel(), needs_model_parallel_reduction(param), moments(param))
+                     for param in params)
+    return tuple((numel, whole, states, count) for (numel, whole, states), count in sorted(counts.items()))
 
 
 def expected_parameter_state_bytes(params: Iterable[nn.Parameter], stage: int, dp: int, compute_bytes: int,
                                    persistence_threshold: int = 100_000, grad_bytes: int | None = None,
-                                   secondary_partition: int = 1) -> float:
+                                   secondary_partition: int = 1,
+                                   moments: Callable[[nn.Parameter], int] = lambda param: 2) -> float:
     """Model-state bytes of this rank's ``params`` as the optimizer keeps them at ``stage`` (with hpZ's
     secondary partition over ``secondary_partition`` ranks, stage 3's sharded parameters once more in the
-    compute dtype, 1/K of them)."""
-    return expected_profile_state_bytes(parameter_profile(params), stage, dp, compute_bytes,
+    compute dtype, 1/K of them; ``moments``: each parameter's fp32 optimizer states per element)."""
+    return expected_profile_state_bytes(parameter_profile(params, moments), stage, dp, compute_bytes,
                                         persistence_threshold, grad_bytes, secondary_partition)
 
 
-def expected_profile_state_bytes(profile: tuple[tuple[int, bool, int], ...], stage: int, dp: int,
+def expected_profile_state_bytes(profile: tuple[tuple[int, ...], ...], stage: int, dp: int,
                                  compute_bytes: int, persistence_threshold: int = 100_000,
                                  grad_bytes: int | None = None, secondary_partition: int = 1) -> float:
     """``expected_parameter_state_bytes`` of the parameters a ``parameter_profile`` describes."""
     total = 0.0
-    for numel, whole, count in profile:
+    for numel, whole, moments, count in profile:
         sharded = stage == 3 and sharded_by_size(numel, whole, persistence_threshold)
         total += count * expected_model_state_bytes(stage if sharded or stage < 3 else 2, numel, dp,
-                                                    compute_bytes, grad_bytes)
+                                                    compute_bytes, grad_bytes, moments)
         if sharded and 1 < secondary_partition < dp:
             total += count * compute_bytes * numel / secondary_partition
     return total

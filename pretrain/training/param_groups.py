@@ -11,6 +11,8 @@ it follows (``decoupled``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -50,6 +52,17 @@ def optimizer_factory(opt: OptimizerConfig):
                                  weight_decay=opt.weight_decay,
                                  **({"fused": True} if fused else {"foreach": True}))
     return make
+
+
+def state_moments(chunks: nn.ModuleList, opt: OptimizerConfig) -> Callable[[nn.Parameter], int]:
+    """The fp32 optimizer states each parameter keeps per element: AdamW's two moments; SGD's momentum (none
+    without); under Muon one momentum for its matrices, AdamW's two for the rest."""
+    if opt.optimizer == "sgd":
+        return lambda param: 1 if opt.sgd_momentum else 0
+    if opt.optimizer == "adam":
+        return lambda param: 2
+    muon = {id(p) for group in parameter_groups(chunks, opt) if group["use_muon"] for p in group["params"]}
+    return lambda param: 1 if id(param) in muon else 2
 
 
 def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:

@@ -26,6 +26,7 @@ from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, resume_point, step_to_load
 from pretrain.config.schema import Config
+from pretrain.training.param_groups import state_moments
 from pretrain.training.param_scheduler import build_param_scheduler
 from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.moe_metrics import moe_metrics
@@ -133,10 +134,11 @@ class Trainer:
         parameters over the expert data-parallel group)."""
         options, compute_bytes = zero_options(self.config), torch.finfo(self.dtype).bits // 8
         shards = ((False, options.shard_size or self.groups.dp_cp.size), (True, self.groups.edp.size))
+        moments = state_moments(self.model, self.config.optimizer)
         return sum(expected_parameter_state_bytes(
             [p for p in self.model.parameters() if meta(p).expert == expert], options.stage, dp,
             compute_bytes, options.persistence_threshold,
-            gradient_bytes(compute_bytes, options.main_grads_in_fp32), options.hpz_partition_size)
+            gradient_bytes(compute_bytes, options.main_grads_in_fp32), options.hpz_partition_size, moments)
             for expert, dp in shards)
 
     def _load_checkpoint(self) -> None:

@@ -121,6 +121,10 @@ def _library_world(rank, world_size):
     for stage in (0, 1, 2, 3):
         model = PlainGPT()
         matrices, rest = _groups(model)
+        muon = {id(p) for p in matrices}  # one momentum per element of a matrix, AdamW's two elsewhere
+        formula = zero.expected_parameter_state_bytes(model.parameters(), stage, world_size, 4,
+                                                      persistence_threshold=100,
+                                                      moments=lambda p: 1 if id(p) in muon else 2)
         _, optimizer = zero.initialize(
             model, lambda groups: Muon(groups, lr=LR, weight_decay=WEIGHT_DECAY, precision="highest"),
             zero.ZeroOptions(stage=stage, persistence_threshold=100),
@@ -129,6 +133,7 @@ def _library_world(rank, world_size):
                              [batch.chunk(world_size)[rank] for batch in batches])
         with optimizer.gathered_parameters():
             runs[stage, "weights"] = [p.detach().clone() for p in model.parameters()]
+        runs[stage, "bytes"] = (optimizer.model_state_bytes(), formula)
     dist.barrier()
     return runs
 
@@ -150,5 +155,9 @@ def test_zero_initialize_runs_muon_on_whole_matrices_at_every_stage():
     for stage in (0, 1, 2, 3):  # each rank's loss is of its half of the batch
         got = [(a + b) / 2 for a, b in zip(ranks[0][stage], ranks[1][stage])]
         assert_trajectory_close(got, want, f"our Muon at dp2 ZeRO-{stage}")
+        for runs in ranks:
+            measured, formula = runs[stage, "bytes"]
+            print(f"ZeRO-{stage} dp2 Muon model-state bytes: measured {measured}, formula {formula:.0f}")
+            assert 0 <= measured - formula <= 64, (stage, measured, formula)  # AdamW step counters, 4 B a master
         for runs in ranks:  # (the key bias's gradient is rounding noise, which AdamW normalises: against dp2)
             assert_tensors_close(runs[stage, "weights"], runs[0, "weights"], f"ZeRO-{stage} against ZeRO-0")

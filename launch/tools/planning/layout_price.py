@@ -81,8 +81,8 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
         total += expected_profile_state_bytes(profile, layout.zero_stage, shard, compute_bytes,
                                               persistence_threshold, grad_bytes, layout.zero.hpz)
         if layout.offload_optimizer != "none":  # the fp32 masters and moments live elsewhere
-            total -= sum(numel * count for numel, _, count in profile) * optimizer_state_bytes(
-                compute_bytes) / (shard if layout.zero_stage else 1)
+            total -= sum(numel * count * optimizer_state_bytes(compute_bytes, moments)
+                         for numel, _, moments, count in profile) / (shard if layout.zero_stage else 1)
     return total
 
 
