@@ -6,7 +6,8 @@ from parallel.muon import MuonSettings
 from pretrain.config.arguments import ConfigError
 from pretrain.config.optimizer import OPTIMIZERS
 from pretrain.config.schema import Config
-from pretrain.training.param_groups import muon_options
+from pretrain.checkpoint.selection import resume_point, resumed_state
+from pretrain.training.param_groups import muon_options, switch_refusal
 
 # --optimizer names Megatron-LM takes that this build has no optimizer for
 MEGATRON_ONLY = ("dist_muon", "soap", "adaptive_muon", "lion", "shampoo", "adafactor")
@@ -23,6 +24,10 @@ def validate_optimizer(config: Config) -> None:
     for name, value in (("--sgd-momentum", opt.sgd_momentum), ("--muon-momentum", opt.muon_momentum)):
         if not 0 <= value < 1:
             raise ConfigError(f"{name} {value}: a momentum is in [0, 1)")
+    if not config.checkpoint.no_load_optim and resume_point(config) is not None:
+        saved = (resumed_state(config, "optimizer") or {"name": "adam"})["name"]  # adam's before it was saved
+        if saved != opt.optimizer:
+            raise ConfigError(switch_refusal(saved, opt.optimizer))
     if opt.optimizer == "muon":
         settings = {k: v for k, v in muon_options(opt).items() if k in MuonSettings.__dataclass_fields__}
         try:

@@ -24,6 +24,26 @@ EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight")
 NOT_MUON = (*EMBEDDING_OR_OUTPUT, "position_embedding.weight")  # matrices that take AdamW under Muon
 
 
+class OptimizerChoice:
+    """The --optimizer a checkpoint was trained with (its manifest's "optimizer" state). Owns the name only;
+    loading another's states is refused (startup refuses it first, naming --no-load-optim)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def state_dict(self) -> dict:
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(switch_refusal(state.get("name"), self.name))
+
+
+def switch_refusal(saved: str, wanted: str) -> str:
+    return (f"--optimizer {wanted}: the checkpoint's states are {saved}'s; resume with --optimizer {saved}, "
+            "or add --no-load-optim to start a fresh optimizer at the checkpoint's iteration")
+
+
 def muon_options(opt: OptimizerConfig) -> dict:
     """Muon's settings from the --muon-* flags (its AdamW groups take the --adam-* ones)."""
     return {"momentum": opt.muon_momentum, "nesterov": opt.muon_use_nesterov,

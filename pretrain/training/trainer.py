@@ -26,7 +26,7 @@ from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, resume_point, step_to_load
 from pretrain.config.schema import Config
-from pretrain.training.param_groups import state_moments
+from pretrain.training.param_groups import OptimizerChoice, state_moments
 from pretrain.training.param_scheduler import build_param_scheduler
 from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.moe_metrics import moe_metrics
@@ -160,7 +160,7 @@ class Trainer:
             if ckpt.no_load_rng:
                 del states["rng"]
             if ckpt.no_load_optim:  # Megatron's: the flags' schedule, with the fresh optimizer
-                del states["opt_param_scheduler"]
+                del states["opt_param_scheduler"], states["optimizer"]
         self.watchdog.at(0, "checkpoint load", watched=False)  # a slow disk is no hang
         manifest = checkpointer.load(directory, states, self.groups,
                                      weights_only=loads_weights_only(self.config, directory),
@@ -360,6 +360,7 @@ class Trainer:
                 MODEL: ZeroModelState(self.optimizer, self.parameter_names, self.groups),
                 "progress": RunState(self.progress),  # the data position; the LR schedule follows it
                 "opt_param_scheduler": RunState(self.param_scheduler),
+                "optimizer": RunState(OptimizerChoice(self.config.optimizer.optimizer)),
                 "rng": self.model[0].rng}  # the stage's dropout streams and the default generator
             if self.config.model.moe_router_enable_expert_bias:  # every MoE layer's, on every rank
                 self._checkpoint_states["load_balancing"] = RunState(self.model[0].balancing)

@@ -158,6 +158,6 @@ def test_zero_initialize_runs_muon_on_whole_matrices_at_every_stage():
         for runs in ranks:
             measured, formula = runs[stage, "bytes"]
             print(f"ZeRO-{stage} dp2 Muon model-state bytes: measured {measured}, formula {formula:.0f}")
-            assert 0 <= measured - formula <= 64, (stage, measured, formula)  # AdamW step counters, 4 B a master
+            assert 0 <= measured - formula <= 64, (stage, measured, formula)  # AdamW step counters: 4 B
         for runs in ranks:  # (the key bias's gradient is rounding noise, which AdamW normalises: against dp2)
             assert_tensors_close(runs[stage, "weights"], runs[0, "weights"], f"ZeRO-{stage} against ZeRO-0")

@@ -4,9 +4,11 @@ ZeRO stage on the straight trajectory."""
 
 import pytest
 
+from pretrain.config.arguments import ConfigError, parse_config
+from pretrain.startup.validation import validate
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_moe import EP2, MOE
-from tests.pretrain.test_trainer import SHORT, ZERO3, _pp, _tp, _train
+from tests.pretrain.test_trainer import SHORT, TINY, ZERO3, _pp, _tp, _train
 from tests.world import run_world
 
 # Newton-Schulz in fp32: under bf16 iterations ("medium", Megatron's default) two layouts' updates differ
@@ -44,6 +46,12 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
     results = run_world(4, _train, runs, stdlib_corpus, timeout_s=400)
     one, = run_world(1, _train, [MUON + SHORT + ["--load", saved]], stdlib_corpus)[0]
     _assert_on(one, dense, slice(3, 6), "resumed at dp1")
+    prefix, tokenizer = stdlib_corpus
+    data = ["--data-path", prefix, "--tokenizer-model", tokenizer, "--load", saved]
+    with pytest.raises(ConfigError, match=r"^--optimizer adam: the checkpoint's states are muon's; resume "
+                                          r"with --optimizer muon, or add --no-load-optim"):
+        validate(parse_config(TINY + data), 1)
+    validate(parse_config(TINY + data + ["--no-load-optim"]), 1)  # a fresh AdamW at the checkpoint's step
     for rank_results in results:
         for name, got in zip(layouts, rank_results):
             _assert_on(got, dense, slice(0, 6), name)
