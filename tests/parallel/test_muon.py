@@ -134,8 +134,37 @@ def _library_world(rank, world_size):
         with optimizer.gathered_parameters():
             runs[stage, "weights"] = [p.detach().clone() for p in model.parameters()]
         runs[stage, "bytes"] = (optimizer.model_state_bytes(), formula)
+    runs["fp16"] = _fp16_skip(rank, world_size)
     dist.barrier()
     return runs
+
+
+def _fp16_skip(rank, world_size):
+    """fp16 at dp2 ZeRO-2: steps on batches 0, 1 (its loss made infinite: skipped) and 2, against steps on 0
+    and 2 alone. Equal bit for bit: the skipped step left the weights and Muon's momentum as they were
+    (hysteresis 2 keeps the loss scale, so both runs scale alike)."""
+    batches = [batch.chunk(world_size)[rank] for batch in _batches(3, 0, 1)]
+    outcomes = []
+    for poisoned in (True, False):
+        model = PlainGPT().half()
+        matrices, rest = _groups(model)
+        scaler = zero.DynamicLossScaler(scale=2.0 ** 8, hysteresis=2)
+        _, optimizer = zero.initialize(
+            model, lambda groups: Muon(groups, lr=LR, precision="highest"), zero.ZeroOptions(stage=2),
+            param_groups=[{"params": matrices}, {"params": rest, "use_muon": False}], loss_scaler=scaler)
+        skipped = []
+        for index, batch in enumerate(batches):
+            if index == 1 and not poisoned:
+                continue
+            logits = model(batch[:, :-1]).float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            optimizer.scale_loss(loss * (float("inf") if index == 1 else 1.0)).backward()
+            skipped.append(optimizer.step().skipped)
+            optimizer.zero_grad()
+        momentum = [state["momentum_buffer"].clone() for state in optimizer.optimizer.state.values()
+                    if "momentum_buffer" in state]
+        outcomes.append((skipped, [p.detach().clone() for p in model.parameters()], momentum))
+    return outcomes
 
 
 @pytest.mark.parity
@@ -152,6 +181,11 @@ def test_zero_initialize_runs_muon_on_whole_matrices_at_every_stage():
                                      coefficient_type="quintic", momentum=0.95, nesterov=False)
     want = _train(reference, lambda: (optimizer.step(), optimizer.zero_grad()), _batches(8, 0, 1))
     ranks = run_world(2, _library_world)
+    for runs in ranks:
+        (skipped, weights, momentum), (clean, weights_clean, momentum_clean) = runs["fp16"]
+        assert skipped == [False, True, False] and clean == [False, False] and momentum
+        assert all(map(torch.equal, weights, weights_clean))
+        assert all(map(torch.equal, momentum, momentum_clean))
     for stage in (0, 1, 2, 3):  # each rank's loss is of its half of the batch
         got = [(a + b) / 2 for a, b in zip(ranks[0][stage], ranks[1][stage])]
         assert_trajectory_close(got, want, f"our Muon at dp2 ZeRO-{stage}")

@@ -8,7 +8,7 @@ from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_moe import EP2, MOE
-from tests.pretrain.test_trainer import SHORT, TINY, ZERO3, _pp, _tp, _train
+from tests.pretrain.test_trainer import COMPILED, SHORT, TINY, ZERO3, _pp, _tp, _train
 from tests.world import run_world
 
 # Newton-Schulz in fp32: under bf16 iterations ("medium", Megatron's default) two layouts' updates differ
@@ -24,8 +24,9 @@ def _assert_on(got, want, iterations, what):
 @pytest.mark.parity
 def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_corpus, tmp_path):
     """dp4 at ZeRO 0-3, optimizer on the CPU and in NVMe swap files, tp2 + SP x dp2 (whole matrices),
-    pp2 interleaved x dp2, cp2 x dp2, and a MoE model at ep2 x dp2: each within the fp32 trajectory bound of
-    its one-process run. Saved at dp2 x tp2 ZeRO-1, resumed at dp4 ZeRO-3 and at dp1."""
+    pp2 interleaved x dp2, cp2 x dp2, compiled layers, and a MoE model at ep2 x dp2: each within the fp32
+    trajectory bound of its one-process run. Saved at dp2 x tp2 ZeRO-1, resumed at dp4 ZeRO-3 and at dp1;
+    resuming it with AdamW is refused unless --no-load-optim."""
     dense, moe = run_world(1, _train, [MUON + SHORT, MUON + MOE], stdlib_corpus)[0]
     saved = str(tmp_path / "muon")
     layouts = {
@@ -37,6 +38,7 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
         "pp2 interleaved x dp2 ZeRO-2": _pp(2, "interleaved", "--virtual-pipeline-size", "2",
                                             "--zero-stage", "2"),
         "cp2 x dp2 ZeRO-3": ["--context-parallel-size", "2", *ZERO3],
+        "dp4 ZeRO-1, layers compiled": ["--zero-stage", "1", *COMPILED],
     }
     resumes = {"saved at dp2 x tp2 ZeRO-1": _tp(2, "--zero-stage", "1", "--train-iters", "3",
                                                 "--save", saved),
