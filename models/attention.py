@@ -53,6 +53,36 @@ class AttentionCore(nn.Module):
         self.core_runner = None  # how the core runs when it is recomputed (``recompute_core_with``)
         self.off_by_one = config.softmax_type == "off-by-one"
         self.register_parameter("sinks", None)  # a subclass sets it with --softmax-type learnable
+        self.tracks_logits = False  # ``track_logits``: keep ``max_logits`` over the training forwards
+        self.max_logits: torch.Tensor | None = None  # [heads / tp], until ``take_max_logits``
+
+    def track_logits(self) -> None:
+        """Keep the largest attention logit (q k^T scale, over the keys a query sees) of each of this rank's
+        heads over the training forwards (QK-clip, --log-max-attention-logit): one more product of q and
+        k per layer, without a gradient, a block of queries at a time."""
+        self.tracks_logits = True
+
+    def take_max_logits(self) -> torch.Tensor | None:
+        """The largest logit per head since the last call (None if no training forward ran)."""
+        found, self.max_logits = self.max_logits, None
+        return found
+
+    @compile_boundary  # it keeps a running maximum on the module
+    @torch.no_grad()
+    def _track(self, q: torch.Tensor, k: torch.Tensor, inputs: LayerInputs, block: int = 512) -> None:
+        b, heads, s, d = q.shape
+        groups = k.shape[1]
+        mask = sequence_mask(s, self.scores.window, inputs.documents, q.device)
+        if mask is None:
+            mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=q.device).tril()
+        grouped, found = q.reshape(b, groups, heads // groups, s, d), None
+        for start in range(0, s, block):
+            scores = torch.einsum("bgqsd,bgtd->bgqst", grouped[:, :, :, start:start + block], k).float()
+            scores = (scores * self.scores.scale).masked_fill(~mask[:, :, start:start + block].unsqueeze(2),
+                                                               float("-inf"))
+            top = scores.amax(dim=(0, 3, 4)).reshape(heads)
+            found = top if found is None else torch.maximum(found, top)
+        self.max_logits = found if self.max_logits is None else torch.maximum(self.max_logits, found)
 
     def recompute_core_with(self, runner) -> None:
         """Run the attention core through ``runner(core, q, k, v, inputs)`` (selective recompute)."""
@@ -61,6 +91,8 @@ class AttentionCore(nn.Module):
     def attended(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  inputs: LayerInputs) -> torch.Tensor:
         """The core's output for q [b, heads, s, d], through the recompute runner when there is one."""
+        if self.tracks_logits and self.training:
+            self._track(q, k, inputs)
         if self.core_runner is not None:
             return self.core_runner(self.core, q, k, v, inputs)
         return self.core(q, k, v, inputs)
@@ -141,6 +173,19 @@ class SelfAttention(AttentionCore):
         if self.norm_per_head:
             return self.q_norm(q), self.k_norm(k)
         return self.q_norm(q.flatten(2)).view(q.shape), self.k_norm(k.flatten(2)).view(k.shape)
+
+    def clip_factors(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> dict:
+        """Kimi K2's QK-clip as Megatron applies it to grouped queries: eta = min(threshold / the group's
+        largest logit, 1), each group's query rows x eta^alpha and key row x eta^(1 - alpha) (values
+        untouched): {the QKV weight: a factor per row}, or {} when no group is over ``threshold``."""
+        top = max_logits.view(self.groups_per_rank, self.queries_per_group).amax(dim=1)
+        if not bool((top > threshold).any()):
+            return {}
+        eta = torch.clamp(threshold / top, max=1.0).view(-1, 1, 1).cpu()
+        factors = torch.ones(self.groups_per_rank, self.queries_per_group + 2, self.head_dim)
+        factors[:, :self.queries_per_group] = eta.pow(alpha)
+        factors[:, self.queries_per_group] = eta.pow(1 - alpha).view(-1, 1)
+        return {self.qkv.weight: factors.reshape(-1)}
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_per_rank * (queries_per_group + 2) * d]

@@ -89,6 +89,19 @@ class LatentAttention(AttentionCore):
                                       .scaled_for_residual(config.num_layers), bias=bias,
                                       sequence_parallel=sequence_parallel)
 
+    def clip_factors(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> dict:
+        """Kimi K2's QK-clip per head: eta = min(threshold / the head's largest logit, 1); the query's
+        compressed rows x eta^alpha and rotary rows x eta, the key's compressed rows (in ``kv_up``)
+        x eta^(1 - alpha); the shared rotary key and the values untouched. {weight: a factor per row}, or {}
+        when no head is over ``threshold``."""
+        if not bool((max_logits > threshold).any()):
+            return {}
+        eta = torch.clamp(threshold / max_logits, max=1.0).view(-1, 1).cpu()
+        query = torch.cat([eta.pow(alpha).expand(-1, self.nope), eta.expand(-1, self.rope)], dim=1)
+        keys = torch.cat([eta.pow(1 - alpha).expand(-1, self.nope), torch.ones(len(eta), self.value)], dim=1)
+        query_weight = (self.q_proj if self.q_down is None else self.q_up).weight
+        return {query_weight: query.reshape(-1), self.kv_up.weight: keys.reshape(-1)}
+
     def _linear(self, x: torch.Tensor, linear: LinearWeights) -> torch.Tensor:
         return deferring_linear(x, linear.weight, linear.bias, self.weight_grads)
 

@@ -64,3 +64,11 @@ class OptimizerConfig:
         "tensor-parallel weights orthogonalized whole (duplicated, distributed: one owner joins the shards; "
         "the same result in every layout) or each shard on its own (blockwise, Megatron's default)",
         choices=list(TP_MODES)))
+    qk_clip: bool = field(default=False, metadata=flag(
+        "Kimi K2's QK-clip after every step: the query and key projections of heads whose largest attention "
+        "logit passed --qk-clip-threshold scaled back to it"))
+    qk_clip_threshold: float = field(default=100.0, metadata=flag("QK-clip's largest logit allowed"))
+    qk_clip_alpha: float = field(default=0.5, metadata=flag(
+        "QK-clip's balance: queries x eta^alpha, keys x eta^(1 - alpha)"))
+    log_max_attention_logit: bool = field(default=False, metadata=flag(
+        "log each layer's largest attention logit of every step (on with --qk-clip)"))

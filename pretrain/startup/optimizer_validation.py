@@ -28,6 +28,16 @@ def validate_optimizer(config: Config) -> None:
         saved = (resumed_state(config, "optimizer") or {"name": "adam"})["name"]  # adam's before it was saved
         if saved != opt.optimizer:
             raise ConfigError(switch_refusal(saved, opt.optimizer))
+    if opt.qk_clip or opt.log_max_attention_logit:
+        if config.parallel.context_parallel_size > 1:
+            raise ConfigError("--qk-clip / --log-max-attention-logit read every score of a head, which "
+                              "--context-parallel-size > 1 splits over ranks: drop one")
+        if opt.qk_clip and config.model.qk_layernorm:
+            raise ConfigError("--qk-clip scales the query and key projections, which --qk-layernorm "
+                              "normalises away: drop one")
+        if opt.qk_clip_threshold <= 0 or not 0 <= opt.qk_clip_alpha <= 1:
+            raise ConfigError(f"--qk-clip-threshold {opt.qk_clip_threshold} must be > 0 and --qk-clip-alpha "
+                              f"{opt.qk_clip_alpha} in [0, 1]")
     if opt.optimizer == "muon":
         settings = {k: v for k, v in muon_options(opt).items() if k in MuonSettings.__dataclass_fields__}
         try:

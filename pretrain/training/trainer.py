@@ -27,6 +27,7 @@ from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, resume_point, step_to_load
 from pretrain.config.schema import Config
 from pretrain.training.param_groups import OptimizerChoice, state_moments
+from pretrain.training.qk_clip import QKClip
 from pretrain.training.param_scheduler import build_param_scheduler
 from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.moe_metrics import moe_metrics
@@ -99,6 +100,11 @@ class Trainer:
         self.activation_meter = SavedActivationMeter()
         self.runner = PipelineRunner(config, self.groups, self.model, device,
                                      self.activation_meter, self.optimizer)
+        opt = config.optimizer
+        self.qk_clip = (QKClip(self.model, self.groups, config.model.num_layers, opt.qk_clip,
+                               opt.qk_clip_threshold, opt.qk_clip_alpha)
+                        if opt.qk_clip or opt.log_max_attention_logit else None)
+        self.max_attention_logits: list[float] = []  # each layer's, of the last step (with ``qk_clip``)
         self.progress = TrainingProgress()  # the data position; the LR schedule follows it
         self.start_iteration = 0
         self.resumed_from: str | None = None  # the checkpoint under --save this run resumed from (kept)
@@ -202,7 +208,10 @@ class Trainer:
         if self.model[0].balancing is not None:  # the expert biases move with the step's loads
             self.model[0].balancing.update_biases(self.groups.world, self.device)
         self.watchdog.at(self.progress.iteration + 1, "optimizer step")
-        return loss, self.optimizer.step()
+        result = self.optimizer.step()
+        if self.qk_clip is not None:
+            self.max_attention_logits = self.qk_clip.after_step(self.optimizer, result.skipped, self.device)
+        return loss, result
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -240,6 +249,8 @@ class Trainer:
         if self.config.checkpoint.save:  # published: on disk and named by latest; the last save's stall
             record.update(checkpoint_published=self.saver.published if self.saver else self.published,
                           save_stall_s=self.save_stall_s)
+        record.update({f"max_attention_logit/layer_{layer}": value
+                       for layer, value in enumerate(self.max_attention_logits)})
         if self.config.logging.log_params_norm:
             record["params_norm"] = self.optimizer.parameter_norm()
         model = self.config.model

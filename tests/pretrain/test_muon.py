@@ -14,6 +14,8 @@ from tests.world import run_world
 # Newton-Schulz in fp32: under bf16 iterations ("medium", Megatron's default) two layouts' updates differ
 # by a bf16 rounding wherever their fp32 inputs do, which no fp32 bound covers
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest", "--muon-use-nesterov"]
+# the tiny model's largest logits are 0.10-0.17: this clips some heads of some layers at every step
+QK = ["--qk-clip", "--qk-clip-threshold", "0.12", "--qk-clip-alpha", "0.3"]
 
 
 def _assert_on(got, want, iterations, what):
@@ -26,8 +28,11 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
     """dp4 at ZeRO 0-3, optimizer on the CPU and in NVMe swap files, tp2 + SP x dp2 (whole matrices),
     pp2 interleaved x dp2, cp2 x dp2, compiled layers, and a MoE model at ep2 x dp2: each within the fp32
     trajectory bound of its one-process run. Saved at dp2 x tp2 ZeRO-1, resumed at dp4 ZeRO-3 and at dp1;
-    resuming it with AdamW is refused unless --no-load-optim."""
-    dense, moe = run_world(1, _train, [MUON + SHORT, MUON + MOE], stdlib_corpus)[0]
+    resuming it with AdamW is refused unless --no-load-optim. QK-clip at tp2 x dp2 ZeRO-3 (the clipped rows
+    scaled in sharded masters) and pp2 x dp2 on the one-process trajectory of a run that clips every step."""
+    dense, moe, clipped = run_world(1, _train, [MUON + SHORT, MUON + MOE, MUON + SHORT + QK],
+                                    stdlib_corpus)[0]
+    assert clipped[0][-1] != dense[0][-1]  # the clip changed the run
     saved = str(tmp_path / "muon")
     layouts = {
         **{f"dp4 ZeRO-{stage}": ["--zero-stage", stage] for stage in "0123"},
@@ -45,6 +50,9 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
                "resumed at dp4 ZeRO-3": ZERO3 + ["--load", saved]}
     runs = [MUON + SHORT + flags for flags in [*layouts.values(), *resumes.values()]]
     runs.append(MUON + MOE + EP2 + ["--zero-stage", "1"])
+    clips = {"QK-clip at tp2 x dp2 ZeRO-3": _tp(2, *ZERO3),
+             "QK-clip at pp2 x dp2 ZeRO-1": _pp(2, "1f1b", "--zero-stage", "1")}
+    runs += [MUON + SHORT + QK + flags for flags in clips.values()]
     results = run_world(4, _train, runs, stdlib_corpus, timeout_s=400)
     one, = run_world(1, _train, [MUON + SHORT + ["--load", saved]], stdlib_corpus)[0]
     _assert_on(one, dense, slice(3, 6), "resumed at dp1")
@@ -59,4 +67,6 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
             _assert_on(got, dense, slice(0, 6), name)
         for (name, _), got in zip(resumes.items(), rank_results[len(layouts):]):
             _assert_on(got, dense, slice(0, 3) if name.startswith("saved") else slice(3, 6), name)
-        _assert_on(rank_results[-1], moe, slice(0, 6), "MoE at ep2 x dp2 ZeRO-1")
+        _assert_on(rank_results[-3], moe, slice(0, 6), "MoE at ep2 x dp2 ZeRO-1")
+        for name, got in zip(clips, rank_results[-2:]):
+            _assert_on(got, clipped, slice(0, 6), name)
