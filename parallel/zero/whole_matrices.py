@@ -1,8 +1,9 @@
 """Muon's orthogonalization over a ``ZeroOptimizer``'s shards: every matrix is gathered whole on one owner,
 orthogonalized there once, and its pieces go back to the ranks whose masters hold them.
 
-Owners balance the Newton-Schulz FLOPs (largest first, onto the least loaded) over the data-parallel ranks
-of the optimizer's shard group and, for whole matrices, its tensor-parallel ranks too: a tensor-parallel
+Owners balance the Newton-Schulz FLOPs over the data-parallel ranks of the optimizer's shard group and, for
+whole matrices, its tensor-parallel ranks too, preferring the rank that holds most of a matrix (ZeRO's
+buffers keep most parameters whole on one rank: those never travel); a tensor-parallel
 weight is joined along its split dimension, so the result is the one-process result in every layout.
 ``tp_mode`` "blockwise" (Megatron-LM's default) orthogonalizes each tensor-parallel shard on its own
 instead. Per step: an all-to-all over dp (each rank's pieces to their owners), one over tp (shards to the
@@ -38,11 +39,18 @@ class _Matrix:
         return self.shape.numel()
 
 
-def balanced_owners(costs: list[int], places: int) -> list[int]:
-    """The place (0 .. ``places`` - 1) of each item: largest cost first, onto the least loaded place."""
-    load, owner = [0] * places, [0] * len(costs)
+def balanced_owners(costs: list[int], places: int, held: list[list[int]] | None = None,
+                    slack: float = 1.25) -> list[int]:
+    """The place (0 .. ``places`` - 1) of each item, largest cost first: the place holding most of it
+    (``held[item][place]``: its elements there) whose load stays within ``slack`` x an even share, else the
+    least loaded place. ZeRO's buffers keep most parameters whole on one rank, so most matrices are
+    orthogonalized where they lie and never travel."""
+    load, owner, cap = [0] * places, [0] * len(costs), slack * sum(costs) / max(places, 1)
     for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        place = min(range(places), key=lambda p: (load[p], p))
+        local = sorted((p for p in range(places) if held and held[item][p]),
+                       key=lambda p: (-held[item][p], load[p], p))
+        fitting = [p for p in local if load[p] + costs[item] <= cap]
+        place = fitting[0] if fitting else min(range(places), key=lambda p: (load[p], p))
         owner[item] = place
         load[place] += costs[item]
     return owner
@@ -73,13 +81,6 @@ class WholeMatrices:
                 found.setdefault(id(param), (param, shape, MuonSettings.of({**muon.defaults, **group}),
                                              not slot.sharded))
         self.index = {key: number for number, key in enumerate(found)}
-        costs = [orthogonalization_flops(self._whole_shape(param, shape), meta(param).fused_rows, settings)
-                 for param, shape, settings, _ in found.values()]
-        tp_rank, tp_size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
-        places = balanced_owners(costs, self.dp.size * (tp_size if self.whole else 1))
-        self.matrices = [_Matrix(param, shape, settings, replicated,
-                                 divmod(place, tp_size) if self.whole else (place, tp_rank))
-                         for (param, shape, settings, replicated), place in zip(found.values(), places)]
         # this rank's pieces: (matrix, start, length, master, offset), by matrix then start
         self.masters = zero.masters
         self.mine = sorted((self.index[id(piece.param)], piece.start, piece.length, piece.master,
@@ -87,6 +88,19 @@ class WholeMatrices:
                            for piece in zero.master.pieces(muon) if id(piece.param) in self.index)
         self.holdings = comm.all_gather_object([item[:3] for item in self.mine], self.dp, self.device) \
             if self.dp.size > 1 else [[item[:3] for item in self.mine]]
+        costs = [orthogonalization_flops(self._whole_shape(param, shape), meta(param).fused_rows, settings)
+                 for param, shape, settings, _ in found.values()]
+        tp_rank, tp_size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
+        spread = tp_size if self.whole else 1  # places: (dp index, tp index) in whole mode, else dp index
+        held = [[0] * (self.dp.size * spread) for _ in found]
+        for q, pieces in enumerate(self.holdings):
+            for number, _, length in pieces:
+                for t in range(spread):
+                    held[number][q * spread + t] += length
+        places = balanced_owners(costs, self.dp.size * spread, held)
+        self.matrices = [_Matrix(param, shape, settings, replicated,
+                                 divmod(place, tp_size) if self.whole else (place, tp_rank))
+                         for (param, shape, settings, replicated), place in zip(found.values(), places)]
         if self.tp is not None and len(set(comm.all_gather_object(self.dp.rank, self.tp, self.device))) != 1:
             raise ValueError("Muon's owners need the tensor-parallel ranks of a group at one data-parallel "
                              "index")

@@ -15,6 +15,7 @@ from tests.world import run_world
 # by a bf16 rounding wherever their fp32 inputs do, which no fp32 bound covers
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest", "--muon-use-nesterov"]
 # the tiny model's largest logits are 0.10-0.17: this clips some heads of some layers at every step
+SGD = ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.05"]
 QK = ["--qk-clip", "--qk-clip-threshold", "0.12", "--qk-clip-alpha", "0.3"]
 
 
@@ -29,9 +30,10 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
     pp2 interleaved x dp2, cp2 x dp2, compiled layers, and a MoE model at ep2 x dp2: each within the fp32
     trajectory bound of its one-process run. Saved at dp2 x tp2 ZeRO-1, resumed at dp4 ZeRO-3 and at dp1;
     resuming it with AdamW is refused unless --no-load-optim. QK-clip at tp2 x dp2 ZeRO-3 (the clipped rows
-    scaled in sharded masters) and pp2 x dp2 on the one-process trajectory of a run that clips every step."""
-    dense, moe, clipped = run_world(1, _train, [MUON + SHORT, MUON + MOE, MUON + SHORT + QK],
-                                    stdlib_corpus)[0]
+    scaled in sharded masters) and pp2 x dp2 on the one-process trajectory of a run that clips every step;
+    --optimizer sgd at dp4 ZeRO-2 on its one-process trajectory."""
+    references = [MUON + SHORT, MUON + MOE, MUON + SHORT + QK, SGD + SHORT]
+    dense, moe, clipped, sgd = run_world(1, _train, references, stdlib_corpus)[0]
     assert clipped[0][-1] != dense[0][-1]  # the clip changed the run
     saved = str(tmp_path / "muon")
     layouts = {
@@ -53,6 +55,7 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
     clips = {"QK-clip at tp2 x dp2 ZeRO-3": _tp(2, *ZERO3),
              "QK-clip at pp2 x dp2 ZeRO-1": _pp(2, "1f1b", "--zero-stage", "1")}
     runs += [MUON + SHORT + QK + flags for flags in clips.values()]
+    runs.append(SGD + SHORT + ["--zero-stage", "2"])
     results = run_world(4, _train, runs, stdlib_corpus, timeout_s=400)
     one, = run_world(1, _train, [MUON + SHORT + ["--load", saved]], stdlib_corpus)[0]
     _assert_on(one, dense, slice(3, 6), "resumed at dp1")
@@ -67,6 +70,7 @@ def test_muon_reproduces_one_process_in_every_layout_and_resumes_re_cut(stdlib_c
             _assert_on(got, dense, slice(0, 6), name)
         for (name, _), got in zip(resumes.items(), rank_results[len(layouts):]):
             _assert_on(got, dense, slice(0, 3) if name.startswith("saved") else slice(3, 6), name)
-        _assert_on(rank_results[-3], moe, slice(0, 6), "MoE at ep2 x dp2 ZeRO-1")
-        for name, got in zip(clips, rank_results[-2:]):
+        _assert_on(rank_results[-4], moe, slice(0, 6), "MoE at ep2 x dp2 ZeRO-1")
+        for name, got in zip(clips, rank_results[-3:-1]):
             _assert_on(got, clipped, slice(0, 6), name)
+        _assert_on(rank_results[-1], sgd, slice(0, 6), "SGD at dp4 ZeRO-2")
