@@ -44,6 +44,25 @@ def stage_parameters(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0
                              vp or (2 if v else 1))
 
 
+def stage_named_parameters(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0,
+                           sequence_parallel: bool = False, split: list[int] | None = None,
+                           experts: tuple[int, int] = (1, 1), v: bool = False,
+                           vp: int | None = None) -> tuple[tuple[str, nn.Parameter], ...]:
+    """``stage_parameters`` with each one's name in its chunk (which optimizer steps a parameter follows
+    from its name: Muon's matrices are the layers')."""
+    layers = tuple(split) if split else None
+    return _stage_named_parameters(frozen_config(config), tp, pp, stage, sequence_parallel, layers, experts,
+                                   v, vp or (2 if v else 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_named_parameters(frozen: tuple, tp: int, pp: int, stage: int, sequence_parallel: bool,
+                            split: tuple[int, ...] | None, experts: tuple[int, int], v: bool,
+                            vp: int) -> tuple[tuple[str, nn.Parameter], ...]:
+    return tuple(_stage_model(frozen, tp, pp, stage, vp, sequence_parallel, split, experts, v)
+                 .named_parameters())
+
+
 @functools.lru_cache(maxsize=256)
 def _stage_parameters(frozen: tuple, tp: int, pp: int, stage: int, sequence_parallel: bool,
                       split: tuple[int, ...] | None, experts: tuple[int, int], v: bool,

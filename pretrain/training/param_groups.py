@@ -44,6 +44,12 @@ def switch_refusal(saved: str, wanted: str) -> str:
             "or add --no-load-optim to start a fresh optimizer at the checkpoint's iteration")
 
 
+def takes_muon(name: str, param: nn.Parameter) -> bool:
+    """Whether ``param`` (named ``name`` in its chunk) is one Muon steps: a matrix of the layers (the
+    embeddings and the output layer take AdamW, as Megatron's ``is_embedding_or_output_parameter``)."""
+    return param.ndim >= 2 and not name.endswith(NOT_MUON)
+
+
 def muon_options(opt: OptimizerConfig) -> dict:
     """Muon's settings from the --muon-* flags (its AdamW groups take the --adam-* ones)."""
     return {"momentum": opt.muon_momentum, "nesterov": opt.muon_use_nesterov,
@@ -95,7 +101,7 @@ def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
             qk_norm = name.endswith(("q_norm.weight", "k_norm.weight", "q_norm.bias", "k_norm.bias"))
             decays = param.ndim >= 2 or (qk_norm and opt.apply_wd_to_qk_layernorm)
             decoupled = opt.decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
-            muon = opt.optimizer == "muon" and param.ndim >= 2 and not name.endswith(NOT_MUON)
+            muon = opt.optimizer == "muon" and takes_muon(name, param)
             groups.setdefault((decays, decoupled, muon), []).append(param)
     return [{"params": params, "weight_decay": opt.weight_decay if decays else 0.0,
              "wd_mult": 1.0 if decays else 0.0, "decoupled": decoupled,

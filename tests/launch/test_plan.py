@@ -78,6 +78,13 @@ LLAMA_LAYOUTS["llama MoE ep2 x expert dp 2 stage 1"] = (
 LLAMA_LAYOUTS["llama MoE ep2 x tp2 + SP stage 3"] = (
     [*LLAMA, *EXPERTS, *_tp(2, "--sequence-parallel"), "--expert-model-parallel-size", "2", "--zero-stage",
      "3", "--zero-persistence-threshold", "1000"], Layout(2, 1, 2, 3, sequence_parallel=True, ep=2))
+MUON = ["--optimizer", "muon"]
+LLAMA_LAYOUTS["llama Muon dp4 stage 3 (its matrices' pieces to their owners and back)"] = (
+    [*LLAMA, *MUON, "--zero-stage", "3", "--zero-persistence-threshold", "1000"],
+    Layout(1, 1, 4, 3, optimizer="muon"))
+LLAMA_LAYOUTS["llama Muon dp2 x tp2 + SP stage 1"] = (
+    [*LLAMA, *MUON, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
+    Layout(2, 1, 2, 1, sequence_parallel=True, optimizer="muon"))
 LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
     [*LLAMA, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
     Layout(1, 1, 4, 0, recompute="selective", recompute_modules=("mlp",)))
@@ -100,7 +107,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
                         sequence_parallel=layout.sequence_parallel, split=layout.split,
                         zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules,
-                        ep=layout.ep, schedule=layout.schedule)
+                        ep=layout.ep, schedule=layout.schedule, optimizer=layout.optimizer)
         predicted = plan_layout(config.model, layout, config.training.global_batch_size,
                                 2 if "--bf16" in flags else 4,
                                 persistence_threshold=config.zero.zero_persistence_threshold)
@@ -116,7 +123,13 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
                     rank["model_state_bytes"], rel=0.05), (name, stage)
                 assert activation_bytes(config.model, layout, stage, micro_batches, 4) == pytest.approx(
                     rank["saved_activation_bytes"], rel=0.10), (name, stage)
-        if name in DATA_PARALLEL_ONLY:
+        if layout.optimizer == "muon":  # its exchange priced as an upper bound, the rest as counted
+            found = transfers(config.model, layout, 8 // (2 * layout.dp), 2 if "--bf16" in flags else 4,
+                              backend="gloo")
+            bound = sum(t.per_rank * t.count for t in found if t.operation == "all_to_all")
+            exchanged = max(r["comm_bytes"]["all_to_all"] for r in ranks)
+            assert 0 < bound and exchanged <= bound, (name, exchanged, bound)
+        elif name in DATA_PARALLEL_ONLY:
             nodes = 2 if "--gpus-per-node" in flags else None
             found = transfers(config.model, layout, 8 // (2 * layout.dp), 2 if "--bf16" in flags else 4,
                               gpus_per_node=nodes, backend="gloo")  # 8 sequences, micro-batches of 2

@@ -15,8 +15,8 @@ from parallel.topology import Topology
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, optimizer
-    offload (none or cpu), sequence parallelism, context parallelism (ring attention). A value, never
+    """One way to run the model: parallel sizes, ZeRO stage, recompute, micro-batch size, the optimizer and
+    its offload (none or cpu), sequence parallelism, context parallelism (ring attention). A value, never
     checked against a model by itself."""
 
     tp: int
@@ -36,6 +36,7 @@ class Layout:
     dispatcher: str = "alltoall"  # --moe-token-dispatcher-type
     schedule: str = "1f1b"  # --pipeline-schedule (``schedule_price.SCHEDULES``)
     vp: int = 1  # --virtual-pipeline-size (interleaved)
+    optimizer: str = "adam"  # --optimizer: adam, sgd or muon (``muon_price``)
 
     @property
     def recompute_label(self) -> str:

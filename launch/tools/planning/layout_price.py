@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from launch.tools.planning.activation_price import layer_elements
 from launch.tools.planning.layout import Layout
 from launch.tools.planning.link_model import Transfer, all_to_all, ring, zero_transfers
+from launch.tools.planning.muon_price import moments, muon_transfers, named_parameters, workspace_bytes
 from models.config import GPTConfig
 from models.counting import frozen_config, stage_model, stage_parameters, thawed_config
 from parallel.param_meta import meta
@@ -43,14 +44,18 @@ _COUNTS: dict[tuple, StageCount] = {}
 def stage_count(config: GPTConfig, layout: Layout, stage: int) -> StageCount:
     """``StageCount`` of ``stage``, kept per model and stage shape (a search prices a shape many times)."""
     key = (frozen_config(config), layout.tp, layout.pp, stage, layout.sequence_parallel, layout.split,
-           layout.ep, layout.expert_tp, layout.v, layout.chunks)
+           layout.ep, layout.expert_tp, layout.v, layout.chunks, layout.optimizer)
     if key not in _COUNTS:
-        params = _stage_parameters(config, layout, stage)
+        if layout.optimizer == "adam":
+            params, states = _stage_parameters(config, layout, stage), (lambda param: 2)
+        else:  # which parameters Muon steps follows from their names
+            named = named_parameters(config, layout, stage)
+            params, states = [param for _, param in named], moments(layout, named)
         dense = [p for p in params if not meta(p).expert]
         expert = [p for p in params if meta(p).expert]
         if len(_COUNTS) > 4096:
             _COUNTS.clear()
-        _COUNTS[key] = StageCount(parameter_profile(dense), parameter_profile(expert),
+        _COUNTS[key] = StageCount(parameter_profile(dense, states), parameter_profile(expert, states),
                                   sum(p.numel() for p in dense), sum(p.numel() for p in expert))
     return _COUNTS[key]
 
@@ -104,14 +109,14 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
                  grad_bytes: int | None = None) -> float:
     """ZeRO-R staging (in the gradient dtype): two bucket slots at stage 2 (the bucket capped as the gradient
     sync caps it), two block slots at stage 3, which also gathers a block; full recompute rebuilds one
-    layer's activations in backward."""
+    layer's activations in backward; Muon's owners gather their matrices whole (``muon_price``)."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
     block, params = _block_and_stage(config, layout)
     slot = bucket_size_for(bucket_size, params, layout.data_ranks, 2) if layout.zero_stage == 2 else block
     staging = 2 * slot * grad_bytes if layout.zero_stage >= 2 else 0
     gathers = 3 * block * compute_bytes if layout.zero_stage == 3 else 0
     recompute = layer_elements(config, layout) * compute_bytes if layout.recompute == "full" else 0
-    return staging + gathers + recompute
+    return staging + gathers + recompute + workspace_bytes(config, layout, 0)
 
 
 def _block_and_stage(config: GPTConfig, layout: Layout) -> tuple[int, int]:
@@ -152,7 +157,8 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     micro-batch, less in backward what stays gathered from the end of forward (``reused_elements``);
     ZeRO++ and shard groups change which groups and how many bytes), tensor parallelism's four all-reduces
     (or their sequence-parallel halves) of each layer's activations in forward and backward, the
-    pipeline's activation and gradient sends (those two exposed: each is waited where it starts). The
+    pipeline's activation and gradient sends (those two exposed: each is waited where it starts), Muon's
+    exchange of matrix pieces with their owners (``muon_price.muon_transfers``). The
     data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
     ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
@@ -184,7 +190,7 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
         crosses = gpus_per_node is not None and any(a // gpus_per_node != b // gpus_per_node
                                                     for g in lines for a, b in zip(g, g[1:]))
         found.append(Transfer("p2p", "pp", 2 * sbh * m, 2 * sbh * m if crosses else 0.0, 2 * m))
-    return found
+    return found + muon_transfers(config, layout, topology, gpus_per_node)
 
 
 def dispatch_transfer(config: GPTConfig, layout: Layout, topology: Topology, compute_bytes: int,

@@ -11,7 +11,8 @@ states):
 - model states: the parameters of that rank's slice, from the model itself (built on the meta device
   as training builds it), kept whole or sharded as ``parallel.zero`` keeps them (stage 3 keeps
   parameters up to the persistence threshold, and those whose gradients a model-parallel reduction
-  needs, whole), priced by ``zero.expected_parameter_state_bytes``;
+  needs, whole), priced by ``zero.expected_parameter_state_bytes`` with each parameter's optimizer states
+  (--optimizer: Adam's two moments; Muon's one momentum on the layers' matrices, SGD's one);
 - activations: saved bytes per micro-batch by our layer's accounting (``layer_elements``: Korthikanti
   et al.'s for a fused attention that keeps no s^2 matrix, following the architecture: sbh(4 + 12/t)
   elements per GPT-3 layer, 16 sbh/t with sequence parallelism; sbh (or sbh/t) with full recompute of
@@ -23,7 +24,9 @@ states):
   tokens (cp is tried for every divisor that cuts the sequence into 2 x cp chunks);
 - gradients are fp32 main gradients for 16-bit parameters (4 bytes each, staging and reductions
   included), unless --grad-reduce-in-bf16 keeps them in bf16;
-- buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers;
+- buffers: the ZeRO-R staging arenas (two buckets per dtype from stage 2) and stage-3 gathers; under Muon
+  the owners' whole matrices and the iteration's temporaries (``muon_price``), whose Newton-Schulz FLOPs
+  join the step time (they are not in the model's FLOPs, nor in MFU) and whose exchange joins the bytes;
 - communication per step and axis by the ring model of ``parallel.comm``, and the part that crosses
   nodes of ``--gpus-per-node`` ranks; cp's ring attention blocks as ``layout_price.context_bytes``
   counts them (exposed in the link model: how much of them hides behind attention is not modelled).
@@ -48,6 +51,7 @@ from launch.tools.planning.devices import DeviceProfile, compute_seconds
 from models.counting import flops_per_token, forward_flops_parts, num_parameters
 from launch.tools.planning.activation_price import stage_activation_bytes
 from launch.tools.planning.layout import Layout
+from launch.tools.planning.muon_price import newton_schulz_flops
 from launch.tools.planning.layout_price import (buffer_bytes, distinct_stages, model_state_bytes,
                                                 recompute_cost, sent_by_axis, transfers)
 from launch.tools.planning.schedule_price import pipeline_time, stage_costs
@@ -109,6 +113,7 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
             world = layout.tp * layout.pp * layout.dp * layout.cp
             compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops \
                 * plan.score
+        compute += newton_schulz_flops(config, layout, 0) / device.flops  # Muon's, once a step
         plan.step_seconds = step_seconds(found, links, compute, micro_batches,
                                          device.quantize_rate,
                                          1 / 4 if layout.recompute == "full" else 1 / 3)
@@ -311,7 +316,7 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
          links: Links | None = None, device: Device = Device(), cp: int | None = None,
          micro_batch_size: int = 1, progress: Callable[[int, int], None] | None = None,
          ep: int | None = None, etp: int | None = None, schedule: str | None = None,
-         vp: int | None = None) -> list[Plan]:
+         vp: int | None = None, optimizer: str = "adam") -> list[Plan]:
     """The layouts that fit ``memory_per_device``, best first (with ``links``: by predicted step time,
     ZeRO++ and shard groups among the candidates). ``global_batch_size`` None: Megatron's default,
     ``micro_batch_size`` x dp, in each layout. ``progress(done, total)`` is called before the first layout
@@ -319,6 +324,7 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
     layouts = candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
                                 request, zero_plus_plus=links is not None, cp=cp,
                                 micro_batch_size=micro_batch_size, ep=ep, etp=etp, schedule=schedule, vp=vp)
+    layouts = [replace(layout, optimizer=optimizer) for layout in layouts]
     plans = []
     for done, layout in enumerate(layouts):
         if progress is not None:

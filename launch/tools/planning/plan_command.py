@@ -65,6 +65,8 @@ PLAN_FLAGS = {
     "--pipeline-schedule": "only this schedule is tried",
     "--zero-stage": "only this ZeRO stage is tried (default: 0, 1, 2 and 3)",
     "--zero-bucket-size": None, "--zero-persistence-threshold": None,
+    "--optimizer": "adam, sgd or muon: Muon's one momentum per matrix element, its owners' workspace, "
+                   "exchange and Newton-Schulz time are priced",
 }
 
 
@@ -248,7 +250,8 @@ def _plans(config, args, fixed: dict, memory_per_device: float, links, profile) 
                  request=split_request(parallel), links=links,
                  device=Device(args.device_flops, profile.quantize_rate if profile else args.quantize_rate,
                                args.backend, profile),
-                 micro_batch_size=train.micro_batch_size, progress=_Progress())
+                 micro_batch_size=train.micro_batch_size, progress=_Progress(),
+                 optimizer=config.optimizer.optimizer)
 
 
 def _report(config, args, plans: list, links) -> None:
