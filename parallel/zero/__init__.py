@@ -3,7 +3,9 @@
 ``initialize(module, optimizer_factory, ZeroOptions(stage=S, ...), group)`` returns ``(module, optimizer)``
 for any ``nn.Module``; train with ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` (under fp16,
 call backward on ``optimizer.scale_loss(loss)``). ``optimizer_factory`` takes torch-style parameter
-groups and returns any torch optimizer; it only ever sees this rank's fp32 shard.
+groups and returns a torch optimizer: an element-wise one sees only this rank's fp32 shard; Muon
+(``torch.optim.Muon`` or ``parallel.muon.Muon``) runs on whole matrices gathered on their owners; one that
+reads whole tensors otherwise (Adafactor, LBFGS) is refused (``wrapped_optimizer``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The ZeRO optimizer for stages 0-3: flat buffers or sharded units, fp32 master shards, any optimizer,
-optionally offloaded to the CPU or to swap files (ZeRO-Offload / ZeRO-Infinity).
+"""The ZeRO optimizer for stages 0-3: flat buffers or sharded units, fp32 master shards, any element-wise
+optimizer or Muon (``wrapped_optimizer``), optionally offloaded to the CPU or to swap files
+(ZeRO-Offload / ZeRO-Infinity).
 
 Per flat buffer and bucket, this rank owns one chunk (stage 0: the whole bucket). The wrapped torch optimizer
 sees fp32 "master" tensors of at most ``sub_group_size`` elements each, cut from the owned chunks: views of
