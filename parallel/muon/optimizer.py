@@ -73,7 +73,8 @@ class Muon(torch.optim.Optimizer):
                 group.setdefault("fused", len(devices) == 1
                                  and devices <= set(_get_fused_kernels_supported_devices()))
         self.matrices: Orthogonalizer = _undistributed if shards else local_matrices
-        self._updates: dict[nn.Parameter, torch.Tensor] = {}
+        # prepared updates, then (after ``exchange``) the orthogonalized ones with their factor still to apply
+        self._updates: dict[nn.Parameter, torch.Tensor | tuple[torch.Tensor, float]] = {}
 
     def distribute(self, matrices: Orthogonalizer) -> None:
         """Orthogonalize through ``matrices`` from now on (ZeRO's whole-matrix owners)."""
@@ -122,8 +123,10 @@ class Muon(torch.optim.Optimizer):
     def exchange(self) -> None:
         """The prepared updates orthogonalized (a collective where ``matrices`` is one: every rank of its
         groups calls it, with or without updates)."""
-        settings = {id(p): MuonSettings.of(group) for group in self.param_groups if group["use_muon"]
-                    for p in group["params"]}
+        settings = {}
+        for group in self.param_groups:
+            if group["use_muon"]:
+                settings.update(dict.fromkeys(map(id, group["params"]), MuonSettings.of(group)))
         pending = [(param, update, settings[id(param)]) for param, update in self._updates.items()]
         self._updates = dict(zip((param for param, _, _ in pending), self.matrices(pending)))
 
@@ -154,11 +157,10 @@ class Muon(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                              [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-                              foreach=not group["fused"], fused=group["fused"] or None,
-                              decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
-                              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                              maximize=False)
+             [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+             foreach=not group["fused"], fused=group["fused"] or None, decoupled_weight_decay=True,
+             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+             eps=group["eps"], maximize=False)
 
 
 def settings_of_torch_muon(optimizer: torch.optim.Optimizer) -> list[dict]:

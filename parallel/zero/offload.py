@@ -148,8 +148,10 @@ class SwappedOptimizerStates:
         for index in self.groups[group]:
             master = self.masters[index]
             state = self.optimizer.state.get(master, {})
-            keys[index] = sorted(k for k, v in state.items() if is_per_element(v))
-            for key in keys[index]:
+            found = sorted(k for k, v in state.items() if is_per_element(v))
+            if found:  # (none before the first step: the group then has no keys at all)
+                keys[index] = found
+            for key in found:
                 if state[key].shape != self.shapes[index] or state[key].dtype != master.dtype:
                     raise ValueError("NVMe offload swaps optimizer states shaped like their parameter "
                                      "(Adam, AdamW, SGD with momentum, Muon); state "
@@ -205,7 +207,7 @@ class SwappedOptimizerStates:
                 reads[groups[position + 1]] = self._read_ahead(groups[position + 1])
             self._bind(group)
             visit(self.groups[group])
-            if self._state_keys(group) != self.file_keys[group]:  # the first step created the states
+            if not self.file_keys[group]:  # the first step created the states
                 self._adopt_states(group)
             self._write_behind(group)
         for group in list(self._writes):
