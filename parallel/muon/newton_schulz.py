@@ -14,7 +14,8 @@ import torch
 
 # (a, b, c) per iteration, as published: Keller Jordan's single set ("simple", torch.optim.Muon's default),
 # the per-iteration quintic sets of modded-nanogpt ("quintic", Megatron's default), Polar Express
-# (arXiv 2505.16932) and AOL-preconditioned Turbo-Muon's
+# (arXiv 2505.16932), CANS (Remez with an adaptive interval), AOL-preconditioned Turbo-Muon's, and
+# DeepSeek-V4's eight simple steps then two that settle at 1
 COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     "simple": ((3.4445, -4.7750, 2.0315),),
     "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
@@ -22,9 +23,14 @@ COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184), (3.9096, -2.8234, 0.5250),
                       (3.2856, -2.4153, 0.4853), (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
                       (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
+    "cans": ((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+             (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)),
     "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
             (2.7215, -3.0494, 1.3169)),
+    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
 }
+# the sets whose last one repeats past their end (the others start again from their first)
+REPEATING_LAST = ("polar_express", "cans", "deepseekv4")
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 # "torch": torch.optim.Muon's (bf16 from the start, normalised in bf16); Megatron's --muon-fp32-matmul-prec:
 # "medium" (normalised in fp32, iterated in bf16), "high" (fp32 under TF32 matmuls), "highest" (fp32)
@@ -33,27 +39,21 @@ PRECISIONS = ("medium", "high", "highest", "torch")
 
 def iteration_coefficients(kind, steps: int) -> list[tuple[float, float, float]]:
     """The (a, b, c) of each of ``steps`` iterations of ``kind``, a name of ``COEFFICIENT_SETS`` or the sets
-    themselves (torch.optim.Muon's ``ns_coefficients``): one set repeats, "polar_express" repeats its last
-    past its eight, the others repeat whole (``steps`` a multiple of their length)."""
-    if not isinstance(kind, str):
-        sets = [tuple(float(v) for v in one) for one in kind]
-        if len(sets) != 1 and (not sets or steps % len(sets)):
-            raise ValueError(f"{len(sets)} coefficient sets do not divide {steps} Newton-Schulz steps")
-        return sets * (steps // len(sets))
-    if kind not in COEFFICIENT_SETS:
-        raise ValueError(f"--muon-coefficient-type {kind!r} is not one of {', '.join(COEFFICIENT_SETS)}")
+    themselves (torch.optim.Muon's ``ns_coefficients``), as emerging_optimizers (Megatron's Muon) takes
+    them: past its end a set list starts again from its first, except ``REPEATING_LAST``'s."""
     if steps < 1:
         raise ValueError(f"--muon-num-ns-steps must be at least 1, got {steps}")
-    sets = list(COEFFICIENT_SETS[kind])
-    if kind == "simple":
-        return sets * steps
-    if kind == "polar_express":
-        if steps < len(sets):
-            raise ValueError(f"--muon-num-ns-steps {steps}: polar_express takes at least {len(sets)}")
-        return sets + sets[-1:] * (steps - len(sets))
-    if steps % len(sets):
-        raise ValueError(f"--muon-num-ns-steps {steps}: {kind} takes a multiple of {len(sets)}")
-    return sets * (steps // len(sets))
+    if isinstance(kind, str):
+        if kind not in COEFFICIENT_SETS:
+            raise ValueError(f"--muon-coefficient-type {kind!r} is not one of {', '.join(COEFFICIENT_SETS)}")
+        sets = list(COEFFICIENT_SETS[kind])
+    else:
+        sets = [tuple(float(v) for v in one) for one in kind]
+        if not sets:
+            raise ValueError("Muon needs at least one set of Newton-Schulz coefficients")
+    if kind in REPEATING_LAST:
+        return (sets + sets[-1:] * steps)[:steps]
+    return (sets * (steps // len(sets) + 1))[:steps]
 
 
 @contextlib.contextmanager
