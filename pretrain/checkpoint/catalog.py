@@ -24,6 +24,8 @@ import os
 import torch
 
 from data.file_digest import files_sha256
+from pretrain.checkpoint.errors import CheckpointError
+from pretrain.checkpoint.foreign.megatron_checkpoint import is_megatron, is_megatron_iteration, open_megatron
 
 WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
 MODEL = "model"  # the rank-file state that holds the ZeRO model and optimizer, which other layouts re-cut
@@ -34,10 +36,6 @@ MODEL = "model"  # the rank-file state that holds the ZeRO model and optimizer, 
 # masters themselves
 RANK_FORMAT = 4
 READABLE_FORMATS = (2, 3, 4)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be trusted or used, with the file that says so."""
 
 
 def write_durably(path: str, data: bytes) -> None:
@@ -76,7 +74,8 @@ def not_a_checkpoint_directory(directory: str) -> str | None:
                 f"python -m pretrain.convert --from-hf {directory} --output CKPT, then train from it with "
                 "--pretrained-checkpoint CKPT")
     name = os.path.basename(os.path.normpath(directory))
-    if os.path.isfile(os.path.join(directory, "manifest.json")) and name.startswith("iter_"):
+    ours = os.path.isfile(os.path.join(directory, "manifest.json"))
+    if (ours or is_megatron_iteration(directory)) and name.startswith("iter_"):
         parent = os.path.dirname(os.path.normpath(directory)) or "."
         return (f"--load {directory} is one checkpoint: give the directory that holds it, --load {parent}"
                 + (f" --ckpt-step {int(name[5:])}" if name[5:].isdigit() else ""))
@@ -84,8 +83,10 @@ def not_a_checkpoint_directory(directory: str) -> str | None:
 
 
 def exists(directory: str, step: int | None = None) -> bool:
-    """Whether ``directory`` has a ``latest`` pointer (a run that saved at least once), or with ``step``
-    that iteration's checkpoint."""
+    """Whether ``directory`` has a ``latest`` pointer (a run that saved at least once; or Megatron-LM's
+    tracker), or with ``step`` that iteration's checkpoint."""
+    if is_megatron(directory) and not os.path.exists(os.path.join(directory, "latest")):
+        return step is None or os.path.isdir(os.path.join(directory, iteration_name(step)))
     if step is not None:
         return os.path.exists(os.path.join(directory, iteration_name(step), "manifest.json"))
     return os.path.exists(os.path.join(directory, "latest"))
@@ -93,7 +94,11 @@ def exists(directory: str, step: int | None = None) -> bool:
 
 def read_manifest(directory: str, step: int | None = None) -> tuple[str, dict]:
     """The newest complete checkpoint under ``directory`` (or that of iteration ``step``: Megatron's
-    --ckpt-step) and its manifest (no rank file is read)."""
+    --ckpt-step) and its manifest (no rank file is read). A Megatron-LM directory gives the one its
+    tracker names, described by a manifest of kind "megatron" (``foreign.megatron_checkpoint``)."""
+    if is_megatron(directory) and not os.path.exists(os.path.join(directory, "latest")):
+        checkpoint = open_megatron(directory, step)
+        return checkpoint.folder, checkpoint.manifest()
     if step is not None:
         name = iteration_name(step)
         if not os.path.isdir(os.path.join(directory, name)):
@@ -178,6 +183,8 @@ def verify(directory: str, step: int | None) -> None:
     sha256 of each file checked whole (``files_to_read``); a damaged checkpoint raises CheckpointError
     naming the file, the newest intact earlier checkpoint and the flag that loads it."""
     checkpoint, manifest = read_manifest(directory, step)
+    if manifest.get("kind") == "megatron":
+        return  # no checksums: its files are read with weights_only as they are opened
     try:
         if manifest.get("kind") != "weights":
             check_format(checkpoint, manifest)

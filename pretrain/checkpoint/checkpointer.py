@@ -27,6 +27,7 @@ from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, Check
                                          exists, fsync_directory, iteration_name, latest_name, newest_intact,
                                          open_rank_file, rank_entries, read_manifest, read_rank_file,
                                          run_states, verified, write_durably)
+from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.saved_pieces import index_of
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 
@@ -243,7 +244,8 @@ def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, we
     checkpoint that holds weights only, such as a Hugging Face import) loads the weights alone."""
     model, run, rank_states = _split(states)
     checkpoint, manifest = read_manifest(directory, step)
-    weights_only = weights_only or manifest.get("kind") == "weights"
+    # (a Megatron-LM checkpoint's optimizer states are not read: validation asked for --no-load-optim)
+    weights_only = weights_only or manifest.get("kind") in ("weights", "megatron")
     mine = _fill(model, checkpoint, manifest, weights_only, groups, directory)
     if mine is not None and model.holds_the_same(mine[MODEL]):
         for name, state in rank_states.items():
@@ -263,6 +265,8 @@ def _opened(model: ZeroModelState, checkpoint: str, manifest: dict, weights_only
     verified whole, every replica's copy in it)."""
     if manifest.get("kind") == "weights":
         return reshard.WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE)), None, None
+    if manifest.get("kind") == "megatron":
+        return megatron_pieces(manifest), None, None
     check_format(checkpoint, manifest)
     same_layout = manifest["layout"] == model.layout() and not weights_only
     entry = f"rank_{rank:05d}.pt"

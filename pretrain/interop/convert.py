@@ -4,6 +4,7 @@
                                [--max-shard-size 5GB] [--workers N]
     python -m pretrain.convert --load DIR --output HF_DIR --to hf [--max-shard-size 5GB]
     python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
+    python -m pretrain.convert --load DIR --list
 
 ``consolidated`` (default): the whole model's fp32 weights under their layout-independent names
 (vocabulary padding removed; the names of a single-process GPTModel), with the iteration and the model
@@ -16,7 +17,9 @@ first that expresses it: GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gem
 tokenizer, sharded as ``--max-shard-size`` says; refused, naming the flags, when none expresses the
 model; one of our tensors is rebuilt at a time (its Hugging Face tensors are cut from it).
 ``--from-hf``: a Hugging Face directory of one of those families as a weights-only checkpoint of ours
-(``pretrain.interop.hf_checkpoint``).
+(``pretrain.interop.hf_checkpoint``). ``--load`` also takes a Megatron-LM checkpoint directory (legacy
+``torch`` or ``torch_dist``, ``pretrain.checkpoint.foreign``); ``--list`` says what a checkpoint holds (its
+source, iteration, layout, model and states) from its args or manifest, before any weight is read.
 """
 from __future__ import annotations
 
@@ -28,10 +31,10 @@ import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint.catalog import CheckpointError, run_states
+from pretrain.checkpoint.catalog import CheckpointError, read_manifest, run_states
 from pretrain.checkpoint.reshard import PieceSource, ReshardError
 from pretrain.interop.safetensors_shards import parse_size, plan_shards, write_index
-from pretrain.interop.saved_model import model_config, saved_tokenizer, saved_weights
+from pretrain.interop.saved_model import describe, model_config, saved_tokenizer, saved_weights
 
 
 def _natural(name: str) -> list:
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="checkpoint directory (its newest complete checkpoint)")
     source.add_argument("--from-hf", help="a Hugging Face model directory to import as a checkpoint of ours")
-    parser.add_argument("--output", required=True,
+    parser.add_argument("--list", action="store_true",
+                        help="--load: print what the checkpoint holds and stop (no --output)")
+    parser.add_argument("--output", required=False,
                         help="the .safetensors file, the directory for --to hf, or the "
                                                         "checkpoint directory for --from-hf")
     parser.add_argument("--ckpt-step", type=int, default=None,
@@ -124,6 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="consolidated: processes writing the shards at once (default 1)")
     args = parser.parse_args(argv)
+    if args.list:
+        if not args.load:
+            sys.exit("error: --list describes a checkpoint: give --load DIR")
+        try:
+            checkpoint, manifest = read_manifest(args.load, args.ckpt_step)
+        except CheckpointError as error:
+            sys.exit(f"error: {error}")
+        print("\n".join(describe(checkpoint, manifest)))
+        return
+    if not args.output:
+        sys.exit("error: --output is required (or --list to describe --load)")
     try:  # each bad value in one line naming its flag, before anything is read
         max_shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
     except ValueError as error:

@@ -8,6 +8,7 @@ import os
 from models.config import GPTConfig
 from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, check_format, open_rank_file,
                                          read_manifest, read_rank_files, verified)
+from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.reshard import LegacyPieces, PieceSource, SavedPieces, WeightsFile
 
 
@@ -19,6 +20,8 @@ def saved_weights(directory: str, step: int | None = None) -> tuple[str, dict, P
     checkpoint, manifest = read_manifest(directory, step)
     if manifest.get("kind") == "weights":
         return checkpoint, manifest, WeightsFile(verified(checkpoint, manifest, WEIGHTS_FILE))
+    if manifest.get("kind") == "megatron":
+        return checkpoint, manifest, megatron_pieces(manifest)
     check_format(checkpoint, manifest)
     if manifest.get("format") == RANK_FORMAT:
         return checkpoint, manifest, SavedPieces(checkpoint, manifest, open_rank_file, strict=True)
@@ -44,6 +47,9 @@ def saved_tokenizer(checkpoint: str, manifest: dict):
     if manifest.get("kind") == "weights":
         raise ValueError(f"{checkpoint} was imported without tokenizer files (its Hugging Face directory had "
                          "none)")
+    if manifest.get("kind") == "megatron":
+        raise ValueError(f"{checkpoint} is a Megatron-LM checkpoint, which keeps no tokenizer files: give "
+                         "the tokenizer flags it was trained with")
     settings = manifest["config"]
     if (not settings.get("data_path") and not settings.get("train_data_path")
             and not settings.get("mock_data")):
@@ -57,3 +63,37 @@ def saved_tokenizer(checkpoint: str, manifest: dict):
     return build_tokenizer(TokenizerSpec(kind, settings.get("tokenizer_model"), settings.get("vocab_file"),
                                          settings.get("merge_file"),
                                          vocab - 1 if kind == "NullTokenizer" else None))
+
+
+def describe(checkpoint: str, manifest: dict) -> list[str]:
+    """What a checkpoint (ours, an import, or Megatron-LM's) holds, as lines to print, from its manifest
+    alone: where it came from, the iteration and data position, the layout, the model, its states."""
+    config = model_config(manifest)
+    progress = manifest.get("states", {}).get("progress") or manifest
+    groups = config.query_groups
+    layout = {axis: size for axis, size in (manifest.get("layout") or {}).items() if isinstance(size, int)}
+    mlp = ("swiglu" if config.swiglu else "geglu" if config.geglu else "squared relu" if config.squared_relu
+           else "gelu")
+    lines = [f"{checkpoint}: {manifest.get('source', 'a checkpoint of this stack')}",
+             f"iteration {manifest['iteration']}, consumed samples {progress.get('consumed_samples', 0)}",
+             f"saved at {' x '.join(f'{axis}{size}' for axis, size in layout.items()) or 'no layout'}",
+             f"model: {config.num_layers} layers, hidden {config.hidden_size}, "
+             f"{config.num_attention_heads} heads"
+             + (f" in {groups} query groups" if groups != config.num_attention_heads else "")
+             + f", ffn {config.ffn_size}, vocabulary {config.vocab_size}; {config.normalization}, {mlp}, "
+             f"{config.position_embedding}, "
+             f"{'untied' if config.untie_embeddings_and_output_weights else 'tied'}"
+             + (", no biases" if config.disable_bias_linear else ", biases")
+             + (f", {config.num_experts} experts" if config.num_experts else "")
+             + (", latent attention" if config.multi_latent_attention else "")]
+    if manifest.get("kind") == "megatron":
+        lines.append(f"optimizer states: {manifest['megatron']['optimizer'] or 'none'}")
+    elif manifest.get("kind") == "weights":
+        lines.append("optimizer states: none (weights only)")
+    else:
+        lines.append("optimizer states: per element, re-cut with the weights")
+    scheduler = manifest.get("states", {}).get("opt_param_scheduler")
+    if scheduler:
+        lines.append(f"schedule: {scheduler.get('lr_decay_style')} from {scheduler.get('max_lr')} to "
+                     f"{scheduler.get('min_lr')} over {scheduler.get('lr_decay_steps')} samples")
+    return lines

@@ -16,6 +16,7 @@ import os
 
 from models.config import GPTConfig
 from pretrain.checkpoint.catalog import CheckpointError, exists, not_a_checkpoint_directory, read_manifest
+from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
 from pretrain.config.schema import Config
 
@@ -62,6 +63,7 @@ def apply_checkpoint_args(config: Config) -> None:
         path, manifest = read_manifest(directory, step_to_load(config, directory))
     except CheckpointError as error:
         raise ValueError(str(error)) from None
+    _check_megatron(config, directory, manifest)
     fields = GPTConfig.__dataclass_fields__
     recorded = {name: value for name, value in manifest["config"].items() if name in fields}
     saved = GPTConfig(**recorded)
@@ -95,6 +97,29 @@ def apply_checkpoint_args(config: Config) -> None:
             and "default_corpus_vocab_size" in saved_data):
         # the built-in corpus again: its tokenizer is the one this vocabulary size trains
         config.data.default_corpus_vocab_size = saved_data["default_corpus_vocab_size"]
+
+
+def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
+    """A Megatron-LM checkpoint's files, before any process group: every rank file or shard there, each
+    tensor of the shape its args' model has (``MegatronPieces`` lists them, reading no weight). Resumed
+    whole, it needs its optimizer states, which are not read yet: the run continues its iteration and
+    schedule with a fresh optimizer only when --no-load-optim says so, as Megatron's own loader asks of a
+    checkpoint without them."""
+    if manifest.get("kind") != "megatron":
+        return
+    try:
+        megatron_pieces(manifest)
+    except CheckpointError as error:
+        raise ValueError(str(error)) from None
+    ckpt = config.checkpoint
+    if directory != ckpt.load or ckpt.finetune or ckpt.no_load_optim:
+        return
+    held = manifest["megatron"]["optimizer"]
+    what = (f"its {held} optimizer's states are not read by this stack yet" if held
+            else "it holds no optimizer states")
+    raise ValueError(f"--load {directory}: a {manifest['source']} checkpoint of iteration "
+                     f"{manifest['iteration']}; {what}: add --no-load-optim to continue its iteration, data "
+                     "position and schedule with a fresh optimizer, or --finetune to start from its weights")
 
 
 def made_with(config: Config) -> str | None:

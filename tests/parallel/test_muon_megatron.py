@@ -26,7 +26,6 @@ from torch import nn
 from parallel import zero
 from parallel.comm import as_axis_group
 from parallel.muon import Muon
-from parallel.muon.matrices import MuonSettings
 from parallel.muon.newton_schulz import COEFFICIENT_SETS, iteration_coefficients, newton_schulz
 from parallel.param_meta import declare
 from parallel.zero.grad_sync import ModelParallelGroups

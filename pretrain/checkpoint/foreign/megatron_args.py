@@ -1,0 +1,122 @@
+"""Megatron-LM's saved ``args`` read as this stack's model config, the layout that saved the checkpoint and
+the run's position and schedule.
+
+Megatron's flags and ours share their names (``pretrain.config``), so a field of the model config is taken
+from the arg of its name; the few that differ are translated here (``--add-bias-linear``, the vocabulary,
+``--norm-epsilon``). A model Megatron can express and this stack cannot (multi-token prediction, a
+heterogeneous layer config) is refused by the flag that made it. Holds no tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from models.config import GPTConfig
+from pretrain.checkpoint.errors import CheckpointError
+
+_PLAIN = (bool, int, float, str, type(None))
+# flags of a Megatron model this stack does not build: refused by name
+UNSUPPORTED = {"mtp_num_layers": "multi-token prediction layers",
+               "heterogeneous_layers_config_path": "a heterogeneous layer config",
+               "heterogeneous_layers_config_encoded_json": "a heterogeneous layer config",
+               "num_layers_in_first_pipeline_stage": "an uneven pipeline split",
+               "num_layers_in_last_pipeline_stage": "an uneven pipeline split",
+               "decoder_first_pipeline_num_layers": "an uneven pipeline split",
+               "decoder_last_pipeline_num_layers": "an uneven pipeline split",
+               "pipeline_model_parallel_layout": "a custom pipeline layout",
+               "account_for_embedding_in_pipeline_split": "an uneven pipeline split",
+               "account_for_loss_in_pipeline_split": "an uneven pipeline split"}
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """The parallel sizes a Megatron checkpoint was saved at, and which model layers each pipeline rank's
+    virtual stage held (``layer_offset``)."""
+
+    tp: int
+    pp: int
+    vp: int
+    ep: int
+    etp: int
+    num_layers: int
+
+    def layer_offset(self, pp_rank: int, vp_stage: int) -> int:
+        """The first model layer of virtual stage ``vp_stage`` of pipeline rank ``pp_rank`` (Megatron's
+        ``get_transformer_layer_offset`` for an even split)."""
+        per_chunk = self.num_layers // (self.pp * self.vp)
+        return vp_stage * (self.num_layers // self.vp) + pp_rank * per_chunk
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vp{self.vp}"] if self.vp > 1 else []) + (
+            [f"ep{self.ep}"] if self.ep > 1 else []) + ([f"etp{self.etp}"] if self.etp != self.tp else [])
+        return " x ".join(parts)
+
+
+def _arg(args: argparse.Namespace, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def layout_of(args: argparse.Namespace, where: str) -> MegatronLayout:
+    """The layout ``args`` were saved with; CheckpointError naming an uneven split this reader lacks."""
+    for name, what in UNSUPPORTED.items():
+        if getattr(args, name, None) not in (None, False, 0, "") and "pipeline" in what:
+            raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} ({what}): not read yet; "
+                                  "re-save it with an even split (Megatron's tools/checkpoint) first")
+    tp = int(_arg(args, "tensor_model_parallel_size", 1))
+    pp = int(_arg(args, "pipeline_model_parallel_size", 1))
+    layers = int(args.num_layers)
+    vp = _arg(args, "virtual_pipeline_model_parallel_size")
+    if vp is None and _arg(args, "num_layers_per_virtual_pipeline_stage"):
+        vp = layers // pp // int(args.num_layers_per_virtual_pipeline_stage)
+    vp = int(vp or 1)
+    if layers % (pp * vp):
+        raise CheckpointError(f"{where}: --num-layers {layers} does not divide into {pp} pipeline stages x "
+                              f"{vp} virtual stages; the checkpoint's args are inconsistent")
+    ep = int(_arg(args, "expert_model_parallel_size", 1))
+    return MegatronLayout(tp, pp, vp, ep, int(_arg(args, "expert_tensor_parallel_size", tp)), layers)
+
+
+def config_of(args: argparse.Namespace, where: str) -> dict:
+    """Our model config (GPTConfig's fields) of the model ``args`` describe; CheckpointError naming the
+    flag of a model this stack does not build."""
+    for name, what in UNSUPPORTED.items():
+        if getattr(args, name, None) not in (None, False, 0, "") and "pipeline" not in what:
+            raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} ({what}), which this "
+                                  "stack does not build; refused")
+    config = {name: value for name in GPTConfig.__dataclass_fields__
+              if isinstance(value := getattr(args, name, None), _PLAIN) and value is not None
+              or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)}
+    config.pop("hf_model_type", None)
+    config["disable_bias_linear"] = not _arg(args, "add_bias_linear", True)
+    vocabulary = _arg(args, "padded_vocab_size") or _arg(args, "vocab_size")
+    if vocabulary is None:
+        raise CheckpointError(f"{where}: its args record no --vocab-size nor padded vocabulary; not a "
+                              "Megatron-LM training checkpoint")
+    # the embedding's rows as saved: Megatron pads to --make-vocab-size-divisible-by x tp and keeps
+    # the padding rows, which are the model's to keep
+    config["vocab_size"] = int(vocabulary)
+    if _arg(args, "norm_epsilon") is not None:
+        config["layernorm_epsilon"] = float(args.norm_epsilon)
+    if not _arg(args, "group_query_attention", False):
+        config.pop("num_query_groups", None)
+    if _arg(args, "position_embedding_type") is None:
+        config["position_embedding_type"] = ("rope" if _arg(args, "use_rotary_position_embeddings", False)
+                                             else "learned_absolute")
+    return config
+
+
+def position_of(args: argparse.Namespace, iteration: int) -> dict:
+    """Our "progress" run state of a Megatron run stopped at ``iteration``."""
+    return {"iteration": int(iteration), "consumed_samples": int(_arg(args, "consumed_train_samples", 0))}
+
+
+def scheduler_of(args: argparse.Namespace, saved: dict | None) -> dict | None:
+    """Our "opt_param_scheduler" run state of Megatron's ``OptimizerParamScheduler.state_dict()`` (both
+    count in samples; Megatron keeps the first rate in its args)."""
+    if not saved:
+        return None
+    state = {key: value for key, value in saved.items() if isinstance(value, _PLAIN)}
+    state.setdefault("init_lr", float(_arg(args, "lr_warmup_init", 0.0)))
+    return state

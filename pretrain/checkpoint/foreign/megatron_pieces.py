@@ -1,0 +1,146 @@
+"""A Megatron-LM checkpoint's weights as the pieces our re-cut fills any layout from
+(``reshard.PieceSource``).
+
+Legacy files hold each tensor-parallel rank's slice under its pipeline stage's own layer numbers: each
+becomes one piece with our slice geometry at the checkpoint's tp (a replicated tensor is taken from tp
+rank 0), its layers renumbered by the stage's offset. torch_dist holds global tensors, layers stacked on
+a first axis: each layer's row is one whole piece, read from the Distributed Checkpoint when a rank
+needs it. A tensor whose shape is not the one the args' model has, or a key with no place in it, is
+refused by name; files are memory-mapped and one tensor is kept at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.config import GPTConfig
+from models.counting import stage_model
+from parallel.param_meta import meta
+from pretrain.checkpoint.errors import CheckpointError
+from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
+from pretrain.checkpoint.foreign.megatron_checkpoint import MegatronCheckpoint, legacy_file, reopen
+from pretrain.checkpoint.foreign.megatron_names import (STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
+                                                        skipped)
+from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
+from pretrain.checkpoint.geometry import SliceGeometry
+from pretrain.checkpoint.reshard import PieceSource, SavedPiece
+
+
+def _our_slices(config: GPTConfig, tp: int) -> dict[str, tuple[tuple[int, ...], int | None, bool]]:
+    """Each of our parameters at tensor-parallel size ``tp``: (one rank's shape, its split dimension,
+    whether it is a vocabulary table)."""
+    model = stage_model(config, tp)[0]
+    return {name: (tuple(param.shape), meta(param).partition_dim, meta(param).unpadded_rows is not None)
+            for param, name in model.global_parameter_names().items()}
+
+
+class MegatronPieces(PieceSource):
+    """The weights of ``checkpoint`` (its model config ``config``) by our names. Holds the open files and
+    the last tensor read; no optimizer state yet (``kinds`` empty)."""
+
+    def __init__(self, checkpoint: MegatronCheckpoint, config: GPTConfig):
+        super().__init__()
+        self.checkpoint, self.config = checkpoint, config
+        self.tied = not config.untie_embeddings_and_output_weights
+        self._last: tuple[tuple, torch.Tensor] | None = None
+        if checkpoint.format == "torch_dist":
+            self.folder = DCPFolder(checkpoint.folder)
+            self._list_distributed(_our_slices(config, 1))
+        else:
+            self.files: dict[str, dict] = {}
+            self._list_legacy(_our_slices(config, checkpoint.layout.tp))
+        missing = sorted(set(_our_slices(config, 1)) - set(self.by_name))
+        if missing:
+            raise CheckpointError(f"{checkpoint.folder}: holds no {', '.join(missing[:3])}"
+                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                                  + " (a shard missing, or another model than its args describe)")
+
+    # listing ------------------------------------------------------------------------------------------
+    def _place(self, key: str, offset: int = 0, stacked: bool = False) -> str | None:
+        """Our name of ``key``, None for what is no parameter here (the last stage's copy of tied
+        embeddings)."""
+        try:
+            name = ours_of_stacked(key) if stacked else ours_of(key, offset)
+        except UnknownKey:
+            raise CheckpointError(f"{self.checkpoint.folder}: {key} has no place in the model its args "
+                                  "describe (an architecture this reader does not take); refused") from None
+        return None if name == "output_layer.weight" and self.tied else name
+
+    def _check_shape(self, key: str, name: str, saved: tuple, wanted: tuple, table: bool) -> None:
+        same = saved[1:] == wanted[1:] if table else math.prod(saved) == math.prod(wanted)
+        if not same:
+            raise CheckpointError(f"{self.checkpoint.folder}: {key} has shape {list(saved)}; the model its "
+                                  f"args describe needs {list(wanted)} for {name}; refused")
+
+    def _list_legacy(self, slices: dict) -> None:
+        layout = self.checkpoint.layout
+        for pp in range(layout.pp):
+            for tp in range(layout.tp):
+                path = legacy_file(self.checkpoint.folder, layout, tp, pp, 0)
+                state = load_torch_file(path, "a legacy rank file")
+                chunks = ["model"] if layout.vp == 1 else [f"model{v}" for v in range(layout.vp)]
+                for vp, chunk in enumerate(chunks):
+                    if chunk not in state:
+                        raise CheckpointError(f"{path}: holds no {chunk!r} (saved with another "
+                                              "--virtual-pipeline-model-parallel-size than its args say?)")
+                    for key, tensor in state[chunk].items():
+                        if skipped(key) or not isinstance(tensor, torch.Tensor):
+                            continue
+                        name = self._place(key, layout.layer_offset(pp, vp))
+                        if name is None or name not in slices:
+                            if name is not None:
+                                raise CheckpointError(f"{path}: {key} ({name}) has no place in the model "
+                                                      "its args describe; refused")
+                            continue
+                        shape, dim, table = slices[name]
+                        if dim is None and tp > 0:
+                            continue  # replicated over tp: rank 0's copy
+                        self._check_shape(key, name, tuple(tensor.shape), shape, table)
+                        local = tuple(tensor.shape) if table else shape
+                        geometry = SliceGeometry.of(local, dim, tp, layout.tp, None)
+                        self.files.setdefault(path, state)
+                        self.by_name[name].append(SavedPiece(name, geometry, 0, tensor.numel(),
+                                                             (path, chunk, key)))
+
+    def _list_distributed(self, slices: dict) -> None:
+        for key in self.folder.tensors:
+            if skipped(key) or not key.startswith(("embedding.", "decoder.", "output_layer.")):
+                continue  # the optimizer's states, rng and other run states
+            stacked = key.startswith(STACKED_PREFIX)
+            name = self._place(key, stacked=stacked)
+            if name is None:
+                continue
+            saved = self.folder.shape(key)
+            for layer in range(saved[0]) if stacked else [None]:
+                ours = name.format(layer) if stacked else name
+                if ours not in slices:
+                    raise CheckpointError(f"{self.checkpoint.folder}: {key} holds {ours}, which the model "
+                                          "its args describe has not; refused")
+                shape, _, table = slices[ours]
+                one = saved[1:] if stacked else saved
+                self._check_shape(key, ours, one, shape, table)
+                self.by_name[ours].append(SavedPiece(ours, SliceGeometry(one if table else shape), 0,
+                                                     math.prod(one), (key, layer)))
+
+    # reading ------------------------------------------------------------------------------------------
+    def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        if kind != "master":
+            return None
+        if self._last is None or self._last[0] != piece.where:
+            if self.checkpoint.format == "torch_dist":
+                key, layer = piece.where
+                tensor = self.folder.read(key, layer, 1)[0] if layer is not None else self.folder.read(key)
+            else:
+                path, chunk, key = piece.where
+                tensor = self.files[path][chunk][key]
+            self._last = (piece.where, tensor.float().reshape(-1))
+        return self._last[1]
+
+
+def megatron_pieces(manifest: dict) -> MegatronPieces:
+    """The pieces of the Megatron-LM checkpoint a manifest of kind "megatron" describes."""
+    fields = GPTConfig.__dataclass_fields__
+    config = GPTConfig(**{key: value for key, value in manifest["config"].items() if key in fields})
+    return MegatronPieces(reopen(manifest), config)

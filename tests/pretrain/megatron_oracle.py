@@ -1,0 +1,152 @@
+"""megatron-core's own GPT models on the CPU, for interop tests: built at any tp x pp in a gloo world,
+saved as Megatron-LM saves them (its legacy rank files, and megatron-core's ``dist_checkpointing.save``:
+torch_dist), and their logits at tp1 x pp1, loaded back by ``dist_checkpointing.load`` (megatron-core's
+own re-cut).
+
+megatron-core assumes CUDA where a CPU forward and save pass: its global memory buffer and default
+causal mask ask ``torch.cuda.current_device()`` / ``device="cuda"``, the tied embedding's copy on the last
+pipeline stage is moved with ``.cuda()`` before its all-reduce, and its checkpoint writer calls
+``torch.cuda.synchronize()``. The oracle's processes map the device to the CPU, ``.cuda()`` to the tensor
+itself and the synchronize to nothing, and pass the causal mask themselves; the RNG tracker is
+megatron-core's inference one (no CUDA RNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, HEADS, LAYERS, FFN, VOCAB, SEQ = 32, 4, 4, 48, 64, 16
+ITERATION, CONSUMED = 7, 56
+SCHEDULER = {"max_lr": 3e-4, "lr_warmup_steps": 16, "num_steps": CONSUMED, "lr_decay_style": "cosine",
+             "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.01, "end_wd": 0.01,
+             "wd_incr_style": "constant", "wd_incr_steps": 800}
+# the two classes of model: GPT-3's (LayerNorm, GeLU, learned positions, biases, tied) and Llama's
+# (RMSNorm, SwiGLU, rotary, grouped queries, no biases, untied)
+ARCHITECTURES = {
+    "gpt": {"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
+            "add_bias_linear": True, "group_query_attention": False, "num_query_groups": HEADS,
+            "untie_embeddings_and_output_weights": False},
+    "llama": {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+              "add_bias_linear": False, "group_query_attention": True, "num_query_groups": 2,
+              "untie_embeddings_and_output_weights": True},
+}
+
+
+def megatron_args(architecture: str, tp: int, pp: int, world_size: int) -> argparse.Namespace:
+    """The args Megatron-LM's pretrain_gpt.py keeps in a checkpoint for this model, as its parser names
+    them (enums included: the reader must take them without importing Megatron)."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    arch = ARCHITECTURES[architecture]
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        kv_channels=HIDDEN // HEADS, seq_length=SEQ, max_position_embeddings=SEQ, rotary_base=10000,
+        rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False, qk_layernorm=False,
+        apply_layernorm_1p=False,
+        padded_vocab_size=VOCAB, vocab_size=None, make_vocab_size_divisible_by=16, hidden_dropout=0.0,
+        attention_dropout=0.0, init_method_std=0.02, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1, data_parallel_size=world_size // (tp * pp), global_batch_size=8,
+        micro_batch_size=1, consumed_train_samples=CONSUMED, lr_warmup_init=0.0, transformer_impl="local",
+        attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder,
+        params_dtype=torch.float32, **arch)
+
+
+def _model(architecture: str, tp: int, pp: int, seed: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    parallel_state.initialize_model_parallel(tp, pp)
+    initialize_rng_tracker(inference_rng_tracker=True)
+    arch = ARCHITECTURES[architecture]
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+        num_query_groups=arch["num_query_groups"], normalization=arch["normalization"],
+        gated_linear_unit=arch["swiglu"], activation_func=F.silu if arch["swiglu"] else F.gelu,
+        add_bias_linear=arch["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
+                      + parallel_state.get_tensor_model_parallel_rank())
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization=arch["normalization"]), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     position_embedding_type=arch["position_embedding_type"],
+                     share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"])
+    with torch.no_grad():  # norms and biases away from their initial 1 and 0, so a misplaced one shows
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def save_megatron(rank: int, world_size: int, architecture: str, tp: int, pp: int, out: str) -> None:
+    """In a world of tp x pp x dp ranks: megatron-core's model saved under ``out/torch`` (Megatron-LM's
+    legacy files) and ``out/torch_dist`` (``dist_checkpointing.save``), each with Megatron-LM's tracker."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    model = _model(architecture, tp, pp, seed=1234)
+    args = megatron_args(architecture, tp, pp, world_size)
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+              "opt_param_scheduler": SCHEDULER, "num_floating_point_operations_so_far": 0}
+    folder = f"iter_{ITERATION:07d}"
+    distributed = os.path.join(out, "torch_dist", folder)
+    os.makedirs(distributed, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({**common, "model": model.sharded_state_dict()}, distributed)
+    tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
+                        parallel_state.get_pipeline_model_parallel_rank())
+    if parallel_state.get_data_parallel_rank() == 0:
+        name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+        os.makedirs(os.path.join(out, "torch", folder, name), exist_ok=True)
+        torch.save({**common, "model": model.state_dict_for_save_checkpoint()},
+                   os.path.join(out, "torch", folder, name, "model_optim_rng.pt"))
+    _stop_writer_manager()
+    torch.distributed.barrier()
+    if rank == 0:
+        for kind in ("torch", "torch_dist"):
+            with open(os.path.join(out, kind, "latest_checkpointed_iteration.txt"), "w") as handle:
+                handle.write(str(ITERATION))
+    torch.distributed.barrier()
+
+
+def _stop_writer_manager() -> None:
+    """Shut the process megatron-core's checkpoint writer starts for its results queue (a spawned
+    multiprocessing manager it never stops): left running, it outlives the rank and holds up the test
+    session's exit."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        filesystem_async._results_queue._manager.shutdown()
+        filesystem_async._results_queue = None
+
+
+def megatron_logits(rank: int, world_size: int, architecture: str, distributed: str,
+                    tokens: list[list[int]]) -> list[torch.Tensor]:
+    """In a world of one: megatron-core's model at tp1 x pp1 loaded from the torch_dist checkpoint under
+    ``distributed`` by ``dist_checkpointing.load``, and its logits [sequence, vocabulary] of each of
+    ``tokens``."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(architecture, 1, 1, seed=0)
+    folder = os.path.join(distributed, f"iter_{ITERATION:07d}")
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)["model"])
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for sequence in tokens:
+            ids = torch.tensor([sequence])
+            mask = torch.triu(torch.ones(len(sequence), len(sequence)), diagonal=1).bool()[None, None]
+            out.append(model(ids, torch.arange(len(sequence))[None], attention_mask=mask)[0])
+    return out

@@ -1,0 +1,168 @@
+"""Megatron-LM checkpoints read here, against megatron-core's own code on the CPU.
+
+megatron-core's GPTModel (GPT-3 class: LayerNorm, GeLU, learned positions, biases, tied embeddings) and a
+Llama-class one (RMSNorm, SwiGLU, rotary, grouped queries, untied; local spec) at tp2 x pp2, saved as
+Megatron-LM saves them (its legacy rank files, and megatron-core's ``dist_checkpointing.save``: torch_dist),
+load here with megatron-core's logits (its own re-cut to tp1 x pp1 gives them): in one process through
+``pretrain.load_model``, and through ``--load`` at dp2 and at tp2 x pp2 ZeRO-3, on Megatron's iteration,
+data position and schedule. Hostile and broken checkpoints are refused in one line before any process
+group exists.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from pretrain import load_model
+from pretrain.checkpoint.catalog import CheckpointError, read_manifest
+from pretrain.config.arguments import parse_config
+from pretrain.interop.convert import main as convert
+from pretrain.startup.validation import validate
+from tests.parity import ONE_STEP_RTOL, assert_within
+from tests.pretrain.megatron_oracle import CONSUMED, ITERATION, VOCAB, megatron_logits, save_megatron
+from tests.world import run_world
+
+pytest.importorskip("megatron.core")
+PROMPTS = [[5, 17, 2, 9, 40, 3, 11, 60], [1, 2, 3]]
+INTEROP_RTOL = 100 * ONE_STEP_RTOL  # another implementation: one forward pass, on the logits' scale
+FORMATS = ("torch", "torch_dist")
+
+
+@pytest.fixture(scope="module")
+def megatron_checkpoints(tmp_path_factory):
+    """{architecture: (directory with torch/ and torch_dist/, megatron-core's logits of PROMPTS)}."""
+    made = {}
+    for architecture in ("gpt", "llama"):
+        out = str(tmp_path_factory.mktemp(f"megatron-{architecture}"))
+        run_world(4, save_megatron, architecture, 2, 2, out, timeout_s=300)
+        made[architecture] = out, run_world(1, megatron_logits, architecture, os.path.join(out, "torch_dist"),
+                                            PROMPTS)[0]
+    return made
+
+
+def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def _flags(directory: str, *layout: str) -> list[str]:
+    return ["--load", directory, "--no-load-optim", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(VOCAB - 1), "--micro-batch-size", "1", "--train-iters", str(ITERATION + 1),
+            "--sample-prompt", "", "--data-cache-path", directory + "-cache", *layout]
+
+
+def _loaded_logits(rank, world_size, directories, layout):
+    """Per checkpoint: the trainer built on it in ``layout``: its next-token logits after each prompt, the
+    iteration and sample it resumes at."""
+    from pretrain.training.trainer import Trainer
+
+    out = []
+    for directory in directories:
+        config = parse_config(_flags(directory, *layout))
+        trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
+        trainer.model.eval()
+        logits = [trainer.runner.next_token_logits(prompt)[:VOCAB] for prompt in PROMPTS]
+        out.append((logits, trainer.start_iteration, trainer.progress.consumed_samples))
+        torch.distributed.barrier()
+    return out
+
+
+@pytest.mark.parity
+def test_both_formats_load_with_megatron_cores_logits_in_any_layout(megatron_checkpoints):
+    directories = []
+    for architecture, (out, theirs) in megatron_checkpoints.items():
+        for kind in FORMATS:
+            directory = os.path.join(out, kind)
+            directories.append((architecture, kind, directory, theirs))
+            model = load_model(directory)
+            for prompt, reference in zip(PROMPTS, theirs):
+                ours = model(torch.tensor([prompt]))[0]
+                assert_within(_relative(ours, reference), f"{architecture} {kind}: load_model logits",
+                              INTEROP_RTOL)
+    layouts = {2: ("dp2", []),
+               4: ("tp2 x pp2 ZeRO-3", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                        "2", "--zero-stage", "3", "--zero-persistence-threshold", "0"])}
+    for world_size, (name, layout) in layouts.items():
+        results = run_world(world_size, _loaded_logits, [entry[2] for entry in directories], layout,
+                            timeout_s=300)[0]
+        for (architecture, kind, _, theirs), (logits, iteration, consumed) in zip(directories, results):
+            assert (iteration, consumed) == (ITERATION, CONSUMED), (architecture, kind, name)
+            for ours, reference in zip(logits, theirs):
+                assert_within(_relative(ours, reference[-1]), f"{architecture} {kind} at {name}: logits",
+                              INTEROP_RTOL)
+
+
+def _copy(source: str, target) -> str:
+    shutil.copytree(source, target)
+    return str(target)
+
+
+def test_hostile_and_broken_megatron_checkpoints_are_refused_in_one_line(megatron_checkpoints, tmp_path,
+                                                                         capsys):
+    """A pickle that would run a command, a missing shard (legacy file, .distcp file), a tensor of
+    another shape than the args' model, args whose layers do not divide into the saved stages, and a
+    whole resume that would need optimizer states: each one line, before any process group."""
+    out, _ = megatron_checkpoints["llama"]
+    legacy = os.path.join(out, "torch")
+
+    def refused(directory: str, pattern: str, *extra: str) -> None:
+        with pytest.raises((CheckpointError, ValueError), match=pattern) as caught:
+            config = parse_config(_flags(directory, *extra))
+            validate(config, 1)
+            load_model(directory)
+        assert "\n" not in str(caught.value)
+
+    iteration = f"iter_{ITERATION:07d}"
+    hostile = _copy(legacy, tmp_path / "hostile")
+    first = os.path.join(hostile, iteration, "mp_rank_00_000", "model_optim_rng.pt")
+    state = torch.load(first, weights_only=False)
+    state["args"].exploit = _Exploit(str(tmp_path / "pwned"))
+    torch.save(state, first)
+    refused(hostile, r"asks to run (os|posix)\.system, which a file from elsewhere may not; refused")
+    assert not os.path.exists(tmp_path / "pwned")
+
+    missing = _copy(legacy, tmp_path / "missing")
+    os.remove(os.path.join(missing, iteration, "mp_rank_01_001", "model_optim_rng.pt"))
+    refused(missing, r"mp_rank_01_001/model_optim_rng\.pt: a legacy rank file is missing")
+    shard = _copy(os.path.join(out, "torch_dist"), tmp_path / "shard")
+    os.remove(os.path.join(shard, iteration, "__1_0.distcp"))
+    refused(shard, r"__1_0\.distcp: missing \(it holds ")
+
+    shaped = _copy(legacy, tmp_path / "shaped")
+    last = os.path.join(shaped, iteration, "mp_rank_00_001", "model_optim_rng.pt")
+    state = torch.load(last, weights_only=False)
+    state["model"]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(32, 7)
+    torch.save(state, last)
+    refused(shaped, r"decoder\.layers\.0\.mlp\.linear_fc2\.weight has shape \[32, 7\]; the model its args "
+                    r"describe needs \[32, 24\]")
+
+    uneven = _copy(legacy, tmp_path / "uneven")
+    for name in os.listdir(os.path.join(uneven, iteration)):
+        path = os.path.join(uneven, iteration, name, "model_optim_rng.pt")
+        state = torch.load(path, weights_only=False)
+        state["args"].num_layers = 5
+        torch.save(state, path)
+    refused(uneven, r"--num-layers 5 does not divide into 2 pipeline stages")
+
+    with pytest.raises(ValueError, match=r"a Megatron-LM \(torch, tp2 x pp2\) checkpoint of iteration 7; it "
+                                         r"holds no optimizer states: add --no-load-optim"):
+        validate(parse_config([flag for flag in _flags(legacy) if flag != "--no-load-optim"]), 1)
+
+    convert(["--load", os.path.join(out, "torch_dist"), "--list"])
+    listing = capsys.readouterr().out
+    for expected in ("Megatron-LM (torch_dist, tp2 x pp2)", "iteration 7", f"consumed samples {CONSUMED}",
+                     "4 layers, hidden 32, 4 heads in 2 query groups", "RMSNorm", "swiglu", "rope", "untied",
+                     "optimizer states: none"):
+        assert expected in listing, (expected, listing)
+    assert read_manifest(legacy)[1]["states"]["opt_param_scheduler"]["lr_decay_style"] == "cosine"
+
+
+class _Exploit:
+    """Unpickles as os.system(...): what a hostile checkpoint hides in its args."""
+
+    def __init__(self, witness: str):
+        self.witness = witness
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.witness}",)
