@@ -5,6 +5,8 @@
     python -m pretrain.convert --load DIR --output HF_DIR --to hf [--max-shard-size 5GB]
     python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
     python -m pretrain.convert --load DIR --list
+    python -m pretrain.convert --load DIR --output MEGATRON_DIR --to megatron --ckpt-format torch|torch_dist
+                               [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
 
 ``consolidated`` (default): the whole model's fp32 weights under their layout-independent names
 (vocabulary padding removed; the names of a single-process GPTModel), with the iteration and the model
@@ -20,6 +22,9 @@ model; one of our tensors is rebuilt at a time (its Hugging Face tensors are cut
 (``pretrain.interop.hf_checkpoint``). ``--load`` also takes a Megatron-LM checkpoint directory (legacy
 ``torch`` or ``torch_dist``, ``pretrain.checkpoint.foreign``); ``--list`` says what a checkpoint holds (its
 source, iteration, layout, model and states) from its args or manifest, before any weight is read.
+``megatron``: a Megatron-LM checkpoint directory its own loader resumes (with --no-load-optim: no optimizer
+state is written), legacy rank files at the target tp x pp or torch_dist
+(``pretrain.checkpoint.foreign.megatron_export``).
 """
 from __future__ import annotations
 
@@ -120,7 +125,13 @@ def main(argv: list[str] | None = None) -> None:
                                                         "checkpoint directory for --from-hf")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="--load: the checkpoint of this iteration (default: the newest complete one)")
-    parser.add_argument("--to", choices=["consolidated", "hf"], default="consolidated")
+    parser.add_argument("--to", choices=["consolidated", "hf", "megatron"], default="consolidated")
+    parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
+                        help="--to megatron: Megatron-LM's legacy rank files or megatron-core's torch_dist")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                        help="--to megatron --ckpt-format torch: the tp of the rank files (default 1)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
+                        help="--to megatron --ckpt-format torch: the pp of the rank files (default 1)")
     parser.add_argument("--with-optimizer-states", action="store_true",
                         help="consolidated: add the optimizer states")
     parser.add_argument("--max-shard-size", default=None,
@@ -165,6 +176,18 @@ def main(argv: list[str] | None = None) -> None:
                       "weights and config alone", file=sys.stderr)
             return
         checkpoint, manifest, pieces = saved_weights(args.load, args.ckpt_step)
+        if args.to == "megatron":
+            from pretrain.checkpoint.foreign.megatron_export import write_megatron
+
+            tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+            try:
+                written = write_megatron(pieces, model_config(manifest), manifest, args.output,
+                                         args.ckpt_format, tp, pp)
+            except ValueError as error:
+                sys.exit(f"error: {error}")
+            print(f"wrote {written} ({args.ckpt_format}) from iteration {manifest['iteration']} of "
+                  f"{args.load}")
+            return
         if args.to == "hf":
             try:
                 tokenizer = saved_tokenizer(checkpoint, manifest)

@@ -57,7 +57,7 @@ def megatron_args(architecture: str, tp: int, pp: int, world_size: int) -> argpa
         params_dtype=torch.float32, **arch)
 
 
-def _model(architecture: str, tp: int, pp: int, seed: int):
+def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -79,7 +79,7 @@ def _model(architecture: str, tp: int, pp: int, seed: int):
         pipeline_model_parallel_size=pp)
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization=arch["normalization"]), vocab_size=VOCAB,
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization=arch["normalization"]), vocab_size=vocab,
                      max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      position_embedding_type=arch["position_embedding_type"],
@@ -149,4 +149,38 @@ def megatron_logits(rank: int, world_size: int, architecture: str, distributed: 
             ids = torch.tensor([sequence])
             mask = torch.triu(torch.ones(len(sequence), len(sequence)), diagonal=1).bool()[None, None]
             out.append(model(ids, torch.arange(len(sequence))[None], attention_mask=mask)[0])
+    return out
+
+
+def megatron_loads(rank: int, world_size: int, architecture: str, legacy: str, distributed: str,
+                   tokens: list[list[int]]) -> dict:
+    """In a world of one, megatron-core's model at tp1 x pp1 loaded as Megatron-LM loads: the legacy
+    rank file under ``legacy`` into ``load_state_dict(strict=True)``, the torch_dist checkpoint under
+    ``distributed`` through ``dist_checkpointing.load``, each built with the padded vocabulary its args
+    name; each one's logits of ``tokens`` (the first ``VOCAB`` columns)."""
+    from megatron.core import dist_checkpointing
+
+    def folder_of(directory: str) -> str:
+        with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as handle:
+            return os.path.join(directory, f"iter_{int(handle.read()):07d}")
+
+    legacy_state = torch.load(os.path.join(folder_of(legacy), "mp_rank_00", "model_optim_rng.pt"),
+                              weights_only=False)
+    model = _model(architecture, 1, 1, seed=0, vocab=legacy_state["args"].padded_vocab_size)
+    out = {}
+    for kind, directory in (("torch", legacy), ("torch_dist", distributed)):
+        folder = folder_of(directory)
+        if kind == "torch":
+            state = legacy_state
+        else:
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+        model.load_state_dict(state["model"], strict=True)
+        model.eval()
+        logits = []
+        with torch.no_grad():
+            for sequence in tokens:
+                mask = torch.triu(torch.ones(len(sequence), len(sequence)), diagonal=1).bool()[None, None]
+                logits.append(model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
+                                    attention_mask=mask)[0, :, :VOCAB])
+        out[kind] = (logits, state["iteration"], vars(state["args"]))
     return out

@@ -1,12 +1,13 @@
-"""Megatron-LM checkpoints read here, against megatron-core's own code on the CPU.
+"""Megatron-LM checkpoints read here and written back, against megatron-core's own code on the CPU.
 
 megatron-core's GPTModel (GPT-3 class: LayerNorm, GeLU, learned positions, biases, tied embeddings) and a
 Llama-class one (RMSNorm, SwiGLU, rotary, grouped queries, untied; local spec) at tp2 x pp2, saved as
 Megatron-LM saves them (its legacy rank files, and megatron-core's ``dist_checkpointing.save``: torch_dist),
 load here with megatron-core's logits (its own re-cut to tp1 x pp1 gives them): in one process through
 ``pretrain.load_model``, and through ``--load`` at dp2 and at tp2 x pp2 ZeRO-3, on Megatron's iteration,
-data position and schedule. Hostile and broken checkpoints are refused in one line before any process
-group exists.
+data position and schedule; and ours, saved at tp2 x pp2 ZeRO-3, converted to both formats loads into
+megatron-core's model (``load_state_dict(strict=True)``, ``dist_checkpointing.load``) with our logits.
+Hostile and broken checkpoints are refused in one line before any process group exists.
 """
 
 import os
@@ -21,7 +22,8 @@ from pretrain.config.arguments import parse_config
 from pretrain.interop.convert import main as convert
 from pretrain.startup.validation import validate
 from tests.parity import ONE_STEP_RTOL, assert_within
-from tests.pretrain.megatron_oracle import CONSUMED, ITERATION, VOCAB, megatron_logits, save_megatron
+from tests.pretrain.megatron_oracle import (CONSUMED, ITERATION, VOCAB, megatron_loads, megatron_logits,
+                                           save_megatron)
 from tests.world import run_world
 
 pytest.importorskip("megatron.core")
@@ -52,24 +54,31 @@ def _flags(directory: str, *layout: str) -> list[str]:
             "--sample-prompt", "", "--data-cache-path", directory + "-cache", *layout]
 
 
-def _loaded_logits(rank, world_size, directories, layout):
+def _loaded_logits(rank, world_size, directories, layout, save=None):
     """Per checkpoint: the trainer built on it in ``layout``: its next-token logits after each prompt, the
-    iteration and sample it resumes at."""
+    iteration and sample it resumes at; with ``save``, the last one then trains its one iteration and
+    saves under ``save``."""
     from pretrain.training.trainer import Trainer
 
     out = []
-    for directory in directories:
-        config = parse_config(_flags(directory, *layout))
+    for number, directory in enumerate(directories):
+        last = save and number == len(directories) - 1
+        config = parse_config(_flags(directory, *layout) + (["--save", save, "--save-interval", "1"] if last
+                                                             else []))
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         trainer.model.eval()
         logits = [trainer.runner.next_token_logits(prompt)[:VOCAB] for prompt in PROMPTS]
         out.append((logits, trainer.start_iteration, trainer.progress.consumed_samples))
+        if last:
+            trainer.model.train()
+            trainer.train()
         torch.distributed.barrier()
     return out
 
 
 @pytest.mark.parity
-def test_both_formats_load_with_megatron_cores_logits_in_any_layout(megatron_checkpoints):
+def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_logits(megatron_checkpoints,
+                                                                                     tmp_path):
     directories = []
     for architecture, (out, theirs) in megatron_checkpoints.items():
         for kind in FORMATS:
@@ -83,14 +92,35 @@ def test_both_formats_load_with_megatron_cores_logits_in_any_layout(megatron_che
     layouts = {2: ("dp2", []),
                4: ("tp2 x pp2 ZeRO-3", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                         "2", "--zero-stage", "3", "--zero-persistence-threshold", "0"])}
+    saved = str(tmp_path / "ours")  # the Llama-class model after one more iteration at tp2 x pp2 ZeRO-3
     for world_size, (name, layout) in layouts.items():
         results = run_world(world_size, _loaded_logits, [entry[2] for entry in directories], layout,
-                            timeout_s=300)[0]
+                            saved if world_size == 4 else None, timeout_s=300)[0]
         for (architecture, kind, _, theirs), (logits, iteration, consumed) in zip(directories, results):
             assert (iteration, consumed) == (ITERATION, CONSUMED), (architecture, kind, name)
             for ours, reference in zip(logits, theirs):
                 assert_within(_relative(ours, reference[-1]), f"{architecture} {kind} at {name}: logits",
                               INTEROP_RTOL)
+    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8 as Megatron-LM's legacy files (tp1 x pp1,
+    # loaded with load_state_dict(strict=True)) and torch_dist (dist_checkpointing.load), megatron-core's
+    # logits ours; cut at tp2 x pp2, it reads back here with the same logits
+    model = load_model(saved)
+    expected = [model(torch.tensor([prompt]))[0] for prompt in PROMPTS]
+    exported = {kind: str(tmp_path / f"to-{kind}") for kind in FORMATS}
+    for kind, directory in exported.items():
+        convert(["--load", saved, "--to", "megatron", "--ckpt-format", kind, "--output", directory])
+    cut = str(tmp_path / "to-torch-tp2-pp2")
+    convert(["--load", saved, "--to", "megatron", "--ckpt-format", "torch", "--target-tensor-parallel-size",
+             "2", "--target-pipeline-parallel-size", "2", "--output", cut])
+    loaded = run_world(1, megatron_loads, "llama", exported["torch"], exported["torch_dist"], PROMPTS)[0]
+    for kind, (logits, iteration, args) in loaded.items():
+        assert (iteration, args["consumed_train_samples"]) == (ITERATION + 1, CONSUMED + 8), kind
+        for got, want in zip(logits, expected):
+            assert_within(_relative(got, want), f"exported as {kind}: megatron-core's logits", INTEROP_RTOL)
+    again = load_model(cut)
+    for prompt, want in zip(PROMPTS, expected):
+        assert_within(_relative(again(torch.tensor([prompt]))[0], want), "exported at tp2 x pp2, read back",
+                      INTEROP_RTOL)
 
 
 def _copy(source: str, target) -> str:

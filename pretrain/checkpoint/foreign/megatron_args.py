@@ -90,12 +90,12 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
               or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)}
     config.pop("hf_model_type", None)
     config["disable_bias_linear"] = not _arg(args, "add_bias_linear", True)
-    vocabulary = _arg(args, "padded_vocab_size") or _arg(args, "vocab_size")
+    vocabulary = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
     if vocabulary is None:
         raise CheckpointError(f"{where}: its args record no --vocab-size nor padded vocabulary; not a "
                               "Megatron-LM training checkpoint")
-    # the embedding's rows as saved: Megatron pads to --make-vocab-size-divisible-by x tp and keeps
-    # the padding rows, which are the model's to keep
+    # the real vocabulary where the args name it (--vocab-size); else the embedding's rows as saved
+    # (Megatron pads to --make-vocab-size-divisible-by x tp from its tokenizer, which it does not save)
     config["vocab_size"] = int(vocabulary)
     if _arg(args, "norm_epsilon") is not None:
         config["layernorm_epsilon"] = float(args.norm_epsilon)
@@ -120,3 +120,21 @@ def scheduler_of(args: argparse.Namespace, saved: dict | None) -> dict | None:
     state = {key: value for key, value in saved.items() if isinstance(value, _PLAIN)}
     state.setdefault("init_lr", float(_arg(args, "lr_warmup_init", 0.0)))
     return state
+
+
+def args_of(config: GPTConfig, layout: MegatronLayout, padded_vocab: int, run: dict) -> argparse.Namespace:
+    """The args Megatron-LM would have saved for ``config`` at ``layout`` (the inverse of ``config_of``),
+    with ``run``'s batch settings and data position (``consumed_train_samples``)."""
+    fields = {name: getattr(config, name) for name in GPTConfig.__dataclass_fields__
+              if isinstance(getattr(config, name), _PLAIN) and name != "hf_model_type"}
+    fields.update(ffn_hidden_size=config.ffn_size, kv_channels=config.head_dim,
+                  num_query_groups=config.query_groups, position_embedding_type=config.position_embedding,
+                  max_position_embeddings=config.max_positions, vocab_size=config.vocab_size,
+                  padded_vocab_size=padded_vocab, norm_epsilon=config.layernorm_epsilon,
+                  add_bias_linear=not config.disable_bias_linear,
+                  tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                  virtual_pipeline_model_parallel_size=None if layout.vp == 1 else layout.vp,
+                  expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+                  transformer_impl="local", **run)
+    fields.pop("disable_bias_linear")
+    return argparse.Namespace(**fields)

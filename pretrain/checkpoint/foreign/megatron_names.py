@@ -47,6 +47,26 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED_PREFIX = "decoder.layers."  # torch_dist: one key per layer tensor, the layers along a first axis
 
 
+# ours -> Megatron's: the local spec's norm names (legacy files) or the fused ones (torch_dist, whatever
+# the spec: megatron-core's own sharded state dict maps the local names onto them)
+LOCAL_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" not in theirs}
+FUSED_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
+                    if not theirs.startswith(("input_layernorm.", "pre_mlp_layernorm."))}
+OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()}
+# the modules of megatron-core's local spec that keep an (empty) extra state in a state dict
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                       "mlp.linear_fc2")
+
+
+def megatron_key(ours: str, fused_norms: bool) -> tuple[str, int | None]:
+    """Megatron's key of our name ``ours``, and its layer (None outside the layers): within the layer
+    for a layer's tensor (``decoder.layers.{layer}.`` to be prefixed)."""
+    if ours in OUR_MODEL_KEYS:
+        return OUR_MODEL_KEYS[ours], None
+    _, layer, inner = ours.split(".", 2)
+    return (FUSED_LAYER_KEYS if fused_norms else LOCAL_LAYER_KEYS)[inner], int(layer)
+
+
 class UnknownKey(ValueError):
     """A tensor of the checkpoint with no place in the model (another architecture)."""
 

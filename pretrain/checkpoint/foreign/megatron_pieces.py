@@ -28,7 +28,7 @@ from pretrain.checkpoint.geometry import SliceGeometry
 from pretrain.checkpoint.reshard import PieceSource, SavedPiece
 
 
-def _our_slices(config: GPTConfig, tp: int) -> dict[str, tuple[tuple[int, ...], int | None, bool]]:
+def our_slices(config: GPTConfig, tp: int) -> dict[str, tuple[tuple[int, ...], int | None, bool]]:
     """Each of our parameters at tensor-parallel size ``tp``: (one rank's shape, its split dimension,
     whether it is a vocabulary table)."""
     model = stage_model(config, tp)[0]
@@ -47,11 +47,11 @@ class MegatronPieces(PieceSource):
         self._last: tuple[tuple, torch.Tensor] | None = None
         if checkpoint.format == "torch_dist":
             self.folder = DCPFolder(checkpoint.folder)
-            self._list_distributed(_our_slices(config, 1))
+            self._list_distributed(our_slices(config, 1))
         else:
             self.files: dict[str, dict] = {}
-            self._list_legacy(_our_slices(config, checkpoint.layout.tp))
-        missing = sorted(set(_our_slices(config, 1)) - set(self.by_name))
+            self._list_legacy(our_slices(config, checkpoint.layout.tp))
+        missing = sorted(set(our_slices(config, 1)) - set(self.by_name))
         if missing:
             raise CheckpointError(f"{checkpoint.folder}: holds no {', '.join(missing[:3])}"
                                   + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -99,7 +99,8 @@ class MegatronPieces(PieceSource):
                             continue  # replicated over tp: rank 0's copy
                         self._check_shape(key, name, tuple(tensor.shape), shape, table)
                         local = tuple(tensor.shape) if table else shape
-                        geometry = SliceGeometry.of(local, dim, tp, layout.tp, None)
+                        geometry = SliceGeometry.of(local, dim, tp, layout.tp,
+                                                    self.config.vocab_size if table else None)
                         self.files.setdefault(path, state)
                         self.by_name[name].append(SavedPiece(name, geometry, 0, tensor.numel(),
                                                              (path, chunk, key)))
@@ -121,8 +122,9 @@ class MegatronPieces(PieceSource):
                 shape, _, table = slices[ours]
                 one = saved[1:] if stacked else saved
                 self._check_shape(key, ours, one, shape, table)
-                self.by_name[ours].append(SavedPiece(ours, SliceGeometry(one if table else shape), 0,
-                                                     math.prod(one), (key, layer)))
+                geometry = (SliceGeometry.of(one, 0, 0, 1, self.config.vocab_size) if table
+                            else SliceGeometry(shape))
+                self.by_name[ours].append(SavedPiece(ours, geometry, 0, math.prod(one), (key, layer)))
 
     # reading ------------------------------------------------------------------------------------------
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:

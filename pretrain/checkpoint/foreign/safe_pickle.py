@@ -83,6 +83,7 @@ _DCP_RECORDS = {
     "torch.serialization": ("_get_layout",),
     "torch": ("Size",),
     "collections": ("OrderedDict",),
+    "pathlib": ("PosixPath", "PurePosixPath"),  # StorageMeta.checkpoint_id, as a writer was given it
 }
 
 
