@@ -63,15 +63,21 @@ def load_torch_file(path: str, what: str) -> object:
                 if "zip" not in str(error).lower():
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: {what} is missing; nothing was loaded") from None
         except Exception as error:
-            refused = _REFUSED.search(str(error))
-            if refused:
-                raise CheckpointError(f"{path}: {what} asks to run {refused.group(1)}, which a file from "
-                                      "elsewhere may not; refused, nothing was loaded") from None
-            first = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise CheckpointError(f"{path}: {what} is not a readable torch file ({first})") from None
+            raise _refusal(path, what, "a readable torch file", error) from None
+
+
+def _refusal(path: str, what: str, expected: str, error: Exception) -> CheckpointError:
+    """The one-line error of a file ``what`` at ``path`` that could not be read as ``expected``: missing,
+    naming what it asked to run, or why it is unreadable."""
+    if isinstance(error, FileNotFoundError):
+        return CheckpointError(f"{path}: {what} is missing; nothing was loaded")
+    refused = _REFUSED.search(str(error))
+    if refused:
+        return CheckpointError(f"{path}: {what} asks to run {refused.group(1)}, which a file from elsewhere "
+                               "may not; refused, nothing was loaded")
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return CheckpointError(f"{path}: {what} is not {expected} ({first})")
 
 
 _DCP = "torch.distributed.checkpoint."
@@ -100,14 +106,8 @@ def load_dcp_metadata(path: str):
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: the checkpoint's .metadata is missing; nothing was loaded") from None
     except Exception as error:
-        refused = _REFUSED.search(str(error))
-        if refused:
-            raise CheckpointError(f"{path}: asks to run {refused.group(1)}, which a file from elsewhere may "
-                                  "not; refused, nothing was loaded") from None
-        raise CheckpointError(f"{path}: not a Distributed Checkpoint .metadata ({error})") from None
+        raise _refusal(path, "its .metadata", "a Distributed Checkpoint's metadata", error) from None
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not isinstance(metadata, Metadata):
