@@ -5,6 +5,9 @@
     python -m pretrain.convert --load DIR --output HF_DIR --to hf [--max-shard-size 5GB]
     python -m pretrain.convert --from-hf HF_DIR --output CKPT_DIR
     python -m pretrain.convert --load DIR --list
+    python -m pretrain.convert --from-torchtitan STEP_DIR --output CKPT_DIR --num-attention-heads H
+                               [--num-query-groups G --rotary-base B --norm-epsilon E --seq-length S]
+    python -m pretrain.convert --load DIR --output STEP_DIR --to torchtitan [--torchtitan-keys 0.3|0.2]
     python -m pretrain.convert --load DIR --output MEGATRON_DIR --to megatron --ckpt-format torch|torch_dist
                                [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
 
@@ -22,6 +25,8 @@ model; one of our tensors is rebuilt at a time (its Hugging Face tensors are cut
 (``pretrain.interop.hf_checkpoint``). ``--load`` also takes a Megatron-LM checkpoint directory (legacy
 ``torch`` or ``torch_dist``, ``pretrain.checkpoint.foreign``); ``--list`` says what a checkpoint holds (its
 source, iteration, layout, model and states) from its args or manifest, before any weight is read.
+``--from-torchtitan`` / ``torchtitan``: a torchtitan Llama step folder in and out
+(``pretrain.interop.torchtitan``).
 ``megatron``: a Megatron-LM checkpoint directory its own loader resumes (with --no-load-optim: no optimizer
 state is written), legacy rank files at the target tp x pp or torch_dist
 (``pretrain.checkpoint.foreign.megatron_export``).
@@ -118,6 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="checkpoint directory (its newest complete checkpoint)")
     source.add_argument("--from-hf", help="a Hugging Face model directory to import as a checkpoint of ours")
+    source.add_argument("--from-torchtitan", help="a torchtitan Llama step folder (Distributed Checkpoint) "
+                                                  "to import as a checkpoint of ours (give its head layout)")
+    titan = parser.add_argument_group("torchtitan's Llama (its checkpoints keep no model config)")
+    titan.add_argument("--num-attention-heads", type=int, help="--from-torchtitan: the model's heads")
+    titan.add_argument("--num-query-groups", type=int, help="--from-torchtitan: its key/value heads "
+                                                             "(default: the heads)")
+    titan.add_argument("--rotary-base", type=float, default=500000.0, help="--from-torchtitan: rope theta")
+    titan.add_argument("--norm-epsilon", type=float, default=1e-5, help="--from-torchtitan: RMSNorm epsilon")
+    titan.add_argument("--seq-length", type=int, default=2048, help="--from-torchtitan: the sequence length")
+    titan.add_argument("--torchtitan-keys", choices=["0.3", "0.2"], default="0.3",
+                       help="--to torchtitan: its key spelling (0.3: qkv_linear, lm_head; 0.2: wq, output)")
     parser.add_argument("--list", action="store_true",
                         help="--load: print what the checkpoint holds and stop (no --output)")
     parser.add_argument("--output", required=False,
@@ -125,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                                                         "checkpoint directory for --from-hf")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="--load: the checkpoint of this iteration (default: the newest complete one)")
-    parser.add_argument("--to", choices=["consolidated", "hf", "megatron"], default="consolidated")
+    parser.add_argument("--to", choices=["consolidated", "hf", "megatron", "torchtitan"],
+                        default="consolidated")
     parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
                         help="--to megatron: Megatron-LM's legacy rank files or megatron-core's torch_dist")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
@@ -166,6 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     from pretrain.interop.hf_checkpoint import export_hf, import_hf
 
     try:
+        if args.from_torchtitan:
+            from pretrain.interop.torchtitan import import_torchtitan
+
+            if not args.num_attention_heads:
+                sys.exit("error: --from-torchtitan: give --num-attention-heads (and --num-query-groups for "
+                         "grouped queries): torchtitan's checkpoints keep no model config")
+            path = import_torchtitan(args.from_torchtitan, args.output, heads=args.num_attention_heads,
+                                     query_groups=args.num_query_groups, rotary_base=args.rotary_base,
+                                     norm_epsilon=args.norm_epsilon, seq_length=args.seq_length)
+            print(f"wrote {path} from {args.from_torchtitan}")
+            return
         if args.from_hf:
             path = import_hf(args.from_hf, args.output)
             print(f"wrote {path} from {args.from_hf}")
@@ -176,6 +204,16 @@ def main(argv: list[str] | None = None) -> None:
                       "weights and config alone", file=sys.stderr)
             return
         checkpoint, manifest, pieces = saved_weights(args.load, args.ckpt_step)
+        if args.to == "torchtitan":
+            from pretrain.interop.torchtitan import export_torchtitan
+
+            try:
+                export_torchtitan(pieces, model_config(manifest), args.output, args.torchtitan_keys)
+            except ValueError as error:
+                sys.exit(f"error: {error}")
+            print(f"wrote {args.output} (torchtitan {args.torchtitan_keys} keys) from iteration "
+                  f"{manifest['iteration']} of {args.load}")
+            return
         if args.to == "megatron":
             from pretrain.checkpoint.foreign.megatron_export import write_megatron
 

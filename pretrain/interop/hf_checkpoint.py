@@ -88,7 +88,7 @@ class _HFTensors:
         return self._open[path].get_tensor(name)
 
 
-def _expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Our parameters' whole shapes (vocabulary unpadded), from the model built on the meta device."""
     chunk = stage_model(config)[0]
     shapes = {}
@@ -118,7 +118,7 @@ class HFModel:
         self.directory = hf_dir
         quantization = self.hf.get("quantization_config") or {}
         self.tensors = _HFTensors(hf_dir, mxfp4=quantization.get("quant_method") == "mxfp4")
-        self.expected = _expected_shapes(self.config)
+        self.expected = expected_shapes(self.config)
         self.plan = list(import_plan(self.config))
         self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)
         used = {name for _, theirs, _ in self.plan for name in theirs} | set(self.bias_names.values())
@@ -160,29 +160,39 @@ class HFModel:
 def import_hf(hf_dir: str, output: str) -> str:
     """Write ``hf_dir``'s model as a weights-only checkpoint under ``output``; return its path."""
     model = HFModel(hf_dir)
-    config, hf = model.config, model.hf
+    hf = model.hf
+    return write_weights_checkpoint(
+        output, model.config, [(ours, model.expected[ours]) for ours, _, _ in model.plan], model.parameters(),
+        hf_dir, f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}",
+        lambda staging: _copy_tokenizer(hf_dir, os.path.join(staging, "tokenizer")), model.run_states())
+
+
+def write_weights_checkpoint(output: str, config: GPTConfig, shapes: list[tuple[str, tuple]], tensors,
+                             source: str, label: str, tokenizer=None, states: dict | None = None) -> str:
+    """A weights-only checkpoint of ``config`` under ``output`` (its iteration 0, made ``latest``):
+    ``tensors`` yields (our name, whole tensor) in the order of ``shapes``; ``tokenizer(staging)`` copies
+    the tokenizer files and returns their flags (or None). Staged, then renamed into place: a failed import
+    leaves nothing behind. Returns the checkpoint's path."""
     final = os.path.join(output, "iter_0000000")
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    writer = StreamedSafetensors(os.path.join(staging, WEIGHTS_FILE),
-                                 [(ours, model.expected[ours]) for ours, _, _ in model.plan],
-                                 metadata={"source": os.path.abspath(hf_dir)})
+    writer = StreamedSafetensors(os.path.join(staging, WEIGHTS_FILE), shapes,
+                                 metadata={"source": os.path.abspath(source)})
     try:
-        for ours, tensor in model.parameters():
+        for ours, tensor in tensors:
             writer.write(ours, tensor)
     except BaseException:
         writer.abort()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     writer.close()
-    tokenizer = _copy_tokenizer(hf_dir, os.path.join(staging, "tokenizer"))
     files = {WEIGHTS_FILE: {"bytes": os.path.getsize(os.path.join(staging, WEIGHTS_FILE)),
                             "sha256": files_sha256(os.path.join(staging, WEIGHTS_FILE))}}
     manifest = {"kind": "weights", "iteration": 0, "consumed_samples": 0, "layout": None, "files": files,
                 "config": {name: getattr(config, name) for name in GPTConfig.__dataclass_fields__},
-                "tokenizer": tokenizer, "states": model.run_states(),
-                "source": f"Hugging Face {hf.get('architectures', [hf['model_type']])[0]}"}
+                "tokenizer": tokenizer(staging) if tokenizer else None, "states": states or {},
+                "source": label}
     write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1).encode())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)

@@ -56,7 +56,7 @@ def _transposed(ours: str, theirs: str) -> Rule:  # GPT-2's Conv1D keeps [in, ou
     return Rule(ours, (theirs,), lambda x: x.t(), lambda x: (x.t(),))
 
 
-def _qkv_from(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def qkv_from(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [a d, ...], k, v [G d, ...] -> ours [(a + 2G) d, ...], group by group."""
     groups, d = config.query_groups, config.head_dim
     rest = q.shape[1:]
@@ -64,7 +64,7 @@ def _qkv_from(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                      dim=1).reshape(-1, *rest)
 
 
-def _qkv_to(config: GPTConfig, ours: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_to(config: GPTConfig, ours: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, d = config.query_groups, config.head_dim
     rest = ours.shape[1:]
     grouped = ours.reshape(groups, -1, *rest)
@@ -76,7 +76,7 @@ def _qkv_to(config: GPTConfig, ours: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _qkv_rows(config: GPTConfig, fused: torch.Tensor) -> torch.Tensor:
     """A q | k | v row-stacked projection (Phi-3) -> ours."""
     q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.query_groups * config.head_dim
-    return _qkv_from(config, *fused.split([q_rows, kv_rows, kv_rows]))
+    return qkv_from(config, *fused.split([q_rows, kv_rows, kv_rows]))
 
 
 def _norm(config: GPTConfig, ours: str, theirs: str, offsets: bool) -> Rule:
@@ -89,10 +89,10 @@ def _norm(config: GPTConfig, ours: str, theirs: str, offsets: bool) -> Rule:
 
 def _gpt2_rules(config: GPTConfig) -> Iterator[Rule]:
     def joined_qkv(weight):  # [h, 3h] (q | k | v columns) or a bias [3h]
-        return _qkv_from(config, *(weight.t() if weight.dim() == 2 else weight).chunk(3, dim=0))
+        return qkv_from(config, *(weight.t() if weight.dim() == 2 else weight).chunk(3, dim=0))
 
     def split_qkv(ours):
-        joined = torch.cat(_qkv_to(config, ours), dim=0)
+        joined = torch.cat(qkv_to(config, ours), dim=0)
         return (joined.t() if joined.dim() == 2 else joined,)
 
     yield _same("word_embedding.weight", "transformer.wte.weight")
@@ -203,12 +203,12 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
             yield from _latent_rules(config, ours, theirs)
         elif fused:
             yield Rule(f"{ours}.attention.qkv.weight", (f"{attention}.qkv_proj.weight",),
-                       lambda w: _qkv_rows(config, w), lambda x: (torch.cat(_qkv_to(config, x)),))
+                       lambda w: _qkv_rows(config, w), lambda x: (torch.cat(qkv_to(config, x)),))
         for part in ("weight", "bias") if not fused and not config.multi_latent_attention else ():
             if part == "weight" or config.add_qkv_bias or not config.disable_bias_linear:
                 yield Rule(f"{ours}.attention.qkv.{part}",
                            tuple(f"{attention}.{p}_proj.{part}" for p in "qkv"),
-                           lambda q, k, v: _qkv_from(config, q, k, v), lambda x: _qkv_to(config, x))
+                           lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
         if config.qk_layernorm:
             for p in "qk":
                 yield _norm(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
