@@ -57,7 +57,8 @@ def megatron_args(architecture: str, tp: int, pp: int, world_size: int) -> argpa
         params_dtype=torch.float32, **arch)
 
 
-def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB):
+def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, vp: int = 1) -> list:
+    """This rank's model chunks (one per virtual stage) of megatron-core's GPTModel at tp x pp (x vp)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -67,7 +68,9 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB):
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    parallel_state.initialize_model_parallel(tp, pp)
+    virtual_size = vp if vp > 1 else None
+    parallel_state.destroy_model_parallel()  # (a world builds one model after another)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual_size)
     initialize_rng_tracker(inference_rng_tracker=True)
     arch = ARCHITECTURES[architecture]
     config = TransformerConfig(
@@ -76,42 +79,59 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB):
         gated_linear_unit=arch["swiglu"], activation_func=F.silu if arch["swiglu"] else F.gelu,
         add_bias_linear=arch["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp)
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size)
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization=arch["normalization"]), vocab_size=vocab,
-                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     position_embedding_type=arch["position_embedding_type"],
-                     share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"])
-    with torch.no_grad():  # norms and biases away from their initial 1 and 0, so a misplaced one shows
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.add_(0.1 * torch.randn_like(param))
-    return model
+    chunks = []
+    for stage in range(vp):
+        virtual = {"vp_stage": stage} if vp > 1 else {}
+        chunk = GPTModel(config, get_gpt_layer_local_spec(normalization=arch["normalization"]),
+                         vocab_size=vocab, max_sequence_length=SEQ,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **virtual),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **virtual),
+                         position_embedding_type=arch["position_embedding_type"],
+                         share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"],
+                         **virtual)
+        with torch.no_grad():  # norms and biases away from their initial 1 and 0, so a misplaced one shows
+            for name, param in chunk.named_parameters():
+                if param.ndim == 1:
+                    param.add_(0.1 * torch.randn_like(param))
+        chunks.append(chunk)
+    return chunks
 
 
-def save_megatron(rank: int, world_size: int, architecture: str, tp: int, pp: int, out: str) -> None:
-    """In a world of tp x pp x dp ranks: megatron-core's model saved under ``out/torch`` (Megatron-LM's
-    legacy files) and ``out/torch_dist`` (``dist_checkpointing.save``), each with Megatron-LM's tracker."""
+def save_megatron(rank: int, world_size: int, models: list[tuple[str, int, str]], tp: int, pp: int) -> None:
+    """In a world of tp x pp x dp ranks, each of ``models`` (architecture, virtual stages, directory)
+    saved by ``_save``."""
+    for architecture, vp, out in models:
+        _save(rank, world_size, architecture, tp, pp, out, vp)
+
+
+def _save(rank: int, world_size: int, architecture: str, tp: int, pp: int, out: str, vp: int) -> None:
+    """megatron-core's model (``vp`` chunks per rank) saved under ``out/torch`` (Megatron-LM's legacy
+    files: "model", or "model0", "model1".. per virtual stage) and ``out/torch_dist``
+    (``dist_checkpointing.save``), each with Megatron-LM's tracker."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    model = _model(architecture, tp, pp, seed=1234)
+    chunks = _model(architecture, tp, pp, seed=1234, vp=vp)
     args = megatron_args(architecture, tp, pp, world_size)
+    args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    names = ["model"] if vp == 1 else [f"model{stage}" for stage in range(vp)]
     common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
               "opt_param_scheduler": SCHEDULER, "num_floating_point_operations_so_far": 0}
     folder = f"iter_{ITERATION:07d}"
     distributed = os.path.join(out, "torch_dist", folder)
     os.makedirs(distributed, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save({**common, "model": model.sharded_state_dict()}, distributed)
+    models = {name: chunk.sharded_state_dict() for name, chunk in zip(names, chunks)}
+    dist_checkpointing.save({**common, **models}, distributed)
     tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
     if parallel_state.get_data_parallel_rank() == 0:
         name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
         os.makedirs(os.path.join(out, "torch", folder, name), exist_ok=True)
-        torch.save({**common, "model": model.state_dict_for_save_checkpoint()},
-                   os.path.join(out, "torch", folder, name, "model_optim_rng.pt"))
+        models = {key: chunk.state_dict_for_save_checkpoint() for key, chunk in zip(names, chunks)}
+        torch.save({**common, **models}, os.path.join(out, "torch", folder, name, "model_optim_rng.pt"))
     _stop_writer_manager()
     torch.distributed.barrier()
     if rank == 0:
@@ -132,23 +152,31 @@ def _stop_writer_manager() -> None:
         filesystem_async._results_queue = None
 
 
-def megatron_logits(rank: int, world_size: int, architecture: str, distributed: str,
-                    tokens: list[list[int]]) -> list[torch.Tensor]:
-    """In a world of one: megatron-core's model at tp1 x pp1 loaded from the torch_dist checkpoint under
-    ``distributed`` by ``dist_checkpointing.load``, and its logits [sequence, vocabulary] of each of
-    ``tokens``."""
+def megatron_logits(rank: int, world_size: int, models: list[tuple[str, str]],
+                    tokens: list[list[int]]) -> list[list[torch.Tensor]]:
+    """In a world of one, for each of ``models`` (architecture, torch_dist directory): megatron-core's
+    model at tp1 x pp1 loaded from it by ``dist_checkpointing.load``, and its logits [sequence,
+    vocabulary] of each of ``tokens``."""
     from megatron.core import dist_checkpointing
 
-    model = _model(architecture, 1, 1, seed=0)
-    folder = os.path.join(distributed, f"iter_{ITERATION:07d}")
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)["model"])
+    out = []
+    for architecture, distributed in models:
+        model, = _model(architecture, 1, 1, seed=0)
+        folder = os.path.join(distributed, f"iter_{ITERATION:07d}")
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)["model"])
+        out.append(_logits(model, tokens))
+    return out
+
+
+def _logits(model, tokens: list[list[int]]) -> list[torch.Tensor]:
+    """megatron-core's model's logits of each sequence, its causal mask given (its default asks CUDA)."""
     model.eval()
     out = []
     with torch.no_grad():
         for sequence in tokens:
-            ids = torch.tensor([sequence])
             mask = torch.triu(torch.ones(len(sequence), len(sequence)), diagonal=1).bool()[None, None]
-            out.append(model(ids, torch.arange(len(sequence))[None], attention_mask=mask)[0])
+            out.append(model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
+                             attention_mask=mask)[0, :, :VOCAB])
     return out
 
 
@@ -166,7 +194,7 @@ def megatron_loads(rank: int, world_size: int, architecture: str, legacy: str, d
 
     legacy_state = torch.load(os.path.join(folder_of(legacy), "mp_rank_00", "model_optim_rng.pt"),
                               weights_only=False)
-    model = _model(architecture, 1, 1, seed=0, vocab=legacy_state["args"].padded_vocab_size)
+    model, = _model(architecture, 1, 1, seed=0, vocab=legacy_state["args"].padded_vocab_size)
     out = {}
     for kind, directory in (("torch", legacy), ("torch_dist", distributed)):
         folder = folder_of(directory)
@@ -175,12 +203,5 @@ def megatron_loads(rank: int, world_size: int, architecture: str, legacy: str, d
         else:
             state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
         model.load_state_dict(state["model"], strict=True)
-        model.eval()
-        logits = []
-        with torch.no_grad():
-            for sequence in tokens:
-                mask = torch.triu(torch.ones(len(sequence), len(sequence)), diagonal=1).bool()[None, None]
-                logits.append(model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
-                                    attention_mask=mask)[0, :, :VOCAB])
-        out[kind] = (logits, state["iteration"], vars(state["args"]))
+        out[kind] = (_logits(model, tokens), state["iteration"], vars(state["args"]))
     return out

@@ -35,13 +35,13 @@ FORMATS = ("torch", "torch_dist")
 @pytest.fixture(scope="module")
 def megatron_checkpoints(tmp_path_factory):
     """{architecture: (directory with torch/ and torch_dist/, megatron-core's logits of PROMPTS)}."""
-    made = {}
-    for architecture in ("gpt", "llama"):
-        out = str(tmp_path_factory.mktemp(f"megatron-{architecture}"))
-        run_world(4, save_megatron, architecture, 2, 2, out, timeout_s=300)
-        made[architecture] = out, run_world(1, megatron_logits, architecture, os.path.join(out, "torch_dist"),
-                                            PROMPTS)[0]
-    return made
+    # the Llama class in virtual stages: model0, model1 in each legacy file
+    models = [(architecture, vp, str(tmp_path_factory.mktemp(f"megatron-{architecture}")))
+              for architecture, vp in (("gpt", 1), ("llama", 2))]
+    run_world(4, save_megatron, models, 2, 2, timeout_s=300)
+    logits = run_world(1, megatron_logits, [(architecture, os.path.join(out, "torch_dist"))
+                                            for architecture, _, out in models], PROMPTS)[0]
+    return {architecture: (out, theirs) for (architecture, _, out), theirs in zip(models, logits)}
 
 
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -162,7 +162,7 @@ def test_hostile_and_broken_megatron_checkpoints_are_refused_in_one_line(megatro
     shaped = _copy(legacy, tmp_path / "shaped")
     last = os.path.join(shaped, iteration, "mp_rank_00_001", "model_optim_rng.pt")
     state = torch.load(last, weights_only=False)
-    state["model"]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(32, 7)
+    state["model1"]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(32, 7)  # (virtual stage 1)
     torch.save(state, last)
     refused(shaped, r"decoder\.layers\.0\.mlp\.linear_fc2\.weight has shape \[32, 7\]; the model its args "
                     r"describe needs \[32, 24\]")
@@ -175,15 +175,15 @@ def test_hostile_and_broken_megatron_checkpoints_are_refused_in_one_line(megatro
         torch.save(state, path)
     refused(uneven, r"--num-layers 5 does not divide into 2 pipeline stages")
 
-    with pytest.raises(ValueError, match=r"a Megatron-LM \(torch, tp2 x pp2\) checkpoint of iteration 7; it "
-                                         r"holds no optimizer states: add --no-load-optim"):
+    with pytest.raises(ValueError, match=r"a Megatron-LM \(torch, tp2 x pp2 x vp2\) checkpoint of iteration "
+                                         r"7; it holds no optimizer states: add --no-load-optim"):
         validate(parse_config([flag for flag in _flags(legacy) if flag != "--no-load-optim"]), 1)
 
     convert(["--load", os.path.join(out, "torch_dist"), "--list"])
     listing = capsys.readouterr().out
-    for expected in ("Megatron-LM (torch_dist, tp2 x pp2)", "iteration 7", f"consumed samples {CONSUMED}",
-                     "4 layers, hidden 32, 4 heads in 2 query groups", "RMSNorm", "swiglu", "rope", "untied",
-                     "optimizer states: none"):
+    for expected in ("Megatron-LM (torch_dist, tp2 x pp2 x vp2)", "iteration 7",
+                     f"consumed samples {CONSUMED}", "4 layers, hidden 32, 4 heads in 2 query groups",
+                     "RMSNorm", "swiglu", "rope", "untied", "optimizer states: none"):
         assert expected in listing, (expected, listing)
     assert read_manifest(legacy)[1]["states"]["opt_param_scheduler"]["lr_decay_style"] == "cosine"
 
