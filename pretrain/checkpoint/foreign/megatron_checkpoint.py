@@ -40,8 +40,8 @@ def is_megatron(directory: str) -> bool:
 
 def is_megatron_iteration(folder: str) -> bool:
     """Whether ``folder`` is one iteration of a Megatron-LM checkpoint directory."""
-    return os.path.isfile(os.path.join(folder, "metadata.json")) or any(
-        name.startswith("mp_rank_") for name in os.listdir(folder))
+    return os.path.isdir(folder) and (os.path.isfile(os.path.join(folder, "metadata.json")) or any(
+        name.startswith("mp_rank_") for name in os.listdir(folder)))
 
 
 def iteration_folder(iteration: int | None) -> str:
