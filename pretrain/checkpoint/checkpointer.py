@@ -244,8 +244,10 @@ def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, we
     checkpoint that holds weights only, such as a Hugging Face import) loads the weights alone."""
     model, run, rank_states = _split(states)
     checkpoint, manifest = read_manifest(directory, step)
-    # (a Megatron-LM checkpoint's optimizer states are not read: validation asked for --no-load-optim)
-    weights_only = weights_only or manifest.get("kind") in ("weights", "megatron")
+    # (a Megatron-LM checkpoint's optimizer states are read where they are the distributed optimizer's
+    # gathered ones; of another, validation asked for --no-load-optim)
+    weights_only = weights_only or manifest.get("kind") == "weights" or (
+        manifest.get("kind") == "megatron" and manifest["megatron"]["optimizer"] != "distributed")
     mine = _fill(model, checkpoint, manifest, weights_only, groups, directory)
     if mine is not None and model.holds_the_same(mine[MODEL]):
         for name, state in rank_states.items():

@@ -65,6 +65,11 @@ def saved_tokenizer(checkpoint: str, manifest: dict):
                                          vocab - 1 if kind == "NullTokenizer" else None))
 
 
+MEGATRON_STATES = {None: "none",
+                   "distributed": "the distributed optimizer's fp32 masters and Adam moments, re-cut with "
+                                  "the weights"}
+
+
 def describe(checkpoint: str, manifest: dict) -> list[str]:
     """What a checkpoint (ours, an import, or Megatron-LM's) holds, as lines to print, from its manifest
     alone: where it came from, the iteration and data position, the layout, the model, its states."""
@@ -87,7 +92,9 @@ def describe(checkpoint: str, manifest: dict) -> list[str]:
              + (f", {config.num_experts} experts" if config.num_experts else "")
              + (", latent attention" if config.multi_latent_attention else "")]
     if manifest.get("kind") == "megatron":
-        lines.append(f"optimizer states: {manifest['megatron']['optimizer'] or 'none'}")
+        held = manifest["megatron"]["optimizer"]
+        lines.append("optimizer states: " + MEGATRON_STATES.get(held, f"{held} (not read here: resume with "
+                                                                      "--no-load-optim)"))
     elif manifest.get("kind") == "weights":
         lines.append("optimizer states: none (weights only)")
     else:

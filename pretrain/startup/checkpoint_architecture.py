@@ -102,9 +102,10 @@ def apply_checkpoint_args(config: Config) -> None:
 def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     """A Megatron-LM checkpoint's files, before any process group: every rank file or shard there, each
     tensor of the shape its args' model has (``MegatronPieces`` lists them, reading no weight). Resumed
-    whole, it needs its optimizer states, which are not read yet: the run continues its iteration and
-    schedule with a fresh optimizer only when --no-load-optim says so, as Megatron's own loader asks of a
-    checkpoint without them."""
+    whole, it needs optimizer states this stack reads (the distributed optimizer's legacy
+    ``distrib_optim.pt``); without them the run continues its iteration and schedule with a fresh
+    optimizer only when --no-load-optim says so, as Megatron's own loader asks of a checkpoint without
+    them."""
     if manifest.get("kind") != "megatron":
         return
     try:
@@ -115,6 +116,8 @@ def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     if directory != ckpt.load or ckpt.finetune or ckpt.no_load_optim:
         return
     held = manifest["megatron"]["optimizer"]
+    if held == "distributed":
+        return
     what = (f"its {held} optimizer's states are not read by this stack yet" if held
             else "it holds no optimizer states")
     raise ValueError(f"--load {directory}: a {manifest['source']} checkpoint of iteration "

@@ -65,9 +65,7 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *args: None
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _cuda_on_cpu()
     virtual_size = vp if vp > 1 else None
     parallel_state.destroy_model_parallel()  # (a world builds one model after another)
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual_size)
@@ -92,12 +90,40 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
                          position_embedding_type=arch["position_embedding_type"],
                          share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"],
                          **virtual)
-        with torch.no_grad():  # norms and biases away from their initial 1 and 0, so a misplaced one shows
+        # norms and biases away from their initial 1 and 0, so a misplaced one shows (the same draw on
+        # every tp rank: a norm's weight is replicated over tp)
+        draw = torch.Generator().manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank())
+        with torch.no_grad():
             for name, param in chunk.named_parameters():
                 if param.ndim == 1:
-                    param.add_(0.1 * torch.randn_like(param))
+                    param.add_(0.1 * torch.randn(param.shape, generator=draw))
         chunks.append(chunk)
     return chunks
+
+
+def _cuda_on_cpu() -> None:
+    """megatron-core's CUDA calls, answered on the CPU in this (oracle) process: the current device, a
+    synchronize, ``.cuda()``, tensors made with ``device="cuda"`` (its optimizer's scalars and norms), and
+    ``Tensor.type()``, whose CUDA names its optimizer checks a parameter against."""
+    if getattr(torch, "_oracle_on_cpu", False):
+        return
+    torch._oracle_on_cpu = True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    def on_cpu(make):
+        def made(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return make(*args, **kwargs)
+        return made
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    type_of = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (type_of(self, *args, **kwargs) if args or kwargs else
+                                                       type_of(self).replace("torch.", "torch.cuda.", 1))
 
 
 def save_megatron(rank: int, world_size: int, models: list[tuple[str, int, str]], tp: int, pp: int) -> None:
@@ -205,3 +231,95 @@ def megatron_loads(rank: int, world_size: int, architecture: str, legacy: str, d
         model.load_state_dict(state["model"], strict=True)
         out[kind] = (_logits(model, tokens), state["iteration"], vars(state["args"]))
     return out
+
+
+# a short run of megatron-core's own training step (DDP with the distributed optimizer, Adam, clipping,
+# its scheduler), the hyper-parameters our flags in the trajectory test name
+TRAINING = {"lr": 3e-3, "min_lr": 3e-4, "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95,
+            "adam_eps": 1e-8, "clip_grad": 0.5, "warmup_iters": 2, "decay_iters": 12, "global_batch": 8}
+
+
+def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batches: list, stop: int,
+                   out: str, final: str, bucket_size: int | None = None) -> list[float]:
+    """megatron-core trains its model (tp x dp, pp1) on ``batches`` (one list of micro-batches per
+    iteration, the whole global batch: each dp rank takes its share in order) with its DistributedOptimizer;
+    after iteration ``stop`` it saves Megatron-LM's legacy files with ``distrib_optim.pt`` (its
+    ``save_parameter_state``) under ``out``, after the last one the weights alone under ``final``. Returns
+    the loss of each iteration. ``bucket_size``: its DDP overlaps the gradients' reduce-scatter with the
+    backward pass in buckets of that many elements (``--overlap-grad-reduce --ddp-bucket-size``)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    chunk, = _model(architecture, tp, 1, seed=1234)
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                        overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
+    model = DistributedDataParallel(chunk.config, ddp, chunk)
+    t = TRAINING
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t["lr"], min_lr=t["min_lr"], weight_decay=t["weight_decay"],
+        adam_beta1=t["adam_beta1"], adam_beta2=t["adam_beta2"], adam_eps=t["adam_eps"],
+        clip_grad=t["clip_grad"], use_distributed_optimizer=True), [model])
+    batch = t["global_batch"]
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t["lr"], min_lr=t["min_lr"], lr_warmup_steps=t["warmup_iters"] * batch,
+        lr_decay_steps=t["decay_iters"] * batch, lr_decay_style="cosine", start_wd=t["weight_decay"],
+        end_wd=t["weight_decay"], wd_incr_steps=t["decay_iters"] * batch, wd_incr_style="constant")
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    losses = []
+    for iteration, micro_batches in enumerate(batches, start=1):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        mine = micro_batches[dp_rank * len(micro_batches) // dp:(dp_rank + 1) * len(micro_batches) // dp]
+        total = torch.zeros(1)
+        for micro in mine:
+            per_token = model(micro["tokens"], micro["position_ids"], attention_mask=_causal(micro["tokens"]),
+                              labels=micro["labels"])
+            loss = (per_token.float() * micro["loss_mask"]).sum() / micro["loss_mask"].sum()
+            (loss / len(mine)).backward()
+            total += loss.detach() / len(micro_batches)
+        model.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(increment=batch)
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        losses.append(total.item())
+        if iteration == stop:
+            _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
+                          bucket_size)
+    _save_trained(rank, world_size, architecture, tp, final, len(batches), chunk, None, scheduler,
+                  bucket_size)
+    return losses
+
+
+def _causal(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.triu(torch.ones(tokens.shape[1], tokens.shape[1]), diagonal=1).bool()[None, None]
+
+
+def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
+                  bucket_size) -> None:
+    """Megatron-LM's legacy save (``--ckpt-format torch``, ``--use-distributed-optimizer``): the model,
+    optimizer's ``state_dict`` and scheduler per tp rank from dp rank 0, the distributed optimizer's
+    parameter state gathered on dp rank 0 into ``distrib_optim.pt`` beside it."""
+    from megatron.core import parallel_state
+
+    args = megatron_args(architecture, tp, 1, world_size)
+    args.use_distributed_optimizer, args.iteration = True, iteration
+    args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
+    args.consumed_train_samples = iteration * TRAINING["global_batch"]
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    folder = os.path.join(out, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}")
+    os.makedirs(folder, exist_ok=True)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": chunk.state_dict_for_save_checkpoint(), "opt_param_scheduler": scheduler.state_dict(),
+             "num_floating_point_operations_so_far": 0}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+        optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
+    if parallel_state.get_data_parallel_rank() == 0:
+        torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write(str(iteration))
+    torch.distributed.barrier()

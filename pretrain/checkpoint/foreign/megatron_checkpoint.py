@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.megatron_args import (MegatronLayout, config_of, layout_of, position_of,
                                                        scheduler_of)
+from pretrain.checkpoint.foreign.megatron_optimizer import DISTRIBUTED_OPTIMIZER_FILE
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
-DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
 # run settings of the args a resumed run keeps (our names are Megatron's)
 RUN_ARGS = ("global_batch_size", "micro_batch_size", "rampup_batch_size", "seq_length")
 
@@ -71,12 +71,13 @@ class MegatronCheckpoint:
         return self.common["args"]
 
     def optimizer_states(self) -> str | None:
-        """Which optimizer states it holds: "distributed" (the distributed optimizer's), "plain", or None."""
+        """Which optimizer states it holds: "distributed" (the distributed optimizer's gathered states,
+        which load here), "torch_dist distributed" (its sharded ones), "plain", or None."""
         if self.format == "torch_dist":
             from pretrain.checkpoint.foreign.safe_pickle import load_dcp_metadata
 
             keys = load_dcp_metadata(os.path.join(self.folder, ".metadata")).state_dict_metadata
-            return "distributed" if any(key.startswith("optimizer.") for key in keys) else None
+            return "torch_dist distributed" if any(key.startswith("optimizer.") for key in keys) else None
         if os.path.isfile(os.path.join(os.path.dirname(legacy_file(self.folder, self.layout, 0, 0, 0)),
                                        DISTRIBUTED_OPTIMIZER_FILE)):
             return "distributed"

@@ -12,6 +12,7 @@ refused by name; files are memory-mapped and one tensor is kept at a time.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -21,6 +22,7 @@ from parallel.param_meta import meta
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.checkpoint.foreign.megatron_checkpoint import MegatronCheckpoint, legacy_file, reopen
+from pretrain.checkpoint.foreign.megatron_optimizer import DistributedOptimizerStates, adam_step
 from pretrain.checkpoint.foreign.megatron_names import (STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
                                                         skipped)
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
@@ -37,8 +39,9 @@ def our_slices(config: GPTConfig, tp: int) -> dict[str, tuple[tuple[int, ...], i
 
 
 class MegatronPieces(PieceSource):
-    """The weights of ``checkpoint`` (its model config ``config``) by our names. Holds the open files and
-    the last tensor read; no optimizer state yet (``kinds`` empty)."""
+    """The weights of ``checkpoint`` (its model config ``config``) by our names, and the distributed
+    optimizer's states where a legacy checkpoint holds them (``kinds``: Adam's moments). Holds the open
+    files and the last tensor read."""
 
     def __init__(self, checkpoint: MegatronCheckpoint, config: GPTConfig):
         super().__init__()
@@ -50,6 +53,8 @@ class MegatronPieces(PieceSource):
             self._list_distributed(our_slices(config, 1))
         else:
             self.files: dict[str, dict] = {}
+            self.optimizers: dict[str, DistributedOptimizerStates] = {}
+            self.reads_optimizer = checkpoint.optimizer_states() == "distributed"
             self._list_legacy(our_slices(config, checkpoint.layout.tp))
         missing = sorted(set(our_slices(config, 1)) - set(self.by_name))
         if missing:
@@ -104,6 +109,20 @@ class MegatronPieces(PieceSource):
                         self.files.setdefault(path, state)
                         self.by_name[name].append(SavedPiece(name, geometry, 0, tensor.numel(),
                                                              (path, chunk, key)))
+                if self.reads_optimizer:
+                    self._list_optimizer(path, state, chunks, pp)
+
+    def _list_optimizer(self, path: str, state: dict, chunks: list[str], pp: int) -> None:
+        """The distributed optimizer's states beside rank file ``path``: every saved tensor of each chunk
+        (the tied embedding's copies between the first and last stage each in a bucket of their own)."""
+        shared = ("embedding.word_embeddings.weight", "output_layer.weight") if (
+            self.tied and self.checkpoint.layout.pp > 1) else ()
+        params = {chunk: [(key, tensor.numel(), key in shared) for key, tensor in state[chunk].items()
+                          if isinstance(tensor, torch.Tensor) and not skipped(key)] for chunk in chunks}
+        self.optimizers[path] = DistributedOptimizerStates(os.path.dirname(path), params,
+                                                           self.checkpoint.args, pp)
+        if not self.kinds:
+            self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(state, path)
 
     def _list_distributed(self, slices: dict) -> None:
         for key in self.folder.tensors:
@@ -128,6 +147,9 @@ class MegatronPieces(PieceSource):
 
     # reading ------------------------------------------------------------------------------------------
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        if self.kinds and piece.where[0] in self.optimizers:
+            path, chunk, key = piece.where
+            return self.optimizers[path].values(chunk, key, piece.length, kind).float()
         if kind != "master":
             return None
         if self._last is None or self._last[0] != piece.where:
@@ -139,6 +161,10 @@ class MegatronPieces(PieceSource):
                 tensor = self.files[path][chunk][key]
             self._last = (piece.where, tensor.float().reshape(-1))
         return self._last[1]
+
+
+    def scalars(self, name: str) -> dict:
+        return {"step": torch.tensor(self.step)} if self.kinds else {}
 
 
 def megatron_pieces(manifest: dict) -> MegatronPieces:

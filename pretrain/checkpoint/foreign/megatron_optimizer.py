@@ -1,0 +1,123 @@
+"""The distributed optimizer's states of a Megatron-LM legacy checkpoint: ``distrib_optim.pt`` beside each
+rank file (what megatron-core's ``DistributedOptimizer.save_parameter_state`` gathers on dp rank 0: per
+buffer of each model chunk, the fp32 masters ``param`` and Adam's ``exp_avg`` / ``exp_avg_sq`` as flat
+tensors), and Adam's step from the rank file's param groups.
+
+Where a tensor lies in those flat tensors is not saved: it is megatron-core's buffer layout
+(``_ParamAndGradBuffer``), re-derived here from the chunk's parameters in their saved order and the args.
+Parameters go in reverse order, each start aligned to 64 elements; a bucket closes past
+``--ddp-bucket-size`` elements (by default the larger of 40M and 1M x dp; one bucket without
+``--overlap-grad-reduce``, past the first pipeline stage and in later virtual stages), and a tied
+embedding's copy between the first and last stage sits in a bucket of its own. Each bucket's end is
+padded to a multiple of lcm(dp, 128) (and 2^16 with ``--ddp-pad-buckets-for-high-nccl-busbw``), a padding
+the gathered tensors drop. A buffer whose length differs from the one this layout gives is refused by
+name rather than read at the wrong places.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from pretrain.checkpoint.errors import CheckpointError
+from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
+
+DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
+KINDS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # ours: Megatron's
+_ALIGN, _BUCKET_ALIGN, _BUSBW = 64, 128, 2 ** 16
+
+
+def buffer_offsets(params: list[tuple[str, int, bool]], dp: int, bucket_size: int | None,
+                   busbw: bool = False) -> tuple[dict[str, int], int]:
+    """(each parameter's offset in the gathered flat tensors of its buffer, their length). ``params``:
+    (key, number of elements, whether it is the tied embedding's copy shared between the first and last
+    pipeline stage) in the chunk's parameter order; ``dp`` the size of the group the buffer is sharded
+    over."""
+    divisor = math.lcm(dp, _BUCKET_ALIGN, _BUSBW if busbw else 1)
+    offsets: dict[str, int] = {}
+    gathered = start = index = 0  # elements kept of closed buckets; this bucket's first; the next free
+    holding = False
+
+    def close(end: int) -> int:
+        nonlocal gathered, start, holding
+        gathered += end - start
+        start, holding = math.ceil(end / divisor) * divisor, False
+        return start
+
+    for key, numel, shared in reversed(params):
+        index = math.ceil(index / _ALIGN) * _ALIGN
+        if shared and holding:
+            index = close(index)
+        offsets[key] = gathered + index - start
+        end, holding = index + numel, True
+        if shared or (bucket_size is not None and end - start >= bucket_size):
+            index = close(end)
+        else:
+            index = end
+    if holding:
+        close(index)
+    return offsets, gathered
+
+
+def bucket_size_of(args, pp_rank: int, vp_stage: int) -> int | None:
+    """The bucket size megatron-core's DDP used for this chunk (None: one bucket)."""
+    if not getattr(args, "overlap_grad_reduce", False) or pp_rank > 0 or vp_stage > 0:
+        return None
+    return getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * sharding_size(args))
+
+
+def sharding_size(args) -> int:
+    """The size of the data-parallel group the distributed optimizer shards over."""
+    def size(name: str) -> int:
+        return int(getattr(args, name, 1) or 1)
+
+    instances = size("num_distributed_optimizer_instances")
+    return size("data_parallel_size") * size("context_parallel_size") // instances
+
+
+def adam_step(common: dict, where: str) -> float:
+    """Adam's step count, as the distributed optimizer's ``state_dict`` keeps it in each param group."""
+    groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups", [])
+    steps = {float(group["step"]) for group in groups if "step" in group}
+    if len(steps) != 1:
+        raise CheckpointError(f"{where}: its optimizer's param groups record {sorted(steps) or 'no'} Adam "
+                              "steps; one was expected (a distributed optimizer's state_dict)")
+    return steps.pop()
+
+
+class DistributedOptimizerStates:
+    """One rank file's ``distrib_optim.pt``: the flat states of each chunk's buffer, and where each saved
+    tensor of the chunk lies in them. Holds the memory-mapped file; reads a tensor's range on request."""
+
+    def __init__(self, folder: str, chunks: dict[str, list[tuple[str, int, bool]]], args, pp_rank: int):
+        self.path = os.path.join(folder, DISTRIBUTED_OPTIMIZER_FILE)
+        state = load_torch_file(self.path, "the distributed optimizer's states")
+        if not isinstance(state, dict) or not state.get("buckets_coalesced"):
+            raise CheckpointError(f"{self.path}: not the gathered (buckets_coalesced) states of "
+                                  "megatron-core's save_parameter_state; refused")
+        self.buffers: list[dict[str, torch.Tensor]] = []
+        self.places: dict[tuple[str, str], tuple[int, int]] = {}
+        for vp, (chunk, params) in enumerate(chunks.items()):
+            buffers = state.get(vp)
+            if not isinstance(buffers, dict) or len(buffers) != 1:
+                raise CheckpointError(f"{self.path}: holds {len(buffers or {})} buffers for model chunk "
+                                      f"{vp}; one (a single parameter dtype, no experts) is what this reader "
+                                      "takes")
+            flat = next(iter(buffers.values()))
+            busbw = bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False))
+            offsets, length = buffer_offsets(params, sharding_size(args), bucket_size_of(args, pp_rank, vp),
+                                             busbw)
+            if int(flat.get("numel_unpadded", -1)) != length or any(
+                    flat.get(name) is None or flat[name].numel() != length for name in KINDS.values()):
+                raise CheckpointError(f"{self.path}: chunk {vp}'s buffer holds {flat.get('numel_unpadded')} "
+                                      f"elements; the model its args describe lays out {length} (bucketing "
+                                      "flags this reader does not re-derive?); refused")
+            self.buffers.append(flat)
+            self.places.update({(chunk, key): (vp, offset) for key, offset in offsets.items()})
+
+    def values(self, chunk: str, key: str, numel: int, kind: str) -> torch.Tensor:
+        """The flat ``kind`` ("master", "exp_avg", "exp_avg_sq") of saved tensor ``key`` of ``chunk``."""
+        vp, offset = self.places[(chunk, key)]
+        return self.buffers[vp][KINDS[kind]][offset:offset + numel]
