@@ -9,7 +9,8 @@
                                [--num-query-groups G --rotary-base B --norm-epsilon E --seq-length S]
     python -m pretrain.convert --load DIR --output STEP_DIR --to torchtitan [--torchtitan-keys 0.3|0.2]
     python -m pretrain.convert --load DIR --output MEGATRON_DIR --to megatron --ckpt-format torch|torch_dist
-                               [--target-tensor-parallel-size T --target-pipeline-parallel-size P]
+                               [--target-tensor-parallel-size T --target-pipeline-parallel-size P
+                                --target-expert-parallel-size E]
 
 ``consolidated`` (default): the whole model's fp32 weights under their layout-independent names
 (vocabulary padding removed; the names of a single-process GPTModel), with the iteration and the model
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="--to megatron --ckpt-format torch: the tp of the rank files (default 1)")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
                         help="--to megatron --ckpt-format torch: the pp of the rank files (default 1)")
+    parser.add_argument("--target-expert-parallel-size", type=int, default=1,
+                        help="--to megatron --ckpt-format torch: the ep of the rank files, a mixture of "
+                             "experts' (default 1)")
     parser.add_argument("--with-optimizer-states", action="store_true",
                         help="consolidated: add the optimizer states")
     parser.add_argument("--max-shard-size", default=None,
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
             try:
                 written = write_megatron(pieces, model_config(manifest), manifest, args.output,
-                                         args.ckpt_format, tp, pp)
+                                         args.ckpt_format, tp, pp, args.target_expert_parallel_size)
             except ValueError as error:
                 sys.exit(f"error: {error}")
             print(f"wrote {written} ({args.ckpt_format}) from iteration {manifest['iteration']} of "

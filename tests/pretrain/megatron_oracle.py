@@ -34,9 +34,15 @@ ARCHITECTURES = {
               "add_bias_linear": False, "group_query_attention": True, "num_query_groups": 2,
               "untie_embeddings_and_output_weights": True},
 }
+# and a mixture of experts of the Llama class (its experts SequentialMLP, a gated shared expert beside them)
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
+       "moe_shared_expert_intermediate_size": 16, "moe_shared_expert_gate": True, "moe_layer_freq": 1,
+       "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "aux_loss",
+       "moe_aux_loss_coeff": 0.0}
+ARCHITECTURES["moe"] = {**ARCHITECTURES["llama"], **MOE}
 
 
-def megatron_args(architecture: str, tp: int, pp: int, world_size: int) -> argparse.Namespace:
+def megatron_args(architecture: str, tp: int, pp: int, world_size: int, ep: int = 1) -> argparse.Namespace:
     """The args Megatron-LM's pretrain_gpt.py keeps in a checkpoint for this model, as its parser names
     them (enums included: the reader must take them without importing Megatron)."""
     from megatron.core.enums import ModelType
@@ -51,14 +57,17 @@ def megatron_args(architecture: str, tp: int, pp: int, world_size: int) -> argpa
         padded_vocab_size=VOCAB, vocab_size=None, make_vocab_size_divisible_by=16, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=0.02, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
-        expert_model_parallel_size=1, data_parallel_size=world_size // (tp * pp), global_batch_size=8,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        data_parallel_size=world_size // (tp * pp), global_batch_size=8,
         micro_batch_size=1, consumed_train_samples=CONSUMED, lr_warmup_init=0.0, transformer_impl="local",
         attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder,
         params_dtype=torch.float32, **arch)
 
 
-def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, vp: int = 1) -> list:
-    """This rank's model chunks (one per virtual stage) of megatron-core's GPTModel at tp x pp (x vp)."""
+def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, vp: int = 1,
+           ep: int = 1) -> list:
+    """This rank's model chunks (one per virtual stage) of megatron-core's GPTModel at tp x pp (x vp), its
+    experts (if any) at ``ep``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -68,7 +77,8 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
     _cuda_on_cpu()
     virtual_size = vp if vp > 1 else None
     parallel_state.destroy_model_parallel()  # (a world builds one model after another)
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual_size)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual_size,
+                                             expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True)
     arch = ARCHITECTURES[architecture]
     config = TransformerConfig(
@@ -77,13 +87,16 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
         gated_linear_unit=arch["swiglu"], activation_func=F.silu if arch["swiglu"] else F.gelu,
         add_bias_linear=arch["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size)
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size,
+        expert_model_parallel_size=ep, **_moe_config(arch))
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
     chunks = []
     for stage in range(vp):
         virtual = {"vp_stage": stage} if vp > 1 else {}
-        chunk = GPTModel(config, get_gpt_layer_local_spec(normalization=arch["normalization"]),
+        spec = get_gpt_layer_local_spec(num_experts=arch.get("num_experts"), moe_grouped_gemm=False,
+                                        normalization=arch["normalization"])
+        chunk = GPTModel(config, spec,
                          vocab_size=vocab, max_sequence_length=SEQ,
                          pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **virtual),
                          post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **virtual),
@@ -101,16 +114,29 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
     return chunks
 
 
+def _moe_config(arch: dict) -> dict:
+    """TransformerConfig's fields of an architecture's experts (Megatron-LM's --num-experts is its
+    num_moe_experts)."""
+    if "num_experts" not in arch:
+        return {}
+    fields = {key: value for key, value in arch.items() if key.startswith("moe_")}
+    return {"num_moe_experts": arch["num_experts"], **fields}
+
+
 def _cuda_on_cpu() -> None:
     """megatron-core's CUDA calls, answered on the CPU in this (oracle) process: the current device, a
     synchronize, ``.cuda()``, tensors made with ``device="cuda"`` (its optimizer's scalars and norms), and
-    ``Tensor.type()``, whose CUDA names its optimizer checks a parameter against."""
+    ``Tensor.type()``, whose CUDA names its optimizer checks a parameter against; and its router's
+    Transformer Engine GEMM, left undefined where TE is not installed."""
     if getattr(torch, "_oracle_on_cpu", False):
         return
     torch._oracle_on_cpu = True
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)  # (unbound without TE)
 
     def on_cpu(make):
         def made(*args, **kwargs):
@@ -126,21 +152,24 @@ def _cuda_on_cpu() -> None:
                                                        type_of(self).replace("torch.", "torch.cuda.", 1))
 
 
-def save_megatron(rank: int, world_size: int, models: list[tuple[str, int, str]], tp: int, pp: int) -> None:
-    """In a world of tp x pp x dp ranks, each of ``models`` (architecture, virtual stages, directory)
-    saved by ``_save``."""
-    for architecture, vp, out in models:
-        _save(rank, world_size, architecture, tp, pp, out, vp)
+def save_megatron(rank: int, world_size: int, models: list[tuple[str, tuple[int, int, int, int], str]]
+                  ) -> None:
+    """In one world, each of ``models`` (architecture, its layout (tp, pp, vp, ep), directory) saved by
+    ``_save``."""
+    for architecture, (tp, pp, vp, ep), out in models:
+        _save(rank, world_size, architecture, tp, pp, out, vp, ep)
 
 
-def _save(rank: int, world_size: int, architecture: str, tp: int, pp: int, out: str, vp: int) -> None:
-    """megatron-core's model (``vp`` chunks per rank) saved under ``out/torch`` (Megatron-LM's legacy
-    files: "model", or "model0", "model1".. per virtual stage) and ``out/torch_dist``
+def _save(rank: int, world_size: int, architecture: str, tp: int, pp: int, out: str, vp: int,
+          ep: int) -> None:
+    """megatron-core's model (``vp`` chunks per rank, experts at ``ep``) saved under ``out/torch``
+    (Megatron-LM's legacy files: "model", or "model0", "model1".. per virtual stage; one per expert rank
+    too, ``mp_rank_TT[_PPP]_EEE``, each written by expert data-parallel rank 0) and ``out/torch_dist``
     (``dist_checkpointing.save``), each with Megatron-LM's tracker."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    chunks = _model(architecture, tp, pp, seed=1234, vp=vp)
-    args = megatron_args(architecture, tp, pp, world_size)
+    chunks = _model(architecture, tp, pp, seed=1234, vp=vp, ep=ep)
+    args = megatron_args(architecture, tp, pp, world_size, ep)
     args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
     names = ["model"] if vp == 1 else [f"model{stage}" for stage in range(vp)]
     common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
@@ -153,8 +182,10 @@ def _save(rank: int, world_size: int, architecture: str, tp: int, pp: int, out: 
     dist_checkpointing.save({**common, **models}, distributed)
     tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
-    if parallel_state.get_data_parallel_rank() == 0:
-        name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    if parallel_state.get_expert_data_parallel_rank() == 0:
+        name = (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+                + (f"_{ep_rank:03d}" if ep > 1 else ""))
         os.makedirs(os.path.join(out, "torch", folder, name), exist_ok=True)
         models = {key: chunk.state_dict_for_save_checkpoint() for key, chunk in zip(names, chunks)}
         torch.save({**common, **models}, os.path.join(out, "torch", folder, name, "model_optim_rng.pt"))
@@ -206,12 +237,17 @@ def _logits(model, tokens: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
-def megatron_loads(rank: int, world_size: int, architecture: str, legacy: str, distributed: str,
-                   tokens: list[list[int]]) -> dict:
-    """In a world of one, megatron-core's model at tp1 x pp1 loaded as Megatron-LM loads: the legacy
-    rank file under ``legacy`` into ``load_state_dict(strict=True)``, the torch_dist checkpoint under
-    ``distributed`` through ``dist_checkpointing.load``, each built with the padded vocabulary its args
-    name; each one's logits of ``tokens`` (the first ``VOCAB`` columns)."""
+def megatron_loads(rank: int, world_size: int, models: list[tuple[str, str, str]],
+                   tokens: list[list[int]]) -> list[dict]:
+    """In a world of one, for each of ``models`` (architecture, legacy directory, torch_dist directory):
+    megatron-core's model at tp1 x pp1 loaded as Megatron-LM loads: the legacy rank file into
+    ``load_state_dict(strict=True)``, the torch_dist checkpoint through ``dist_checkpointing.load``, each
+    built with the padded vocabulary its args name; each one's logits of ``tokens`` (the first ``VOCAB``
+    columns)."""
+    return [_loads(architecture, legacy, distributed, tokens) for architecture, legacy, distributed in models]
+
+
+def _loads(architecture: str, legacy: str, distributed: str, tokens: list[list[int]]) -> dict:
     from megatron.core import dist_checkpointing
 
     def folder_of(directory: str) -> str:

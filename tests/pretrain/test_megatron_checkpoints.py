@@ -1,13 +1,15 @@
 """Megatron-LM checkpoints read here and written back, against megatron-core's own code on the CPU.
 
 megatron-core's GPTModel (GPT-3 class: LayerNorm, GeLU, learned positions, biases, tied embeddings) and a
-Llama-class one (RMSNorm, SwiGLU, rotary, grouped queries, untied; local spec) at tp2 x pp2, saved as
-Megatron-LM saves them (its legacy rank files, and megatron-core's ``dist_checkpointing.save``: torch_dist),
-load here with megatron-core's logits (its own re-cut to tp1 x pp1 gives them): in one process through
-``pretrain.load_model``, and through ``--load`` at dp2 and at tp2 x pp2 ZeRO-3, on Megatron's iteration,
-data position and schedule; and ours, saved at tp2 x pp2 ZeRO-3, converted to both formats loads into
-megatron-core's model (``load_state_dict(strict=True)``, ``dist_checkpointing.load``) with our logits.
-Hostile and broken checkpoints are refused in one line before any process group exists.
+Llama-class one (RMSNorm, SwiGLU, rotary, grouped queries, untied; local spec) at tp2 x pp2, and a mixture
+of experts of the Llama class (4 experts, top 2, a gated shared expert) at tp2 x ep2, saved as Megatron-LM
+saves them (its legacy rank files, and megatron-core's ``dist_checkpointing.save``: torch_dist), load here
+with megatron-core's logits (its own re-cut to tp1 x pp1 gives them): in one process through
+``pretrain.load_model``, and through ``--load`` at dp2 (the experts at ep2) and at tp2 x pp2 ZeRO-3, on
+Megatron's iteration, data position and schedule; and ours, saved at tp2 x pp2 ZeRO-3, and the mixture of
+experts, converted to both formats load into megatron-core's model (``load_state_dict(strict=True)``,
+``dist_checkpointing.load``) with our logits. Hostile and broken checkpoints are refused in one line before
+any process group exists.
 """
 
 import os
@@ -36,9 +38,10 @@ FORMATS = ("torch", "torch_dist")
 def megatron_checkpoints(tmp_path_factory):
     """{architecture: (directory with torch/ and torch_dist/, megatron-core's logits of PROMPTS)}."""
     # the Llama class in virtual stages: model0, model1 in each legacy file
-    models = [(architecture, vp, str(tmp_path_factory.mktemp(f"megatron-{architecture}")))
-              for architecture, vp in (("gpt", 1), ("llama", 2))]
-    run_world(4, save_megatron, models, 2, 2, timeout_s=300)
+    models = [(architecture, layout, str(tmp_path_factory.mktemp(f"megatron-{architecture}")))
+              for architecture, layout in (("gpt", (2, 2, 1, 1)), ("llama", (2, 2, 2, 1)),
+                                           ("moe", (2, 1, 1, 2)))]
+    run_world(4, save_megatron, models, timeout_s=300)
     logits = run_world(1, megatron_logits, [(architecture, os.path.join(out, "torch_dist"))
                                             for architecture, _, out in models], PROMPTS)[0]
     return {architecture: (out, theirs) for (architecture, _, out), theirs in zip(models, logits)}
@@ -55,16 +58,16 @@ def _flags(directory: str, *layout: str) -> list[str]:
 
 
 def _loaded_logits(rank, world_size, directories, layout, save=None):
-    """Per checkpoint: the trainer built on it in ``layout``: its next-token logits after each prompt, the
-    iteration and sample it resumes at; with ``save``, the last one then trains its one iteration and
-    saves under ``save``."""
+    """Per checkpoint (directory, flags of its own): the trainer built on it in ``layout``: its
+    next-token logits after each prompt, the iteration and sample it resumes at; with ``save``, the last
+    one then trains its one iteration and saves under ``save``."""
     from pretrain.training.trainer import Trainer
 
     out = []
-    for number, directory in enumerate(directories):
+    for number, (directory, own) in enumerate(directories):
         last = save and number == len(directories) - 1
-        config = parse_config(_flags(directory, *layout) + (["--save", save, "--save-interval", "1"] if last
-                                                             else []))
+        config = parse_config(_flags(directory, *layout, *own) + (["--save", save, "--save-interval", "1"]
+                                                                  if last else []))
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         trainer.model.eval()
         logits = [trainer.runner.next_token_logits(prompt)[:VOCAB] for prompt in PROMPTS]
@@ -93,34 +96,48 @@ def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_lo
                4: ("tp2 x pp2 ZeRO-3", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                         "2", "--zero-stage", "3", "--zero-persistence-threshold", "0"])}
     saved = str(tmp_path / "ours")  # the Llama-class model after one more iteration at tp2 x pp2 ZeRO-3
+    directories.sort(key=lambda entry: entry[0] == "llama")  # (the last one trains and saves)
     for world_size, (name, layout) in layouts.items():
-        results = run_world(world_size, _loaded_logits, [entry[2] for entry in directories], layout,
+        # (the experts at ep2 beside dp2; at tp2 they route each tp rank's share: --sequence-parallel)
+        experts = ["--expert-model-parallel-size", "2"] if world_size == 2 else ["--sequence-parallel"]
+        results = run_world(world_size, _loaded_logits,
+                            [(entry[2], experts if entry[0] == "moe" else []) for entry in directories],
+                            layout,
                             saved if world_size == 4 else None, timeout_s=300)[0]
         for (architecture, kind, _, theirs), (logits, iteration, consumed) in zip(directories, results):
             assert (iteration, consumed) == (ITERATION, CONSUMED), (architecture, kind, name)
             for ours, reference in zip(logits, theirs):
                 assert_within(_relative(ours, reference[-1]), f"{architecture} {kind} at {name}: logits",
                               INTEROP_RTOL)
-    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8 as Megatron-LM's legacy files (tp1 x pp1,
-    # loaded with load_state_dict(strict=True)) and torch_dist (dist_checkpointing.load), megatron-core's
-    # logits ours; cut at tp2 x pp2, it reads back here with the same logits
-    model = load_model(saved)
-    expected = [model(torch.tensor([prompt]))[0] for prompt in PROMPTS]
-    exported = {kind: str(tmp_path / f"to-{kind}") for kind in FORMATS}
-    for kind, directory in exported.items():
-        convert(["--load", saved, "--to", "megatron", "--ckpt-format", kind, "--output", directory])
-    cut = str(tmp_path / "to-torch-tp2-pp2")
-    convert(["--load", saved, "--to", "megatron", "--ckpt-format", "torch", "--target-tensor-parallel-size",
-             "2", "--target-pipeline-parallel-size", "2", "--output", cut])
-    loaded = run_world(1, megatron_loads, "llama", exported["torch"], exported["torch_dist"], PROMPTS)[0]
-    for kind, (logits, iteration, args) in loaded.items():
-        assert (iteration, args["consumed_train_samples"]) == (ITERATION + 1, CONSUMED + 8), kind
-        for got, want in zip(logits, expected):
-            assert_within(_relative(got, want), f"exported as {kind}: megatron-core's logits", INTEROP_RTOL)
-    again = load_model(cut)
-    for prompt, want in zip(PROMPTS, expected):
-        assert_within(_relative(again(torch.tensor([prompt]))[0], want), "exported at tp2 x pp2, read back",
-                      INTEROP_RTOL)
+    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8, and the mixture of experts, as Megatron-LM's
+    # legacy files (tp1 x pp1, loaded with load_state_dict(strict=True)) and torch_dist
+    # (dist_checkpointing.load), megatron-core's logits ours; cut at tp2 x pp2 (tp2 x ep2), each reads back
+    # here with the same logits
+    moe = os.path.join(megatron_checkpoints["moe"][0], "torch")
+    sources = {"llama": (saved, ITERATION + 1, CONSUMED + 8, ["--target-pipeline-parallel-size", "2"]),
+               "moe": (moe, ITERATION, CONSUMED, ["--target-expert-parallel-size", "2"])}
+    exported, expected = [], {}
+    for architecture, (source, _, _, cut_flags) in sources.items():
+        model = load_model(source)
+        expected[architecture] = [model(torch.tensor([prompt]))[0] for prompt in PROMPTS]
+        out = {kind: str(tmp_path / f"{architecture}-to-{kind}") for kind in (*FORMATS, "cut")}
+        for kind in FORMATS:
+            convert(["--load", source, "--to", "megatron", "--ckpt-format", kind, "--output", out[kind]])
+        convert(["--load", source, "--to", "megatron", "--ckpt-format", "torch",
+                 "--target-tensor-parallel-size", "2", *cut_flags, "--output", out["cut"]])
+        exported.append((architecture, out["torch"], out["torch_dist"], out["cut"]))
+    loaded = run_world(1, megatron_loads, [entry[:3] for entry in exported], PROMPTS)[0]
+    for (architecture, _, _, cut), by_kind in zip(exported, loaded):
+        _, iteration, consumed, _ = sources[architecture]
+        for kind, (logits, saved_iteration, args) in by_kind.items():
+            assert (saved_iteration, args["consumed_train_samples"]) == (iteration, consumed), kind
+            for got, want in zip(logits, expected[architecture]):
+                assert_within(_relative(got, want), f"{architecture} exported as {kind}: megatron-core's "
+                              "logits", INTEROP_RTOL)
+        again = load_model(cut)
+        for prompt, want in zip(PROMPTS, expected[architecture]):
+            assert_within(_relative(again(torch.tensor([prompt]))[0], want),
+                          f"{architecture} exported cut, read back", INTEROP_RTOL)
 
 
 def _copy(source: str, target) -> str:

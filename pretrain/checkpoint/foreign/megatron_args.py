@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from models.config import GPTConfig
+from models.moe.config import parse_layer_freq
 from pretrain.checkpoint.errors import CheckpointError
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -101,6 +102,8 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
         config["layernorm_epsilon"] = float(args.norm_epsilon)
     if not _arg(args, "group_query_attention", False):
         config.pop("num_query_groups", None)
+    if "moe_layer_freq" in config:  # Megatron keeps N or the list; ours is the flag's text
+        config["moe_layer_freq"] = str(config["moe_layer_freq"])
     if _arg(args, "position_embedding_type") is None:
         config["position_embedding_type"] = ("rope" if _arg(args, "use_rotary_position_embeddings", False)
                                              else "learned_absolute")
@@ -137,4 +140,6 @@ def args_of(config: GPTConfig, layout: MegatronLayout, padded_vocab: int, run: d
                   expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
                   transformer_impl="local", **run)
     fields.pop("disable_bias_linear")
+    if config.num_experts:
+        fields["moe_layer_freq"] = parse_layer_freq(config.moe_layer_freq)
     return argparse.Namespace(**fields)

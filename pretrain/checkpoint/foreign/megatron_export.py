@@ -13,6 +13,7 @@ place with the tracker last, so a failed export leaves no checkpoint behind. No 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -22,7 +23,9 @@ import torch
 from models.config import GPTConfig
 from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
 from pretrain.checkpoint.foreign.megatron_checkpoint import TRACKER, iteration_folder, legacy_file
-from pretrain.checkpoint.foreign.megatron_names import EXTRA_STATE_MODULES, megatron_key
+from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, EXTRA_STATE_MODULES,
+                                                        LEGACY_EXPERTS, MOE_EXTRA_STATE_MODULES,
+                                                        STACKED_EXPERTS, megatron_key)
 from pretrain.checkpoint.foreign.megatron_pieces import our_slices
 
 CHECKPOINT_VERSION = 3.0
@@ -65,17 +68,25 @@ def _as_megatron(part: torch.Tensor) -> torch.Tensor:
 
 
 def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ckpt_format: str,
-                   tp: int = 1, pp: int = 1) -> str:
+                   tp: int = 1, pp: int = 1, ep: int = 1) -> str:
     """Write ``source``'s model (a ``reshard.PieceSource``) under ``directory`` as Megatron-LM's
-    ``ckpt_format`` ("torch": rank files at ``tp`` x ``pp``; "torch_dist"); returns the iteration folder."""
+    ``ckpt_format`` ("torch": rank files at ``tp`` x ``pp`` x ``ep``, the experts' tp their tp;
+    "torch_dist"); returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
-    if config.num_experts or config.multi_latent_attention:
-        raise ValueError("--to megatron: mixtures of experts and latent attention are not written yet")
+    if config.multi_latent_attention:
+        raise ValueError("--to megatron: latent attention is not written yet")
     if config.num_layers % pp:
         raise ValueError(f"--target-pipeline-parallel-size {pp} does not divide the model's "
                          f"{config.num_layers} layers")
-    layout = MegatronLayout(tp, pp, 1, 1, tp, config.num_layers)
+    if (config.num_experts or 1) % ep:
+        raise ValueError(f"--target-expert-parallel-size {ep} does not divide the model's "
+                         f"{config.num_experts or 0} experts")
+    moe = config.moe_layers(config.num_layers)
+    if ckpt_format == "torch_dist" and any(moe) and not all(moe):
+        raise ValueError("--to megatron --ckpt-format torch_dist: a model with dense and MoE layers is not "
+                         "written yet (megatron-core keys such layers one by one); write --ckpt-format torch")
+    layout = MegatronLayout(tp, pp, 1, ep, tp, config.num_layers)
     padded = padded_vocabulary(config, tp)
     common = _common(config, layout, padded, manifest)
     final = os.path.join(directory, iteration_folder(common["iteration"]))
@@ -101,32 +112,52 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
 
 
 def _write_legacy(source, config, layout, slices, padded, common, folder, tied) -> None:
+    """One file per tp x pp x ep rank: an expert in its expert rank's files (numbered within them), the
+    rest in every expert rank's."""
     per_stage = config.num_layers // layout.pp
-    models = {(t, p): {} for t in range(layout.tp) for p in range(layout.pp)}
+    per_rank = (config.num_experts or 1) // layout.ep
+    moe = config.moe_layers(config.num_layers)
+    models = {rank: {} for rank in itertools.product(range(layout.tp), range(layout.pp), range(layout.ep))}
     for name in sorted(slices):
         _, dim, table = slices[name]
-        key, layer = megatron_key(name, fused_norms=False)
+        key, layer, expert = megatron_key(name, fused_norms=False)
         tensor = _padded(source.whole(name), table, padded)
+        ranks = range(layout.ep)
         if layer is None:
             stages = [0] if key.startswith("embedding.") else [layout.pp - 1]
-        else:
+        elif expert is None:
             stages, key = [layer // per_stage], f"decoder.layers.{layer % per_stage}.{key}"
+        else:
+            stages, ranks = [layer // per_stage], [expert // per_rank]
+            key = f"decoder.layers.{layer % per_stage}.{LEGACY_EXPERTS}{expert % per_rank}.{key}"
         parts = [_as_megatron(part) for part in tensor.chunk(layout.tp, dim=dim)] if dim is not None \
             else [tensor] * layout.tp
-        for stage in stages:
-            for t in range(layout.tp):
-                models[t, stage][key] = parts[t].clone()
-    for (t, p), model in models.items():
+        for stage, t, e in itertools.product(stages, range(layout.tp), ranks):
+            models[t, stage, e][key] = parts[t].clone()
+    for (t, p, e), model in models.items():
         if tied and p == layout.pp - 1 and layout.pp > 1:  # the last stage's copy of the tied embedding
-            model["output_layer.weight"] = models[t, 0]["embedding.word_embeddings.weight"].clone()
+            model["output_layer.weight"] = models[t, 0, e]["embedding.word_embeddings.weight"].clone()
         for layer in range(per_stage):
-            for module in EXTRA_STATE_MODULES:
-                model[f"decoder.layers.{layer}.{module}._extra_state"] = None
+            prefix = f"decoder.layers.{layer}."
+            model.update({f"{prefix}{module}._extra_state": None for module in _extra_state_modules(
+                config, moe[p * per_stage + layer])})
+            if moe[p * per_stage + layer]:
+                model.update({f"{prefix}{LEGACY_EXPERTS}{local}.{module}._extra_state": None
+                              for local in range(per_rank) for module in EXPERT_EXTRA_STATE_MODULES})
         if p == layout.pp - 1:
             model["output_layer._extra_state"] = None
-        path = legacy_file(folder, layout, t, p, 0)
+        path = legacy_file(folder, layout, t, p, e)
         os.makedirs(os.path.dirname(path))
         torch.save({**common, "model": model}, path)
+
+
+def _extra_state_modules(config: GPTConfig, moe: bool) -> tuple[str, ...]:
+    """The local spec's modules with an extra state in a layer (its experts' own aside)."""
+    if not moe:
+        return EXTRA_STATE_MODULES
+    if config.moe_shared_expert_intermediate_size:
+        return MOE_EXTRA_STATE_MODULES
+    return tuple(module for module in MOE_EXTRA_STATE_MODULES if "shared_experts" not in module)
 
 
 def _write_distributed(source, config, slices, padded, common, folder) -> None:
@@ -134,19 +165,29 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
     from torch.distributed.checkpoint import save as dcp_save
 
     state: dict[str, torch.Tensor] = {}
-    stacked: dict[str, list[torch.Tensor]] = {}
+    stacked: dict[str, list] = {}
+    layers, experts = config.num_layers, config.num_experts or 0
     for name in sorted(slices, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]):
         _, _, table = slices[name]
-        key, layer = megatron_key(name, fused_norms=True)
+        key, layer, expert = megatron_key(name, fused_norms=True)
         tensor = _as_megatron(_padded(source.whole(name), table, padded))
         if layer is None:
             state[key] = tensor.contiguous()
-        else:
-            stacked.setdefault(f"decoder.layers.{key}", [None] * config.num_layers)[layer] = tensor
-    state.update({key: torch.stack(layers) for key, layers in stacked.items()})
-    for layer in range(config.num_layers):  # the local spec's empty extra states, which its loader asks for:
-        for module in EXTRA_STATE_MODULES:  # a sharded object is stored as the list of its data
-            state[f"decoder.layers.{module}._extra_state/shard_{layer}_{config.num_layers}"] = [None]
+        elif expert is None:
+            stacked.setdefault(f"decoder.layers.{key}", [None] * layers)[layer] = tensor
+        else:  # the experts along a second axis
+            rows = stacked.setdefault(f"decoder.layers.{STACKED_EXPERTS}{key}", [[None] * experts
+                                                                                for _ in range(layers)])
+            rows[layer][expert] = tensor
+    state.update({key: torch.stack([torch.stack(row) if isinstance(row, list) else row for row in rows])
+                  for key, rows in stacked.items()})
+    moe = bool(experts)
+    for layer in range(layers):  # the local spec's empty extra states, which its loader asks for: a
+        for module in _extra_state_modules(config, moe):  # sharded object is stored as its data's list
+            state[f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}"] = [None]
+        for expert, module in itertools.product(range(experts), EXPERT_EXTRA_STATE_MODULES):
+            state[f"decoder.layers.{STACKED_EXPERTS}{module}._extra_state/shard_{layer}.{expert}_"
+                  f"{layers}.{experts}"] = [None]
     dcp_save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
     torch.save(common, os.path.join(folder, "common.pt"))
     with open(os.path.join(folder, "metadata.json"), "w") as handle:

@@ -35,7 +35,19 @@ LAYER_KEYS = {
     "mlp.linear_fc1.bias": "mlp.fc1.bias",
     "mlp.linear_fc2.weight": "mlp.fc2.weight",
     "mlp.linear_fc2.bias": "mlp.fc2.bias",
+    # a mixture of experts' router and its shared experts (their gate: one row, a sigmoid of it scales them)
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.bias": "mlp.router.bias",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.fc2.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
 }
+# within one expert (SequentialMLP's local_experts.{i}, or torch_dist's expert axis): Megatron's -> ours
+EXPERT_KEYS = {"linear_fc1.weight": "fc1.weight", "linear_fc1.bias": "fc1.bias",
+               "linear_fc2.weight": "fc2.weight", "linear_fc2.bias": "fc2.bias"}
+OUR_EXPERT_KEYS = {ours: theirs for theirs, ours in EXPERT_KEYS.items()}
+LEGACY_EXPERTS = "mlp.experts.local_experts."  # + {local expert}.{EXPERT_KEYS}
+STACKED_EXPERTS = "mlp.experts.experts."  # torch_dist: + {EXPERT_KEYS}, the experts along an axis
 MODEL_KEYS = {
     "embedding.word_embeddings.weight": "word_embedding.weight",
     "embedding.position_embeddings.weight": "position_embedding.weight",
@@ -43,7 +55,8 @@ MODEL_KEYS = {
     "decoder.final_layernorm.bias": "final_norm.bias",
     "output_layer.weight": "output_layer.weight",
 }
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 STACKED_PREFIX = "decoder.layers."  # torch_dist: one key per layer tensor, the layers along a first axis
 
 
@@ -53,18 +66,26 @@ LOCAL_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".lay
 FUSED_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
                     if not theirs.startswith(("input_layernorm.", "pre_mlp_layernorm."))}
 OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()}
-# the modules of megatron-core's local spec that keep an (empty) extra state in a state dict
+# the modules of megatron-core's local spec that keep an (empty) extra state in a state dict: a dense
+# layer's, a mixture of experts' (its shared experts'; each expert's own two, within the expert)
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                        "mlp.linear_fc2")
+MOE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                           "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_EXTRA_STATE_MODULES = ("linear_fc1", "linear_fc2")
 
 
-def megatron_key(ours: str, fused_norms: bool) -> tuple[str, int | None]:
-    """Megatron's key of our name ``ours``, and its layer (None outside the layers): within the layer
-    for a layer's tensor (``decoder.layers.{layer}.`` to be prefixed)."""
+def megatron_key(ours: str, fused_norms: bool) -> tuple[str, int | None, int | None]:
+    """Megatron's key of our name ``ours``, its layer (None outside the layers) and expert (None outside
+    the experts): within the layer for a layer's tensor (``decoder.layers.{layer}.`` to be prefixed),
+    within the expert for an expert's (the format's expert prefix too)."""
     if ours in OUR_MODEL_KEYS:
-        return OUR_MODEL_KEYS[ours], None
+        return OUR_MODEL_KEYS[ours], None, None
     _, layer, inner = ours.split(".", 2)
-    return (FUSED_LAYER_KEYS if fused_norms else LOCAL_LAYER_KEYS)[inner], int(layer)
+    if inner.startswith("mlp.experts."):
+        _, _, expert, within = inner.split(".", 3)
+        return OUR_EXPERT_KEYS[within], int(layer), int(expert)
+    return (FUSED_LAYER_KEYS if fused_norms else LOCAL_LAYER_KEYS)[inner], int(layer), None
 
 
 class UnknownKey(ValueError):
@@ -76,19 +97,32 @@ def skipped(key: str) -> bool:
     return "_extra_state" in key or key.endswith(("inv_freq", "rotary_pos_emb.freqs"))
 
 
-def ours_of(key: str, layer_offset: int = 0) -> str:
-    """Our name of Megatron's ``key`` (a model chunk's, its layers numbered from ``layer_offset``)."""
+def ours_of(key: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """Our name of Megatron's ``key`` (a model chunk's, its layers numbered from ``layer_offset``, its
+    local experts from ``expert_offset``); a torch_dist key of one layer's experts has ``{}`` for the
+    expert (its first axis)."""
     if key in MODEL_KEYS:
         return MODEL_KEYS[key]
-    match = _LAYER.match(key)
-    if match and match.group(2) in LAYER_KEYS:
-        return f"layers.{int(match.group(1)) + layer_offset}.{LAYER_KEYS[match.group(2)]}"
+    match = LAYER_KEY.match(key)
+    if match:
+        layer = int(match.group(1)) + layer_offset
+        inner = _within_layer(key, match.group(2), expert_offset)
+        return f"layers.{layer}.{inner}"
     raise UnknownKey(key)
 
 
 def ours_of_stacked(key: str) -> str:
-    """Our name, with ``{}`` for the layer, of a torch_dist key whose first axis runs over the layers."""
-    inner = key[len(STACKED_PREFIX):]
-    if inner not in LAYER_KEYS:
-        raise UnknownKey(key)
-    return "layers.{}." + LAYER_KEYS[inner]
+    """Our name, with ``{}`` for the layer (and a second for the expert), of a torch_dist key whose
+    first axis runs over the layers (and second over the experts)."""
+    return "layers.{}." + _within_layer(key, key[len(STACKED_PREFIX):], 0)
+
+
+def _within_layer(key: str, inner: str, expert_offset: int) -> str:
+    if inner in LAYER_KEYS:
+        return LAYER_KEYS[inner]
+    local = _LOCAL_EXPERT.match(inner)
+    if local and local.group(2) in EXPERT_KEYS:
+        return f"mlp.experts.{int(local.group(1)) + expert_offset}.{EXPERT_KEYS[local.group(2)]}"
+    if inner.startswith(STACKED_EXPERTS) and inner[len(STACKED_EXPERTS):] in EXPERT_KEYS:
+        return "mlp.experts.{}." + EXPERT_KEYS[inner[len(STACKED_EXPERTS):]]
+    raise UnknownKey(key)

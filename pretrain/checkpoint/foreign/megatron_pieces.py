@@ -11,6 +11,7 @@ refused by name; files are memory-mapped and one tensor is kept at a time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -23,17 +24,18 @@ from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.checkpoint.foreign.megatron_checkpoint import MegatronCheckpoint, legacy_file, reopen
 from pretrain.checkpoint.foreign.megatron_optimizer import DistributedOptimizerStates, adam_step
-from pretrain.checkpoint.foreign.megatron_names import (STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
-                                                        skipped)
+from pretrain.checkpoint.foreign.megatron_names import (LAYER_KEY, LEGACY_EXPERTS, STACKED_PREFIX, UnknownKey,
+                                                        ours_of, ours_of_stacked, skipped)
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 from pretrain.checkpoint.geometry import SliceGeometry
 from pretrain.checkpoint.reshard import PieceSource, SavedPiece
 
 
 def our_slices(config: GPTConfig, tp: int) -> dict[str, tuple[tuple[int, ...], int | None, bool]]:
-    """Each of our parameters at tensor-parallel size ``tp``: (one rank's shape, its split dimension,
-    whether it is a vocabulary table)."""
-    model = stage_model(config, tp)[0]
+    """Each of our parameters at tensor-parallel size ``tp`` (the experts' too: Megatron's expert tp is
+    its tp unless told otherwise): (one rank's shape, its split dimension, whether it is a vocabulary
+    table)."""
+    model = stage_model(config, tp, experts=(1, tp))[0]
     return {name: (tuple(param.shape), meta(param).partition_dim, meta(param).unpadded_rows is not None)
             for param, name in model.global_parameter_names().items()}
 
@@ -48,6 +50,7 @@ class MegatronPieces(PieceSource):
         self.checkpoint, self.config = checkpoint, config
         self.tied = not config.untie_embeddings_and_output_weights
         self._last: tuple[tuple, torch.Tensor] | None = None
+        self._row: tuple[tuple, torch.Tensor] | None = None
         if checkpoint.format == "torch_dist":
             self.folder = DCPFolder(checkpoint.folder)
             self._list_distributed(our_slices(config, 1))
@@ -55,6 +58,11 @@ class MegatronPieces(PieceSource):
             self.files: dict[str, dict] = {}
             self.optimizers: dict[str, DistributedOptimizerStates] = {}
             self.reads_optimizer = checkpoint.optimizer_states() == "distributed"
+            if checkpoint.layout.etp != checkpoint.layout.tp:
+                raise CheckpointError(f"{checkpoint.folder}: saved with --expert-tensor-parallel-size "
+                                      f"{checkpoint.layout.etp} beside --tensor-model-parallel-size "
+                                      f"{checkpoint.layout.tp}: legacy files of another expert tp are not "
+                                      "read yet (torch_dist ones are)")
             self._list_legacy(our_slices(config, checkpoint.layout.tp))
         missing = sorted(set(our_slices(config, 1)) - set(self.by_name))
         if missing:
@@ -63,11 +71,11 @@ class MegatronPieces(PieceSource):
                                   + " (a shard missing, or another model than its args describe)")
 
     # listing ------------------------------------------------------------------------------------------
-    def _place(self, key: str, offset: int = 0, stacked: bool = False) -> str | None:
+    def _place(self, key: str, offset: int = 0, stacked: bool = False, expert_offset: int = 0) -> str | None:
         """Our name of ``key``, None for what is no parameter here (the last stage's copy of tied
         embeddings)."""
         try:
-            name = ours_of_stacked(key) if stacked else ours_of(key, offset)
+            name = ours_of_stacked(key) if stacked else ours_of(key, offset, expert_offset)
         except UnknownKey:
             raise CheckpointError(f"{self.checkpoint.folder}: {key} has no place in the model its args "
                                   "describe (an architecture this reader does not take); refused") from None
@@ -81,36 +89,44 @@ class MegatronPieces(PieceSource):
 
     def _list_legacy(self, slices: dict) -> None:
         layout = self.checkpoint.layout
-        for pp in range(layout.pp):
-            for tp in range(layout.tp):
-                path = legacy_file(self.checkpoint.folder, layout, tp, pp, 0)
-                state = load_torch_file(path, "a legacy rank file")
-                chunks = ["model"] if layout.vp == 1 else [f"model{v}" for v in range(layout.vp)]
-                for vp, chunk in enumerate(chunks):
-                    if chunk not in state:
-                        raise CheckpointError(f"{path}: holds no {chunk!r} (saved with another "
-                                              "--virtual-pipeline-model-parallel-size than its args say?)")
-                    for key, tensor in state[chunk].items():
-                        if skipped(key) or not isinstance(tensor, torch.Tensor):
-                            continue
-                        name = self._place(key, layout.layer_offset(pp, vp))
-                        if name is None or name not in slices:
-                            if name is not None:
-                                raise CheckpointError(f"{path}: {key} ({name}) has no place in the model "
-                                                      "its args describe; refused")
-                            continue
-                        shape, dim, table = slices[name]
-                        if dim is None and tp > 0:
-                            continue  # replicated over tp: rank 0's copy
-                        self._check_shape(key, name, tuple(tensor.shape), shape, table)
-                        local = tuple(tensor.shape) if table else shape
-                        geometry = SliceGeometry.of(local, dim, tp, layout.tp,
-                                                    self.config.vocab_size if table else None)
-                        self.files.setdefault(path, state)
-                        self.by_name[name].append(SavedPiece(name, geometry, 0, tensor.numel(),
-                                                             (path, chunk, key)))
-                if self.reads_optimizer:
-                    self._list_optimizer(path, state, chunks, pp)
+        local_experts = (self.config.num_experts or 0) // layout.ep
+        for pp, tp, ep in itertools.product(range(layout.pp), range(layout.tp), range(layout.ep)):
+            path = legacy_file(self.checkpoint.folder, layout, tp, pp, ep)
+            state = load_torch_file(path, "a legacy rank file")
+            self._list_legacy_file(path, state, slices, pp, tp, ep * local_experts, ep > 0)
+
+    def _list_legacy_file(self, path: str, state: dict, slices: dict, pp: int, tp: int, expert_offset: int,
+                          experts_only: bool) -> None:
+        """The pieces of one legacy rank file: of an expert-parallel rank past the first, its experts
+        alone (the rest is the first's replica)."""
+        layout = self.checkpoint.layout
+        chunks = ["model"] if layout.vp == 1 else [f"model{v}" for v in range(layout.vp)]
+        for vp, chunk in enumerate(chunks):
+            if chunk not in state:
+                raise CheckpointError(f"{path}: holds no {chunk!r} (saved with another "
+                                      "--virtual-pipeline-model-parallel-size than its args say?)")
+            for key, tensor in state[chunk].items():
+                if skipped(key) or not isinstance(tensor, torch.Tensor) or (
+                        experts_only and LEGACY_EXPERTS not in key):
+                    continue
+                name = self._place(key, layout.layer_offset(pp, vp), expert_offset=expert_offset)
+                if name is None or name not in slices:
+                    if name is not None:
+                        raise CheckpointError(f"{path}: {key} ({name}) has no place in the model "
+                                              "its args describe; refused")
+                    continue
+                shape, dim, table = slices[name]
+                if dim is None and tp > 0:
+                    continue  # replicated over tp: rank 0's copy
+                self._check_shape(key, name, tuple(tensor.shape), shape, table)
+                local = tuple(tensor.shape) if table else shape
+                geometry = SliceGeometry.of(local, dim, tp, layout.tp,
+                                            self.config.vocab_size if table else None)
+                self.files.setdefault(path, state)
+                self.by_name[name].append(SavedPiece(name, geometry, 0, tensor.numel(),
+                                                     (path, chunk, key)))
+        if self.reads_optimizer:
+            self._list_optimizer(path, state, chunks, pp)
 
     def _list_optimizer(self, path: str, state: dict, chunks: list[str], pp: int) -> None:
         """The distributed optimizer's states beside rank file ``path``: every saved tensor of each chunk
@@ -125,25 +141,28 @@ class MegatronPieces(PieceSource):
             self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(state, path)
 
     def _list_distributed(self, slices: dict) -> None:
+        """Each torch_dist tensor's pieces: one per layer of a key stacked over the layers (and per expert
+        of one whose next axis runs over the experts); a key of one layer (a model whose layers are not
+        all alike, as Megatron saves a mixture of experts with --moe-layer-freq) has its own number."""
         for key in self.folder.tensors:
             if skipped(key) or not key.startswith(("embedding.", "decoder.", "output_layer.")):
                 continue  # the optimizer's states, rng and other run states
-            stacked = key.startswith(STACKED_PREFIX)
-            name = self._place(key, stacked=stacked)
-            if name is None:
+            stacked = key.startswith(STACKED_PREFIX) and not LAYER_KEY.match(key)
+            template = self._place(key, stacked=stacked)
+            if template is None:
                 continue
-            saved = self.folder.shape(key)
-            for layer in range(saved[0]) if stacked else [None]:
-                ours = name.format(layer) if stacked else name
+            saved, axes = self.folder.shape(key), template.count("{}")
+            one = saved[axes:]
+            for index in itertools.product(*(range(size) for size in saved[:axes])):
+                ours = template.format(*index)
                 if ours not in slices:
                     raise CheckpointError(f"{self.checkpoint.folder}: {key} holds {ours}, which the model "
                                           "its args describe has not; refused")
                 shape, _, table = slices[ours]
-                one = saved[1:] if stacked else saved
                 self._check_shape(key, ours, one, shape, table)
                 geometry = (SliceGeometry.of(one, 0, 0, 1, self.config.vocab_size) if table
                             else SliceGeometry(shape))
-                self.by_name[ours].append(SavedPiece(ours, geometry, 0, math.prod(one), (key, layer)))
+                self.by_name[ours].append(SavedPiece(ours, geometry, 0, math.prod(one), (key, index)))
 
     # reading ------------------------------------------------------------------------------------------
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
@@ -154,14 +173,21 @@ class MegatronPieces(PieceSource):
             return None
         if self._last is None or self._last[0] != piece.where:
             if self.checkpoint.format == "torch_dist":
-                key, layer = piece.where
-                tensor = self.folder.read(key, layer, 1)[0] if layer is not None else self.folder.read(key)
+                key, index = piece.where
+                tensor = self._first_axis(key, index[0])[index[1:]] if index else self.folder.read(key)
             else:
                 path, chunk, key = piece.where
                 tensor = self.files[path][chunk][key]
             self._last = (piece.where, tensor.float().reshape(-1))
         return self._last[1]
 
+
+    def _first_axis(self, key: str, first: int) -> torch.Tensor:
+        """Row ``first`` of a stacked torch_dist tensor (one layer: all its experts), kept for the next
+        piece of it."""
+        if self._row is None or self._row[0] != (key, first):
+            self._row = ((key, first), self.folder.read(key, first, 1)[0])
+        return self._row[1]
 
     def scalars(self, name: str) -> dict:
         return {"step": torch.tensor(self.step)} if self.kinds else {}
