@@ -109,13 +109,16 @@ def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     if manifest.get("kind") != "megatron":
         return
     try:
-        megatron_pieces(manifest)
+        pieces = megatron_pieces(manifest)
     except CheckpointError as error:
         raise ValueError(str(error)) from None
     ckpt = config.checkpoint
     if directory != ckpt.load or ckpt.finetune or ckpt.no_load_optim:
         return
     held = manifest["megatron"]["optimizer"]
+    if held == "distributed" and pieces.unread_optimizer:
+        raise ValueError(f"{pieces.unread_optimizer}: add --no-load-optim to continue with a fresh "
+                         "optimizer, or --finetune to start from its weights")
     if held == "distributed":
         return
     what = (f"its {held} optimizer's states are not read by this stack yet (the distributed optimizer's "

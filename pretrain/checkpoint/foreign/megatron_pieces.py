@@ -51,6 +51,7 @@ class MegatronPieces(PieceSource):
         self.tied = not config.untie_embeddings_and_output_weights
         self._last: tuple[tuple, torch.Tensor] | None = None
         self._row: tuple[tuple, torch.Tensor] | None = None
+        self.unread_optimizer: str | None = None  # why its optimizer's states cannot be read, if so
         if checkpoint.format == "torch_dist":
             self.folder = DCPFolder(checkpoint.folder)
             self._list_distributed(our_slices(config, 1))
@@ -94,6 +95,8 @@ class MegatronPieces(PieceSource):
             path = legacy_file(self.checkpoint.folder, layout, tp, pp, ep)
             state = load_torch_file(path, "a legacy rank file")
             self._list_legacy_file(path, state, slices, pp, tp, ep * local_experts, ep > 0)
+        if self.unread_optimizer:  # the weights still load (fine-tuning, --no-load-optim)
+            self.optimizers, self.kinds = {}, ()
 
     def _list_legacy_file(self, path: str, state: dict, slices: dict, pp: int, tp: int, expert_offset: int,
                           experts_only: bool) -> None:
@@ -130,15 +133,21 @@ class MegatronPieces(PieceSource):
 
     def _list_optimizer(self, path: str, state: dict, chunks: list[str], pp: int) -> None:
         """The distributed optimizer's states beside rank file ``path``: every saved tensor of each chunk
-        (the tied embedding's copies between the first and last stage each in a bucket of their own)."""
+        (the tied embedding's copies between the first and last stage each in a bucket of their own).
+        States it cannot read are recorded in ``unread_optimizer``, for a whole resume to refuse."""
+        if self.unread_optimizer:
+            return
         shared = ("embedding.word_embeddings.weight", "output_layer.weight") if (
             self.tied and self.checkpoint.layout.pp > 1) else ()
         params = {chunk: [(key, tensor.numel(), key in shared) for key, tensor in state[chunk].items()
                           if isinstance(tensor, torch.Tensor) and not skipped(key)] for chunk in chunks}
-        self.optimizers[path] = DistributedOptimizerStates(os.path.dirname(path), params,
-                                                           self.checkpoint.args, pp)
-        if not self.kinds:
-            self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(state, path)
+        try:
+            self.optimizers[path] = DistributedOptimizerStates(os.path.dirname(path), params,
+                                                               self.checkpoint.args, pp)
+            if not self.kinds:
+                self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(state, path)
+        except CheckpointError as error:
+            self.unread_optimizer = str(error)
 
     def _list_distributed(self, slices: dict) -> None:
         """Each torch_dist tensor's pieces: one per layer of a key stacked over the layers (and per expert
