@@ -34,12 +34,16 @@ ARCHITECTURES = {
               "add_bias_linear": False, "group_query_attention": True, "num_query_groups": 2,
               "untie_embeddings_and_output_weights": True},
 }
-# and a mixture of experts of the Llama class (its experts SequentialMLP, a gated shared expert beside them)
+# and DeepSeek's class: a mixture of experts (SequentialMLP's, a gated shared expert beside them) with
+# latent attention (a query latent and a key/value latent, each normed; plain rotary)
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
        "moe_shared_expert_intermediate_size": 16, "moe_shared_expert_gate": True, "moe_layer_freq": 1,
        "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "aux_loss",
        "moe_aux_loss_coeff": 0.0}
-ARCHITECTURES["moe"] = {**ARCHITECTURES["llama"], **MOE}
+LATENT = {"multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8,
+          "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "rope_type": "rope", "qk_layernorm": True,
+          "group_query_attention": False, "num_query_groups": HEADS}
+ARCHITECTURES["deepseek"] = {**ARCHITECTURES["llama"], **MOE, **LATENT}
 
 
 def megatron_args(architecture: str, tp: int, pp: int, world_size: int, ep: int = 1) -> argparse.Namespace:
@@ -52,7 +56,7 @@ def megatron_args(architecture: str, tp: int, pp: int, world_size: int, ep: int 
     return argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         kv_channels=HIDDEN // HEADS, seq_length=SEQ, max_position_embeddings=SEQ, rotary_base=10000,
-        rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False, qk_layernorm=False,
+        rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False,
         apply_layernorm_1p=False,
         padded_vocab_size=VOCAB, vocab_size=None, make_vocab_size_divisible_by=16, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=0.02, tensor_model_parallel_size=tp,
@@ -61,7 +65,7 @@ def megatron_args(architecture: str, tp: int, pp: int, world_size: int, ep: int 
         data_parallel_size=world_size // (tp * pp), global_batch_size=8,
         micro_batch_size=1, consumed_train_samples=CONSUMED, lr_warmup_init=0.0, transformer_impl="local",
         attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder,
-        params_dtype=torch.float32, **arch)
+        params_dtype=torch.float32, **{"qk_layernorm": False, **arch})
 
 
 def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, vp: int = 1,
@@ -72,7 +76,7 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     _cuda_on_cpu()
     virtual_size = vp if vp > 1 else None
@@ -81,21 +85,27 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
                                              expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True)
     arch = ARCHITECTURES[architecture]
-    config = TransformerConfig(
+    latent = {key: arch[key] for key in LATENT if key in arch and key not in ("group_query_attention",
+                                                                           "num_query_groups")}
+    config = (MLATransformerConfig if latent else TransformerConfig)(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         num_query_groups=arch["num_query_groups"], normalization=arch["normalization"],
         gated_linear_unit=arch["swiglu"], activation_func=F.silu if arch["swiglu"] else F.gelu,
         add_bias_linear=arch["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size,
-        expert_model_parallel_size=ep, **_moe_config(arch))
+        expert_model_parallel_size=ep, **_moe_config(arch), **latent)
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
     chunks = []
     for stage in range(vp):
         virtual = {"vp_stage": stage} if vp > 1 else {}
         spec = get_gpt_layer_local_spec(num_experts=arch.get("num_experts"), moe_grouped_gemm=False,
-                                        normalization=arch["normalization"])
+                                        normalization=arch["normalization"],
+                                        multi_latent_attention=bool(latent),
+                                        qk_layernorm=arch.get("qk_layernorm", False))
+        if latent:  # (its local DotProductAttention takes no separate key and value widths)
+            spec.submodules.self_attention.submodules.core_attention = _CausalAttention
         chunk = GPTModel(config, spec,
                          vocab_size=vocab, max_sequence_length=SEQ,
                          pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **virtual),
@@ -114,6 +124,21 @@ def _model(architecture: str, tp: int, pp: int, seed: int, vocab: int = VOCAB, v
     return chunks
 
 
+class _CausalAttention(torch.nn.Module):
+    """Causal softmax attention with the scale latent attention gives it: the core attention of the
+    oracle's latent-attention layers, whose projections, rotary and norms are megatron-core's. Takes
+    megatron-core's [sequence, batch, heads, channels] and returns [sequence, batch, heads x channels]."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **kwargs):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, **kwargs):
+        q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
 def _moe_config(arch: dict) -> dict:
     """TransformerConfig's fields of an architecture's experts (Megatron-LM's --num-experts is its
     num_moe_experts)."""
@@ -127,7 +152,8 @@ def _cuda_on_cpu() -> None:
     """megatron-core's CUDA calls, answered on the CPU in this (oracle) process: the current device, a
     synchronize, ``.cuda()``, tensors made with ``device="cuda"`` (its optimizer's scalars and norms), and
     ``Tensor.type()``, whose CUDA names its optimizer checks a parameter against; and its router's
-    Transformer Engine GEMM, left undefined where TE is not installed."""
+    Transformer Engine GEMM, left undefined where TE is not installed, and latent attention's test for
+    TE, true where TE's modules are not there."""
     if getattr(torch, "_oracle_on_cpu", False):
         return
     torch._oracle_on_cpu = True
@@ -137,6 +163,10 @@ def _cuda_on_cpu() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)  # (unbound without TE)
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # (TE taken for present: its linear is not)
+        multi_latent_attention.HAVE_TE = False
 
     def on_cpu(make):
         def made(*args, **kwargs):

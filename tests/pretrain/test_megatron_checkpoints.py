@@ -1,15 +1,15 @@
 """Megatron-LM checkpoints read here and written back, against megatron-core's own code on the CPU.
 
 megatron-core's GPTModel (GPT-3 class: LayerNorm, GeLU, learned positions, biases, tied embeddings) and a
-Llama-class one (RMSNorm, SwiGLU, rotary, grouped queries, untied; local spec) at tp2 x pp2, and a mixture
-of experts of the Llama class (4 experts, top 2, a gated shared expert) at tp2 x ep2, saved as Megatron-LM
-saves them (its legacy rank files, and megatron-core's ``dist_checkpointing.save``: torch_dist), load here
-with megatron-core's logits (its own re-cut to tp1 x pp1 gives them): in one process through
-``pretrain.load_model``, and through ``--load`` at dp2 (the experts at ep2) and at tp2 x pp2 ZeRO-3, on
-Megatron's iteration, data position and schedule; and ours, saved at tp2 x pp2 ZeRO-3, and the mixture of
-experts, converted to both formats load into megatron-core's model (``load_state_dict(strict=True)``,
-``dist_checkpointing.load``) with our logits. Hostile and broken checkpoints are refused in one line before
-any process group exists.
+Llama-class one (RMSNorm, SwiGLU, rotary, grouped queries, untied; local spec) at tp2 x pp2, and a
+DeepSeek-class one (latent attention with query and key/value latents, each normed; a mixture of 4 experts,
+top 2, beside a gated shared expert) at tp2 x ep2, saved as Megatron-LM saves them (its legacy rank files,
+and megatron-core's ``dist_checkpointing.save``: torch_dist), load here with megatron-core's logits (its own
+re-cut to tp1 x pp1 gives them): in one process through ``pretrain.load_model``, and through ``--load`` at
+dp2 (the experts at ep2) and at tp2 x pp2 ZeRO-3, on Megatron's iteration, data position and schedule; and
+ours, saved at tp2 x pp2 ZeRO-3, and the DeepSeek-class one, converted to both formats load into
+megatron-core's model (``load_state_dict(strict=True)``, ``dist_checkpointing.load``) with our logits.
+Hostile and broken checkpoints are refused in one line before any process group exists.
 """
 
 import os
@@ -40,7 +40,7 @@ def megatron_checkpoints(tmp_path_factory):
     # the Llama class in virtual stages: model0, model1 in each legacy file
     models = [(architecture, layout, str(tmp_path_factory.mktemp(f"megatron-{architecture}")))
               for architecture, layout in (("gpt", (2, 2, 1, 1)), ("llama", (2, 2, 2, 1)),
-                                           ("moe", (2, 1, 1, 2)))]
+                                           ("deepseek", (2, 1, 1, 2)))]
     run_world(4, save_megatron, models, timeout_s=300)
     logits = run_world(1, megatron_logits, [(architecture, os.path.join(out, "torch_dist"))
                                             for architecture, _, out in models], PROMPTS)[0]
@@ -101,7 +101,7 @@ def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_lo
         # (the experts at ep2 beside dp2; at tp2 they route each tp rank's share: --sequence-parallel)
         experts = ["--expert-model-parallel-size", "2"] if world_size == 2 else ["--sequence-parallel"]
         results = run_world(world_size, _loaded_logits,
-                            [(entry[2], experts if entry[0] == "moe" else []) for entry in directories],
+                            [(entry[2], experts if entry[0] == "deepseek" else []) for entry in directories],
                             layout,
                             saved if world_size == 4 else None, timeout_s=300)[0]
         for (architecture, kind, _, theirs), (logits, iteration, consumed) in zip(directories, results):
@@ -109,13 +109,13 @@ def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_lo
             for ours, reference in zip(logits, theirs):
                 assert_within(_relative(ours, reference[-1]), f"{architecture} {kind} at {name}: logits",
                               INTEROP_RTOL)
-    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8, and the mixture of experts, as Megatron-LM's
+    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8, and the DeepSeek-class one, as Megatron-LM's
     # legacy files (tp1 x pp1, loaded with load_state_dict(strict=True)) and torch_dist
     # (dist_checkpointing.load), megatron-core's logits ours; cut at tp2 x pp2 (tp2 x ep2), each reads back
     # here with the same logits
-    moe = os.path.join(megatron_checkpoints["moe"][0], "torch")
+    deepseek = os.path.join(megatron_checkpoints["deepseek"][0], "torch")
     sources = {"llama": (saved, ITERATION + 1, CONSUMED + 8, ["--target-pipeline-parallel-size", "2"]),
-               "moe": (moe, ITERATION, CONSUMED, ["--target-expert-parallel-size", "2"])}
+               "deepseek": (deepseek, ITERATION, CONSUMED, ["--target-expert-parallel-size", "2"])}
     exported, expected = [], {}
     for architecture, (source, _, _, cut_flags) in sources.items():
         model = load_model(source)

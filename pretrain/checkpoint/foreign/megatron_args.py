@@ -104,10 +104,29 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
         config.pop("num_query_groups", None)
     if "moe_layer_freq" in config:  # Megatron keeps N or the list; ours is the flag's text
         config["moe_layer_freq"] = str(config["moe_layer_freq"])
+    if config.get("multi_latent_attention"):
+        _latent(args, config, where)
     if _arg(args, "position_embedding_type") is None:
         config["position_embedding_type"] = ("rope" if _arg(args, "use_rotary_position_embeddings", False)
                                              else "learned_absolute")
     return config
+
+
+def _latent(args: argparse.Namespace, config: dict, where: str) -> None:
+    """Latent attention's fields: Megatron takes its rotary dims apart (evens, then odds) before rotating
+    them, as our --rotary-interleaved does; its --qk-layernorm are the latent norms, which ours always has."""
+    if _arg(args, "rotary_interleaved", False):
+        raise CheckpointError(f"{where}: latent attention saved with --rotary-interleaved, which Megatron "
+                              "applies after taking the dims apart; this stack does not build that")
+    if _arg(args, "rope_type") != "rope":
+        raise CheckpointError(f"{where}: latent attention with --rope-type {_arg(args, 'rope_type', 'yarn')} "
+                              "(Megatron's default for it): only --rope-type rope is read yet")
+    if not _arg(args, "qk_layernorm", False):
+        raise CheckpointError(f"{where}: latent attention without --qk-layernorm (no latent norms): not "
+                              "built here")
+    config.update(rotary_interleaved=True, qk_layernorm=False, group_query_attention=False)
+    for name in ("kv_channels", "num_query_groups"):  # (Megatron's args keep them; latent heads have none)
+        config.pop(name, None)
 
 
 def position_of(args: argparse.Namespace, iteration: int) -> dict:
@@ -142,4 +161,6 @@ def args_of(config: GPTConfig, layout: MegatronLayout, padded_vocab: int, run: d
     fields.pop("disable_bias_linear")
     if config.num_experts:
         fields["moe_layer_freq"] = parse_layer_freq(config.moe_layer_freq)
+    if config.multi_latent_attention:  # (the latent norms are its --qk-layernorm; see _latent)
+        fields.update(rotary_interleaved=False, qk_layernorm=True, rope_type="rope")
     return argparse.Namespace(**fields)

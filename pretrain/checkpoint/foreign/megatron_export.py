@@ -25,7 +25,8 @@ from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
 from pretrain.checkpoint.foreign.megatron_checkpoint import TRACKER, iteration_folder, legacy_file
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, EXTRA_STATE_MODULES,
                                                         LEGACY_EXPERTS, MOE_EXTRA_STATE_MODULES,
-                                                        STACKED_EXPERTS, megatron_key)
+                                                        ROW_SPLIT_DOWN, STACKED_EXPERTS,
+                                                        attention_extra_state_modules, megatron_key)
 from pretrain.checkpoint.foreign.megatron_pieces import our_slices
 
 CHECKPOINT_VERSION = 3.0
@@ -74,8 +75,10 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     "torch_dist"); returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
-    if config.multi_latent_attention:
-        raise ValueError("--to megatron: latent attention is not written yet")
+    if config.multi_latent_attention and (not config.rotary_interleaved or config.rope_scaling != "none"):
+        raise ValueError("--to megatron: latent attention is written with plain rotary positions taken "
+                         "apart as Megatron takes them (--rotary-interleaved, no rope scaling); this model's "
+                         "are not")
     if config.num_layers % pp:
         raise ValueError(f"--target-pipeline-parallel-size {pp} does not divide the model's "
                          f"{config.num_layers} layers")
@@ -120,8 +123,10 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied) 
     models = {rank: {} for rank in itertools.product(range(layout.tp), range(layout.pp), range(layout.ep))}
     for name in sorted(slices):
         _, dim, table = slices[name]
-        key, layer, expert = megatron_key(name, fused_norms=False)
+        key, layer, expert = megatron_key(name, fused_norms=False, latent=config.multi_latent_attention)
         tensor = _padded(source.whole(name), table, padded)
+        if key in ROW_SPLIT_DOWN:  # (the local spec's latent down projections: split by rows)
+            dim = 0
         ranks = range(layout.ep)
         if layer is None:
             stages = [0] if key.startswith("embedding.") else [layout.pp - 1]
@@ -153,11 +158,11 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied) 
 
 def _extra_state_modules(config: GPTConfig, moe: bool) -> tuple[str, ...]:
     """The local spec's modules with an extra state in a layer (its experts' own aside)."""
+    attention = attention_extra_state_modules(config.multi_latent_attention, config.q_lora_rank)
     if not moe:
-        return EXTRA_STATE_MODULES
-    if config.moe_shared_expert_intermediate_size:
-        return MOE_EXTRA_STATE_MODULES
-    return tuple(module for module in MOE_EXTRA_STATE_MODULES if "shared_experts" not in module)
+        return attention + EXTRA_STATE_MODULES[2:]
+    shared = MOE_EXTRA_STATE_MODULES[2:] if config.moe_shared_expert_intermediate_size else ()
+    return attention + shared
 
 
 def _write_distributed(source, config, slices, padded, common, folder) -> None:
@@ -169,7 +174,7 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
     layers, experts = config.num_layers, config.num_experts or 0
     for name in sorted(slices, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]):
         _, _, table = slices[name]
-        key, layer, expert = megatron_key(name, fused_norms=True)
+        key, layer, expert = megatron_key(name, fused_norms=True, latent=config.multi_latent_attention)
         tensor = _as_megatron(_padded(source.whole(name), table, padded))
         if layer is None:
             state[key] = tensor.contiguous()

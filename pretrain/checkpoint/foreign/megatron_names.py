@@ -42,6 +42,21 @@ LAYER_KEYS = {
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.fc2.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
 }
+# latent attention's, within a layer (its latent norms take the dense layer's q/k-norm keys in the local spec,
+# and fuse into the up projections in Transformer Engine's)
+LATENT_LAYER_KEYS = {
+    "self_attention.linear_q_proj.weight": "attention.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "attention.q_down.weight",
+    "self_attention.linear_q_up_proj.weight": "attention.q_up.weight",
+    "self_attention.linear_kv_down_proj.weight": "attention.kv_down.weight",
+    "self_attention.linear_kv_up_proj.weight": "attention.kv_up.weight",
+    "self_attention.q_layernorm.weight": "attention.q_latent_norm.weight",
+    "self_attention.kv_layernorm.weight": "attention.kv_latent_norm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "attention.q_latent_norm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "attention.kv_latent_norm.weight",
+}
+# the down projections the local spec splits over tp by rows (ours, and Transformer Engine's, are whole)
+ROW_SPLIT_DOWN = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
 # within one expert (SequentialMLP's local_experts.{i}, or torch_dist's expert axis): Megatron's -> ours
 EXPERT_KEYS = {"linear_fc1.weight": "fc1.weight", "linear_fc1.bias": "fc1.bias",
                "linear_fc2.weight": "fc2.weight", "linear_fc2.bias": "fc2.bias"}
@@ -63,6 +78,8 @@ STACKED_PREFIX = "decoder.layers."  # torch_dist: one key per layer tensor, the 
 # ours -> Megatron's: the local spec's norm names (legacy files) or the fused ones (torch_dist, whatever
 # the spec: megatron-core's own sharded state dict maps the local names onto them)
 LOCAL_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" not in theirs}
+LOCAL_LATENT_KEYS = {**LOCAL_LAYER_KEYS, **{ours: theirs for theirs, ours in LATENT_LAYER_KEYS.items()
+                                            if ".layer_norm_" not in theirs}}
 FUSED_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
                     if not theirs.startswith(("input_layernorm.", "pre_mlp_layernorm."))}
 OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()}
@@ -75,17 +92,29 @@ MOE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_p
 EXPERT_EXTRA_STATE_MODULES = ("linear_fc1", "linear_fc2")
 
 
-def megatron_key(ours: str, fused_norms: bool) -> tuple[str, int | None, int | None]:
+def attention_extra_state_modules(latent: bool, q_lora_rank: int | None) -> tuple[str, ...]:
+    """The attention's modules with an extra state: the dense layer's two, or latent attention's
+    projections."""
+    if not latent:
+        return EXTRA_STATE_MODULES[:2]
+    queries = ("linear_q_proj",) if q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    return tuple(f"self_attention.{module}" for module in
+                 ("linear_proj", *queries, "linear_kv_down_proj", "linear_kv_up_proj"))
+
+
+def megatron_key(ours: str, fused_norms: bool, latent: bool = False) -> tuple[str, int | None, int | None]:
     """Megatron's key of our name ``ours``, its layer (None outside the layers) and expert (None outside
     the experts): within the layer for a layer's tensor (``decoder.layers.{layer}.`` to be prefixed),
-    within the expert for an expert's (the format's expert prefix too)."""
+    within the expert for an expert's (the format's expert prefix too). A latent-attention model's keys
+    are the local spec's in both formats (its sharded state dict maps no norm)."""
     if ours in OUR_MODEL_KEYS:
         return OUR_MODEL_KEYS[ours], None, None
     _, layer, inner = ours.split(".", 2)
     if inner.startswith("mlp.experts."):
         _, _, expert, within = inner.split(".", 3)
         return OUR_EXPERT_KEYS[within], int(layer), int(expert)
-    return (FUSED_LAYER_KEYS if fused_norms else LOCAL_LAYER_KEYS)[inner], int(layer), None
+    keys = LOCAL_LATENT_KEYS if latent else FUSED_LAYER_KEYS if fused_norms else LOCAL_LAYER_KEYS
+    return keys[inner], int(layer), None
 
 
 class UnknownKey(ValueError):
@@ -97,27 +126,29 @@ def skipped(key: str) -> bool:
     return "_extra_state" in key or key.endswith(("inv_freq", "rotary_pos_emb.freqs"))
 
 
-def ours_of(key: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+def ours_of(key: str, layer_offset: int = 0, expert_offset: int = 0, latent: bool = False) -> str:
     """Our name of Megatron's ``key`` (a model chunk's, its layers numbered from ``layer_offset``, its
-    local experts from ``expert_offset``); a torch_dist key of one layer's experts has ``{}`` for the
-    expert (its first axis)."""
+    local experts from ``expert_offset``; ``latent``: a latent-attention model's); a torch_dist key of one
+    layer's experts has ``{}`` for the expert (its first axis)."""
     if key in MODEL_KEYS:
         return MODEL_KEYS[key]
     match = LAYER_KEY.match(key)
     if match:
         layer = int(match.group(1)) + layer_offset
-        inner = _within_layer(key, match.group(2), expert_offset)
+        inner = _within_layer(key, match.group(2), expert_offset, latent)
         return f"layers.{layer}.{inner}"
     raise UnknownKey(key)
 
 
-def ours_of_stacked(key: str) -> str:
+def ours_of_stacked(key: str, latent: bool = False) -> str:
     """Our name, with ``{}`` for the layer (and a second for the expert), of a torch_dist key whose
     first axis runs over the layers (and second over the experts)."""
-    return "layers.{}." + _within_layer(key, key[len(STACKED_PREFIX):], 0)
+    return "layers.{}." + _within_layer(key, key[len(STACKED_PREFIX):], 0, latent)
 
 
-def _within_layer(key: str, inner: str, expert_offset: int) -> str:
+def _within_layer(key: str, inner: str, expert_offset: int, latent: bool) -> str:
+    if latent and inner in LATENT_LAYER_KEYS:
+        return LATENT_LAYER_KEYS[inner]
     if inner in LAYER_KEYS:
         return LAYER_KEYS[inner]
     local = _LOCAL_EXPERT.match(inner)

@@ -24,8 +24,9 @@ from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.checkpoint.foreign.megatron_checkpoint import MegatronCheckpoint, legacy_file, reopen
 from pretrain.checkpoint.foreign.megatron_optimizer import DistributedOptimizerStates, adam_step
-from pretrain.checkpoint.foreign.megatron_names import (LAYER_KEY, LEGACY_EXPERTS, STACKED_PREFIX, UnknownKey,
-                                                        ours_of, ours_of_stacked, skipped)
+from pretrain.checkpoint.foreign.megatron_names import (LAYER_KEY, LEGACY_EXPERTS, ROW_SPLIT_DOWN,
+                                                        STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
+                                                        skipped)
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 from pretrain.checkpoint.geometry import SliceGeometry
 from pretrain.checkpoint.reshard import PieceSource, SavedPiece
@@ -59,6 +60,8 @@ class MegatronPieces(PieceSource):
             self.files: dict[str, dict] = {}
             self.optimizers: dict[str, DistributedOptimizerStates] = {}
             self.reads_optimizer = checkpoint.optimizer_states() == "distributed"
+            # the local spec's latent down projections are column-parallel (Transformer Engine's whole)
+            self.rows_split = getattr(checkpoint.args, "transformer_impl", "transformer_engine") == "local"
             if checkpoint.layout.etp != checkpoint.layout.tp:
                 raise CheckpointError(f"{checkpoint.folder}: saved with --expert-tensor-parallel-size "
                                       f"{checkpoint.layout.etp} beside --tensor-model-parallel-size "
@@ -75,8 +78,9 @@ class MegatronPieces(PieceSource):
     def _place(self, key: str, offset: int = 0, stacked: bool = False, expert_offset: int = 0) -> str | None:
         """Our name of ``key``, None for what is no parameter here (the last stage's copy of tied
         embeddings)."""
+        latent = self.config.multi_latent_attention
         try:
-            name = ours_of_stacked(key) if stacked else ours_of(key, offset, expert_offset)
+            name = ours_of_stacked(key, latent) if stacked else ours_of(key, offset, expert_offset, latent)
         except UnknownKey:
             raise CheckpointError(f"{self.checkpoint.folder}: {key} has no place in the model its args "
                                   "describe (an architecture this reader does not take); refused") from None
@@ -119,6 +123,8 @@ class MegatronPieces(PieceSource):
                                               "its args describe; refused")
                     continue
                 shape, dim, table = slices[name]
+                if key.endswith(ROW_SPLIT_DOWN) and self.rows_split:  # whole here, split by rows there
+                    dim, shape = 0, (shape[0] // layout.tp, *shape[1:])
                 if dim is None and tp > 0:
                     continue  # replicated over tp: rank 0's copy
                 self._check_shape(key, name, tuple(tensor.shape), shape, table)
