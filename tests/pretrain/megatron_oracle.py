@@ -41,7 +41,8 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
        "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "aux_loss",
        "moe_aux_loss_coeff": 0.0}
 LATENT = {"multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8,
-          "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "rope_type": "rope", "qk_layernorm": True,
+          "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
+          "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0, "qk_layernorm": True,
           "group_query_attention": False, "num_query_groups": HEADS}
 ARCHITECTURES["deepseek"] = {**ARCHITECTURES["llama"], **MOE, **LATENT}
 

@@ -112,15 +112,24 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
     return config
 
 
+# Megatron's yarn flags (MLATransformerConfig's defaults where its args hold none) -> ours
+YARN = {"rotary_scaling_factor": ("rope_scaling_factor", 40.0),
+        "original_max_position_embeddings": ("rope_original_max_position_embeddings", 4096),
+        "beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
+        "mscale": ("rope_mscale", 1.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0)}
+
+
 def _latent(args: argparse.Namespace, config: dict, where: str) -> None:
     """Latent attention's fields: Megatron takes its rotary dims apart (evens, then odds) before rotating
-    them, as our --rotary-interleaved does; its --qk-layernorm are the latent norms, which ours always has."""
+    them, as our --rotary-interleaved does; its --qk-layernorm are the latent norms, which ours always has;
+    its rotary is yarn unless --rope-type rope says otherwise."""
     if _arg(args, "rotary_interleaved", False):
         raise CheckpointError(f"{where}: latent attention saved with --rotary-interleaved, which Megatron "
                               "applies after taking the dims apart; this stack does not build that")
-    if _arg(args, "rope_type") != "rope":
-        raise CheckpointError(f"{where}: latent attention with --rope-type {_arg(args, 'rope_type', 'yarn')} "
-                              "(Megatron's default for it): only --rope-type rope is read yet")
+    config["rope_type"] = _arg(args, "rope_type", "yarn")
+    if config["rope_type"] == "yarn":
+        config.update({ours: type(default)(_arg(args, theirs, default))
+                       for theirs, (ours, default) in YARN.items()})
     if not _arg(args, "qk_layernorm", False):
         raise CheckpointError(f"{where}: latent attention without --qk-layernorm (no latent norms): not "
                               "built here")
@@ -162,5 +171,7 @@ def args_of(config: GPTConfig, layout: MegatronLayout, padded_vocab: int, run: d
     if config.num_experts:
         fields["moe_layer_freq"] = parse_layer_freq(config.moe_layer_freq)
     if config.multi_latent_attention:  # (the latent norms are its --qk-layernorm; see _latent)
-        fields.update(rotary_interleaved=False, qk_layernorm=True, rope_type="rope")
+        fields.update(rotary_interleaved=False, qk_layernorm=True, rope_type=config.rope_type or "rope")
+        if config.rope_scaling == "yarn":
+            fields.update({theirs: getattr(config, ours) for theirs, (ours, _) in YARN.items()})
     return argparse.Namespace(**fields)

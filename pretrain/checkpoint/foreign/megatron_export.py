@@ -75,9 +75,10 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     "torch_dist"); returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
-    if config.multi_latent_attention and (not config.rotary_interleaved or config.rope_scaling != "none"):
-        raise ValueError("--to megatron: latent attention is written with plain rotary positions taken "
-                         "apart as Megatron takes them (--rotary-interleaved, no rope scaling); this model's "
+    if config.multi_latent_attention and (not config.rotary_interleaved
+                                          or config.rope_scaling not in ("none", "yarn")):
+        raise ValueError("--to megatron: latent attention is written with rotary positions taken apart as "
+                         "Megatron takes them (--rotary-interleaved), plain or yarn-scaled; this model's "
                          "are not")
     if config.num_layers % pp:
         raise ValueError(f"--target-pipeline-parallel-size {pp} does not divide the model's "
