@@ -122,8 +122,9 @@ def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     if held == "distributed":
         return
     what = (f"its {held} optimizer's states are not read by this stack yet (the distributed optimizer's "
-            "legacy distrib_optim.pt is: Megatron-LM's --ckpt-convert-format torch --ckpt-convert-save DIR "
-            "writes one)" if held else "it holds no optimizer states")
+            "legacy distrib_optim.pt and torch_dist's fully_reshardable ones are: Megatron-LM's "
+            "--ckpt-convert-format torch --ckpt-convert-save DIR writes the first)" if held
+            else "it holds no optimizer states")
     raise ValueError(f"--load {directory}: a {manifest['source']} checkpoint of iteration "
                      f"{manifest['iteration']}; {what}: add --no-load-optim to continue its iteration, data "
                      "position and schedule with a fresh optimizer, or --finetune to start from its weights")

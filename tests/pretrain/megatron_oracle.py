@@ -307,13 +307,13 @@ TRAINING = {"lr": 3e-3, "min_lr": 3e-4, "weight_decay": 0.1, "adam_beta1": 0.9, 
 
 
 def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batches: list, stop: int,
-                   out: str, final: str, bucket_size: int | None = None) -> list[float]:
+                   out: str, final: str | None, bucket_size: int | None = None) -> list[float]:
     """megatron-core trains its model (tp x dp, pp1) on ``batches`` (one list of micro-batches per
     iteration, the whole global batch: each dp rank takes its share in order) with its DistributedOptimizer;
-    after iteration ``stop`` it saves Megatron-LM's legacy files with ``distrib_optim.pt`` (its
-    ``save_parameter_state``) under ``out``, after the last one the weights alone under ``final``. Returns
-    the loss of each iteration. ``bucket_size``: its DDP overlaps the gradients' reduce-scatter with the
-    backward pass in buckets of that many elements (``--overlap-grad-reduce --ddp-bucket-size``)."""
+    after iteration ``stop`` it saves as Megatron-LM does under ``out`` (``_save_trained``), after the last
+    one the weights alone under ``final``. Returns the loss of each iteration. ``bucket_size``: its DDP
+    overlaps the gradients' reduce-scatter with the backward pass in buckets of that many elements
+    (``--overlap-grad-reduce --ddp-bucket-size``)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -354,8 +354,9 @@ def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batch
         if iteration == stop:
             _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
                           bucket_size)
-    _save_trained(rank, world_size, architecture, tp, final, len(batches), chunk, None, scheduler,
-                  bucket_size)
+    if final:
+        _save_trained(rank, world_size, architecture, tp, final, len(batches), chunk, None, scheduler,
+                      bucket_size)
     return losses
 
 
@@ -365,28 +366,44 @@ def _causal(tokens: torch.Tensor) -> torch.Tensor:
 
 def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
                   bucket_size) -> None:
-    """Megatron-LM's legacy save (``--ckpt-format torch``, ``--use-distributed-optimizer``): the model,
+    """Megatron-LM's saves with ``--use-distributed-optimizer``: legacy under ``out/torch`` (the model,
     optimizer's ``state_dict`` and scheduler per tp rank from dp rank 0, the distributed optimizer's
-    parameter state gathered on dp rank 0 into ``distrib_optim.pt`` beside it."""
-    from megatron.core import parallel_state
+    parameter state gathered on dp rank 0 into ``distrib_optim.pt`` beside it) and, with an optimizer and
+    no buckets, torch_dist under ``out/torch_dist`` (its ``fully_reshardable`` sharding, model-space
+    states: megatron-core 0.16.1 writes them at the wrong places when --overlap-grad-reduce cuts buckets,
+    as its own warning of "data corruption" says)."""
+    from megatron.core import dist_checkpointing, parallel_state
 
     args = megatron_args(architecture, tp, 1, world_size)
     args.use_distributed_optimizer, args.iteration = True, iteration
     args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
     args.consumed_train_samples = iteration * TRAINING["global_batch"]
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+              "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0}
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    folder = os.path.join(out, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}")
+    legacy = os.path.join(out, "torch")
+    folder = os.path.join(legacy, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}")
     os.makedirs(folder, exist_ok=True)
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-             "model": chunk.state_dict_for_save_checkpoint(), "opt_param_scheduler": scheduler.state_dict(),
-             "num_floating_point_operations_so_far": 0}
+    state = {**common, "model": chunk.state_dict_for_save_checkpoint()}
+    kinds = [legacy]
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
         optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
+    if optimizer is not None and bucket_size is None:
+        distributed = os.path.join(out, "torch_dist")
+        os.makedirs(os.path.join(distributed, f"iter_{iteration:07d}"), exist_ok=True)
+        torch.distributed.barrier()
+        model = chunk.sharded_state_dict()
+        dist_checkpointing.save({**common, "model": model, "optimizer": optimizer.sharded_state_dict(
+            model, metadata={"distrib_optim_sharding_type": "fully_reshardable"})},
+            os.path.join(distributed, f"iter_{iteration:07d}"))
+        _stop_writer_manager()
+        kinds.append(distributed)
     if parallel_state.get_data_parallel_rank() == 0:
         torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
     torch.distributed.barrier()
     if rank == 0:
-        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as handle:
-            handle.write(str(iteration))
+        for directory in kinds:
+            with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as handle:
+                handle.write(str(iteration))
     torch.distributed.barrier()

@@ -3,11 +3,13 @@
 megatron-core trains its Llama-class GPTModel at tp2 x dp2 (its DDP with ``--overlap-grad-reduce`` in
 buckets of 3400 elements, its DistributedOptimizer, Adam, clipping, its cosine scheduler) on the
 micro-batches our data pipeline reads, saves Megatron-LM's legacy files with ``distrib_optim.pt`` (its
-own ``save_parameter_state``) after iteration 4 and trains on to iteration 7. Resumed here at dp4 x tp1
-ZeRO-1 from iteration 4, our losses of iterations 5-7 and final weights are megatron-core's within the
-bound of our own resumes in another layout; with a fresh optimizer (--no-load-optim) they are not. The
-bucket size makes the buffer's layout differ from one bucket's, so a reader that ignored the bucketing
-flags would read the moments at the wrong places; args that name other flags are refused by name.
+own ``save_parameter_state``) after iteration 4 and trains on to iteration 7; a second run in one bucket
+saves torch_dist with the distributed optimizer's ``fully_reshardable`` states (megatron-core 0.16.1
+misplaces those when buckets are cut). Resumed here at dp4 x tp1 ZeRO-1 from iteration 4, from either,
+our losses of iterations 5-7 and final weights are megatron-core's within the bound of our own resumes in
+another layout; with a fresh optimizer (--no-load-optim) they are not. The bucket size makes the buffer's
+layout differ from one bucket's, so a reader that ignored the bucketing flags would read the moments at
+the wrong places; args that name other flags are refused by name.
 """
 
 import os
@@ -26,6 +28,7 @@ from tests.world import run_world
 
 pytest.importorskip("megatron.core")
 STOP, ITERATIONS, BUCKET = 4, 7, 3400
+FORMATS = ("torch", "torch_dist")
 
 
 def _flags(cache: str, *extra: str) -> list[str]:
@@ -52,15 +55,25 @@ def _micro_batches(cache: str) -> list[list[dict]]:
     return [micro[i:i + TRAINING["global_batch"]] for i in range(0, samples, TRAINING["global_batch"])]
 
 
-def _resumed(rank, world_size, load, cache, saves):
-    """Our run resumed from ``load`` at dp4 ZeRO-1, whole and with a fresh optimizer: each one's losses,
-    the whole resume's checkpoint under ``saves[0]``."""
+def _megatron_runs(rank, world_size, batches, bucketed, plain, final):
+    """megatron-core's run twice: in buckets (its legacy files under ``bucketed``, the final weights
+    under ``final``) and in one bucket (its torch_dist too, under ``plain``). Returns the first's losses."""
+    losses = train_megatron(rank, world_size, "llama", 2, batches, STOP, bucketed, final, BUCKET)
+    train_megatron(rank, world_size, "llama", 2, batches, STOP, plain, None)
+    return losses
+
+
+def _resumed(rank, world_size, bucketed, plain, cache, saves):
+    """Our run resumed at dp4 ZeRO-1 from the bucketed run's legacy files and the other's torch_dist,
+    whole (saving under ``saves``), and from the legacy files with a fresh optimizer: each one's losses."""
     from pretrain.training.trainer import Trainer
 
     out = []
-    for extra, save in ((["--save", saves[0], "--save-interval", str(ITERATIONS)], saves[0]),
-                        (["--no-load-optim"], None)):
-        config = parse_config(_flags(cache, "--load", load, "--zero-stage", "1", *extra))
+    for load, extra in ((os.path.join(bucketed, "torch"), ["--save", saves[0]]),
+                        (os.path.join(plain, "torch_dist"), ["--save", saves[1]]),
+                        (os.path.join(bucketed, "torch"), ["--no-load-optim"])):
+        config = parse_config(_flags(cache, "--load", load, "--zero-stage", "1", "--save-interval",
+                                     str(ITERATIONS), *extra))
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         out.append((trainer.start_iteration, trainer.train().losses))
         torch.distributed.barrier()
@@ -69,24 +82,27 @@ def _resumed(rank, world_size, load, cache, saves):
 
 @pytest.mark.parity
 def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(tmp_path):
-    cache, megatron, final = (str(tmp_path / name) for name in ("cache", "megatron", "megatron-final"))
-    theirs = run_world(4, train_megatron, "llama", 2, _micro_batches(cache), STOP, megatron, final, BUCKET,
-                       timeout_s=300)[0]
-    ours = str(tmp_path / "ours")
-    (start, whole), (_, fresh) = run_world(4, _resumed, megatron, cache, [ours], timeout_s=300)[0]
-    assert start == STOP
-    assert_trajectory_close(whole, theirs[STOP:], "Megatron's run resumed here at dp4: losses")
-    got, want = dict(load_model(ours).named_parameters()), dict(load_model(final).named_parameters())
+    cache, megatron, plain, final = (str(tmp_path / name) for name in ("cache", "megatron", "one-bucket",
+                                                                       "megatron-final"))
+    theirs = run_world(4, _megatron_runs, _micro_batches(cache), megatron, plain, final, timeout_s=300)[0]
+    ours = [str(tmp_path / f"ours-{kind}") for kind in FORMATS]
+    *whole, (_, fresh) = run_world(4, _resumed, megatron, plain, cache, ours, timeout_s=300)[0]
+    want = dict(load_model(os.path.join(final, "torch")).named_parameters())
     names = sorted(want)
-    assert_tensors_close([got[name][:want[name].shape[0]] for name in names], [want[name] for name in names],
-                         "Megatron's run resumed here at dp4: weights after iteration 7")
+    for kind, (start, losses), saved in zip(FORMATS, whole, ours):
+        assert start == STOP
+        assert_trajectory_close(losses, theirs[STOP:], f"Megatron's run ({kind}) resumed here at dp4: losses")
+        got = dict(load_model(saved).named_parameters())
+        assert_tensors_close([got[name][:want[name].shape[0]] for name in names],
+                             [want[name] for name in names],
+                             f"Megatron's run ({kind}) resumed here at dp4: weights after iteration 7")
     # a fresh optimizer leaves the trajectory: the moments read are what kept it
     drift = max(abs(a - b) / b for a, b in zip(fresh[1:], theirs[STOP + 1:]))
     assert drift > 100 * TRAJECTORY_RTOL, drift
 
     # args that name another bucketing than the one that laid the buffer out are refused by name (a
     # resume with a fresh optimizer still takes the weights)
-    other = shutil.copytree(megatron, tmp_path / "other-buckets")
+    other = shutil.copytree(os.path.join(megatron, "torch"), tmp_path / "other-buckets")
     folder = os.path.join(other, f"iter_{STOP:07d}")
     for rank_folder in sorted(os.listdir(folder)):
         path = os.path.join(folder, rank_folder, "model_optim_rng.pt")

@@ -71,13 +71,18 @@ class MegatronCheckpoint:
         return self.common["args"]
 
     def optimizer_states(self) -> str | None:
-        """Which optimizer states it holds: "distributed" (the distributed optimizer's gathered states,
-        which load here), "torch_dist distributed" (its sharded ones), "plain", or None."""
+        """Which optimizer states it holds: "distributed" (the distributed optimizer's, gathered in a
+        legacy distrib_optim.pt or torch_dist's fully_reshardable: they load here), "torch_dist
+        distributed (SHARDING)" (its other shardings), "plain", or None."""
         if self.format == "torch_dist":
             from pretrain.checkpoint.foreign.safe_pickle import load_dcp_metadata
 
             keys = load_dcp_metadata(os.path.join(self.folder, ".metadata")).state_dict_metadata
-            return "torch_dist distributed" if any(key.startswith("optimizer.") for key in keys) else None
+            if not any(key.startswith("optimizer.") for key in keys):
+                return None
+            sharding = (self.common.get("optimizer") or {}).get("param_state_sharding_type")
+            return ("distributed" if sharding == "fully_reshardable"
+                    else f"torch_dist distributed ({sharding})")
         if os.path.isfile(os.path.join(os.path.dirname(legacy_file(self.folder, self.layout, 0, 0, 0)),
                                        DISTRIBUTED_OPTIMIZER_FILE)):
             return "distributed"

@@ -1,4 +1,6 @@
-"""The distributed optimizer's states of a Megatron-LM legacy checkpoint: ``distrib_optim.pt`` beside each
+"""The distributed optimizer's states of a Megatron-LM checkpoint. In torch_dist with its
+``fully_reshardable`` sharding they are tensors of the model's keys and shapes (``MODEL_SPACE_STATES``),
+read beside the weights; in a legacy checkpoint, ``distrib_optim.pt`` beside each
 rank file (what megatron-core's ``DistributedOptimizer.save_parameter_state`` gathers on dp rank 0: per
 buffer of each model chunk, the fp32 masters ``param`` and Adam's ``exp_avg`` / ``exp_avg_sq`` as flat
 tensors), and Adam's step from the rank file's param groups.
@@ -26,6 +28,7 @@ from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
 KINDS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # ours: Megatron's
+MODEL_SPACE_STATES = "optimizer.state."  # torch_dist's fully_reshardable: + {kind}.{the tensor's key}
 _ALIGN, _BUCKET_ALIGN, _BUSBW = 64, 128, 2 ** 16
 
 

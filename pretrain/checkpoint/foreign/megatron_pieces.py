@@ -23,7 +23,8 @@ from parallel.param_meta import meta
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.checkpoint.foreign.megatron_checkpoint import MegatronCheckpoint, legacy_file, reopen
-from pretrain.checkpoint.foreign.megatron_optimizer import DistributedOptimizerStates, adam_step
+from pretrain.checkpoint.foreign.megatron_optimizer import (KINDS, MODEL_SPACE_STATES,
+                                                            DistributedOptimizerStates, adam_step)
 from pretrain.checkpoint.foreign.megatron_names import (LAYER_KEY, LEGACY_EXPERTS, ROW_SPLIT_DOWN,
                                                         STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
                                                         skipped)
@@ -53,13 +54,13 @@ class MegatronPieces(PieceSource):
         self._last: tuple[tuple, torch.Tensor] | None = None
         self._row: tuple[tuple, torch.Tensor] | None = None
         self.unread_optimizer: str | None = None  # why its optimizer's states cannot be read, if so
+        self.reads_optimizer = checkpoint.optimizer_states() == "distributed"
+        self.optimizers: dict[str, DistributedOptimizerStates] = {}  # a legacy file's distrib_optim.pt
         if checkpoint.format == "torch_dist":
             self.folder = DCPFolder(checkpoint.folder)
             self._list_distributed(our_slices(config, 1))
         else:
             self.files: dict[str, dict] = {}
-            self.optimizers: dict[str, DistributedOptimizerStates] = {}
-            self.reads_optimizer = checkpoint.optimizer_states() == "distributed"
             # the local spec's latent down projections are column-parallel (Transformer Engine's whole)
             self.rows_split = getattr(checkpoint.args, "transformer_impl", "transformer_engine") == "local"
             if checkpoint.layout.etp != checkpoint.layout.tp:
@@ -178,24 +179,40 @@ class MegatronPieces(PieceSource):
                 geometry = (SliceGeometry.of(one, 0, 0, 1, self.config.vocab_size) if table
                             else SliceGeometry(shape))
                 self.by_name[ours].append(SavedPiece(ours, geometry, 0, math.prod(one), (key, index)))
+            if self.reads_optimizer:
+                self._check_model_space_states(key, saved)
+        if self.reads_optimizer and not self.unread_optimizer:
+            self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(self.checkpoint.common,
+                                                                          self.checkpoint.folder)
+
+    def _check_model_space_states(self, key: str, saved: tuple) -> None:
+        """The distributed optimizer's model-space states of torch_dist tensor ``key`` (its
+        ``fully_reshardable`` sharding: ``optimizer.state.<kind>.<key>``, the tensor's own shape); a
+        missing one is recorded in ``unread_optimizer``."""
+        for kind in KINDS.values():
+            state = f"{MODEL_SPACE_STATES}{kind}.{key}"
+            if not self.unread_optimizer and (state not in self.folder.tensors
+                                              or self.folder.shape(state) != saved):
+                self.unread_optimizer = (f"{self.checkpoint.folder}: holds no {state} of the shape of {key} "
+                                         "(optimizer states of another sharding?)")
 
     # reading ------------------------------------------------------------------------------------------
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
         if self.kinds and piece.where[0] in self.optimizers:
             path, chunk, key = piece.where
             return self.optimizers[path].values(chunk, key, piece.length, kind).float()
-        if kind != "master":
+        if kind != "master" and not self.kinds:
             return None
-        if self._last is None or self._last[0] != piece.where:
+        if self._last is None or self._last[0] != (piece.where, kind):
             if self.checkpoint.format == "torch_dist":
                 key, index = piece.where
+                key = f"{MODEL_SPACE_STATES}{KINDS[kind]}.{key}" if self.kinds else key
                 tensor = self._first_axis(key, index[0])[index[1:]] if index else self.folder.read(key)
             else:
                 path, chunk, key = piece.where
                 tensor = self.files[path][chunk][key]
-            self._last = (piece.where, tensor.float().reshape(-1))
+            self._last = ((piece.where, kind), tensor.float().reshape(-1))
         return self._last[1]
-
 
     def _first_axis(self, key: str, first: int) -> torch.Tensor:
         """Row ``first`` of a stacked torch_dist tensor (one layer: all its experts), kept for the next
