@@ -27,6 +27,7 @@ from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, Check
                                          exists, fsync_directory, iteration_name, latest_name, newest_intact,
                                          open_rank_file, rank_entries, read_manifest, read_rank_file,
                                          run_states, verified, write_durably)
+from pretrain.checkpoint.foreign.megatron_checkpoint import READ_OPTIMIZER_STATES
 from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.saved_pieces import index_of
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
@@ -244,10 +245,10 @@ def load(directory: str, states: dict[str, Stateful], groups: ParallelGroups, we
     checkpoint that holds weights only, such as a Hugging Face import) loads the weights alone."""
     model, run, rank_states = _split(states)
     checkpoint, manifest = read_manifest(directory, step)
-    # (a Megatron-LM checkpoint's optimizer states are read where they are the distributed optimizer's
-    # gathered ones; of another, validation asked for --no-load-optim)
+    # (a Megatron-LM checkpoint's optimizer states are read where READ_OPTIMIZER_STATES names them; of
+    # another, validation asked for --no-load-optim)
     weights_only = weights_only or manifest.get("kind") == "weights" or (
-        manifest.get("kind") == "megatron" and manifest["megatron"]["optimizer"] != "distributed")
+        manifest.get("kind") == "megatron" and manifest["megatron"]["optimizer"] not in READ_OPTIMIZER_STATES)
     mine = _fill(model, checkpoint, manifest, weights_only, groups, directory)
     if mine is not None and model.holds_the_same(mine[MODEL]):
         for name, state in rank_states.items():

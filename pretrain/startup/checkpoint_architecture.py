@@ -16,6 +16,7 @@ import os
 
 from models.config import GPTConfig
 from pretrain.checkpoint.catalog import CheckpointError, exists, not_a_checkpoint_directory, read_manifest
+from pretrain.checkpoint.foreign.megatron_checkpoint import READ_OPTIMIZER_STATES
 from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
 from pretrain.config.schema import Config
@@ -116,10 +117,10 @@ def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     if directory != ckpt.load or ckpt.finetune or ckpt.no_load_optim:
         return
     held = manifest["megatron"]["optimizer"]
-    if held == "distributed" and pieces.unread_optimizer:
+    if held in READ_OPTIMIZER_STATES and pieces.unread_optimizer:
         raise ValueError(f"{pieces.unread_optimizer}: add --no-load-optim to continue with a fresh "
                          "optimizer, or --finetune to start from its weights")
-    if held == "distributed":
+    if held in READ_OPTIMIZER_STATES:
         return
     what = (f"its {held} optimizer's states are not read by this stack yet (the distributed optimizer's "
             "legacy distrib_optim.pt and torch_dist's fully_reshardable ones are: Megatron-LM's "

@@ -307,27 +307,29 @@ TRAINING = {"lr": 3e-3, "min_lr": 3e-4, "weight_decay": 0.1, "adam_beta1": 0.9, 
 
 
 def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batches: list, stop: int,
-                   out: str, final: str | None, bucket_size: int | None = None) -> list[float]:
+                   out: str, final: str | None, bucket_size: int | None = None,
+                   distributed: bool = True) -> list[float]:
     """megatron-core trains its model (tp x dp, pp1) on ``batches`` (one list of micro-batches per
     iteration, the whole global batch: each dp rank takes its share in order) with its DistributedOptimizer;
     after iteration ``stop`` it saves as Megatron-LM does under ``out`` (``_save_trained``), after the last
     one the weights alone under ``final``. Returns the loss of each iteration. ``bucket_size``: its DDP
     overlaps the gradients' reduce-scatter with the backward pass in buckets of that many elements
-    (``--overlap-grad-reduce --ddp-bucket-size``)."""
+    (``--overlap-grad-reduce --ddp-bucket-size``); ``distributed``: its distributed optimizer, else the
+    plain one (Adam's states whole on every dp rank)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     chunk, = _model(architecture, tp, 1, seed=1234)
-    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed,
                                         overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
     model = DistributedDataParallel(chunk.config, ddp, chunk)
     t = TRAINING
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t["lr"], min_lr=t["min_lr"], weight_decay=t["weight_decay"],
         adam_beta1=t["adam_beta1"], adam_beta2=t["adam_beta2"], adam_eps=t["adam_eps"],
-        clip_grad=t["clip_grad"], use_distributed_optimizer=True), [model])
+        clip_grad=t["clip_grad"], use_distributed_optimizer=distributed), [model])
     batch = t["global_batch"]
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t["lr"], min_lr=t["min_lr"], lr_warmup_steps=t["warmup_iters"] * batch,
@@ -353,10 +355,10 @@ def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batch
         losses.append(total.item())
         if iteration == stop:
             _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
-                          bucket_size)
+                          bucket_size, distributed)
     if final:
         _save_trained(rank, world_size, architecture, tp, final, len(batches), chunk, None, scheduler,
-                      bucket_size)
+                      bucket_size, distributed)
     return losses
 
 
@@ -365,17 +367,17 @@ def _causal(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
-                  bucket_size) -> None:
-    """Megatron-LM's saves with ``--use-distributed-optimizer``: legacy under ``out/torch`` (the model,
-    optimizer's ``state_dict`` and scheduler per tp rank from dp rank 0, the distributed optimizer's
-    parameter state gathered on dp rank 0 into ``distrib_optim.pt`` beside it) and, with an optimizer and
-    no buckets, torch_dist under ``out/torch_dist`` (its ``fully_reshardable`` sharding, model-space
-    states: megatron-core 0.16.1 writes them at the wrong places when --overlap-grad-reduce cuts buckets,
-    as its own warning of "data corruption" says)."""
+                  bucket_size, distributed) -> None:
+    """Megatron-LM's saves: legacy under ``out/torch`` (the model, optimizer's ``state_dict`` and
+    scheduler per tp rank from dp rank 0; with ``--use-distributed-optimizer`` its parameter state
+    gathered on dp rank 0 into ``distrib_optim.pt`` beside it, else Adam's states in the ``state_dict``)
+    and, with the distributed optimizer and no buckets, torch_dist under ``out/torch_dist`` (its
+    ``fully_reshardable`` sharding, model-space states: megatron-core 0.16.1 writes them at the wrong
+    places when --overlap-grad-reduce cuts buckets, as its own warning of "data corruption" says)."""
     from megatron.core import dist_checkpointing, parallel_state
 
     args = megatron_args(architecture, tp, 1, world_size)
-    args.use_distributed_optimizer, args.iteration = True, iteration
+    args.use_distributed_optimizer, args.iteration = distributed, iteration
     args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
     args.consumed_train_samples = iteration * TRAINING["global_batch"]
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
@@ -388,17 +390,18 @@ def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, opt
     kinds = [legacy]
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
+    if optimizer is not None and distributed:
         optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
-    if optimizer is not None and bucket_size is None:
-        distributed = os.path.join(out, "torch_dist")
-        os.makedirs(os.path.join(distributed, f"iter_{iteration:07d}"), exist_ok=True)
+    if optimizer is not None and distributed and bucket_size is None:
+        sharded = os.path.join(out, "torch_dist")
+        os.makedirs(os.path.join(sharded, f"iter_{iteration:07d}"), exist_ok=True)
         torch.distributed.barrier()
         model = chunk.sharded_state_dict()
         dist_checkpointing.save({**common, "model": model, "optimizer": optimizer.sharded_state_dict(
             model, metadata={"distrib_optim_sharding_type": "fully_reshardable"})},
-            os.path.join(distributed, f"iter_{iteration:07d}"))
+            os.path.join(sharded, f"iter_{iteration:07d}"))
         _stop_writer_manager()
-        kinds.append(distributed)
+        kinds.append(sharded)
     if parallel_state.get_data_parallel_rank() == 0:
         torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
     torch.distributed.barrier()

@@ -5,7 +5,8 @@ buckets of 3400 elements, its DistributedOptimizer, Adam, clipping, its cosine s
 micro-batches our data pipeline reads, saves Megatron-LM's legacy files with ``distrib_optim.pt`` (its
 own ``save_parameter_state``) after iteration 4 and trains on to iteration 7; a second run in one bucket
 saves torch_dist with the distributed optimizer's ``fully_reshardable`` states (megatron-core 0.16.1
-misplaces those when buckets are cut). Resumed here at dp4 x tp1 ZeRO-1 from iteration 4, from either,
+misplaces those when buckets are cut), a third with the plain optimizer its legacy files (Adam's states in
+torch's state dict). Resumed here at dp4 x tp1 ZeRO-1 from iteration 4, from any of them,
 our losses of iterations 5-7 and final weights are megatron-core's within the bound of our own resumes in
 another layout; with a fresh optimizer (--no-load-optim) they are not. The bucket size makes the buffer's
 layout differ from one bucket's, so a reader that ignored the bucketing flags would read the moments at
@@ -28,7 +29,6 @@ from tests.world import run_world
 
 pytest.importorskip("megatron.core")
 STOP, ITERATIONS, BUCKET = 4, 7, 3400
-FORMATS = ("torch", "torch_dist")
 
 
 def _flags(cache: str, *extra: str) -> list[str]:
@@ -55,23 +55,25 @@ def _micro_batches(cache: str) -> list[list[dict]]:
     return [micro[i:i + TRAINING["global_batch"]] for i in range(0, samples, TRAINING["global_batch"])]
 
 
-def _megatron_runs(rank, world_size, batches, bucketed, plain, final):
-    """megatron-core's run twice: in buckets (its legacy files under ``bucketed``, the final weights
-    under ``final``) and in one bucket (its torch_dist too, under ``plain``). Returns the first's losses."""
+def _megatron_runs(rank, world_size, batches, runs, final):
+    """megatron-core's run three times, each saving under its own of ``runs``: the distributed optimizer
+    in buckets (legacy files; the final weights under ``final``), in one bucket (torch_dist too), and
+    the plain optimizer. Returns the first's losses."""
+    bucketed, one_bucket, plain = runs
     losses = train_megatron(rank, world_size, "llama", 2, batches, STOP, bucketed, final, BUCKET)
-    train_megatron(rank, world_size, "llama", 2, batches, STOP, plain, None)
+    train_megatron(rank, world_size, "llama", 2, batches, STOP, one_bucket, None)
+    train_megatron(rank, world_size, "llama", 2, batches, STOP, plain, None, distributed=False)
     return losses
 
 
-def _resumed(rank, world_size, bucketed, plain, cache, saves):
-    """Our run resumed at dp4 ZeRO-1 from the bucketed run's legacy files and the other's torch_dist,
-    whole (saving under ``saves``), and from the legacy files with a fresh optimizer: each one's losses."""
+def _resumed(rank, world_size, sources, cache, saves):
+    """Our run resumed at dp4 ZeRO-1 from each of ``sources`` whole (saving under ``saves``), and from the
+    first with a fresh optimizer: each one's start and losses."""
     from pretrain.training.trainer import Trainer
 
     out = []
-    for load, extra in ((os.path.join(bucketed, "torch"), ["--save", saves[0]]),
-                        (os.path.join(plain, "torch_dist"), ["--save", saves[1]]),
-                        (os.path.join(bucketed, "torch"), ["--no-load-optim"])):
+    for load, extra in [*((source, ["--save", save]) for source, save in zip(sources, saves)),
+                        (sources[0], ["--no-load-optim"])]:
         config = parse_config(_flags(cache, "--load", load, "--zero-stage", "1", "--save-interval",
                                      str(ITERATIONS), *extra))
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
@@ -82,14 +84,18 @@ def _resumed(rank, world_size, bucketed, plain, cache, saves):
 
 @pytest.mark.parity
 def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(tmp_path):
-    cache, megatron, plain, final = (str(tmp_path / name) for name in ("cache", "megatron", "one-bucket",
-                                                                       "megatron-final"))
-    theirs = run_world(4, _megatron_runs, _micro_batches(cache), megatron, plain, final, timeout_s=300)[0]
-    ours = [str(tmp_path / f"ours-{kind}") for kind in FORMATS]
-    *whole, (_, fresh) = run_world(4, _resumed, megatron, plain, cache, ours, timeout_s=300)[0]
+    cache, final = str(tmp_path / "cache"), str(tmp_path / "megatron-final")
+    runs = [str(tmp_path / name) for name in ("megatron", "one-bucket", "plain-optimizer")]
+    theirs = run_world(4, _megatron_runs, _micro_batches(cache), runs, final, timeout_s=300)[0]
+    sources = {"legacy, distributed optimizer in buckets": os.path.join(runs[0], "torch"),
+               "torch_dist, fully_reshardable": os.path.join(runs[1], "torch_dist"),
+               "legacy, plain optimizer": os.path.join(runs[2], "torch")}
+    ours = [str(tmp_path / f"ours-{number}") for number in range(len(sources))]
+    *whole, (_, fresh) = run_world(4, _resumed, list(sources.values()), cache, ours, timeout_s=300)[0]
+    megatron = runs[0]
     want = dict(load_model(os.path.join(final, "torch")).named_parameters())
     names = sorted(want)
-    for kind, (start, losses), saved in zip(FORMATS, whole, ours):
+    for kind, (start, losses), saved in zip(sources, whole, ours):
         assert start == STOP
         assert_trajectory_close(losses, theirs[STOP:], f"Megatron's run ({kind}) resumed here at dp4: losses")
         got = dict(load_model(saved).named_parameters())

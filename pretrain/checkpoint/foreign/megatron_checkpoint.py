@@ -30,6 +30,7 @@ from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 # run settings of the args a resumed run keeps (our names are Megatron's)
+READ_OPTIMIZER_STATES = ("distributed", "plain")  # the optimizer states a whole resume reads
 RUN_ARGS = ("global_batch_size", "micro_batch_size", "rampup_batch_size", "seq_length")
 
 
@@ -72,8 +73,9 @@ class MegatronCheckpoint:
 
     def optimizer_states(self) -> str | None:
         """Which optimizer states it holds: "distributed" (the distributed optimizer's, gathered in a
-        legacy distrib_optim.pt or torch_dist's fully_reshardable: they load here), "torch_dist
-        distributed (SHARDING)" (its other shardings), "plain", or None."""
+        legacy distrib_optim.pt or torch_dist's fully_reshardable) or "plain" (the plain optimizer's in a
+        legacy rank file): these load here; "torch_dist distributed (SHARDING)" (its other shardings),
+        "torch_dist plain", or None."""
         if self.format == "torch_dist":
             from pretrain.checkpoint.foreign.safe_pickle import load_dcp_metadata
 
@@ -81,6 +83,8 @@ class MegatronCheckpoint:
             if not any(key.startswith("optimizer.") for key in keys):
                 return None
             sharding = (self.common.get("optimizer") or {}).get("param_state_sharding_type")
+            if sharding is None:
+                return "torch_dist plain"
             return ("distributed" if sharding == "fully_reshardable"
                     else f"torch_dist distributed ({sharding})")
         if os.path.isfile(os.path.join(os.path.dirname(legacy_file(self.folder, self.layout, 0, 0, 0)),

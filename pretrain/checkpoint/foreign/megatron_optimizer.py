@@ -124,3 +124,51 @@ class DistributedOptimizerStates:
         """The flat ``kind`` ("master", "exp_avg", "exp_avg_sq") of saved tensor ``key`` of ``chunk``."""
         vp, offset = self.places[(chunk, key)]
         return self.buffers[vp][KINDS[kind]][offset:offset + numel]
+
+
+class PlainOptimizerStates:
+    """The plain (not distributed) optimizer's Adam states in one legacy rank file's ``optimizer``: torch's
+    own state dict, its states numbered through its param groups, each group's parameters in the model's
+    order. Megatron groups a model's parameters by weight decay (none on biases and 1-D ones): each saved
+    group is matched to its parameters by its ``wd_mult``, and every state's shape is checked against the
+    tensor it is taken for. fp32 parameters only (their masters are the weights)."""
+
+    def __init__(self, path: str, state: dict, chunks: dict[str, list[tuple[str, tuple[int, ...]]]]):
+        saved = state.get("optimizer") or {}
+        if "fp32_from_fp16_params" in saved:
+            raise CheckpointError(f"{path}: the plain optimizer of a bf16 / fp16 run (its fp32 masters "
+                                  "beside the weights): not read yet")
+        groups, states = saved.get("param_groups", []), saved.get("state", {})
+        params = [(chunk, key, shape) for chunk, entries in chunks.items() for key, shape in entries]
+        decays = [float(group.get("wd_mult", 1.0)) != 0.0 for group in groups]
+        self.places: dict[tuple[str, str], dict] = {}
+        for group, decayed in zip(groups, decays):
+            members = [entry for entry in params if _decayed(entry[1], entry[2]) == decayed]
+            if decays.count(decayed) > 1 or len(members) != len(group.get("params", [])):
+                raise CheckpointError(f"{path}: its optimizer's param groups are not the two of weight "
+                                      "decay on and off this reader takes (another grouping flag); refused")
+            for index, (chunk, key, shape) in zip(group["params"], members):
+                held = states.get(index, {})
+                if any(tuple(held[kind].shape) != shape for kind in ("exp_avg", "exp_avg_sq")
+                       if kind in held):
+                    raise CheckpointError(f"{path}: optimizer state {index} is not of {key}'s shape "
+                                          f"{list(shape)}; refused")
+                self.places[(chunk, key)] = held
+        if len(self.places) != len(params):
+            raise CheckpointError(f"{path}: its optimizer's param groups hold {len(self.places)} of the "
+                                  f"{len(params)} parameters; refused")
+
+    def values(self, chunk: str, key: str, numel: int, kind: str) -> torch.Tensor | None:
+        """The flat ``kind`` ("exp_avg", "exp_avg_sq") of saved tensor ``key`` of ``chunk``, None where
+        Adam never made it, and for "master" (the weight is the master)."""
+        held = self.places[(chunk, key)].get(KINDS[kind]) if kind != "master" else None
+        return None if held is None else held.reshape(-1)
+
+    def step(self) -> float:
+        steps = {float(held["step"]) for held in self.places.values() if "step" in held}
+        return steps.pop() if len(steps) == 1 else 0.0
+
+
+def _decayed(key: str, shape: tuple[int, ...]) -> bool:
+    """Megatron's default weight-decay rule: none on biases and 1-D parameters."""
+    return not (key.endswith(".bias") or len(shape) == 1)

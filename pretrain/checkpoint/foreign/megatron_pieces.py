@@ -22,9 +22,11 @@ from models.counting import stage_model
 from parallel.param_meta import meta
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
-from pretrain.checkpoint.foreign.megatron_checkpoint import MegatronCheckpoint, legacy_file, reopen
+from pretrain.checkpoint.foreign.megatron_checkpoint import (READ_OPTIMIZER_STATES, MegatronCheckpoint,
+                                                             legacy_file, reopen)
 from pretrain.checkpoint.foreign.megatron_optimizer import (KINDS, MODEL_SPACE_STATES,
-                                                            DistributedOptimizerStates, adam_step)
+                                                            DistributedOptimizerStates, PlainOptimizerStates,
+                                                            adam_step)
 from pretrain.checkpoint.foreign.megatron_names import (LAYER_KEY, LEGACY_EXPERTS, ROW_SPLIT_DOWN,
                                                         STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
                                                         skipped)
@@ -54,8 +56,9 @@ class MegatronPieces(PieceSource):
         self._last: tuple[tuple, torch.Tensor] | None = None
         self._row: tuple[tuple, torch.Tensor] | None = None
         self.unread_optimizer: str | None = None  # why its optimizer's states cannot be read, if so
-        self.reads_optimizer = checkpoint.optimizer_states() == "distributed"
-        self.optimizers: dict[str, DistributedOptimizerStates] = {}  # a legacy file's distrib_optim.pt
+        self.reads_optimizer = checkpoint.optimizer_states() in READ_OPTIMIZER_STATES
+        # a legacy rank file's optimizer states: its distrib_optim.pt, or the plain optimizer's in it
+        self.optimizers: dict[str, DistributedOptimizerStates | PlainOptimizerStates] = {}
         if checkpoint.format == "torch_dist":
             self.folder = DCPFolder(checkpoint.folder)
             self._list_distributed(our_slices(config, 1))
@@ -146,13 +149,22 @@ class MegatronPieces(PieceSource):
             return
         shared = ("embedding.word_embeddings.weight", "output_layer.weight") if (
             self.tied and self.checkpoint.layout.pp > 1) else ()
-        params = {chunk: [(key, tensor.numel(), key in shared) for key, tensor in state[chunk].items()
-                          if isinstance(tensor, torch.Tensor) and not skipped(key)] for chunk in chunks}
+        tensors = {chunk: [(key, tensor) for key, tensor in state[chunk].items()
+                           if isinstance(tensor, torch.Tensor) and not skipped(key)] for chunk in chunks}
         try:
-            self.optimizers[path] = DistributedOptimizerStates(os.path.dirname(path), params,
-                                                               self.checkpoint.args, pp)
+            if self.checkpoint.optimizer_states() == "plain":
+                shapes = {chunk: [(key, tuple(tensor.shape)) for key, tensor in entries]
+                          for chunk, entries in tensors.items()}
+                states = PlainOptimizerStates(path, state, shapes)
+                step = states.step()
+            else:
+                states = DistributedOptimizerStates(os.path.dirname(path), {
+                    chunk: [(key, tensor.numel(), key in shared) for key, tensor in entries]
+                    for chunk, entries in tensors.items()}, self.checkpoint.args, pp)
+                step = adam_step(state, path)
+            self.optimizers[path] = states
             if not self.kinds:
-                self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(state, path)
+                self.kinds, self.step = ("exp_avg", "exp_avg_sq"), step
         except CheckpointError as error:
             self.unread_optimizer = str(error)
 
@@ -200,7 +212,9 @@ class MegatronPieces(PieceSource):
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
         if self.kinds and piece.where[0] in self.optimizers:
             path, chunk, key = piece.where
-            return self.optimizers[path].values(chunk, key, piece.length, kind).float()
+            found = self.optimizers[path].values(chunk, key, piece.length, kind)
+            if found is not None or kind != "master":  # (the plain optimizer's master is the weight)
+                return None if found is None else found.float()
         if kind != "master" and not self.kinds:
             return None
         if self._last is None or self._last[0] != (piece.where, kind):
