@@ -1,6 +1,8 @@
-"""The distributed optimizer's states of a Megatron-LM checkpoint. In torch_dist with its
-``fully_reshardable`` sharding they are tensors of the model's keys and shapes (``MODEL_SPACE_STATES``),
-read beside the weights; in a legacy checkpoint, ``distrib_optim.pt`` beside each
+"""A Megatron-LM checkpoint's optimizer states (fp32 masters, Adam's moments and step) as ours read them.
+The plain optimizer's are torch's own state dict in each legacy rank file (``PlainOptimizerStates``). The
+distributed optimizer's, in torch_dist with its ``fully_reshardable`` sharding, are tensors of the model's
+keys and shapes (``MODEL_SPACE_STATES``), read beside the weights; in a legacy checkpoint,
+``distrib_optim.pt`` beside each
 rank file (what megatron-core's ``DistributedOptimizer.save_parameter_state`` gathers on dp rank 0: per
 buffer of each model chunk, the fp32 masters ``param`` and Adam's ``exp_avg`` / ``exp_avg_sq`` as flat
 tensors), and Adam's step from the rank file's param groups.
