@@ -103,9 +103,9 @@ def apply_checkpoint_args(config: Config) -> None:
 def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     """A Megatron-LM checkpoint's files, before any process group: every rank file or shard there, each
     tensor of the shape its args' model has (``MegatronPieces`` lists them, reading no weight). Resumed
-    whole, it needs optimizer states this stack reads (``READ_OPTIMIZER_STATES``); without them the run continues its iteration and schedule with a fresh
-    optimizer only when --no-load-optim says so, as Megatron's own loader asks of a checkpoint without
-    them."""
+    whole, it needs optimizer states this stack reads (``READ_OPTIMIZER_STATES``); without them the run
+    continues its iteration and schedule with a fresh optimizer only when --no-load-optim says so, as
+    Megatron's own loader asks of a checkpoint without them."""
     if manifest.get("kind") != "megatron":
         return
     try:
