@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--to megatron --ckpt-format torch: the ep of the rank files, a mixture of "
                              "experts' (default 1)")
     parser.add_argument("--with-optimizer-states", action="store_true",
-                        help="consolidated: add the optimizer states")
+                        help="consolidated: add the optimizer states; --to megatron --ckpt-format torch: "
+                             "Adam's states as the distributed optimizer's distrib_optim.pt")
     parser.add_argument("--max-shard-size", default=None,
                         help="cut the safetensors output into shards of at most this size (5GB, 500MB, "
                              "2GiB) with Hugging Face's index; default: one file")
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
             tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
             try:
                 written = write_megatron(pieces, model_config(manifest), manifest, args.output,
-                                         args.ckpt_format, tp, pp, args.target_expert_parallel_size)
+                                         args.ckpt_format, tp, pp, args.target_expert_parallel_size,
+                                         args.with_optimizer_states)
             except ValueError as error:
                 sys.exit(f"error: {error}")
             print(f"wrote {written} ({args.ckpt_format}) from iteration {manifest['iteration']} of "

@@ -316,12 +316,61 @@ def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batch
     overlaps the gradients' reduce-scatter with the backward pass in buckets of that many elements
     (``--overlap-grad-reduce --ddp-bucket-size``); ``distributed``: its distributed optimizer, else the
     plain one (Adam's states whole on every dp rank)."""
+    chunk, model, optimizer, scheduler = _megatron_trainer(architecture, tp, bucket_size, distributed)
+    losses = []
+    for iteration, micro_batches in enumerate(batches, start=1):
+        losses.append(_megatron_step(model, optimizer, scheduler, micro_batches))
+        if iteration == stop:
+            _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
+                          bucket_size, distributed)
+    if final:
+        _save_trained(rank, world_size, architecture, tp, final, len(batches), chunk, None, scheduler,
+                      bucket_size, distributed)
+    return losses
+
+
+def resume_megatron(rank: int, world_size: int, architecture: str, tp: int, batches: list,
+                    directory: str) -> list[float]:
+    """megatron-core resumes the legacy checkpoint under ``directory`` as Megatron-LM's ``load_checkpoint``
+    does with ``--use-distributed-optimizer`` (the model, the optimizer's ``state_dict``, its parameter
+    states from ``distrib_optim.pt``, the scheduler) at tp x dp, and trains on with the ``batches`` after
+    its iteration. Returns their losses."""
     from megatron.core import parallel_state
+
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as handle:
+        iteration = int(handle.read())
+    first = torch.load(os.path.join(directory, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt"),
+                       weights_only=False)
+    chunk, model, optimizer, scheduler = _megatron_trainer(architecture, tp, None, True,
+                                                           first["args"].padded_vocab_size)
+    folder = os.path.join(directory, f"iter_{iteration:07d}",
+                          f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
+    state = torch.load(os.path.join(folder, "model_optim_rng.pt"), weights_only=False)
+    chunk.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    # megatron-core 0.16.1 with torch's Adam (no Apex / TE) sets every parameter's step to one shared
+    # tensor in load_state_dict (torch's Adam then adds 1 to it once per parameter per step) and asks the
+    # gathered file for it, which no file holds: set aside while the states load, then one each; and its
+    # fp32 masters are views of the weights, which an in-place copy may only touch without autograd
+    inner = optimizer.chained_optimizers[0].optimizer
+    steps = {param: state.pop("step") for param, state in inner.state.items() if "step" in state}
+    with torch.no_grad():
+        optimizer.load_parameter_state(os.path.join(folder, "distrib_optim.pt"))
+    for param, step in steps.items():
+        inner.state[param]["step"] = step.clone()
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    return [_megatron_step(model, optimizer, scheduler, micro) for micro in batches[iteration:]]
+
+
+def _megatron_trainer(architecture: str, tp: int, bucket_size: int | None, distributed: bool,
+                      vocab: int = VOCAB) -> tuple:
+    """megatron-core's model (pp1, ``vocab`` rows), its DDP, optimizer and scheduler, with ``TRAINING``'s
+    settings."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    chunk, = _model(architecture, tp, 1, seed=1234)
+    chunk, = _model(architecture, tp, 1, seed=1234, vocab=vocab)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed,
                                         overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
     model = DistributedDataParallel(chunk.config, ddp, chunk)
@@ -335,31 +384,30 @@ def train_megatron(rank: int, world_size: int, architecture: str, tp: int, batch
         optimizer, init_lr=0.0, max_lr=t["lr"], min_lr=t["min_lr"], lr_warmup_steps=t["warmup_iters"] * batch,
         lr_decay_steps=t["decay_iters"] * batch, lr_decay_style="cosine", start_wd=t["weight_decay"],
         end_wd=t["weight_decay"], wd_incr_steps=t["decay_iters"] * batch, wd_incr_style="constant")
+    return chunk, model, optimizer, scheduler
+
+
+def _megatron_step(model, optimizer, scheduler, micro_batches: list) -> float:
+    """One iteration of megatron-core's training step on a global batch (this dp rank's share of
+    ``micro_batches``); the loss, averaged over the data-parallel ranks."""
+    from megatron.core import parallel_state
+
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    losses = []
-    for iteration, micro_batches in enumerate(batches, start=1):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        mine = micro_batches[dp_rank * len(micro_batches) // dp:(dp_rank + 1) * len(micro_batches) // dp]
-        total = torch.zeros(1)
-        for micro in mine:
-            per_token = model(micro["tokens"], micro["position_ids"], attention_mask=_causal(micro["tokens"]),
-                              labels=micro["labels"])
-            loss = (per_token.float() * micro["loss_mask"]).sum() / micro["loss_mask"].sum()
-            (loss / len(mine)).backward()
-            total += loss.detach() / len(micro_batches)
-        model.finish_grad_sync()
-        optimizer.step()
-        scheduler.step(increment=batch)
-        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        losses.append(total.item())
-        if iteration == stop:
-            _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, optimizer, scheduler,
-                          bucket_size, distributed)
-    if final:
-        _save_trained(rank, world_size, architecture, tp, final, len(batches), chunk, None, scheduler,
-                      bucket_size, distributed)
-    return losses
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    mine = micro_batches[dp_rank * len(micro_batches) // dp:(dp_rank + 1) * len(micro_batches) // dp]
+    total = torch.zeros(1)
+    for micro in mine:
+        per_token = model(micro["tokens"], micro["position_ids"], attention_mask=_causal(micro["tokens"]),
+                          labels=micro["labels"])
+        loss = (per_token.float() * micro["loss_mask"]).sum() / micro["loss_mask"].sum()
+        (loss / len(mine)).backward()
+        total += loss.detach() / len(micro_batches)
+    model.finish_grad_sync()
+    optimizer.step()
+    scheduler.step(increment=TRAINING["global_batch"])
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total.item()
 
 
 def _causal(tokens: torch.Tensor) -> torch.Tensor:

@@ -24,35 +24,47 @@ from pretrain.config.arguments import parse_config
 from pretrain.startup.validation import validate
 from pretrain.training.training_data import TrainingData
 from tests.parity import TRAJECTORY_RTOL, assert_tensors_close, assert_trajectory_close
-from tests.pretrain.megatron_oracle import HIDDEN, HEADS, LAYERS, SEQ, TRAINING, VOCAB, train_megatron
+from pretrain.interop.convert import main as convert
+from tests.pretrain.megatron_oracle import (HIDDEN, HEADS, LAYERS, SEQ, TRAINING, VOCAB, resume_megatron,
+                                           train_megatron)
 from tests.world import run_world
 
 pytest.importorskip("megatron.core")
 STOP, ITERATIONS, BUCKET = 4, 7, 3400
+TOTAL = 10  # the data of every run is that of a 10-iteration one: ours exported at 7 goes on to 10
 
 
 def _flags(cache: str, *extra: str) -> list[str]:
     t = TRAINING
     return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
             "--micro-batch-size", "1", "--global-batch-size", str(t["global_batch"]),
-            "--train-iters", str(ITERATIONS), "--lr", str(t["lr"]), "--min-lr", str(t["min_lr"]),
+            "--train-iters", str(TOTAL), "--lr", str(t["lr"]), "--min-lr", str(t["min_lr"]),
             "--lr-warmup-iters", str(t["warmup_iters"]), "--lr-decay-iters", str(t["decay_iters"]),
             "--lr-decay-style", "cosine", "--weight-decay", str(t["weight_decay"]),
             "--adam-beta1", str(t["adam_beta1"]), "--adam-beta2", str(t["adam_beta2"]),
             "--adam-eps", str(t["adam_eps"]), "--clip-grad", str(t["clip_grad"]), "--sample-prompt", "",
-            "--data-cache-path", cache, *extra]
+            "--make-vocab-size-divisible-by", "16", "--data-cache-path", cache, *extra]
 
 
-def _micro_batches(cache: str) -> list[list[dict]]:
-    """The micro-batches of each iteration, as our trainer reads them (one process, in sample order)."""
+def _micro_batches(cache: str) -> dict[str, torch.Tensor]:
+    """The micro-batches of each iteration, as our trainer reads them (one process, in sample order),
+    each field stacked [iteration, micro-batch, ...] (one tensor to hand to a world, not hundreds)."""
     config = parse_config(_flags(cache, "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
                                  "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
                                  "--max-position-embeddings", str(SEQ)))
     validate(config, 1)
-    samples = ITERATIONS * TRAINING["global_batch"]
+    samples = TOTAL * TRAINING["global_batch"]
     data = TrainingData(config, samples, 0, 0, 1)
     micro = list(data.batches(data.train, samples, 0))
-    return [micro[i:i + TRAINING["global_batch"]] for i in range(0, samples, TRAINING["global_batch"])]
+    return {field: torch.stack([batch[field] for batch in micro]).unflatten(0, (TOTAL, -1))
+            for field in micro[0]}
+
+
+def _iterations(stacked: dict[str, torch.Tensor]) -> list[list[dict]]:
+    """The micro-batches of each iteration, as megatron-core's oracle takes them."""
+    micro = stacked["tokens"].shape[1]
+    return [[{field: values[i, j] for field, values in stacked.items()} for j in range(micro)]
+            for i in range(TOTAL)]
 
 
 def _megatron_runs(rank, world_size, batches, runs, final):
@@ -60,22 +72,28 @@ def _megatron_runs(rank, world_size, batches, runs, final):
     in buckets (legacy files; the final weights under ``final``), in one bucket (torch_dist too), and
     the plain optimizer. Returns the first's losses."""
     bucketed, one_bucket, plain = runs
+    batches = _iterations(batches)[:ITERATIONS]
     losses = train_megatron(rank, world_size, "llama", 2, batches, STOP, bucketed, final, BUCKET)
     train_megatron(rank, world_size, "llama", 2, batches, STOP, one_bucket, None)
     train_megatron(rank, world_size, "llama", 2, batches, STOP, plain, None, distributed=False)
     return losses
 
 
+def _megatron_resumes(rank, world_size, batches, directory):
+    return resume_megatron(rank, world_size, "llama", 2, _iterations(batches), directory)
+
+
 def _resumed(rank, world_size, sources, cache, saves):
-    """Our run resumed at dp4 ZeRO-1 from each of ``sources`` whole (saving under ``saves``), and from the
-    first with a fresh optimizer: each one's start and losses."""
+    """Our run resumed at dp4 ZeRO-1 from each of ``sources`` whole to iteration 7 (saving there under
+    ``saves``), the first of those on from 7 to 10, and the first source with a fresh optimizer to 7: each
+    one's start and losses."""
     from pretrain.training.trainer import Trainer
 
+    stop = ["--exit-interval", str(ITERATIONS)]
     out = []
-    for load, extra in [*((source, ["--save", save]) for source, save in zip(sources, saves)),
-                        (sources[0], ["--no-load-optim"])]:
-        config = parse_config(_flags(cache, "--load", load, "--zero-stage", "1", "--save-interval",
-                                     str(ITERATIONS), *extra))
+    for load, extra in [*((source, ["--save", save, *stop]) for source, save in zip(sources, saves)),
+                        (saves[0], []), (sources[0], ["--no-load-optim", *stop])]:
+        config = parse_config(_flags(cache, "--load", load, "--zero-stage", "1", *extra))
         trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
         out.append((trainer.start_iteration, trainer.train().losses))
         torch.distributed.barrier()
@@ -86,12 +104,14 @@ def _resumed(rank, world_size, sources, cache, saves):
 def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(tmp_path):
     cache, final = str(tmp_path / "cache"), str(tmp_path / "megatron-final")
     runs = [str(tmp_path / name) for name in ("megatron", "one-bucket", "plain-optimizer")]
-    theirs = run_world(4, _megatron_runs, _micro_batches(cache), runs, final, timeout_s=300)[0]
+    batches = _micro_batches(cache)
+    theirs = run_world(4, _megatron_runs, batches, runs, final, timeout_s=300)[0]
     sources = {"legacy, distributed optimizer in buckets": os.path.join(runs[0], "torch"),
                "torch_dist, fully_reshardable": os.path.join(runs[1], "torch_dist"),
                "legacy, plain optimizer": os.path.join(runs[2], "torch")}
     ours = [str(tmp_path / f"ours-{number}") for number in range(len(sources))]
-    *whole, (_, fresh) = run_world(4, _resumed, list(sources.values()), cache, ours, timeout_s=300)[0]
+    *whole, (_, ours_on), (_, fresh) = run_world(4, _resumed, list(sources.values()), cache, ours,
+                                                 timeout_s=300)[0]
     megatron = runs[0]
     want = dict(load_model(os.path.join(final, "torch")).named_parameters())
     names = sorted(want)
@@ -105,6 +125,16 @@ def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(
     # a fresh optimizer leaves the trajectory: the moments read are what kept it
     drift = max(abs(a - b) / b for a, b in zip(fresh[1:], theirs[STOP + 1:]))
     assert drift > 100 * TRAJECTORY_RTOL, drift
+
+    # and back: ours at iteration 7 written as Megatron-LM's legacy files at tp2 with the distributed
+    # optimizer's distrib_optim.pt; megatron-core loads it as Megatron-LM's load_checkpoint does and trains
+    # on at tp2 x dp2 to iteration 10 on the trajectory ours takes from the same checkpoint
+    exported = str(tmp_path / "ours-to-megatron")
+    convert(["--load", ours[0], "--to", "megatron", "--ckpt-format", "torch", "--target-tensor-parallel-size",
+             "2", "--with-optimizer-states", "--output", exported])
+    again = run_world(4, _megatron_resumes, batches, exported, timeout_s=300)[0]
+    validate(parse_config(_flags(cache, "--load", exported)), 2)  # (and its states read here again)
+    assert_trajectory_close(again, ours_on, "ours exported with its optimizer: megatron-core's 8-10")
 
     # args that name another bucketing than the one that laid the buffer out are refused by name (a
     # resume with a fresh optimizer still takes the weights)

@@ -7,8 +7,11 @@ The args are the inverse of the import's (``megatron_args.args_of``), the keys m
 torch_dist), the vocabulary tables padded as Megatron pads them (to --make-vocab-size-divisible-by x tp),
 and the run's iteration, data position and learning-rate schedule go with them. Each of our tensors is
 rebuilt whole once from the source's pieces; the files are written in a staging folder and renamed into
-place with the tracker last, so a failed export leaves no checkpoint behind. No optimizer state is written
-(Megatron resumes it with --no-load-optim).
+place with the tracker last, so a failed export leaves no checkpoint behind. Adam's states go with them
+on request, as the distributed optimizer's ``distrib_optim.pt`` beside each legacy rank file (its
+parameters in the order megatron-core's local spec registers them, laid out in one bucket: Megatron
+resumes it whole, at any dp, without --overlap-grad-reduce); without them Megatron resumes with
+--no-load-optim.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from pretrain.checkpoint.foreign.megatron_checkpoint import TRACKER, iteration_f
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, EXTRA_STATE_MODULES,
                                                         LEGACY_EXPERTS, MOE_EXTRA_STATE_MODULES,
                                                         ROW_SPLIT_DOWN, STACKED_EXPERTS,
-                                                        attention_extra_state_modules, megatron_key)
+                                                        attention_extra_state_modules, megatron_key,
+                                                        registration_order)
+from pretrain.checkpoint.foreign.megatron_optimizer import (DISTRIBUTED_OPTIMIZER_FILE,
+                                                            distributed_state_dict, gathered_states)
 from pretrain.checkpoint.foreign.megatron_pieces import our_slices
 
 CHECKPOINT_VERSION = 3.0
@@ -49,9 +55,13 @@ def _common(config: GPTConfig, layout: MegatronLayout, padded: int, manifest: di
     common = {"args": args_of(config, layout, padded, run), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": int(progress["iteration"]), "num_floating_point_operations_so_far": 0}
     scheduler = manifest.get("states", {}).get("opt_param_scheduler")
-    if scheduler:
-        common["opt_param_scheduler"] = {key: value for key, value in scheduler.items()
-                                         if not key.startswith("decoupled_")}
+    if scheduler:  # Megatron's OptimizerParamScheduler.state_dict(): its position in samples with it
+        state = {key: value for key, value in scheduler.items()
+                 if not key.startswith("decoupled_") and key != "init_lr"}
+        state["num_steps"] = int(progress["consumed_samples"])
+        train = saved.get("train_iters", 0) * saved.get("global_batch_size", 0)
+        state.setdefault("wd_incr_steps", train or state.get("lr_decay_steps", 0))
+        common["opt_param_scheduler"] = state
     return common
 
 
@@ -69,12 +79,15 @@ def _as_megatron(part: torch.Tensor) -> torch.Tensor:
 
 
 def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ckpt_format: str,
-                   tp: int = 1, pp: int = 1, ep: int = 1) -> str:
+                   tp: int = 1, pp: int = 1, ep: int = 1, with_optimizer: bool = False) -> str:
     """Write ``source``'s model (a ``reshard.PieceSource``) under ``directory`` as Megatron-LM's
     ``ckpt_format`` ("torch": rank files at ``tp`` x ``pp`` x ``ep``, the experts' tp their tp;
-    "torch_dist"); returns the iteration folder."""
+    "torch_dist"); ``with_optimizer``: Adam's states too, as the distributed optimizer's
+    ``distrib_optim.pt`` beside each rank file. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
+    if with_optimizer:
+        _check_optimizer_export(source, config, manifest, ckpt_format)
     if config.multi_latent_attention and (not config.rotary_interleaved
                                           or config.rope_scaling not in ("none", "yarn")):
         raise ValueError("--to megatron: latent attention is written with rotary positions taken apart as "
@@ -93,6 +106,9 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     layout = MegatronLayout(tp, pp, 1, ep, tp, config.num_layers)
     padded = padded_vocabulary(config, tp)
     common = _common(config, layout, padded, manifest)
+    if with_optimizer:  # (one bucket: Megatron resumes it without --overlap-grad-reduce, at any dp)
+        common["args"].use_distributed_optimizer = True
+        common["optimizer"] = distributed_state_dict(manifest["config"], _adam_step(source))
     final = os.path.join(directory, iteration_folder(common["iteration"]))
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -101,7 +117,7 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     tied = not config.untie_embeddings_and_output_weights
     try:
         if ckpt_format == "torch":
-            _write_legacy(source, config, layout, slices, padded, common, staging, tied)
+            _write_legacy(source, config, layout, slices, padded, common, staging, tied, with_optimizer)
         else:
             _write_distributed(source, config, slices, padded, common, staging)
     except BaseException:
@@ -115,13 +131,31 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     return final
 
 
-def _write_legacy(source, config, layout, slices, padded, common, folder, tied) -> None:
+def _check_optimizer_export(source, config: GPTConfig, manifest: dict, ckpt_format: str) -> None:
+    if ckpt_format != "torch":
+        raise ValueError("--to megatron --with-optimizer-states: written as the legacy files' "
+                         "distrib_optim.pt (--ckpt-format torch); torch_dist's are not written yet")
+    if config.num_experts:
+        raise ValueError("--to megatron --with-optimizer-states: a mixture of experts' optimizer states "
+                         "(a buffer of their own) are not written yet")
+    if "exp_avg" not in source.kinds or manifest.get("config", {}).get("optimizer", "adam") != "adam":
+        raise ValueError("--to megatron --with-optimizer-states: the checkpoint holds no Adam states (a "
+                         "weights-only one, or another optimizer's)")
+
+
+def _adam_step(source) -> float:
+    """Adam's step count (the same for every parameter of ours)."""
+    return float(source.scalars("final_norm.weight").get("step", 0.0))
+
+
+def _write_legacy(source, config, layout, slices, padded, common, folder, tied, with_optimizer) -> None:
     """One file per tp x pp x ep rank: an expert in its expert rank's files (numbered within them), the
-    rest in every expert rank's."""
+    rest in every expert rank's; with ``with_optimizer``, each one's ``distrib_optim.pt`` beside it."""
     per_stage = config.num_layers // layout.pp
     per_rank = (config.num_experts or 1) // layout.ep
     moe = config.moe_layers(config.num_layers)
     models = {rank: {} for rank in itertools.product(range(layout.tp), range(layout.pp), range(layout.ep))}
+    states: dict[tuple, dict[str, dict]] = {rank: {} for rank in models}
     for name in sorted(slices):
         _, dim, table = slices[name]
         key, layer, expert = megatron_key(name, fused_norms=False, latent=config.multi_latent_attention)
@@ -136,13 +170,19 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied) 
         else:
             stages, ranks = [layer // per_stage], [expert // per_rank]
             key = f"decoder.layers.{layer % per_stage}.{LEGACY_EXPERTS}{expert % per_rank}.{key}"
-        parts = [_as_megatron(part) for part in tensor.chunk(layout.tp, dim=dim)] if dim is not None \
-            else [tensor] * layout.tp
+        parts = _tp_parts(tensor, dim, layout.tp)
+        moments = {kind: _tp_parts(_padded(source.whole(name, kind), table, padded), dim, layout.tp)
+                   for kind in ("exp_avg", "exp_avg_sq")} if with_optimizer else {}
         for stage, t, e in itertools.product(stages, range(layout.tp), ranks):
             models[t, stage, e][key] = parts[t].clone()
+            if with_optimizer:
+                states[t, stage, e][key] = {"master": parts[t], **{kind: values[t]
+                                                                   for kind, values in moments.items()}}
     for (t, p, e), model in models.items():
         if tied and p == layout.pp - 1 and layout.pp > 1:  # the last stage's copy of the tied embedding
             model["output_layer.weight"] = models[t, 0, e]["embedding.word_embeddings.weight"].clone()
+            if with_optimizer:
+                states[t, p, e]["output_layer.weight"] = states[t, 0, e]["embedding.word_embeddings.weight"]
         for layer in range(per_stage):
             prefix = f"decoder.layers.{layer}."
             model.update({f"{prefix}{module}._extra_state": None for module in _extra_state_modules(
@@ -154,7 +194,20 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied) 
             model["output_layer._extra_state"] = None
         path = legacy_file(folder, layout, t, p, e)
         os.makedirs(os.path.dirname(path))
+        model = dict(sorted(model.items(), key=lambda item: registration_order(item[0])))  # as Megatron's
         torch.save({**common, "model": model}, path)
+        if with_optimizer:
+            shared = tied and layout.pp > 1
+            ordered = [(key, states[t, p, e][key], shared and key in ("embedding.word_embeddings.weight",
+                                                                     "output_layer.weight"))
+                       for key in sorted(states[t, p, e], key=registration_order)]
+            torch.save(gathered_states(ordered, common["args"], p),
+                       os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_FILE))
+
+
+def _tp_parts(tensor: torch.Tensor, dim: int | None, tp: int) -> list[torch.Tensor]:
+    """``tensor``'s tp slices as Megatron keeps them (the whole on each rank where it is replicated)."""
+    return [_as_megatron(part) for part in tensor.chunk(tp, dim=dim)] if dim is not None else [tensor] * tp
 
 
 def _extra_state_modules(config: GPTConfig, moe: bool) -> tuple[str, ...]:

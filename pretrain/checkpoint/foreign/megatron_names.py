@@ -117,6 +117,31 @@ def megatron_key(ours: str, fused_norms: bool, latent: bool = False) -> tuple[st
     return keys[inner], int(layer), None
 
 
+# the order megatron-core's local spec registers a layer's modules in (its parameters', and so its
+# optimizer's, order): attention's, then the MLP's or the mixture of experts'
+LOCAL_MODULE_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_q_proj",
+                      "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+                      "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj",
+                      "self_attention.linear_qkv", "self_attention.q_layernorm", "self_attention.k_layernorm",
+                      "self_attention.kv_layernorm", "pre_mlp_layernorm", "mlp.router", "mlp.experts",
+                      "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1",
+                      "mlp.shared_experts.linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2")
+_MODEL_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
+                "decoder.final_layernorm.", "output_layer.")
+
+
+def registration_order(key: str) -> tuple:
+    """A sort key putting a model chunk's Megatron keys in the order megatron-core's local spec registers
+    their parameters (a weight before its bias)."""
+    model = next(number for number, prefix in enumerate(_MODEL_ORDER) if key.startswith(prefix))
+    match = LAYER_KEY.match(key)
+    if not match:
+        return model, 0, 0, key.endswith(".bias")
+    inner = match.group(2)
+    module = next(number for number, name in enumerate(LOCAL_MODULE_ORDER) if inner.startswith(name))
+    return model, int(match.group(1)), module, inner.endswith(".bias")
+
+
 class UnknownKey(ValueError):
     """A tensor of the checkpoint with no place in the model (another architecture)."""
 

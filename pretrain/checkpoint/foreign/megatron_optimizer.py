@@ -144,9 +144,9 @@ class PlainOptimizerStates:
         params = [(chunk, key, shape) for chunk, entries in chunks.items() for key, shape in entries]
         decays = [float(group.get("wd_mult", 1.0)) != 0.0 for group in groups]
         self.places: dict[tuple[str, str], dict] = {}
-        for group, decayed in zip(groups, decays):
-            members = [entry for entry in params if _decayed(entry[1], entry[2]) == decayed]
-            if decays.count(decayed) > 1 or len(members) != len(group.get("params", [])):
+        for group, decay in zip(groups, decays):
+            members = [entry for entry in params if decayed(entry[1], entry[2]) == decay]
+            if decays.count(decay) > 1 or len(members) != len(group.get("params", [])):
                 raise CheckpointError(f"{path}: its optimizer's param groups are not the two of weight "
                                       "decay on and off this reader takes (another grouping flag); refused")
             for index, (chunk, key, shape) in zip(group["params"], members):
@@ -171,6 +171,38 @@ class PlainOptimizerStates:
         return steps.pop() if len(steps) == 1 else 0.0
 
 
-def _decayed(key: str, shape: tuple[int, ...]) -> bool:
+def gathered_states(params: list[tuple[str, dict[str, torch.Tensor], bool]], args, pp_rank: int) -> dict:
+    """``distrib_optim.pt`` of one rank's model chunk, as ``save_parameter_state`` gathers it (the
+    inverse of ``DistributedOptimizerStates``): ``params`` in megatron-core's parameter order, each (key,
+    its flat states by our kind, whether it is a tied embedding's copy between the first and last stage),
+    laid out for the buckets ``args`` name."""
+    busbw = bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False))
+    sizes = [(key, states["master"].numel(), shared) for key, states, shared in params]
+    offsets, length = buffer_offsets(sizes, sharding_size(args), bucket_size_of(args, pp_rank, 0), busbw)
+    flat: dict = {theirs: torch.zeros(length, dtype=torch.float32) for theirs in KINDS.values()}
+    for key, states, _ in params:
+        for kind, tensor in states.items():
+            flat[KINDS[kind]][offsets[key]:offsets[key] + tensor.numel()] = tensor.reshape(-1)
+    flat["numel_unpadded"] = length
+    return {"buckets_coalesced": True, 0: {(torch.float32, torch.float32): flat}}
+
+
+def distributed_state_dict(settings: dict, step: float) -> dict:
+    """The distributed optimizer's ``state_dict`` beside its parameter states: Megatron's two param
+    groups (weight decay on, and off for biases and 1-D parameters) with Adam's hyper-parameters from
+    our run's ``settings`` and its ``step``."""
+    def group(decay: bool) -> dict:
+        return {"is_expert_parallel": False, "default_config": True, "wd_mult": 1.0 if decay else 0.0,
+                "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": settings["lr"],
+                "min_lr": settings.get("min_lr", 0.0), "lr": settings["lr"],
+                "betas": (settings["adam_beta1"], settings["adam_beta2"]), "eps": settings["adam_eps"],
+                "weight_decay": settings["weight_decay"] if decay else 0.0, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+                "fused": None, "decoupled_weight_decay": True, "step": step}
+
+    return {"optimizer": {"param_groups": [group(True), group(False)]}}
+
+
+def decayed(key: str, shape: tuple[int, ...]) -> bool:
     """Megatron's default weight-decay rule: none on biases and 1-D parameters."""
     return not (key.endswith(".bias") or len(shape) == 1)
