@@ -25,8 +25,8 @@ from pretrain.startup.validation import validate
 from pretrain.training.training_data import TrainingData
 from tests.parity import TRAJECTORY_RTOL, assert_tensors_close, assert_trajectory_close
 from pretrain.interop.convert import main as convert
-from tests.pretrain.megatron_oracle import (HIDDEN, HEADS, LAYERS, SEQ, TRAINING, VOCAB, resume_megatron,
-                                           train_megatron)
+from tests.pretrain.megatron_oracle import HIDDEN, HEADS, LAYERS, SEQ, VOCAB
+from tests.pretrain.megatron_training import TRAINING, resume_megatron, train_megatron
 from tests.world import run_world
 
 pytest.importorskip("megatron.core")
