@@ -212,17 +212,20 @@ def test_a_rank_stopped_as_the_world_forms_is_named_within_the_timeout_and_the_r
     """Start-up is bounded as training is: rank 0 (whose process holds the job's store) stops once the
     process groups have formed, then, in the restarted world, rank 1 stops before it joins them; each time
     the other names it as hung within the 6 s timeout (not after the store's own 300 s), the launcher
-    restarts, and the third world trains to the reference's end."""
+    restarts, and the third world trains to the reference's end. (Rank 0 may stop while rank 1 still
+    finishes forming the groups through rank 0's store, on a loaded machine: rank 1 then names the phase
+    it is in, that one.)"""
     job, seconds, lines, _ = _job(stdlib_corpus, tmp_path, "startup", max_restarts=2,
                                   die_at="startup:2@0,startup:1@1", timeout_s=6)
     assert job.returncode == 0 and seconds < 120, (job.returncode, seconds, job.stderr[-3000:])
     said = [line for line in job.stderr.splitlines() if "the start did not finish" in line]
     assert len(said) == 2 and not [line for line in job.stderr.splitlines()
                                    if line.startswith(("[W", "[E", "Traceback"))], job.stderr
-    for line, rank, phase in zip(said, (0, 1), ("registering with the hang watchdog through the job's store",
-                                                "joining the job's store and forming the process groups")):
-        assert line.startswith(f"error: the start did not finish within --distributed-timeout-s 6 ({phase}): "
-                               f"rank {rank} (pid "), line
+    forming = "joining the job's store and forming the process groups"
+    registering = "registering with the hang watchdog through the job's store"
+    for line, rank, phases in zip(said, (0, 1), ((registering, forming), (forming,))):
+        assert any(line.startswith(f"error: the start did not finish within --distributed-timeout-s 6 "
+                                   f"({phase}): rank {rank} (pid ") for phase in phases), line
         assert ") hung (stopped: SIGSTOP or a debugger); the run stopped" in line, line
     assert lines[-1]["iteration"] == 8 and lines[-1]["loss"] == reference_job[1]  # the same run, exactly
 
