@@ -129,7 +129,7 @@ def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, opt
     """Megatron-LM's saves: legacy under ``out/torch`` (the model, optimizer's ``state_dict`` and
     scheduler per tp rank from dp rank 0; with ``--use-distributed-optimizer`` its parameter state
     gathered on dp rank 0 into ``distrib_optim.pt`` beside it, else Adam's states in the ``state_dict``)
-    and, with the distributed optimizer and no buckets, torch_dist under ``out/torch_dist`` (its
+    and, with the distributed optimizer, torch_dist under ``out/torch_dist`` (its
     ``fully_reshardable`` sharding, model-space states: megatron-core 0.16.1 writes them at the wrong
     places when --overlap-grad-reduce cuts buckets, as its own warning of "data corruption" says)."""
     from megatron.core import dist_checkpointing, parallel_state
@@ -150,7 +150,7 @@ def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, opt
         state["optimizer"] = optimizer.state_dict()
     if optimizer is not None and distributed:
         optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
-    if optimizer is not None and distributed and bucket_size is None:
+    if optimizer is not None and distributed:
         sharded = os.path.join(out, "torch_dist")
         os.makedirs(os.path.join(sharded, f"iter_{iteration:07d}"), exist_ok=True)
         torch.distributed.barrier()

@@ -149,3 +149,13 @@ def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(
                                          r"model its args describe lays out 17984 \(bucketing flags"):
         validate(parse_config(_flags(cache, "--load", str(other))), 4)
     validate(parse_config(_flags(cache, "--load", str(other), "--no-load-optim")), 4)
+    # and the bucketed run's torch_dist, whose fully_reshardable states megatron-core misplaced: refused
+    # whole, its weights (the model's own tensors) taken with a fresh optimizer
+    misplaced = os.path.join(megatron, "torch_dist")
+    with pytest.raises(ValueError, match=r"fully_reshardable fp32 masters of decoder\.layers\..* are not its "
+                                         r"weights \(megatron-core misplaces"):
+        validate(parse_config(_flags(cache, "--load", misplaced)), 4)
+    validate(parse_config(_flags(cache, "--load", misplaced, "--no-load-optim")), 4)
+    weights = dict(load_model(misplaced).named_parameters())
+    saved = dict(load_model(os.path.join(megatron, "torch")).named_parameters())
+    assert all(torch.equal(weights[name], saved[name]) for name in saved)

@@ -200,13 +200,23 @@ class MegatronPieces(PieceSource):
     def _check_model_space_states(self, key: str, saved: tuple) -> None:
         """The distributed optimizer's model-space states of torch_dist tensor ``key`` (its
         ``fully_reshardable`` sharding: ``optimizer.state.<kind>.<key>``, the tensor's own shape); a
-        missing one is recorded in ``unread_optimizer``."""
+        missing one is recorded in ``unread_optimizer``, and so are fp32 masters of a layer's 1-D tensors
+        (norms, biases: few elements) that are not its weights within bf16's rounding: megatron-core
+        0.16.1 misplaces these states when --overlap-grad-reduce cut buckets."""
         for kind in KINDS.values():
             state = f"{MODEL_SPACE_STATES}{kind}.{key}"
             if not self.unread_optimizer and (state not in self.folder.tensors
                                               or self.folder.shape(state) != saved):
                 self.unread_optimizer = (f"{self.checkpoint.folder}: holds no {state} of the shape of {key} "
                                          "(optimizer states of another sharding?)")
+        if self.unread_optimizer or len(saved) != 2 or not key.startswith(STACKED_PREFIX):
+            return
+        weights = self.folder.read(key).float()
+        masters = self.folder.read(f"{MODEL_SPACE_STATES}{KINDS['master']}.{key}").float()
+        if not torch.allclose(masters, weights, rtol=2 ** -7, atol=1e-6):
+            self.unread_optimizer = (f"{self.checkpoint.folder}: its fully_reshardable fp32 masters of {key} "
+                                     "are not its weights (megatron-core misplaces these states when "
+                                     "--overlap-grad-reduce cut buckets); its optimizer states are refused")
 
     # reading ------------------------------------------------------------------------------------------
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
@@ -218,7 +228,7 @@ class MegatronPieces(PieceSource):
         if kind != "master" and not self.kinds:
             return None
         if self._last is None or self._last[0] != (piece.where, kind):
-            if self.checkpoint.format == "torch_dist":
+            if self.checkpoint.format == "torch_dist":  # (fp32 masters where its states passed the check)
                 key, index = piece.where
                 key = f"{MODEL_SPACE_STATES}{KINDS[kind]}.{key}" if self.kinds else key
                 tensor = self._first_axis(key, index[0])[index[1:]] if index else self.folder.read(key)
