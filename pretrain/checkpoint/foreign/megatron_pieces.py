@@ -56,7 +56,8 @@ class MegatronPieces(PieceSource):
         self._last: tuple[tuple, torch.Tensor] | None = None
         self._row: tuple[tuple, torch.Tensor] | None = None
         self.unread_optimizer: str | None = None  # why its optimizer's states cannot be read, if so
-        self.reads_optimizer = checkpoint.optimizer_states() in READ_OPTIMIZER_STATES
+        self.held = checkpoint.optimizer_states()  # (looked up once: a file test or the DCP metadata)
+        self.reads_optimizer = self.held in READ_OPTIMIZER_STATES
         # a legacy rank file's optimizer states: its distrib_optim.pt, or the plain optimizer's in it
         self.optimizers: dict[str, DistributedOptimizerStates | PlainOptimizerStates] = {}
         if checkpoint.format == "torch_dist":
@@ -152,7 +153,7 @@ class MegatronPieces(PieceSource):
         tensors = {chunk: [(key, tensor) for key, tensor in state[chunk].items()
                            if isinstance(tensor, torch.Tensor) and not skipped(key)] for chunk in chunks}
         try:
-            if self.checkpoint.optimizer_states() == "plain":
+            if self.held == "plain":
                 shapes = {chunk: [(key, tuple(tensor.shape)) for key, tensor in entries]
                           for chunk, entries in tensors.items()}
                 states = PlainOptimizerStates(path, state, shapes)
