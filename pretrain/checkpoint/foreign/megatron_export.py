@@ -26,8 +26,9 @@ import torch
 from models.config import GPTConfig
 from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
 from pretrain.checkpoint.foreign.megatron_checkpoint import TRACKER, iteration_folder, legacy_file
-from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, EXTRA_STATE_MODULES,
-                                                        LEGACY_EXPERTS, MOE_EXTRA_STATE_MODULES,
+from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, LEGACY_EXPERTS,
+                                                        MLP_EXTRA_STATE_MODULES,
+                                                        SHARED_EXPERT_EXTRA_STATE_MODULES,
                                                         ROW_SPLIT_DOWN, STACKED_EXPERTS,
                                                         attention_extra_state_modules, megatron_key,
                                                         registration_order)
@@ -214,8 +215,8 @@ def _extra_state_modules(config: GPTConfig, moe: bool) -> tuple[str, ...]:
     """The local spec's modules with an extra state in a layer (its experts' own aside)."""
     attention = attention_extra_state_modules(config.multi_latent_attention, config.q_lora_rank)
     if not moe:
-        return attention + EXTRA_STATE_MODULES[2:]
-    shared = MOE_EXTRA_STATE_MODULES[2:] if config.moe_shared_expert_intermediate_size else ()
+        return attention + MLP_EXTRA_STATE_MODULES
+    shared = SHARED_EXPERT_EXTRA_STATE_MODULES if config.moe_shared_expert_intermediate_size else ()
     return attention + shared
 
 

@@ -84,11 +84,11 @@ FUSED_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
                     if not theirs.startswith(("input_layernorm.", "pre_mlp_layernorm."))}
 OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()}
 # the modules of megatron-core's local spec that keep an (empty) extra state in a state dict: a dense
-# layer's, a mixture of experts' (its shared experts'; each expert's own two, within the expert)
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                       "mlp.linear_fc2")
-MOE_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj",
-                           "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+# layer's attention (latent attention's: ``attention_extra_state_modules``), a dense MLP, a mixture of
+# experts' shared expert, and each expert's own two (within the expert)
+ATTENTION_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj")
+MLP_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_EXPERT_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_EXTRA_STATE_MODULES = ("linear_fc1", "linear_fc2")
 
 
@@ -96,7 +96,7 @@ def attention_extra_state_modules(latent: bool, q_lora_rank: int | None) -> tupl
     """The attention's modules with an extra state: the dense layer's two, or latent attention's
     projections."""
     if not latent:
-        return EXTRA_STATE_MODULES[:2]
+        return ATTENTION_EXTRA_STATE_MODULES
     queries = ("linear_q_proj",) if q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
     return tuple(f"self_attention.{module}" for module in
                  ("linear_proj", *queries, "linear_kv_down_proj", "linear_kv_up_proj"))
