@@ -67,7 +67,8 @@ def saved_tokenizer(checkpoint: str, manifest: dict):
 
 MEGATRON_STATES = {None: "none",
                    "distributed": "the distributed optimizer's fp32 masters and Adam moments, re-cut with "
-                                  "the weights"}
+                                  "the weights",
+                   "plain": "the plain optimizer's Adam moments, re-cut with the weights"}
 
 
 def describe(checkpoint: str, manifest: dict) -> list[str]:

@@ -122,7 +122,8 @@ def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
     if held in READ_OPTIMIZER_STATES:
         return
     what = (f"its {held} optimizer's states are not read by this stack yet (the distributed optimizer's "
-            "legacy distrib_optim.pt and torch_dist's fully_reshardable ones are: Megatron-LM's "
+            "legacy distrib_optim.pt and torch_dist's fully_reshardable and dp_reshardable ones are: "
+            "Megatron-LM's "
             "--ckpt-convert-format torch --ckpt-convert-save DIR writes the first)" if held
             else "it holds no optimizer states")
     raise ValueError(f"--load {directory}: a {manifest['source']} checkpoint of iteration "

@@ -1,8 +1,8 @@
 """megatron-core's own training step on the CPU, for the tests that resume a Megatron-LM run here and ours
 there: its DDP (the distributed optimizer, buckets on request, or the plain optimizer), Adam, clipping and
 scheduler on given micro-batches, saved as Megatron-LM saves them (legacy files with ``distrib_optim.pt``,
-torch_dist with the ``fully_reshardable`` optimizer states), and resumed as Megatron-LM's
-``load_checkpoint`` resumes them. The models are ``megatron_oracle``'s.
+torch_dist with the ``fully_reshardable`` and the ``dp_reshardable`` optimizer states), and resumed as
+Megatron-LM's ``load_checkpoint`` resumes them. The models are ``megatron_oracle``'s.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, opt
     gathered on dp rank 0 into ``distrib_optim.pt`` beside it, else Adam's states in the ``state_dict``)
     and, with the distributed optimizer, torch_dist under ``out/torch_dist`` (its
     ``fully_reshardable`` sharding, model-space states: megatron-core 0.16.1 writes them at the wrong
-    places when --overlap-grad-reduce cuts buckets, as its own warning of "data corruption" says)."""
+    places when --overlap-grad-reduce cuts buckets, as its own warning of "data corruption" says) and
+    under ``out/torch_dist_dp`` (its default ``dp_reshardable`` sharding: each bucket's flat states)."""
     from megatron.core import dist_checkpointing, parallel_state
 
     args = megatron_args(architecture, tp, 1, world_size)
@@ -150,13 +151,15 @@ def _save_trained(rank, world_size, architecture, tp, out, iteration, chunk, opt
         state["optimizer"] = optimizer.state_dict()
     if optimizer is not None and distributed:
         optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
-    if optimizer is not None and distributed:
-        sharded = os.path.join(out, "torch_dist")
+    for sharding, name in (("fully_reshardable", "torch_dist"), ("dp_reshardable", "torch_dist_dp")):
+        if optimizer is None or not distributed:
+            break
+        sharded = os.path.join(out, name)
         os.makedirs(os.path.join(sharded, f"iter_{iteration:07d}"), exist_ok=True)
         torch.distributed.barrier()
         model = chunk.sharded_state_dict()
         dist_checkpointing.save({**common, "model": model, "optimizer": optimizer.sharded_state_dict(
-            model, metadata={"distrib_optim_sharding_type": "fully_reshardable"})},
+            model, metadata={"distrib_optim_sharding_type": sharding})},
             os.path.join(sharded, f"iter_{iteration:07d}"))
         stop_writer_manager()
         kinds.append(sharded)

@@ -3,7 +3,8 @@
 megatron-core trains its Llama-class GPTModel at tp2 x dp2 (its DDP with ``--overlap-grad-reduce`` in
 buckets of 3400 elements, its DistributedOptimizer, Adam, clipping, its cosine scheduler) on the
 micro-batches our data pipeline reads, saves Megatron-LM's legacy files with ``distrib_optim.pt`` (its
-own ``save_parameter_state``) after iteration 4 and trains on to iteration 7; a second run in one bucket
+own ``save_parameter_state``) and torch_dist with its default ``dp_reshardable`` states (each bucket's)
+after iteration 4 and trains on to iteration 7; a second run in one bucket
 saves torch_dist with the distributed optimizer's ``fully_reshardable`` states (megatron-core 0.16.1
 misplaces those when buckets are cut), a third with the plain optimizer its legacy files (Adam's states in
 torch's state dict). Resumed here at dp4 x tp1 ZeRO-1 from iteration 4, from any of them,
@@ -100,14 +101,24 @@ def _resumed(rank, world_size, sources, cache, saves):
     return out
 
 
+def _edit_args(paths: list[str], **changes) -> None:
+    """Megatron's saved args in each file of ``paths`` (rank files or common.pt) changed."""
+    for path in paths:
+        state = torch.load(path, weights_only=False)
+        for name, value in changes.items():
+            setattr(state["args"], name, value)
+        torch.save(state, path)
+
+
 @pytest.mark.parity
-def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(tmp_path):
+def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(tmp_path, capsys):
     cache, final = str(tmp_path / "cache"), str(tmp_path / "megatron-final")
     runs = [str(tmp_path / name) for name in ("megatron", "one-bucket", "plain-optimizer")]
     batches = _micro_batches(cache)
     theirs = run_world(4, _megatron_runs, batches, runs, final, timeout_s=300)[0]
     sources = {"legacy, distributed optimizer in buckets": os.path.join(runs[0], "torch"),
                "torch_dist, fully_reshardable": os.path.join(runs[1], "torch_dist"),
+               "torch_dist, dp_reshardable in buckets": os.path.join(runs[0], "torch_dist_dp"),
                "legacy, plain optimizer": os.path.join(runs[2], "torch")}
     ours = [str(tmp_path / f"ours-{number}") for number in range(len(sources))]
     *whole, (_, ours_on), (_, fresh) = run_world(4, _resumed, list(sources.values()), cache, ours,
@@ -122,6 +133,11 @@ def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(
         assert_tensors_close([got[name][:want[name].shape[0]] for name in names],
                              [want[name] for name in names],
                              f"Megatron's run ({kind}) resumed here at dp4: weights after iteration 7")
+    for kind, source in sources.items():  # and the listing says which states it read
+        convert(["--load", source, "--list"])
+        said = "distributed optimizer's fp32 masters" if "distributed" in kind or "torch_dist" in kind else (
+            "plain optimizer's Adam moments")
+        assert f"optimizer states: the {said}" in capsys.readouterr().out, kind
     # a fresh optimizer leaves the trajectory: the moments read are what kept it
     drift = max(abs(a - b) / b for a, b in zip(fresh[1:], theirs[STOP + 1:]))
     assert drift > 100 * TRAJECTORY_RTOL, drift
@@ -140,15 +156,23 @@ def test_megatron_distributed_optimizer_resumes_on_its_trajectory_at_another_dp(
     # resume with a fresh optimizer still takes the weights)
     other = shutil.copytree(os.path.join(megatron, "torch"), tmp_path / "other-buckets")
     folder = os.path.join(other, f"iter_{STOP:07d}")
-    for rank_folder in sorted(os.listdir(folder)):
-        path = os.path.join(folder, rank_folder, "model_optim_rng.pt")
-        state = torch.load(path, weights_only=False)
-        state["args"].ddp_bucket_size = None
-        torch.save(state, path)
+    _edit_args([os.path.join(folder, name, "model_optim_rng.pt") for name in os.listdir(folder)],
+               ddp_bucket_size=None)
     with pytest.raises(ValueError, match=r"distrib_optim\.pt: chunk 0's buffer holds 17952 elements; the "
                                          r"model its args describe lays out 17984 \(bucketing flags"):
         validate(parse_config(_flags(cache, "--load", str(other))), 4)
     validate(parse_config(_flags(cache, "--load", str(other), "--no-load-optim")), 4)
+    other = shutil.copytree(os.path.join(megatron, "torch_dist_dp"), tmp_path / "other-buckets-dist")
+    common = [os.path.join(other, f"iter_{STOP:07d}", "common.pt")]
+    _edit_args(common, ddp_bucket_size=None)
+    with pytest.raises(ValueError, match=r"tensor rank 0's dp_reshardable buckets hold 17952 elements; the "
+                                         r"model its args describe lays out 17984 \(bucketing flags"):
+        validate(parse_config(_flags(cache, "--load", str(other))), 4)
+    # and args naming Transformer Engine's spec (another parameter order, as long): its masters show it
+    _edit_args(common, ddp_bucket_size=BUCKET, transformer_impl="transformer_engine")
+    with pytest.raises(ValueError, match=r"dp_reshardable fp32 masters of decoder\.layers\.self_attention\."
+                                         r"linear_qkv\.layer_norm_weight are not its weights"):
+        validate(parse_config(_flags(cache, "--load", str(other))), 4)
     # and the bucketed run's torch_dist, whose fully_reshardable states megatron-core misplaced: refused
     # whole, its weights (the model's own tensors) taken with a fresh optimizer
     misplaced = os.path.join(megatron, "torch_dist")

@@ -24,7 +24,7 @@ ZIP_MAGIC = b"PK\x03\x04"
 
 class DCPFolder:
     """The tensors of one Distributed Checkpoint folder by key: their global shapes and dtypes, and any
-    rows of them. Byte items (pickled objects) are listed and never read."""
+    rows of them; byte items (saved objects) as ``weights_only`` loads them."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -82,10 +82,19 @@ class DCPFolder:
                                   f"{first + count - 1} (a shard missing from the metadata)")
         return out
 
-    def _chunk(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
-        info = self.storage.get((key, offsets))
+    def read_object(self, key: str):
+        """The object stored as byte item ``key`` (a ``torch.save`` stream), loaded with
+        ``weights_only=True``: plain containers, numbers, strings and tensors only."""
+        info = self.storage.get((key, None))
         if info is None:
-            raise CheckpointError(f"{self.folder}: no stored data for {key} at {list(offsets)}")
+            raise CheckpointError(f"{self.folder}: holds no object {key}")
+        try:
+            return torch.load(io.BytesIO(self._bytes(key, info)), map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise CheckpointError(f"{self.folder}: object {key} refused by torch.load(weights_only=True): "
+                                  f"{str(error).splitlines()[0]}") from None
+
+    def _bytes(self, key: str, info) -> bytes:
         path = os.path.join(self.folder, info.relative_path)
         try:
             with open(path, "rb") as handle:
@@ -95,6 +104,14 @@ class DCPFolder:
             raise CheckpointError(f"{path}: missing (it holds {key}); nothing was loaded") from None
         if len(data) != info.length:
             raise CheckpointError(f"{path}: shorter than its metadata says ({key}); nothing was loaded")
+        return data
+
+    def _chunk(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        info = self.storage.get((key, offsets))
+        if info is None:
+            raise CheckpointError(f"{self.folder}: no stored data for {key} at {list(offsets)}")
+        path = os.path.join(self.folder, info.relative_path)
+        data = self._bytes(key, info)
         dtype = self.dtype(key)
         if data[:4] == ZIP_MAGIC:
             try:

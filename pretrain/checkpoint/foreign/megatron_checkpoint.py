@@ -31,6 +31,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 # run settings of the args a resumed run keeps (our names are Megatron's)
 READ_OPTIMIZER_STATES = ("distributed", "plain")  # the optimizer states a whole resume reads
+READ_SHARDINGS = ("fully_reshardable", "dp_reshardable")  # torch_dist's distributed ones read here
 RUN_ARGS = ("global_batch_size", "micro_batch_size", "rampup_batch_size", "seq_length")
 
 
@@ -71,22 +72,27 @@ class MegatronCheckpoint:
     def args(self):
         return self.common["args"]
 
+    @property
+    def sharding(self) -> str | None:
+        """torch_dist's distributed optimizer sharding (None: no distributed optimizer's states)."""
+        optimizer = self.common.get("optimizer")
+        return optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
+
     def optimizer_states(self) -> str | None:
         """Which optimizer states it holds: "distributed" (the distributed optimizer's, gathered in a
-        legacy distrib_optim.pt or torch_dist's fully_reshardable) or "plain" (the plain optimizer's in a
-        legacy rank file): these load here; "torch_dist distributed (SHARDING)" (its other shardings),
-        "torch_dist plain", or None."""
+        legacy distrib_optim.pt or in torch_dist's ``READ_SHARDINGS``) or "plain" (the plain optimizer's
+        in a legacy rank file): these load here; "torch_dist distributed (SHARDING)" (its other
+        shardings), "torch_dist plain", or None."""
         if self.format == "torch_dist":
             from pretrain.checkpoint.foreign.safe_pickle import load_dcp_metadata
 
             keys = load_dcp_metadata(os.path.join(self.folder, ".metadata")).state_dict_metadata
             if not any(key.startswith("optimizer.") for key in keys):
                 return None
-            sharding = (self.common.get("optimizer") or {}).get("param_state_sharding_type")
-            if sharding is None:
+            if self.sharding is None:
                 return "torch_dist plain"
-            return ("distributed" if sharding == "fully_reshardable"
-                    else f"torch_dist distributed ({sharding})")
+            return ("distributed" if self.sharding in READ_SHARDINGS
+                    else f"torch_dist distributed ({self.sharding})")
         if os.path.isfile(os.path.join(os.path.dirname(legacy_file(self.folder, self.layout, 0, 0, 0)),
                                        DISTRIBUTED_OPTIMIZER_FILE)):
             return "distributed"

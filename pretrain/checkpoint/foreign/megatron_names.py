@@ -130,16 +130,29 @@ _MODEL_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", 
                 "decoder.final_layernorm.", "output_layer.")
 
 
-def registration_order(key: str) -> tuple:
-    """A sort key putting a model chunk's Megatron keys in the order megatron-core's local spec registers
-    their parameters (a weight before its bias)."""
+# torch_dist's fused norm names for the local spec's norm modules
+LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+               "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+_WITHIN_MODULE = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")  # Transformer Engine's order
+
+
+def registration_order(key: str, local_spec: bool = True) -> tuple:
+    """A sort key putting a model chunk's Megatron keys in the order megatron-core registers their
+    parameters: its local spec's (torch_dist's fused norm names taken for the local norm modules they
+    stand for), or Transformer Engine's (``local_spec`` False: a fused norm's weight and bias before its
+    linear's); a weight before its bias."""
     model = next(number for number, prefix in enumerate(_MODEL_ORDER) if key.startswith(prefix))
+    last = key.rsplit(".", 1)[-1]
+    within = _WITHIN_MODULE.index(last) if last in _WITHIN_MODULE else 2
     match = LAYER_KEY.match(key)
     if not match:
-        return model, 0, 0, key.endswith(".bias")
+        return model, 0, 0, within
     inner = match.group(2)
+    for fused, local in LOCAL_NORMS.items():
+        if local_spec and inner.startswith(fused):
+            inner, within = local + inner[len(fused):], 2 + inner.endswith("bias")
     module = next(number for number, name in enumerate(LOCAL_MODULE_ORDER) if inner.startswith(name))
-    return model, int(match.group(1)), module, inner.endswith(".bias")
+    return model, int(match.group(1)), module, within
 
 
 class UnknownKey(ValueError):

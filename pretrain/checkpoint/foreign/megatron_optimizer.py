@@ -2,10 +2,11 @@
 The plain optimizer's are torch's own state dict in each legacy rank file (``PlainOptimizerStates``). The
 distributed optimizer's, in torch_dist with its ``fully_reshardable`` sharding, are tensors of the model's
 keys and shapes (``MODEL_SPACE_STATES``), read beside the weights; in a legacy checkpoint,
-``distrib_optim.pt`` beside each
-rank file (what megatron-core's ``DistributedOptimizer.save_parameter_state`` gathers on dp rank 0: per
-buffer of each model chunk, the fp32 masters ``param`` and Adam's ``exp_avg`` / ``exp_avg_sq`` as flat
-tensors), and Adam's step from the rank file's param groups.
+``distrib_optim.pt`` beside each rank file (what megatron-core's ``DistributedOptimizer.save_parameter_state``
+gathers on dp rank 0: per buffer of each model chunk, the fp32 masters ``param`` and Adam's ``exp_avg`` /
+``exp_avg_sq`` as flat tensors), and Adam's step from the rank file's param groups; in torch_dist with its
+default ``dp_reshardable`` sharding, the same flat tensors one bucket at a time (``BucketStates``), the
+step in ``common.pt``.
 
 Where a tensor lies in those flat tensors is not saved: it is megatron-core's buffer layout
 (``_ParamAndGradBuffer``), re-derived here from the chunk's parameters in their saved order and the args.
@@ -20,17 +21,23 @@ name rather than read at the wrong places.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+import re
 
 import torch
 
 from pretrain.checkpoint.errors import CheckpointError
+from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
 KINDS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # ours: Megatron's
 MODEL_SPACE_STATES = "optimizer.state."  # torch_dist's fully_reshardable: + {kind}.{the tensor's key}
+# torch_dist's dp_reshardable: one flat tensor per kind of each bucket of each tp x pp rank's buffer
+BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                        r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 _ALIGN, _BUCKET_ALIGN, _BUSBW = 64, 128, 2 ** 16
 
 
@@ -82,9 +89,13 @@ def sharding_size(args) -> int:
     return size("data_parallel_size") * size("context_parallel_size") // instances
 
 
-def adam_step(common: dict, where: str) -> float:
+def param_groups(state: dict) -> list[dict]:
+    """The param groups of the distributed optimizer's ``state_dict`` in a rank file or ``common.pt``."""
+    return (state.get("optimizer") or {}).get("optimizer", {}).get("param_groups", [])
+
+
+def adam_step(groups: list[dict], where: str) -> float:
     """Adam's step count, as the distributed optimizer's ``state_dict`` keeps it in each param group."""
-    groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups", [])
     steps = {float(group["step"]) for group in groups if "step" in group}
     if len(steps) != 1:
         raise CheckpointError(f"{where}: its optimizer's param groups record {sorted(steps) or 'no'} Adam "
@@ -126,6 +137,58 @@ class DistributedOptimizerStates:
         """The flat ``kind`` ("master", "exp_avg", "exp_avg_sq") of saved tensor ``key`` of ``chunk``."""
         vp, offset = self.places[(chunk, key)]
         return self.buffers[vp][KINDS[kind]][offset:offset + numel]
+
+
+class BucketStates:
+    """torch_dist's ``dp_reshardable`` states: per tensor- x pipeline-parallel rank (megatron-core's model
+    parallel rank, ``pp_rank x tp + tp_rank``, numbers its keys), each bucket of its buffer as a flat
+    tensor per kind, the bucket's end padding left out, so that the buckets in turn are the gathered
+    tensors ``distrib_optim.pt`` holds; Adam's ``step`` in each rank's saved param groups. ``domains``:
+    each (pp rank, tp rank)'s parameters as ``buffer_offsets`` takes them. Reads a tensor's range from
+    its bucket on request; keeps none."""
+
+    def __init__(self, folder: DCPFolder, domains: dict[tuple[int, int], list[tuple[str, int, bool]]], args,
+                 tp: int):
+        self.folder = folder
+        buckets: dict[int, dict[tuple, int]] = {}
+        for key in folder.tensors:
+            match = BUCKET_KEY.match(key)
+            if match and match.group(5) == "param":
+                group, buffer, dtype, bucket = match.group(1, 2, 3, 4)
+                buckets.setdefault(int(group), {})[(int(buffer), dtype, int(bucket))] = folder.shape(key)[0]
+        self.places: dict[tuple[int, int, str], tuple[str, int]] = {}
+        groups = []  # each rank's optimizer state_dict (its param groups), a saved object
+        for key in folder.metadata.state_dict_metadata:
+            if re.match(r"^optimizer\.distributed\.dp_group_idx_\d+\.optimizer/", key):
+                saved = folder.read_object(key)
+                groups += [group for entry in (saved if isinstance(saved, list) else [saved])
+                           for group in entry.get("param_groups", [])]
+        self.step = adam_step(groups, folder.folder)
+        busbw = bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False))
+        for (pp, tp_rank), params in domains.items():
+            held = buckets.get(pp * tp + tp_rank, {})
+            if len({(buffer, dtype) for buffer, dtype, _ in held}) != 1:
+                raise CheckpointError(f"{folder.folder}: holds {len(held)} dp_reshardable buckets for "
+                                      f"pipeline rank {pp}, tensor rank {tp_rank}, in other than the one "
+                                      "buffer (one parameter dtype, no experts) this reader takes; refused")
+            names = [f"optimizer.distributed.dp_group_idx_{pp * tp + tp_rank}.gbuf_idx_{buffer}.dtype_{dtype}"
+                     f".bucket_idx_{bucket}." for buffer, dtype, bucket in sorted(held)]
+            sizes = [held[entry] for entry in sorted(held)]
+            offsets, length = buffer_offsets(params, sharding_size(args), bucket_size_of(args, pp, 0), busbw)
+            if sum(sizes) != length:
+                raise CheckpointError(f"{folder.folder}: pipeline rank {pp}, tensor rank {tp_rank}'s "
+                                      f"dp_reshardable buckets hold {sum(sizes)} elements; the model its "
+                                      f"args describe lays out {length} (bucketing flags this reader does "
+                                      "not re-derive?); refused")
+            starts = [sum(sizes[:index]) for index in range(len(sizes))]
+            for key, offset in offsets.items():
+                bucket = bisect.bisect_right(starts, offset) - 1
+                self.places[(pp, tp_rank, key)] = (names[bucket], offset - starts[bucket])
+
+    def values(self, where: tuple[int, int, str], numel: int, kind: str) -> torch.Tensor:
+        """The flat ``kind`` of tensor ``where`` (pp rank, tp rank, Megatron's key in that stage)."""
+        name, offset = self.places[where]
+        return self.folder.read(f"{name}{KINDS[kind]}", offset, numel)
 
 
 class PlainOptimizerStates:

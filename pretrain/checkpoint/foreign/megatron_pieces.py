@@ -24,12 +24,12 @@ from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.checkpoint.foreign.megatron_checkpoint import (READ_OPTIMIZER_STATES, MegatronCheckpoint,
                                                              legacy_file, reopen)
-from pretrain.checkpoint.foreign.megatron_optimizer import (KINDS, MODEL_SPACE_STATES,
+from pretrain.checkpoint.foreign.megatron_optimizer import (KINDS, MODEL_SPACE_STATES, BucketStates,
                                                             DistributedOptimizerStates, PlainOptimizerStates,
-                                                            adam_step)
+                                                            adam_step, param_groups)
 from pretrain.checkpoint.foreign.megatron_names import (LAYER_KEY, LEGACY_EXPERTS, ROW_SPLIT_DOWN,
                                                         STACKED_PREFIX, UnknownKey, ours_of, ours_of_stacked,
-                                                        skipped)
+                                                        registration_order, skipped)
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 from pretrain.checkpoint.geometry import SliceGeometry
 from pretrain.checkpoint.reshard import PieceSource, SavedPiece
@@ -60,13 +60,13 @@ class MegatronPieces(PieceSource):
         self.reads_optimizer = self.held in READ_OPTIMIZER_STATES
         # a legacy rank file's optimizer states: its distrib_optim.pt, or the plain optimizer's in it
         self.optimizers: dict[str, DistributedOptimizerStates | PlainOptimizerStates] = {}
+        self.buckets: BucketStates | None = None  # torch_dist's dp_reshardable states, where read
+        self.local_spec = getattr(checkpoint.args, "transformer_impl", "transformer_engine") == "local"
         if checkpoint.format == "torch_dist":
             self.folder = DCPFolder(checkpoint.folder)
             self._list_distributed(our_slices(config, 1))
         else:
             self.files: dict[str, dict] = {}
-            # the local spec's latent down projections are column-parallel (Transformer Engine's whole)
-            self.rows_split = getattr(checkpoint.args, "transformer_impl", "transformer_engine") == "local"
             if checkpoint.layout.etp != checkpoint.layout.tp:
                 raise CheckpointError(f"{checkpoint.folder}: saved with --expert-tensor-parallel-size "
                                       f"{checkpoint.layout.etp} beside --tensor-model-parallel-size "
@@ -128,8 +128,7 @@ class MegatronPieces(PieceSource):
                                               "its args describe; refused")
                     continue
                 shape, dim, table = slices[name]
-                if key.endswith(ROW_SPLIT_DOWN) and self.rows_split:  # whole here, split by rows there
-                    dim, shape = 0, (shape[0] // layout.tp, *shape[1:])
+                shape, dim = self._split_of(key, shape, dim)
                 if dim is None and tp > 0:
                     continue  # replicated over tp: rank 0's copy
                 self._check_shape(key, name, tuple(tensor.shape), shape, table)
@@ -141,6 +140,14 @@ class MegatronPieces(PieceSource):
                                                      (path, chunk, key)))
         if self.reads_optimizer:
             self._list_optimizer(path, state, chunks, pp)
+
+    def _split_of(self, key: str, shape: tuple, dim: int | None) -> tuple[tuple, int | None]:
+        """(one tp rank's shape, split dimension) of Megatron's ``key`` where ours is (``shape``,
+        ``dim``): the local spec's latent down projections are split by rows (Transformer Engine's
+        whole)."""
+        if key.endswith(ROW_SPLIT_DOWN) and self.local_spec:
+            return (shape[0] // self.checkpoint.layout.tp, *shape[1:]), 0
+        return shape, dim
 
     def _list_optimizer(self, path: str, state: dict, chunks: list[str], pp: int) -> None:
         """The distributed optimizer's states beside rank file ``path``: every saved tensor of each chunk
@@ -162,7 +169,7 @@ class MegatronPieces(PieceSource):
                 states = DistributedOptimizerStates(os.path.dirname(path), {
                     chunk: [(key, tensor.numel(), key in shared) for key, tensor in entries]
                     for chunk, entries in tensors.items()}, self.checkpoint.args, pp)
-                step = adam_step(state, path)
+                step = adam_step(param_groups(state), path)
             self.optimizers[path] = states
             if not self.kinds:
                 self.kinds, self.step = ("exp_avg", "exp_avg_sq"), step
@@ -192,10 +199,13 @@ class MegatronPieces(PieceSource):
                 geometry = (SliceGeometry.of(one, 0, 0, 1, self.config.vocab_size) if table
                             else SliceGeometry(shape))
                 self.by_name[ours].append(SavedPiece(ours, geometry, 0, math.prod(one), (key, index)))
-            if self.reads_optimizer:
+            if self.reads_optimizer and self.checkpoint.sharding == "fully_reshardable":
                 self._check_model_space_states(key, saved)
+        if self.reads_optimizer and self.checkpoint.sharding == "dp_reshardable":
+            self._list_buckets()
         if self.reads_optimizer and not self.unread_optimizer:
-            self.kinds, self.step = ("exp_avg", "exp_avg_sq"), adam_step(self.checkpoint.common,
+            self.kinds = ("exp_avg", "exp_avg_sq")
+            self.step = self.buckets.step if self.buckets else adam_step(param_groups(self.checkpoint.common),
                                                                           self.checkpoint.folder)
 
     def _check_model_space_states(self, key: str, saved: tuple) -> None:
@@ -219,8 +229,81 @@ class MegatronPieces(PieceSource):
                                      "are not its weights (megatron-core misplaces these states when "
                                      "--overlap-grad-reduce cut buckets); its optimizer states are refused")
 
+    def _list_buckets(self) -> None:
+        """torch_dist's ``dp_reshardable`` states: each tensor re-listed as the tp slices the (pp, tp) ranks'
+        buffers hold (``BucketStates``; the weights their fp32 masters), laid out in megatron-core's
+        parameter order. The layout is checked where it shows: each rank's 1-D masters (norms, biases,
+        spread over the whole buffer) must be its weights within bf16's rounding. What cannot be read is
+        recorded in ``unread_optimizer`` (the whole pieces stay, for a fresh optimizer)."""
+        folder, layout = self.checkpoint.folder, self.checkpoint.layout
+        if layout.vp > 1 or self.config.num_experts:
+            what = "virtual pipeline stages" if layout.vp > 1 else "a mixture of experts"
+            self.unread_optimizer = (f"{folder}: dp_reshardable states of {what} (a chained optimizer's) "
+                                     "are not read yet")
+            return
+        slices, tp = our_slices(self.config, layout.tp), layout.tp
+        domains: dict[tuple[int, int], list[tuple[str, int, bool]]] = {}
+        pieces: dict[str, list[SavedPiece]] = {}
+        for name, listed in self.by_name.items():
+            for piece in listed:
+                key, index = piece.where
+                pp, local_key = self._stage_of(key, index)
+                shape, dim, table = slices[name]
+                shape, dim = self._split_of(key, shape, dim)
+                if table:  # Megatron's padded rows, split evenly
+                    shape = (piece.geometry.shape[0] // tp, *piece.geometry.shape[1:])
+                shared = self.tied and layout.pp > 1 and name == "embedding.word_embeddings.weight"
+                for rank in range(tp):
+                    domains.setdefault((pp, rank), []).append((local_key, math.prod(shape), shared))
+                    if shared:  # the last stage's copy, in a bucket of its own
+                        domains.setdefault((layout.pp - 1, rank), []).append(
+                            ("output_layer.weight", math.prod(shape), True))
+                    if dim is not None or rank == 0:
+                        rows = self.config.vocab_size if table else None
+                        pieces.setdefault(name, []).append(SavedPiece(
+                            name, SliceGeometry.of(shape, dim, rank, tp, rows), 0, math.prod(shape),
+                            (pp, rank, local_key)))
+        for (pp, rank), params in domains.items():
+            params.sort(key=lambda entry: registration_order(entry[0], self.local_spec))
+        try:
+            buckets = BucketStates(self.folder, domains, self.checkpoint.args, tp)
+        except CheckpointError as error:
+            self.unread_optimizer = str(error)
+            return
+        for name, listed in pieces.items():
+            for piece, whole in ((piece, self.by_name[name][0]) for piece in listed):
+                if len(piece.geometry.shape) == 1 and not torch.allclose(
+                        buckets.values(piece.where, piece.length, "master").float(),
+                        self._band(whole, piece.geometry), rtol=2 ** -7, atol=1e-6):
+                    self.unread_optimizer = (f"{folder}: its dp_reshardable fp32 masters of "
+                                             f"{whole.where[0]} are not its weights (a parameter order or "
+                                             "bucketing this reader does not re-derive); its optimizer "
+                                             "states are refused")
+                    return
+        self.buckets, self.by_name = buckets, pieces
+
+    def _stage_of(self, key: str, index: tuple) -> tuple[int, str]:
+        """(pipeline rank, Megatron's key in that stage) of row ``index`` of torch_dist tensor ``key``."""
+        layout = self.checkpoint.layout
+        per_stage = layout.num_layers // layout.pp
+        match = LAYER_KEY.match(key)
+        if match or (key.startswith(STACKED_PREFIX) and index):
+            layer, inner = (int(match.group(1)), match.group(2)) if match else (
+                index[0], key[len(STACKED_PREFIX):])
+            return layer // per_stage, f"{STACKED_PREFIX}{layer % per_stage}.{inner}"
+        return (0 if key.startswith("embedding.") else layout.pp - 1), key
+
+    def _band(self, piece: SavedPiece, geometry: SliceGeometry) -> torch.Tensor:
+        """The elements of whole torch_dist ``piece`` that tp slice ``geometry`` holds, flat."""
+        key, index = piece.where
+        whole = self._first_axis(key, index[0])[index[1:]] if index else self.folder.read(key)
+        width, first = geometry.width, geometry.tp_rank * geometry.width
+        return whole.float().reshape(geometry.outer, -1)[:, first:first + width].reshape(-1)
+
     # reading ------------------------------------------------------------------------------------------
     def values(self, piece: SavedPiece, kind: str) -> torch.Tensor | None:
+        if self.buckets is not None:
+            return self.buckets.values(piece.where, piece.length, kind).float()
         if self.kinds and piece.where[0] in self.optimizers:
             path, chunk, key = piece.where
             found = self.optimizers[path].values(chunk, key, piece.length, kind)
