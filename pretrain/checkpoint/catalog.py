@@ -9,6 +9,10 @@ Layout of ``--save DIR``::
                                      position), layout, config, and every file's size and sha256
     DIR/latest                       the name of the newest complete checkpoint
 
+With ``--ckpt-format torch_dcp`` the rank files are a PyTorch Distributed Checkpoint instead (DCP's
+``.metadata`` and ``__R_0.distcp`` files, listed in the manifest, whose "storage" is "torch_dcp":
+``pretrain.checkpoint.dcp_storage``).
+
 A weights-only checkpoint (``"kind": "weights"``; a Hugging Face import) holds ``model.safetensors``
 (the whole fp32 model under layout-independent names) instead of rank files. Files are read with
 ``torch.load(weights_only=True)`` only, after their checksums match. This module writes no checkpoint
@@ -36,6 +40,9 @@ MODEL = "model"  # the rank-file state that holds the ZeRO model and optimizer, 
 # masters themselves
 RANK_FORMAT = 4
 READABLE_FORMATS = (2, 3, 4)
+# --ckpt-format torch_dcp: the model's states in a PyTorch Distributed Checkpoint (``dcp_storage``)
+# instead of rank files; the manifest's "storage" says so and lists DCP's files
+DCP_STORAGE, DCP_METADATA = "torch_dcp", ".metadata"
 
 
 def write_durably(path: str, data: bytes) -> None:
@@ -171,11 +178,18 @@ def files_to_read(manifest: dict) -> list[str]:
     checked one by one as they are read (none here)."""
     if manifest.get("kind") == "weights":
         return [WEIGHTS_FILE]
+    if manifest.get("storage") == DCP_STORAGE:
+        return [DCP_METADATA]  # (its data files: each checked whole before a rank first reads it)
     return [] if manifest.get("format") == RANK_FORMAT else rank_entries(manifest)
 
 
 def rank_entries(manifest: dict) -> list[str]:
     return sorted(entry for entry in manifest["files"] if entry.startswith("rank_"))
+
+
+def stored_files(manifest: dict) -> list[str]:
+    """The files a checkpoint of ours stores its states in: its rank files, or DCP's."""
+    return sorted(manifest["files"]) if manifest.get("storage") == DCP_STORAGE else rank_entries(manifest)
 
 
 def verify(directory: str, step: int | None) -> None:
@@ -188,7 +202,7 @@ def verify(directory: str, step: int | None) -> None:
     try:
         if manifest.get("kind") != "weights":
             check_format(checkpoint, manifest)
-            for entry in rank_entries(manifest):
+            for entry in stored_files(manifest):
                 sized(checkpoint, manifest, entry)
         for entry in files_to_read(manifest):
             verified(checkpoint, manifest, entry)

@@ -23,10 +23,12 @@ from parallel import comm
 from parallel.process_groups import ParallelGroups, default_device
 from pretrain.checkpoint import reshard
 from parallel.zero.state_readers import saved_loss_scaler
-from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError, check_format,
+from pretrain.checkpoint.catalog import (DCP_STORAGE, MODEL, RANK_FORMAT, WEIGHTS_FILE, CheckpointError,
+                                         check_format,
                                          exists, fsync_directory, iteration_name, latest_name, newest_intact,
                                          open_rank_file, rank_entries, read_manifest, read_rank_file,
                                          run_states, verified, write_durably)
+from pretrain.checkpoint.dcp_storage import DCPPieces, write_dcp
 from pretrain.checkpoint.foreign.megatron_checkpoint import READ_OPTIMIZER_STATES
 from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.saved_pieces import index_of
@@ -207,28 +209,48 @@ def rank_content(states: dict[str, Stateful]) -> dict:
     return {"states": {MODEL: model.state_dict(), **{n: s.state_dict() for n, s in rank_states.items()}}}
 
 
-def manifest_base(states: dict[str, Stateful], iteration: int, config: dict) -> dict:
-    """The manifest of a save, but for its files: format, iteration, the run-scoped states, layout, config."""
+def manifest_base(states: dict[str, Stateful], iteration: int, config: dict,
+                  storage: str | None = None) -> dict:
+    """The manifest of a save, but for its files: format, iteration, the run-scoped states, layout, config
+    (and ``storage`` "torch_dcp" where the rank files are a Distributed Checkpoint)."""
     model, run, _ = _split(states)
-    return {"format": RANK_FORMAT, "iteration": iteration,
+    return {"format": RANK_FORMAT, "iteration": iteration, **({"storage": storage} if storage else {}),
             "states": {n: s.state_dict() for n, s in run.items()}, "layout": model.layout(), "config": config}
 
 
+def _write_dcp(attempt: SaveAttempt, content: dict) -> list[Written]:
+    """This rank's part of a Distributed Checkpoint in the staging directory (a collective), each file it
+    wrote as ``Written`` (a failure: one carrying the problem)."""
+    try:
+        files = write_dcp(attempt.staging, content, attempt.groups.rank, attempt.groups.world.group)
+    except Exception as error:  # DCP raises a write's failure alike on every rank
+        return [Written(f"__{attempt.groups.rank}_0.distcp", problem=f"cannot write the Distributed "
+                        f"Checkpoint under {attempt.staging} ({str(error).splitlines()[0]})")]
+    return [Written(entry, size, sha256) for entry, size, sha256 in files]
+
+
 def save(directory: str, iteration: int, states: dict[str, Stateful], groups: ParallelGroups, config: dict,
-         keep_last: int = 0, retain_interval: int | None = None, protected: str | None = None) -> str:
+         keep_last: int = 0, retain_interval: int | None = None, protected: str | None = None,
+         storage: str | None = None) -> str:
     """Write the checkpoint of ``iteration`` (a collective over the world); return its final path. Each
     state is written by its own ``state_dict()``: run-scoped ones into the manifest, the rest into the
-    rank file. Then prune: keep the newest ``keep_last`` (0: all), and with ``retain_interval`` only the
-    checkpoints at its multiples besides the newest, never ``protected``."""
+    rank file (``storage`` "torch_dcp": into a Distributed Checkpoint). Then prune: keep the newest
+    ``keep_last`` (0: all), and with ``retain_interval`` only the checkpoints at its multiples besides the
+    newest, never ``protected``."""
     attempt = SaveAttempt(directory, iteration, groups)
     with model_state(states).in_memory():
-        written = attempt.write(rank_content(states))
-    files = [value[1] for value in attempt.agreed((written.problem, written))]
+        if storage == DCP_STORAGE:
+            written = _write_dcp(attempt, rank_content(states))
+        else:
+            written = [attempt.write(rank_content(states))]
+    problems = [entry.problem for entry in written if entry.problem]
+    files = [entry for value in attempt.agreed((problems[0] if problems else None, written))
+             for entry in value[1]]
     problem = None
     if groups.rank == 0:
         try:
-            attempt.publish(files, manifest_base(states, iteration, config), keep_last, retain_interval,
-                            protected)
+            attempt.publish(files, manifest_base(states, iteration, config, storage), keep_last,
+                            retain_interval, protected)
         except OSError as error:
             problem = f"{error.strerror or error}: {error.filename or attempt.staging}"
     attempt.agreed((problem,))
@@ -273,6 +295,10 @@ def _opened(model: ZeroModelState, checkpoint: str, manifest: dict, weights_only
     check_format(checkpoint, manifest)
     same_layout = manifest["layout"] == model.layout() and not weights_only
     entry = f"rank_{rank:05d}.pt"
+    if manifest.get("storage") == DCP_STORAGE:
+        dcp = DCPPieces(checkpoint, manifest)
+        return (dcp, None if weights_only else dcp.rank_states(0)[MODEL]["loss_scaler"],
+                dcp.rank_states(rank) if same_layout else None)
     if manifest.get("format") == RANK_FORMAT:
         source = reshard.SavedPieces(checkpoint, manifest, open_rank_file)
         scaler = None if weights_only else source.rest(rank_entries(manifest)[0])[MODEL]["loss_scaler"]

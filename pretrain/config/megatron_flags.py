@@ -60,7 +60,7 @@ IGNORED = [
             "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype"),
     *_flags("checkpoint formats and writers: checkpoints here are one verified file per rank plus a "
             "manifest, "
-            "re-cut to any layout on load", "--ckpt-format", "--async-strategy",
+            "re-cut to any layout on load", "--async-strategy",
             "--async-ckpt-use-cpu-shm:0", "--use-persistent-ckpt-worker:0", "--auto-detect-ckpt-format:0",
             "--ckpt-assume-constant-structure:0", "--ckpt-fully-parallel-load:0",
             "--ckpt-fully-parallel-save:0",

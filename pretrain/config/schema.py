@@ -284,6 +284,12 @@ class CheckpointConfig:
     async_save: bool = field(default=False, metadata=flag(
         "save in the background: the step copies its states to host memory and goes on while a thread "
         "writes, hashes and publishes them; the log says when a checkpoint is published"))
+    ckpt_format: str = field(default="native", metadata=flag(
+        "how checkpoints are stored: native (one verified file per rank and a manifest; Megatron's torch "
+        "and torch_dist, whose own formats pretrain.convert --to megatron writes, mean it too) or "
+        "torch_dcp (a PyTorch Distributed Checkpoint of whole tensors by our names, which torch's "
+        "dcp.load and torchtitan's tools read; the same manifest beside it); both resume in any layout",
+        choices=["native", "torch_dcp", "torch", "torch_dist"]))
     save_retain_interval: int | None = field(default=None, metadata=flag(
         "keep only the checkpoints at multiples of this iteration, and the newest"))
     finetune: bool = field(default=False, metadata=flag(

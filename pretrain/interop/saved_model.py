@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 from models.config import GPTConfig
-from pretrain.checkpoint.catalog import (MODEL, RANK_FORMAT, WEIGHTS_FILE, check_format, open_rank_file,
-                                         read_manifest, read_rank_files, verified)
+from pretrain.checkpoint.catalog import (DCP_STORAGE, MODEL, RANK_FORMAT, WEIGHTS_FILE, check_format,
+                                         open_rank_file, read_manifest, read_rank_files, verified)
+from pretrain.checkpoint.dcp_storage import DCPPieces
 from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.reshard import LegacyPieces, PieceSource, SavedPieces, WeightsFile
 
@@ -23,6 +24,8 @@ def saved_weights(directory: str, step: int | None = None) -> tuple[str, dict, P
     if manifest.get("kind") == "megatron":
         return checkpoint, manifest, megatron_pieces(manifest)
     check_format(checkpoint, manifest)
+    if manifest.get("storage") == DCP_STORAGE:
+        return checkpoint, manifest, DCPPieces(checkpoint, manifest)
     if manifest.get("format") == RANK_FORMAT:
         return checkpoint, manifest, SavedPieces(checkpoint, manifest, open_rank_file, strict=True)
     checkpoint, manifest, states = read_rank_files(directory)
@@ -80,7 +83,9 @@ def describe(checkpoint: str, manifest: dict) -> list[str]:
     layout = {axis: size for axis, size in (manifest.get("layout") or {}).items() if isinstance(size, int)}
     mlp = ("swiglu" if config.swiglu else "geglu" if config.geglu else "squared relu" if config.squared_relu
            else "gelu")
-    lines = [f"{checkpoint}: {manifest.get('source', 'a checkpoint of this stack')}",
+    source = manifest.get("source", "a checkpoint of this stack") + (
+        ", stored as a PyTorch Distributed Checkpoint" if manifest.get("storage") == DCP_STORAGE else "")
+    lines = [f"{checkpoint}: {source}",
              f"iteration {manifest['iteration']}, consumed samples {progress.get('consumed_samples', 0)}",
              f"saved at {' x '.join(f'{axis}{size}' for axis, size in layout.items()) or 'no layout'}",
              f"model: {config.num_layers} layers, hidden {config.hidden_size}, "

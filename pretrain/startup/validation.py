@@ -63,6 +63,9 @@ def validate(config: Config, world_size: int) -> Topology:
         raise ConfigError(f"--recompute-num-layers must be >= 1, got {recompute.recompute_num_layers}")
     if train.bf16 and train.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other: choose one")
+    if config.checkpoint.async_save and config.checkpoint.ckpt_format == "torch_dcp":
+        raise ConfigError("--async-save writes native checkpoints; a --ckpt-format torch_dcp save is a "
+                          "collective of every rank and runs in the step: drop one of them")
     for name in ("save_interval", "save_keep_last", "save_retain_interval"):
         value = getattr(config.checkpoint, name)
         if value is not None and value < 0:

@@ -21,7 +21,7 @@ from parallel.watchdog import HangWatchdog
 from parallel.zero import expected_parameter_state_bytes, gradient_bytes
 from pretrain.checkpoint import checkpointer
 from pretrain.checkpoint.async_save import AsyncSaver
-from pretrain.checkpoint.catalog import MODEL, iteration_name
+from pretrain.checkpoint.catalog import DCP_STORAGE, MODEL, iteration_name
 from pretrain.checkpoint.stateful import RunState, Stateful, ZeroModelState
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import checkpoint_to_load, loads_weights_only, resume_point, step_to_load
@@ -389,7 +389,8 @@ class Trainer:
                              ckpt.save_retain_interval, self.resumed_from)
         else:
             path = checkpointer.save(ckpt.save, iteration, states, self.groups, settings, ckpt.save_keep_last,
-                                     ckpt.save_retain_interval, self.resumed_from)
+                                     ckpt.save_retain_interval, self.resumed_from,
+                                     DCP_STORAGE if ckpt.ckpt_format == DCP_STORAGE else None)
             self.published = iteration
             print_rank0(self.is_logger, f"saved checkpoint {path}")
         self.save_stall_s = time.perf_counter() - started  # the step's wait for the save

@@ -67,6 +67,7 @@ def test_wrong_yaml_type_is_named(tmp_path):
      "corpus_text_document (Megatron's convention)"),
     (["--zero-stage", "3", "--zero-persistence-threshold", "-1"], 1, "--zero-persistence-threshold and"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 exclude each other"),
+    (["--async-save", "--ckpt-format", "torch_dcp"], 1, "--async-save writes native checkpoints"),
     (["--partition-activations"], 1, "add --recompute-granularity full or selective"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
      "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),

@@ -9,6 +9,7 @@ import torch
 
 from pretrain.checkpoint.catalog import CheckpointError, read_manifest
 from tests.parity import assert_trajectory_close
+from tests.pretrain.checkpoint_checks import assert_dcp_holds_the_native_states, assert_same_states
 from tests.pretrain.test_trainer import _pp, _tp, _train
 from tests.world import run_world
 
@@ -66,25 +67,9 @@ def test_four_then_resume_four_equals_eight_straight_for_every_stage(stdlib_corp
                                   for name in (f"async{stage}", f"stage{stage}"))
         assert background[1]["files"].keys() == foreground[1]["files"].keys()
         for entry in foreground[1]["files"]:
-            _assert_equal(*(torch.load(os.path.join(path, entry), weights_only=True)
+            assert_same_states(*(torch.load(os.path.join(path, entry), weights_only=True)
                             for path in (background[0], foreground[0])), entry)
         assert sorted(os.listdir(tmp_path / f"async{stage}")) == ["iter_0000002", "iter_0000004", "latest"]
-
-
-def _assert_equal(got, want, where):
-    """The same nested states: every tensor equal (and laid out alike), every other value equal."""
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            _assert_equal(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (g, w) in enumerate(zip(got, want)):
-            _assert_equal(g, w, f"{where}[{index}]")
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want) and got.stride() == want.stride(), where
-    else:
-        assert got == want, where
 
 
 @pytest.mark.parity
@@ -93,7 +78,8 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
     NVMe), at dp4 with ZeRO-1, at pp2 (interleaved, v = 2) x tp2 with ZeRO-0, at dp4 with ZeRO-3 in shard
     groups of 2, and in its own layout with other buckets and master pieces; saved at pp2 x tp2 and
     resumed with v = 2 (the same sizes); saved at dp4 in shard groups of 2 and resumed at plain ZeRO-3:
-    each continues the original run's trajectory."""
+    each continues the original run's trajectory. And saved as a PyTorch Distributed Checkpoint
+    (--ckpt-format torch_dcp) by the original run, resumed at pp2 x dp2 ZeRO-3 too."""
     saved = str(tmp_path / "tp2dp2")
     original = [*_tp(2), "--zero-stage", "2", "--lr-decay-iters", "20"]
     (tmp_path / "swap").mkdir()
@@ -105,7 +91,11 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
               [*_pp(2, "interleaved", "--virtual-pipeline-size", "2"), *_tp(2)],
               # the same layout cut into other buckets and master pieces: re-cut, not refused
               [*original, "--zero-bucket-size", "3000", "--zero-sub-group-size", "700"]]
-    layouts = [original + ["--train-iters", "20"], original + ["--train-iters", "10", "--save", saved]]
+    # the straight run saves as a PyTorch Distributed Checkpoint at 10 (and 20); resumed at pp2 ZeRO-3
+    dcp = str(tmp_path / "dcp")
+    layouts = [original + ["--train-iters", "20", "--save", dcp, "--save-interval", "10", "--ckpt-format",
+                           "torch_dcp"],
+               original + ["--train-iters", "10", "--save", saved]]
     layouts += [other + ["--lr-decay-iters", "20", "--train-iters", "20", "--load", saved]
                 for other in others]
     # the same sizes and stage, only the virtual stages change: other layers sit on each rank, re-cut too
@@ -119,13 +109,16 @@ def test_a_checkpoint_resumes_in_other_layouts_and_stages(stdlib_corpus, tmp_pat
                  "--load", saved],
                 [*shard_groups, "--zero-shard-size", "2", "--lr-decay-iters", "20", "--train-iters", "10",
                  "--save", mics],
-                [*shard_groups, "--lr-decay-iters", "20", "--train-iters", "20", "--load", mics]]
+                [*shard_groups, "--lr-decay-iters", "20", "--train-iters", "20", "--load", mics],
+                [*_pp(2), "--zero-stage", "3", "--zero-persistence-threshold", "0", "--lr-decay-iters", "20",
+                 "--train-iters", "20", "--load", dcp, "--ckpt-step", "10"]]
     for rank_results in run_world(4, _train, layouts, stdlib_corpus, timeout_s=600):
         straight = rank_results[0]
         for resumed in rank_results[2:6] + rank_results[7:9] + rank_results[10:]:  # another summation order
             assert_trajectory_close(resumed[0], straight[0][10:], "re-cut: loss")
             assert_trajectory_close(resumed[1], straight[1][10:], "re-cut: grad norm")
         assert_trajectory_close(rank_results[9][0], straight[0][:10], "shard groups: loss")
+    assert_dcp_holds_the_native_states(os.path.join(dcp, "iter_0000010"), saved, tmp_path)
 
 
 def _load_only(rank, world_size, directory, corpus):

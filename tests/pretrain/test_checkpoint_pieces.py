@@ -96,3 +96,27 @@ def test_a_recut_by_rectangles_equals_slicing_the_whole():
                     target = torch.full((length,), float("nan"))
                     source.fill(name, geometry, start, "master", target)
                     assert torch.equal(target, expected[start:start + length]), (name, saved_tp, held_tp)
+
+
+def test_pieces_cut_into_boxes_of_the_whole_cover_it_once():
+    """A Distributed Checkpoint's chunks (``dcp_storage``): every piece of every layout cut into boxes of
+    the whole tensor, each box's values a view of the piece's, puts each real element in place once and
+    leaves the vocabulary padding out."""
+    from pretrain.checkpoint.dcp_storage import _box_values, whole_boxes
+
+    generator = random.Random(2)
+    wholes = {"vocab": torch.randn(37, 6), "column": torch.randn(2, 12, 5), "row": torch.randn(4, 24),
+              "norm": torch.randn(10), "cube": torch.randn(3, 4, 8, 2)}
+    specs = {"vocab": (0, True), "column": (1, False), "row": (1, False), "norm": (None, False),
+             "cube": (2, False)}
+    for saved_tp in (1, 2, 4):
+        source = _Slices(wholes, specs, saved_tp, generator)
+        for name, pieces in source.by_name.items():
+            built, count = torch.zeros_like(wholes[name]), torch.zeros_like(wholes[name])
+            for piece in pieces:
+                for offsets, whole, sizes in whole_boxes(piece.geometry, piece.start, piece.length):
+                    box = tuple(slice(o, o + s) for o, s in zip(whole, sizes))
+                    built[box] = _box_values(source.values(piece, "master"), piece.geometry.shape,
+                                             piece.start, offsets, sizes)
+                    count[box] += 1
+            assert torch.equal(built, wholes[name]) and bool((count == 1).all()), (name, saved_tp)

@@ -24,10 +24,11 @@ ZIP_MAGIC = b"PK\x03\x04"
 
 class DCPFolder:
     """The tensors of one Distributed Checkpoint folder by key: their global shapes and dtypes, and any
-    rows of them; byte items (saved objects) as ``weights_only`` loads them."""
+    rows of them; byte items (saved objects) as ``weights_only`` loads them. ``check(file)``, where given,
+    is called once per file before its first read (and raises for a file that must not be read)."""
 
-    def __init__(self, folder: str):
-        self.folder = folder
+    def __init__(self, folder: str, check=None):
+        self.folder, self._check, self._checked = folder, check, set()
         self.metadata = load_dcp_metadata(os.path.join(folder, ".metadata"))
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -96,6 +97,9 @@ class DCPFolder:
 
     def _bytes(self, key: str, info) -> bytes:
         path = os.path.join(self.folder, info.relative_path)
+        if self._check is not None and info.relative_path not in self._checked:
+            self._check(info.relative_path)  # (our own checkpoints: the file's sha256, once)
+            self._checked.add(info.relative_path)
         try:
             with open(path, "rb") as handle:
                 handle.seek(info.offset)
