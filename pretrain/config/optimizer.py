@@ -32,12 +32,29 @@ class OptimizerConfig:
         "iteration where decay ends (default: --train-iters)"))
     lr_decay_samples: int | None = field(default=None, metadata=flag(
         "sample where decay ends (default: --train-samples)"))
-    lr_decay_style: str = field(default="linear", metadata=flag("decay after warm-up",
-                                                                 choices=["cosine", "linear", "constant"]))
+    lr_decay_style: str = field(default="linear", metadata=flag(
+        "decay after warm-up: cosine, linear, constant, inverse-square-root (lr x sqrt(warm-up / samples), "
+        "never below --min-lr), or WSD (warmup-stable-decay: --lr until the last --lr-wsd-decay-iters "
+        "(-samples) before the decay's end, then --lr-wsd-decay-style down to --min-lr)",
+        choices=["cosine", "linear", "constant", "inverse-square-root", "WSD"]))
+    lr_wsd_decay_style: str = field(default="exponential", metadata=flag(
+        "WSD's decay: linear, cosine, exponential (2 x 0.5^t - 1) or minus_sqrt (1 - sqrt(t)) of the "
+        "fraction t of the decay done", choices=["linear", "cosine", "exponential", "minus_sqrt"]))
+    lr_wsd_decay_iters: int | None = field(default=None, metadata=flag(
+        "WSD: iterations of decay, ending where --lr-decay-iters does (x the global batch, in samples)"))
+    lr_wsd_decay_samples: int | None = field(default=None, metadata=flag(
+        "WSD: samples of decay, ending where --lr-decay-samples does"))
     decoupled_lr: float | None = field(default=None, metadata=flag(
         "a learning rate of their own for the input embedding and the output layer"))
     decoupled_min_lr: float | None = field(default=None, metadata=flag("the --min-lr of --decoupled-lr"))
     weight_decay: float = field(default=0.01, metadata=flag("AdamW weight decay (never on norms and biases)"))
+    start_weight_decay: float | None = field(default=None, metadata=flag(
+        "weight decay at the start of an increasing one (--weight-decay-incr-style linear or cosine)"))
+    end_weight_decay: float | None = field(default=None, metadata=flag(
+        "weight decay at the end of the run (--train-iters / --train-samples) of an increasing one"))
+    weight_decay_incr_style: str = field(default="constant", metadata=flag(
+        "how weight decay goes from --start-weight-decay to --end-weight-decay over the run (constant: "
+        "--weight-decay throughout)", choices=["constant", "linear", "cosine"]))
     apply_wd_to_qk_layernorm: bool = field(default=False,
                                            metadata=flag("weight decay on the query/key norms too"))
     adam_beta1: float = field(default=0.9, metadata=flag("AdamW beta1"))

@@ -1,4 +1,5 @@
-"""The optimizer flags checked before any process group exists: the --optimizer name and Muon's settings."""
+"""The optimizer flags checked before any process group exists: the --optimizer name, Muon's settings and
+the shape of the learning-rate and weight-decay schedules (Megatron's asserts, as errors naming flags)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,27 @@ from pretrain.training.param_groups import muon_options, switch_refusal
 MEGATRON_ONLY = ("dist_muon", "soap", "adaptive_muon", "lion", "shampoo", "adafactor")
 
 
+def validate_schedules(opt) -> None:
+    """WSD's decay length, and a weight-decay increment's ends."""
+    wsd = [value for value in (opt.lr_wsd_decay_iters, opt.lr_wsd_decay_samples) if value is not None]
+    if opt.lr_decay_style == "WSD" and (len(wsd) != 1 or wsd[0] <= 0):
+        raise ConfigError("--lr-decay-style WSD decays over the last --lr-wsd-decay-iters (or "
+                          "--lr-wsd-decay-samples) before the decay's end: give one, > 0")
+    if wsd and opt.lr_decay_style != "WSD":
+        raise ConfigError(f"--lr-wsd-decay-iters / -samples belong to --lr-decay-style WSD, not "
+                          f"{opt.lr_decay_style}: add it or drop them")
+    ends = (opt.start_weight_decay, opt.end_weight_decay)
+    if opt.weight_decay_incr_style == "constant" and ends != (None, None):
+        raise ConfigError("--start-weight-decay / --end-weight-decay set an increasing weight decay: add "
+                          "--weight-decay-incr-style linear or cosine (constant keeps --weight-decay)")
+    if opt.weight_decay_incr_style != "constant" and not (None not in ends and 0 <= ends[0] <= ends[1]):
+        raise ConfigError(f"--weight-decay-incr-style {opt.weight_decay_incr_style} needs "
+                          "--start-weight-decay and --end-weight-decay with 0 <= start <= end")
+
+
 def validate_optimizer(config: Config) -> None:
     opt = config.optimizer
+    validate_schedules(opt)
     if opt.optimizer not in OPTIMIZERS:
         hint = ("Megatron-LM's layer-wise distributed Muon: --optimizer muon is sharded by ZeRO here"
                 if opt.optimizer == "dist_muon" else

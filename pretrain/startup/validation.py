@@ -166,7 +166,7 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
         raise ConfigError("--train-iters and --train-samples both set the run's length: give one")
     if train.train_samples is not None:
         sample_based = [f for f, v in (("--lr-decay-iters", opt.lr_decay_iters), ("--lr-warmup-iters",
-                                                                                 opt.lr_warmup_iters)) if v]
+                        opt.lr_warmup_iters), ("--lr-wsd-decay-iters", opt.lr_wsd_decay_iters)) if v]
         if sample_based:
             raise ConfigError("--train-samples counts in samples: use --lr-decay-samples / "
                               "--lr-warmup-samples "
@@ -174,7 +174,8 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
         train.train_iters = schedule.iterations_for(train.train_samples)
     else:
         iteration_based = [f for f, v in (("--lr-decay-samples", opt.lr_decay_samples),
-                                          ("--lr-warmup-samples", opt.lr_warmup_samples)) if v]
+                                          ("--lr-warmup-samples", opt.lr_warmup_samples),
+                                          ("--lr-wsd-decay-samples", opt.lr_wsd_decay_samples)) if v]
         if iteration_based:
             raise ConfigError(f"--train-iters counts in iterations: use --lr-decay-iters / --lr-warmup-iters "
                               f"instead of {' and '.join(iteration_based)} (or --train-samples)")

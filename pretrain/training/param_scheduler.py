@@ -2,7 +2,8 @@
 ``OptimizerParamScheduler``.
 
 The state is Megatron's (its key names, lengths in samples): the peak, last and first rates, the warm-up
-and decay lengths, the decay style and the weight decay at the start and end (constant here), with the
+and decay lengths, the decay style, the weight decay at the start and end with its increment's style and
+length, and ours beside them: WSD's decay length and style (Megatron keeps those in its args), the
 decoupled rates of the embedding and output layer when --decoupled-lr is set. A resumed run compares its
 own schedule with the checkpoint's before any process group exists (``schedule_mismatch``), as Megatron
 does when it loads the scheduler: a difference is refused naming the flags, unless
@@ -17,15 +18,25 @@ import dataclasses
 
 from pretrain.config.schema import Config, OptimizerConfig
 from pretrain.training.batch_schedule import BatchSchedule
-from pretrain.training.lr_schedule import LRSchedule, build_lr_schedule
+from pretrain.training.lr_schedule import (LRSchedule, WeightDecaySchedule, build_lr_schedule,
+                                          build_wd_schedule)
 
 # state key -> the flags that set it
 SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "init_lr": "--lr-warmup-init",
                   "lr_warmup_steps": "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction",
                   "lr_decay_steps": "--lr-decay-iters / --lr-decay-samples (default: the run's length, "
                                     "--train-iters / --train-samples)",
-                  "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",  # end_wd: the same
+                  "lr_decay_style": "--lr-decay-style",
+                  "wsd_decay_steps": "--lr-wsd-decay-iters / --lr-wsd-decay-samples",
+                  "lr_wsd_decay_style": "--lr-wsd-decay-style",
+                  "start_wd": "--weight-decay / --start-weight-decay", "end_wd": "--end-weight-decay",
+                  "wd_incr_style": "--weight-decay-incr-style",
+                  "wd_incr_steps": "--train-iters / --train-samples (a weight-decay increment's length)",
                   "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
+# what only some schedules use: compared where one of the two states uses it
+USED_BY = {"wsd_decay_steps": lambda state: state.get("lr_decay_style") == "WSD",
+           "lr_wsd_decay_style": lambda state: state.get("lr_decay_style") == "WSD",
+           "wd_incr_steps": lambda state: state.get("wd_incr_style", "constant") != "constant"}
 FIX = ("add --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, or "
        "--override-opt_param-scheduler to take these flags'")
 
@@ -38,7 +49,7 @@ class OptimizerParamScheduler:
     ``use_checkpoint`` (--use-checkpoint-opt_param-scheduler); it never checks: validation has compared
     both before anything was built."""
 
-    def __init__(self, lr: LRSchedule, decoupled: LRSchedule | None, weight_decay: float,
+    def __init__(self, lr: LRSchedule, decoupled: LRSchedule | None, weight_decay: WeightDecaySchedule,
                  use_checkpoint: bool = False):
         self.lr, self.decoupled, self.weight_decay = lr, decoupled, weight_decay
         self.use_checkpoint = use_checkpoint
@@ -46,17 +57,20 @@ class OptimizerParamScheduler:
     def step(self, param_groups: list[dict], consumed_samples: int) -> float:
         """Set every group's rate and weight decay for the step that starts after ``consumed_samples``;
         returns the main rate."""
-        lr = self.lr(consumed_samples)
+        lr, weight_decay = self.lr(consumed_samples), self.weight_decay(consumed_samples)
         for group in param_groups:
             group["lr"] = self.decoupled(consumed_samples) if group.get("decoupled") else lr
-            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         return lr
 
     def state_dict(self) -> dict:
+        wd = self.weight_decay
         state = {"max_lr": self.lr.lr, "min_lr": self.lr.min_lr, "init_lr": self.lr.init_lr,
                  "lr_warmup_steps": self.lr.warmup_samples, "lr_decay_steps": self.lr.decay_samples,
-                 "lr_decay_style": self.lr.style, "start_wd": self.weight_decay, "end_wd": self.weight_decay,
-                 "wd_incr_style": "constant"}
+                 "lr_decay_style": self.lr.style, "start_wd": wd.start, "end_wd": wd.end,
+                 "wd_incr_style": wd.style, "wd_incr_steps": wd.incr_samples}
+        if self.lr.style == "WSD":
+            state.update(wsd_decay_steps=self.lr.wsd_decay_samples, lr_wsd_decay_style=self.lr.wsd_style)
         if self.decoupled is not None:
             state.update(decoupled_max_lr=self.decoupled.lr, decoupled_min_lr=self.decoupled.min_lr)
         return state
@@ -65,11 +79,14 @@ class OptimizerParamScheduler:
         if not self.use_checkpoint:
             return
         self.lr = LRSchedule(state["max_lr"], state["min_lr"], state["init_lr"], state["lr_warmup_steps"],
-                             state["lr_decay_steps"], state["lr_decay_style"])
+                             state["lr_decay_steps"], state["lr_decay_style"], state.get("wsd_decay_steps"),
+                             state.get("lr_wsd_decay_style", "exponential"))
         if self.decoupled is not None and "decoupled_max_lr" in state:
             self.decoupled = dataclasses.replace(self.lr, lr=state["decoupled_max_lr"],
                                                  min_lr=state["decoupled_min_lr"])
-        self.weight_decay = state["start_wd"]
+        self.weight_decay = WeightDecaySchedule(state["start_wd"], state["end_wd"],
+                                                state.get("wd_incr_steps", 0.0),
+                                                state.get("wd_incr_style", "constant"))
 
 
 def build_param_scheduler(config: Config, batches: BatchSchedule) -> OptimizerParamScheduler:
@@ -79,7 +96,9 @@ def build_param_scheduler(config: Config, batches: BatchSchedule) -> OptimizerPa
     if opt.decoupled_lr is not None:
         min_lr = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
         decoupled = _schedule(dataclasses.replace(opt, lr=opt.decoupled_lr, min_lr=min_lr), config, batches)
-    return OptimizerParamScheduler(_schedule(opt, config, batches), decoupled, opt.weight_decay,
+    train = config.training
+    return OptimizerParamScheduler(_schedule(opt, config, batches), decoupled,
+                                   build_wd_schedule(opt, train.train_iters, train.train_samples, batches),
                                    config.checkpoint.use_checkpoint_opt_param_scheduler)
 
 
@@ -92,7 +111,8 @@ def schedule_mismatch(saved: dict, ours: dict) -> str | None:
     checkpoint's: VALUE)" parts, or None when they agree."""
     differences = []
     for key, flags in SCHEDULE_FLAGS.items():
-        if key not in saved and key not in ours:
+        if key not in saved and key not in ours or (key in USED_BY and not (USED_BY[key](saved)
+                                                                             or USED_BY[key](ours))):
             continue
         theirs, mine = saved.get(key), ours.get(key)
         if isinstance(theirs, float) or isinstance(mine, float):

@@ -1,7 +1,8 @@
 """Megatron's schedules: a batch ramp-up resumed mid-ramp continues at the exact sample and batch size;
 sample-based lengths and learning-rate schedules equal their iteration-based twins where they coincide;
---exit-interval and --exit-duration-in-mins save and stop, and the run resumes to the straight
-trajectory; the per-token loss equals the mean of means when every token counts."""
+every decay style and weight-decay increment is megatron-core's scheduler's; --exit-interval and
+--exit-duration-in-mins save and stop mid-decay, and the run resumes to the straight trajectory; the
+per-token loss equals the mean of means when every token counts."""
 
 import json
 import os
@@ -73,6 +74,9 @@ def test_runs_resume_mid_ramp_exit_early_and_match_their_twins(stdlib_corpus, tm
     base = _without(TINY, "--train-iters", "--lr-warmup-iters")
     iters = ["--train-iters", "10", "--lr-warmup-iters",
              "2"]  # TINY's, which its sample twin spells in samples
+    wsd = iters + ["--lr-decay-style", "WSD", "--lr-wsd-decay-style", "minus_sqrt", "--lr-wsd-decay-iters",
+                   "8", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01",
+                   "--end-weight-decay", "0.1"]
     layouts = [
         iters + RAMP + ["--metrics-file",
                         str(tmp_path / "straight.jsonl")],                  # 0: ramp, straight
@@ -85,11 +89,11 @@ def test_runs_resume_mid_ramp_exit_early_and_match_their_twins(stdlib_corpus, tm
          "16"],                                # 4: its sample twin
         # 5: per-token loss
         iters + ["--calculate-per-token-loss"],
-        iters + ["--save", exits, "--exit-interval", "3"],                                     # 6: exits at 3
-        iters + ["--load", exits, "--save", exits, "--exit-duration-in-mins",
-                 "1e-9"],         # 7: ... then at 4
-        iters + ["--load", exits, "--save",
-                 exits],                                            # 8: ... to the end
+        # 6-8: WSD decaying from iteration 2 (and a rising weight decay), stopped mid-decay at 3 and 4
+        wsd + ["--save", exits, "--exit-interval", "3"],                                       # 6: exits at 3
+        wsd + ["--load", exits, "--save", exits, "--exit-duration-in-mins", "1e-9"],           # 7: then at 4
+        wsd + ["--load", exits, "--save", exits],                                              # 8: to the end
+        wsd,                                                                                   # 9: straight
     ]
     results = run_world(2, _train, layouts, stdlib_corpus, base, timeout_s=300)[0]
     losses = [result[0] for result in results]
@@ -103,6 +107,50 @@ def test_runs_resume_mid_ramp_exit_early_and_match_their_twins(stdlib_corpus, tm
     assert losses[4] == losses[3] and norms[4] == norms[3]  # --train-samples 80 is --train-iters 10 here
     assert_trajectory_close(losses[5], losses[3], "per-token loss: loss")  # every token counts alike here
     assert len(losses[6]) == 3 and len(losses[7]) == 1  # stopped at the interval, then by the clock
-    # each exit saved; the resumed runs continue exactly
-    assert losses[6] + losses[7] + losses[8] == losses[3]
+    # each exit saved; the resumed runs continue exactly, mid-decay
+    assert losses[6] + losses[7] + losses[8] == losses[9] and norms[6] + norms[7] + norms[8] == norms[9]
+    assert losses[9] != losses[3]
     assert sorted(os.listdir(exits)) == ["iter_0000003", "iter_0000004", "iter_0000010", "latest"]
+
+
+def test_every_decay_style_and_weight_decay_increment_is_megatron_cores_scheduler():
+    """WSD with each of its decay styles, inverse-square-root, and the weight-decay increments: the rate
+    and weight decay of every step equal megatron-core's OptimizerParamScheduler (as Megatron-LM builds it
+    from the same flags, in samples), float for float."""
+    from types import SimpleNamespace
+
+    megatron = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    from pretrain.config.arguments import parse_config
+    from pretrain.training.param_scheduler import build_param_scheduler
+
+    batch, iters, warmup, decay, wsd = 8, 45, 3, 40, 12
+    cases = [(["--lr-decay-style", "WSD", "--lr-wsd-decay-style", style, "--lr-wsd-decay-iters", str(wsd)],
+              dict(lr_decay_style="WSD", lr_wsd_decay_style=style, wsd_decay_steps=wsd * batch))
+             for style in ("linear", "cosine", "exponential", "minus_sqrt")]
+    cases += [(["--lr-decay-style", "inverse-square-root"], dict(lr_decay_style="inverse-square-root"))]
+    cases += [(["--lr-decay-style", "cosine", "--weight-decay-incr-style", style, "--start-weight-decay",
+                "0.01", "--end-weight-decay", "0.1"],
+               dict(lr_decay_style="cosine", start_wd=0.01, end_wd=0.1, wd_incr_style=style))
+              for style in ("linear", "cosine")]
+    for flags, theirs in cases:
+        config = parse_config(["--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", str(warmup),
+                               "--lr-decay-iters", str(decay), "--train-iters", str(iters), "--weight-decay",
+                               "0.05", "--global-batch-size", str(batch), *flags])
+        ours = build_param_scheduler(config, BatchSchedule(batch, batch))
+        optimizer = SimpleNamespace(param_groups=[{"wd_mult": 1.0}])
+        settings = dict(init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=warmup * batch,
+                        lr_decay_steps=decay * batch, start_wd=0.05, end_wd=0.05, wd_incr_steps=iters * batch,
+                        wd_incr_style="constant")
+        reference = megatron.OptimizerParamScheduler(optimizer, **{**settings, **theirs})
+        groups = [{"wd_mult": 1.0}]
+        for step in range(iters + 2):
+            ours.step(groups, step * batch)
+            assert (groups[0]["lr"], groups[0]["weight_decay"]) == (
+                optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]), (flags, step)
+            reference.step(increment=batch)
+    # WSD holds the peak until its decay starts, then reaches --min-lr at the decay's end
+    config = parse_config(["--lr", "1.0", "--min-lr", "0.1", "--lr-decay-style", "WSD",
+                           "--lr-wsd-decay-iters", "4", "--lr-decay-iters", "10", "--train-iters", "10",
+                           "--global-batch-size", "1"])
+    rates = build_param_scheduler(config, BatchSchedule(1, 1)).lr
+    assert [rates(step) for step in (0, 6)] == [1.0, 1.0] and rates(10) == pytest.approx(0.1) and rates(7) < 1

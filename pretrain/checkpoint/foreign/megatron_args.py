@@ -150,6 +150,11 @@ def scheduler_of(args: argparse.Namespace, saved: dict | None) -> dict | None:
         return None
     state = {key: value for key, value in saved.items() if isinstance(value, _PLAIN)}
     state.setdefault("init_lr", float(_arg(args, "lr_warmup_init", 0.0)))
+    if state.get("lr_decay_style") == "WSD":  # its decay's length and style are in the args alone
+        samples = _arg(args, "lr_wsd_decay_samples")
+        state.setdefault("wsd_decay_steps", samples if samples is not None else
+                         int(_arg(args, "lr_wsd_decay_iters", 0)) * int(_arg(args, "global_batch_size", 1)))
+        state.setdefault("lr_wsd_decay_style", _arg(args, "lr_wsd_decay_style", "exponential"))
     return state
 
 
