@@ -29,15 +29,22 @@ def step_to_load(config: Config, directory: str) -> int | None:
     return config.checkpoint.ckpt_step if directory == config.checkpoint.load else None
 
 
-def resumed_state(config: Config, name: str) -> dict | None:
-    """The run state ``name`` (a manifest entry: "progress", "opt_param_scheduler") of the checkpoint the
-    run resumes whole, or None when it starts at iteration 0 (nothing to load, fine-tuning, a weights-only
-    import) or the checkpoint has none. Reads its manifest alone."""
+def resumed_manifest(config: Config) -> dict | None:
+    """The manifest of the checkpoint the run resumes whole, or None when it starts at iteration 0
+    (nothing to load, fine-tuning, a weights-only import)."""
     directory = checkpoint_to_load(config)
     if directory is None or directory != config.checkpoint.load or config.checkpoint.finetune:
         return None
     _, manifest = read_manifest(directory, step_to_load(config, directory))
-    return None if manifest.get("kind") == "weights" else manifest.get("states", {}).get(name)
+    return None if manifest.get("kind") == "weights" else manifest
+
+
+def resumed_state(config: Config, name: str) -> dict | None:
+    """The run state ``name`` (a manifest entry: "progress", "opt_param_scheduler") of the checkpoint the
+    run resumes whole, or None when it starts at iteration 0 or the checkpoint has none. Reads its
+    manifest alone."""
+    manifest = resumed_manifest(config)
+    return None if manifest is None else manifest.get("states", {}).get(name)
 
 
 def resume_point(config: Config) -> tuple[int, int] | None:

@@ -174,6 +174,10 @@ class TrainingConfig:
     exit_interval: int | None = field(default=None,
                                       metadata=flag("save (with --save) and exit at iterations that "
                                                                    "this divides"))
+    cooldown_iters: int | None = field(default=None, metadata=flag(
+        "a cooldown branch: resume a warmup-stable-decay run's stable checkpoint (--load, --ckpt-step) and "
+        "decay over this many iterations from it (--lr-wsd-decay-style, to --min-lr), reading on in the "
+        "stable run's data; the run ends there (saving with --save), a point of a scaling study"))
     exit_duration_in_mins: float | None = field(default=None, metadata=flag(
         "save (with --save) and exit once the run has taken this many minutes"))
     eval_interval: int | None = field(default=None,

@@ -87,6 +87,9 @@ def apply_checkpoint_args(config: Config) -> None:
             setattr(model, name, saved.max_positions if name == "max_position_embeddings" else recorded[name])
     if directory == load and not config.checkpoint.finetune and manifest.get("kind") != "weights":
         _keep_global_batch(config, manifest)
+        if config.training.cooldown_iters and not {"train_iters", "train_samples"} & set(config.given):
+            for name in ("train_iters", "train_samples"):  # a cooldown branch reads the stable run's data
+                setattr(config.training, name, manifest["config"].get(name))
     tokenizer = manifest.get("tokenizer")
     if tokenizer and not any(name in config.given for name in TOKENIZER):
         for name, value in tokenizer.items():

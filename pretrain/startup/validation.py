@@ -23,6 +23,7 @@ from parallel.zero.swap import check_swap_directory
 from pretrain.config.arguments import ConfigError
 from pretrain.config.schema import Config
 from pretrain.training.build import zero_options
+from pretrain.training.cooldown import BRANCH_KEYS, branch_refusal
 from pretrain.training.param_scheduler import FIX, build_param_scheduler, schedule_mismatch
 
 
@@ -208,10 +209,15 @@ def _validate_resumed_schedule(config: Config, batches) -> None:
     if ckpt.use_checkpoint_opt_param_scheduler and ckpt.override_opt_param_scheduler:
         raise ConfigError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler choose "
                           "opposite schedules: give one")
+    refusal = branch_refusal(config) if config.training.cooldown_iters else None
+    if refusal:
+        raise ConfigError(refusal)
     saved = None if ckpt.no_load_optim else resumed_state(config, "opt_param_scheduler")
     if saved is None or ckpt.use_checkpoint_opt_param_scheduler or ckpt.override_opt_param_scheduler:
         return
-    differences = schedule_mismatch(saved, build_param_scheduler(config, batches).state_dict())
+    fresh_branch = config.training.cooldown_iters and saved.get("cooldown_from") is None
+    differences = schedule_mismatch(saved, build_param_scheduler(config, batches).state_dict(),
+                                    BRANCH_KEYS if fresh_branch else ())
     if differences:
         raise ConfigError(f"the learning-rate schedule differs from the checkpoint's under --load "
                           f"{ckpt.load}: {differences}; {FIX}")

@@ -18,6 +18,7 @@ import dataclasses
 
 from pretrain.config.schema import Config, OptimizerConfig
 from pretrain.training.batch_schedule import BatchSchedule
+from pretrain.training.cooldown import branch_point, cooldown_schedule, run_end
 from pretrain.training.lr_schedule import (LRSchedule, WeightDecaySchedule, build_lr_schedule,
                                           build_wd_schedule)
 
@@ -32,7 +33,8 @@ SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "init_lr": "--lr-warmu
                   "start_wd": "--weight-decay / --start-weight-decay", "end_wd": "--end-weight-decay",
                   "wd_incr_style": "--weight-decay-incr-style",
                   "wd_incr_steps": "--train-iters / --train-samples (a weight-decay increment's length)",
-                  "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
+                  "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr",
+                  "cooldown_from": "--cooldown-iters (the branch point)"}
 # what only some schedules use: compared where one of the two states uses it
 USED_BY = {"wsd_decay_steps": lambda state: state.get("lr_decay_style") == "WSD",
            "lr_wsd_decay_style": lambda state: state.get("lr_decay_style") == "WSD",
@@ -50,9 +52,9 @@ class OptimizerParamScheduler:
     both before anything was built."""
 
     def __init__(self, lr: LRSchedule, decoupled: LRSchedule | None, weight_decay: WeightDecaySchedule,
-                 use_checkpoint: bool = False):
+                 use_checkpoint: bool = False, cooldown_from: tuple[int, int] | None = None):
         self.lr, self.decoupled, self.weight_decay = lr, decoupled, weight_decay
-        self.use_checkpoint = use_checkpoint
+        self.use_checkpoint, self.cooldown_from = use_checkpoint, cooldown_from
 
     def step(self, param_groups: list[dict], consumed_samples: int) -> float:
         """Set every group's rate and weight decay for the step that starts after ``consumed_samples``;
@@ -71,6 +73,8 @@ class OptimizerParamScheduler:
                  "wd_incr_style": wd.style, "wd_incr_steps": wd.incr_samples}
         if self.lr.style == "WSD":
             state.update(wsd_decay_steps=self.lr.wsd_decay_samples, lr_wsd_decay_style=self.lr.wsd_style)
+        if self.cooldown_from is not None:  # a cooldown branch's point: (iteration, consumed samples)
+            state["cooldown_from"] = list(self.cooldown_from)
         if self.decoupled is not None:
             state.update(decoupled_max_lr=self.decoupled.lr, decoupled_min_lr=self.decoupled.min_lr)
         return state
@@ -84,6 +88,7 @@ class OptimizerParamScheduler:
         if self.decoupled is not None and "decoupled_max_lr" in state:
             self.decoupled = dataclasses.replace(self.lr, lr=state["decoupled_max_lr"],
                                                  min_lr=state["decoupled_min_lr"])
+        self.cooldown_from = tuple(state["cooldown_from"]) if state.get("cooldown_from") else None
         self.weight_decay = WeightDecaySchedule(state["start_wd"], state["end_wd"],
                                                 state.get("wd_incr_steps", 0.0),
                                                 state.get("wd_incr_style", "constant"))
@@ -96,23 +101,28 @@ def build_param_scheduler(config: Config, batches: BatchSchedule) -> OptimizerPa
     if opt.decoupled_lr is not None:
         min_lr = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
         decoupled = _schedule(dataclasses.replace(opt, lr=opt.decoupled_lr, min_lr=min_lr), config, batches)
-    train = config.training
+    train, point = config.training, branch_point(config)
     return OptimizerParamScheduler(_schedule(opt, config, batches), decoupled,
                                    build_wd_schedule(opt, train.train_iters, train.train_samples, batches),
-                                   config.checkpoint.use_checkpoint_opt_param_scheduler)
+                                   config.checkpoint.use_checkpoint_opt_param_scheduler, point)
 
 
 def _schedule(opt: OptimizerConfig, config: Config, batches: BatchSchedule) -> LRSchedule:
-    return build_lr_schedule(opt, config.training.train_iters, config.training.train_samples, batches)
+    """The flags' learning rate (a cooldown branch's: decaying from its branch point to its end)."""
+    schedule = build_lr_schedule(opt, config.training.train_iters, config.training.train_samples, batches)
+    point = branch_point(config)
+    if point is None:
+        return schedule
+    return cooldown_schedule(schedule, point, batches.lr_samples(run_end(config)))
 
 
-def schedule_mismatch(saved: dict, ours: dict) -> str | None:
+def schedule_mismatch(saved: dict, ours: dict, ignored: tuple[str, ...] = ()) -> str | None:
     """What differs between a checkpoint's scheduler state and this run's, as "FLAGS: VALUE (the
-    checkpoint's: VALUE)" parts, or None when they agree."""
+    checkpoint's: VALUE)" parts, or None when they agree (``ignored``: keys not compared)."""
     differences = []
     for key, flags in SCHEDULE_FLAGS.items():
-        if key not in saved and key not in ours or (key in USED_BY and not (USED_BY[key](saved)
-                                                                             or USED_BY[key](ours))):
+        if key not in saved and key not in ours or key in ignored or (
+                key in USED_BY and not (USED_BY[key](saved) or USED_BY[key](ours))):
             continue
         theirs, mine = saved.get(key), ours.get(key)
         if isinstance(theirs, float) or isinstance(mine, float):

@@ -20,6 +20,7 @@ import torch
 from parallel import comm
 from parallel.comm import AxisGroup
 from pretrain.config.schema import Config
+from pretrain.training.cooldown import run_end
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class RunControl:
 
     def __init__(self, config: Config, world: AxisGroup, device: torch.device = torch.device("cpu")):
         self.config, self.world, self.device = config, world, device  # NCCL reduces device tensors only
+        self.end = run_end(config)  # --train-iters, or a cooldown branch's end
         self.started = time.monotonic()
         self._signal_received = False
         if config.checkpoint.save:  # cluster preemption: save, then stop (without --save: default exit)
@@ -67,13 +69,13 @@ class RunControl:
     def _evaluates(self, iteration: int) -> bool:
         train = self.config.training
         return bool(train.eval_interval) and (iteration % train.eval_interval == 0
-                                              or iteration == train.train_iters)
+                                              or iteration == self.end)
 
     def records(self, iteration: int, first: bool = False) -> bool:
         """Whether ``iteration`` writes a metrics line at its interval (known before it runs; the line an
         early stop adds, by a signal, --exit-duration-in-mins or --exit-interval, is not). The trainer
         measures what only these lines report."""
-        logging, last = self.config.logging, iteration == self.config.training.train_iters
+        logging, last = self.config.logging, iteration == self.end
         return (iteration % logging.log_interval == 0 or self._evaluates(iteration) or first or last
                 or (logging.tensorboard_dir is not None
                     and iteration % logging.tensorboard_log_interval == 0))
@@ -82,7 +84,7 @@ class RunControl:
         """The decision after ``iteration`` (every rank calls it, in step); ``first``: the run's first
         iteration (a resumed run's too); ``save_failed``: this rank's background save failed."""
         config, train = self.config, self.config.training
-        last = iteration == train.train_iters
+        last = iteration == self.end
         signalled, late, failed = (self._agreed_flags(save_failed)
                                    if config.checkpoint.save or train.exit_duration_in_mins
                                    else (False, False, False))

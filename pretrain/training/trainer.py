@@ -287,7 +287,8 @@ class Trainer:
                 self.saver.reserve(self.checkpoint_states())  # the saves' host memory, before the clock
             started, last_console, first_sample = time.perf_counter(), 0.0, self.progress.consumed_samples
             profiler = StepProfiler(config, self.groups.rank, self.device)
-            for iteration in range(self.start_iteration + 1, train.train_iters + 1):
+            end = self.control.end  # --train-iters, or a cooldown branch's end
+            for iteration in range(self.start_iteration + 1, end + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
                 lr = self.param_scheduler.step(self.optimizer.param_groups, self.progress.consumed_samples)
@@ -321,8 +322,8 @@ class Trainer:
                 elif elapsed - last_console >= PROGRESS_INTERVAL_S:
                     last_console = elapsed
                     tokens = (self.progress.consumed_samples - first_sample) * config.model.seq_length
-                    writer.progress(iteration, train.train_iters, loss, lr, tokens / elapsed,
-                                    elapsed / done * (train.train_iters - iteration))
+                    writer.progress(iteration, end, loss, lr, tokens / elapsed,
+                                    elapsed / done * (end - iteration))
                 if decision.record:
                     record = self._record(iteration, loss, lr, batch_size, step, step_time,
                                           comm_bytes, peak_mem)
@@ -340,8 +341,7 @@ class Trainer:
                         print_rank0(self.is_logger, f"validation at iter {iteration}: loss {valid:.4f}, "
                                     f"perplexity {record['valid_ppl']:.2f}")
                     record["elapsed_s"] = elapsed  # wall time since the first iteration began: the loop's own
-                    writer.log(record, train.train_iters, elapsed / done * (train.train_iters - iteration),
-                               decision.console)
+                    writer.log(record, end, elapsed / done * (end - iteration), decision.console)
                 if decision.save:
                     self.save()
                 if decision.stop is not None:

@@ -154,3 +154,37 @@ def test_every_decay_style_and_weight_decay_increment_is_megatron_cores_schedule
                            "--global-batch-size", "1"])
     rates = build_param_scheduler(config, BatchSchedule(1, 1)).lr
     assert [rates(step) for step in (0, 6)] == [1.0, 1.0] and rates(10) == pytest.approx(0.1) and rates(7) < 1
+
+
+def test_a_cooldown_branch_is_the_separate_run_of_its_length(stdlib_corpus, tmp_path):
+    """A warmup-stable-decay run saves in its stable phase; a branch from iteration 4 cooling down over 4
+    iterations (stopped mid-decay at 6, resumed from its own checkpoint to 8) takes, bit for bit, the
+    steps of a separate run whose decay ends at 8: the same rates, reading on in the same data. Branches
+    that cannot be are refused naming why."""
+    from pretrain.config.arguments import ConfigError, parse_config
+    from pretrain.startup.validation import validate
+
+    stable, branch, separate = (str(tmp_path / name) for name in ("stable", "branch", "separate"))
+    base = _without(TINY, "--train-iters", "--lr-decay-style") + [
+        "--train-iters", "16", "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "cosine",
+        "--lr-wsd-decay-iters", "4"]
+    layouts = [base + ["--save", stable, "--save-interval", "4", "--exit-interval", "8"],
+               base + ["--load", stable, "--ckpt-step", "4", "--cooldown-iters", "4", "--save", branch,
+                       "--exit-interval", "6"],
+               base + ["--load", branch, "--cooldown-iters", "4"],
+               _without(base, "--lr-wsd-decay-iters") + ["--lr-decay-iters", "8", "--lr-wsd-decay-iters", "4",
+                                                         "--save", separate, "--exit-interval", "8"]]
+    losses = [result[0] for result in run_world(1, _train, layouts, stdlib_corpus, timeout_s=300)[0]]
+    assert len(losses[1]) == 2 and losses[1] + losses[2] == losses[3][4:]  # bit for bit
+    assert losses[0][:4] == losses[3][:4] and losses[0][4:] != losses[3][4:]
+    prefix, tokenizer = stdlib_corpus
+    data = ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir", f"{prefix}-cache"]
+    for extra, refusal in [
+            (["--cooldown-iters", "4"], r"--cooldown-iters 4 branches from a checkpoint of a stable run"),
+            (["--load", separate, "--cooldown-iters", "4"], r"iteration 8 is not in a stable phase"),
+            (["--load", stable, "--cooldown-iters", "10"],
+             r"from iteration 8 ends past the stable run's data"),
+            (["--load", stable, "--cooldown-iters", "4", "--train-iters", "20"],
+             r"--train-iters 20 differs from the stable run's 16")]:
+        with pytest.raises(ConfigError, match=refusal):
+            validate(parse_config(_without(base, "--train-iters") + data + extra), 1)
