@@ -1,10 +1,12 @@
 """Sweeps run end to end and resume: a grid (one size, two layouts) writes its table and plot; an IsoFLOP
 sweep (sizes from a depth/width rule at one budget) sizes each run's iterations to its budget, skips the
-size the budget cannot hold, records the held-out loss and both parameter counts, and feeds the fit."""
+size the budget cannot hold, records the held-out loss and both parameter counts, and feeds the fit; a
+WSD study branches cooldowns from its stable run's checkpoints and says what it saved."""
 
 import csv
 import json
 
+import pytest
 import yaml
 
 from launch.tools.scaling import scaling_law, sweep
@@ -85,6 +87,8 @@ BAD_SWEEPS = [
     ({"models": 7}, "models must map names to settings"),
     ({"layouts": {"one": {"nproc": 0}}}, "layout one's nproc 0: give a whole number > 0"),
     ({"lrs": []}, "lrs []: give a list"),
+    ({"mode": "wsd", "branch_iters": [1, 2]}, "branch points [1, 2] are not distinct iterations >= 1 with a "
+                                              "cooldown of at least 1"),
     ({"models": {"m": {"num_layers": 2, "hidden_size": 63, "num_attention_heads": 2}}},
      "model m with layout one: --num-attention-heads 2 does not divide --hidden-size 63"),
     ({"models": {"m": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "bogus_flag": 3}}},
@@ -135,3 +139,44 @@ def test_every_tool_refuses_bad_input_in_one_line_naming_it(tmp_path, capsys):
                           (["--from-hf", str(tmp_path), "--output", str(tmp_path / "ck")],
                            "no readable config.json")):
         assert message in refused(convert.main, argv), (argv, message)
+
+
+def test_a_wsd_study_branches_cooldowns_from_its_stable_run_resumes_and_says_its_compute(
+        stdlib_corpus, tmp_path, monkeypatch, capsys):
+    """Points of 5 and 10 iterations cooling down over their last 40%: the stable run saves at the branch
+    points 3 and 6 in two segments, each branch ends at its point with a held-out loss, decaying from the
+    stable peak; started again the study trains nothing; the fit says the study's compute against
+    separate runs' (6 + 2 + 4 of 15 iterations) before anything else, even where two points are too few
+    rows for its laws."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    output = tmp_path / "wsd"
+    spec = {"name": "wsd", "output": str(output), "mode": "wsd", "branch_iters": [10, 5],
+            "cooldown_fraction": 0.4, "tokens_per_step": 256, "seq_length": 32, "eval_iters": 2,
+            "common": {**_common(stdlib_corpus), "lr_warmup_iters": 1, "lr_wsd_decay_style": "linear"},
+            "models": {"2l-32": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2}},
+            "layouts": {"one": {"nproc": 1}}, "lrs": [3e-3], "seeds": [1]}
+    path = tmp_path / "wsd.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep.main([str(path)])
+    rows = _rows(output / "results.csv")
+    assert [row["train_iters"] for row in rows] == ["5", "10"]
+    for row in rows:
+        assert int(row["tokens"]) == 256 * int(row["train_iters"]) and float(row["val_loss"]) > 0
+        branch = [json.loads(line) for line in open(output / "runs" / f"{row['run']}.jsonl")]
+        start = {"5": 3, "10": 6}[row["train_iters"]]
+        assert [line["iteration"] for line in branch] == list(range(start + 1, int(row["train_iters"]) + 1))
+        assert branch[-1]["lr"] < branch[0]["lr"] <= 3e-3
+    stable = output / "stable" / "2l-32-one-lr0.003-s1"
+    assert sorted(name.name for name in stable.iterdir() if name.name.startswith("iter_")) == [
+        "iter_0000003", "iter_0000006"]
+    stable_log = output / "runs" / "2l-32-one-lr0.003-s1-stable.jsonl"
+    assert [json.loads(line)["iteration"] for line in open(stable_log)] == list(range(1, 7))
+    assert json.loads((output / "sweep.json").read_text())["study_fraction"] == (6 + 2 + 4) / 15
+    assert (output / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep.main([str(path)])
+    assert "2 runs, 2 already finished" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="2 rows cannot fit Approach 3"):
+        scaling_law.main(["fit", str(output / "results.csv"), "--output", str(tmp_path / "fit")])
+    said = capsys.readouterr().out
+    assert "study compute: " in said and "separate runs of the points: 80%" in said

@@ -19,6 +19,9 @@ C = k N D, k the runs' median FLOPs per parameter-token: our FLOPs count attenti
 beyond the sweep's is answered as an extrapolation, marked so (``extrapolated`` in fit.json, in the
 table); one where a law gives no finite value is refused, naming it.
 
+A WSD sweep's table (its points cooldown branches) adds the study's compute against separate runs of
+its points (``study`` in fit.json, from ``sweep.json``).
+
 DIR/fit.json (every number, schema below), DIR/isoflop.png (the profiles and their vertices),
 DIR/frontier.png (N_opt and D_opt against C with their bands), DIR/law.png (loss against FLOPs per
 size with the fitted law), DIR/residuals.png (Approach 3's residuals); a summary table on stdout, and
@@ -148,13 +151,17 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _log_to_wandb(table: str, result: dict, output: str) -> bool:
-    """Log the fit to the wandb group of the sweep that wrote ``table`` (its sweep.json), if it had one."""
+def _sweep_record(table: str) -> dict:
+    """The record of the sweep that wrote ``table`` (its sweep.json), or {} for another table."""
     meta = os.path.join(os.path.dirname(os.path.abspath(table)), "sweep.json")
     if not os.path.exists(meta):
-        return False
+        return {}
     with open(meta) as handle:
-        sweep = json.load(handle)
+        return json.load(handle)
+
+
+def _log_to_wandb(sweep: dict, result: dict, output: str) -> bool:
+    """Log the fit to the wandb group of the sweep (its record), if it had one."""
     if not sweep.get("wandb_project"):
         return False
     import wandb
@@ -189,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     bad = [budget for budget in args.budget if not (math.isfinite(budget) and budget > 0)]
     if bad:
         sys.exit(f"error: --budget {bad[0]:g}: give compute budgets as FLOPs > 0, e.g. --budget 1e13 1e14")
+    sweep, study = _sweep_record(args.table), None
+    if sweep.get("mode") == "wsd":  # its points are cooldown branches: what they cost, said first
+        study = {key: sweep[key] for key in ("branch_iters", "cooldown_fraction", "study_flops",
+                                             "separate_flops", "study_fraction")}
+        print(f"study compute: {sweep['study_flops']:.3g} FLOPs (stable runs and cooldowns from "
+              f"{len(sweep['branch_iters'])} branch points) against {sweep['separate_flops']:.3g} for "
+              f"separate runs of the points: {sweep['study_fraction']:.0%}", flush=True)
     try:
         runs, notes = read_runs(args.table, args.loss_column, args.params_column)
         for note in notes:
@@ -205,12 +219,14 @@ def main(argv: list[str] | None = None) -> None:
     result = {"input": {"path": os.path.abspath(args.table), "rows": len(runs.loss),
                         "loss_column": args.loss_column, "params_column": args.params_column, "notes": notes},
               "bootstrap": {"resamples": args.bootstrap, "interval": 0.9, "seed": args.seed}, **result}
+    if study:
+        result["study"] = study
     os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "fit.json"), "w") as handle:
         json.dump(result, handle, indent=1)
     plot_all(runs, result, args.output)
     print(summary(result))
-    logged = _log_to_wandb(args.table, result, args.output)
+    logged = _log_to_wandb(sweep, result, args.output)
     print(f"wrote {args.output}/fit.json and isoflop, frontier, law, residuals .png"
           + (" (logged to the sweep's wandb group)" if logged else ""))
 

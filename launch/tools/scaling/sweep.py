@@ -1,17 +1,20 @@
 """Scaling-study sweeps: ``python -m launch.sweep SWEEP.yaml`` trains a grid of runs and tabulates them.
 
-Two modes. ``grid`` (the default): model sizes x layouts x learning rates x seeds, every run for
+Three modes. ``grid`` (the default): model sizes x layouts x learning rates x seeds, every run for
 ``train_iters`` at the same tokens per step. ``isoflop``: model sizes x compute ``budgets``, each run's
-iterations chosen so that its training FLOPs meet its budget (``isoflop``; sizes listed or
-from a depth/width rule), for ``python -m launch.scaling_law fit``. Each run is one ``python -m pretrain``
-on its layout's processes, a member of the wandb group named after the sweep (when ``wandb_project`` is
-set), and one row of ``OUTPUT/results.csv``: parameters with and without embeddings, the final training
-loss and, with ``eval_iters``, the held-out validation loss at the end (``val_loss``), tokens, the exact
-training FLOPs, tokens/s, model-state and peak memory per rank. Per-iteration metrics stay in
-``OUTPUT/runs/RUN.jsonl``; ``OUTPUT/sweep.json`` records the sweep (mode, budgets, the FLOPs formula,
-the wandb group). A row is written as soon as its run ends, so an interrupted sweep started again skips
-the finished runs. At the end ``OUTPUT/sweep.png`` plots loss against training FLOPs per model size, and
-throughput and memory per layout. A sweep file::
+iterations chosen so that its training FLOPs meet its budget (``isoflop``; sizes listed or from a
+depth/width rule), for ``python -m launch.scaling_law fit``. ``wsd``: one warmup-stable-decay run per
+model, layout, rate and seed, and cooldown branches from its stable checkpoints, one row per point of
+``branch_iters`` at a fraction of separate runs' compute (``wsd_study``). Each run is one ``python -m
+pretrain`` on its layout's processes, a member of the wandb group named after the sweep (when
+``wandb_project`` is set), and one row of ``OUTPUT/results.csv``: parameters with and without embeddings,
+the final training loss and, with ``eval_iters``, the held-out validation loss at the end (``val_loss``),
+tokens, the exact training FLOPs, tokens/s, model-state and peak memory per rank. Per-iteration metrics
+stay in ``OUTPUT/runs/RUN.jsonl``; ``OUTPUT/sweep.json`` records the sweep (mode, budgets, the FLOPs
+formula, the wandb group). A row is written as soon as its run ends, so an interrupted sweep started
+again skips the finished runs. At the end ``OUTPUT/sweep.png`` plots loss against training FLOPs per
+model size (a WSD study: loss against tokens, each stable run beside its branches), and throughput and
+memory per layout. A sweep file::
 
     name: cpu-scaling
     output: runs/sweeps/cpu-scaling
@@ -32,7 +35,9 @@ throughput and memory per layout. A sweep file::
 
 An IsoFLOP sweep replaces ``train_iters`` with ``mode: isoflop``, ``budgets: [FLOPs, ...]`` and
 optionally ``min_iters`` (default 20) / ``max_iters``, and may give ``sizes: {layers: [...],
-width_per_layer: W, head_dim: H}`` instead of ``models``.
+width_per_layer: W, head_dim: H}`` instead of ``models``. A WSD study replaces it with ``mode: wsd``,
+``branch_iters: [N, ...]`` and optionally ``cooldown_fraction`` (default 0.2; the decay's shape is
+``lr_wsd_decay_style`` in ``common``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import yaml
 
 from data.tokenizers.spec import build_tokenizer
 from launch.pretrain_run import run_pretrain
+from launch.tools.scaling import wsd_study
 from launch.tools.scaling.isoflop import FLOPS_FORMULA, generated_models, plan_budget
 from models.counting import flops_per_token, non_embedding_parameters, num_parameters
 from models.config import GPTConfig
@@ -59,7 +65,8 @@ COLUMNS = ["run", "model", "layout", "lr", "seed", "budget", "train_iters", "par
            "non_embedding_parameters", "final_loss", "val_loss", "tokens", "flops", "tokens_per_s",
            "model_state_bytes", "peak_mem_bytes"]
 REQUIRED = {"grid": ("name", "output", "tokens_per_step", "seq_length", "train_iters", "layouts"),
-            "isoflop": ("name", "output", "tokens_per_step", "seq_length", "budgets", "layouts")}
+            "isoflop": ("name", "output", "tokens_per_step", "seq_length", "budgets", "layouts"),
+            "wsd": ("name", "output", "tokens_per_step", "seq_length", "branch_iters", "layouts")}
 
 
 def settings_flags(settings: dict) -> list[str]:
@@ -87,7 +94,7 @@ def load_sweep(path: str) -> dict:
         raise ValueError(f"{path}: expected a mapping (name, output, models, ...)")
     mode = sweep.setdefault("mode", "grid")
     if mode not in REQUIRED:
-        raise ValueError(f"{path}: mode {mode!r}: choose grid or isoflop")
+        raise ValueError(f"{path}: mode {mode!r}: choose grid, isoflop or wsd")
     missing = [key for key in REQUIRED[mode] if key not in sweep]
     if "models" not in sweep and "sizes" not in sweep:
         missing.append("models (or sizes)")
@@ -99,6 +106,11 @@ def load_sweep(path: str) -> dict:
                          f"seq_length {sweep['seq_length']}")
     if "sizes" in sweep:
         sweep["models"] = {**generated_models(sweep["sizes"]), **sweep.get("models", {})}
+    if mode == "wsd":
+        try:
+            wsd_study.points(sweep)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
     return sweep
 
 
@@ -158,8 +170,10 @@ def _settings(sweep: dict, run: dict) -> tuple[int, dict]:
                 "seq_length": sweep["seq_length"],
                 "global_batch_size": sweep["tokens_per_step"] // sweep["seq_length"],
                 "train_iters": run["train_iters"], "lr": run["lr"], "seed": run["seed"], "log_interval": 1}
-    if sweep.get("eval_iters"):  # one evaluation, after the last iteration
-        settings.update(eval_interval=run["train_iters"], eval_iters=sweep["eval_iters"])
+    if sweep["mode"] == "wsd":  # the stable run's data and schedule (a branch ends at its own point)
+        settings.update(wsd_study.schedule_settings(sweep))
+    if sweep.get("eval_iters"):  # one evaluation, after the last iteration (a branch's: at its end)
+        settings.update(eval_interval=settings["train_iters"], eval_iters=sweep["eval_iters"])
     return nproc, settings
 
 
@@ -177,6 +191,8 @@ def runs_of(sweep: dict) -> tuple[list[dict], list[str]]:
     """Every run of the sweep, in order (name, model, layout, learning rate, seed, budget, iterations),
     and why each size an IsoFLOP budget cannot hold is skipped."""
     lrs, seeds = sweep.get("lrs", [3e-4]), sweep.get("seeds", [1])
+    if sweep["mode"] == "wsd":
+        return wsd_study.branch_runs(sweep, studies_of(sweep)), []
     if sweep["mode"] == "grid":
         return [{"run": f"{model}-{layout}-lr{lr:g}-s{seed}", "model": model, "layout": layout, "lr": lr,
                  "seed": seed, "budget": "", "train_iters": sweep["train_iters"]}
@@ -195,6 +211,13 @@ def runs_of(sweep: dict) -> tuple[list[dict], list[str]]:
     return runs, skipped
 
 
+def studies_of(sweep: dict) -> list[dict]:
+    """A WSD sweep's stable runs: model x layout x learning rate x seed."""
+    return [{"model": model, "layout": layout, "lr": lr, "seed": seed} for model, layout, lr, seed in
+            itertools.product(sweep["models"], sweep["layouts"], sweep.get("lrs", [3e-4]),
+                              sweep.get("seeds", [1]))]
+
+
 def finished_runs(table: str) -> set[str]:
     """The runs a table already holds; ValueError for a table of other columns (an older sweep's)."""
     if not os.path.exists(table):
@@ -207,19 +230,36 @@ def finished_runs(table: str) -> set[str]:
         return {row["run"] for row in reader}
 
 
-def train_run(sweep: dict, run: dict) -> dict:
-    """Train one run; its row of the table."""
+def _pretrain(sweep: dict, run: dict, name: str, extra: dict, log: str, mode: str = "w") -> list[dict]:
+    """Run ``run``'s pretrain with ``extra`` settings as wandb run ``name``; its metrics lines, written
+    (``mode`` "a": appended) to ``runs/LOG.jsonl``."""
     nproc, settings = _settings(sweep, run)
+    settings.update(extra)
     if sweep.get("wandb_project"):
-        settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"],
-                        wandb_exp_name=run["run"])
+        settings.update(wandb_project=sweep["wandb_project"], wandb_group=sweep["name"], wandb_exp_name=name)
     lines = run_pretrain(nproc, settings_flags(settings))
-    with open(os.path.join(sweep["output"], "runs", f"{run['run']}.jsonl"), "w") as handle:
+    with open(os.path.join(sweep["output"], "runs", f"{log}.jsonl"), mode) as handle:
         handle.writelines(json.dumps(line) + "\n" for line in lines)
+    return lines
+
+
+def train_run(sweep: dict, run: dict) -> dict:
+    """Train one run (a WSD branch: its stable run's segment to the branch point first, where it is not
+    saved yet); its row of the table."""
+    extra = {}
+    if "branch" in run:
+        directory = wsd_study.stable_directory(sweep, run)
+        if not wsd_study.stable_saved(directory, run["branch"][0]):
+            stable = f"{wsd_study.study_key(run)}-stable"
+            _pretrain(sweep, run, f"{stable}-to{run['branch'][0]}",
+                      wsd_study.segment_flags(directory, run["branch"][0]), stable, mode="a")
+        extra = wsd_study.branch_flags(directory, run["branch"])
+    lines = _pretrain(sweep, run, run["run"], extra, run["run"])
     config = model_config(sweep, run["model"])
     tokens = sweep["tokens_per_step"] * run["train_iters"]
     timed = lines[1:] or lines
-    return {**run, "parameters": num_parameters(config),
+    return {**{key: value for key, value in run.items() if key != "branch"},
+            "parameters": num_parameters(config),
             "non_embedding_parameters": non_embedding_parameters(config), "final_loss": lines[-1]["loss"],
             "val_loss": lines[-1].get("valid_loss", ""), "tokens": tokens,
             "flops": flops_per_token(config) * tokens,
@@ -238,7 +278,7 @@ def plot(sweep: dict, table: str, path: str) -> None:
     with open(table, newline="") as handle:
         rows = list(csv.DictReader(handle))
     figure, (loss_axis, speed_axis, memory_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for model in sweep["models"]:
+    for model in sweep["models"] if sweep["mode"] != "wsd" else []:
         mine = [row for row in rows if row["model"] == model]
         for row in mine[:1]:  # one trajectory per model size: its first run
             with open(os.path.join(sweep["output"], "runs", f"{row['run']}.jsonl")) as handle:
@@ -247,8 +287,11 @@ def plot(sweep: dict, table: str, path: str) -> None:
             loss_axis.plot([per_iteration * line["iteration"] for line in lines],
                            [line["loss"] for line in lines],
                            label=f"{model} ({int(row['parameters']) / 1e6:.2f}M)")
-    loss_axis.set(xscale="log", xlabel="training FLOPs", ylabel="loss", title="loss vs compute")
-    loss_axis.legend()
+    if sweep["mode"] == "wsd":
+        wsd_study.plot_branches(sweep, rows, loss_axis)
+    else:
+        loss_axis.set(xscale="log", xlabel="training FLOPs", ylabel="loss", title="loss vs compute")
+        loss_axis.legend()
     layouts, models = list(sweep["layouts"]), list(sweep["models"])
     width = 0.8 / max(len(models), 1)
     for index, model in enumerate(models):
@@ -283,10 +326,16 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError, ConfigError) as error:
         sys.exit(f"error: {error}")
     os.makedirs(os.path.join(sweep["output"], "runs"), exist_ok=True)
+    recorded = {key: sweep.get(key) for key in ("name", "mode", "budgets", "tokens_per_step", "seq_length",
+                                                "wandb_project")} | {"flops_formula": FLOPS_FORMULA}
+    if sweep["mode"] == "wsd":  # the study's compute against separate runs of its points
+        per_iteration = {model: flops_per_token(model_config(sweep, model)) * sweep["tokens_per_step"]
+                         for model in sweep["models"]}
+        recorded.update(branch_iters=[n for n, _, _ in wsd_study.points(sweep)],
+                        cooldown_fraction=sweep.get("cooldown_fraction", wsd_study.DEFAULT_COOLDOWN),
+                        **wsd_study.compute(sweep, studies_of(sweep), per_iteration.get))
     with open(os.path.join(sweep["output"], "sweep.json"), "w") as handle:
-        json.dump({key: sweep.get(key) for key in ("name", "mode", "budgets", "tokens_per_step", "seq_length",
-                                                    "wandb_project")} | {"flops_formula": FLOPS_FORMULA},
-                  handle, indent=1)
+        json.dump(recorded, handle, indent=1)
     print(f"sweep {sweep['name']} ({sweep['mode']}): {len(runs)} runs, "
           f"{len(done & {r['run'] for r in runs})} already finished; {FLOPS_FORMULA}")
     for why in skipped:
