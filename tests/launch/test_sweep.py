@@ -145,20 +145,23 @@ def test_a_wsd_study_branches_cooldowns_from_its_stable_run_resumes_and_says_its
         stdlib_corpus, tmp_path, monkeypatch, capsys):
     """Points of 5 and 10 iterations cooling down over their last 40%: the stable run saves at the branch
     points 3 and 6 in two segments, each branch ends at its point with a held-out loss, decaying from the
-    stable peak; started again the study trains nothing; the fit says the study's compute against
-    separate runs' (6 + 2 + 4 of 15 iterations) before anything else, even where two points are too few
-    rows for its laws."""
+    stable peak, equal to a separate WSD run of its point; started again the study trains nothing; the fit
+    says the study's compute against separate runs' (6 + 2 + 4 of 15 iterations) before anything else, even
+    where two points are too few rows for its laws."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     output = tmp_path / "wsd"
     spec = {"name": "wsd", "output": str(output), "mode": "wsd", "branch_iters": [10, 5],
-            "cooldown_fraction": 0.4, "tokens_per_step": 256, "seq_length": 32, "eval_iters": 2,
+            "cooldown_fraction": 0.4, "separate": ["wsd"], "tokens_per_step": 256, "seq_length": 32,
+            "eval_iters": 2,
             "common": {**_common(stdlib_corpus), "lr_warmup_iters": 1, "lr_wsd_decay_style": "linear"},
             "models": {"2l-32": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2}},
             "layouts": {"one": {"nproc": 1}}, "lrs": [3e-3], "seeds": [1]}
     path = tmp_path / "wsd.yaml"
     path.write_text(yaml.safe_dump(spec))
     sweep.main([str(path)])
+    said = capsys.readouterr().out  # each branch is its separate WSD run here (one epoch of the data)
+    assert "2l-32-one-lr0.003-s1-cooldown5: " in said and said.count("(+0.00%)") == 2, said
     rows = _rows(output / "results.csv")
     assert [row["train_iters"] for row in rows] == ["5", "10"]
     for row in rows:

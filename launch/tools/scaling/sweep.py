@@ -37,7 +37,8 @@ An IsoFLOP sweep replaces ``train_iters`` with ``mode: isoflop``, ``budgets: [FL
 optionally ``min_iters`` (default 20) / ``max_iters``, and may give ``sizes: {layers: [...],
 width_per_layer: W, head_dim: H}`` instead of ``models``. A WSD study replaces it with ``mode: wsd``,
 ``branch_iters: [N, ...]`` and optionally ``cooldown_fraction`` (default 0.2; the decay's shape is
-``lr_wsd_decay_style`` in ``common``).
+``lr_wsd_decay_style`` in ``common``) and ``separate: [wsd, cosine]``: separate runs of every point from
+scratch, their rows in ``OUTPUT/separate.csv``, each branch's loss printed beside theirs.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _settings(sweep: dict, run: dict) -> tuple[int, dict]:
                 "global_batch_size": sweep["tokens_per_step"] // sweep["seq_length"],
                 "train_iters": run["train_iters"], "lr": run["lr"], "seed": run["seed"], "log_interval": 1}
     if sweep["mode"] == "wsd":  # the stable run's data and schedule (a branch ends at its own point)
-        settings.update(wsd_study.schedule_settings(sweep))
+        settings.update(wsd_study.schedule_settings(sweep, run))
     if sweep.get("eval_iters"):  # one evaluation, after the last iteration (a branch's: at its end)
         settings.update(eval_interval=settings["train_iters"], eval_iters=sweep["eval_iters"])
     return nproc, settings
@@ -258,7 +259,7 @@ def train_run(sweep: dict, run: dict) -> dict:
     config = model_config(sweep, run["model"])
     tokens = sweep["tokens_per_step"] * run["train_iters"]
     timed = lines[1:] or lines
-    return {**{key: value for key, value in run.items() if key != "branch"},
+    return {**{key: value for key, value in run.items() if key in COLUMNS},
             "parameters": num_parameters(config),
             "non_embedding_parameters": non_embedding_parameters(config), "final_loss": lines[-1]["loss"],
             "val_loss": lines[-1].get("valid_loss", ""), "tokens": tokens,
@@ -340,19 +341,31 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(done & {r['run'] for r in runs})} already finished; {FLOPS_FORMULA}")
     for why in skipped:
         print(f"skipped: {why}")
+    _train_into(sweep, runs, table, done)
+    separate = wsd_study.separate_runs(sweep, studies_of(sweep)) if sweep["mode"] == "wsd" else []
+    if separate:  # a WSD study's separate runs of its points, to compare its branches with
+        others = os.path.join(sweep["output"], "separate.csv")
+        _train_into(sweep, separate, others, finished_runs(others))
+        with open(table, newline="") as handle, open(others, newline="") as other:
+            print("\n".join(wsd_study.comparison(list(csv.DictReader(handle)), list(csv.DictReader(other)))))
+    plot(sweep, table, os.path.join(sweep["output"], "sweep.png"))
+    print(f"table {table}, plot {os.path.join(sweep['output'], 'sweep.png')}")
+
+
+def _train_into(sweep: dict, runs: list[dict], table: str, done: set[str]) -> None:
+    """Train each run that ``table`` does not hold yet, its row appended as soon as it ends (an interrupted
+    sweep resumes there)."""
     for number, run in enumerate(runs, 1):
         if run["run"] in done:
             continue
         print(f"[{number}/{len(runs)}] {run['run']} ({run['train_iters']} iterations)", flush=True)
         row = train_run(sweep, run)
         fresh = not os.path.exists(table)
-        with open(table, "a", newline="") as handle:  # one row per finished run: the sweep resumes here
+        with open(table, "a", newline="") as handle:
             writer = csv.DictWriter(handle, COLUMNS)
             if fresh:
                 writer.writeheader()
             writer.writerow(row)
-    plot(sweep, table, os.path.join(sweep["output"], "sweep.png"))
-    print(f"table {table}, plot {os.path.join(sweep['output'], 'sweep.png')}")
 
 
 if __name__ == "__main__":

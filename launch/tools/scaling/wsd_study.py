@@ -17,6 +17,7 @@ stable segment is its own run in the wandb group of the sweep. The study's compu
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -51,15 +52,44 @@ def study_key(run: dict) -> str:
 
 def branch_runs(sweep: dict, studies: list[dict]) -> list[dict]:
     """The table's rows to train: each study's branch per point (``train_iters`` its length N)."""
-    return [{**study, "run": f"{study_key(study)}-wsd{n}", "budget": "", "train_iters": n,
+    return [{**study, "run": f"{study_key(study)}-cooldown{n}", "budget": "", "train_iters": n,
              "branch": (p, k)} for study in studies for n, p, k in points(sweep)]
 
 
-def schedule_settings(sweep: dict) -> dict:
-    """The stable run's schedule (the longest point's separate run's): WSD ending at N_max after a
-    cooldown of K_max, its data for N_max iterations."""
-    n, _, k = points(sweep)[-1]
-    return {"train_iters": n, "lr_decay_style": "WSD", "lr_decay_iters": n, "lr_wsd_decay_iters": k}
+SEPARATE = ("wsd", "cosine")  # the separate runs a study may train beside its branches, to compare
+
+
+def separate_runs(sweep: dict, studies: list[dict]) -> list[dict]:
+    """Separate runs of every point from scratch (``separate: [wsd, cosine]``): a WSD run decaying over
+    the branch's cooldown, a cosine one decaying over the whole run; rows of ``separate.csv``."""
+    styles = sweep.get("separate") or []
+    return [{**study, "run": f"{study_key(study)}-separate-{style}{n}", "budget": "", "train_iters": n,
+             "separate": style} for study in studies for n, _, _ in points(sweep) for style in styles]
+
+
+def schedule_settings(sweep: dict, run: dict) -> dict:
+    """A run's schedule: the stable run's and its branches' (the longest point's separate run's: WSD ending
+    at N_max after a cooldown of K_max, its data for N_max iterations), or a separate run's."""
+    found = {n: k for n, _, k in points(sweep)}
+    n = run["train_iters"] if "separate" in run else max(found)
+    if run.get("separate") == "cosine":
+        return {"train_iters": n, "lr_decay_style": "cosine", "lr_decay_iters": n}
+    return {"train_iters": n, "lr_decay_style": "WSD", "lr_decay_iters": n, "lr_wsd_decay_iters": found[n]}
+
+
+def comparison(rows: list[dict], separate: list[dict]) -> list[str]:
+    """Each branch's loss beside the separate runs of its point, as lines to print."""
+    lines = []
+    for row in rows:
+        loss = float(row["val_loss"] or row["final_loss"])
+        others = [(other["run"].rsplit("-", 1)[1], float(other["val_loss"] or other["final_loss"]))
+                  for other in separate
+                  if other["model"] == row["model"] and other["layout"] == row["layout"]
+                  and other["lr"] == row["lr"] and other["seed"] == row["seed"]
+                  and other["train_iters"] == row["train_iters"]]
+        lines.append(f"{row['run']}: {loss:.4f}" + "".join(
+            f"; separate {name} {value:.4f} ({(loss - value) / value:+.2%})" for name, value in others))
+    return lines
 
 
 def stable_directory(sweep: dict, run: dict) -> str:
@@ -103,15 +133,28 @@ def plot_branches(sweep: dict, rows: list[dict], axis) -> None:
         axis.plot([line["iteration"] * sweep["tokens_per_step"] for line in stable],
                   [line["loss"] for line in stable], color=color, label=f"{study} stable")
         for row in rows:
-            if row["run"].startswith(f"{study}-wsd"):
+            if row["run"].startswith(f"{study}-cooldown"):
                 lines = _lines(os.path.join(sweep["output"], "runs", f"{row['run']}.jsonl"))
                 axis.plot([line["iteration"] * sweep["tokens_per_step"] for line in lines],
                           [line["loss"] for line in lines], color=color, linestyle="--")
                 axis.scatter([int(row["tokens"])], [float(row["val_loss"] or row["final_loss"])],
                              color=color, marker="o")
+        for other in _separate_rows(sweep):
+            if other["run"].startswith(f"{study}-separate-"):
+                marker = "x" if other["run"].rsplit("-", 1)[1].startswith("wsd") else "^"
+                axis.scatter([int(other["tokens"])], [float(other["val_loss"] or other["final_loss"])],
+                             color=color, marker=marker)
     axis.set(xscale="log", xlabel="tokens", ylabel="loss",
-             title="WSD: stable runs (solid), cooldown branches (dashed)")
+             title="WSD: stable runs, branches (dashed, o), separate WSD (x) and cosine (^) runs")
     axis.legend(fontsize=7)
+
+
+def _separate_rows(sweep: dict) -> list[dict]:
+    path = os.path.join(sweep["output"], "separate.csv")
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
 
 
 def _lines(path: str) -> list[dict]:
