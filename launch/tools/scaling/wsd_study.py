@@ -145,7 +145,7 @@ def plot_branches(sweep: dict, rows: list[dict], axis) -> None:
                 axis.scatter([int(other["tokens"])], [float(other["val_loss"] or other["final_loss"])],
                              color=color, marker=marker)
     axis.set(xscale="log", xlabel="tokens", ylabel="loss",
-             title="WSD: stable runs, branches (dashed, o), separate WSD (x) and cosine (^) runs")
+             title="stable (-), cooldowns (--, o), separate wsd (x), cosine (^)")
     axis.legend(fontsize=7)
 
 
