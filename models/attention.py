@@ -139,7 +139,7 @@ class SelfAttention(AttentionCore):
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
                  rng: RNGTracker):
         super().__init__(config, layer, rng)
-        h, std, d = config.hidden_size, config.init_method_std, config.head_dim
+        h, std, d = config.hidden_size, config.matrix_init_std, config.head_dim  # (muP: / sqrt(m))
         heads, groups = config.num_attention_heads, config.query_groups
         self.head_dim = d
         self.groups_per_rank = groups // tp.size
@@ -165,7 +165,7 @@ class SelfAttention(AttentionCore):
                                       .scaled_for_residual(config.num_layers), bias=bias,
                                       sequence_parallel=sequence_parallel)
         if config.softmax_type == "learnable":  # each head's sink logit, drawn as Megatron draws it
-            sink = WeightInit(seed, f"layers.{layer}.attention.sinks", std)
+            sink = WeightInit(seed, f"layers.{layer}.attention.sinks", config.init_method_std)  # (a vector)
             self.sinks = shard_parameter(lambda: sink.full((heads,)), 0, tp)
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

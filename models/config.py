@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from models.flags import flag
 from models.latent.config import LatentAttentionConfig
 from models.moe.config import MoEConfig
+from models.mup_config import MuPConfig
 
 
 @dataclass
-class GPTConfig(MoEConfig, LatentAttentionConfig):
+class GPTConfig(MoEConfig, LatentAttentionConfig, MuPConfig):
     """Shape and options of the GPT. Owns no weights; ``validate(tp)`` checks what tp must divide."""
 
     num_layers: int = field(default=4, metadata=flag("transformer blocks"))
@@ -186,6 +187,8 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
     def attention_scale(self) -> float:
         if self.softmax_scale is not None:
             return self.softmax_scale
+        if self.use_mup:
+            return self.mup_attention_scale()
         return self.latent_softmax_scale() if self.multi_latent_attention else self.head_dim ** -0.5
 
     def attention_window(self, layer: int) -> int | None:
@@ -247,6 +250,7 @@ class GPTConfig(MoEConfig, LatentAttentionConfig):
         self._validate_options()
         self._validate_attention(tp)
         self.validate_latent(tp)
+        self.validate_mup()
         self.validate_moe(self.num_layers, self.ffn_size)
         if self.ffn_size < 1:
             raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "

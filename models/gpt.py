@@ -193,19 +193,23 @@ class GPTModel(nn.Module):
         x = self.word_embedding(tokens.t())
         if self.config.embedding_multiplier != 1.0:  # rounded to the activations' dtype first, as Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, device=x.device).to(x.dtype)
+        if self.config.use_mup and self.config.mup_embedding_mult != 1.0:
+            x = x * self.config.mup_embedding_mult
         if self.config.position_embedding == "learned_absolute":
             x = x + self.position_embedding(position_ids.t())
         x = self.embedding_dropout(x)
         return scatter_to_sequence_parallel(x, self.tp) if self.sequence_parallel else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, [s, b, padded_vocab / tp], soft-capped with
-        --final-logit-softcapping."""
+        """This rank's vocabulary slice of the logits, [s, b, padded_vocab / tp], times muP's output
+        multiplier, soft-capped with --final-logit-softcapping."""
         x = self.final_norm(hidden)
         if self.tied and self.pre_process:
             logits = vocab_parallel_logits(x, self.word_embedding.weight, self.tp, self.sequence_parallel)
         else:
             logits = self.output_layer(x)
+        if self.config.logit_multiplier != 1.0:
+            logits = logits * self.config.logit_multiplier
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -26,7 +26,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
                  width: int | None = None, name: str = "mlp"):
         super().__init__()
-        h, f, std = config.hidden_size, width or config.ffn_size, config.init_method_std
+        h, f, std = config.hidden_size, width or config.ffn_size, config.matrix_init_std
         self.activate = activation_of(config)
         bias = not config.disable_bias_linear
         self.fc1 = ColumnParallelLinear(h, f, tp,

@@ -24,7 +24,7 @@ class Expert(nn.Module):
     def __init__(self, config: GPTConfig, name: str, etp: AxisGroup, width: int, seed: int):
         """``width``: the whole expert's (each etp rank keeps 1/etp of it)."""
         super().__init__()
-        h, std = config.hidden_size, config.init_method_std
+        h, std = config.hidden_size, config.matrix_init_std
         bias = not config.disable_bias_linear
         shape, dim = ((2, width, h), 1) if config.gated else ((width, h), 0)
         fc1 = WeightInit(seed, f"{name}.fc1.weight", std)

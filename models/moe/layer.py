@@ -47,7 +47,7 @@ class MoELayer(nn.Module):
         self.options = config.router_options
         self.router_dtype = ROUTER_DTYPES.get(config.moe_router_dtype)
         split = sequence_parallel and tp.size > 1
-        router = WeightInit(seed, f"layers.{layer}.mlp.router.weight", config.init_method_std)
+        router = WeightInit(seed, f"layers.{layer}.mlp.router.weight", config.matrix_init_std)
         router_bias = None
         if not config.disable_bias_linear:  # Megatron's router has a bias with linear biases (gpt-oss)
             router_bias = declare(with_init(nn.Parameter(torch.zeros(experts)), lambda: torch.zeros(experts)),
@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
                                       width=config.moe_shared_expert_intermediate_size,
                                       name="mlp.shared_experts")
             if config.moe_shared_expert_gate:
-                gate = WeightInit(seed, f"layers.{layer}.mlp.shared_gate.weight", config.init_method_std)
+                gate = WeightInit(seed, f"layers.{layer}.mlp.shared_gate.weight", config.matrix_init_std)
                 self.shared_gate = LinearWeights(
                     declare(with_init(nn.Parameter(gate.full((1, h))), lambda: gate.full((1, h))),
                             sequence_parallel=split), None)

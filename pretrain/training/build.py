@@ -102,7 +102,7 @@ def build_optimizer(model: nn.ModuleList, config: Config, groups: ParallelGroups
     scaler = (DynamicLossScaler(train.initial_loss_scale, growth_interval=train.loss_scale_window,
                                 hysteresis=train.hysteresis, min_scale=train.min_loss_scale)
               if train.fp16 else ConstantLossScaler())
-    param_groups = parameter_groups(model, config.optimizer)
+    param_groups = parameter_groups(model, config.optimizer, config.model.mup_width_mult)
 
     def only(expert: bool) -> list[dict]:
         return [{**group, "params": [p for p in group["params"] if meta(p).expert == expert]}

@@ -5,8 +5,9 @@ embeddings, the output layer, norms and biases).
 Groups: weight decay on matrices, none on norms and biases (1-D parameters; the query/key norms too
 unless --apply-wd-to-qk-layernorm); with --decoupled-lr, the input embedding and the output layer in
 groups of their own, whose learning rate follows the same warm-up and decay between --decoupled-lr
-and --decoupled-min-lr; under Muon, its matrices in groups of their own. Each group records which schedule
-it follows (``decoupled``).
+and --decoupled-min-lr; under Muon, its matrices in groups of their own; under muP, the parameters whose
+rate it scales (``lr_scale``: AdamW's hidden matrices / m, with their epsilon). Each group records which
+schedule it follows (``decoupled``, ``lr_scale``).
 """
 
 from __future__ import annotations
@@ -91,9 +92,22 @@ def state_moments(chunks: nn.ModuleList, opt: OptimizerConfig) -> Callable[[nn.P
     return lambda param: 1 if id(param) in muon else 2
 
 
-def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
-    """The groups of the trainable parameters of ``chunks`` (empty groups dropped)."""
-    groups: dict[tuple[bool, bool, bool], list[nn.Parameter]] = {}
+def mup_lr_scale(name: str, param: nn.Parameter, opt: OptimizerConfig, width_mult: float) -> float:
+    """muP's factor on ``param``'s learning rate (Megatron's rule): AdamW's hidden matrices / m, SGD's
+    vector-like parameters (embeddings, the output layer, norms, biases) x m; none under Muon (its own
+    matrices are scaled by its scale mode; the rest are vector-like) or at m = 1."""
+    matrix = takes_muon(name, param)  # a matrix of the layers (neither an embedding nor the output layer)
+    if width_mult == 1.0 or opt.optimizer == "muon":
+        return 1.0
+    if opt.optimizer == "sgd":
+        return 1.0 if matrix else width_mult
+    return 1.0 / width_mult if matrix else 1.0
+
+
+def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig, width_mult: float = 1.0) -> list[dict]:
+    """The groups of the trainable parameters of ``chunks`` (empty groups dropped); ``width_mult``: muP's m
+    (its groups' ``lr_scale``, and AdamW's epsilon / m with their rate)."""
+    groups: dict[tuple[bool, bool, bool, float], list[nn.Parameter]] = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -102,9 +116,12 @@ def parameter_groups(chunks: nn.ModuleList, opt: OptimizerConfig) -> list[dict]:
             decays = param.ndim >= 2 or (qk_norm and opt.apply_wd_to_qk_layernorm)
             decoupled = opt.decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
             muon = opt.optimizer == "muon" and takes_muon(name, param)
-            groups.setdefault((decays, decoupled, muon), []).append(param)
+            scale = 1.0 if decoupled else mup_lr_scale(name, param, opt, width_mult)
+            groups.setdefault((decays, decoupled, muon, scale), []).append(param)
     return [{"params": params, "weight_decay": opt.weight_decay if decays else 0.0,
              "wd_mult": 1.0 if decays else 0.0, "decoupled": decoupled,
-             **({"use_muon": muon} if opt.optimizer == "muon" else {})}
-            for (decays, decoupled, muon),
-            params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1], not item[0][2]))]
+             **({"use_muon": muon} if opt.optimizer == "muon" else {}),
+             **({"lr_scale": scale} if scale != 1.0 else {}),
+             **({"eps": opt.adam_eps * scale} if scale != 1.0 and opt.optimizer == "adam" else {})}
+            for (decays, decoupled, muon, scale), params in sorted(
+                groups.items(), key=lambda item: (not item[0][0], item[0][1], not item[0][2], item[0][3]))]

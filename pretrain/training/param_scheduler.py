@@ -61,9 +61,16 @@ class OptimizerParamScheduler:
         returns the main rate."""
         lr, weight_decay = self.lr(consumed_samples), self.weight_decay(consumed_samples)
         for group in param_groups:
-            group["lr"] = self.decoupled(consumed_samples) if group.get("decoupled") else lr
+            scale = group.get("lr_scale", 1.0)
+            group["lr"] = (self.decoupled(consumed_samples) if group.get("decoupled") else
+                           self._scaled(scale)(consumed_samples) if scale != 1.0 else lr)
             group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         return lr
+
+    def _scaled(self, scale: float) -> LRSchedule:
+        """The main schedule with its peak and final rates times ``scale`` (muP's groups; the warm-up's
+        first rate is not scaled, as Megatron scales max_lr and min_lr alone)."""
+        return dataclasses.replace(self.lr, lr=self.lr.lr * scale, min_lr=self.lr.min_lr * scale)
 
     def state_dict(self) -> dict:
         wd = self.weight_decay
