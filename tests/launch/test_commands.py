@@ -55,7 +55,7 @@ def test_the_tools_are_split_by_concern_behind_short_command_modules():
     concerns = {"planning": {"plan", "plan_command", "layout", "layout_price", "activation_price",
                              "muon_price", "link_model", "devices", "schedule_price"},
                 "scaling": {"sweep", "isoflop", "scaling_law", "scaling_fits", "scaling_plots", "wsd_study",
-                            "prose_corpus"},
+                            "prose_corpus", "coord_check"},
                 "faults": {"fault_sweep", "fault_injection", "chaos"}}
     for concern, modules in concerns.items():
         found = {name[:-3] for name in os.listdir(os.path.join(tools, concern)) if name.endswith(".py")}

@@ -1,8 +1,10 @@
 """muP (--use-mup, Megatron-LM's flags): at twice its base width a model starts from Megatron's muP init
 (hidden matrices / sqrt(m), embeddings and the output layer as without), scales scores by 1/d and logits by
 1/m, and its hidden matrices' AdamW rate and epsilon are / m on megatron-core's own scheduler's schedule
-(its per-group max_lr and min_lr); tp2 + SP, pp2 and ZeRO-3 follow one process under muP."""
+(its per-group max_lr and min_lr); tp2 + SP, pp2 and ZeRO-3 follow one process under muP; the coordinate
+check is flat under muP and grows under the standard parametrization."""
 
+import json
 import math
 
 import pytest
@@ -92,3 +94,19 @@ def test_mup_layouts_reproduce_one_process(stdlib_corpus):
     for name, result in zip(layouts, results):
         for what, got, want in zip(("loss", "grad norm"), result[:2], reference[:2]):
             assert_trajectory_close(got, want, f"muP {name}: {what}")
+
+
+def test_the_coordinate_check_is_flat_under_mup_and_grows_under_the_standard_parametrization(tmp_path,
+                                                                                             capsys):
+    """Widths 32 to 128 (m up to 4), three AdamW steps at one rate: every layer's output and the logits at
+    the widest width within 0.6-1.6x of the narrowest's under muP, and more than twice under the standard
+    parametrization; the command writes its numbers and plot and prints the table."""
+    from launch.tools.scaling import scaling_law
+
+    scaling_law.main(["coord-check", "--output", str(tmp_path), "--widths", "32", "64", "128",
+                      "--base-width", "32", "--steps", "3"])
+    ratios = json.loads((tmp_path / "coord.json").read_text())["growth"]
+    for part in ("layer 0", "layer 1", "logits"):
+        assert 0.6 < ratios["mup"][part] < 1.6 and ratios["standard"][part] > 2, (part, ratios)
+    assert "layer 0 | " in capsys.readouterr().out
+    assert (tmp_path / "coord.png").read_bytes()[:4] == b"\x89PNG"

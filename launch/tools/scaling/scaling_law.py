@@ -1,4 +1,5 @@
-"""Scaling laws from a sweep's table: Chinchilla's three approaches with bootstrap intervals.
+"""Scaling laws from a sweep's table: Chinchilla's three approaches with bootstrap intervals; and muP's
+coordinate check (``coord-check``: ``coord_check``).
 
     python -m launch.scaling_law fit RESULTS.csv --output DIR [--loss-column val_loss]
         [--params-column parameters] [--budget FLOPS ...] [--bootstrap 200] [--seed 0]
@@ -53,6 +54,7 @@ import sys
 
 import numpy as np
 
+from launch.tools.scaling import coord_check
 from launch.tools.scaling.scaling_fits import (FitError, Runs, approach1, approach2, approach3, bootstrap,
                                                optimal_points)
 from launch.tools.scaling.scaling_plots import plot_all
@@ -192,7 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     fitting.add_argument("--budget", type=float, nargs="+", default=[], help="FLOPs to give optima for")
     fitting.add_argument("--bootstrap", type=int, default=200, help="resamples for the intervals")
     fitting.add_argument("--seed", type=int, default=0)
+    coord_check.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "coord-check":
+        try:
+            coord_check.run(args)
+        except ValueError as error:
+            sys.exit(f"error: {error}")
+        return
     bad = [budget for budget in args.budget if not (math.isfinite(budget) and budget > 0)]
     if bad:
         sys.exit(f"error: --budget {bad[0]:g}: give compute budgets as FLOPs > 0, e.g. --budget 1e13 1e14")
