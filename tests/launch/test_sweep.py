@@ -87,6 +87,8 @@ BAD_SWEEPS = [
     ({"models": 7}, "models must map names to settings"),
     ({"layouts": {"one": {"nproc": 0}}}, "layout one's nproc 0: give a whole number > 0"),
     ({"lrs": []}, "lrs []: give a list"),
+    ({"mode": "wsd", "branch_iters": [10], "separate": ["linear"]}, "separate ['linear']: give a list of wsd "
+                                                                    "and cosine"),
     ({"mode": "wsd", "branch_iters": [1, 2]}, "branch points [1, 2] are not distinct iterations >= 1 with a "
                                               "cooldown of at least 1"),
     ({"models": {"m": {"num_layers": 2, "hidden_size": 63, "num_attention_heads": 2}}},

@@ -25,11 +25,15 @@ import os
 from pretrain.checkpoint.catalog import CheckpointError, read_manifest
 
 DEFAULT_COOLDOWN = 0.2
+SEPARATE = ("wsd", "cosine")  # the separate runs a study may train beside its branches, to compare
 
 
 def points(sweep: dict) -> list[tuple[int, int, int]]:
     """(N, P, K) of each branch, shortest first: its length, branch point and cooldown; ValueError naming
-    the key for points that do not make a study."""
+    the key for points (or separate runs) that do not make a study."""
+    unknown = [style for style in sweep.get("separate") or [] if style not in SEPARATE]
+    if unknown or not isinstance(sweep.get("separate") or [], list):
+        raise ValueError(f"separate {sweep.get('separate')!r}: give a list of {' and '.join(SEPARATE)}")
     fraction = sweep.get("cooldown_fraction", DEFAULT_COOLDOWN)
     lengths = sweep.get("branch_iters")
     if not isinstance(lengths, list) or not lengths or not all(
@@ -54,9 +58,6 @@ def branch_runs(sweep: dict, studies: list[dict]) -> list[dict]:
     """The table's rows to train: each study's branch per point (``train_iters`` its length N)."""
     return [{**study, "run": f"{study_key(study)}-cooldown{n}", "budget": "", "train_iters": n,
              "branch": (p, k)} for study in studies for n, p, k in points(sweep)]
-
-
-SEPARATE = ("wsd", "cosine")  # the separate runs a study may train beside its branches, to compare
 
 
 def separate_runs(sweep: dict, studies: list[dict]) -> list[dict]:
