@@ -31,6 +31,9 @@ def _stalls(rank, world_size):
     # rank 0 waits in a step while rank 1 evaluates, both without progress: each reports the other
     watchdog.at(2, "forward-backward" if rank == 0 else "evaluation")
     assert reported.wait(30)
+    # rank 0's process holds the store rank 1 reads rank 0's phase from: none leaves before both reported
+    # (a loaded machine can delay one report by seconds)
+    __import__("torch").distributed.barrier()
     watchdog.stop()
     return quiet, reports
 
