@@ -33,9 +33,10 @@ def branch_point(config: Config) -> tuple[int, int] | None:
     return resume_point(config)
 
 
-def run_end(config: Config) -> int:
-    """The iteration the run ends at: a branch's cooldown end, else --train-iters."""
-    point = branch_point(config)
+def run_end(config: Config, point: tuple[int, int] | None = None) -> int:
+    """The iteration the run ends at: a branch's cooldown end (from its ``point``, else its
+    ``branch_point``), else --train-iters."""
+    point = point or branch_point(config)
     return config.training.train_iters if point is None else point[0] + config.training.cooldown_iters
 
 

@@ -103,24 +103,25 @@ class OptimizerParamScheduler:
 
 def build_param_scheduler(config: Config, batches: BatchSchedule) -> OptimizerParamScheduler:
     """The scheduler of the flags, for a run whose batches follow ``batches``."""
-    opt = config.optimizer
+    opt, point = config.optimizer, branch_point(config)  # (a cooldown branch's: its manifest read once)
     decoupled = None
     if opt.decoupled_lr is not None:
         min_lr = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
-        decoupled = _schedule(dataclasses.replace(opt, lr=opt.decoupled_lr, min_lr=min_lr), config, batches)
-    train, point = config.training, branch_point(config)
-    return OptimizerParamScheduler(_schedule(opt, config, batches), decoupled,
+        decoupled = _schedule(dataclasses.replace(opt, lr=opt.decoupled_lr, min_lr=min_lr), config, batches,
+                              point)
+    train = config.training
+    return OptimizerParamScheduler(_schedule(opt, config, batches, point), decoupled,
                                    build_wd_schedule(opt, train.train_iters, train.train_samples, batches),
                                    config.checkpoint.use_checkpoint_opt_param_scheduler, point)
 
 
-def _schedule(opt: OptimizerConfig, config: Config, batches: BatchSchedule) -> LRSchedule:
-    """The flags' learning rate (a cooldown branch's: decaying from its branch point to its end)."""
+def _schedule(opt: OptimizerConfig, config: Config, batches: BatchSchedule,
+              point: tuple[int, int] | None) -> LRSchedule:
+    """The flags' learning rate (a cooldown branch's: decaying from its branch ``point`` to its end)."""
     schedule = build_lr_schedule(opt, config.training.train_iters, config.training.train_samples, batches)
-    point = branch_point(config)
     if point is None:
         return schedule
-    return cooldown_schedule(schedule, point, batches.lr_samples(run_end(config)))
+    return cooldown_schedule(schedule, point, batches.lr_samples(run_end(config, point)))
 
 
 def schedule_mismatch(saved: dict, ours: dict, ignored: tuple[str, ...] = ()) -> str | None:

@@ -22,6 +22,7 @@ name rather than read at the wrong places.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import os
 import re
@@ -150,12 +151,13 @@ class BucketStates:
     def __init__(self, folder: DCPFolder, domains: dict[tuple[int, int], list[tuple[str, int, bool]]], args,
                  tp: int):
         self.folder = folder
-        buckets: dict[int, dict[tuple, int]] = {}
+        buckets: dict[int, dict[tuple, tuple[str, int]]] = {}  # rank -> (buffer, dtype, bucket) -> key, size
         for key in folder.tensors:
             match = BUCKET_KEY.match(key)
             if match and match.group(5) == "param":
                 group, buffer, dtype, bucket = match.group(1, 2, 3, 4)
-                buckets.setdefault(int(group), {})[(int(buffer), dtype, int(bucket))] = folder.shape(key)[0]
+                buckets.setdefault(int(group), {})[(int(buffer), dtype, int(bucket))] = (
+                    key[:match.start(5)], folder.shape(key)[0])
         self.places: dict[tuple[int, int, str], tuple[str, int]] = {}
         groups = []  # each rank's optimizer state_dict (its param groups), a saved object
         for key in folder.metadata.state_dict_metadata:
@@ -171,16 +173,14 @@ class BucketStates:
                 raise CheckpointError(f"{folder.folder}: holds {len(held)} dp_reshardable buckets for "
                                       f"pipeline rank {pp}, tensor rank {tp_rank}, in other than the one "
                                       "buffer (one parameter dtype, no experts) this reader takes; refused")
-            names = [f"optimizer.distributed.dp_group_idx_{pp * tp + tp_rank}.gbuf_idx_{buffer}.dtype_{dtype}"
-                     f".bucket_idx_{bucket}." for buffer, dtype, bucket in sorted(held)]
-            sizes = [held[entry] for entry in sorted(held)]
+            names, sizes = zip(*(held[entry] for entry in sorted(held)))
             offsets, length = buffer_offsets(params, sharding_size(args), bucket_size_of(args, pp, 0), busbw)
             if sum(sizes) != length:
                 raise CheckpointError(f"{folder.folder}: pipeline rank {pp}, tensor rank {tp_rank}'s "
                                       f"dp_reshardable buckets hold {sum(sizes)} elements; the model its "
                                       f"args describe lays out {length} (bucketing flags this reader does "
                                       "not re-derive?); refused")
-            starts = [sum(sizes[:index]) for index in range(len(sizes))]
+            starts = [0, *itertools.accumulate(sizes)][:-1]
             for key, offset in offsets.items():
                 bucket = bisect.bisect_right(starts, offset) - 1
                 self.places[(pp, tp_rank, key)] = (names[bucket], offset - starts[bucket])

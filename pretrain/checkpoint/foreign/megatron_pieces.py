@@ -44,6 +44,12 @@ def our_slices(config: GPTConfig, tp: int) -> dict[str, tuple[tuple[int, ...], i
             for param, name in model.global_parameter_names().items()}
 
 
+def masters_are_weights(masters: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether saved fp32 masters are the weights beside them within bf16's rounding (a layout read at the
+    right places)."""
+    return torch.allclose(masters.float(), weights.float(), rtol=2 ** -7, atol=1e-6)
+
+
 class MegatronPieces(PieceSource):
     """The weights of ``checkpoint`` (its model config ``config``) by our names, and the distributed
     optimizer's states where a legacy checkpoint holds them (``kinds``: Adam's moments). Holds the open
@@ -222,9 +228,8 @@ class MegatronPieces(PieceSource):
                                          "(optimizer states of another sharding?)")
         if self.unread_optimizer or len(saved) != 2 or not key.startswith(STACKED_PREFIX):
             return
-        weights = self.folder.read(key).float()
-        masters = self.folder.read(f"{MODEL_SPACE_STATES}{KINDS['master']}.{key}").float()
-        if not torch.allclose(masters, weights, rtol=2 ** -7, atol=1e-6):
+        weights = self.folder.read(key)
+        if not masters_are_weights(self.folder.read(f"{MODEL_SPACE_STATES}{KINDS['master']}.{key}"), weights):
             self.unread_optimizer = (f"{self.checkpoint.folder}: its fully_reshardable fp32 masters of {key} "
                                      "are not its weights (megatron-core misplaces these states when "
                                      "--overlap-grad-reduce cut buckets); its optimizer states are refused")
@@ -271,10 +276,10 @@ class MegatronPieces(PieceSource):
             self.unread_optimizer = str(error)
             return
         for name, listed in pieces.items():
-            for piece, whole in ((piece, self.by_name[name][0]) for piece in listed):
-                if len(piece.geometry.shape) == 1 and not torch.allclose(
-                        buckets.values(piece.where, piece.length, "master").float(),
-                        self._band(whole, piece.geometry), rtol=2 ** -7, atol=1e-6):
+            whole = self.by_name[name][0]
+            for piece in (piece for piece in listed if len(piece.geometry.shape) == 1):
+                masters = buckets.values(piece.where, piece.length, "master")
+                if not masters_are_weights(masters, self._band(whole, piece.geometry)):
                     self.unread_optimizer = (f"{folder}: its dp_reshardable fp32 masters of "
                                              f"{whole.where[0]} are not its weights (a parameter order or "
                                              "bucketing this reader does not re-derive); its optimizer "
