@@ -75,6 +75,10 @@ class MuPConfig:
             return
         if self.mup_base_hidden_size is not None and self.mup_base_hidden_size < 1:
             raise ValueError(f"--mup-base-hidden-size must be >= 1, got {self.mup_base_hidden_size}")
+        if not 0 < self.mup_attn_scale_power <= 1:
+            raise ValueError(f"--mup-attn-scale-power {self.mup_attn_scale_power:g}: the power of head_dim "
+                             "in the attention scale is in (0, 1] (1: muP's 1/d; 0.5: the standard "
+                             "1/sqrt(d))")
         for name in ("mup_embedding_mult", "mup_output_mult", "mup_base_head_dim"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -41,6 +41,9 @@ class MuonSettings:
         scale_factor(1, 1, self.scale_mode)
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"--muon-tp-mode {self.tp_mode!r} is not one of {', '.join(TP_MODES)}")
+        if not self.extra_scale_factor > 0:  # (<= 0 stops or reverses every update)
+            raise ValueError(f"--muon-extra-scale-factor {self.extra_scale_factor:g}: a factor on every Muon "
+                             "update must be > 0 (0.2 matches AdamW's RMS)")
 
 
 def _parts(shape: torch.Size, fused_rows: tuple[int, ...] | None, split_qkv: bool) -> list[tuple[int, int]]:

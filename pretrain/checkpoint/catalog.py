@@ -30,6 +30,7 @@ import torch
 from data.file_digest import files_sha256
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.megatron_checkpoint import is_megatron, is_megatron_iteration, open_megatron
+from pretrain.checkpoint.foreign.safe_pickle import load_failure
 
 WEIGHTS_FILE = "model.safetensors"  # the one file of a weights-only checkpoint (an import from Hugging Face)
 MODEL = "model"  # the rank-file state that holds the ZeRO model and optimizer, which other layouts re-cut
@@ -272,7 +273,8 @@ def read_file(path: str) -> dict:
     try:  # memory-mapped: only the tensors used come off the disk
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a pickle with code in it, or any other unreadable content
-        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {error}") from None
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {load_failure(error)}") \
+            from None
 
 
 def check_format(checkpoint: str, manifest: dict) -> None:

@@ -42,10 +42,12 @@ import sys
 
 from models.config import GPTConfig
 from parallel.zero.export import StreamedSafetensors
-from pretrain.checkpoint.catalog import CheckpointError, read_manifest, run_states
+from pretrain.checkpoint.catalog import CheckpointError, latest_name, read_manifest, run_states
+from pretrain.checkpoint.directory_contents import check_output
 from pretrain.checkpoint.reshard import PieceSource, ReshardError
 from pretrain.interop.safetensors_shards import parse_size, plan_shards, write_index
-from pretrain.interop.saved_model import describe, model_config, saved_tokenizer, saved_weights
+from pretrain.interop.saved_model import (describe, model_config, saved_tokenizer, saved_weights,
+                                          tokenizer_spec)
 
 
 def _natural(name: str) -> list:
@@ -119,6 +121,63 @@ def write_consolidated(source: PieceSource, manifest: dict, output: str, with_st
     return len(shards)
 
 
+# each flag that means something in some modes only: (its spelling, what gives it meaning, whether this
+# run has it); given outside them it is refused, not ignored
+def _meaningful(args) -> dict:
+    titan_in = ("--from-torchtitan", bool(args.from_torchtitan))
+    megatron = ("--to megatron", args.to == "megatron" and not args.from_hf and not args.from_torchtitan)
+    legacy = ("--to megatron --ckpt-format torch", megatron[1] and args.ckpt_format == "torch")
+    return {"num_attention_heads": ("--num-attention-heads", *titan_in),
+            "num_query_groups": ("--num-query-groups", *titan_in),
+            "rotary_base": ("--rotary-base", *titan_in), "norm_epsilon": ("--norm-epsilon", *titan_in),
+            "seq_length": ("--seq-length", *titan_in),
+            "torchtitan_keys": ("--torchtitan-keys", "--to torchtitan", args.to == "torchtitan"),
+            "ckpt_format": ("--ckpt-format", *megatron),
+            "target_tensor_parallel_size": ("--target-tensor-parallel-size", *legacy),
+            "target_pipeline_parallel_size": ("--target-pipeline-parallel-size", *legacy),
+            "target_expert_parallel_size": ("--target-expert-parallel-size", *legacy),
+            "with_optimizer_states": ("--with-optimizer-states", "--to consolidated or --to megatron",
+                                      args.to in ("consolidated", "megatron") and bool(args.load)),
+            "max_shard_size": ("--max-shard-size", "--to consolidated or --to hf",
+                               args.to in ("consolidated", "hf") and bool(args.load)),
+            "workers": ("--workers", "--to consolidated", args.to == "consolidated" and bool(args.load)),
+            "add_to_output": ("--add-to-output", "--from-hf, --from-torchtitan or --to megatron",
+                              bool(args.from_hf or args.from_torchtitan) or megatron[1])}
+
+
+def _unmeant_flag(args) -> str | None:
+    """The first flag given where it means nothing, named with what gives it meaning (None: none)."""
+    if args.list:
+        given = [flag for flag, value in (("--output", args.output), ("--to", args.to)) if value]
+        if given:
+            return (f"{given[0]} with --list: --list only describes --load and writes nothing; drop "
+                    f"{given[0]}, or drop --list to convert")
+    if args.to and not args.load:
+        return (f"--to {args.to} converts a checkpoint of ours: give --load DIR (not --from-hf / "
+                "--from-torchtitan)")
+    args.to = args.to or "consolidated"
+    for name, (flag, meaning, meant) in _meaningful(args).items():
+        if getattr(args, name) not in (None, False) and not meant:
+            return f"{flag} means something with {meaning} only: drop it, or give {meaning}"
+    return None
+
+
+def _output_kind(args) -> str | None:
+    """What the conversion writes at --output, as ``directory_contents.check_output`` names it (None: a
+    consolidated file, not a directory)."""
+    if args.from_hf or args.from_torchtitan:
+        return "ours"
+    return {"megatron": "megatron", "torchtitan": "dcp", "hf": "hf"}.get(args.to)
+
+
+def _imported(path: str, source: str, output: str) -> None:
+    print(f"wrote {path} from {source}")
+    pointer = latest_name(output)
+    if pointer != os.path.basename(path):
+        print(f"note: {output}'s latest stays {pointer} (newer); train from the import with --load {output} "
+              "--ckpt-step 0 --finetune", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pretrain.convert", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -126,31 +185,43 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--from-hf", help="a Hugging Face model directory to import as a checkpoint of ours")
     source.add_argument("--from-torchtitan", help="a torchtitan Llama step folder (Distributed Checkpoint) "
                                                   "to import as a checkpoint of ours (give its head layout)")
-    titan = parser.add_argument_group("torchtitan's Llama (its checkpoints keep no model config)")
-    titan.add_argument("--num-attention-heads", type=int, help="--from-torchtitan: the model's heads")
+    titan = parser.add_argument_group("torchtitan's Llama (its checkpoints keep no model config: an export "
+                                      "of ours records it in the step folder's model_args.json, which "
+                                      "the import reads; a flag that contradicts it is refused)")
+    titan.add_argument("--num-attention-heads", type=int, help="--from-torchtitan: the model's heads "
+                                                               "(default: the recorded ones)")
     titan.add_argument("--num-query-groups", type=int, help="--from-torchtitan: its key/value heads "
-                                                             "(default: the heads)")
-    titan.add_argument("--rotary-base", type=float, default=500000.0, help="--from-torchtitan: rope theta")
-    titan.add_argument("--norm-epsilon", type=float, default=1e-5, help="--from-torchtitan: RMSNorm epsilon")
-    titan.add_argument("--seq-length", type=int, default=2048, help="--from-torchtitan: the sequence length")
-    titan.add_argument("--torchtitan-keys", choices=["0.3", "0.2"], default="0.3",
-                       help="--to torchtitan: its key spelling (0.3: qkv_linear, lm_head; 0.2: wq, output)")
+                                                             "(default: the recorded ones, else the heads)")
+    titan.add_argument("--rotary-base", type=float, help="--from-torchtitan: rope theta (default: the "
+                                                         "recorded one, else 500000)")
+    titan.add_argument("--norm-epsilon", type=float, help="--from-torchtitan: RMSNorm epsilon (default: the "
+                                                          "recorded one, else 1e-5)")
+    titan.add_argument("--seq-length", type=int, help="--from-torchtitan: the sequence length (default: the "
+                                                      "recorded one, else 2048)")
+    titan.add_argument("--torchtitan-keys", choices=["0.3", "0.2"],
+                       help="--to torchtitan: its key spelling (0.3: qkv_linear, lm_head; 0.2: wq, output; "
+                            "default 0.3)")
     parser.add_argument("--list", action="store_true",
                         help="--load: print what the checkpoint holds and stop (no --output)")
     parser.add_argument("--output", required=False,
                         help="the .safetensors file, the directory for --to hf, or the "
                                                         "checkpoint directory for --from-hf")
+    parser.add_argument("--add-to-output", action="store_true",
+                        help="--from-hf, --from-torchtitan, --to megatron: add the checkpoint to an --output "
+                             "directory that already holds checkpoints of the same kind (its newest stays "
+                             "'latest' unless the new one is newer; default: such an --output is refused)")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="--load: the checkpoint of this iteration (default: the newest complete one)")
     parser.add_argument("--to", choices=["consolidated", "hf", "megatron", "torchtitan"],
-                        default="consolidated")
-    parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
-                        help="--to megatron: Megatron-LM's legacy rank files or megatron-core's torch_dist")
-    parser.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                        help="what --load is converted to (default: consolidated)")
+    parser.add_argument("--ckpt-format", choices=["torch", "torch_dist"],
+                        help="--to megatron: Megatron-LM's legacy rank files or megatron-core's torch_dist "
+                             "(default torch_dist)")
+    parser.add_argument("--target-tensor-parallel-size", type=int,
                         help="--to megatron --ckpt-format torch: the tp of the rank files (default 1)")
-    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1,
+    parser.add_argument("--target-pipeline-parallel-size", type=int,
                         help="--to megatron --ckpt-format torch: the pp of the rank files (default 1)")
-    parser.add_argument("--target-expert-parallel-size", type=int, default=1,
+    parser.add_argument("--target-expert-parallel-size", type=int,
                         help="--to megatron --ckpt-format torch: the ep of the rank files, a mixture of "
                              "experts' (default 1)")
     parser.add_argument("--with-optimizer-states", action="store_true",
@@ -159,9 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-size", default=None,
                         help="cut the safetensors output into shards of at most this size (5GB, 500MB, "
                              "2GiB) with Hugging Face's index; default: one file")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=int,
                         help="consolidated: processes writing the shards at once (default 1)")
     args = parser.parse_args(argv)
+    if args.to == "megatron" and args.ckpt_format is None:
+        args.ckpt_format = "torch_dist"
+    unmeant = _unmeant_flag(args)
+    if unmeant:
+        sys.exit(f"error: {unmeant}")
     if args.list:
         if not args.load:
             sys.exit("error: --list describes a checkpoint: give --load DIR")
@@ -177,31 +253,40 @@ def main(argv: list[str] | None = None) -> None:
         max_shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
     except ValueError as error:
         sys.exit(f"error: {error}")
+    args.workers = 1 if args.workers is None else args.workers
     if args.workers < 1:
         sys.exit(f"error: --workers {args.workers}: give 1 or more processes")
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_expert_parallel_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            sys.exit(f"error: --{flag.replace('_', '-')} {value}: give 1 or more ranks")
     if args.ckpt_step is not None and args.ckpt_step < 0:
         sys.exit(f"error: --ckpt-step {args.ckpt_step}: give an iteration a checkpoint was saved at (>= 0)")
     if args.load and args.to == "consolidated" and not args.output.endswith(".safetensors"):
         sys.exit(f"error: --output {args.output}: the consolidated model is a safetensors file: give "
                  f"--output {args.output.rstrip('/')}/model.safetensors (or --to hf for a Hugging Face "
                  "directory)")
+    writes = _output_kind(args)
+    if writes is not None:
+        try:
+            check_output(args.output, writes, "--output", args.add_to_output)
+        except ValueError as error:
+            sys.exit(f"error: {error}")
     from pretrain.interop.hf_checkpoint import export_hf, import_hf
 
     try:
         if args.from_torchtitan:
             from pretrain.interop.torchtitan import import_torchtitan
 
-            if not args.num_attention_heads:
-                sys.exit("error: --from-torchtitan: give --num-attention-heads (and --num-query-groups for "
-                         "grouped queries): torchtitan's checkpoints keep no model config")
             path = import_torchtitan(args.from_torchtitan, args.output, heads=args.num_attention_heads,
                                      query_groups=args.num_query_groups, rotary_base=args.rotary_base,
                                      norm_epsilon=args.norm_epsilon, seq_length=args.seq_length)
-            print(f"wrote {path} from {args.from_torchtitan}")
+            _imported(path, args.from_torchtitan, args.output)
             return
         if args.from_hf:
             path = import_hf(args.from_hf, args.output)
-            print(f"wrote {path} from {args.from_hf}")
+            _imported(path, args.from_hf, args.output)
             if not os.path.isdir(os.path.join(path, "tokenizer")):
                 print(f"note: {args.from_hf} has no tokenizer files (tokenizer.json, tokenizer.model or "
                       "vocab.json + merges.txt): the checkpoint has none; training with it needs a tokenizer "
@@ -213,20 +298,25 @@ def main(argv: list[str] | None = None) -> None:
             from pretrain.interop.torchtitan import export_torchtitan
 
             try:
-                export_torchtitan(pieces, model_config(manifest), args.output, args.torchtitan_keys)
+                export_torchtitan(pieces, model_config(manifest), args.output, args.torchtitan_keys or "0.3")
             except ValueError as error:
                 sys.exit(f"error: {error}")
-            print(f"wrote {args.output} (torchtitan {args.torchtitan_keys} keys) from iteration "
+            print(f"wrote {args.output} (torchtitan {args.torchtitan_keys or '0.3'} keys) from iteration "
                   f"{manifest['iteration']} of {args.load}")
             return
         if args.to == "megatron":
             from pretrain.checkpoint.foreign.megatron_export import write_megatron
 
-            tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+            tp, pp, ep = (args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1,
+                          args.target_expert_parallel_size or 1)
+            try:
+                tokenizer = tokenizer_spec(checkpoint, manifest)
+            except ValueError as error:
+                print(f"note: no tokenizer files written: {error}", file=sys.stderr)
+                tokenizer = None
             try:
                 written = write_megatron(pieces, model_config(manifest), manifest, args.output,
-                                         args.ckpt_format, tp, pp, args.target_expert_parallel_size,
-                                         args.with_optimizer_states)
+                                         args.ckpt_format, tp, pp, ep, args.with_optimizer_states, tokenizer)
             except ValueError as error:
                 sys.exit(f"error: {error}")
             print(f"wrote {written} ({args.ckpt_format}) from iteration {manifest['iteration']} of "

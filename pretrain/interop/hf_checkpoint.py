@@ -169,11 +169,15 @@ def import_hf(hf_dir: str, output: str) -> str:
 
 def write_weights_checkpoint(output: str, config: GPTConfig, shapes: list[tuple[str, tuple]], tensors,
                              source: str, label: str, tokenizer=None, states: dict | None = None) -> str:
-    """A weights-only checkpoint of ``config`` under ``output`` (its iteration 0, made ``latest``):
-    ``tensors`` yields (our name, whole tensor) in the order of ``shapes``; ``tokenizer(staging)`` copies
-    the tokenizer files and returns their flags (or None). Staged, then renamed into place: a failed import
-    leaves nothing behind. Returns the checkpoint's path."""
+    """A weights-only checkpoint of ``config`` under ``output`` (its iteration 0, made ``latest`` unless
+    ``output`` has a ``latest`` already: a pointer never moves back): ``tensors`` yields (our name, whole
+    tensor) in the order of ``shapes``; ``tokenizer(staging)`` copies the tokenizer files and returns their
+    flags (or None). Staged, then renamed into place: a failed import leaves nothing behind, and an
+    existing iteration 0 is never replaced. Returns the checkpoint's path."""
     final = os.path.join(output, "iter_0000000")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists: an import is iteration 0 and never replaces a checkpoint; "
+                              "give a new --output")
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
@@ -194,9 +198,9 @@ def write_weights_checkpoint(output: str, config: GPTConfig, shapes: list[tuple[
                 "tokenizer": tokenizer(staging) if tokenizer else None, "states": states or {},
                 "source": label}
     write_durably(os.path.join(staging, "manifest.json"), json.dumps(manifest, indent=1).encode())
-    shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
-    write_durably(os.path.join(output, "latest"), b"iter_0000000")
+    if not os.path.exists(os.path.join(output, "latest")):
+        write_durably(os.path.join(output, "latest"), b"iter_0000000")
     return final
 
 

@@ -9,6 +9,7 @@ saved them) or from the Hugging Face tensors (mapped as an import maps them).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def _weights(path: str) -> tuple[GPTConfig, object, object, dict]:
     checkpoint, manifest, pieces = saved_weights(path)
     try:
         tokenizer = saved_tokenizer(checkpoint, manifest)
-    except ValueError:
+    except ValueError as error:  # said, not left for ``.tokenizer.encode`` to fail on
+        warnings.warn(f"no tokenizer: {error}; the model's .tokenizer is None", stacklevel=3)
         tokenizer = None
     config = model_config(manifest)
     return (config, ((name, pieces.whole(name)) for name in sorted(pieces.by_name)), tokenizer,

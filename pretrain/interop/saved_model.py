@@ -9,6 +9,8 @@ from models.config import GPTConfig
 from pretrain.checkpoint.catalog import (DCP_STORAGE, MODEL, RANK_FORMAT, WEIGHTS_FILE, check_format,
                                          open_rank_file, read_manifest, read_rank_files, verified)
 from pretrain.checkpoint.dcp_storage import DCPPieces
+from pretrain.checkpoint.foreign.megatron_checkpoint import MISSING_DISTRIBUTED
+from pretrain.checkpoint.foreign.megatron_optimizer import DISTRIBUTED_OPTIMIZER_FILE
 from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.reshard import LegacyPieces, PieceSource, SavedPieces, WeightsFile
 
@@ -40,18 +42,26 @@ def model_config(manifest: dict) -> GPTConfig:
 
 def saved_tokenizer(checkpoint: str, manifest: dict):
     """The tokenizer a checkpoint was trained or imported with (ValueError when its files are gone)."""
-    from data.tokenizers.spec import TokenizerSpec, build_tokenizer
+    from data.tokenizers.spec import build_tokenizer
+
+    return build_tokenizer(tokenizer_spec(checkpoint, manifest))
+
+
+def tokenizer_spec(checkpoint: str, manifest: dict):
+    """The ``TokenizerSpec`` (type and files) a checkpoint was trained or imported with; ValueError when
+    it keeps none."""
+    from data.tokenizers.spec import TokenizerSpec
 
     recorded = manifest.get("tokenizer")
-    if recorded is not None:  # an import: its files sit in the checkpoint
+    if recorded is not None:  # an import or a Megatron export of ours: its files sit in the checkpoint
         files = {key: os.path.join(checkpoint, value) if key != "tokenizer_type" else value
                  for key, value in recorded.items()}
-        return build_tokenizer(TokenizerSpec(**files))
+        return TokenizerSpec(**files)
     if manifest.get("kind") == "weights":
         raise ValueError(f"{checkpoint} was imported without tokenizer files (its Hugging Face directory had "
                          "none)")
     if manifest.get("kind") == "megatron":
-        raise ValueError(f"{checkpoint} is a Megatron-LM checkpoint, which keeps no tokenizer files: give "
+        raise ValueError(f"{checkpoint} is a Megatron-LM checkpoint without tokenizer files in it: give "
                          "the tokenizer flags it was trained with")
     settings = manifest["config"]
     if (not settings.get("data_path") and not settings.get("train_data_path")
@@ -60,18 +70,22 @@ def saved_tokenizer(checkpoint: str, manifest: dict):
 
         _, model = ensure_default_corpus(settings["data_cache_dir"], settings["default_corpus_vocab_size"],
                                          settings.get("default_corpus_max_bytes"))
-        return build_tokenizer(TokenizerSpec("SentencePieceTokenizer", model))
+        return TokenizerSpec("SentencePieceTokenizer", model)
     vocab = settings.get("vocab_size")
     kind = settings.get("tokenizer_type") or "SentencePieceTokenizer"
-    return build_tokenizer(TokenizerSpec(kind, settings.get("tokenizer_model"), settings.get("vocab_file"),
-                                         settings.get("merge_file"),
-                                         vocab - 1 if kind == "NullTokenizer" else None))
+    return TokenizerSpec(kind, settings.get("tokenizer_model"), settings.get("vocab_file"),
+                         settings.get("merge_file"), vocab - 1 if kind == "NullTokenizer" else None)
 
 
+OPTIMIZER_STATES = {"adam": "Adam's two moments", "sgd": "the momentum buffer",
+                    "muon": "Muon's momentum on the hidden matrices, Adam's moments on the rest"}
 MEGATRON_STATES = {None: "none",
                    "distributed": "the distributed optimizer's fp32 masters and Adam moments, re-cut with "
                                   "the weights",
-                   "plain": "the plain optimizer's Adam moments, re-cut with the weights"}
+                   "plain": "the plain optimizer's Adam moments, re-cut with the weights",
+                   MISSING_DISTRIBUTED: f"the distributed optimizer's, but no {DISTRIBUTED_OPTIMIZER_FILE} "
+                                        "beside the rank files (the weights load; a whole resume needs "
+                                        "--no-load-optim)"}
 
 
 def describe(checkpoint: str, manifest: dict) -> list[str]:
@@ -104,7 +118,10 @@ def describe(checkpoint: str, manifest: dict) -> list[str]:
     elif manifest.get("kind") == "weights":
         lines.append("optimizer states: none (weights only)")
     else:
-        lines.append("optimizer states: per element, re-cut with the weights")
+        # (adam's: a checkpoint of before the name was kept)
+        name = manifest.get("states", {}).get("optimizer", {}).get("name", "adam")
+        held = OPTIMIZER_STATES.get(name, "its states")
+        lines.append(f"optimizer states: --optimizer {name}'s ({held}), per element, re-cut with the weights")
     scheduler = manifest.get("states", {}).get("opt_param_scheduler")
     if scheduler:
         lines.append(f"schedule: {scheduler.get('lr_decay_style')} from {scheduler.get('max_lr')} to "

@@ -6,15 +6,18 @@ torchtitan saves its model's keys flat beside its optimizer, scheduler and data-
 ``attention.qkv_linear.wq|wk|wv.weight``), ``feed_forward.w1|w2|w3.weight`` (gate, down, up),
 ``attention_norm.weight``, ``ffn_norm.weight``; ``norm.weight``; ``output.weight`` (later
 ``lm_head.weight``). It keeps no model config: the shape comes from the tensors, the head count, query
-groups, rotary base and norm epsilon from the flags of the import. Its q and k rows are in Meta's
-interleaved rotary layout; its Hugging Face adapter permutes them into the half-split one (the layout this
-stack's rotary takes), and so do the import and, the other way, the export. The folder is read through
-``pretrain.checkpoint.foreign.dcp_folder`` (its pickled metadata with DCP's records alone), one tensor at
-a time; the export writes with torch's own ``torch.distributed.checkpoint.save``.
+groups, rotary base, norm epsilon and sequence length from the flags of the import, or from the
+``model_args.json`` (torchtitan's ``TransformerModelArgs`` names) that the export writes beside its files,
+so that a round trip keeps them; a flag that contradicts the recorded value is refused. Its q and k rows
+are in Meta's interleaved rotary layout; its Hugging Face adapter permutes them into the half-split one
+(the layout this stack's rotary takes), and so do the import and, the other way, the export. The folder
+is read through ``pretrain.checkpoint.foreign.dcp_folder`` (its pickled metadata with DCP's records alone),
+one tensor at a time; the export writes with torch's own ``torch.distributed.checkpoint.save``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -29,6 +32,48 @@ from pretrain.interop.hf_names import qkv_from, qkv_to
 ATTENTION = (("attention.qkv_linear.wq", "attention.qkv_linear.wk", "attention.qkv_linear.wv"),
              ("attention.wq", "attention.wk", "attention.wv"))
 OUTPUT = ("lm_head.weight", "output.weight")
+MODEL_ARGS = "model_args.json"  # the head layout, rope theta, epsilon and length, beside the export's files
+# the import's flags: torchtitan's name in MODEL_ARGS, the default when neither flag nor file gives it
+LAYOUT = {"heads": ("n_heads", None), "query_groups": ("n_kv_heads", None),
+          "rotary_base": ("rope_theta", 500000.0), "norm_epsilon": ("norm_eps", 1e-5),
+          "seq_length": ("max_seq_len", 2048)}
+FLAGS = {"heads": "--num-attention-heads", "query_groups": "--num-query-groups",
+         "rotary_base": "--rotary-base", "norm_epsilon": "--norm-epsilon", "seq_length": "--seq-length"}
+
+
+def recorded_layout(folder: str) -> dict:
+    """The layout the export recorded in ``folder``'s ``MODEL_ARGS`` by our keyword names ({}: none).
+    Plain JSON numbers only: a file of other content is refused by name."""
+    path = os.path.join(folder, MODEL_ARGS)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as handle:
+            saved = json.load(handle)
+        found = {ours: saved[theirs] for ours, (theirs, _) in LAYOUT.items() if theirs in saved}
+        if not all(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+                   for value in found.values()):
+            raise ValueError("a value is not a positive number")
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{path}: unreadable torchtitan model args ({error}); remove it and give the "
+                              "layout flags") from None
+    return found
+
+
+def resolved_layout(folder: str, given: dict) -> dict:
+    """The import's layout: each flag ``given`` (not None), else the folder's recorded value, else its
+    default; a flag that contradicts the recorded value raises CheckpointError naming both."""
+    recorded, layout = recorded_layout(folder), {}
+    for name, (_, default) in LAYOUT.items():
+        value = given.get(name)
+        if value is not None and name in recorded and float(value) != float(recorded[name]):
+            raise CheckpointError(f"{FLAGS[name]} {value:g} contradicts {os.path.join(folder, MODEL_ARGS)}, "
+                                  f"which records {recorded[name]:g}: drop the flag")
+        layout[name] = value if value is not None else recorded.get(name, default)
+    if layout["heads"] is None:
+        raise CheckpointError(f"--from-torchtitan {folder}: give --num-attention-heads (and "
+                              "--num-query-groups for grouped queries): the folder records no model args")
+    return layout
 
 
 def interleaved_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -106,10 +151,11 @@ def _checked(parameters, shapes: dict):
         yield name, tensor
 
 
-def import_torchtitan(folder: str, output: str, **layout) -> str:
+def import_torchtitan(folder: str, output: str, **given) -> str:
     """Write the torchtitan Llama step ``folder`` as a weights-only checkpoint of ours under ``output``
-    (``layout``: ``TorchtitanLlama``'s head count and the rest); returns its path."""
-    model = TorchtitanLlama(folder, **layout)
+    (``given``: ``TorchtitanLlama``'s head count and the rest, None where not given:
+    ``resolved_layout``); returns its path."""
+    model = TorchtitanLlama(folder, **resolved_layout(folder, given))
     shapes = list(expected_shapes(model.config).items())
     return write_weights_checkpoint(output, model.config, shapes, _checked(model.parameters(), dict(shapes)),
                                     folder,
@@ -146,3 +192,9 @@ def export_torchtitan(source, config: GPTConfig, folder: str, spelling: str = "0
             theirs + "feed_forward.w2.weight": source.whole(ours + "mlp.fc2.weight")})
     os.makedirs(folder, exist_ok=True)
     dcp_save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
+    args = {"dim": config.hidden_size, "n_layers": config.num_layers, "n_heads": config.num_attention_heads,
+            "n_kv_heads": config.query_groups, "vocab_size": config.vocab_size,
+            "norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
+            "max_seq_len": config.seq_length}
+    with open(os.path.join(folder, MODEL_ARGS), "w") as handle:
+        json.dump(args, handle, indent=1)

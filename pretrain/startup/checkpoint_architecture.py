@@ -16,7 +16,9 @@ import os
 
 from models.config import GPTConfig
 from pretrain.checkpoint.catalog import CheckpointError, exists, not_a_checkpoint_directory, read_manifest
-from pretrain.checkpoint.foreign.megatron_checkpoint import READ_OPTIMIZER_STATES
+from pretrain.checkpoint.directory_contents import foreign_contents
+from pretrain.checkpoint.foreign.megatron_checkpoint import MISSING_DISTRIBUTED, READ_OPTIMIZER_STATES
+from pretrain.checkpoint.foreign.megatron_optimizer import DISTRIBUTED_OPTIMIZER_FILE
 from pretrain.checkpoint.foreign.megatron_pieces import megatron_pieces
 from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
 from pretrain.config.schema import Config
@@ -51,7 +53,7 @@ def apply_checkpoint_args(config: Config) -> None:
         except CheckpointError as error:
             raise ValueError(str(error)) from None
     if directory is None:
-        wrong = load and os.path.isdir(load) and not_a_checkpoint_directory(load)
+        wrong = load and os.path.isdir(load) and (not_a_checkpoint_directory(load) or foreign_contents(load))
         if wrong:
             raise ValueError(wrong)
         if config.checkpoint.pretrained_checkpoint and not exists(config.checkpoint.pretrained_checkpoint):
@@ -124,6 +126,11 @@ def _check_megatron(config: Config, directory: str, manifest: dict) -> None:
                          "optimizer, or --finetune to start from its weights")
     if held in READ_OPTIMIZER_STATES:
         return
+    if held == MISSING_DISTRIBUTED:
+        raise ValueError(f"--load {directory}: its args say --use-distributed-optimizer, but the "
+                         f"{DISTRIBUTED_OPTIMIZER_FILE} that holds its optimizer states is missing beside "
+                         f"its rank files (in {manifest['megatron']['folder']}): copy it there, or add "
+                         "--no-load-optim to continue with a fresh optimizer")
     what = (f"its {held} optimizer's states are not read by this stack yet (the distributed optimizer's "
             "legacy distrib_optim.pt and torch_dist's fully_reshardable and dp_reshardable ones are: "
             "Megatron-LM's "

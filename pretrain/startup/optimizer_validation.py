@@ -41,6 +41,10 @@ def validate_optimizer(config: Config) -> None:
                 "a Megatron-LM optimizer this build does not have" if opt.optimizer in MEGATRON_ONLY else
                 "not an optimizer this build knows")
         raise ConfigError(f"--optimizer {opt.optimizer}: {hint}; choose {', '.join(OPTIMIZERS)}")
+    muon = sorted(name for name in config.given if name.startswith("muon_"))
+    if muon and opt.optimizer != "muon":
+        raise ConfigError(f"--{muon[0].replace('_', '-')} sets Muon up, and --optimizer is {opt.optimizer}: "
+                          "add --optimizer muon or drop the flag")
     for name, value in (("--sgd-momentum", opt.sgd_momentum), ("--muon-momentum", opt.muon_momentum)):
         if not 0 <= value < 1:
             raise ConfigError(f"{name} {value}: a momentum is in [0, 1)")

@@ -24,6 +24,7 @@ from pretrain.config.arguments import ConfigError
 from pretrain.config.schema import Config
 from pretrain.training.build import zero_options
 from pretrain.training.cooldown import BRANCH_KEYS, branch_refusal
+from pretrain.training.lr_schedule import build_lr_schedule
 from pretrain.training.param_scheduler import FIX, build_param_scheduler, schedule_mismatch
 
 
@@ -193,6 +194,12 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
     if min(opt.lr_warmup_iters, opt.lr_warmup_samples, opt.lr_warmup_fraction or 0, opt.clip_grad,
            opt.weight_decay) < 0:
         raise ConfigError("--lr-warmup-iters/-samples/-fraction, --clip-grad and --weight-decay must be >= 0")
+    rates = build_lr_schedule(opt, train.train_iters, train.train_samples, schedule)
+    if 0 < rates.warmup_samples >= rates.decay_samples:  # Megatron asserts warm-up < decay
+        raise ConfigError(f"the warm-up ({rates.warmup_samples:g} samples: --lr-warmup-iters / -samples / "
+                          f"-fraction) is not shorter than the decay ({rates.decay_samples:g} samples: "
+                          "--lr-decay-iters / -samples, default the run's length): shorten the warm-up or "
+                          "lengthen the decay")
     for size in schedule.sizes():  # every batch the run can take must fit the pipeline schedule
         try:
             validate_schedule(config.parallel.pipeline_schedule, size // schedule.per_step, topology.pp,

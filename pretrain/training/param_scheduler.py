@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pretrain.checkpoint.selection import resume_point
 from pretrain.config.schema import Config, OptimizerConfig
 from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.cooldown import branch_point, cooldown_schedule, run_end
@@ -44,28 +45,39 @@ FIX = ("add --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedu
 
 
 class OptimizerParamScheduler:
-    """Owns the rates of the run: the main learning-rate schedule, the decoupled one of the embedding and
-    output layer (--decoupled-lr), and the weight decay; ``step`` writes them into the optimizer's groups
-    before each step (a group's weight decay times its ``wd_mult``: 0 for norms and biases). Its state
-    is a run state (plain JSON, the same on every rank). Loading one takes it only with
-    ``use_checkpoint`` (--use-checkpoint-opt_param-scheduler); it never checks: validation has compared
-    both before anything was built."""
+    """Owns the rates of the run and its position in them: the main learning-rate schedule, the decoupled
+    one of the embedding and output layer (--decoupled-lr), the weight decay, and ``num_steps``, the samples
+    of the updates applied so far (Megatron's: a step that fp16's loss scaling skips does not advance it,
+    though the data position moves on). ``step`` writes the rates into the optimizer's groups before each
+    step (a group's weight decay times its ``wd_mult``: 0 for norms and biases), ``advance`` moves on after
+    an applied update. Its state is a run state (plain JSON, the same on every rank). Loading one always
+    takes its position, and its schedule only with ``use_checkpoint``
+    (--use-checkpoint-opt_param-scheduler); it never checks: validation has compared both before anything
+    was built."""
 
     def __init__(self, lr: LRSchedule, decoupled: LRSchedule | None, weight_decay: WeightDecaySchedule,
-                 use_checkpoint: bool = False, cooldown_from: tuple[int, int] | None = None):
+                 use_checkpoint: bool = False, cooldown_from: tuple[int, int] | None = None,
+                 num_steps: int = 0):
         self.lr, self.decoupled, self.weight_decay = lr, decoupled, weight_decay
         self.use_checkpoint, self.cooldown_from = use_checkpoint, cooldown_from
+        self.num_steps = num_steps
 
-    def step(self, param_groups: list[dict], consumed_samples: int) -> float:
-        """Set every group's rate and weight decay for the step that starts after ``consumed_samples``;
-        returns the main rate."""
-        lr, weight_decay = self.lr(consumed_samples), self.weight_decay(consumed_samples)
+    def step(self, param_groups: list[dict]) -> float:
+        """Set every group's rate and weight decay for the next step (at ``num_steps``); returns the main
+        rate."""
+        position = self.num_steps
+        lr, weight_decay = self.lr(position), self.weight_decay(position)
         for group in param_groups:
             scale = group.get("lr_scale", 1.0)
-            group["lr"] = (self.decoupled(consumed_samples) if group.get("decoupled") else
-                           self._scaled(scale)(consumed_samples) if scale != 1.0 else lr)
+            group["lr"] = (self.decoupled(position) if group.get("decoupled") else
+                           self._scaled(scale)(position) if scale != 1.0 else lr)
             group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         return lr
+
+    def advance(self, samples: int) -> None:
+        """An update of ``samples`` samples was applied (Megatron's ``step(increment)`` after a successful
+        ``optimizer.step()``)."""
+        self.num_steps += samples
 
     def _scaled(self, scale: float) -> LRSchedule:
         """The main schedule with its peak and final rates times ``scale`` (muP's groups; the warm-up's
@@ -77,7 +89,7 @@ class OptimizerParamScheduler:
         state = {"max_lr": self.lr.lr, "min_lr": self.lr.min_lr, "init_lr": self.lr.init_lr,
                  "lr_warmup_steps": self.lr.warmup_samples, "lr_decay_steps": self.lr.decay_samples,
                  "lr_decay_style": self.lr.style, "start_wd": wd.start, "end_wd": wd.end,
-                 "wd_incr_style": wd.style, "wd_incr_steps": wd.incr_samples}
+                 "wd_incr_style": wd.style, "wd_incr_steps": wd.incr_samples, "num_steps": self.num_steps}
         if self.lr.style == "WSD":
             state.update(wsd_decay_steps=self.lr.wsd_decay_samples, lr_wsd_decay_style=self.lr.wsd_style)
         if self.cooldown_from is not None:  # a cooldown branch's point: (iteration, consumed samples)
@@ -87,6 +99,8 @@ class OptimizerParamScheduler:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "num_steps" in state:  # (a checkpoint of before it was kept: the data position, set at build)
+            self.num_steps = int(state["num_steps"])
         if not self.use_checkpoint:
             return
         self.lr = LRSchedule(state["max_lr"], state["min_lr"], state["init_lr"], state["lr_warmup_steps"],
@@ -109,10 +123,11 @@ def build_param_scheduler(config: Config, batches: BatchSchedule) -> OptimizerPa
         min_lr = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
         decoupled = _schedule(dataclasses.replace(opt, lr=opt.decoupled_lr, min_lr=min_lr), config, batches,
                               point)
-    train = config.training
+    train, resumed = config.training, resume_point(config)
     return OptimizerParamScheduler(_schedule(opt, config, batches, point), decoupled,
                                    build_wd_schedule(opt, train.train_iters, train.train_samples, batches),
-                                   config.checkpoint.use_checkpoint_opt_param_scheduler, point)
+                                   config.checkpoint.use_checkpoint_opt_param_scheduler, point,
+                                   resumed[1] if resumed else 0)
 
 
 def _schedule(opt: OptimizerConfig, config: Config, batches: BatchSchedule,

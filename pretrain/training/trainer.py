@@ -291,7 +291,7 @@ class Trainer:
             for iteration in range(self.start_iteration + 1, end + 1):
                 self.groups.stats.reset()
                 reset_peak_memory(self.device)
-                lr = self.param_scheduler.step(self.optimizer.param_groups, self.progress.consumed_samples)
+                lr = self.param_scheduler.step(self.optimizer.param_groups)
                 batch_size = self.schedule.batch_size(self.progress.consumed_samples)
                 step_start = time.perf_counter()
                 profiler.step_begin(iteration)
@@ -302,6 +302,8 @@ class Trainer:
                     torch.cuda.synchronize(self.device)  # the step's kernels belong to its time
                 step_time = time.perf_counter() - step_start
                 self.progress.advance(batch_size)
+                if not step.skipped:  # (Megatron's: a skipped fp16 step leaves the rates where they are)
+                    self.param_scheduler.advance(batch_size)
                 comm_bytes = (self.groups.stats.bytes_by_operation(),  # the step's traffic only
                               self.groups.stats.inter_node_bytes_by_operation())
                 peak_mem = peak_memory_bytes(self.device)

@@ -144,9 +144,10 @@ def test_every_decay_style_and_weight_decay_increment_is_megatron_cores_schedule
         reference = megatron.OptimizerParamScheduler(optimizer, **{**settings, **theirs})
         groups = [{"wd_mult": 1.0}]
         for step in range(iters + 2):
-            ours.step(groups, step * batch)
+            ours.step(groups)
             assert (groups[0]["lr"], groups[0]["weight_decay"]) == (
                 optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]), (flags, step)
+            ours.advance(batch)
             reference.step(increment=batch)
     # WSD holds the peak until its decay starts, then reaches --min-lr at the decay's end
     config = parse_config(["--lr", "1.0", "--min-lr", "0.1", "--lr-decay-style", "WSD",
@@ -188,3 +189,50 @@ def test_a_cooldown_branch_is_the_separate_run_of_its_length(stdlib_corpus, tmp_
              r"--train-iters 20 differs from the stable run's 16")]:
         with pytest.raises(ConfigError, match=refusal):
             validate(parse_config(_without(base, "--train-iters") + data + extra), 1)
+
+
+def _fp16_run(rank, world_size, flags, corpus):
+    """The run's metrics lines, and the weight decay its groups end with."""
+    from pretrain.config.arguments import parse_config
+    from pretrain.startup.validation import validate
+    from pretrain.training.trainer import Trainer
+    import torch
+
+    prefix, tokenizer = corpus
+    config = parse_config(flags + ["--data-path", prefix, "--tokenizer-model", tokenizer, "--data-cache-dir",
+                                   f"{prefix}-cache"])
+    trainer = Trainer(config, validate(config, world_size), torch.device("cpu"))
+    trainer.train()
+    return [group["weight_decay"] for group in trainer.optimizer.param_groups if group.get("wd_mult", 1.0)]
+
+
+def test_fp16_skipped_steps_do_not_advance_the_schedule(stdlib_corpus, tmp_path):
+    """A --fp16 run whose loss scale starts too high skips its first updates: the rate and weight decay
+    stand still over them (the data position moves on), as megatron-core's OptimizerParamScheduler does
+    when driven as Megatron's train_step drives it (``step(increment)`` after a successful update only)."""
+    megatron = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    from types import SimpleNamespace
+
+    iters, batch = 8, 8
+    metrics = str(tmp_path / "fp16.jsonl")
+    flags = _without(TINY, "--train-iters", "--log-interval") + [
+        "--train-iters", str(iters), "--log-interval", "1", "--fp16", "--initial-loss-scale", str(2.0 ** 24),
+        "--hysteresis", "1",
+        "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01", "--end-weight-decay", "0.1",
+        "--metrics-file", metrics]
+    decay = run_world(1, _fp16_run, flags, stdlib_corpus)[0]
+    lines = [json.loads(line) for line in open(metrics)]
+    skipped = [line["skipped"] for line in lines]
+    assert 0 < sum(skipped) < iters and skipped[0], skipped  # some steps skipped, some applied
+    theirs = SimpleNamespace(param_groups=[{}])
+    reference = megatron.OptimizerParamScheduler(
+        theirs, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=2 * batch,
+        lr_decay_steps=iters * batch, lr_decay_style="cosine", start_wd=0.01, end_wd=0.1,
+        wd_incr_steps=iters * batch, wd_incr_style="linear")
+    for line in lines:
+        assert line["lr"] == theirs.param_groups[0]["lr"], line["iteration"]
+        last_decay = theirs.param_groups[0]["weight_decay"]
+        if not line["skipped"]:
+            reference.step(increment=batch)
+    assert lines[-1]["consumed_samples"] == iters * batch  # the data moved on over the skipped steps
+    assert decay and all(value == last_decay for value in decay)  # the last step's weight decay

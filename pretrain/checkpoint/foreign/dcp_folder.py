@@ -17,7 +17,7 @@ import os
 import torch
 
 from pretrain.checkpoint.errors import CheckpointError
-from pretrain.checkpoint.foreign.safe_pickle import load_dcp_metadata
+from pretrain.checkpoint.foreign.safe_pickle import load_dcp_metadata, load_failure
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -93,7 +93,7 @@ class DCPFolder:
             return torch.load(io.BytesIO(self._bytes(key, info)), map_location="cpu", weights_only=True)
         except Exception as error:
             raise CheckpointError(f"{self.folder}: object {key} refused by torch.load(weights_only=True): "
-                                  f"{str(error).splitlines()[0]}") from None
+                                  f"{load_failure(error)}") from None
 
     def _bytes(self, key: str, info) -> bytes:
         path = os.path.join(self.folder, info.relative_path)
@@ -122,7 +122,7 @@ class DCPFolder:
                 values = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as error:
                 raise CheckpointError(f"{path}: {key} refused by torch.load(weights_only=True): "
-                                      f"{str(error).splitlines()[0]}") from None
+                                      f"{load_failure(error)}") from None
         else:
             values = torch.frombuffer(bytearray(data), dtype=dtype)
         if not isinstance(values, torch.Tensor) or values.numel() != math.prod(sizes):

@@ -25,12 +25,15 @@ from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.megatron_args import (MegatronLayout, config_of, layout_of, position_of,
                                                        scheduler_of)
 from pretrain.checkpoint.foreign.megatron_optimizer import DISTRIBUTED_OPTIMIZER_FILE
+from pretrain.checkpoint.foreign.megatron_tokenizer import tokenizer_in
 from pretrain.checkpoint.foreign.safe_pickle import load_torch_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 # run settings of the args a resumed run keeps (our names are Megatron's)
 READ_OPTIMIZER_STATES = ("distributed", "plain")  # the optimizer states a whole resume reads
+# a distributed optimizer's legacy rank files without the distrib_optim.pt beside them
+MISSING_DISTRIBUTED = "distributed, its distrib_optim.pt missing"
 READ_SHARDINGS = ("fully_reshardable", "dp_reshardable")  # torch_dist's distributed ones read here
 RUN_ARGS = ("global_batch_size", "micro_batch_size", "rampup_batch_size", "seq_length")
 
@@ -96,6 +99,8 @@ class MegatronCheckpoint:
         if os.path.isfile(os.path.join(os.path.dirname(legacy_file(self.folder, self.layout, 0, 0, 0)),
                                        DISTRIBUTED_OPTIMIZER_FILE)):
             return "distributed"
+        if getattr(self.args, "use_distributed_optimizer", False) and "optimizer" in self.common:
+            return MISSING_DISTRIBUTED  # (its rank files hold the param groups alone)
         return "plain" if "optimizer" in self.common else None
 
     def manifest(self) -> dict:
@@ -108,6 +113,7 @@ class MegatronCheckpoint:
             states["opt_param_scheduler"] = scheduler
         layout = self.layout
         return {"kind": "megatron", "format": self.format, "iteration": self.iteration,
+                "tokenizer": tokenizer_in(self.args, self.folder),
                 "consumed_samples": states["progress"]["consumed_samples"], "files": {}, "config": config,
                 "states": states,
                 "layout": {"tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "ep": layout.ep,

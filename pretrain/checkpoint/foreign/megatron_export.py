@@ -35,6 +35,7 @@ from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODUL
 from pretrain.checkpoint.foreign.megatron_optimizer import (DISTRIBUTED_OPTIMIZER_FILE,
                                                             distributed_state_dict, gathered_states)
 from pretrain.checkpoint.foreign.megatron_pieces import our_slices
+from pretrain.checkpoint.foreign.megatron_tokenizer import copy_tokenizer
 
 CHECKPOINT_VERSION = 3.0
 FORMATS = ("torch", "torch_dist")
@@ -53,13 +54,14 @@ def _common(config: GPTConfig, layout: MegatronLayout, padded: int, manifest: di
     run = {name: saved[name] for name in ("global_batch_size", "micro_batch_size", "seq_length")
            if name in saved}
     run["consumed_train_samples"] = int(progress["consumed_samples"])
+    run["data_parallel_size"] = int((manifest.get("layout") or {}).get("dp") or 1)  # the run's (any resumes)
     common = {"args": args_of(config, layout, padded, run), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": int(progress["iteration"]), "num_floating_point_operations_so_far": 0}
     scheduler = manifest.get("states", {}).get("opt_param_scheduler")
     if scheduler:  # Megatron's OptimizerParamScheduler.state_dict(): its position in samples with it
         state = {key: value for key, value in scheduler.items()
                  if not key.startswith("decoupled_") and key != "init_lr"}
-        state["num_steps"] = int(progress["consumed_samples"])
+        state["num_steps"] = int(scheduler.get("num_steps", progress["consumed_samples"]))
         train = saved.get("train_iters", 0) * saved.get("global_batch_size", 0)
         state.setdefault("wd_incr_steps", train or state.get("lr_decay_steps", 0))
         common["opt_param_scheduler"] = state
@@ -80,11 +82,13 @@ def _as_megatron(part: torch.Tensor) -> torch.Tensor:
 
 
 def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ckpt_format: str,
-                   tp: int = 1, pp: int = 1, ep: int = 1, with_optimizer: bool = False) -> str:
+                   tp: int = 1, pp: int = 1, ep: int = 1, with_optimizer: bool = False,
+                   tokenizer=None) -> str:
     """Write ``source``'s model (a ``reshard.PieceSource``) under ``directory`` as Megatron-LM's
     ``ckpt_format`` ("torch": rank files at ``tp`` x ``pp`` x ``ep``, the experts' tp their tp;
     "torch_dist"); ``with_optimizer``: Adam's states too, as the distributed optimizer's
-    ``distrib_optim.pt`` beside each rank file. Returns the iteration folder."""
+    ``distrib_optim.pt`` beside each rank file; ``tokenizer`` (a ``TokenizerSpec``, or None): its files
+    copied into the iteration folder and named in the args. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
     if with_optimizer:
@@ -111,12 +115,16 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
         common["args"].use_distributed_optimizer = True
         common["optimizer"] = distributed_state_dict(manifest["config"], _adam_step(source))
     final = os.path.join(directory, iteration_folder(common["iteration"]))
+    if os.path.exists(final):
+        raise ValueError(f"{final} exists: an export never replaces a checkpoint; give a new --output")
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     slices = our_slices(config, tp)
     tied = not config.untie_embeddings_and_output_weights
     try:
+        if tokenizer is not None:
+            vars(common["args"]).update(copy_tokenizer(tokenizer, staging))
         if ckpt_format == "torch":
             _write_legacy(source, config, layout, slices, padded, common, staging, tied, with_optimizer)
         else:
@@ -124,12 +132,23 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
-    with open(os.path.join(directory, TRACKER + ".part"), "w") as handle:
-        handle.write(str(common["iteration"]))
-    os.replace(os.path.join(directory, TRACKER + ".part"), os.path.join(directory, TRACKER))
+    if _tracked(directory) < common["iteration"]:  # the tracker never moves back
+        with open(os.path.join(directory, TRACKER + ".part"), "w") as handle:
+            handle.write(str(common["iteration"]))
+        os.replace(os.path.join(directory, TRACKER + ".part"), os.path.join(directory, TRACKER))
     return final
+
+
+def _tracked(directory: str) -> float:
+    """The iteration ``directory``'s tracker names (-inf: none; inf: "release" or unreadable: never
+    passed)."""
+    try:
+        with open(os.path.join(directory, TRACKER)) as handle:
+            text = handle.read().strip()
+    except FileNotFoundError:
+        return float("-inf")
+    return int(text) if text.isdigit() else float("inf")
 
 
 def _check_optimizer_export(source, config: GPTConfig, manifest: dict, ckpt_format: str) -> None:

@@ -67,6 +67,21 @@ def load_torch_file(path: str, what: str) -> object:
             raise _refusal(path, what, "a readable torch file", error) from None
 
 
+def load_failure(error: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in a few words of its own, never torch's advice to
+    retry with ``weights_only=False`` (which would run whatever a file from elsewhere holds)."""
+    text = str(error)
+    if "mmap can only be used" in text or "zip" in text.lower() and "central directory" in text.lower():
+        return "not a torch.save zip archive"
+    if "Weights only load failed" in text:
+        detail = next((line.strip() for line in text.splitlines()[1:] if line.strip()
+                       and "Please file an issue" not in line and "Check the documentation" not in line), "")
+        return "its pickle is not plain data" + (f": {detail}" if detail else "")
+    if isinstance(error, (KeyError, EOFError)) or not text:
+        return f"not a torch.save file ({type(error).__name__}{': ' + text if text else ''})"
+    return text.splitlines()[0]
+
+
 def _refusal(path: str, what: str, expected: str, error: Exception) -> CheckpointError:
     """The one-line error of a file ``what`` at ``path`` that could not be read as ``expected``: missing,
     naming what it asked to run, or why it is unreadable."""
@@ -76,8 +91,8 @@ def _refusal(path: str, what: str, expected: str, error: Exception) -> Checkpoin
     if refused:
         return CheckpointError(f"{path}: {what} asks to run {refused.group(1)}, which a file from elsewhere "
                                "may not; refused, nothing was loaded")
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return CheckpointError(f"{path}: {what} is not {expected} ({first})")
+    return CheckpointError(f"{path}: {what} is not {expected} ({load_failure(error)}); refused, nothing "
+                           "was loaded")
 
 
 _DCP = "torch.distributed.checkpoint."
