@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import warnings
 
 import torch
 
@@ -128,6 +129,23 @@ def _planner(items: dict):
     return ChunkPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
+def _dcp_save(state: dict, writer, **options) -> None:
+    """torch's ``dcp.save``; with ``no_dist`` (one process, asked for) without torch's warning that it
+    assumes so."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=writer, **options)
+
+
+def save_in_one_process(state: dict, folder: str) -> None:
+    """``state`` saved into the DCP ``folder`` by this process alone."""
+    import torch.distributed.checkpoint as dcp
+
+    _dcp_save(state, dcp.FileSystemWriter(folder), no_dist=True)
+
+
 def write_dcp(folder: str, content: dict, rank: int, group) -> list[tuple[str, int, str]]:
     """Write this rank's ``content`` (its states, as ``checkpointer.rank_content`` gives them) into the
     DCP ``folder`` (a collective over ``group``, the world); returns (file, bytes, sha256) of the files this
@@ -137,8 +155,7 @@ def write_dcp(folder: str, content: dict, rank: int, group) -> list[tuple[str, i
     tensors, objects = _write_items(content, rank)
     items = {**tensors, **{(key, None): value for key, value in objects.items()}}
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=_planner(items), process_group=group,
-             no_dist=group is None)
+    _dcp_save({}, writer, planner=_planner(items), process_group=group, no_dist=group is None)
     written = sorted(glob.glob(os.path.join(folder, f"__{rank}_*.distcp")))
     if rank == 0:
         written.append(os.path.join(folder, DCP_METADATA))

@@ -58,8 +58,8 @@ def tokenizer_spec(checkpoint: str, manifest: dict):
                  for key, value in recorded.items()}
         return TokenizerSpec(**files)
     if manifest.get("kind") == "weights":
-        raise ValueError(f"{checkpoint} was imported without tokenizer files (its Hugging Face directory had "
-                         "none)")
+        raise ValueError(f"{checkpoint} was imported without tokenizer files (its source had none: a "
+                         "torchtitan step keeps none)")
     if manifest.get("kind") == "megatron":
         raise ValueError(f"{checkpoint} is a Megatron-LM checkpoint without tokenizer files in it: give "
                          "the tokenizer flags it was trained with")

@@ -23,6 +23,7 @@ import os
 import torch
 
 from models.config import GPTConfig
+from pretrain.checkpoint.dcp_storage import save_in_one_process
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
 from pretrain.interop.hf_checkpoint import expected_shapes, write_weights_checkpoint
@@ -165,9 +166,6 @@ def import_torchtitan(folder: str, output: str, **given) -> str:
 def export_torchtitan(source, config: GPTConfig, folder: str, spelling: str = "0.3") -> None:
     """Write the model ``source`` (a ``reshard.PieceSource``) holds as a torchtitan Llama step folder with
     ``spelling``'s keys ("0.3": ``qkv_linear`` and ``lm_head``; "0.2": ``wq`` and ``output``)."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
     if not (config.swiglu and config.normalization == "RMSNorm" and config.position_embedding == "rope"
             and config.disable_bias_linear and config.untie_embeddings_and_output_weights
             and not config.num_experts and not config.multi_latent_attention):
@@ -191,7 +189,7 @@ def export_torchtitan(source, config: GPTConfig, folder: str, spelling: str = "0
             theirs + "feed_forward.w3.weight": fc1[1].contiguous(),
             theirs + "feed_forward.w2.weight": source.whole(ours + "mlp.fc2.weight")})
     os.makedirs(folder, exist_ok=True)
-    dcp_save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
+    save_in_one_process(state, folder)
     args = {"dim": config.hidden_size, "n_layers": config.num_layers, "n_heads": config.num_attention_heads,
             "n_kv_heads": config.query_groups, "vocab_size": config.vocab_size,
             "norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,

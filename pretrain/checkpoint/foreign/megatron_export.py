@@ -24,6 +24,7 @@ import shutil
 import torch
 
 from models.config import GPTConfig
+from pretrain.checkpoint.dcp_storage import save_in_one_process
 from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
 from pretrain.checkpoint.foreign.megatron_checkpoint import TRACKER, iteration_folder, legacy_file
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, LEGACY_EXPERTS,
@@ -240,9 +241,6 @@ def _extra_state_modules(config: GPTConfig, moe: bool) -> tuple[str, ...]:
 
 
 def _write_distributed(source, config, slices, padded, common, folder) -> None:
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
     state: dict[str, torch.Tensor] = {}
     stacked: dict[str, list] = {}
     layers, experts = config.num_layers, config.num_experts or 0
@@ -267,7 +265,7 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
         for expert, module in itertools.product(range(experts), EXPERT_EXTRA_STATE_MODULES):
             state[f"decoder.layers.{STACKED_EXPERTS}{module}._extra_state/shard_{layer}.{expert}_"
                   f"{layers}.{experts}"] = [None]
-    dcp_save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
+    save_in_one_process(state, folder)
     torch.save(common, os.path.join(folder, "common.pt"))
     with open(os.path.join(folder, "metadata.json"), "w") as handle:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
