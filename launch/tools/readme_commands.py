@@ -372,8 +372,11 @@ def main(argv: list[str] | None = None) -> None:
         if status:
             failed += 1
             print("\n".join(f"    {text}" for text in _last_lines(log)), flush=True)
-    print(f"{failed} failed, {time.monotonic() - began:.0f} s; outputs in {work}, logs in {logs}")
-    if not args.keep and not failed:
+    removed = not args.keep and not failed  # (a temporary folder: said removed, not named as kept)
+    where = (f"{work} removed (--keep DIR keeps the outputs)" if removed
+             else f"outputs in {work}, logs in {logs}")
+    print(f"{failed} failed, {time.monotonic() - began:.0f} s; {where}")
+    if removed:
         shutil.rmtree(work, ignore_errors=True)
     sys.exit(1 if failed else 0)
 

@@ -1,6 +1,7 @@
 """launch.tools.readme_commands finds every command README.md gives and has a way to run each (a scaling
 rule) or a reason not to (a cluster, root): a command a later README adds cannot be silently missed.
-Reads the README only; nothing is run."""
+Reads the README only; nothing is run (a run that selects no command says its temporary folder is
+gone)."""
 
 import os
 import re
@@ -98,3 +99,12 @@ def test_scaled_appends_flags_and_replaces_placeholders_only():
     rule = rc.Rule("x", "note", append=("--train-iters", "3"), replace=(("/local/nvme", "local-nvme"),))
     assert rc.scaled(rc.Command("run --nvme-path /local/nvme --k v", 1), rule) == \
         "run --nvme-path local-nvme --k v --train-iters 3"
+
+
+def test_a_temporary_work_folder_is_said_removed_not_named_as_the_outputs(capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        rc.main(["--only", "no README command holds this text"])
+    assert exit_status.value.code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    folder = re.search(r"(\S+readme-commands-\S+) removed \(--keep DIR keeps the outputs\)$", last)
+    assert folder and not os.path.exists(folder.group(1)) and "outputs in" not in last

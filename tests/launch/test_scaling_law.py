@@ -95,11 +95,22 @@ def test_a_table_of_flops_only_and_a_budget_of_two_sizes_are_said(tmp_path, caps
      "line 2: val_loss is 'nan'"),
     ([{"parameters": 1e6 * (i + 1), "tokens": 1e9, "val_loss": 3.0} for i in range(4)],
      ("parameters", "tokens", "val_loss"), "4 rows cannot fit Approach 3's 5 parameters"),
+    ([], ("parameters", "tokens", "val_loss"),
+     r"a header \(parameters, tokens, val_loss\) and no run: the sweep has written no result yet"),
 ])
 def test_bad_tables_are_refused_naming_the_column_row_or_count(tmp_path, rows, columns, message):
     table = _write(tmp_path / "bad.csv", rows, columns)
     with pytest.raises(SystemExit, match=message):
         scaling_law.main(["fit", table, "--output", str(tmp_path / "fit")])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps 0: give 1 or more"), (["--head-dim", "0"], "--head-dim 0: give 1 or more"),
+    (["--widths", "0", "64"], "--widths 0: give 1 or more"), (["--lr", "0"], "--lr 0: give a learning rate")])
+def test_coord_check_refuses_bad_counts_naming_the_flag(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=f"^error: {message}"):
+        scaling_law.main(["coord-check", "--output", str(tmp_path), *flags])
+    assert not any(tmp_path.iterdir())
 
 
 def test_runs_within_five_percent_of_flops_form_one_budget():

@@ -114,6 +114,13 @@ def plot(result: dict, widths: list[int], path: str) -> None:
 def run(args) -> None:
     """The ``coord-check`` command: measure, write DIR/coord.json and DIR/coord.png, print the growth."""
     widths = sorted(args.widths)
+    counts = [("--widths", min(widths)), ("--base-width", args.base_width), ("--head-dim", args.head_dim),
+              ("--steps", args.steps), ("--layers", args.layers)]
+    for flag, value in counts:
+        if value < 1:
+            raise ValueError(f"{flag} {value}: give 1 or more")
+    if not args.lr > 0:
+        raise ValueError(f"--lr {args.lr:g}: give a learning rate > 0")
     if any(width % args.head_dim for width in widths) or args.base_width % args.head_dim:
         raise ValueError(f"--widths {widths} and --base-width {args.base_width} must be multiples of "
                          f"--head-dim {args.head_dim}")

@@ -67,10 +67,13 @@ def read_runs(path: str, loss_column: str = "val_loss",
     value."""
     try:
         with open(path, newline="") as handle:
-            rows = list(csv.DictReader(handle))
+            reader = csv.DictReader(handle)
+            rows, columns = list(reader), list(reader.fieldnames or [])
     except OSError as error:
         raise FitError(f"{path}: {error.strerror}") from None
-    columns = list(rows[0]) if rows else []
+    if columns and not rows:
+        raise FitError(f"{path}: a header ({', '.join(columns)}) and no run: the sweep has written no "
+                       "result yet")
     missing = [name for name in (params_column, loss_column) if name not in columns]
     if "tokens" not in columns and "flops" not in columns:
         missing.append("tokens (or flops)")
