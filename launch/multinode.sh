@@ -18,6 +18,14 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-gpt3d}}
 MAX_RESTARTS=${MAX_RESTARTS:-0}           # > 0: torchrun restarts every node's workers after a failure
 NODE_NAME=${NODE_NAME:-${SLURM_NODEID:-$(hostname)}}
+# which node hosts the rendezvous store: node 0 (SLURM's first node, MASTER_ADDR's), said to torch, not
+# guessed from addresses: where two agents both take MASTER_ADDR for their own (one host, containers,
+# aliases) both would try to host it, and the loser's failed store server could abort its agent (SIGABRT)
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-}}
+RDZV_CONF=()
+if [[ -n "$NODE_RANK" ]]; then
+  RDZV_CONF=(--rdzv-conf "is_host=$([[ "$NODE_RANK" == 0 ]] && echo true || echo false)")
+fi
 LOG_DIR=${LOG_DIR:-logs}
 PYTHON=${PYTHON:-python}
 ENTRY=${ENTRY:-pretrain}                  # the module each worker runs (tests: launch.tools.faults.fault_injection)
@@ -36,6 +44,6 @@ mkdir -p "$LOG_DIR"
 # torchrun, run by launch/torchrun.py: each failed attempt is told in one line per lost worker
 "$PYTHON" -c 'import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))' \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
-  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" ${RDZV_CONF[@]+"${RDZV_CONF[@]}"} \
   --max-restarts "$MAX_RESTARTS" -m "$ENTRY" "$@" 2>&1 | tee "$LOG_DIR/node-$NODE_NAME.log"
 exit "${PIPESTATUS[0]}"

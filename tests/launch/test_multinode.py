@@ -34,7 +34,7 @@ def test_two_nodes_over_loopback_train_like_one_node(stdlib_corpus, tmp_path):
                    RDZV_ID="loopback", PYTHON=sys.executable, LOG_DIR=str(tmp_path / "logs"))
     nodes = [subprocess.Popen(["bash", "launch/multinode.sh", *flags, "--metrics-file",
                                str(tmp_path / "two.jsonl")],
-                              env=dict(cluster, NODE_NAME=str(node)), cwd=REPOSITORY,
+                              env=dict(cluster, NODE_NAME=str(node), NODE_RANK=str(node)), cwd=REPOSITORY,
                               stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for node in range(2)]
     for node in nodes:
@@ -72,7 +72,8 @@ def test_a_rank_killed_on_another_node_is_named_by_host_and_rank(stdlib_corpus, 
     nodes = []
     for node, fault in enumerate(("never:0", "iteration:3")):
         nodes.append(subprocess.Popen(["bash", "launch/multinode.sh", *flags], cwd=REPOSITORY, text=True,
-                                      env=dict(cluster, NODE_NAME=str(node), DIE_AT=fault),
+                                      env=dict(cluster, NODE_NAME=str(node), NODE_RANK=str(node),
+                                               DIE_AT=fault),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         while not node and not _listening(int(cluster["MASTER_PORT"])):  # the first node's rendezvous
             assert nodes[0].poll() is None, nodes[0].communicate()[0]
