@@ -121,11 +121,11 @@ def write_consolidated(source: PieceSource, manifest: dict, output: str, with_st
     return len(shards)
 
 
-# each flag that means something in some modes only: (its spelling, what gives it meaning, whether this
-# run has it); given outside them it is refused, not ignored
 def _meaningful(args) -> dict:
+    """The flags that mean something in some modes only, {dest: (spelling, what gives it meaning, whether
+    this run has that)}: given outside them, a flag is refused, not ignored."""
     titan_in = ("--from-torchtitan", bool(args.from_torchtitan))
-    megatron = ("--to megatron", args.to == "megatron" and not args.from_hf and not args.from_torchtitan)
+    megatron = ("--to megatron", args.to == "megatron")
     legacy = ("--to megatron --ckpt-format torch", megatron[1] and args.ckpt_format == "torch")
     return {"num_attention_heads": ("--num-attention-heads", *titan_in),
             "num_query_groups": ("--num-query-groups", *titan_in),
@@ -136,11 +136,12 @@ def _meaningful(args) -> dict:
             "target_tensor_parallel_size": ("--target-tensor-parallel-size", *legacy),
             "target_pipeline_parallel_size": ("--target-pipeline-parallel-size", *legacy),
             "target_expert_parallel_size": ("--target-expert-parallel-size", *legacy),
-            "with_optimizer_states": ("--with-optimizer-states", "--to consolidated or --to megatron",
-                                      args.to in ("consolidated", "megatron") and bool(args.load)),
-            "max_shard_size": ("--max-shard-size", "--to consolidated or --to hf",
-                               args.to in ("consolidated", "hf") and bool(args.load)),
-            "workers": ("--workers", "--to consolidated", args.to == "consolidated" and bool(args.load)),
+            "with_optimizer_states": ("--with-optimizer-states", "--load with --to consolidated or megatron",
+                                      bool(args.load) and args.to in (None, "consolidated", "megatron")),
+            "max_shard_size": ("--max-shard-size", "--load with --to consolidated or hf",
+                               bool(args.load) and args.to in (None, "consolidated", "hf")),
+            "workers": ("--workers", "--load with --to consolidated",
+                        bool(args.load) and args.to in (None, "consolidated")),
             "add_to_output": ("--add-to-output", "--from-hf, --from-torchtitan or --to megatron",
                               bool(args.from_hf or args.from_torchtitan) or megatron[1])}
 
@@ -155,7 +156,6 @@ def _unmeant_flag(args) -> str | None:
     if args.to and not args.load:
         return (f"--to {args.to} converts a checkpoint of ours: give --load DIR (not --from-hf / "
                 "--from-torchtitan)")
-    args.to = args.to or "consolidated"
     for name, (flag, meaning, meant) in _meaningful(args).items():
         if getattr(args, name) not in (None, False) and not meant:
             return f"{flag} means something with {meaning} only: drop it, or give {meaning}"
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     unmeant = _unmeant_flag(args)
     if unmeant:
         sys.exit(f"error: {unmeant}")
+    args.to = args.to or "consolidated"
     if args.list:
         if not args.load:
             sys.exit("error: --list describes a checkpoint: give --load DIR")
