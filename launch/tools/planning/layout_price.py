@@ -5,7 +5,7 @@ activations are ``activation_price``'s). Nothing here searches layouts or prints
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from launch.tools.planning.activation_price import layer_elements
 from launch.tools.planning.layout import Layout
@@ -61,12 +61,19 @@ def stage_count(config: GPTConfig, layout: Layout, stage: int) -> StageCount:
 
 
 def distinct_stages(config: GPTConfig, layout: Layout) -> list[int]:
-    """One stage of each different ``StageCount`` (middle stages of an even cut hold the same)."""
+    """One stage of each different ``StageCount`` (middle stages of an even cut hold the same), counted for
+    the first stage of each shape alone: which of its chunks' layers are MoE layers (what else a layer
+    holds follows from the model) and which chunks hold the embedding and the loss."""
     key = (frozen_config(config), layout.tp, layout.pp, layout.sequence_parallel, layout.split, layout.ep,
-           layout.expert_tp, layout.v, layout.chunks)
+           layout.expert_tp, layout.v, layout.chunks, layout.optimizer)
     if key not in _DISTINCT:
-        seen: dict[StageCount, int] = {}
+        moe, shapes = config.moe_layers(config.num_layers), {}
         for stage in range(layout.pp):
+            chunks = enumerate(layout.chunk_layers(stage, config.num_layers))
+            shapes.setdefault(tuple((tuple(moe[i] for i in layers), layout.holds(stage, chunk))
+                                    for chunk, layers in chunks), stage)
+        seen: dict[StageCount, int] = {}
+        for stage in shapes.values():
             seen.setdefault(stage_count(config, layout, stage), stage)
         _DISTINCT[key] = list(seen.values())
     return _DISTINCT[key]
@@ -89,6 +96,26 @@ def model_state_bytes(config: GPTConfig, layout: Layout, stage: int, compute_byt
             total -= sum(numel * count * optimizer_state_bytes(compute_bytes, moments)
                          for numel, _, moments, count in profile) / (shard if layout.zero_stage else 1)
     return total
+
+
+def fullest_state_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
+                        persistence_threshold: int = 100_000, grad_bytes: int | None = None) -> float:
+    """The most ``model_state_bytes`` of any stage, kept per model and what of the layout it depends on
+    (its stages' shapes, sharding and offload): a search prices each many times."""
+    key = (frozen_config(config), compute_bytes, persistence_threshold, grad_bytes, layout.tp, layout.pp,
+           layout.dp, layout.cp, layout.sequence_parallel, layout.split, layout.ep, layout.etp,
+           layout.schedule, layout.vp, layout.optimizer, layout.zero_stage, layout.zero.hpz,
+           layout.zero.shard_size, layout.offload_optimizer)
+    if key not in _STATES:
+        if len(_STATES) > 65536:
+            _STATES.clear()
+        _STATES[key] = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold,
+                                             grad_bytes)
+                           for stage in distinct_stages(config, layout))
+    return _STATES[key]
+
+
+_STATES: dict[tuple, float] = {}
 
 
 def recompute_cost(config: GPTConfig, layout: Layout) -> float:
@@ -137,20 +164,41 @@ def _block_and_stage_of(frozen: tuple, tp: int, pp: int, sequence_parallel: bool
                       if not meta(p).expert)
 
 
-def reused_elements(config: GPTConfig, layout: Layout) -> int:
-    """Stage 3: the first stage's parameters that stay gathered from the end of a micro-batch's forward to
-    its backward (``parallel.zero.sharded_parameters`` keeps what its prefetcher would gather right back,
-    within the default budget, ``parameter_unit.default_prefetch_budget``: the enclosing unit and two
-    layers): the stage's own unit (embedding, head) and the last two layers."""
-    block, params = _block_and_stage(config, layout)
-    layers = layout.layers_on(0, config.num_layers)
-    return params - layers * block + min(layers, 2) * block
+def reused_elements(config: GPTConfig, layout: Layout, stage: int = 0) -> int:
+    """Stage 3: the parameters of pipeline ``stage`` that stay gathered from the end of a micro-batch's
+    forward to its backward (``parallel.zero.sharded_parameters`` keeps what its prefetcher would gather
+    right back, within the default budget, ``parameter_unit.default_prefetch_budget``: the enclosing unit and
+    two layers): the stage's own unit (embedding, head) and the last two layers."""
+    block = _block_and_stage(config, layout)[0]
+    layers = layout.layers_on(stage, config.num_layers)
+    return stage_count(config, layout, stage).dense_elements - layers * block + min(layers, 2) * block
+
+
+def stage_transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
+                    grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
+                    bucket_size: int | None = None) -> dict[int, tuple[Transfer, ...]]:
+    """``transfers`` of one stage of each different ``StageCount`` (``distinct_stages``), kept per model and
+    what of the layout they depend on (not its offload, nor what selective recompute redoes): a search
+    prices each many times."""
+    key = (frozen_config(config), micro_batches, compute_bytes, grad_bytes, gpus_per_node, backend,
+           bucket_size, replace(layout, offload_optimizer="none", recompute_modules=(),
+                                recompute="full" if layout.recompute == "full" else None))
+    if key not in _SENT:
+        if len(_SENT) > 65536:
+            _SENT.clear()
+        _SENT[key] = {stage: tuple(transfers(config, layout, micro_batches, compute_bytes, grad_bytes,
+                                             gpus_per_node, backend, bucket_size, stage))
+                      for stage in distinct_stages(config, layout)}
+    return _SENT[key]
+
+
+_SENT: dict[tuple, dict[int, tuple[Transfer, ...]]] = {}
 
 
 def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
               grad_bytes: int | None = None, gpus_per_node: int | None = None, backend: str = "nccl",
-              bucket_size: int | None = None) -> list[Transfer]:
-    """What one rank of the first pipeline stage sends per step, collective by collective (ring model, as
+              bucket_size: int | None = None, stage: int = 0) -> list[Transfer]:
+    """What one rank of pipeline ``stage`` sends per step, collective by collective (ring model, as
     parallel.comm counts them): ZeRO's data-parallel transfers (``link_model.zero_transfers``: stage 0
     all-reduces the gradients once, stage 1 reduce-scatters once, stages 2-3 every micro-batch; stages 1-2
     all-gather the parameters once after the step, stage 3 in forward and in backward of every
@@ -162,21 +210,22 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
     data-parallel ones hide behind the passes as they do on ``backend``, a layer (stage 3) or a bucket of
     ``bucket_size`` elements (stages 0-2) a piece."""
     grad_bytes = gradient_bytes(compute_bytes) if grad_bytes is None else grad_bytes
-    count = stage_count(config, layout, 0)
+    count = stage_count(config, layout, stage)
     psi, experts = count.dense_elements, count.expert_elements
     topology = layout.topology(gpus_per_node)
     t, m = layout.tp, micro_batches
     sbh = config.seq_length / layout.cp * layout.micro_batch_size * config.hidden_size * compute_bytes
-    layers = layout.layers_on(0, config.num_layers)
+    indices = layout.stage_layers(stage, config.num_layers)
+    layers = len(indices)
     recompute = 1.5 if layout.recompute == "full" else 1.0  # the recomputed forward all-reduces again
     found = zero_transfers(topology, psi, layout.zero_stage, m, compute_bytes, grad_bytes,
                            layout.zero, gpus_per_node, backend, layers, bucket_size,
-                           reused_elements(config, layout) if layout.zero_stage == 3 else 0)
+                           reused_elements(config, layout, stage) if layout.zero_stage == 3 else 0)
     if experts:  # the expert optimizer's, over expert dp; the tokens' trips to their experts and back
         found += zero_transfers(topology, experts, layout.zero_stage, m, compute_bytes, grad_bytes,
                                 node_size=gpus_per_node, backend=backend, pieces=layers,
                                 bucket_size=bucket_size, axis="edp")
-        moe = sum(config.moe_layers(config.num_layers)[:layout.layers_on(0, config.num_layers)])
+        moe = sum(config.moe_layers(config.num_layers)[index] for index in indices)
         found.append(dispatch_transfer(config, layout, topology, compute_bytes, gpus_per_node, moe * m,
                                        recompute))
     found.append(ring("all_reduce", "tp", topology.group_tuples("tp"), gpus_per_node,
@@ -190,7 +239,7 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
         crosses = gpus_per_node is not None and any(a // gpus_per_node != b // gpus_per_node
                                                     for g in lines for a, b in zip(g, g[1:]))
         found.append(Transfer("p2p", "pp", 2 * sbh * m, 2 * sbh * m if crosses else 0.0, 2 * m))
-    return found + muon_transfers(config, layout, topology, gpus_per_node)
+    return found + muon_transfers(config, layout, topology, gpus_per_node, stage)
 
 
 def dispatch_transfer(config: GPTConfig, layout: Layout, topology: Topology, compute_bytes: int,

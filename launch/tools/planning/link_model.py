@@ -181,7 +181,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     spans = topology.group_tuples(axis)  # gradients and ZeRO's shards span data x context (or expert dp)
     dp, m, label = len(spans[0]), micro_batches, "dp" if axis == "dp-cp" else axis
     shard = options.shard_size or dp
-    shards, replicas = topology.dp_partitions(shard) if shard < dp else (spans, None)
+    shards, replicas = _partitions(topology, shard) if shard < dp else (spans, None)
     weight_bytes = QUANTIZED_BYTES if options.quantized_weights else compute_bytes
     part = params * (shard - 1) / shard
     dequantized = params * (1 + 1 / shard) if options.quantized_weights else 0.0  # own shard, then all of it
@@ -196,9 +196,11 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
             return all_to_all(axis, groups, node_size, per_rank * size / (size - 1), count, operation)
         return ring(operation, axis, groups, node_size, per_rank, count)
 
+    overlap = hidden_share(backend, split)
+
     def placed(transfer: Transfer, phase: str, quantized: float = 0.0) -> Transfer:
-        return replace(transfer, phase=phase, overlap=hidden_share(backend, split),
-                       quantized_elements=quantized)
+        return Transfer(transfer.operation, transfer.axis, transfer.per_rank, transfer.leaving_node,
+                        transfer.steps, transfer.count, phase, overlap, quantized)
 
     if stage == 0:  # bucket by bucket in the last micro-batch's backward, by the backend's own all-reduce
         return [placed(ring("all_reduce", label, spans, node_size,
@@ -208,7 +210,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     regathered = (params - reused) / params  # what backward gathers again at stage 3
     # a step's first gather of each unit over dp, the rest in the partition
     if stage == 3 and options.hpz > 1:
-        secondary = topology.dp_partitions(options.hpz)[0]
+        secondary = _partitions(topology, options.hpz)[0]
         within = compute_bytes * params * (options.hpz - 1) / options.hpz
         transfers += [placed(collective("all_gather", label, shards, weight_bytes * part),
                              "forward", dequantized),
@@ -227,7 +229,7 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
     reductions = m if stage >= 2 else 1
     per_node = topology.dp_ranks_per_node(node_size)
     if options.quantized_gradients and stage >= 2:
-        levels = [spans] if per_node in (1, dp) else list(topology.dp_partitions(per_node))
+        levels = [spans] if per_node in (1, dp) else list(_partitions(topology, per_node))
         elements = float(params)
         for index, groups in enumerate(levels):  # a level's next one starts as the next reduction starts
             transfers.append(placed(all_to_all("dp" if len(levels) == 1 else ("dp_part", "dp_replica")[index],
@@ -242,6 +244,12 @@ def zero_transfers(topology: Topology, params: int, stage: int, micro_batches: i
         transfers.append(ring("all_reduce", f"dp_replica{shard}", replicas, node_size,
                               2 * grad_bytes * params / shard * (copies - 1) / copies))
     return [transfer for transfer in transfers if transfer.count > 0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _partitions(topology: Topology, size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``Topology.dp_partitions``, kept per grid as tuples (``_crossings`` counts kept groups once)."""
+    return tuple(tuple(map(tuple, groups)) for groups in topology.dp_partitions(size))
 
 
 def zero_variants(stage: int, topology: Topology, gpus_per_node: int) -> list[ZeroCommOptions]:

@@ -83,8 +83,8 @@ def workspace_bytes(config: GPTConfig, layout: Layout, stage: int) -> float:
 
 
 def muon_transfers(config: GPTConfig, layout: Layout, topology: Topology,
-                   gpus_per_node: int | None) -> list[Transfer]:
-    """What one rank of the first stage sends per step for Muon, for P matrix elements on its tp rank: at
+                   gpus_per_node: int | None, stage: int = 0) -> list[Transfer]:
+    """What one rank of pipeline ``stage`` sends per step for Muon, for P matrix elements on its tp rank: at
     stage 0 the owners send each whole result to the d - 1 others, 4 P (d - 1) / d bytes; at stages 1-3 at
     most 8 P (d - 1) / d^2, each rank's pieces of the matrices others own and the others' pieces of its
     own back, as if no owner held any of its matrix. An upper bound: owners are chosen where a matrix
@@ -93,7 +93,7 @@ def muon_transfers(config: GPTConfig, layout: Layout, topology: Topology,
     shards to their tp owner and back, 8 P (t - 1) / (t d)."""
     if layout.optimizer != "muon":
         return []
-    elements = sum(count for count, _, is_expert, _ in _matrices(config, layout, 0) if not is_expert)
+    elements = sum(count for count, _, is_expert, _ in _matrices(config, layout, stage) if not is_expert)
     d, t = layout.data_ranks, layout.tp
     found = []
     per_rank = 4 * elements * (d - 1) / d if layout.zero_stage == 0 else 8 * elements * (d - 1) / d ** 2

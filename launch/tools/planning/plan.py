@@ -5,8 +5,8 @@
         [--pipeline-model-parallel-size P] [--context-parallel-size C] [--json]
 
 For every layout (tp, pp, cp, dp, ZeRO stage, recompute, micro-batch size, optimizer offload) it predicts,
-for the most loaded device (the first pipeline stage for activations, the heaviest stage for model
-states):
+for the most loaded device (the fullest pipeline stage for activations and for model states, the one that
+sends most for communication):
 
 - model states: the parameters of that rank's slice, from the model itself (built on the meta device
   as training builds it), kept whole or sharded as ``parallel.zero`` keeps them (stage 3 keeps
@@ -28,8 +28,11 @@ states):
   the owners' whole matrices and the iteration's temporaries (``muon_price``), whose Newton-Schulz FLOPs
   join the step time (they are not in the model's FLOPs, nor in MFU) and whose exchange joins the bytes;
 - communication per step and axis by the ring model of ``parallel.comm``, and the part that crosses
-  nodes of ``--gpus-per-node`` ranks; cp's ring attention blocks as ``layout_price.context_bytes``
+  nodes of ``--gpus-per-node`` ranks, on a rank of each stage (shown: the stage that sends most; the link
+  model's step time is the slowest stage's); cp's ring attention blocks as ``layout_price.context_bytes``
   counts them (exposed in the link model: how much of them hides behind attention is not modelled).
+
+A layout over ``--memory-per-device`` is dropped before its time is priced.
 
 Layouts that fit are ranked by a step-time proxy: recompute cost x offload cost / (1 - pipeline bubble),
 the bubble of the layout's schedule (1F1B, ZB-H1 or ZBV) laid out with its layers' costs
@@ -40,6 +43,8 @@ groups).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -48,12 +53,12 @@ from parallel.topology import Topology
 from launch.tools.planning.link_model import (Device, Links, Transfer, ZeroCommOptions, step_seconds,
                                               zero_variants)
 from launch.tools.planning.devices import DeviceProfile, compute_seconds
-from models.counting import flops_per_token, forward_flops_parts, num_parameters
+from models.counting import flops_per_token, forward_flops_parts, frozen_config, num_parameters, thawed_config
 from launch.tools.planning.activation_price import stage_activation_bytes
 from launch.tools.planning.layout import Layout
 from launch.tools.planning.muon_price import newton_schulz_flops
-from launch.tools.planning.layout_price import (buffer_bytes, distinct_stages, model_state_bytes,
-                                                recompute_cost, sent_by_axis, transfers)
+from launch.tools.planning.layout_price import (buffer_bytes, fullest_state_bytes, recompute_cost,
+                                                sent_by_axis, stage_transfers)
 from launch.tools.planning.schedule_price import pipeline_time, stage_costs
 from parallel.pipeline.layer_split import SplitRequest, first_last_counts, per_rank_split
 from parallel.pipeline.partition import validate_partition
@@ -74,7 +79,8 @@ class Plan:
     score: float = 0.0
     bubble: float = 0.0  # the fraction of a step the busiest stage waits (``schedule_price``)
     imbalance: float = 1.0  # the busiest stage's work over a stage's mean (an uneven cut, the head)
-    transfers: list[Transfer] = field(default_factory=list, repr=False)  # what the link model times
+    comm_stage: int = 0  # the pipeline stage whose rank's transfers are shown: the one sending the most
+    transfers: list[Transfer] = field(default_factory=list, repr=False)  # comm_stage's (the link model's)
     step_seconds: float | None = None  # predicted by the link model (``links`` given)
 
     @property
@@ -85,20 +91,23 @@ class Plan:
 def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compute_bytes: int,
                 bucket_size: int = 20_000_000, persistence_threshold: int = 100_000,
                 grad_bytes: int | None = None, gpus_per_node: int | None = None, links: Links | None = None,
-                device: Device = Device()) -> Plan:
+                device: Device = Device(), memory_per_device: float = math.inf) -> Plan:
     """What ``layout`` costs; with ``links``, its step time by the link model's overlap model: the compute
     (the model's FLOPs per token at the ``device``'s FLOP/s, over the pipeline bubble and recompute; a
     third of it forward, a quarter with full recompute; ZeRO++'s quantize passes at its quantize rate)
-    with the communication that hides behind it on its backend."""
+    with the communication that hides behind it on its backend, on the slowest stage. A layout whose bytes
+    exceed ``memory_per_device`` is priced no further: its plan holds its bytes alone (a search drops it)."""
     micro_batches = global_batch_size // (layout.micro_batch_size * layout.dp)
-    states = max(model_state_bytes(config, layout, stage, compute_bytes, persistence_threshold, grad_bytes)
-                 for stage in distinct_stages(config, layout))
-    activations = max(stage_activation_bytes(config, layout, micro_batches, compute_bytes))
-    found = transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node, device.backend,
-                      bucket_size)
-    plan = Plan(layout, states, activations,
-                buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes),
-                sent_by_axis(found), sent_by_axis(found, crossing=True), transfers=found)
+    states = fullest_state_bytes(config, layout, compute_bytes, persistence_threshold, grad_bytes)
+    plan = Plan(layout, states, max(stage_activation_bytes(config, layout, micro_batches, compute_bytes)),
+                buffer_bytes(config, layout, compute_bytes, bucket_size, grad_bytes))
+    if plan.total_bytes > memory_per_device:
+        return plan
+    sent = stage_transfers(config, layout, micro_batches, compute_bytes, grad_bytes, gpus_per_node,
+                           device.backend, bucket_size)
+    plan.comm_stage = max(sent, key=lambda stage: sum(t.per_rank * t.count for t in sent[stage]))
+    found = plan.transfers = list(sent[plan.comm_stage])
+    plan.comm_bytes, plan.comm_bytes_inter_node = sent_by_axis(found), sent_by_axis(found, crossing=True)
     bubble, imbalance = pipeline_time(layout.schedule, layout.pp, micro_batches,
                                       stage_costs(config, layout.recompute, layout.pp, layout.chunks,
                                                   layout.split))
@@ -113,24 +122,36 @@ def plan_layout(config: GPTConfig, layout: Layout, global_batch_size: int, compu
             world = layout.tp * layout.pp * layout.dp * layout.cp
             compute = flops_per_token(config) * global_batch_size * config.seq_length / world / device.flops \
                 * plan.score
-        compute += newton_schulz_flops(config, layout, 0) / device.flops  # Muon's, once a step
-        plan.step_seconds = step_seconds(found, links, compute, micro_batches,
-                                         device.quantize_rate,
-                                         1 / 4 if layout.recompute == "full" else 1 / 3)
+        forward_share = 1 / 4 if layout.recompute == "full" else 1 / 3
+        plan.step_seconds = max(  # the slowest stage's, each with its own transfers and Muon's FLOPs
+            step_seconds(each, links, compute + newton_schulz_flops(config, layout, stage) / device.flops,
+                         micro_batches, device.quantize_rate, forward_share)
+            for stage, each in sent.items())
         plan.score = plan.step_seconds
     return plan
 
 
 def _profiled_compute(config: GPTConfig, layout: Layout, micro_batches: int, profile: DeviceProfile) -> float:
-    """The busiest pipeline stage's compute in a step at ``profile``'s rates (``devices.compute_seconds``)."""
+    """The busiest pipeline stage's compute in a step at ``profile``'s rates (``devices.compute_seconds``),
+    kept per model and what of the layout it depends on (a search prices each many times)."""
     shard = layout.data_ranks if layout.zero_stage >= 1 else 1
-    parameters = num_parameters(config) / (layout.tp * layout.pp * shard)
-    kinds = {(layout.layers_on(stage, config.num_layers),
-              any(layout.holds(stage, chunk)[1] for chunk in range(layout.chunks)))
-             for stage in range(layout.pp)}  # stages that differ: their layers, the head
-    return max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size, layers, micro_batches,
-                               layout.recompute, layout.recompute_modules, last, parameters, profile)
-               for layers, last in kinds)
+    key = (frozen_config(config), layout.tp, layout.cp, layout.micro_batch_size, layout.pp, layout.chunks,
+           layout.split, layout.v, micro_batches, layout.recompute, layout.recompute_modules, shard, profile)
+    if key not in _COMPUTE:
+        if len(_COMPUTE) > 65536:
+            _COMPUTE.clear()
+        parameters = num_parameters(config) / (layout.tp * layout.pp * shard)
+        kinds = {(layout.layers_on(stage, config.num_layers),
+                  any(layout.holds(stage, chunk)[1] for chunk in range(layout.chunks)))
+                 for stage in range(layout.pp)}  # stages that differ: their layers, the head
+        _COMPUTE[key] = max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size, layers,
+                                            micro_batches, layout.recompute, layout.recompute_modules, last,
+                                            parameters, profile)
+                            for layers, last in kinds)
+    return _COMPUTE[key]
+
+
+_COMPUTE: dict[tuple, float] = {}
 
 
 def _context_sizes(config: GPTConfig, model_parallel: int, world_size: int, cp: int | None) -> list[int]:
@@ -150,7 +171,7 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
                       zero_plus_plus: bool = False, cp: int | None = None,
                       micro_batch_size: int = 1, ep: int | None = None,
                       etp: int | None = None, schedule: str | None = None,
-                      vp: int | None = None) -> list[Layout]:
+                      vp: int | None = None, optimizer: str = "adam") -> list[Layout]:
     """Every layout of the world worth comparing; with ``zero_plus_plus`` (a link model decides) also
     ZeRO-2 with quantized gradients and ZeRO-3 with hpZ, qwZ, qgZ or shard groups of a node's dp ranks.
     Without ``global_batch_size`` each layout's is Megatron's default, ``micro_batch_size`` x dp. With
@@ -173,14 +194,11 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
             for c in _context_sizes(config, t * p, world_size, cp):
                 d = world_size // (t * p * c)
                 for e in _expert_sizes(config, t * c * d, etp or t, ep):
-                    grid = _layouts_of(t, p, c, d, gpus_per_node, global_batch_size, zero_stage,
-                                       zero_plus_plus and not config.num_experts, micro_batch_size)
-                    if config.num_experts:
-                        grid = [replace(layout, ep=e, etp=etp) for layout in grid]
-                    layouts += [replace(layout, schedule=kind, vp=chunks, split=split) for layout in grid
-                                for kind, chunks, split in cuts
-                                if _runs(kind, layout_micro_batches(layout, global_batch_size), p, chunks,
-                                         refusals)]
+                    grid = Layout(t, p, d, 0, sequence_parallel=t > 1, cp=c, ep=e,
+                                  etp=etp if config.num_experts else None, optimizer=optimizer)
+                    layouts += _layouts_of(grid, cuts, gpus_per_node, global_batch_size, zero_stage,
+                                           zero_plus_plus and not config.num_experts, micro_batch_size,
+                                           refusals)
     if not layouts and refusals:
         raise ValueError(f"no layout of {world_size} devices runs as asked: at the last tried, "
                          f"{refusals[-1]}")
@@ -196,12 +214,6 @@ def _runs(schedule: str, micro_batches: int, pp: int, chunks: int, refusals: lis
         refusals.append(str(error))
         return False
     return True
-
-
-def layout_micro_batches(layout: Layout, global_batch_size: int | None) -> int:
-    """Micro-batches per step of ``layout`` (Megatron's default batch, one per dp rank, without one)."""
-    batch = global_batch_size if global_batch_size is not None else layout.micro_batch_size * layout.dp
-    return batch // (layout.micro_batch_size * layout.dp)
 
 
 def _splits(config: GPTConfig, pp: int, request: SplitRequest, schedule: str | None, vp: int | None,
@@ -254,6 +266,12 @@ def balanced_split(config: GPTConfig, pp: int, chunks: int, v: bool) -> tuple[in
     """The first / last stage counts (Megatron's ``--decoder-first/last-pipeline-num-layers``, the other
     stages even, every stage's count cut into its ``chunks``) whose busiest stage does the least work, the
     output layer counted on the stage that holds it; None where that is the even cut or none exists."""
+    return _balanced_split(frozen_config(config), pp, chunks, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_split(frozen: tuple, pp: int, chunks: int, v: bool) -> tuple[int, ...] | None:
+    config = thawed_config(frozen)
     layers, head = forward_flops_parts(config)
     cost = [matmul + attention for matmul, attention in layers]
     loss_rank = 0 if v else pp - 1
@@ -286,25 +304,30 @@ def _expert_sizes(config: GPTConfig, ranks: int, etp: int, ep: int | None) -> li
             if experts % e == 0 and ranks % (e * etp) == 0]
 
 
-def _layouts_of(t: int, p: int, c: int, dp: int, gpus_per_node: int, global_batch_size: int | None,
-                zero_stage: int | None, zero_plus_plus: bool, micro_batch_size: int) -> list[Layout]:
-    """The layouts of one tp x pp x cp x dp grid: micro-batch sizes, ZeRO stages and options, recompute,
-    offload."""
-    layouts = []
+def _layouts_of(grid: Layout, cuts: list[tuple[str, int, tuple[int, ...] | None]], gpus_per_node: int,
+                global_batch_size: int | None, zero_stage: int | None, zero_plus_plus: bool,
+                micro_batch_size: int, refusals: list[str]) -> list[Layout]:
+    """The layouts of one tp x pp x cp x dp (x ep) ``grid``: micro-batch sizes, ZeRO stages and options,
+    recompute, offload, each with every cut of ``cuts`` whose schedule runs its micro-batches (``_runs``)."""
+    layouts, dp = [], grid.dp
     for micro in (1, 2, 4, 8) if global_batch_size is not None else (micro_batch_size,):
         batch = global_batch_size if global_batch_size is not None else micro * dp
         if batch % (micro * dp):
             continue
         for stage in ([zero_stage] if zero_stage is not None else [0, 1, 2, 3]):
+            variants = (zero_variants(stage, Topology(grid.tp * grid.pp * grid.cp * dp, grid.tp, grid.pp,
+                                                      grid.cp, gpus_per_node=gpus_per_node), gpus_per_node)
+                        if zero_plus_plus else [ZeroCommOptions()])
             # selective as it buys memory (the attention core's recompute buys none with a fused kernel)
             for recompute, modules in ((None, ()), ("selective", ("mlp", "layernorm")), ("full", ())):
                 for offload in ("none", "cpu") if stage else ("none",):
-                    for options in (zero_variants(stage, Topology(t * p * c * dp, t, p, c,
-                                                                  gpus_per_node=gpus_per_node), gpus_per_node)
-                                    if zero_plus_plus else [ZeroCommOptions()]):
-                        layouts.append(Layout(t, p, dp, stage, recompute, micro, offload,
-                                              recompute_modules=modules,
-                                              sequence_parallel=t > 1, zero=options, cp=c))
+                    for options in variants:
+                        layouts += [replace(grid, zero_stage=stage, recompute=recompute,
+                                            micro_batch_size=micro, offload_optimizer=offload,
+                                            recompute_modules=modules, zero=options, schedule=kind, vp=chunks,
+                                            split=split)
+                                    for kind, chunks, split in cuts
+                                    if _runs(kind, batch // (micro * dp), grid.pp, chunks, refusals)]
     return layouts
 
 
@@ -323,15 +346,15 @@ def plan(config: GPTConfig, world_size: int, gpus_per_node: int, memory_per_devi
     is priced and after each."""
     layouts = candidate_layouts(config, world_size, gpus_per_node, global_batch_size, zero_stage, tp, pp,
                                 request, zero_plus_plus=links is not None, cp=cp,
-                                micro_batch_size=micro_batch_size, ep=ep, etp=etp, schedule=schedule, vp=vp)
-    layouts = [replace(layout, optimizer=optimizer) for layout in layouts]
+                                micro_batch_size=micro_batch_size, ep=ep, etp=etp, schedule=schedule, vp=vp,
+                                optimizer=optimizer)
     plans = []
     for done, layout in enumerate(layouts):
         if progress is not None:
             progress(done, len(layouts))
         plans.append(plan_layout(config, layout, global_batch_size or layout.micro_batch_size * layout.dp,
                                  compute_bytes, bucket_size, persistence_threshold, grad_bytes, gpus_per_node,
-                                 links, device))
+                                 links, device, memory_per_device))
     if progress is not None:
         progress(len(layouts), len(layouts))
     fitting = [p for p in plans if p.total_bytes <= memory_per_device]

@@ -68,6 +68,7 @@ PLAN_FLAGS = {
     "--optimizer": "adam, sgd or muon: Muon's one momentum per matrix element, its owners' workspace, "
                    "exchange and Newton-Schulz time are priced",
 }
+TEXT_METAVARS = {"--config": "FILE", "--pipeline-model-parallel-layout": "LAYOUT", "--optimizer": "NAME"}
 
 
 class _ToPretrain(argparse.Action):
@@ -84,14 +85,26 @@ def _add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
         "Every flag of python -m pretrain and every key of a --config YAML is accepted and read as pretrain "
         "reads it (python -m pretrain --help lists them); the model's whole architecture counts (e.g. "
         "--swiglu, --group-query-attention --num-query-groups, --untie-embeddings-and-output-weights). "
-        "These are the ones the plan depends on:")
+        "A --config's layout keys (tensor_model_parallel_size, pipeline_model_parallel_size, "
+        "context_parallel_size, expert_model_parallel_size, zero_stage, pipeline_schedule) restrict the "
+        "search as their flags do (a flag given replaces its key). These are the ones the plan depends on:")
     actions = {option: action for action in build_parser()._actions for option in action.option_strings}
     for flag, text in PLAN_FLAGS.items():
         action = actions[flag]
         group.add_argument(*action.option_strings, action=_ToPretrain, dest="pretrain_flags",
-                           default=argparse.SUPPRESS, nargs=action.nargs,
-                           metavar=None if action.nargs == 0 else "FILE" if flag == "--config" else "N",
+                           default=argparse.SUPPRESS, nargs=action.nargs, metavar=_metavar(flag, action),
                            help=text or action.help)
+
+
+def _metavar(flag: str, action: argparse.Action) -> str | None:
+    """How ``--help`` shows a pretrain flag's value: N for a number, its choices, else a word for its text."""
+    if action.nargs == 0:
+        return None
+    if action.type in (int, float):
+        return "N"
+    if action.choices:
+        return "{" + ",".join(map(str, action.choices)) + "}"
+    return TEXT_METAVARS.get(flag, "TEXT")
 
 
 def _bandwidth(flag: str, text: str | None) -> float | None:
@@ -112,6 +125,25 @@ def _bandwidth(flag: str, text: str | None) -> float | None:
     except ValueError:
         sys.exit(f"error: {flag} {text!r} is not a bandwidth: give a number and a unit, e.g. 100Gbit, "
                  "400Gbit/s, 25GB/s")
+
+
+LAYOUT_KEYS = (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+               ("cp", "context_parallel_size"), ("ep", "expert_model_parallel_size"))
+
+
+class _Spelled:
+    """A layout size as a refusal names it: its flag, and the --config file that set it where one did."""
+
+    def __init__(self, model_flags: list[str]):
+        given = vars(build_parser().parse_args(model_flags))  # the settings the command line itself gave
+        self.config_file, self.on_command_line = given.get("config"), set(given)
+
+    def __call__(self, key: str, size: int) -> str:
+        name = dict(LAYOUT_KEYS)[key]
+        flag = "--" + name.replace("_", "-")
+        if name in self.on_command_line or self.config_file is None:
+            return f"{flag} {size}"
+        return f"{flag} {size} (from --config {self.config_file})"
 
 
 class _Progress:
@@ -138,11 +170,15 @@ def main(argv: list[str] | None = None) -> None:
         usage="%(prog)s [--config FILE] [pretrain flags] --world-size N [--gpus-per-node N]\n"
               "       [--memory-per-device SIZE] [--inter-node-bandwidth RATE] [options]")
     parser.add_argument("--world-size", type=int, required=True, metavar="N", help="devices in all")
-    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
-                        help="devices per node: tp stays within one (default: 8)")
+    parser.add_argument("--gpus-per-node", type=int, metavar="N",
+                        help="devices per node: tp stays within one (default: the --config's gpus_per_node, "
+                             "else 8)")
     parser.add_argument("--memory-per-device", default="80GiB", metavar="SIZE",
                         help="with a unit: 80GiB, 40GB, 512MiB (default: 80GiB)")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="layouts to print (default: 10)")
+    parser.add_argument("--any-layout", action="store_true",
+                        help="search every layout for the --config's model: its layout keys are ignored "
+                             "(the flags given still restrict); e.g. a preset checked on another cluster")
     parser.add_argument("--json", action="store_true", help="print the layouts as JSON")
     parser.add_argument("--inter-node-bandwidth", metavar="RATE",
                         help="a node's link to the others, e.g. 400Gbit, 50GB/s: rank layouts by predicted "
@@ -169,11 +205,6 @@ def main(argv: list[str] | None = None) -> None:
     _add_pretrain_flags(parser)
     args, rest = parser.parse_known_args(argv)
     model_flags = [*getattr(args, "pretrain_flags", []), *rest]
-    for flag, value, what in (("--world-size", args.world_size, "devices"),
-                              ("--gpus-per-node", args.gpus_per_node, "devices per node"),
-                              ("--top", args.top, "layouts to print")):
-        if value < 1:
-            sys.exit(f"error: {flag} {value}: give the {what}, at least 1")
     try:
         memory_per_device = parse_bytes(args.memory_per_device)
     except ValueError as error:
@@ -195,36 +226,41 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {error}")
     if config.model.vocab_size is None:
         config.model.vocab_size = config.data.default_corpus_vocab_size
-    train, zero = config.training, config.zero
-    parallel = config.parallel
-    fixed = {"zero_stage": zero.zero_stage if "--zero-stage" in model_flags else None,
-             "tp": (parallel.tensor_model_parallel_size
-                    if "--tensor-model-parallel-size" in model_flags else None),
-             "pp": (parallel.pipeline_model_parallel_size
-                    if "--pipeline-model-parallel-size" in model_flags else None),
-             "cp": parallel.context_parallel_size if "--context-parallel-size" in model_flags else None,
-             "ep": (parallel.expert_model_parallel_size
-                    if "--expert-model-parallel-size" in model_flags else None),
-             "etp": parallel.expert_tensor_parallel_size,
-             "schedule": parallel.pipeline_schedule if "--pipeline-schedule" in model_flags else None,
-             "vp": parallel.virtual_pipeline_size}
+    train, parallel = config.training, config.parallel
+    if args.gpus_per_node is None:
+        args.gpus_per_node = parallel.gpus_per_node or 8
+    for flag, value, what in (("--world-size", args.world_size, "devices"),
+                              ("--gpus-per-node", args.gpus_per_node, "devices per node"),
+                              ("--top", args.top, "layouts to print")):
+        if value < 1:
+            sys.exit(f"error: {flag} {value}: give the {what}, at least 1")
+    # the sizes the flags or the --config give restrict the search (ZeRO stage, schedule: None unless given;
+    # with --any-layout the command line's alone)
+    spelled = _Spelled(model_flags)
+    restricts = spelled.on_command_line if args.any_layout else config.given
+    fixed = {"zero_stage": config.zero.zero_stage if "zero_stage" in restricts else None,
+             "schedule": parallel.pipeline_schedule if "pipeline_schedule" in restricts else None,
+             **{key: getattr(parallel, name) if name in restricts else None for key, name in LAYOUT_KEYS},
+             "etp": parallel.expert_tensor_parallel_size, "vp": parallel.virtual_pipeline_size}
     try:  # the model's own rules at tp 1 and the experts' at the ep asked for, before any layout is tried
         config.model.validate()
         config.model.validate_moe(config.model.num_layers, config.model.ffn_size,
                                   parallel.expert_tensor_parallel_size or 1,
                                   parallel.expert_model_parallel_size)
         model_parallel = 1
-        for flag, size in (("--tensor-model-parallel-size", fixed["tp"]),
-                           ("--pipeline-model-parallel-size", fixed["pp"]),
-                           ("--context-parallel-size", fixed["cp"])):
+        for key, size in (("tp", fixed["tp"]), ("pp", fixed["pp"]), ("cp", fixed["cp"])):
             if size is None:
                 continue
             if size < 1:
-                raise ValueError(f"{flag} {size}: give at least 1")
+                raise ValueError(f"{spelled(key, size)}: give at least 1")
             model_parallel *= size
             if args.world_size % model_parallel:
-                raise ValueError(f"--world-size {args.world_size} is not divisible by {flag} {size} (with "
-                                 f"the other sizes given, {model_parallel}): give sizes that divide it")
+                raise ValueError(f"--world-size {args.world_size} is not divisible by {spelled(key, size)} "
+                                 f"(with the other sizes given, {model_parallel}): give sizes that divide it")
+        if fixed["tp"] and args.gpus_per_node % fixed["tp"]:
+            raise ValueError(f"{spelled('tp', fixed['tp'])} does not fit in a node of --gpus-per-node "
+                             f"{args.gpus_per_node}: tp stays within one node; give a divisor of "
+                             f"{args.gpus_per_node} (or the --gpus-per-node your nodes have)")
         if fixed["tp"]:
             config.model.validate(fixed["tp"])
         if train.global_batch_size is not None and train.global_batch_size < 1:
@@ -263,7 +299,7 @@ def _report(config, args, plans: list, links) -> None:
         print(json.dumps([{**asdict(p.layout), "model_state_bytes": p.model_state_bytes,
                            "activation_bytes": p.activation_bytes, "buffer_bytes": p.buffer_bytes,
                            "total_bytes": p.total_bytes, "bubble": p.bubble,
-                           "comm_bytes_per_step": p.comm_bytes,
+                           "comm_stage": p.comm_stage, "comm_bytes_per_step": p.comm_bytes,
                            "comm_bytes_inter_node_per_step": p.comm_bytes_inter_node, "score": p.score,
                            "step_seconds": p.step_seconds} for p in plans], indent=1))
         return
@@ -278,7 +314,7 @@ def _report(config, args, plans: list, links) -> None:
           f"{'offload':>7} {'schedule':>8} {'layers per stage':>16} {'bubble':>6} | "
           f"{'states GiB':>10} {'activ GiB':>9} "
           f"{'buffers GiB':>11} {'total GiB':>9} | "
-          f"comm GiB/step {' / '.join(axes)} (to another node)"
+          f"comm GiB/step of a rank of the stage sending most (stage: {' / '.join(axes)}, to another node)"
           + (" | ZeRO++ / MiCS | step s" if links else ""))
     for p in plans:
         layout, gib = p.layout, 2**30
@@ -290,9 +326,9 @@ def _report(config, args, plans: list, links) -> None:
               f"{p.bubble:>6.1%} | "
               f"{p.model_state_bytes / gib:>10.2f} "
               f"{p.activation_bytes / gib:>9.2f} {p.buffer_bytes / gib:>11.2f} {p.total_bytes / gib:>9.2f} | "
-              + " / ".join(f"{p.comm_bytes.get(axis, 0.0) / gib:.2f} "
-                           f"({p.comm_bytes_inter_node.get(axis, 0.0) / gib:.2f})"
-                           for axis in axes)
+              f"{p.comm_stage}: " + " / ".join(f"{p.comm_bytes.get(axis, 0.0) / gib:.2f} "
+                                               f"({p.comm_bytes_inter_node.get(axis, 0.0) / gib:.2f})"
+                                               for axis in axes)
               + (f" | {layout.zero.label():>14} | {p.step_seconds:.3f}" if links else ""))
     if advice:
         print(advice)
