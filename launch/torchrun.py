@@ -24,8 +24,10 @@ import socket
 import sys
 
 
-# torchrun shares its rendezvous store with the workers' process groups by default; a restarted world
-# can then read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712)
+# torchrun shares its rendezvous store with the workers' process groups by default, one store for every
+# attempt: the workers then key their groups by the restart count (parallel.process_groups.attempt_store),
+# which nodes may count apart (an agent restarts its healthy workers for another node's failure without
+# counting it); a store of each world's own, in its rank 0's process, is that world's on every node
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # ``python -c IN_PROCESS <torchrun arguments>``: torchrun run as run_torchrun runs it, in a process of its own
 IN_PROCESS = "import sys; from launch.torchrun import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"

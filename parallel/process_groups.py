@@ -55,12 +55,25 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         # on GPUs, CPU tensors (offloaded states, small metrics) still get a gloo backend
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                store=attempt_store(store), rank=rank, world_size=world_size, timeout=timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def attempt_store(store):
+    """The store this attempt's process groups form on. Where torchrun's agent shares its own store with the
+    workers (plain torchrun: its static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the
+    launchers' setting) that store outlives every attempt, and a restarted world would read the last one's
+    addresses (gloo's connectFullMesh refused, or both ranks waited out the start; pytorch/pytorch#135712):
+    this attempt's keys go under its restart count. Elsewhere rank 0 hosts a store of this attempt's own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return store
+    return dist.PrefixStore(f"attempt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown_distributed() -> None:

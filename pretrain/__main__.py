@@ -17,7 +17,8 @@ import time
 import warnings
 
 COMMUNICATION_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out",
-                          "NCCL communicator", "Broken pipe", "pair closure")
+                          "NCCL communicator", "Broken pipe", "pair closure",
+                          "wait timeout")  # (the store's: gloo's connectFullMesh waiting for a stopped peer)
 TIMEOUTS = ("imed out", "pplication timeout")  # gloo's words for a collective that timed out
 
 

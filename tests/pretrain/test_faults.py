@@ -78,10 +78,11 @@ def test_non_finite_steps_stop_the_run_or_are_skipped_everywhere_up_to_the_limit
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extra=(), load=None):
+def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extra=(), load=None,
+         environment=None):
     """A 2-process torchrun job of 8 iterations saving every 2 into (and loading from, or from ``load``) its
     directory; with ``die_at``, rank 1 dies there on the first start (see
-    launch.tools.faults.fault_injection).
+    launch.tools.faults.fault_injection); ``environment``: variables over the launchers' own.
     Returns (the finished process, seconds it took, its metrics lines, its checkpoint directory)."""
     prefix, tokenizer = corpus
     directory, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
@@ -94,7 +95,7 @@ def _job(corpus, tmp_path, name, max_restarts=0, die_at=None, timeout_s=60, extr
                f"--max-restarts={max_restarts}", "-m", "launch.tools.faults.fault_injection", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", DIE_RANK="1", DIE_AT=die_at or "never:0",
                WANDB_MODE="disabled", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",  # a stopped rank: killed in 5 s
-               **RESTARTABLE)
+               **dict(RESTARTABLE, **(environment or {})))
     started = time.monotonic()
     job = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPOSITORY, timeout=300)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -229,6 +230,30 @@ def test_a_rank_stopped_as_the_world_forms_is_named_within_the_timeout_and_the_r
                                    f"({phase}): rank {rank} (pid ") for phase in phases), line
         assert ") hung (stopped: SIGSTOP or a debugger); the run stopped" in line, line
     assert lines[-1]["iteration"] == 8 and lines[-1]["loss"] == reference_job[1]  # the same run, exactly
+
+
+@pytest.mark.slow
+def test_each_restart_forms_its_world_on_its_own_keys_of_torchruns_shared_store(stdlib_corpus, tmp_path,
+                                                                                 reference_job):
+    """Where torchrun's agent shares its store with the workers (plain torchrun; here its c10d rendezvous with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0) one store outlives every attempt: rank 1 killed mid-run, then rank 0
+    killed as the restarted world's groups formed and rank 1 stopped there in the next: each restarted world
+    forms on its own keys (not on the dead ones' addresses), the stop is named within the 6 s timeout, and the
+    job ends by itself on the reference's loss exactly."""
+    job, seconds, lines, _ = _job(stdlib_corpus, tmp_path, "shared-store", max_restarts=3,
+                                  die_at="iteration:3@1,killstartup:2@0,startup:2@1", timeout_s=6,
+                                  environment={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    assert job.returncode == 0 and seconds < 120, (job.returncode, seconds, job.stderr[-3000:])
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert [line for line in errors if line.startswith("error: attempt ")] == [
+        f"error: attempt {n} failed; restarting every worker from the newest checkpoint (restart {n} of 3)"
+        for n in (1, 2, 3)], job.stderr[-3000:]
+    assert "error: rank 0 (pid " in job.stderr and ") was ended by SIGKILL" in job.stderr
+    said, = [line for line in errors if ": rank 1 (pid " in line and line.startswith(
+        "error: the start did not finish within --distributed-timeout-s 6 ")]
+    assert ") hung (stopped: SIGSTOP or a debugger); the run stopped" in said, said
+    assert [line["iteration"] for line in lines] == list(range(1, 9))  # the last world resumed from 2
+    assert lines[-1]["loss"] == reference_job[1]  # the same run, exactly
 
 
 def test_a_rank_stopped_inside_a_collective_is_named_as_hung_at_the_timeout(stdlib_corpus, tmp_path):

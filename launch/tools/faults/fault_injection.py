@@ -6,8 +6,8 @@ collective of iteration N, the others waiting inside it), ``hangcollective:N`` (
 ``hang:N`` (it stops, SIGSTOP, as iteration N begins: alive but silent) or ``full:N`` (as iteration N
 begins its files may grow to 1 KiB only, RLIMIT_FSIZE: a full disk for its next save) or ``startup:1`` (it
 stops, SIGSTOP, before it joins the job's store and the process groups) or ``startup:2`` (it stops once the
-process groups have formed, before the first collective). Rank
-``DIE_RANK`` dies; a restarted job does not. Faults in a save's writer (an asynchronous save's
+process groups have formed, before the first collective) or ``killstartup:1`` / ``killstartup:2`` (SIGKILL
+there). Rank ``DIE_RANK`` dies; a restarted job does not. Faults in a save's writer (an asynchronous save's
 thread): ``write:N`` (before its first byte), ``midfile:N`` (part of its file written), ``publish:N``
 (every file written, before rank 0 publishes: give DIE_RANK 0), ``fullsave:N`` (its file may grow to
 1 KiB only: the disk fills as it is written). ``DIE_AT`` may list one fault per start,
@@ -43,8 +43,8 @@ def _log() -> None:
 def _arm(kind: str, number: int) -> None:
     from pretrain.training.trainer import Trainer
 
-    if kind == "startup":
-        _arm_startup(number)
+    if kind in ("startup", "killstartup"):
+        _arm_startup(number, signal.SIGSTOP if kind == "startup" else signal.SIGKILL)
     elif kind in ("iteration", "hang", "full", "collective", "hangcollective"):
         train_step, started = Trainer.train_step, [0]
 
@@ -65,18 +65,18 @@ def _arm(kind: str, number: int) -> None:
         _arm_writer(kind, number)
 
 
-def _arm_startup(point: int) -> None:
-    """Stop (SIGSTOP) before the process groups form (1) or right after (2)."""
+def _arm_startup(point: int, how: int) -> None:
+    """Strike (SIGSTOP or SIGKILL) before the process groups form (1) or right after (2)."""
     from parallel import process_groups
 
     init = process_groups.init_distributed
 
     def stopping_init(*args, **kwargs):
         if point == 1:
-            _die(signal.SIGSTOP)
+            _die(how)
         device = init(*args, **kwargs)
         if point == 2:
-            _die(signal.SIGSTOP)
+            _die(how)
         return device
     process_groups.init_distributed = stopping_init
 
