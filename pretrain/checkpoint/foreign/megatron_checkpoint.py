@@ -123,7 +123,8 @@ class MegatronCheckpoint:
                 "source": f"Megatron-LM ({self.format}, {layout.describe()})"}
 
 
-def _tracked_iteration(directory: str) -> int | None:
+def tracked_iteration(directory: str) -> int | None:
+    """The iteration ``directory``'s tracker names (None: "release"); CheckpointError for other text."""
     path = os.path.join(directory, TRACKER)
     with open(path) as handle:
         text = handle.read().strip()
@@ -137,7 +138,7 @@ def _tracked_iteration(directory: str) -> int | None:
 def open_megatron(directory: str, step: int | None = None) -> MegatronCheckpoint:
     """The checkpoint of iteration ``step`` (default: the tracker's) under Megatron-LM's ``directory``;
     CheckpointError naming what is missing or refused."""
-    iteration = step if step is not None else _tracked_iteration(directory)
+    iteration = step if step is not None else tracked_iteration(directory)
     folder = os.path.join(directory, iteration_folder(iteration))
     if not os.path.isdir(folder):
         raise CheckpointError(f"--load {directory}: no {iteration_folder(iteration)} folder (its tracker or "

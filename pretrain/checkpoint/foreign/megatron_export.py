@@ -26,7 +26,9 @@ import torch
 from models.config import GPTConfig
 from pretrain.checkpoint.dcp_storage import save_in_one_process
 from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
-from pretrain.checkpoint.foreign.megatron_checkpoint import TRACKER, iteration_folder, legacy_file
+from pretrain.checkpoint.errors import CheckpointError
+from pretrain.checkpoint.foreign.megatron_checkpoint import (TRACKER, is_megatron, iteration_folder,
+                                                             legacy_file, tracked_iteration)
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, LEGACY_EXPERTS,
                                                         MLP_EXTRA_STATE_MODULES,
                                                         SHARED_EXPERT_EXTRA_STATE_MODULES,
@@ -134,22 +136,23 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
         shutil.rmtree(staging, ignore_errors=True)
         raise
     os.replace(staging, final)
-    if _tracked(directory) < common["iteration"]:  # the tracker never moves back
+    if _tracker_behind(directory, common["iteration"]):  # the tracker never moves back
         with open(os.path.join(directory, TRACKER + ".part"), "w") as handle:
             handle.write(str(common["iteration"]))
         os.replace(os.path.join(directory, TRACKER + ".part"), os.path.join(directory, TRACKER))
     return final
 
 
-def _tracked(directory: str) -> float:
-    """The iteration ``directory``'s tracker names (-inf: none; inf: "release" or unreadable: never
-    passed)."""
+def _tracker_behind(directory: str, iteration: int) -> bool:
+    """Whether ``directory``'s tracker may move on to ``iteration``: there is none, or it names an earlier
+    one ("release" or unreadable text is never passed)."""
+    if not is_megatron(directory):
+        return True
     try:
-        with open(os.path.join(directory, TRACKER)) as handle:
-            text = handle.read().strip()
-    except FileNotFoundError:
-        return float("-inf")
-    return int(text) if text.isdigit() else float("inf")
+        tracked = tracked_iteration(directory)
+    except CheckpointError:
+        return False
+    return tracked is not None and tracked < iteration
 
 
 def _check_optimizer_export(source, config: GPTConfig, manifest: dict, ckpt_format: str) -> None:
