@@ -13,45 +13,19 @@ import contextlib
 
 import torch
 
-from parallel import comm
 from parallel.comm import AxisGroup
+from parallel.context.head_exchange import to_heads, to_sequence
 from parallel.context.local_attention import ScoreOptions, attend, sequence_mask
-
-
-class _SwapParts(torch.autograd.Function):
-    """x [cp, ...]: part j goes to cp rank j, part i of the result came from rank i (its own inverse)."""
-
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all_single(out, x, cp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        comm.all_to_all_single(out, grad, ctx.cp)
-        return out, None
 
 
 def _to_heads(x: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
     """[b, G, ..., s, d] in this rank's zig-zag order -> [b, G/cp, ..., S, d] in natural order."""
-    n = cp.size
-    parts = x.unflatten(1, (n, x.shape[1] // n)).movedim(1, 0)
-    received = _SwapParts.apply(parts, cp)  # [source rank, b, G/cp, ..., s, d]
-    first, second = received.chunk(2, dim=-2)  # the source's chunks i and 2cp-1-i
-    return torch.cat([first[c] if c < n else second[2 * n - 1 - c] for c in range(2 * n)], dim=-2)
+    return to_heads(x.unflatten(1, (cp.size, x.shape[1] // cp.size)).movedim(1, 0), cp)
 
 
 def _to_sequence(y: torch.Tensor, cp: AxisGroup) -> torch.Tensor:
     """The inverse of ``_to_heads``."""
-    n = cp.size
-    chunks = y.chunk(2 * n, dim=-2)
-    parts = torch.stack([torch.cat([chunks[j], chunks[2 * n - 1 - j]], dim=-2) for j in range(n)])
-    return _SwapParts.apply(parts, cp).movedim(0, 1).flatten(1, 2)
+    return to_sequence(y, cp).movedim(0, 1).flatten(1, 2)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup, options: ScoreOptions,
