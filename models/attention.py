@@ -162,7 +162,7 @@ class SelfAttention(AttentionCore):
         self.norm_per_head = config.qk_layernorm_scope == "head"
         self.proj = RowParallelLinear(heads * d, h, tp,
                                       WeightInit(seed, f"layers.{layer}.attention.proj.weight", std)
-                                      .scaled_for_residual(config.num_layers), bias=bias,
+                                      .scaled_for_residual(config.residual_branches), bias=bias,
                                       sequence_parallel=sequence_parallel)
         if config.softmax_type == "learnable":  # each head's sink logit, drawn as Megatron draws it
             sink = WeightInit(seed, f"layers.{layer}.attention.sinks", config.init_method_std)  # (a vector)

@@ -5,16 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.flags import flag
+from models.hybrid.config import HybridConfig
 from models.latent.config import LatentAttentionConfig
+from models.mamba.config import MambaConfig
 from models.moe.config import MoEConfig
 from models.mup_config import MuPConfig
 
 
 @dataclass
-class GPTConfig(MoEConfig, LatentAttentionConfig, MuPConfig):
-    """Shape and options of the GPT. Owns no weights; ``validate(tp)`` checks what tp must divide."""
+class GPTConfig(HybridConfig, MambaConfig, MoEConfig, LatentAttentionConfig, MuPConfig):
+    """Shape and options of the GPT (or of a hybrid model: ``--hybrid-layer-pattern``). Owns no weights;
+    ``validate(tp)`` checks what tp must divide."""
 
-    num_layers: int = field(default=4, metadata=flag("transformer blocks"))
+    num_layers: int = field(default=4, metadata=flag(
+        "transformer blocks (with --hybrid-layer-pattern: the pattern's layers, which it sets)"))
     hidden_size: int = field(default=256, metadata=flag("model width h"))
     num_attention_heads: int = field(default=4, metadata=flag("attention heads a; tp must divide it"))
     ffn_hidden_size: int | None = field(default=None,
@@ -135,8 +139,11 @@ class GPTConfig(MoEConfig, LatentAttentionConfig, MuPConfig):
                                          "gemma2", "gemma3_text"]))
     hidden_dropout: float = field(default=0.1, metadata=flag("dropout on residual branches and embeddings"))
     attention_dropout: float = field(default=0.1, metadata=flag("dropout on attention probabilities"))
-    init_method_std: float = field(
-        default=0.02, metadata=flag("std of weight init; residual projections use std/sqrt(2 layers)"))
+    init_method_std: float = field(default=0.02, metadata=flag(
+        "std of weight init; residual projections use std/sqrt(2 layers) (a pattern's: std/sqrt(layers))"))
+
+    def __post_init__(self) -> None:
+        self.resolve_pattern(num_layers_given=False)
 
     @property
     def ffn_size(self) -> int:
@@ -207,15 +214,6 @@ class GPTConfig(MoEConfig, LatentAttentionConfig, MuPConfig):
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
-    def recomputable_modules(self) -> list[str]:
-        """The --recompute-modules names of the parts this model has (Megatron's names)."""
-        moe = self.moe_layers(self.num_layers)
-        have = ["core_attn", "layernorm"] + (["mlp"] if not all(moe) else [])
-        if any(moe):
-            shared = self.moe_shared_expert_intermediate_size is not None
-            have += ["moe", "moe_act"] + (["shared_experts"] if shared else [])
-        return have + (["mla_up_proj"] if self.multi_latent_attention else [])
-
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by x tp (Megatron's rule)."""
         if self.vocab_size is None:
@@ -251,6 +249,7 @@ class GPTConfig(MoEConfig, LatentAttentionConfig, MuPConfig):
         self._validate_attention(tp)
         self.validate_latent(tp)
         self.validate_mup()
+        self.validate_hybrid(tp)
         self.validate_moe(self.num_layers, self.ffn_size)
         if self.ffn_size < 1:
             raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "

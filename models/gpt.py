@@ -1,11 +1,12 @@
-"""GPT: pre-norm transformer blocks assembled from tensor-parallel layers.
+"""GPT: an embedding, layers assembled from tensor-parallel parts, the output layer and loss.
 
 Activations are [sequence, batch, hidden]. The model part a rank builds is chosen by
-``layer_indices`` (global block indices, so weights are named and initialised the same whatever the
+``layer_indices`` (global layer indices, so weights are named and initialised the same whatever the
 pipeline split) and by ``pre_process`` (token/position embedding) / ``post_process`` (final norm,
 output layer and loss). The only parallel decisions here are which layers to use. The architecture
 (GPT-3 or Llama-class: norms, MLP activation, grouped queries, positions, tied or untied output)
-comes from ``GPTConfig``; attention and the MLP live in ``models.attention`` and ``models.mlp``.
+comes from ``GPTConfig``; each layer is built by the layer registry (``models.layers.registry``) from
+its entry in ``GPTConfig.layer_types()``: a transformer block, or a hybrid pattern's symbol.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import LayerInputs, SelfAttention
+from models.attention import LayerInputs
 from models.config import GPTConfig
-from models.latent.attention import LatentAttention
-from models.mlp import MLP
+from models.layers.registry import LayerContext, build_layer, check_buildable
+from models.layers.residual import dropout
 from models.moe.balancing import LoadBalancing
-from models.moe.layer import MoELayer
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
-from parallel.comm import AxisGroup, compile_boundary
+from parallel.comm import AxisGroup
 from parallel.context import ContextParallel, DocumentBlocks
 from parallel.experts import ExpertGroups
 from parallel.param_meta import declare
@@ -31,87 +31,6 @@ from parallel.tensor.layers import (VocabParallelEmbedding, VocabParallelOutput,
 from parallel.tensor.mappings import scatter_to_sequence_parallel
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.tensor.weight_init import WeightInit
-
-
-def _dropout(p: float) -> nn.Module:
-    """Dropout, or nothing at p = 0 (so no mask is made or kept for backward)."""
-    return nn.Dropout(p) if p > 0 else nn.Identity()
-
-
-class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)), with dropout on both residual branches; the norms where
-    --norm-placement puts them: before each sublayer (pre: ``attention_norm``, ``mlp_norm``), before and
-    after it (sandwich: ``attention_post_norm``, ``mlp_post_norm`` too), or after it only (post).
-
-    Residual dropout draws from the default stream (equal on all tp ranks, whose activations are
-    replicas), or from the per-tp-rank stream under sequence parallelism (each rank holds other tokens).
-    """
-
-    def __init__(self, config: GPTConfig, layer: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
-                 rng: RNGTracker | None = None, experts: ExpertGroups | None = None,
-                 balancing: LoadBalancing | None = None):
-        super().__init__()
-        self.layer = layer
-        self.rng = rng or model_parallel_tracker(seed, tp.rank)
-        before, after = config.norm_placement != "post", config.norm_placement != "pre"
-        h = config.hidden_size
-        self.attention_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
-        attention = LatentAttention if config.multi_latent_attention else SelfAttention
-        self.attention = attention(config, layer, tp, seed, sequence_parallel, self.rng)
-        self.attention_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
-        self.mlp_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
-        if config.moe_layers(config.num_layers)[layer]:  # a mixture of experts in the MLP's place
-            self.mlp = MoELayer(config, layer, tp, seed, sequence_parallel,
-                                experts or ExpertGroups.detached(),
-                                balancing if balancing is not None else load_balancing(config))
-        else:
-            self.mlp = MLP(config, layer, tp, seed, sequence_parallel)
-        self.mlp_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
-        self.dropout = _dropout(config.hidden_dropout)
-        self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
-        self.norm_runner = None  # how a pre-norm and its sublayer run when the norm is recomputed
-
-    def recompute_selectively(self, modules: tuple[str, ...], runner, dropped) -> None:
-        """Selective recompute of the parts ``modules`` names (Megatron's --recompute-modules) that this
-        layer has: ``runner(compute, *inputs)`` recomputes a part from its inputs, ``dropped`` (a
-        ``parallel.recompute.DroppedOutput``) drops a cheap function's output and rebuilds it. A part
-        recomputed whole takes what it holds along (``moe`` its experts, ``mla_up_proj`` the core)."""
-        attention, mlp = self.attention, self.mlp
-        if "mla_up_proj" in modules and isinstance(attention, LatentAttention):
-            attention.recompute_up_with(runner)
-        elif "core_attn" in modules:
-            attention.recompute_core_with(runner)
-        if mlp.RECOMPUTE_MODULE in modules:  # "mlp" or "moe"
-            mlp.recompute_with(runner)
-        elif isinstance(mlp, MoELayer):
-            if "moe_act" in modules:
-                mlp.experts.recompute_activation_with(dropped)
-            if "shared_experts" in modules and mlp.shared_experts is not None:
-                mlp.shared_experts.recompute_with(runner)
-        if "layernorm" in modules:  # each pre-norm's output dropped once its sublayer has run
-            self.norm_runner = dropped
-
-    def _normed(self, norm: nn.Module, x: torch.Tensor, sublayer) -> torch.Tensor:
-        if self.norm_runner is None or isinstance(norm, nn.Identity):
-            return sublayer(norm(x))
-        normed = self.norm_runner.run(norm, x)
-        out = sublayer(normed)
-        self.norm_runner.drop(norm, x, normed, out)
-        return out
-
-    def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return self._dropout_on_own_stream(x) if self.fork_for_dropout else self.dropout(x)
-
-    @compile_boundary  # the per-rank random stream is swapped in around it
-    def _dropout_on_own_stream(self, x: torch.Tensor) -> torch.Tensor:
-        with self.rng.fork():
-            return self.dropout(x)
-
-    def forward(self, x: torch.Tensor, inputs: LayerInputs = LayerInputs()) -> torch.Tensor:
-        attended = self.attention_post_norm(self._normed(self.attention_norm, x,
-                                                         lambda normed: self.attention(normed, inputs)))
-        x = x + self._residual_dropout(attended)
-        return x + self._residual_dropout(self.mlp_post_norm(self._normed(self.mlp_norm, x, self.mlp)))
 
 
 class GPTModel(nn.Module):
@@ -133,6 +52,7 @@ class GPTModel(nn.Module):
                  rng: RNGTracker | None = None, context: ContextParallel | None = None,
                  experts: ExpertGroups | None = None, balancing: LoadBalancing | None = None):
         super().__init__()
+        check_buildable(config)
         config.validate(tp.size)
         experts = experts or ExpertGroups.detached()
         config.validate_moe(config.num_layers, config.ffn_size, experts.etp.size, experts.ep.size)
@@ -151,16 +71,17 @@ class GPTModel(nn.Module):
                 self.position_embedding = nn.Embedding(config.max_positions, h,  # no throw-away draw
                                                        _weight=positions.full((config.max_positions, h)))
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
-            self.embedding_dropout = _dropout(config.hidden_dropout)
+            self.embedding_dropout = dropout(config.hidden_dropout)
         self.frequencies = RotaryFrequencies(config)
         self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
         # the MoE layers' load balancing (None without experts)
         self.balancing = balancing if balancing is not None or not config.num_experts \
-            else load_balancing(config)
-        self.layers = nn.ModuleList(TransformerBlock(config, i, tp, seed, sequence_parallel, self.rng,
-                                                     experts, self.balancing)
-                                    for i in self.layer_indices)
+            else LoadBalancing.for_model(config)
+        built_with = LayerContext(config, tp, seed, sequence_parallel, self.rng, experts, self.balancing,
+                                  self.context)
+        entries = config.layer_types()
+        self.layers = nn.ModuleList(build_layer(entries[i], built_with, i) for i in self.layer_indices)
         if post_process:
             self.final_norm = build_norm(config, h, sequence_parallel)
             if not (self.tied and pre_process):
@@ -239,9 +160,10 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         context = None if whole_sequence else self.context
         blocks = None
-        if documents is not None and context is None and self.layers and DocumentBlocks.usable(
+        windows = set().union(*(layer.attention_windows() for layer in self.layers))
+        if documents is not None and context is None and windows and DocumentBlocks.usable(
                 documents.device, self.config.attn_logit_softcapping, self.config.attention_dropout):
-            blocks = DocumentBlocks(documents, {layer.attention.scores.window for layer in self.layers})
+            blocks = DocumentBlocks(documents, windows)
         inputs = LayerInputs(documents=documents, context=context, document_blocks=blocks,
                              **self._rotary(position_ids, x.dtype, whole_sequence))
         if self.layer_runner is not None:
@@ -258,8 +180,3 @@ class GPTModel(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.config.vocab_size).t()
 
-
-def load_balancing(config: GPTConfig) -> LoadBalancing:
-    """The load balancing of a rank's MoE layers (the expert biases with --moe-router-enable-expert-bias)."""
-    return LoadBalancing(config.num_layers, config.num_experts or 0,
-                         config.moe_router_bias_update_rate if config.moe_router_enable_expert_bias else None)

@@ -34,7 +34,7 @@ class MLP(nn.Module):
                                         sequence_parallel=sequence_parallel,
                                         stacked=2 if config.gated else 1)
         self.fc2 = RowParallelLinear(f, h, tp, WeightInit(seed, f"layers.{layer}.{name}.fc2.weight", std)
-                                     .scaled_for_residual(config.num_layers), bias=bias,
+                                     .scaled_for_residual(config.residual_branches), bias=bias,
                                      sequence_parallel=sequence_parallel)
         self.runner = None  # how the MLP runs when it is recomputed (``recompute_with``)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from models.config import GPTConfig
-from models.gpt import GPTModel, load_balancing
+from models.gpt import GPTModel
+from models.moe.balancing import LoadBalancing
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel
 from parallel.experts import ExpertGroups
@@ -21,7 +22,7 @@ def stage_chunks(config: GPTConfig, tp: AxisGroup, pp: int, stage: int, *, seed:
     """The ``vp`` model chunks of pipeline stage ``stage``: chunk c holds the blocks of its virtual stage
     (``parallel.pipeline.partition``; ``v``: placed in a V); the embedding is in the first virtual stage, the
     output layer and loss in the last; the chunks' MoE layers share one ``LoadBalancing``."""
-    balancing = load_balancing(config) if config.num_experts else None
+    balancing = LoadBalancing.for_model(config) if config.num_experts else None
     last = pp * vp - 1
     return nn.ModuleList(
         GPTModel(config, tp, seed=seed, sequence_parallel=sequence_parallel, rng=rng, context=context,

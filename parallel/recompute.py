@@ -123,8 +123,9 @@ def checkpoint(run: Callable, inputs: tuple[torch.Tensor, ...], *rest, tracker: 
     return _checkpoint(run, tracker, store, len(inputs), *inputs, *rest)
 
 
-# Megatron's --recompute-modules (which of them a model has: ``GPTConfig.recomputable_modules``)
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
+# Megatron's --recompute-modules (which of them a model has: ``models.layers.registry.recomputable_modules``)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj",
+                     "mamba")
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class LatentAttention(AttentionCore):
         self.up_runner = None  # how the part after the latents runs when it is recomputed
         self.proj = RowParallelLinear(heads * self.value, h, tp,
                                       WeightInit(seed, f"{name}.proj.weight", std)
-                                      .scaled_for_residual(config.num_layers), bias=bias,
+                                      .scaled_for_residual(config.residual_branches), bias=bias,
                                       sequence_parallel=sequence_parallel)
 
     def clip_factors(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> dict:

@@ -42,6 +42,13 @@ class LoadBalancing:
     each layer's experts received; and with ``bias_rate`` the expert-bias table [layers, E] of the whole
     model (fp32). Never changes the routing but through the biases, nor the main loss."""
 
+    @staticmethod
+    def for_model(config) -> "LoadBalancing":
+        """The balancing of a rank's MoE layers of a model of ``config`` (a ``GPTConfig``: its layers,
+        experts, and the expert biases' rate with --moe-router-enable-expert-bias)."""
+        rate = config.moe_router_bias_update_rate if config.moe_router_enable_expert_bias else None
+        return LoadBalancing(config.num_layers, config.num_experts or 0, rate)
+
     def __init__(self, num_layers: int = 0, num_experts: int = 0, bias_rate: float | None = None) -> None:
         self.gradient_scale = 1.0
         self.losses: dict[str, torch.Tensor] = {}

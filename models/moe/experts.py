@@ -28,7 +28,7 @@ class Expert(nn.Module):
         bias = not config.disable_bias_linear
         shape, dim = ((2, width, h), 1) if config.gated else ((width, h), 0)
         fc1 = WeightInit(seed, f"{name}.fc1.weight", std)
-        fc2 = WeightInit(seed, f"{name}.fc2.weight", std).scaled_for_residual(config.num_layers)
+        fc2 = WeightInit(seed, f"{name}.fc2.weight", std).scaled_for_residual(config.residual_branches)
         self.fc1 = LinearWeights(
             declare(shard_parameter(lambda: fc1.full(shape), dim, etp), expert=True),
             declare(shard_parameter(lambda: torch.zeros(shape[:-1]), dim, etp), expert=True)

@@ -17,7 +17,8 @@ import torch
 
 @dataclass(frozen=True)
 class WeightInit:
-    """Normal(0, std) initialisation of one named weight from a seed.
+    """Normal(0, std) initialisation of one named weight from a seed (``uniform``: a uniform draw from the
+    same generator, for the few weights whose law is not normal).
 
     Owns only (seed, name, std); it never touches a module. ``full(shape)`` returns the master weight.
     """
@@ -30,10 +31,17 @@ class WeightInit:
         full = torch.empty(shape, dtype=torch.float32)
         if full.is_meta:  # a model built on the meta device has shapes only (a draw there imports torch's
             return full.to(dtype)  # decompositions and dynamo: about a second per process)
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(self.name.encode()))
-                                                  % 2**63)
-        return full.normal_(0.0, self.std, generator=generator).to(dtype)
+        return full.normal_(0.0, self.std, generator=self._generator()).to(dtype)
 
-    def scaled_for_residual(self, num_layers: int) -> "WeightInit":
-        """The GPT-2 / Megatron scaled init for projections that feed the residual stream."""
-        return WeightInit(self.seed, self.name, self.std / math.sqrt(2.0 * num_layers))
+    def uniform(self, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+        """The master weight drawn from U(low, high) instead (fp32; ``std`` unused)."""
+        full = torch.empty(shape, dtype=torch.float32)
+        return full if full.is_meta else full.uniform_(low, high, generator=self._generator())
+
+    def _generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(self.name.encode())) % 2**63)
+
+    def scaled_for_residual(self, branches: int) -> "WeightInit":
+        """The GPT-2 / Megatron scaled init for projections that feed the residual stream: std / sqrt of the
+        ``branches`` adding into it (a GPT block has two)."""
+        return WeightInit(self.seed, self.name, self.std / math.sqrt(branches))

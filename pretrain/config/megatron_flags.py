@@ -212,6 +212,10 @@ def resolve_settings(config, pipeline_stages: int) -> None:
     (ValueError naming the flags when two of them disagree)."""
     par, zero, data, train = config.parallel, config.zero, config.data, config.training
     model = config.model
+    config.notes.extend(model.resolve_pattern("num_layers" in config.given))
+    pattern = model.parsed_pattern()
+    if pattern is not None:
+        hybrid_layout(config, pattern, pipeline_stages)
     if "--no-position-embedding" in config.ignored_flags and model.position_embedding == "learned_absolute":
         model.position_embedding_type = "none"
     if zero.zero_stage is None:
@@ -246,6 +250,49 @@ def resolve_settings(config, pipeline_stages: int) -> None:
                                else "SentencePieceTokenizer")
     if train.train_iters is None and train.train_samples is None:
         train.train_iters = 100
+
+
+_NOT_WITH_A_PATTERN = (("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+                       ("virtual_pipeline_size", "--virtual-pipeline-size"),
+                       ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+                       ("pipeline_layers_per_stage", "--pipeline-layers-per-stage"),
+                       ("account_for_embedding_in_pipeline_split",
+                        "--account-for-embedding-in-pipeline-split"),
+                       ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"))
+
+
+def hybrid_layout(config, pattern, pipeline_stages: int) -> None:
+    """A hybrid pattern's pipeline cut, as Megatron takes it: its ``|`` segments are the virtual stages in a
+    micro-batch's path (their count a multiple of the stages; more make virtual stages); without ``|`` the
+    layers split evenly (or by the first / last stage counts). The other ways to cut are refused beside it,
+    as is --moe-layer-freq (its E symbols place the experts)."""
+    par, shown = config.parallel, f"--hybrid-layer-pattern {pattern.text!r}"
+    for name, flag in _NOT_WITH_A_PATTERN + (("moe_layer_freq", "--moe-layer-freq"),):
+        if name in config.given:
+            place = ("its E symbols place the experts" if name == "moe_layer_freq"
+                     else "its | cut the pipeline")
+            raise ValueError(f"{flag} beside {shown}: {place}; drop {flag}")
+    if not pattern.cut:
+        return
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(par, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} beside {shown}: its | cut the pipeline; drop the "
+                             "flag, or the |")
+    segments = len(pattern.segments)
+    if segments % pipeline_stages:
+        raise ValueError(f"{shown} has {segments} pipeline segments, not a multiple of "
+                         f"--pipeline-model-parallel-size {pipeline_stages}: cut it into a multiple of the "
+                         "stages")
+    empty = [index for index, segment in enumerate(pattern.segments) if not segment]
+    if empty:
+        raise ValueError(f"{shown}: segment {empty[0]} (between its |) holds no layer: give every segment "
+                         "one")
+    chunks = segments // pipeline_stages
+    if chunks > 1 and par.pipeline_schedule == "zbv" and chunks != 2:
+        raise ValueError(f"{shown} makes {chunks} virtual stages per pipeline stage; --pipeline-schedule zbv "
+                         "runs two in a V")
+    par.virtual_pipeline_size = chunks if chunks > 1 else None
+    par.pipeline_layers_per_stage = [len(segment) for segment in pattern.segments]
 
 
 def split_request(par) -> SplitRequest:

@@ -140,7 +140,7 @@ class RecomputeConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"], metadata=flag(
         "selective: what is recomputed (Megatron's names): core_attn the attention core, mlp the MLP, "
         "layernorm the pre-norms' outputs, moe a MoE layer, moe_act its experts' activation, shared_experts "
-        "its shared expert, mla_up_proj latent attention from its latents",
+        "its shared expert, mla_up_proj latent attention from its latents, mamba a Mamba-2 mixer",
         choices=list(RECOMPUTE_MODULES)))
     recompute_num_layers: int | None = field(default=None, metadata=flag(
         "full: layers per checkpoint (uniform) or checkpointed layers per model chunk (block); default all"))
@@ -338,6 +338,7 @@ class Config:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     ignored_flags: list[str] = field(default_factory=list)  # Megatron flags given that mean nothing here
     given: set[str] = field(default_factory=set)  # the settings the flags or YAML set (the rest are defaults)
+    notes: list[str] = field(default_factory=list)  # what resolving the settings says (printed at start)
 
     def to_dict(self) -> dict:
         """Flat {name: value} of every setting (the YAML form)."""

@@ -30,10 +30,14 @@ INHERITED = {"seq_length", "hidden_dropout", "attention_dropout",
              # how MoE layers compute and balance, not what they are
              "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_dtype", "moe_aux_loss_coeff",
              "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_bias_update_rate",
-             "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity"}
+             "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+             "mamba_chunk_size"}  # the scan's chunks: its speed and memory, not its result
 # settings whose default depends on others: compared by the value they take
 EFFECTIVE = {"ffn_hidden_size": "ffn_size", "kv_channels": "head_dim", "num_query_groups": "query_groups",
-             "position_embedding_type": "position_embedding", "max_position_embeddings": "max_positions"}
+             "position_embedding_type": "position_embedding", "max_position_embeddings": "max_positions",
+             "hybrid_layer_pattern": "uncut_pattern", "mamba_num_heads": "mamba_heads"}
+# taken from the checkpoint as the value they take there (a pattern without the saved run's pipeline cuts)
+TAKEN_EFFECTIVE = ("max_position_embeddings", "hybrid_layer_pattern")
 TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DATA_SOURCES = ("data_path", "mock_data", "train_data_path")  # none of them: the built-in corpus
 BATCH = ("global_batch_size", "rampup_batch_size", "step_batch_size_schedule")
@@ -86,7 +90,8 @@ def apply_checkpoint_args(config: Config) -> None:
                                  "whose model "
                                  f"has {theirs}: drop the flag (the model's shape comes from the checkpoint)")
         else:
-            setattr(model, name, saved.max_positions if name == "max_position_embeddings" else recorded[name])
+            taken = getattr(saved, EFFECTIVE[name]) if name in TAKEN_EFFECTIVE else recorded[name]
+            setattr(model, name, taken)
     if directory == load and not config.checkpoint.finetune and manifest.get("kind") != "weights":
         _keep_global_batch(config, manifest)
         if config.training.cooldown_iters and not {"train_iters", "train_samples"} & set(config.given):

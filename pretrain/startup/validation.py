@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 from models.counting import num_parameters
+from models.layers.registry import check_buildable, recomputable_modules
 from pretrain.training.batch_schedule import build_batch_schedule
 from pretrain.checkpoint.selection import resume_point, resumed_state
 from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args, made_with
+from pretrain.startup.context_validation import validate_context
 from pretrain.startup.expert_validation import validate_experts
 from pretrain.startup.optimizer_validation import validate_optimizer
 from pretrain.config.megatron_flags import resolve_settings
@@ -38,13 +40,14 @@ def validate(config: Config, world_size: int) -> Topology:
                             pipeline_v=par.pipeline_schedule in V_SCHEDULES)
         resolve_settings(config, topology.pp)
         apply_checkpoint_args(config)
+        check_buildable(model)
         model.validate(topology.tp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if par.sequence_parallel and model.seq_length % topology.tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} divisible by "
                           f"--tensor-model-parallel-size {topology.tp}")
-    _validate_context(config, topology)
+    validate_context(config, topology)
     _validate_pipeline(config, topology)
     validate_experts(config, topology)
     validate_optimizer(config)
@@ -53,7 +56,7 @@ def validate(config: Config, world_size: int) -> Topology:
             and recompute.recompute_granularity is None):
         raise ConfigError("--partition-activations / --activations-on-cpu act on checkpointed activations: "
                           "add --recompute-granularity full or selective")
-    have = model.recomputable_modules()
+    have = recomputable_modules(model)
     unknown = [name for name in recompute.recompute_modules if name not in have]
     if unknown:
         raise ConfigError(f"--recompute-modules {' '.join(unknown)}: this model has no such part; its "
@@ -252,37 +255,6 @@ def _validate_zero(config: Config, topology: Topology) -> None:
         check_swap_directory(zero.nvme_path, int(bytes_per_param * num_parameters(config.model) * local))
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-def _validate_context(config: Config, topology: Topology) -> None:
-    """Context parallelism's rules: the sequence cuts into 2 x cp chunks (and each rank's share into tp
-    pieces under sequence parallelism), one known --cp-comm-type or one per layer, a2a's heads divide."""
-    par, model, cp = config.parallel, config.model, topology.cp
-    kinds = par.cp_comm_type
-    if "a2a+p2p" in kinds or par.hierarchical_context_parallel_sizes is not None:
-        raise ConfigError("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes: hierarchical "
-                          "context parallelism is not implemented; use --cp-comm-type p2p, a2a or allgather")
-    if len(kinds) not in (1, model.num_layers):
-        raise ConfigError(f"--cp-comm-type has {len(kinds)} values: give one, or one per layer "
-                          f"(--num-layers {model.num_layers})")
-    if cp == 1:
-        return
-    if model.softmax_type != "vanilla":
-        raise ConfigError(f"--softmax-type {model.softmax_type} with --context-parallel-size {cp}: attention "
-                          "sinks are not implemented under context parallelism; use cp 1")
-    if model.seq_length % (2 * cp):
-        raise ConfigError(f"--seq-length {model.seq_length} is not a multiple of 2 x --context-parallel-size "
-                          f"{cp} = {2 * cp}: each sequence is cut into 2 x cp chunks")
-    local = model.seq_length // cp
-    if par.sequence_parallel and local % topology.tp:
-        raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp}: each rank's "
-                          f"{local} tokens must divide by --tensor-model-parallel-size {topology.tp}")
-    if "a2a" in kinds:
-        heads, groups = model.num_attention_heads // topology.tp, model.query_groups // topology.tp
-        if heads % cp or groups % cp:
-            raise ConfigError(f"--cp-comm-type a2a gives each cp rank heads of its own: the {heads} query "
-                              f"heads and {groups} key/value groups per tensor-parallel rank must divide by "
-                              f"--context-parallel-size {cp} (use p2p or allgather, or another cp)")
 
 
 def _validate_pipeline(config: Config, topology: Topology) -> None:

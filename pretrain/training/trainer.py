@@ -272,6 +272,8 @@ class Trainer:
         result = TrainResult(wandb_dir=wandb_run.dir if wandb_run else None)
         if config.ignored_flags:
             print_rank0(self.is_logger, describe_ignored(config.ignored_flags))
+        for note in config.notes:
+            print_rank0(self.is_logger, note)
         micro = self.schedule.micro_batches(self.progress.consumed_samples)
         print_rank0(self.is_logger, f"training {self.num_parameters:,} parameters per rank "
                     f"(model {num_parameters(config.model):,}) on "

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.config import GPTConfig
-from models.gpt import GPTModel, TransformerBlock
+from models.gpt import GPTModel
+from models.layers.block import TransformerBlock
+from parallel.tensor.random import model_parallel_tracker
 from parallel.comm import AxisGroup, CommStats
 from parallel.process_groups import create_process_groups
 from parallel.saved_activations import SavedActivationMeter
@@ -111,7 +113,7 @@ def _saved_bytes_per_layer(rank, world_size, tp, sequence_parallel):
     config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=512,
                        **NO_DROPOUT)
     group = create_process_groups(Topology(4, tp=tp)).tp
-    block = TransformerBlock(config, 0, group, seed=0, sequence_parallel=sequence_parallel)
+    block = TransformerBlock(config, 0, group, 0, sequence_parallel, model_parallel_tracker(0, group.rank))
     x = torch.randn(s // tp if sequence_parallel else s, b, h, requires_grad=True)
     meter = SavedActivationMeter()
     with meter.recording():

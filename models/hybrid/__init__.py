@@ -1,0 +1,1 @@
+"""Hybrid models: Megatron-LM's --hybrid-layer-pattern, its grammar and flags."""

@@ -1,0 +1,105 @@
+"""The hybrid layer pattern's flags, a part of ``models.config.GPTConfig``: which layer each index is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.flags import flag
+from models.hybrid.pattern import MTP, ParsedPattern, parse_pattern
+
+DEPRECATED_PATTERN = "--hybrid-override-pattern is deprecated. Use --hybrid-layer-pattern instead."
+
+
+@dataclass
+class HybridConfig:
+    """The model as a string of layer symbols (Megatron-LM's HybridModel), or None: a GPT of
+    --num-layers transformer blocks. Owns values only; ``resolve_pattern`` derives --num-layers from the
+    pattern, ``validate_hybrid`` refuses what cannot be built at a tp (the layer registry refuses the
+    symbols it has no layer for)."""
+
+    hybrid_layer_pattern: str | None = field(default=None, metadata=flag(
+        "the model as one symbol per layer (Megatron's HybridModel): M Mamba-2, * attention, + latent "
+        "attention, - MLP, E mixture of experts; | between pipeline segments (their count a multiple of "
+        "--pipeline-model-parallel-size); sets --num-layers, e.g. 'M-M*-|M-M*-'"))
+    hybrid_override_pattern: str | None = field(default=None, metadata=flag(
+        "Megatron's deprecated spelling of --hybrid-layer-pattern"))
+
+    def parsed_pattern(self) -> ParsedPattern | None:
+        return parse_pattern(self.hybrid_layer_pattern) if self.hybrid_layer_pattern else None
+
+    @property
+    def uncut_pattern(self) -> str | None:
+        """The pattern without its pipeline cuts (the model, whatever the layout), or None for a GPT."""
+        pattern = self.parsed_pattern()
+        return pattern.uncut if pattern is not None else None
+
+    def resolve_pattern(self, num_layers_given: bool = True) -> list[str]:
+        """Take the deprecated flag's pattern, make --num-layers the pattern's layer count (and turn on
+        latent attention for ``+``), as Megatron does; return what it says about it (a different
+        --num-layers, if given, and the deprecated flag). ValueError where both pattern flags are given."""
+        notes = []
+        if self.hybrid_override_pattern is not None:
+            if self.hybrid_layer_pattern is not None:
+                raise ValueError("--hybrid-override-pattern and --hybrid-layer-pattern are one setting: give "
+                                 "--hybrid-layer-pattern only")
+            self.hybrid_layer_pattern, self.hybrid_override_pattern = self.hybrid_override_pattern, None
+            notes.append(DEPRECATED_PATTERN)
+        pattern = self.parsed_pattern()
+        if pattern is None:
+            return notes
+        if self.num_layers != len(pattern.layers) and num_layers_given:
+            notes.append(f"--hybrid-layer-pattern is set; ignoring --num-layers ({self.num_layers}), "
+                         f"using the pattern's {len(pattern.layers)} layers")
+        self.num_layers = len(pattern.layers)
+        if "+" in pattern.layers:
+            self.multi_latent_attention = True
+        return notes
+
+    def layer_types(self) -> list[str]:
+        """Each layer's entry in the layer registry (``models.layers.registry``): the pattern's symbols, or
+        for a GPT one transformer block per layer (``*-``, ``*E`` where it is a mixture of experts; ``+``
+        for latent attention)."""
+        pattern = self.parsed_pattern()
+        if pattern is not None:
+            return list(pattern.layers)
+        attention = "+" if self.multi_latent_attention else "*"
+        return [attention + ("E" if moe else "-") for moe in super().moe_layers(self.num_layers)]
+
+    def moe_layers(self, num_layers: int) -> list[bool]:
+        """Which layers are mixtures of experts: a pattern's ``E``, else as --moe-layer-freq says."""
+        pattern = self.parsed_pattern()
+        if pattern is None:
+            return super().moe_layers(num_layers)
+        return [symbol == "E" for symbol in pattern.layers]
+
+    @property
+    def residual_branches(self) -> int:
+        """The branches that add into the residual stream: two per GPT block, one per pattern layer (the
+        init scales their output projections by 1/sqrt of it)."""
+        pattern = self.parsed_pattern()
+        return len(pattern.layers) if pattern is not None else 2 * self.num_layers
+
+    def validate_hybrid(self, tp: int = 1) -> None:
+        """ValueError naming the flag for a pattern this build cannot make (or cannot make at this tp)."""
+        pattern = self.parsed_pattern()
+        if pattern is None:
+            return
+        shown = f"--hybrid-layer-pattern {pattern.text!r}"
+        if pattern.depths:
+            raise ValueError(f"{shown}: multi-token prediction (the depths after {MTP}) is not built yet: "
+                             f"drop them")
+        if self.num_layers != len(pattern.layers):
+            raise ValueError(f"{shown} has {len(pattern.layers)} layers, --num-layers says "
+                             f"{self.num_layers}: "
+                             "drop --num-layers (the pattern sets it)")
+        if "E" in pattern.layers and not self.num_experts:
+            raise ValueError(f"{shown}: E (mixture of experts) needs --num-experts")
+        if self.num_experts and "E" not in pattern.layers:
+            raise ValueError(f"--num-experts {self.num_experts}: {shown} has no E (mixture of experts) "
+                             "layer; "
+                             "put E where experts should be, or drop --num-experts")
+        if self.norm_placement != "pre":
+            raise ValueError(f"--norm-placement {self.norm_placement}: a pattern's layers each have one "
+                             "norm before their sublayer (pre); drop the flag or the pattern")
+        if "M" in pattern.layers:
+            self.validate_mamba(tp)

@@ -1,0 +1,117 @@
+"""Mamba-2's state-space-dual scan, in PyTorch: the chunked form a layer runs and the token-by-token
+recurrence it equals.
+
+For head h of group g (the heads split evenly over the groups), with state S in R^{P x N}:
+
+    S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T,        y_t = S_t C_t + D_h x_t
+
+``x`` [b, S, H, P], ``dt`` [b, S, H] (positive: after softplus), ``A`` [H] (negative), ``B``, ``C``
+[b, S, G, N], ``D`` [H] or None. ``documents`` [b, S] (each token's document): the state starts from zero
+at each document's first token. Computed in fp32 (fp64 for fp64 inputs), returned in ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segments(documents: torch.Tensor) -> torch.Tensor:
+    """[b, S] -> a run index per token, rising by one at every document boundary (so two tokens are in
+    one document exactly when their run indices are equal, whatever ids the documents have)."""
+    starts = torch.ones_like(documents, dtype=torch.long)
+    starts[:, 1:] = (documents[:, 1:] != documents[:, :-1]).long()
+    return starts.cumsum(1)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def recurrent_scan(x, dt, A, B, C, D=None, documents=None) -> torch.Tensor:
+    """The recurrence, one token at a time (the definition the chunked scan is tested against)."""
+    b, length, heads, p = x.shape
+    per_group = heads // B.shape[2]
+    dtype = _compute_dtype(x)
+    xf, dtf, Af = x.to(dtype), dt.to(dtype), A.to(dtype)
+    Bh = B.to(dtype).repeat_interleave(per_group, dim=2)  # [b, S, H, N]
+    Ch = C.to(dtype).repeat_interleave(per_group, dim=2)
+    runs = segments(documents) if documents is not None else None
+    state = x.new_zeros(b, heads, p, B.shape[-1], dtype=dtype)
+    out = []
+    for t in range(length):
+        decay = torch.exp(dtf[:, t] * Af)  # [b, H]
+        if runs is not None and t > 0:
+            decay = decay * (runs[:, t] == runs[:, t - 1]).to(dtype)[:, None]
+        state = (decay[..., None, None] * state
+                 + (dtf[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :])
+        y = torch.einsum("bhpn,bhn->bhp", state, Ch[:, t])
+        out.append(y if D is None else y + D.to(dtype)[:, None] * xf[:, t])
+    return torch.stack(out, dim=1).to(x.dtype)
+
+
+def chunked_scan(x, dt, A, B, C, chunk: int, D=None, documents=None) -> torch.Tensor:
+    """The recurrence in chunks of ``chunk`` tokens: within a chunk as one masked product (the dual,
+    attention-like form), across chunks by carrying each chunk's end state; any length (a ragged tail
+    is padded with dt = 0: no input, no decay, outputs dropped)."""
+    b, length, heads, p = x.shape
+    groups, n = B.shape[2], B.shape[3]
+    per_group = heads // groups
+    pad = -length % chunk
+    dtype = _compute_dtype(x)
+    xf, dtf, Bf, Cf = (F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    chunks = (length + pad) // chunk
+    xc = xf.view(b, chunks, chunk, heads, p)
+    dtc = dtf.view(b, chunks, chunk, heads)
+    Bc = Bf.view(b, chunks, chunk, groups, n)
+    Cc = Cf.view(b, chunks, chunk, groups, n)
+    cumulative = torch.cumsum(dtc * A.to(dtype), dim=2)  # L_t, [b, c, Q, H]
+    runs = None
+    if documents is not None:
+        runs = F.pad(segments(documents), (0, pad), mode="replicate").view(b, chunks, chunk)
+
+    # within each chunk: y_t = sum_{s <= t} (C_t . B_s) exp(L_t - L_s) dt_s x_s, the exponent summed over
+    # tokens s+1..t directly (not as a difference of two long cumulative sums, which would lose the small
+    # gaps that matter to the rounding of the large ones)
+    a = (dtc * A.to(dtype)).transpose(2, 3)  # [b, c, H, Q]
+    after = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril(-1)  # r > s
+    gaps = torch.cumsum(a[..., :, None].expand(*a.shape, chunk).masked_fill(~after, 0), dim=-2)  # [.., t, s]
+    gaps = gaps.permute(0, 1, 3, 4, 2)  # [b, c, t, s, H]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    visible = causal[None, None, :, :, None]
+    if runs is not None:
+        visible = visible & (runs[:, :, :, None] == runs[:, :, None, :])[..., None]
+    decay = torch.exp(gaps.masked_fill(~visible, float("-inf")))
+    scores = torch.einsum("bctgn,bcsgn->bctsg", Cc, Bc).repeat_interleave(per_group, dim=-1)
+    weights = scores * decay * dtc[:, :, None, :, :]  # [b, c, t, s, H]
+    y = torch.einsum("bctsh,bcshp->bcthp", weights, xc)
+
+    # each chunk's own contribution to its end state: sum_s exp(L_end - L_s) dt_s x_s B_s^T
+    to_end = torch.exp(gaps[:, :, -1]) * dtc  # [b, c, Q, H]
+    if runs is not None:
+        to_end = to_end * (runs == runs[:, :, -1:]).to(dtype)[..., None]
+    Bh = Bc.repeat_interleave(per_group, dim=3)  # [b, c, Q, H, N]
+    own = torch.einsum("bcsh,bcshp,bcshn->bchpn", to_end, xc, Bh)
+
+    # across chunks: the state entering chunk c, S_in(c + 1) = exp(L_end(c)) S_in(c) + own(c)
+    chunk_decay = torch.exp(cumulative[:, :, -1, :])  # [b, c, H]
+    if runs is not None:  # a state crosses a chunk's end only within one document
+        previous_end = F.pad(runs[:, :-1, -1], (1, 0), value=-1)
+        chunk_decay = chunk_decay * (runs[:, :, -1] == previous_end).to(dtype)[..., None]
+    entering, state = [], own.new_zeros(b, heads, p, n)
+    for c in range(chunks):
+        entering.append(state)
+        state = chunk_decay[:, c, :, None, None] * state + own[:, c]
+    entering = torch.stack(entering, dim=1)  # [b, c, H, P, N]
+
+    # what the entering state gives each token: exp(L_t) C_t . S_in(c), within its first document
+    Ch = Cc.repeat_interleave(per_group, dim=3)
+    from_start = torch.exp(cumulative)
+    if runs is not None:
+        previous_end = F.pad(runs[:, :-1, -1], (1, 0), value=-1)
+        from_start = from_start * (runs == previous_end[:, :, None]).to(dtype)[..., None]
+    y = y + torch.einsum("bcth,bcthn,bchpn->bcthp", from_start, Ch, entering)
+    y = y.reshape(b, chunks * chunk, heads, p)[:, :length]
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x.to(dtype)
+    return y.to(x.dtype)
