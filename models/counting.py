@@ -15,6 +15,7 @@ from torch import nn
 
 from models.config import GPTConfig
 from models.latent.attention import LatentAttention
+from models.layers.registry import kind_of
 from models.moe.layer import MoELayer
 from models.pipeline_stage import stage_chunks
 from parallel.comm import DetachedGroup
@@ -129,16 +130,17 @@ def non_embedding_parameters(config: GPTConfig) -> int:
 def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token: 3 x the forward's (backward costs two forwards), the forward being
     2 FLOPs per weight of every matmul a token passes through (attention, MLP, output layer, as built; in
-    a MoE layer the router, its k experts' and the shared expert's) plus the attention
-    scores and their weighted sum, 2 x 2 x s x (heads x head_dim) per layer (the full s x s product,
-    as Megatron counts it). Kept per model: the planner asks it of every layout."""
+    a MoE layer the router, its k experts' and the shared expert's) plus each layer's sequence mixing
+    (``models.layers.registry``: an attention layer's scores and weighted sum, 2 x 2 x s x (heads x
+    head_dim), the full s x s product as Megatron counts it; a Mamba layer's convolution and scan).
+    Kept per model: the planner asks it of every layout."""
     return 3 * sum(forward_flops_per_token(config))
 
 
 def forward_flops_per_token(config: GPTConfig) -> tuple[float, float]:
-    """A token's forward FLOPs (``flops_per_token``'s third) as (weight products, attention scores and sum):
+    """A token's forward FLOPs (``flops_per_token``'s third) as (weight products, sequence mixing):
     backward repeats the weight products twice, once for the inputs' gradients and once for the weights',
-    and the attention part twice for the inputs' (it has no weights)."""
+    and the mixing part twice for its inputs'."""
     return _forward_flops_per_token(frozen_config(config))
 
 
@@ -149,7 +151,7 @@ def _forward_flops_per_token(frozen: tuple) -> tuple[float, float]:
 
 
 def forward_flops_parts(config: GPTConfig) -> tuple[tuple[tuple[float, float], ...], float]:
-    """``forward_flops_per_token`` by part: (weight products, attention) of each transformer layer, and the
+    """``forward_flops_per_token`` by part: (weight products, sequence mixing) of each layer, and the
     output layer's products (a pipeline stage costs what its layers and, last, the head cost)."""
     return _forward_flops_parts(frozen_config(config))
 
@@ -158,10 +160,8 @@ def forward_flops_parts(config: GPTConfig) -> tuple[tuple[tuple[float, float], .
 def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...], float]:
     config = thawed_config(frozen)
     chunk = _stage_model(frozen, 1, 1, 0, 1, False, None)[0]
-    attention = (2 * config.seq_length * config.num_attention_heads
-                 * (config.query_key_channels + config.value_channels))
     layers = []
-    for block in chunk.layers:
+    for entry, block in zip(config.layer_types(), chunk.layers):
         matmul = sum(module.weight.numel() for module in block.modules()
                      if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
         for layer in block.modules():  # a token's active expert weights: the router, k experts, the gate
@@ -170,7 +170,7 @@ def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...]
                 per_expert = sum(e.fc1.weight.numel() + e.fc2.weight.numel() for e in experts) / len(experts)
                 gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
                 matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
-        layers.append((2.0 * (matmul + _latent_matmuls(block)), float(attention)))
+        layers.append((2.0 * (matmul + _latent_matmuls(block)), float(kind_of(entry).mixing_flops(config))))
     output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
     head = sum(module.weight.numel() for module in chunk.modules()
                if isinstance(module, (ColumnParallelLinear, RowParallelLinear))) \
@@ -188,9 +188,6 @@ def _latent_matmuls(model: nn.Module) -> int:
 
 
 def kv_cache_values_per_token(config: GPTConfig) -> int:
-    """Values one token leaves in an inference key/value cache over all layers: with latent attention its
-    key/value latent and the rotary key the heads share (kv_lora_rank + qk_pos_emb_head_dim, DeepSeek's
-    cache), else each key/value group's key and value (2 G d)."""
-    per_layer = (config.kv_lora_rank + config.qk_pos_emb_head_dim if config.multi_latent_attention
-                 else 2 * config.query_groups * config.head_dim)
-    return per_layer * config.num_layers
+    """Values one token leaves in an inference key/value cache over all layers (each layer kind's, from the
+    layer registry: an attention layer's keys and values or latent, none for a Mamba layer)."""
+    return int(sum(kind_of(entry).cache_values(config) for entry in config.layer_types()))

@@ -30,8 +30,10 @@ class ParamMeta:
     held by the ranks of its expert-parallel place and replicated over the expert data-parallel group (ZeRO
     reduces and shards it there; its tp split and sequence-parallel sum are over the expert tp group);
     ``fused_rows``: the rows are query groups, each of these many rows of q, k and v in turn (a fused QKV
-    weight: Muon orthogonalizes each part on its own); ``init_fn``: rebuilds the initial value (a model made
-    on the meta device is materialised from it). Never holds tensors or groups.
+    weight: Muon orthogonalizes each part on its own); ``muon``: whether Muon steps it (None: by its shape,
+    a matrix; False for a fused projection of unlike parts or a convolution's taps, as Megatron's Muon
+    leaves them to AdamW); ``init_fn``: rebuilds the initial value (a model made on the meta device is
+    materialised from it). Never holds tensors or groups.
     """
 
     tensor_parallel: bool = False
@@ -42,6 +44,7 @@ class ParamMeta:
     unpadded_rows: int | None = None
     expert: bool = False
     fused_rows: tuple[int, ...] | None = None
+    muon: bool | None = None
     init_fn: Callable[[], torch.Tensor] | None = None
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from models.config import GPTConfig
 from models.layers.block import TransformerBlock
 from models.layers.residual import AttentionLayer, MLPLayer
+from models.mamba.config import CONV_KERNEL
 from models.mamba.layer import MambaLayer
 from parallel.recompute import RECOMPUTE_MODULES
 
@@ -37,10 +38,39 @@ class LayerContext:
     context: object = None  # parallel.context.ContextParallel, where cp > 1
 
 
+def _no_values(config: GPTConfig) -> float:
+    return 0
+
+
+def attention_flops(config: GPTConfig) -> float:
+    """An attention layer's forward FLOPs per token beyond its weights: the scores and the weighted sum over
+    the whole sequence (2 s a (d_qk + d_v); causal halves it, but Megatron and the MFU convention count it
+    whole)."""
+    return 2 * config.seq_length * config.num_attention_heads * (config.query_key_channels
+                                                                 + config.value_channels)
+
+
+def attention_cache_values(config: GPTConfig) -> float:
+    """Values one token leaves in an attention layer's inference cache: with latent attention its key/value
+    latent and the shared rotary key (DeepSeek's cache), else each key/value group's key and value."""
+    return (config.kv_lora_rank + config.qk_pos_emb_head_dim if config.multi_latent_attention
+            else 2 * config.query_groups * config.head_dim)
+
+
+def mamba_flops(config: GPTConfig) -> float:
+    """A Mamba-2 layer's forward FLOPs per token beyond its weights: the convolution (2 K per channel) and
+    the recurrence (per head: the decay and the input's outer product into the P x N state, their sum, and
+    the output's product with C: 5 P N), whatever the sequence length; the state is fixed, so it leaves no
+    per-token cache."""
+    return 2 * CONV_KERNEL * config.mamba_conv_channels + 5 * config.mamba_inner * config.mamba_state_dim
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """One kind of layer: its entry, Megatron's name for it, the --recompute-modules names it has, and
-    ``build(context, layer)`` -> the module, or ``refusal`` where this build has none."""
+    ``build(context, layer)`` -> the module, or ``refusal`` where this build has none; what it costs
+    besides its weights' products (``mixing_flops`` per token, forward) and the values a token leaves in
+    its inference cache (``cache_values``)."""
 
     entry: str
     name: str
@@ -48,6 +78,8 @@ class LayerKind:
     refusal: str | None = None
     recompute_modules: tuple[str, ...] = ()
     experts: bool = False  # a mixture of experts (its parameters are expert-parallel)
+    mixing_flops: Callable[[GPTConfig], float] = _no_values
+    cache_values: Callable[[GPTConfig], float] = _no_values
 
 
 def _attention(context: LayerContext, layer: int) -> nn.Module:
@@ -74,21 +106,26 @@ def _mamba(context: LayerContext, layer: int) -> nn.Module:
 
 
 _ATTENTION_MODULES = ("core_attn", "layernorm")
+_ATTENTION = {"mixing_flops": attention_flops, "cache_values": attention_cache_values}
 _MOE_MODULES = ("moe", "moe_act", "shared_experts", "layernorm")
 KINDS: dict[str, LayerKind] = {kind.entry: kind for kind in (
-    LayerKind("M", "mamba", _mamba, recompute_modules=("mamba", "layernorm")),
+    LayerKind("M", "mamba", _mamba, recompute_modules=("mamba", "layernorm"), mixing_flops=mamba_flops),
     LayerKind("G", "gated delta net", refusal="gated delta net layers are not built yet"),
-    LayerKind("*", "attention", _attention, recompute_modules=_ATTENTION_MODULES),
-    LayerKind("+", "latent attention", _attention, recompute_modules=_ATTENTION_MODULES + ("mla_up_proj",)),
+    LayerKind("*", "attention", _attention, recompute_modules=_ATTENTION_MODULES, **_ATTENTION),
+    LayerKind("+", "latent attention", _attention, recompute_modules=_ATTENTION_MODULES + ("mla_up_proj",),
+              **_ATTENTION),
     LayerKind("D", "DeepSeek sparse attention",
               refusal="DeepSeek sparse attention (its indexer) is not built: use + (latent attention)"),
     LayerKind("-", "mlp", _mlp(False), recompute_modules=("mlp", "layernorm")),
     LayerKind("E", "moe", _mlp(True), recompute_modules=_MOE_MODULES, experts=True),
-    LayerKind("*-", "transformer", _block, recompute_modules=_ATTENTION_MODULES + ("mlp",)),
-    LayerKind("*E", "transformer", _block, recompute_modules=_ATTENTION_MODULES + _MOE_MODULES, experts=True),
-    LayerKind("+-", "transformer", _block, recompute_modules=_ATTENTION_MODULES + ("mla_up_proj", "mlp")),
+    LayerKind("*-", "transformer", _block, recompute_modules=_ATTENTION_MODULES + ("mlp",), **_ATTENTION),
+    LayerKind("*E", "transformer", _block, recompute_modules=_ATTENTION_MODULES + _MOE_MODULES, experts=True,
+              **_ATTENTION),
+    LayerKind("+-", "transformer", _block, recompute_modules=_ATTENTION_MODULES + ("mla_up_proj", "mlp"),
+              **_ATTENTION),
     LayerKind("+E", "transformer", _block,
-              recompute_modules=_ATTENTION_MODULES + ("mla_up_proj",) + _MOE_MODULES, experts=True),
+              recompute_modules=_ATTENTION_MODULES + ("mla_up_proj",) + _MOE_MODULES, experts=True,
+              **_ATTENTION),
 )}
 
 

@@ -21,11 +21,13 @@ from models.config import GPTConfig
 from models.mamba import init
 from models.mamba.config import CONV_KERNEL, NORM_EPSILON
 from models.mamba.conv import causal_conv
+from models.mamba.gated_norm import GatedRMSNorm
 from models.mamba.layout import virtual_groups
-from models.mamba.ssd_scan import chunked_scan
+from models.mamba.kernels import ssd_scan
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel
 from parallel.context.head_exchange import to_heads, to_sequence
+from parallel.param_meta import declare
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, shard_parameter
 from parallel.tensor.weight_init import WeightInit
 
@@ -65,10 +67,13 @@ class MambaMixer(nn.Module):
         self.in_proj = ColumnParallelLinear(h, config.mamba_projection_rows, tp,
                                             WeightInit(seed, f"{name}.in_proj.weight", std), bias=False,
                                             sequence_parallel=sequence_parallel)
+        # Megatron's Muon leaves the fused z, x, B, C, dt projection and the convolution's taps to AdamW
+        declare(self.in_proj.weight, muon=False)
         conv = f"{name}.conv1d"
         self.conv1d = _Held(
             shard_parameter(lambda: init.conv_weight(seed, f"{conv}.weight", channels, CONV_KERNEL), 0, tp),
             shard_parameter(lambda: init.conv_bias(seed, f"{conv}.bias", channels, CONV_KERNEL), 0, tp))
+        declare(self.conv1d.weight, muon=False)
         self.A_log = shard_parameter(lambda: init.a_log(seed, f"{name}.A_log", heads), 0, tp)
         self.D = shard_parameter(lambda: torch.ones(heads), 0, tp)
         self.dt_bias = shard_parameter(lambda: init.dt_bias(seed, f"{name}.dt_bias", heads), 0, tp)
@@ -147,12 +152,10 @@ class MambaMixer(nn.Module):
         xs, B, C = convolved.view(b, length, count, -1).split([heads * self.head_dim, state, state], dim=-1)
         dt = F.softplus(dt.reshape(b, length, count * heads).float() + dt_bias.float())
         xs = xs.reshape(b, length, count * heads, self.head_dim)
-        return chunked_scan(xs, dt, -torch.exp(A_log.float()), B, C, self.chunk, D, documents)
+        return ssd_scan(xs, dt, -torch.exp(A_log.float()), B, C, self.chunk, D, documents)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm(y * SiLU(z)) over each group's channels, times the weight: y [b, s, H/tp, P] (or its
         channels flat), z [b, s, G/tp, I/G] -> [b, s, I/tp]."""
         b, length = y.shape[:2]
-        gated = y.reshape(b, length, self.groups, -1).float() * F.silu(z.float())
-        normed = gated * torch.rsqrt(gated.square().mean(-1, keepdim=True) + NORM_EPSILON)
-        return (normed.flatten(2) * self.norm.weight.float()).to(y.dtype)
+        return GatedRMSNorm.apply(y.reshape(b, length, self.groups, -1), z, self.norm.weight, NORM_EPSILON)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from parallel.muon import Muon
+from parallel.param_meta import meta
 from pretrain.config.schema import OptimizerConfig
 
 EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight")
@@ -46,8 +47,15 @@ def switch_refusal(saved: str, wanted: str) -> str:
 
 
 def takes_muon(name: str, param: nn.Parameter) -> bool:
-    """Whether ``param`` (named ``name`` in its chunk) is one Muon steps: a matrix of the layers (the
-    embeddings and the output layer take AdamW, as Megatron's ``is_embedding_or_output_parameter``)."""
+    """Whether ``param`` (named ``name`` in its chunk) is one Muon steps: what its layer declared, else a
+    matrix of the layers (the embeddings and the output layer take AdamW, as Megatron's
+    ``is_embedding_or_output_parameter``)."""
+    declared = meta(param).muon
+    return declared if declared is not None else hidden_matrix(name, param)
+
+
+def hidden_matrix(name: str, param: nn.Parameter) -> bool:
+    """A matrix (or a convolution's taps) of the layers: neither an embedding nor the output layer."""
     return param.ndim >= 2 and not name.endswith(NOT_MUON)
 
 
@@ -96,7 +104,7 @@ def mup_lr_scale(name: str, param: nn.Parameter, opt: OptimizerConfig, width_mul
     """muP's factor on ``param``'s learning rate (Megatron's rule): AdamW's hidden matrices / m, SGD's
     vector-like parameters (embeddings, the output layer, norms, biases) x m; none under Muon (its own
     matrices are scaled by its scale mode; the rest are vector-like) or at m = 1."""
-    matrix = takes_muon(name, param)  # a matrix of the layers (neither an embedding nor the output layer)
+    matrix = hidden_matrix(name, param)
     if width_mult == 1.0 or opt.optimizer == "muon":
         return 1.0
     if opt.optimizer == "sgd":

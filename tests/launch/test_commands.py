@@ -53,7 +53,7 @@ def test_the_tools_are_split_by_concern_behind_short_command_modules():
         "__init__.py", "fault_sweep.py", "faults", "gpu_check.py", "planning", "readme_commands.py",
         "scaling"]
     concerns = {"planning": {"plan", "plan_command", "layout", "layout_price", "activation_price",
-                             "muon_price", "link_model", "devices", "schedule_price"},
+                             "layer_parts", "muon_price", "link_model", "devices", "schedule_price"},
                 "scaling": {"sweep", "isoflop", "scaling_law", "scaling_fits", "scaling_plots", "wsd_study",
                             "prose_corpus", "coord_check"},
                 "faults": {"fault_sweep", "fault_injection", "chaos"}}

@@ -85,6 +85,15 @@ LLAMA_LAYOUTS["llama Muon dp4 stage 3 (its matrices' pieces to their owners and 
 LLAMA_LAYOUTS["llama Muon dp2 x tp2 + SP stage 1"] = (
     [*LLAMA, *MUON, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
     Layout(2, 1, 2, 1, sequence_parallel=True, optimizer="muon"))
+MAMBA = ["--hybrid-layer-pattern", "M*M-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+         "--mamba-state-dim", "16", "--mamba-chunk-size", "8"]
+LLAMA_LAYOUTS["hybrid M*M- dp2 x tp2 + SP stage 1"] = (
+    [*LLAMA, *MAMBA, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
+    Layout(2, 1, 2, 1, sequence_parallel=True))
+LLAMA_LAYOUTS["hybrid M*|M- pp2 x cp2 stage 3, the mixers recomputed"] = (
+    [*LLAMA, *MAMBA[:1], "M*|M-", *MAMBA[2:], *_pp(2), "--context-parallel-size", "2", "--zero-stage", "3",
+     "--zero-persistence-threshold", "1000", "--recompute-granularity", "selective", "--recompute-modules",
+     "mamba"], Layout(1, 2, 1, 3, cp=2, recompute="selective", recompute_modules=("mamba",)))
 LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
     [*LLAMA, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
     Layout(1, 1, 4, 0, recompute="selective", recompute_modules=("mlp",)))
@@ -260,32 +269,52 @@ ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
                      "qk_pos_emb_head_dim": 4, "v_head_dim": 12}}
 
 
+HYBRID = {"hybrid_layer_pattern": "M*-", "normalization": "RMSNorm", "position_embedding_type": "rope",
+          "mamba_head_dim": 16, "mamba_num_groups": 2, "mamba_state_dim": 16, "mamba_chunk_size": 8}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_layers_saved_activations_follow_its_architecture(dtype):
-    """The planner's per-layer accounting against the bytes one block keeps for backward, measured."""
+    """The planner's per-layer accounting against the bytes one layer of each kind keeps for backward
+    (measured over its forward): the GPT blocks of several architectures, and a hybrid pattern's Mamba-2,
+    attention and MLP layers."""
     import torch
 
     from models.config import GPTConfig
     from models.attention import LayerInputs
-    from models.gpt import TransformerBlock
+    from models.layers.registry import LayerContext, build_layer
     from models.rotary import rotary_tables
     from parallel.comm import AxisGroup, CommStats
     from parallel.saved_activations import SavedActivationMeter
+    from parallel.tensor.random import model_parallel_tracker
 
     s, b, h, dtype = 32, 2, 64, getattr(torch, dtype)
-    for name, options in ARCHITECTURES.items():
-        config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, vocab_size=300,
+    cases = [(name, {"num_layers": 1, **options}, 0) for name, options in ARCHITECTURES.items()]
+    cases += [(f"hybrid {symbol}", HYBRID, index)
+              for index, symbol in enumerate(HYBRID["hybrid_layer_pattern"])]
+    for name, options, index in cases:
+        config = GPTConfig(hidden_size=h, num_attention_heads=4, seq_length=s, vocab_size=300,
                            hidden_dropout=0.0, attention_dropout=0.0, **options)
-        block = TransformerBlock(config, 0, AxisGroup("tp", (0,), None, CommStats()), seed=0,
-                                 sequence_parallel=False).to(dtype)
+        entry = config.layer_types()[index]
+        tp = AxisGroup("tp", (0,), None, CommStats())
+        layer = build_layer(entry, LayerContext(config, tp, 0, False, model_parallel_tracker(0, 0)), index)
+        layer = layer.to(dtype)
         x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
         rotary = (rotary_tables(config, torch.arange(s).expand(b, s), dtype)
                   if config.position_embedding == "rope" else None)
         meter = SavedActivationMeter()
         with meter.recording():
-            block(x, LayerInputs(rotary)).float().sum().backward()
-        predicted = layer_elements(config, Layout(1, 1, 1, 0, micro_batch_size=b)) * x.element_size()
+            y = layer(x, LayerInputs(rotary))
+        y.float().sum().backward()
+        predicted = layer_elements(config, Layout(1, 1, 1, 0, micro_batch_size=b), entry) * x.element_size()
         assert predicted == pytest.approx(meter.peak_bytes, rel=0.03), name
+
+
+def test_every_layer_kind_is_priced():
+    from launch.tools.planning.layer_parts import SUBLAYERS
+    from models.layers.registry import KINDS
+
+    assert {entry for entry, kind in KINDS.items() if kind.build is not None} == set(SUBLAYERS)
 
 
 def test_planner_searches_expert_parallelism():

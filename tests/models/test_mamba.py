@@ -146,3 +146,88 @@ def test_a_pattern_of_attention_and_mlp_layers_is_the_gpt_of_the_same_weights():
     positions = torch.arange(16).expand(2, 16)
     assert torch.equal(hybrid(tokens, positions), gpt(tokens, positions))
     assert math.isclose(GPTConfig(hybrid_layer_pattern="M*M-", **MAMBA).residual_branches, 4)
+
+
+def test_muon_steps_the_output_projection_and_leaves_the_fused_input_and_the_taps_to_adamw():
+    """As Megatron's Muon: in_proj (z, x, B, C and dt fused) and the convolution take AdamW, out_proj Muon."""
+    from pretrain.config.schema import OptimizerConfig
+    from pretrain.training.param_groups import parameter_groups
+
+    model = GPTModel(GPTConfig(hybrid_layer_pattern="M-", **MAMBA), _alone(), seed=0)
+    names = {id(param): name for name, param in model.named_parameters()}
+    groups = parameter_groups(torch.nn.ModuleList([model]), OptimizerConfig(optimizer="muon"))
+    muon = {names[id(p)] for group in groups if group["use_muon"] for p in group["params"]}
+    assert muon == {"layers.0.mamba.out_proj.weight", "layers.1.mlp.fc1.weight", "layers.1.mlp.fc2.weight"}
+
+
+def test_each_scan_backend_computes_the_recurrence(monkeypatch):
+    """The GPU kernels' calls, made through stand-ins that compute what each library documents (mamba-ssm's
+    combined scan with seq_idx; fla's simple GLA: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t),
+    give the recurrence: the argument mapping is right. The reference keeps only its inputs for backward."""
+    import sys
+    import types
+
+    from models.mamba import kernels
+    from parallel.saved_activations import SavedActivationMeter
+
+    def simple_gla(q, k, v, g, scale):
+        state = q.new_zeros(q.shape[0], q.shape[2], k.shape[-1], v.shape[-1])
+        out = []
+        for t in range(q.shape[1]):
+            state = torch.exp(g[:, t])[..., None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+            out.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        return torch.stack(out, dim=1), None
+
+    def combined(x, dt, A, B, C, chunk, D, seq_idx):
+        return recurrent_scan(x, dt, A, B, C, D, seq_idx)
+
+    for name, module, fn in (("mamba_ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+                             ("fla", "fla.ops.simple_gla", "chunk_simple_gla")):
+        stand_in = types.ModuleType(module)
+        setattr(stand_in, fn, combined if name == "mamba_ssm" else simple_gla)
+        monkeypatch.setitem(sys.modules, module, stand_in)
+    (x, dt, A, B, C, D), documents = _scan_inputs(19, 2, torch.float64, True)
+    want = recurrent_scan(x, dt, A, B, C, D, documents)
+    for backend, docs in (("mamba_ssm", documents), ("fla", None), ("reference", documents)):
+        monkeypatch.setenv("SCAN_BACKEND", backend)
+        got = kernels.ssd_scan(x, dt, A, B, C, 8, D, docs)
+        expected = want if docs is not None else recurrent_scan(x, dt, A, B, C, D)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    meter = SavedActivationMeter()
+    with meter.recording():
+        y = kernels.ssd_scan(x, dt, A, B, C, 8, D, documents)
+    y.sum().backward()
+    assert meter.peak_bytes == sum(t.numel() for t in (x, dt, A, B, C, D)) * 8
+    monkeypatch.setenv("SCAN_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SCAN_BACKEND=cuda: choose from mamba_ssm, fla, reference"):
+        kernels.ssd_scan(x, dt, A, B, C, 8, D)
+
+
+def test_the_gated_norm_keeps_its_inputs_and_gives_autograds_gradients():
+    from models.mamba.gated_norm import GatedRMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    y, z = (torch.randn(2, 5, 3, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight = torch.randn(12, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b, w: GatedRMSNorm.apply(a, b, w, 1e-5), (y, z, weight))
+    gated = y * F.silu(z)
+    plain = (gated * torch.rsqrt(gated.square().mean(-1, keepdim=True) + 1e-5)).flatten(-2) * weight
+    torch.testing.assert_close(GatedRMSNorm.apply(y, z, weight, 1e-5), plain, rtol=0, atol=1e-14)
+
+
+def test_flops_and_cache_are_each_layer_kinds():
+    """A Mamba layer costs its projections and its convolution and scan (5 I N a token), whatever the
+    sequence length, and leaves nothing per token in an inference cache; attention and MLP layers as a GPT
+    block's halves."""
+    from models.counting import forward_flops_parts, kv_cache_values_per_token
+
+    config = GPTConfig(hybrid_layer_pattern="M*M-", **MAMBA)
+    (mamba, attention, _, mlp), _ = forward_flops_parts(config)
+    inner, state = config.mamba_inner, config.mamba_state_dim
+    assert mamba == (2.0 * 32 * (config.mamba_projection_rows + inner), 2 * 4 * config.mamba_conv_channels
+                     + 5 * inner * state)
+    assert attention[1] == 2 * 16 * 4 * (8 + 8) and mlp[1] == 0
+    assert kv_cache_values_per_token(config) == 2 * 4 * 8  # the one attention layer's keys and values
+    longer = GPTConfig(hybrid_layer_pattern="M*M-", **{**MAMBA, "seq_length": 64})
+    layers = forward_flops_parts(longer)[0]
+    assert layers[0] == mamba and layers[1][1] == 4 * attention[1]  # 4x the sequence: 4x attention's

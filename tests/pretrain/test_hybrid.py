@@ -16,6 +16,7 @@ CUT = ["--hybrid-layer-pattern", "M*|M-"] + MAMBA + SHORT
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
 TP2, CP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--context-parallel-size", "2"]
 ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
+MUON = ["--optimizer", "muon", "--lr", "1e-2"]
 
 # name: (flags, the one-process run they follow)
 LAYOUTS = {
@@ -31,6 +32,8 @@ LAYOUTS = {
     "cp4 (each group's heads in two shares)": (HYBRID + ["--context-parallel-size", "4"], "hybrid"),
     "tp2 + SP x cp2, compiled": (HYBRID + TP2 + CP2 + COMPILED, "hybrid"),
     "dp4 ZeRO-3, full recompute": (HYBRID + ZERO3 + ["--recompute-granularity", "full"], "hybrid"),
+    "Muon (out_proj orthogonalized; in_proj, conv and vectors AdamW): tp2 + SP, ZeRO-1": (
+        HYBRID + MUON + TP2 + ["--zero-stage", "1"], "muon"),
     "documents: cp2 x tp2 + SP": (HYBRID + DOCUMENTS + CP2 + TP2, "documents"),
     "documents: dp2 x pp2, ZeRO-3": (CUT + DOCUMENTS + ["--pipeline-model-parallel-size", "2"] + ZERO3,
                                      "documents"),
@@ -42,8 +45,9 @@ def test_hybrid_layouts_reproduce_one_process_and_a_checkpoint_recuts(stdlib_cor
     """Each layout within the fp32 bound of one process at every iteration; a checkpoint saved after 3
     iterations at tp2 + SP resumes at pp2 (the pattern cut by |) and at cp2 x dp2 ZeRO-3 (the pattern taken
     from the checkpoint) on the straight run's trajectory."""
-    hybrid, documents = run_world(1, _train, [HYBRID, HYBRID + DOCUMENTS], stdlib_corpus)[0]
-    references = {"hybrid": hybrid, "documents": documents}
+    hybrid, documents, muon = run_world(1, _train, [HYBRID, HYBRID + DOCUMENTS, HYBRID + MUON],
+                                        stdlib_corpus)[0]
+    references = {"hybrid": hybrid, "documents": documents, "muon": muon}
     assert documents[0] != hybrid[0]  # the state and convolution reset at document starts
     saved = str(tmp_path / "tp2")
     resumes = [HYBRID + TP2 + ["--train-iters", "3", "--save", saved],

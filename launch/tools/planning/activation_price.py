@@ -4,10 +4,12 @@ pipeline schedule holds them (``schedule_price.held_bytes``). Nothing here searc
 
 from __future__ import annotations
 
+from launch.tools.planning.layer_parts import RECOMPUTED_WHOLE, SUBLAYERS
 from launch.tools.planning.layout import Layout
 from launch.tools.planning.schedule_price import held_bytes
 from models.config import GPTConfig
 from models.counting import frozen_config
+from models.mamba.config import CONV_KERNEL
 from parallel.pipeline.schedules import SPLIT_SCHEDULES
 
 
@@ -42,23 +44,18 @@ def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: in
     sbh = s * b * h
     split = t if layout.sequence_parallel else 1
     vocabulary = config.padded_vocab_size(t) / t
-    moe_layers = config.moe_layers(config.num_layers)
-    if layout.recompute == "full":
-        dense = moe_kept = sbh / split
-    else:
-        dense = layer_elements(config, layout)
-        moe_kept = layer_elements(config, layout, moe=True) if config.num_experts else 0.0
+    entries = config.layer_types()
     split_backward = layout.schedule in SPLIT_SCHEDULES
-    dense_pass = weight_pass_elements(config, layout) if split_backward else 0.0
-    moe_pass = (weight_pass_elements(config, layout, moe=True) if split_backward and config.num_experts
-                else 0.0)
+    kept_of = {entry: (sbh / split if layout.recompute == "full" else layer_elements(config, layout, entry))
+               for entry in set(entries)}
+    pass_of = {entry: weight_pass_elements(config, layout, entry) if split_backward else 0.0
+               for entry in set(entries)}
     peaks = []
     for stage in range(layout.pp):
         saved, pending = [], []
         for chunk, indices in enumerate(layout.chunk_layers(stage, config.num_layers)):
-            layers, moe = len(indices), sum(moe_layers[i] for i in indices)
             embedding, loss = layout.holds(stage, chunk)
-            kept = (dense * (layers - moe) + moe_kept * moe) * compute_bytes
+            kept = sum(kept_of[entries[i]] for i in indices) * compute_bytes
             # final norm input and output; the loss's saved logits over this rank's vocabulary (16-bit
             # logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
             if loss:
@@ -66,7 +63,7 @@ def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: in
             saved.append(kept)
             waiting = 0.0
             if split_backward:  # also the output layer's input and logits' gradient, the embedding's
-                waiting = (dense_pass * (layers - moe) + moe_pass * moe
+                waiting = (sum(pass_of[entries[i]] for i in indices)
                            + (h / split + vocabulary if loss else 0) + (h if embedding else 0)) * s * b \
                     * compute_bytes
             pending.append(waiting)
@@ -75,10 +72,11 @@ def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: in
     return peaks
 
 
-def weight_pass_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:
-    """Elements per token one layer keeps from a split backward's B to its W: each deferred product's input
-    and output gradient (q/k/v: h in, (a + 2G) d / t out; the projection: a d / t in, h out (its partial
-    sum, whole); fc1: h in, f / t (2 f / t gated) out; fc2: f / t in, h out; the inputs split by t under
+def weight_pass_elements(config: GPTConfig, layout: Layout, entry: str = "*-") -> float:
+    """Elements per token one layer (of registry entry ``entry``) keeps from a split backward's B to its W:
+    each deferred product's input and output gradient (q/k/v: h in, (a + 2G) d / t out; the projection:
+    a d / t in, h out (its partial sum, whole); fc1: h in, f / t (2 f / t gated) out; fc2: f / t in, h out;
+    a Mamba mixer's in_proj: h in, its rows / t out, out_proj: I / t in, h out; the inputs split by t under
     sequence parallelism where they are saved split). A MoE layer's routed experts take k rows of each of
     this rank's tokens at width f' / etp, its shared expert is an MLP of its width. Latent attention is
     priced as the attention of its heads' widths. Norm and bias gradients are left out (vectors), and so are
@@ -86,67 +84,97 @@ def weight_pass_elements(config: GPTConfig, layout: Layout, moe: bool = False) -
     t, h = layout.tp, config.hidden_size
     heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
     split = t if layout.sequence_parallel else 1
-    attention = h / split + (heads + 2 * groups) * d + heads * d + h
     gate = 2 if config.gated else 1
 
     def mlp(width: float, inputs: float = h / split) -> float:  # fc1's input and output, fc2's
         return inputs + gate * width + width + h
 
-    if not moe:
-        return attention + mlp(config.ffn_size / t)
-    width = (config.moe_ffn_hidden_size or config.ffn_size) / layout.expert_tp
-    shared = config.moe_shared_expert_intermediate_size or 0
-    routed = config.moe_router_topk * mlp(width, h) / split  # the experts' rows are whole
-    return attention + routed + (mlp(shared / t) if shared else 0.0)
+    def moe() -> float:
+        width = (config.moe_ffn_hidden_size or config.ffn_size) / layout.expert_tp
+        shared = config.moe_shared_expert_intermediate_size or 0
+        routed = config.moe_router_topk * mlp(width, h) / split  # the experts' rows are whole
+        return routed + (mlp(shared / t) if shared else 0.0)
+
+    parts = {"attention": lambda: h / split + (heads + 2 * groups) * d + heads * d + h,
+             "mlp": lambda: mlp(config.ffn_size / t), "moe": moe,
+             "mamba": lambda: h / split + (config.mamba_projection_rows + config.mamba_inner) / t + h}
+    return sum(parts[part]() for part in SUBLAYERS[entry])
 
 
-def layer_elements(config: GPTConfig, layout: Layout, moe: bool = False) -> float:
-    """Elements one transformer layer keeps for backward per micro-batch without full recompute, as our
-    layer saves them, per token, t = tp, a query heads and G key/value groups of d channels:
+def layer_elements(config: GPTConfig, layout: Layout, entry: str | None = None) -> float:
+    """Elements one layer of registry entry ``entry`` (None: the model's largest) keeps for backward per
+    micro-batch without full recompute, as our layers save them, per token, t = tp, a query heads and G
+    key/value groups of d channels; each sublayer's pre-norm keeps its input and its output (which the next
+    linear keeps), 2h (split by t under sequence parallelism), and:
 
-    - each of the two norms: its input and its output (which the next linear keeps), 2h (split by t
-      under sequence parallelism);
-    - the QKV output, (a + 2G) d / t (attention reads keys and values as views of it), and the
-      attention output, a d / t;
-    - queries and keys made anew on the way: the queries' copy when groups share keys (a d / t, kept
-      unless rotary positions consume it), the query/key norms' outputs and the rotary outputs,
-      (a + G) d / t each, and the rotary cos and sin tables (2 x rotated channels, not split);
+    - attention: the QKV output, (a + 2G) d / t (attention reads keys and values as views of it), and the
+      attention output, a d / t; queries and keys made anew on the way: the queries' copy when groups
+      share keys (a d / t, kept unless rotary positions consume it), the query/key norms' outputs and the
+      rotary outputs, (a + G) d / t each, and the rotary cos and sin tables (2 x rotated channels);
     - the MLP: fc1's output and the activation's (2 f / t); SwiGLU keeps gate and up, silu(gate) and
-      the product, 4 f / t.
+      the product, 4 f / t;
+    - a Mamba-2 mixer (``_mamba_elements``).
     GPT-3's layer (LayerNorm, GELU, learned positions): 4 + 12 / t (x sbh). Selective recompute
     (``layout.recompute_modules``): ``core_attn`` gains nothing (the fused attention keeps no s^2 matrix,
-    the checkpoint keeps q, k, v instead); ``mlp`` keeps its input instead of its activations (0 for the
-    MLP; its norm's output is the kept input); ``layernorm`` drops each pre-norm's output that a linear
-    keeps (h, or h / t under sequence parallelism: the attention norm's, and the MLP norm's unless the MLP
-    is recomputed). A MoE layer (``moe``) keeps instead of the MLP's, per token of this rank (1 / t of them
-    under sequence parallelism), on average: the k rows each routed token becomes at its experts, etp copies
-    of each (h each), their activations as the MLP's of width f' (4 f' or 2 f' a row, split over etp), the
-    k returned rows the routing weights multiply (h each), the router's and balancing's scores (2 E); and
-    the shared expert as an MLP of its width, with its gate's output (h and 1)."""
+    the checkpoint keeps q, k, v instead); ``mlp`` (``moe``, ``mamba``) keeps its input instead of its
+    activations (its norm's output is the kept input); ``layernorm`` drops each pre-norm's output that a
+    linear keeps (h, or h / t under sequence parallelism) unless its sublayer is recomputed whole. A MoE
+    layer keeps instead of the MLP's, per token of this rank (1 / t of them under sequence parallelism), on
+    average: the k rows each routed token becomes at its experts, etp copies of each (h each), their
+    activations as the MLP's of width f' (4 f' or 2 f' a row, split over etp), the k returned rows the
+    routing weights multiply (h each), the router's and balancing's scores (2 E); and the shared expert as
+    an MLP of its width, with its gate's output (h and 1)."""
+    if entry is None:
+        return max(layer_elements(config, layout, kind) for kind in set(config.layer_types()))
     t, h, f = layout.tp, config.hidden_size, config.ffn_size
-    heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
     split = t if layout.sequence_parallel else 1
-    norms = 2 * 2 * h / split
-    attention = (heads + 2 * groups) * d + heads * d
+    modules = layout.recompute_modules if layout.recompute == "selective" else ()
+    parts = {"attention": lambda: _attention_elements(config, t),
+             "mlp": lambda: 0 if "mlp" in modules else (4 if config.gated else 2) * f / t,
+             "moe": lambda: 0 if "moe" in modules else _moe_elements(config, layout, split),
+             "mamba": lambda: 0 if "mamba" in modules else _mamba_elements(config, layout)}
+    elements = 0.0
+    for part in SUBLAYERS[entry]:
+        norm = 2 * h / split if config.norm_placement != "post" else 0.0
+        if "layernorm" in modules and norm and RECOMPUTED_WHOLE.get(part) not in modules:
+            norm -= h / split
+        elements += norm + parts[part]()
+    return config.seq_length / layout.cp * layout.micro_batch_size * elements
+
+
+def _attention_elements(config: GPTConfig, t: int) -> float:
+    """``layer_elements``' attention part per token (see there)."""
+    heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
     if config.multi_latent_attention:
-        attention = _latent_elements(config, t)
+        return _latent_elements(config, t)
+    attention = (heads + 2 * groups) * d + heads * d
     rotary, normed = config.position_embedding == "rope", config.qk_layernorm
     query_copy = heads * d if groups < heads else 0
-    if config.multi_latent_attention:
-        pass
-    elif normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries, keys
+    if normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries, keys
         attention += query_copy + (0 if rotary else (heads + groups) * d)
     elif not rotary:
         attention += query_copy  # attention itself keeps the copied queries
-    if rotary and not config.multi_latent_attention:  # rotation keeps its tables; attention the rotated q, k
+    if rotary:  # rotation keeps its tables; attention the rotated q, k
         attention += (heads + groups) * d + 2 * config.rotary_channels
-    modules = layout.recompute_modules if layout.recompute == "selective" else ()
-    mlp = 0 if "mlp" in modules else (4 if config.gated else 2) * f / t
-    if moe:
-        mlp = 0 if "moe" in modules else _moe_elements(config, layout, split)
-    if "layernorm" in modules and config.norm_placement != "post":
-        norms -= (1 if "mlp" in modules else 2) * h / split
-    return config.seq_length / layout.cp * layout.micro_batch_size * (norms + attention + mlp)
+    return attention
+
+
+def _mamba_elements(config: GPTConfig, layout: Layout) -> float:
+    """``layer_elements``' Mamba-2 mixer per token of this rank (t = tp; its in_proj rows, convolution
+    channels C, inner width I, heads H, groups G per tp rank): in_proj's output (the gated norm keeps z, a
+    view of it), the convolution's input, its output over S + K - 1 positions (what SiLU keeps) and SiLU's
+    output (the scan's B and C, views of it), x made contiguous for the scan (I), dt before and after
+    softplus (2 H, fp32), the scan's output and the gated norm's (2 I: the scan itself keeps only its inputs
+    and redoes its chunks in backward), the gated norm's 1 / rms per group (G). Under context parallelism
+    each rank convolves and scans whole sequences for 1 / cp of the heads: per token of its own the same
+    counts, with B and C repeated where cp exceeds the groups."""
+    t, cp, s = layout.tp, layout.cp, config.seq_length
+    groups = config.mamba_num_groups / t
+    copies = max(1.0, cp / groups)  # B and C sent to every cp rank that takes a share of a group's heads
+    inner, heads, state = config.mamba_inner / t, config.mamba_heads / t, config.mamba_state_dim
+    channels = inner + 2 * groups * state * copies
+    rows = config.mamba_projection_rows / t
+    return rows + channels * (2 + (s + CONV_KERNEL - 1) / s) + 3 * inner + 2 * heads + groups
 
 
 def _latent_elements(config: GPTConfig, t: int) -> float:

@@ -28,7 +28,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 
+from launch.tools.planning.layer_parts import RECOMPUTED_WHOLE, SUBLAYERS
 from models.config import GPTConfig
+from models.layers.registry import mamba_flops
 
 # bytes one element of the step's optimizer state moves through memory (fused AdamW on fp32 masters:
 # read master, gradient, two moments; write master, two moments; write the 16-bit copy)
@@ -148,6 +150,19 @@ def layer_forward_seconds(config: GPTConfig, tokens: int, tp: int, context: int,
     return attention, mlp
 
 
+def mamba_forward_seconds(config: GPTConfig, tokens: int, tp: int, profile: DeviceProfile) -> float:
+    """A Mamba-2 layer's forward seconds on one rank: its two projections at the rate of their shapes, the
+    scan's recurrence (5 I N FLOPs a token, ``models.layers.registry.mamba_flops``) at the fused kernels'
+    rate, and the element-wise passes (norms, convolution, gate, residual) at the bandwidth."""
+    h, element = config.hidden_size, 2
+    inner, rows, channels = (config.mamba_inner // tp, config.mamba_projection_rows // tp,
+                             config.mamba_conv_channels // tp)
+    return (profile.matmul_seconds(tokens, rows, h) + profile.matmul_seconds(tokens, h, inner)
+            + tokens * mamba_flops(config) / tp / profile.attention_flops
+            + (6 * tokens * h + 2 * tokens * (rows + 2 * channels + 3 * inner)) * element
+            / profile.memory_bandwidth)
+
+
 def _latent_seconds(config: GPTConfig, tokens: int, tp: int, context: int, profile: DeviceProfile) -> float:
     """Latent attention's products (the down projections whole on every rank, the up and output
     projections split by head) and its kernel (query/key and value widths of their own)."""
@@ -162,18 +177,23 @@ def _latent_seconds(config: GPTConfig, tokens: int, tp: int, context: int, profi
             + 2 * tokens * context * heads * (query_key + value) / profile.attention_flops)
 
 
-def compute_seconds(config: GPTConfig, tp: int, cp: int, micro_batch_size: int, layers: int,
+def compute_seconds(config: GPTConfig, tp: int, cp: int, micro_batch_size: int, entries: tuple[str, ...],
                     micro_batches: int, recompute: str | None, recompute_modules: tuple[str, ...],
                     last_stage: bool, parameters: float, profile: DeviceProfile) -> float:
-    """A step's compute on one rank of a stage of ``layers`` layers: every micro-batch's forward and
-    backward (backward twice the forward's products; full recompute one forward more, selective recompute
-    of the MLP its forward again), the output layer and loss on the last stage, and the optimizer step over
-    the rank's ``parameters`` (its shard) at the bandwidth. No bubble, no communication."""
+    """A step's compute on one rank of a stage of layers of registry ``entries``: every micro-batch's
+    forward and backward (backward twice the forward's products; full recompute one forward more, selective
+    recompute of an MLP or Mamba mixer its forward again), the output layer and loss on the last stage, and
+    the optimizer step over the rank's ``parameters`` (its shard) at the bandwidth. No bubble, no
+    communication."""
     tokens = micro_batch_size * config.seq_length // cp
     attention, mlp = layer_forward_seconds(config, tokens, tp, config.seq_length, profile)
-    redo = (attention + mlp if recompute == "full"
-            else mlp if recompute == "selective" and "mlp" in recompute_modules else 0.0)
-    per_micro_batch = layers * (3 * (attention + mlp) + redo)
+    seconds = {"attention": attention, "mlp": mlp, "moe": mlp,
+               "mamba": mamba_forward_seconds(config, tokens, tp, profile)}
+    redone = {"attention", "mlp", "moe", "mamba"} if recompute == "full" else (
+        {part for part, name in RECOMPUTED_WHOLE.items() if name in recompute_modules}
+        if recompute == "selective" else set())
+    per_micro_batch = sum(3 * seconds[part] + (seconds[part] if part in redone else 0.0)
+                          for entry in entries for part in SUBLAYERS[entry])
     if last_stage:
         vocab = -(-config.vocab_size // tp)
         per_micro_batch += 3 * profile.matmul_seconds(tokens, vocab, config.hidden_size) \

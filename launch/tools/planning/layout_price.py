@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from launch.tools.planning.activation_price import layer_elements
+from launch.tools.planning.layer_parts import SUBLAYERS
 from launch.tools.planning.layout import Layout
 from launch.tools.planning.link_model import Transfer, all_to_all, ring, zero_transfers
 from launch.tools.planning.muon_price import moments, muon_transfers, named_parameters, workspace_bytes
@@ -62,15 +63,15 @@ def stage_count(config: GPTConfig, layout: Layout, stage: int) -> StageCount:
 
 def distinct_stages(config: GPTConfig, layout: Layout) -> list[int]:
     """One stage of each different ``StageCount`` (middle stages of an even cut hold the same), counted for
-    the first stage of each shape alone: which of its chunks' layers are MoE layers (what else a layer
-    holds follows from the model) and which chunks hold the embedding and the loss."""
+    the first stage of each shape alone: its chunks' layers' registry entries (what a layer holds follows
+    from its entry and the model) and which chunks hold the embedding and the loss."""
     key = (frozen_config(config), layout.tp, layout.pp, layout.sequence_parallel, layout.split, layout.ep,
            layout.expert_tp, layout.v, layout.chunks, layout.optimizer)
     if key not in _DISTINCT:
-        moe, shapes = config.moe_layers(config.num_layers), {}
+        entries, shapes = config.layer_types(), {}
         for stage in range(layout.pp):
             chunks = enumerate(layout.chunk_layers(stage, config.num_layers))
-            shapes.setdefault(tuple((tuple(moe[i] for i in layers), layout.holds(stage, chunk))
+            shapes.setdefault(tuple((tuple(entries[i] for i in layers), layout.holds(stage, chunk))
                                     for chunk, layers in chunks), stage)
         seen: dict[StageCount, int] = {}
         for stage in shapes.values():
@@ -147,31 +148,39 @@ def buffer_bytes(config: GPTConfig, layout: Layout, compute_bytes: int, bucket_s
 
 
 def _block_and_stage(config: GPTConfig, layout: Layout) -> tuple[int, int]:
-    """(one layer's dense parameters, the first pipeline stage's) on one tp rank (the dense optimizer's
-    units; the experts are the expert optimizer's)."""
-    return _block_and_stage_of(frozen_config(config), layout.tp, layout.pp, layout.sequence_parallel,
-                               (layout.ep, layout.expert_tp), layout.split, layout.v, layout.chunks)
+    """(the largest layer's dense parameters, the first pipeline stage's) on one tp rank (the dense
+    optimizer's units; the experts are the expert optimizer's)."""
+    layers, stage = _layers_and_stage(config, layout)
+    return max(layers), stage
+
+
+def _layers_and_stage(config: GPTConfig, layout: Layout) -> tuple[tuple[int, ...], int]:
+    """(each layer's dense parameters, the first pipeline stage's) on one tp rank."""
+    return _layers_and_stage_of(frozen_config(config), layout.tp, layout.pp, layout.sequence_parallel,
+                                (layout.ep, layout.expert_tp), layout.split, layout.v, layout.chunks)
 
 
 @functools.lru_cache(maxsize=1024)
-def _block_and_stage_of(frozen: tuple, tp: int, pp: int, sequence_parallel: bool, experts: tuple[int, int],
-                        split: tuple[int, ...] | None, v: bool, chunks: int) -> tuple[int, int]:
+def _layers_and_stage_of(frozen: tuple, tp: int, pp: int, sequence_parallel: bool,
+                         experts: tuple[int, int], split: tuple[int, ...] | None, v: bool,
+                         chunks: int) -> tuple[tuple[int, ...], int]:
     config = thawed_config(frozen)
     one = stage_model(config, tp, 1, 0, sequence_parallel=sequence_parallel, experts=experts)
-    block = sum(p.numel() for p in one[0].layers[0].parameters() if not meta(p).expert)
-    return block, sum(p.numel() for p in stage_parameters(config, tp, pp, 0, sequence_parallel,
-                                                           list(split) if split else None, experts, v, chunks)
-                      if not meta(p).expert)
+    layers = tuple(sum(p.numel() for p in layer.parameters() if not meta(p).expert)
+                   for layer in one[0].layers)
+    first = stage_parameters(config, tp, pp, 0, sequence_parallel, list(split) if split else None, experts, v,
+                             chunks)
+    return layers, sum(p.numel() for p in first if not meta(p).expert)
 
 
 def reused_elements(config: GPTConfig, layout: Layout, stage: int = 0) -> int:
     """Stage 3: the parameters of pipeline ``stage`` that stay gathered from the end of a micro-batch's
     forward to its backward (``parallel.zero.sharded_parameters`` keeps what its prefetcher would gather
     right back, within the default budget, ``parameter_unit.default_prefetch_budget``: the enclosing unit and
-    two layers): the stage's own unit (embedding, head) and the last two layers."""
-    block = _block_and_stage(config, layout)[0]
-    layers = layout.layers_on(stage, config.num_layers)
-    return stage_count(config, layout, stage).dense_elements - layers * block + min(layers, 2) * block
+    two layers): the stage's own unit (embedding, head) and its last two layers."""
+    per_layer = _layers_and_stage(config, layout)[0]
+    held = [per_layer[index] for index in layout.stage_layers(stage, config.num_layers)]
+    return stage_count(config, layout, stage).dense_elements - sum(held) + sum(held[-2:])
 
 
 def stage_transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_bytes: int,
@@ -228,12 +237,19 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
         moe = sum(config.moe_layers(config.num_layers)[index] for index in indices)
         found.append(dispatch_transfer(config, layout, topology, compute_bytes, gpus_per_node, moe * m,
                                        recompute))
+    entries = config.layer_types()
+    parts = [part for index in indices for part in SUBLAYERS[entries[index]]]
     found.append(ring("all_reduce", "tp", topology.group_tuples("tp"), gpus_per_node,
-                      2 * (t - 1) / t * sbh * recompute, 4 * layers * m))
-    if layout.cp > 1:  # ring attention's key/value blocks (and their gradients), every layer
+                      2 * (t - 1) / t * sbh * recompute, 2 * len(parts) * m))  # each sublayer's, both ways
+    forwards = 2 if layout.recompute == "full" else 1
+    if layout.cp > 1 and "attention" in parts:  # ring attention's key/value blocks (and their gradients)
         forward, backward = context_bytes(config, layout, compute_bytes)
         found.append(ring("p2p", "cp", topology.group_tuples("cp"), gpus_per_node,
-                          (forward * (2 if layout.recompute == "full" else 1) + backward) * layers * m))
+                          (forward * forwards + backward) * parts.count("attention") * m))
+    if layout.cp > 1 and "mamba" in parts:  # the Mamba mixers' exchange to head shards and back
+        moved = mamba_exchange_bytes(config, layout, compute_bytes)
+        found.append(ring("all_to_all", "cp", topology.group_tuples("cp"), gpus_per_node,
+                          moved * (forwards + 1) * parts.count("mamba") * m))
     if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
         lines = topology.group_tuples("pp")
         crosses = gpus_per_node is not None and any(a // gpus_per_node != b // gpus_per_node
@@ -281,6 +297,19 @@ def context_bytes(config: GPTConfig, layout: Layout, compute_bytes: int,
         moved = tokens * (2 * heads + 2 * groups) * config.head_dim * compute_bytes * (n - 1) / n
         return moved, moved
     return (n - 1) * kv * compute_bytes, (n - 1) * kv * (compute_bytes + 4)
+
+
+def mamba_exchange_bytes(config: GPTConfig, layout: Layout, compute_bytes: int) -> float:
+    """Bytes one rank sends over the cp group for one Mamba-2 layer's forward (its backward the same), as
+    ``models.mamba.mixer`` sends them: (cp - 1) / cp of its tokens' x, B, C (repeated to each cp rank that
+    takes a share of a group's heads) and dt to their head shards, then of y back."""
+    n, t = layout.cp, layout.tp
+    tokens = config.seq_length / n * layout.micro_batch_size
+    groups = config.mamba_num_groups / t
+    copies = max(1.0, n / groups)
+    per_token = (2 * config.mamba_inner / t + 2 * groups * config.mamba_state_dim * copies
+                 + config.mamba_heads / t)
+    return tokens * per_token * compute_bytes * (n - 1) / n
 
 
 def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:

@@ -141,13 +141,14 @@ def _profiled_compute(config: GPTConfig, layout: Layout, micro_batches: int, pro
         if len(_COMPUTE) > 65536:
             _COMPUTE.clear()
         parameters = num_parameters(config) / (layout.tp * layout.pp * shard)
-        kinds = {(layout.layers_on(stage, config.num_layers),
+        entries = config.layer_types()
+        kinds = {(tuple(sorted(entries[i] for i in layout.stage_layers(stage, config.num_layers))),
                   any(layout.holds(stage, chunk)[1] for chunk in range(layout.chunks)))
                  for stage in range(layout.pp)}  # stages that differ: their layers, the head
-        _COMPUTE[key] = max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size, layers,
+        _COMPUTE[key] = max(compute_seconds(config, layout.tp, layout.cp, layout.micro_batch_size, held,
                                             micro_batches, layout.recompute, layout.recompute_modules, last,
                                             parameters, profile)
-                            for layers, last in kinds)
+                            for held, last in kinds)
     return _COMPUTE[key]
 
 
