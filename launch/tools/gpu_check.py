@@ -152,6 +152,35 @@ def check_moe(size: str, iters: int) -> bool:
     return True
 
 
+def check_hybrid(size: str, iters: int) -> bool:
+    """A Nemotron-H-like hybrid (Mamba-2 and MLP layers, one attention layer in eight) against the Llama
+    shape of the same width, in the same run: tokens/s and peak, and the scan backend the mixers use
+    (``models.mamba.kernels``: mamba-ssm's or fla's kernels where installed, else the PyTorch reference)."""
+    from launch.bench.throughput import SIZES, run_system
+    from models.mamba.kernels import scan_backend
+
+    layers = SIZES[size]["llama"][0]
+    pattern = "".join("*-" if i % 4 == 0 else "M-" for i in range(layers))  # as many layers of two parts
+    width = SIZES[size]["llama"][1]
+    hybrid = ["--hybrid-layer-pattern", pattern, "--mamba-head-dim", str(min(64, width // 4)),
+              "--mamba-num-groups", "2" if size == "smoke" else "8",
+              "--mamba-state-dim", "16" if size == "smoke" else "128"]
+    system = "ours" if size == "smoke" else "ours-compiled"
+    runs = {name: run_system(size, "llama", system, iters, flags)
+            for name, flags in (("llama", []), ("hybrid", hybrid))}
+    failed = [f"{name}: {r['error'].splitlines()[-1]}" for name, r in runs.items() if "error" in r]
+    if failed:
+        print(f"hybrid: FAILED {'; '.join(failed)}", flush=True)
+        return False
+    backend = scan_backend(torch.device("cuda" if size != "smoke" else "cpu"), documents=False)
+    llama, mixed = runs["llama"], runs["hybrid"]
+    ratio = mixed["tokens_per_s"] / llama["tokens_per_s"]
+    print(f"hybrid ({system}, {pattern}, scan: {backend}): {mixed['tokens_per_s']:,.0f} tokens/s against "
+          f"the Llama shape's {llama['tokens_per_s']:,.0f} ({ratio:.2f}x), peak "
+          f"{mixed['peak_bytes'] / 2**30:.2f} against {llama['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    return True
+
+
 def check_profiler(base: list[str], device: torch.device, workdir: str) -> bool:
     """--profile --use-pytorch-profiler writes a Chrome trace that parses; on a GPU --record-memory-history
     writes torch's memory snapshot, which loads."""
@@ -227,7 +256,8 @@ def check_flash_attention(device: torch.device) -> bool:
     return True
 
 
-SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8", "moe", "rates")
+SECTIONS = ("versions", "throughput", "documents", "profiler", "zero", "flash", "fp8", "moe", "hybrid",
+            "rates")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                                      description="One-shot check of a GPU machine: speed against "
                                                  "transformers eager and compiled, document masking, the "
                                                  "profiler and the memory snapshot, ZeRO stages and offload, "
-                                                 "flash attention, fp8, the device's rates for the planner.")
+                                                 "flash attention, fp8, MoE, a Mamba-2 hybrid, the "
+                                                 "device's rates for the planner.")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny models on the CPU: the checks, not the numbers")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
@@ -274,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
             ok &= check_fp8(size, iters)
         if "moe" in args.sections:
             ok &= check_moe(size, iters)
+        if "hybrid" in args.sections:
+            ok &= check_hybrid(size, iters)
         if "rates" in args.sections:
             from launch.bench.device_rates import main as device_rates
 
