@@ -136,7 +136,8 @@ class GPTConfig(HybridConfig, MambaConfig, MoEConfig, LatentAttentionConfig, MuP
     hf_model_type: str | None = field(default=None, metadata=flag(
         "the Hugging Face model_type an export writes (an import records its own; default: the first that "
         "expresses the model)", choices=["gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
-                                         "gemma2", "gemma3_text"]))
+                                         "gemma2", "gemma3_text", "nemotron_h", "mamba2",
+                                         "granitemoehybrid"]))
     hidden_dropout: float = field(default=0.1, metadata=flag("dropout on residual branches and embeddings"))
     attention_dropout: float = field(default=0.1, metadata=flag("dropout on attention probabilities"))
     init_method_std: float = field(default=0.02, metadata=flag(

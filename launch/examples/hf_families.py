@@ -5,8 +5,8 @@ an explicit head_dim, biases, query/key norms, soft-capping, fused projections.
 
     make_model(family, vocab_size, hidden_size=32, window=4, bos=None, eos=None) -> a transformers model
 
-``FAMILIES`` lists the dense ones, ``MOE_FAMILIES`` the mixtures of experts; ``launch/finetune_job.sh
---family NAME`` and the interop tests use them.
+``FAMILIES`` lists the dense ones, ``MOE_FAMILIES`` the mixtures of experts, ``HYBRID_FAMILIES`` the
+Mamba-2 hybrids; ``launch/finetune_job.sh --family NAME`` and the interop tests use them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3
             "phi3", "olmo2", "gpt2")
 # top-2 of 4 experts each
 MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")
-ALL_FAMILIES = FAMILIES + MOE_FAMILIES
+# Mamba-2 hybrids: Nemotron-H (M * - E, sigmoid-routed experts), Mamba2, Granite 4.0-H (with experts and
+# without)
+HYBRID_FAMILIES = ("nemotron-h", "mamba2", "granite-4.0-h", "granite-4.0-h-dense")
+ALL_FAMILIES = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 
 
 def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
@@ -96,6 +99,28 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
                                          layer_types=["sliding_attention", "full_attention"],
                                          head_dim=2 * hidden // heads, rope_parameters=yarn, swiglu_limit=1.5,
                                          **moe)
+    mamba = dict(layer_norm_epsilon=1e-5, tie_word_embeddings=False)
+    if family == "nemotron-h":  # no positions, relu2 MLPs and experts, group-limited sigmoid routing
+        return transformers.NemotronHConfig(
+            **{**common, "num_hidden_layers": 5}, hybrid_override_pattern="M*M-E", head_dim=hidden // heads,
+            mamba_num_heads=4, mamba_head_dim=hidden // 2, ssm_state_size=8, n_groups=2, chunk_size=4,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+            moe_shared_expert_intermediate_size=hidden, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            mlp_hidden_act="relu2", **mamba)
+    if family == "mamba2":
+        return transformers.Mamba2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=3,
+                                         num_heads=4, head_dim=hidden // 2, expand=2, state_size=8,
+                                         n_groups=2, chunk_size=4, pad_token_id=0, **mamba, **special)
+    if family.startswith("granite-4.0-h"):  # a mixer then a feed-forward part per layer; rotary; the MoE's
+        experts = 0 if family.endswith("dense") else 4  # shared MLP
+        return transformers.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 3, "intermediate_size": hidden // 2},
+            layer_types=["mamba", "attention", "mamba"], shared_intermediate_size=hidden,
+            num_local_experts=experts, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=hidden // 2,
+            mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, rms_norm_eps=1e-5,
+            attention_multiplier=(hidden // heads) ** -0.5,
+            embedding_multiplier=1.5, position_embedding_type="rope",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=experts == 0)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

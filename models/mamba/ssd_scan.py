@@ -59,59 +59,56 @@ def chunked_scan(x, dt, A, B, C, chunk: int, D=None, documents=None) -> torch.Te
     per_group = heads // groups
     pad = -length % chunk
     dtype = _compute_dtype(x)
-    xf, dtf, Bf, Cf = (F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
     chunks = (length + pad) // chunk
-    xc = xf.view(b, chunks, chunk, heads, p)
-    dtc = dtf.view(b, chunks, chunk, heads)
-    Bc = Bf.view(b, chunks, chunk, groups, n)
-    Cc = Cf.view(b, chunks, chunk, groups, n)
-    cumulative = torch.cumsum(dtc * A.to(dtype), dim=2)  # L_t, [b, c, Q, H]
+    # head-major chunks, [b, c, G, J, Q, ...] (J heads per group): the Q x Q products below are batched
+    # matrix products over (b, c, G, J) with no copy of a Q x Q tensor
+    xf = F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad)).view(b, chunks, chunk, groups, per_group, p)
+    xc = xf.permute(0, 1, 3, 4, 2, 5)  # [b, c, G, J, Q, P]
+    dtc = F.pad(dt.to(dtype), (0, 0, 0, pad)).view(b, chunks, chunk, groups, per_group).permute(0, 1, 3, 4, 2)
+    Bc, Cc = (F.pad(t.to(dtype), (0, 0, 0, 0, 0, pad)).view(b, chunks, chunk, groups, n).transpose(2, 3)
+              for t in (B, C))  # [b, c, G, Q, N]
+    a = dtc * A.to(dtype).view(groups, per_group, 1)  # dt A, [b, c, G, J, Q]
+    cumulative = torch.cumsum(a, dim=-1)  # L_t
     runs = None
     if documents is not None:
-        runs = F.pad(segments(documents), (0, pad), mode="replicate").view(b, chunks, chunk)
+        runs = F.pad(segments(documents), (0, pad), mode="replicate").view(b, chunks, 1, 1, chunk)
 
-    # within each chunk: y_t = sum_{s <= t} (C_t . B_s) exp(L_t - L_s) dt_s x_s, the exponent summed over
-    # tokens s+1..t directly (not as a difference of two long cumulative sums, which would lose the small
-    # gaps that matter to the rounding of the large ones)
-    a = (dtc * A.to(dtype)).transpose(2, 3)  # [b, c, H, Q]
-    after = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril(-1)  # r > s
-    gaps = torch.cumsum(a[..., :, None].expand(*a.shape, chunk).masked_fill(~after, 0), dim=-2)  # [.., t, s]
-    gaps = gaps.permute(0, 1, 3, 4, 2)  # [b, c, t, s, H]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    visible = causal[None, None, :, :, None]
+    # within each chunk: y_t = sum_{s <= t} (C_t . B_s) exp(L_t - L_s) dt_s x_s (the exponent a difference of
+    # fp64 cumulative sums: in fp32 a long sum's rounding would swamp the small gaps that matter)
+    precise = torch.cumsum(a.to(torch.float64), dim=-1)  # L_t in fp64: their differences keep the small gaps
+    gaps = (precise[..., :, None] - precise[..., None, :]).to(dtype)  # L_t - L_s, [.., t, s]
+    visible = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
     if runs is not None:
-        visible = visible & (runs[:, :, :, None] == runs[:, :, None, :])[..., None]
-    decay = torch.exp(gaps.masked_fill(~visible, float("-inf")))
-    scores = torch.einsum("bctgn,bcsgn->bctsg", Cc, Bc).repeat_interleave(per_group, dim=-1)
-    weights = scores * decay * dtc[:, :, None, :, :]  # [b, c, t, s, H]
-    y = torch.einsum("bctsh,bcshp->bcthp", weights, xc)
+        visible = visible & (runs[..., :, None] == runs[..., None, :])
+    decay = torch.exp(gaps.masked_fill(~visible, float("-inf")))  # [b, c, G, J, t, s]
+    scores = (Cc @ Bc.transpose(-1, -2)).unsqueeze(3)  # C_t . B_s per group, [b, c, G, 1, t, s]
+    inputs = xc * dtc.unsqueeze(-1)  # dt_s x_s, [b, c, G, J, Q, P]
+    y = (scores * decay) @ inputs  # [b, c, G, J, t, P]
 
     # each chunk's own contribution to its end state: sum_s exp(L_end - L_s) dt_s x_s B_s^T
-    to_end = torch.exp(gaps[:, :, -1]) * dtc  # [b, c, Q, H]
+    to_end = torch.exp(gaps[..., -1, :])  # [b, c, G, J, Q]
     if runs is not None:
-        to_end = to_end * (runs == runs[:, :, -1:]).to(dtype)[..., None]
-    Bh = Bc.repeat_interleave(per_group, dim=3)  # [b, c, Q, H, N]
-    own = torch.einsum("bcsh,bcshp,bcshn->bchpn", to_end, xc, Bh)
+        to_end = to_end * (runs == runs[..., -1:]).to(dtype)
+    own = (inputs * to_end.unsqueeze(-1)).transpose(-1, -2) @ Bc.unsqueeze(3)  # [b, c, G, J, P, N]
 
     # across chunks: the state entering chunk c, S_in(c + 1) = exp(L_end(c)) S_in(c) + own(c)
-    chunk_decay = torch.exp(cumulative[:, :, -1, :])  # [b, c, H]
+    chunk_decay = torch.exp(cumulative[..., -1])  # [b, c, G, J]
+    ends = None
     if runs is not None:  # a state crosses a chunk's end only within one document
-        previous_end = F.pad(runs[:, :-1, -1], (1, 0), value=-1)
-        chunk_decay = chunk_decay * (runs[:, :, -1] == previous_end).to(dtype)[..., None]
-    entering, state = [], own.new_zeros(b, heads, p, n)
+        ends = F.pad(runs[:, :-1, ..., -1], (0, 0, 0, 0, 1, 0), value=-1)  # the previous chunk's last run
+        chunk_decay = chunk_decay * (runs[..., -1] == ends).to(dtype)
+    entering, state = [], own.new_zeros(b, groups, per_group, p, n)
     for c in range(chunks):
         entering.append(state)
-        state = chunk_decay[:, c, :, None, None] * state + own[:, c]
-    entering = torch.stack(entering, dim=1)  # [b, c, H, P, N]
+        state = chunk_decay[:, c, ..., None, None] * state + own[:, c]
+    entering = torch.stack(entering, dim=1)  # [b, c, G, J, P, N]
 
     # what the entering state gives each token: exp(L_t) C_t . S_in(c), within its first document
-    Ch = Cc.repeat_interleave(per_group, dim=3)
     from_start = torch.exp(cumulative)
     if runs is not None:
-        previous_end = F.pad(runs[:, :-1, -1], (1, 0), value=-1)
-        from_start = from_start * (runs == previous_end[:, :, None]).to(dtype)[..., None]
-    y = y + torch.einsum("bcth,bcthn,bchpn->bcthp", from_start, Ch, entering)
-    y = y.reshape(b, chunks * chunk, heads, p)[:, :length]
+        from_start = from_start * (runs == ends.unsqueeze(-1)).to(dtype)
+    y = y + (Cc.unsqueeze(3) @ entering.transpose(-1, -2)) * from_start.unsqueeze(-1)
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, chunks * chunk, heads, p)[:, :length]
     if D is not None:
         y = y + D.to(dtype)[:, None] * x.to(dtype)
     return y.to(x.dtype)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from models.config import GPTConfig
 from pretrain.interop.hf_deepseek import KIND as DEEPSEEK, deepseek_from_hf, deepseek_misses, deepseek_to_hf
 from pretrain.interop.hf_gpt_oss import KIND as GPT_OSS, gpt_oss_from_hf, gpt_oss_misses, gpt_oss_to_hf
+from pretrain.interop.hf_hybrid import ARCHITECTURES as HYBRIDS, NOT_HYBRID, hybrid_from_hf, hybrid_misses, \
+    hybrid_to_hf
 from pretrain.interop.hf_moe import MOE_FAMILIES, MoEMappingError, moe_from_hf, moe_misses, moe_to_hf
 from pretrain.interop.hf_positions import HFMappingError, hf_windows, rope_parameters, rotary, windows
 
@@ -108,12 +110,14 @@ def _refuse_unmapped(hf: dict, kind) -> None:
 def config_from_hf(hf: dict) -> GPTConfig:
     """Our GPTConfig for a Hugging Face config.json; HFMappingError naming what has no exact counterpart."""
     kind = hf.get("model_type")
+    if kind in HYBRIDS or kind in NOT_HYBRID:
+        return hybrid_from_hf(hf)
     _refuse_unmapped(hf, kind)
     if kind == "gpt2":
         return _gpt2_from_hf(hf)
     if kind not in FAMILIES:
         raise HFMappingError(f"model_type {kind!r} is not supported: gpt2, "
-                             f"{', '.join(FAMILIES)} are")
+                             f"{', '.join([*FAMILIES, *HYBRIDS])} are")
     family = FAMILIES[kind]
     activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     wanted = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu"),
@@ -238,12 +242,17 @@ def hf_kind(config: GPTConfig) -> str:
     (``hf_model_type``), else the first that can; HFMappingError naming the flags that stand in the way."""
     if config.hf_model_type is not None:
         misses = (_gpt2_misses(config) if config.hf_model_type == "gpt2"
+                  else hybrid_misses(config, config.hf_model_type) if config.hf_model_type in HYBRIDS
                   else _misses(config, FAMILIES[config.hf_model_type]))
         if misses:
             raise HFMappingError(f"--hf-model-type {config.hf_model_type} cannot express "
                                  f"{', '.join(misses)}: convert with --to consolidated instead")
         return config.hf_model_type
-    candidates = {"gpt2": _gpt2_misses(config), **{kind: _misses(config, f) for kind, f in FAMILIES.items()}}
+    if config.hybrid_layer_pattern:
+        candidates = {kind: hybrid_misses(config, kind) for kind in HYBRIDS}
+    else:
+        candidates = {"gpt2": _gpt2_misses(config),
+                      **{kind: _misses(config, f) for kind, f in FAMILIES.items()}}
     for kind, misses in candidates.items():
         if not misses:
             return kind
@@ -259,6 +268,8 @@ def config_to_hf(config: GPTConfig, special: dict[str, int | None]) -> dict:
     beyond the vocabulary)."""
     kind, tied = hf_kind(config), not config.untie_embeddings_and_output_weights
     special = {**dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id")), **special}
+    if kind in HYBRIDS:
+        return hybrid_to_hf(config, kind, special)
     if kind == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
                 "n_positions": config.max_positions, "n_embd": config.hidden_size,

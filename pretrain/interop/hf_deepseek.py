@@ -28,30 +28,59 @@ def deepseek_from_hf(hf: dict) -> dict:
     if hf.get("rms_norm_eps", LATENT_EPS) != LATENT_EPS:
         raise MoEMappingError(f"{KIND} with rms_norm_eps={hf['rms_norm_eps']}: its latent norms keep "
                               f"{LATENT_EPS}, the layers' must equal it to map")
-    if not hf.get("norm_topk_prob", True):
-        raise MoEMappingError(f"{KIND} with norm_topk_prob=false: sigmoid routing maps with the top-k "
-                              "weights renormalised only")
-    layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    layers = hf["num_hidden_layers"]
     fields = {"multi_latent_attention": True, "q_lora_rank": hf.get("q_lora_rank"),
               "kv_lora_rank": hf["kv_lora_rank"], "qk_head_dim": hf["qk_nope_head_dim"],
               "qk_pos_emb_head_dim": hf["qk_rope_head_dim"], "v_head_dim": hf["v_head_dim"],
               "rotary_interleaved": bool(hf.get("rope_interleave", True)), "kv_channels": None,
               "group_query_attention": False, "num_query_groups": None,
-              "num_experts": hf["n_routed_experts"], "moe_router_topk": topk,
-              "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_router_score_function": "sigmoid",
-              "moe_router_enable_expert_bias": True, "moe_aux_loss_coeff": 0.0,
-              "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
-              "moe_layer_freq": str([int(i >= hf.get("first_k_dense_replace", 0)) for i in range(layers)])}
-    if groups > 1:
-        if topk % group_topk or topk // group_topk != 2:
-            raise MoEMappingError(f"{KIND} with num_experts_per_tok={topk} and topk_group={group_topk}: "
-                                  "transformers scores a group by its best two experts, Megatron by its best "
-                                  "topk / topk_group; they agree at 2 only")
-        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+              "num_experts": hf["n_routed_experts"], "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+              "moe_layer_freq": str([int(i >= hf.get("first_k_dense_replace", 0)) for i in range(layers)]),
+              **sigmoid_routing_from_hf(hf, KIND)}
     if hf.get("n_shared_experts"):
         fields["moe_shared_expert_intermediate_size"] = hf["moe_intermediate_size"] * hf["n_shared_experts"]
     return fields
+
+
+def sigmoid_routing_from_hf(hf: dict, kind: str) -> dict:
+    """Our router for transformers' sigmoid routing (DeepSeek-V3's, Nemotron-H's): sigmoid scores with the
+    score-correction bias, group-limited top-k, renormalised top-k weights times the routed scaling factor."""
+    if not hf.get("norm_topk_prob", True):
+        raise MoEMappingError(f"{kind} with norm_topk_prob=false: sigmoid routing maps with the top-k "
+                              "weights renormalised only")
+    topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
+    fields = {"moe_router_topk": topk, "moe_router_score_function": "sigmoid",
+              "moe_router_enable_expert_bias": True, "moe_aux_loss_coeff": 0.0,
+              "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0)}
+    if groups > 1:
+        if topk % group_topk or topk // group_topk != 2:
+            raise MoEMappingError(f"{kind} with num_experts_per_tok={topk} and topk_group={group_topk}: "
+                                  "transformers scores a group by its best two experts, Megatron by its best "
+                                  "topk / topk_group; they agree at 2 only")
+        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    return fields
+
+
+def sigmoid_routing_to_hf(config: GPTConfig) -> dict:
+    """transformers' keys of the sigmoid routing of ``config``."""
+    return {"num_experts_per_tok": config.moe_router_topk,
+            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0,
+            "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1,
+            "norm_topk_prob": True}
+
+
+def sigmoid_routing_misses(config: GPTConfig) -> list[str]:
+    """What of ``config``'s routing transformers' sigmoid routing cannot express."""
+    wanted = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+              "moe_expert_capacity_factor": None, "moe_z_loss_coeff": None}
+    misses = unexpressed(config, wanted)
+    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+    if groups and groups > 1 and config.moe_router_topk != 2 * group_topk:
+        misses.append(f"--moe-router-group-topk {group_topk} (transformers scores a group by its best two "
+                      f"experts: --moe-router-topk must be twice it)")
+    if config.moe_aux_loss_coeff:
+        misses.append(f"--moe-aux-loss-coeff {config.moe_aux_loss_coeff} (the config has no key)")
+    return misses
 
 
 def deepseek_to_hf(config: GPTConfig) -> dict:
@@ -62,12 +91,10 @@ def deepseek_to_hf(config: GPTConfig) -> dict:
             "qk_nope_head_dim": config.qk_head_dim, "qk_rope_head_dim": config.qk_pos_emb_head_dim,
             "v_head_dim": config.v_head_dim, "head_dim": config.qk_pos_emb_head_dim,
             "rope_interleave": config.rotary_interleaved, "n_routed_experts": config.num_experts,
-            "num_experts_per_tok": config.moe_router_topk, "moe_intermediate_size": width,
+            "moe_intermediate_size": width,
             "n_shared_experts": (config.moe_shared_expert_intermediate_size or 0) // width,
-            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0,
-            "n_group": config.moe_router_num_groups or 1, "topk_group": config.moe_router_group_topk or 1,
-            "norm_topk_prob": True, "first_k_dense_replace": pattern.index(True) if any(pattern) else 0,
-            "num_nextn_predict_layers": 0, "num_mtp_layers": 0}
+            "first_k_dense_replace": pattern.index(True) if any(pattern) else 0,
+            "num_nextn_predict_layers": 0, "num_mtp_layers": 0, **sigmoid_routing_to_hf(config)}
 
 
 def deepseek_misses(config: GPTConfig) -> list[str]:
@@ -87,13 +114,4 @@ def deepseek_misses(config: GPTConfig) -> list[str]:
     shared = config.moe_shared_expert_intermediate_size
     if shared and (shared % width or config.moe_shared_expert_gate):
         misses.append(f"--moe-shared-expert-intermediate-size {shared} (whole experts of {width}, ungated)")
-    wanted = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-              "moe_expert_capacity_factor": None, "moe_z_loss_coeff": None, "disable_bias_linear": True}
-    misses += unexpressed(config, wanted)
-    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
-    if groups and groups > 1 and config.moe_router_topk != 2 * group_topk:
-        misses.append(f"--moe-router-group-topk {group_topk} (transformers scores a group by its best two "
-                      f"experts: --moe-router-topk must be twice it)")
-    if config.moe_aux_loss_coeff:
-        misses.append(f"--moe-aux-loss-coeff {config.moe_aux_loss_coeff} (DeepSeek-V3's config has no key)")
-    return misses
+    return misses + unexpressed(config, {"disable_bias_linear": True}) + sigmoid_routing_misses(config)

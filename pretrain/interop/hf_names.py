@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from models.config import GPTConfig
+from models.mamba.layout import group_major_channels, group_major_rows, to_group_major, to_part_major
 from pretrain.interop.hf_config import hf_kind
 from pretrain.interop.hf_moe import GATE_UP_DOWN, MOE_FAMILIES
 
@@ -183,6 +184,9 @@ def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, s
     for the MoE layers of a model with --moe-router-enable-expert-bias; our side keeps them as the
     checkpoint's expert-bias table (a run state), not as parameters."""
     kind = kind or hf_kind(config)
+    if kind == "nemotron_h" and config.moe_router_enable_expert_bias:
+        return {i: f"backbone.layers.{i}.mixer.gate.e_score_correction_bias"
+                for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
     if kind not in MOE_FAMILIES or not config.moe_router_enable_expert_bias:
         return {}
     family = MOE_FAMILIES[kind]
@@ -231,10 +235,119 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
         yield _same("output_layer.weight", "lm_head.weight")
 
 
+def _mamba_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """A Mamba-2 mixer: its fused in_proj rows and convolution channels part-major there, group-major here
+    (``models.mamba.layout``); the rest as they are."""
+    inner, groups, state = config.mamba_inner, config.mamba_num_groups, config.mamba_state_dim
+    for name, order in (("in_proj.weight", group_major_rows(inner, groups, state, config.mamba_heads)),
+                        ("conv1d.weight", group_major_channels(inner, groups, state)),
+                        ("conv1d.bias", group_major_channels(inner, groups, state))):
+        yield Rule(f"{ours}.{name}", (f"{theirs}.{name}",), lambda t, order=order: to_group_major(t, order),
+                   lambda x, order=order: (to_part_major(x, order),))
+    for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight"):
+        yield _same(f"{ours}.{name}", f"{theirs}.{name}")
+
+
+def _attention_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Separate q, k, v and o projections without biases (the hybrid families')."""
+    yield Rule(f"{ours}.qkv.weight", tuple(f"{theirs}.{p}_proj.weight" for p in "qkv"),
+               lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
+    yield _same(f"{ours}.proj.weight", f"{theirs}.o_proj.weight")
+
+
+def _plain(ours: str, theirs: str, up: str, down: str) -> Iterator[Rule]:
+    yield _same(f"{ours}.fc1.weight", f"{theirs}.{up}.weight")
+    yield _same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
+
+
+NORM_OF = {"M": "mamba_norm", "*": "attention_norm", "-": "mlp_norm", "E": "mlp_norm"}
+
+
+def _nemotron_moe(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    yield _same(f"{ours}.mlp.router.weight", f"{theirs}.gate.weight")
+    for expert in range(config.num_experts):
+        yield from _plain(f"{ours}.mlp.experts.{expert}", f"{theirs}.experts.{expert}", "up_proj",
+                          "down_proj")
+    yield from _plain(f"{ours}.mlp.shared_experts", f"{theirs}.shared_experts", "up_proj", "down_proj")
+
+
+# each layer-registry symbol's tensors in Nemotron-H / Mamba2 (our layer, their mixer); a test holds the
+# tables to the registry
+NEMOTRON_LAYERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{ours}.mamba", theirs),
+                   "*": lambda config, ours, theirs: _attention_rules(config, f"{ours}.attention", theirs),
+                   "-": lambda config, ours, theirs: _plain(f"{ours}.mlp", theirs, "up_proj", "down_proj"),
+                   "E": _nemotron_moe}
+
+
+def _nemotron_rules(config: GPTConfig, prefix: str = "backbone") -> Iterator[Rule]:
+    """Nemotron-H (and, all its layers Mamba-2, Mamba2): one norm and one mixer per layer, as written to
+    disk (``backbone.``, each expert apart); its output layer always a tensor of its own."""
+    tied = not config.untie_embeddings_and_output_weights
+    mamba2 = config.hf_model_type == "mamba2" or set(config.parsed_pattern().layers) == {"M"}
+    if tied and not mamba2:  # Nemotron-H never ties: the embedding written twice
+        yield Rule("word_embedding.weight", (f"{prefix}.embeddings.weight", "lm_head.weight"),
+                   lambda embedding, head: embedding, lambda x: (x, x))
+    else:
+        yield _same("word_embedding.weight", f"{prefix}.embeddings.weight")
+    for i, symbol in enumerate(config.layer_types()):
+        ours, theirs = f"layers.{i}", f"{prefix}.layers.{i}"
+        yield _same(f"{ours}.{NORM_OF[symbol]}.weight", f"{theirs}.norm.weight")
+        yield from NEMOTRON_LAYERS[symbol](config, ours, f"{theirs}.mixer")
+    yield _same("final_norm.weight", f"{prefix}.norm_f.weight")
+    if not tied:
+        yield _same("output_layer.weight", "lm_head.weight")
+
+
+def _granite_gated(ours: str, theirs: str) -> Iterator[Rule]:
+    """Granite's gated MLP: input_linear's rows the gate then the up part (our fc1 stacked [2, f, h])."""
+    yield Rule(f"{ours}.fc1.weight", (f"{theirs}.input_linear.weight",), lambda w: torch.stack(w.chunk(2)),
+               lambda x: (x.flatten(0, 1),))
+    yield _same(f"{ours}.fc2.weight", f"{theirs}.output_linear.weight")
+
+
+# a Granite layer's mixer symbols (its feed-forward part: the shared MLP alone for -, beside experts for E)
+GRANITE_MIXERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{ours}.mamba", f"{theirs}.mamba"),
+                  "*": lambda config, ours, theirs: _attention_rules(config, f"{ours}.attention",
+                                                                     f"{theirs}.self_attn")}
+
+
+def _granite_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
+    """Granite 4.0-H: HF layer l is our layers 2l (its mixer, Mamba-2 or attention) and 2l + 1 (its
+    feed-forward part: the shared MLP alone, or experts beside it), experts stacked as IBM writes them."""
+    yield _same("word_embedding.weight", "model.embed_tokens.weight")
+    layers = config.layer_types()
+
+    for hf_layer in range(len(layers) // 2):
+        mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
+        theirs = f"model.layers.{hf_layer}"
+        yield _same(f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight", f"{theirs}.input_layernorm.weight")
+        yield from GRANITE_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
+        yield _same(f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight")
+        if layers[feed] == "-":
+            yield from _granite_gated(f"layers.{feed}.mlp", f"{theirs}.shared_mlp")
+            continue
+        moe = f"{theirs}.block_sparse_moe"
+        yield _same(f"layers.{feed}.mlp.router.weight", f"{moe}.router.layer.weight")
+        each = [f"layers.{feed}.mlp.experts.{e}" for e in range(config.num_experts)]
+        yield StackedRule(tuple(f"{e}.fc1.weight" for e in each), f"{moe}.input_linear.weight",
+                          lambda t, e: torch.stack(t[e].chunk(2)),
+                          lambda *xs: torch.stack([x.flatten(0, 1) for x in xs]))
+        yield StackedRule(tuple(f"{e}.fc2.weight" for e in each), f"{moe}.output_linear.weight",
+                          lambda t, e: t[e], lambda *xs: torch.stack(xs))
+        yield from _granite_gated(f"layers.{feed}.mlp.shared_experts", f"{theirs}.shared_mlp")
+    yield _same("final_norm.weight", "model.norm.weight")
+    if config.untie_embeddings_and_output_weights:
+        yield _same("output_layer.weight", "lm_head.weight")
+
+
 def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule]:
     """Every parameter of ours as the Hugging Face ``kind`` (default: the one that expresses ``config``)
     names and lays it out."""
     kind = kind or hf_kind(config)
+    if kind in ("nemotron_h", "mamba2"):
+        return list(_nemotron_rules(config))
+    if kind == "granitemoehybrid":
+        return list(_granite_rules(config))
     return list(_gpt2_rules(config) if kind == "gpt2" else _decoder_rules(config, kind))
 
 

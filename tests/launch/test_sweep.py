@@ -185,3 +185,20 @@ def test_a_wsd_study_branches_cooldowns_from_its_stable_run_resumes_and_says_its
         scaling_law.main(["fit", str(output / "results.csv"), "--output", str(tmp_path / "fit")])
     said = capsys.readouterr().out
     assert "study compute: " in said and "separate runs of the points: 80%" in said
+
+
+def test_hybrid_sizes_repeat_the_pattern_and_keep_its_proportions():
+    """An IsoFLOP ``sizes`` rule with a pattern: each size the pattern repeated, wider as it deepens, its
+    FLOPs counted by layer kind."""
+    from launch.tools.scaling.isoflop import generated_models
+    from models.counting import flops_per_token
+    from models.config import GPTConfig
+
+    models = generated_models({"layers": [1, 2, 4], "width_per_layer": 32, "head_dim": 16,
+                               "pattern": "M-M*-"})
+    assert list(models) == ["1p-32", "2p-64", "4p-128"]
+    assert models["2p-64"] == {"hybrid_layer_pattern": "M-M*-M-M*-", "hidden_size": 64,
+                               "num_attention_heads": 4}
+    flops = [flops_per_token(GPTConfig(**flags, vocab_size=256, seq_length=32, mamba_head_dim=16,
+                                       mamba_num_groups=1, mamba_state_dim=16)) for flags in models.values()]
+    assert flops == sorted(flops) and len(set(flops)) == 3

@@ -7,6 +7,11 @@ said. Sizes are listed (``models``) or generated from a depth/width rule::
 
     sizes: {layers: [1, 2, 3, 4, 6], width_per_layer: 32, head_dim: 16}   # hidden = layers x 32
 
+or, for hybrid models, from a ``--hybrid-layer-pattern`` repeated ``layers`` times, so that every size
+keeps its proportions of Mamba-2, attention and MLP layers::
+
+    sizes: {layers: [1, 2, 4], width_per_layer: 64, head_dim: 16, pattern: "M-M*-"}   # "M-M*-" x L
+
 The FLOPs are the project's own count (``FLOPS_FORMULA``), the same as the metrics' TFLOP/s.
 """
 
@@ -16,13 +21,15 @@ from models.counting import flops_per_token
 from models.config import GPTConfig
 
 FLOPS_FORMULA = ("training FLOPs = tokens x models.counting.flops_per_token = tokens x 3 x (2 x every matmul "
-                 "weight, the output layer's included, + 4 x seq_length x heads x head_dim per layer for the "
-                 "attention scores and their weighted sum)")
+                 "weight, the output layer's included, + each layer's sequence mixing: 4 x seq_length x "
+                 "heads x head_dim for attention's scores and weighted sum, a Mamba-2 layer's convolution "
+                 "and scan)")
 
 
 def generated_models(sizes: dict) -> dict[str, dict]:
-    """{name: model flags} of a depth/width rule: hidden = layers x width_per_layer, heads of head_dim."""
-    width, head_dim = sizes.get("width_per_layer"), sizes.get("head_dim", 64)
+    """{name: model flags} of a depth/width rule: hidden = layers x width_per_layer, heads of head_dim; with
+    a ``pattern``, the model is the pattern repeated ``layers`` times."""
+    width, head_dim, pattern = sizes.get("width_per_layer"), sizes.get("head_dim", 64), sizes.get("pattern")
     if not sizes.get("layers") or not width:
         raise ValueError("sizes: give layers: [L, ...] and width_per_layer: W (hidden = L x W)")
     models = {}
@@ -31,8 +38,11 @@ def generated_models(sizes: dict) -> dict[str, dict]:
         if hidden % head_dim:
             raise ValueError(f"sizes: hidden {hidden} ({layers} layers x {width}) is not a multiple of "
                              f"head_dim {head_dim}")
-        models[f"{layers}l-{hidden}"] = {"num_layers": layers, "hidden_size": hidden,
-                                         "num_attention_heads": hidden // head_dim}
+        shape = {"hidden_size": hidden, "num_attention_heads": hidden // head_dim}
+        if pattern:
+            models[f"{layers}p-{hidden}"] = {"hybrid_layer_pattern": pattern * layers, **shape}
+        else:
+            models[f"{layers}l-{hidden}"] = {"num_layers": layers, **shape}
     return models
 
 

@@ -35,7 +35,8 @@ memory per layout. A sweep file::
 
 An IsoFLOP sweep replaces ``train_iters`` with ``mode: isoflop``, ``budgets: [FLOPs, ...]`` and
 optionally ``min_iters`` (default 20) / ``max_iters``, and may give ``sizes: {layers: [...],
-width_per_layer: W, head_dim: H}`` instead of ``models``. A WSD study replaces it with ``mode: wsd``,
+width_per_layer: W, head_dim: H}`` (and ``pattern: P``: each size a hybrid of P repeated) instead of
+``models``. A WSD study replaces it with ``mode: wsd``,
 ``branch_iters: [N, ...]`` and optionally ``cooldown_fraction`` (default 0.2; the decay's shape is
 ``lr_wsd_decay_style`` in ``common``) and ``separate: [wsd, cosine]``: separate runs of every point from
 scratch, their rows in ``OUTPUT/separate.csv``, each branch's loss printed beside theirs.

@@ -1,0 +1,50 @@
+"""The Mamba-2 hybrid families against transformers' own code (its PyTorch path on the CPU): Nemotron-H
+(Mamba-2, attention, relu2 MLP and sigmoid-routed experts with a shared one), Mamba2, Granite 4.0-H with
+experts and without; and the keys that do not map, refused by name."""
+
+import re
+
+import pytest
+
+from launch.examples.hf_families import HYBRID_FAMILIES
+from pretrain.interop.hf_config import config_from_hf
+from pretrain.interop.hf_positions import HFMappingError
+from tests.pretrain.test_hf_families import check_load_and_export, made_families
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    return made_families(tmp_path_factory, HYBRID_FAMILIES)
+
+
+def test_load_model_gives_transformers_logits_and_the_export_round_trips_bit_for_bit(hybrids, tmp_path):
+    check_load_and_export(hybrids, tmp_path)
+
+
+NEMOTRON = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 100, "num_attention_heads": 4,
+            "layers_block_type": ["mamba", "attention", "mlp"], "mamba_num_heads": 4, "mamba_head_dim": 16,
+            "ssm_state_size": 8, "n_groups": 2, "intermediate_size": 48, "layer_norm_epsilon": 1e-5}
+
+
+@pytest.mark.parametrize("hf, message", [
+    ({"model_type": "falcon_h1"}, "model_type 'falcon_h1': attention and Mamba-2 side by side in one layer "
+     "(mamba_d_ssm) does not map onto a hybrid pattern"),
+    ({"model_type": "jamba"}, "model_type 'jamba': Mamba-1 layers (mamba_dt_rank)"),
+    ({**NEMOTRON, "moe_latent_size": 16}, "nemotron_h with moe_latent_size=16: only None maps"),
+    ({**NEMOTRON, "time_step_limit": [0.0, 0.1]}, "nemotron_h with time_step_limit=[0.0, 0.1]: dt is "
+     "unclamped here (Megatron's), only (0, inf) maps"),
+    ({**NEMOTRON, "layer_norm_epsilon": 1e-6}, "nemotron_h with layer_norm_epsilon=1e-06: its Mamba-2 gated "
+     "norm takes the same epsilon, megatron-core's is 1e-05"),
+    ({**NEMOTRON, "mlp_hidden_act": "silu"}, "nemotron_h with mlp_hidden_act='silu': its MLPs are not gated"),
+    ({**NEMOTRON, "conv_kernel": 3}, "nemotron_h with conv_kernel=3: only 4 maps"),
+    ({**NEMOTRON, "layers_block_type": ["mamba", "sliding"]}, "nemotron_h with layers_block_type=['mamba', "
+     "'sliding']: each must be one of"),
+    ({"model_type": "granitemoehybrid", "residual_multiplier": 0.2}, "granitemoehybrid with "
+     "residual_multiplier=0.2: only 1.0 maps"),
+    ({"model_type": "mamba2", "use_bias": True}, "mamba2 with use_bias=True: only False maps"),
+])
+def test_what_does_not_map_is_refused_by_its_key(hf, message):
+    with pytest.raises(HFMappingError, match=re.escape(message)):
+        config_from_hf(hf)
