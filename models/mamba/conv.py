@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.mamba.recomputed import Recomputed
 from models.mamba.ssd_scan import segments
+from parallel.comm import compile_boundary
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -25,3 +27,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         same = F.pad(runs, (back, 0), value=-1)[:, :x.shape[1]] == runs
         out = out + shifted * same[..., None].to(x.dtype) * weight[:, 0, -1 - back]
     return F.silu(out if bias is None else out + bias)
+
+
+@compile_boundary  # its backward calls autograd itself, which dynamo does not trace
+def recomputed_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           documents: torch.Tensor | None = None) -> torch.Tensor:
+    """``causal_conv`` keeping only its input for backward (SiLU's input and output remade there)."""
+    return Recomputed.apply(causal_conv, (documents,), x, weight, bias)

@@ -20,29 +20,9 @@ import os
 
 import torch
 
+from models.mamba.recomputed import Recomputed
 from models.mamba.ssd_scan import chunked_scan, segments
 from parallel.comm import compile_boundary
-
-
-class _RecomputedScan(torch.autograd.Function):
-    """``chunked_scan`` that saves its inputs only and redoes its forward in backward."""
-
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, chunk, documents):
-        ctx.save_for_backward(x, dt, A, B, C, D)
-        ctx.chunk, ctx.documents = chunk, documents
-        with torch.no_grad():
-            return chunked_scan(x, dt, A, B, C, chunk, D, documents)
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = [t.detach().requires_grad_(t.requires_grad) if t is not None else None
-                 for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            y = chunked_scan(*saved[:5], ctx.chunk, saved[5], ctx.documents)
-        wanted = [t for t in saved if t is not None and t.requires_grad]
-        found = iter(torch.autograd.grad(y, wanted, grad))
-        return (*(next(found) if t is not None and t.requires_grad else None for t in saved), None, None)
 
 
 def _mamba_ssm(x, dt, A, B, C, chunk, D, documents):
@@ -60,8 +40,12 @@ def _fla(x, dt, A, B, C, chunk, D, documents):
     return y if D is None else y + (D.to(fp32)[:, None] * x.to(fp32)).to(y.dtype)
 
 
+def _scan_of(x, dt, A, B, C, D, chunk, documents):
+    return chunked_scan(x, dt, A, B, C, chunk, D, documents)
+
+
 def _reference(x, dt, A, B, C, chunk, D, documents):
-    return _RecomputedScan.apply(x, dt, A, B, C, D, chunk, documents)
+    return Recomputed.apply(_scan_of, (chunk, documents), x, dt, A, B, C, D)
 
 
 BACKENDS = {"mamba_ssm": ("mamba_ssm", _mamba_ssm), "fla": ("fla", _fla), "reference": (None, _reference)}

@@ -20,7 +20,7 @@ from torch import nn
 from models.config import GPTConfig
 from models.mamba import init
 from models.mamba.config import CONV_KERNEL, NORM_EPSILON
-from models.mamba.conv import causal_conv
+from models.mamba.conv import recomputed_causal_conv
 from models.mamba.gated_norm import GatedRMSNorm
 from models.mamba.layout import virtual_groups
 from models.mamba.kernels import ssd_scan
@@ -120,7 +120,7 @@ class MambaMixer(nn.Module):
         y = self._scan(virtual, documents, cp is not None)  # [b, S, my heads, P]
         if cp is not None:
             y = to_sequence(y.flatten(2), cp).movedim(0, 2).flatten(2)  # [b, s, heads x P]
-        return self.out_proj(self.gated_norm(y, z).transpose(0, 1))
+        return self.out_proj(self.gated_norm(y, z.contiguous()).transpose(0, 1))  # z alone, not in_proj's all
 
     def _virtual_groups(self, rest: torch.Tensor, split: int) -> torch.Tensor:
         """[b, s, groups, x B C dt] -> each group as ``split`` groups of its heads, sharing its B and C."""
@@ -148,8 +148,11 @@ class MambaMixer(nn.Module):
                             for t in (weight, bias))
             heads_here = slice(*self.cp_heads)
             A_log, D, dt_bias = A_log[heads_here], D[heads_here], dt_bias[heads_here]
-        convolved = causal_conv(torch.cat([xs, B, C], dim=-1).flatten(2), weight, bias, documents)
-        xs, B, C = convolved.view(b, length, count, -1).split([heads * self.head_dim, state, state], dim=-1)
+        # the convolution keeps its input only (SiLU's input and output remade in backward); the scan keeps
+        # contiguous x, B and C, not the convolution's whole output
+        convolved = recomputed_causal_conv(torch.cat([xs, B, C], dim=-1).flatten(2), weight, bias, documents)
+        xs, B, C = (t.contiguous() for t in
+                    convolved.view(b, length, count, -1).split([heads * self.head_dim, state, state], dim=-1))
         dt = F.softplus(dt.reshape(b, length, count * heads).float() + dt_bias.float())
         xs = xs.reshape(b, length, count * heads, self.head_dim)
         return ssd_scan(xs, dt, -torch.exp(A_log.float()), B, C, self.chunk, D, documents)

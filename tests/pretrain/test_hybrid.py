@@ -16,7 +16,7 @@ CUT = ["--hybrid-layer-pattern", "M*|M-"] + MAMBA + SHORT
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
 TP2, CP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--context-parallel-size", "2"]
 ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
-MUON = ["--optimizer", "muon", "--lr", "1e-2"]
+MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest"]
 
 # name: (flags, the one-process run they follow)
 LAYOUTS = {

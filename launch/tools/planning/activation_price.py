@@ -9,7 +9,6 @@ from launch.tools.planning.layout import Layout
 from launch.tools.planning.schedule_price import held_bytes
 from models.config import GPTConfig
 from models.counting import frozen_config
-from models.mamba.config import CONV_KERNEL
 from parallel.pipeline.schedules import SPLIT_SCHEDULES
 
 
@@ -160,21 +159,19 @@ def _attention_elements(config: GPTConfig, t: int) -> float:
 
 
 def _mamba_elements(config: GPTConfig, layout: Layout) -> float:
-    """``layer_elements``' Mamba-2 mixer per token of this rank (t = tp; its in_proj rows, convolution
-    channels C, inner width I, heads H, groups G per tp rank): in_proj's output (the gated norm keeps z, a
-    view of it), the convolution's input, its output over S + K - 1 positions (what SiLU keeps) and SiLU's
-    output (the scan's B and C, views of it), x made contiguous for the scan (I), dt before and after
-    softplus (2 H, fp32), the scan's output and the gated norm's (2 I: the scan itself keeps only its inputs
-    and redoes its chunks in backward), the gated norm's 1 / rms per group (G). Under context parallelism
-    each rank convolves and scans whole sequences for 1 / cp of the heads: per token of its own the same
-    counts, with B and C repeated where cp exceeds the groups."""
-    t, cp, s = layout.tp, layout.cp, config.seq_length
+    """``layer_elements``' Mamba-2 mixer per token of this rank (t = tp; its inner width I, heads H, groups G
+    of N states per tp rank), as ``models.mamba.mixer`` keeps them: z (I, for the gated norm), the
+    convolution's input (x, B and C: I + 2 G N; its SiLU is remade in backward), x, B and C made contiguous
+    for the scan (I + 2 G N), dt before and after softplus (2 H, fp32), the scan's output (I: the scan keeps
+    only its inputs and redoes its chunks in backward), the gated norm's output (I) and 1 / rms per group
+    (G). Under context parallelism each rank convolves and scans whole sequences for 1 / cp of the heads:
+    per token of its own the same counts, B and C repeated where cp exceeds the groups."""
+    t, cp = layout.tp, layout.cp
     groups = config.mamba_num_groups / t
     copies = max(1.0, cp / groups)  # B and C sent to every cp rank that takes a share of a group's heads
-    inner, heads, state = config.mamba_inner / t, config.mamba_heads / t, config.mamba_state_dim
-    channels = inner + 2 * groups * state * copies
-    rows = config.mamba_projection_rows / t
-    return rows + channels * (2 + (s + CONV_KERNEL - 1) / s) + 3 * inner + 2 * heads + groups
+    inner, heads = config.mamba_inner / t, config.mamba_heads / t
+    shared = 2 * groups * config.mamba_state_dim * copies
+    return 5 * inner + 2 * shared + 2 * heads + groups
 
 
 def _latent_elements(config: GPTConfig, t: int) -> float:
