@@ -84,6 +84,9 @@ IGNORED = [
             "--check-weight-hash-across-dp-replicas-interval",
             "--test-mode:0"),
     *_flags("the backend follows the device here (gloo on CPUs, NCCL on GPUs)", "--distributed-backend"),
+    *_flags("selects Megatron's module spec or its Mamba kernels' memory path; the layers here are built "
+            "from the flags (a hybrid model from --hybrid-layer-pattern)", "--spec:+", "--is-hybrid-model:0",
+            "--disable-mamba-mem-eff-path:0"),
     *_flags("fusions of the MoE permutation and router kernels; the unfused code runs here",
             "--moe-permute-fusion:0", "--moe-router-fusion:0", "--moe-shared-expert-overlap:0",
             "--moe-use-legacy-grouped-gemm:0"),
@@ -113,6 +116,9 @@ REFUSED = [
             "checkpoint's MTP layers are refused on import)", "--mtp-num-layers", "--mtp-loss-scaling-factor",
             "--mtp-use-repeated-layer:0", off=(None, "0")),
     *_flags("ranks are laid out in Megatron's default order (tp, dp, pp) only", "--use-tp-pp-dp-mapping:0"),
+    *_flags("Megatron's older placement of hybrid layers by ratios: give the layers as "
+            "--hybrid-layer-pattern (e.g. 'M-M*-')", "--hybrid-attention-ratio", "--hybrid-mlp-ratio",
+            off=(None, "0", "0.0")),
     *_flags("several distributed-optimizer instances (sharding within groups) are not supported",
             "--num-distributed-optimizer-instances", off=("1",)),
     *_flags("fill-in-the-middle data, distillation and Transformer Engine exports are not supported",

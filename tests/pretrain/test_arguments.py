@@ -235,6 +235,8 @@ def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_
     (["--num-experts", "8", "--moe-enable-deepep"],
      "--moe-enable-deepep: the flex dispatcher \\(DeepEP, HybridEP\\) is not built"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),
+    (["--hybrid-attention-ratio", "0.25"], "--hybrid-attention-ratio 0.25: Megatron's older placement of "
+     "hybrid layers by ratios: give the layers as --hybrid-layer-pattern"),
 ])
 def test_megatron_features_this_build_lacks_are_refused_at_parse(flags, message):
     with pytest.raises(ConfigError, match=message):
