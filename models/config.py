@@ -247,8 +247,9 @@ class GPTConfig(HybridConfig, MambaConfig, MoEConfig, LatentAttentionConfig, MuP
             raise ValueError("--activation-func-clamp-value must be > 0, got "
                              f"{self.activation_func_clamp_value}")
         self._validate_options()
-        self._validate_attention(tp)
-        self.validate_latent(tp)
+        if self.has_attention:  # (a pattern of Mamba-2 and MLP layers has no heads to check)
+            self._validate_attention(tp)
+            self.validate_latent(tp)
         self.validate_mup()
         self.validate_hybrid(tp)
         self.validate_moe(self.num_layers, self.ffn_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.flags import flag
-from models.hybrid.pattern import MTP, ParsedPattern, parse_pattern
+from models.hybrid.pattern import ATTENTION_KINDS, MTP, ParsedPattern, parse_pattern
 
 DEPRECATED_PATTERN = "--hybrid-override-pattern is deprecated. Use --hybrid-layer-pattern instead."
 
@@ -71,6 +71,12 @@ class HybridConfig:
         if pattern is None:
             return super().moe_layers(num_layers)
         return [symbol == "E" for symbol in pattern.layers]
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether any layer attends (a GPT's all do; a pattern's attention symbols)."""
+        pattern = self.parsed_pattern()
+        return pattern is None or any(symbol in ATTENTION_KINDS for symbol in pattern.layers + pattern.mtp)
 
     @property
     def residual_branches(self) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 SYMBOLS = {"M": "Mamba-2", "G": "gated delta net", "*": "attention", "D": "DeepSeek sparse attention",
            "+": "latent attention", "-": "MLP", "E": "mixture of experts"}
 PIPE, MTP = "|", "/"
-_ATTENTION_KINDS = ("*", "D", "+")  # one kind of attention per model
+ATTENTION_KINDS = ("*", "D", "+")  # one kind of attention per model
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def parse_pattern(text: str, flag: str = "--hybrid-layer-pattern") -> ParsedPatt
     layers = main.replace(PIPE, "")
     if not layers:
         raise ValueError(f"{shown}: the main part (before any {MTP}) holds no layer")
-    kinds = [kind for kind in _ATTENTION_KINDS if kind in layers + mtp]
+    kinds = [kind for kind in ATTENTION_KINDS if kind in layers + mtp]
     if "*" in kinds and len(kinds) > 1:
         raise ValueError(f"{shown}: '*' (attention) beside {' and '.join(repr(k) for k in kinds[1:])} "
                          "(latent attention): a model has one kind of attention")

@@ -13,6 +13,8 @@ megatron-core's. Interop turns Megatron's and Hugging Face's part-major rows int
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,13 +95,15 @@ class MambaMixer(nn.Module):
                                                          self.split, self.first, self.count)
 
     def recompute_with(self, runner) -> None:
-        """Run the mixer through ``runner(compute, x, documents, context)`` (--recompute-modules mamba)."""
+        """Run the mixer through ``runner(compute, x)`` (--recompute-modules mamba)."""
         self.runner = runner
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None,
                 context: ContextParallel | None = None) -> torch.Tensor:
-        return (self.runner(self.compute, x, documents, context) if self.runner is not None
-                else self.compute(x, documents, context))
+        if self.runner is None:
+            return self.compute(x, documents, context)
+        # the runner checkpoints the tensors it is given: x only (the documents are no activation)
+        return self.runner(functools.partial(self.compute, documents=documents, context=context), x)
 
     def compute(self, x: torch.Tensor, documents: torch.Tensor | None = None,
                 context: ContextParallel | None = None) -> torch.Tensor:

@@ -219,6 +219,8 @@ def resolve_settings(config, pipeline_stages: int) -> None:
     par, zero, data, train = config.parallel, config.zero, config.data, config.training
     model = config.model
     config.notes.extend(model.resolve_pattern("num_layers" in config.given))
+    if "hybrid_override_pattern" in config.given:  # forwarded: a pattern given, as a checkpoint's load sees
+        config.given.add("hybrid_layer_pattern")
     pattern = model.parsed_pattern()
     if pattern is not None:
         hybrid_layout(config, pattern, pipeline_stages)

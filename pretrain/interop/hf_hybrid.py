@@ -28,7 +28,8 @@ from pretrain.interop.hf_deepseek import (sigmoid_routing_from_hf, sigmoid_routi
 from pretrain.interop.hf_moe import unexpressed
 from pretrain.interop.hf_positions import HFMappingError
 
-ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "mamba2": "Mamba2ForCausalLM",
+# (the order an export tries them in: an all-Mamba model is a Mamba2 first)
+ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                  "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 NEMOTRON_BLOCKS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
                    "moe": "E"}
@@ -152,6 +153,9 @@ def _granite_from_hf(hf: dict) -> dict:
     if positions == "rope" and rope.get("rope_type", "default") != "default":
         raise HFMappingError(f"{kind} with rope_parameters.rope_type={rope['rope_type']!r}: default maps")
     shared = hf.get("shared_intermediate_size") or 0
+    if not shared:
+        raise HFMappingError(f"{kind} with shared_intermediate_size={shared}: a shared MLP of no width (its "
+                             "layers' only MLP without experts) does not map")
     fields = {**_common(hf, kind, "rms_norm_eps"), **_attention(hf, heads),
               **_mamba_fields(hf, kind, "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
                               "mamba_chunk_size", "mamba_d_conv"),
@@ -164,7 +168,7 @@ def _granite_from_hf(hf: dict) -> dict:
     if experts:
         fields.update(num_experts=experts, moe_router_topk=hf.get("num_experts_per_tok", 2),
                       moe_ffn_hidden_size=hf["intermediate_size"], moe_aux_loss_coeff=0.0,
-                      moe_shared_expert_intermediate_size=shared or None,
+                      moe_shared_expert_intermediate_size=shared,
                       ffn_hidden_size=hf["intermediate_size"])
     else:
         fields["ffn_hidden_size"] = shared
@@ -184,9 +188,16 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
     wanted = {"normalization": "RMSNorm", "layernorm_epsilon": NORM_EPSILON, "disable_bias_linear": True,
               "add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "softmax_type": "vanilla",
               "multi_latent_attention": False, "use_mup": False, "attn_logit_softcapping": None,
-              "final_logit_softcapping": None, "apply_layernorm_1p": False}
+              "final_logit_softcapping": None, "apply_layernorm_1p": False, "glu_linear_offset": 0.0,
+              "activation_func_clamp_value": None}
     misses = unexpressed(config, wanted)
+    if config.position_embedding == "learned_absolute":
+        misses.append("--position-embedding-type learned_absolute (no hybrid family learns positions)")
+    if kind != "nemotron_h" and config.mamba_inner % config.hidden_size:
+        misses.append(f"--mamba-num-heads {config.mamba_heads} (its inner width {config.mamba_inner} is no "
+                      f"whole multiple of --hidden-size: the family's expand)")
     if kind == "mamba2":
+        misses += unexpressed(config, {"embedding_multiplier": 1.0})
         stray = sorted(set(layers) - {"M"})
         return misses + [f"--hybrid-layer-pattern {pattern.text!r} (Mamba2 has Mamba-2 layers only: "
                          f"{''.join(stray)})"] * bool(stray)

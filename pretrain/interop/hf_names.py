@@ -279,12 +279,11 @@ NEMOTRON_LAYERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{our
                    "E": _nemotron_moe}
 
 
-def _nemotron_rules(config: GPTConfig, prefix: str = "backbone") -> Iterator[Rule]:
+def _nemotron_rules(config: GPTConfig, kind: str, prefix: str = "backbone") -> Iterator[Rule]:
     """Nemotron-H (and, all its layers Mamba-2, Mamba2): one norm and one mixer per layer, as written to
     disk (``backbone.``, each expert apart); its output layer always a tensor of its own."""
     tied = not config.untie_embeddings_and_output_weights
-    mamba2 = config.hf_model_type == "mamba2" or set(config.parsed_pattern().layers) == {"M"}
-    if tied and not mamba2:  # Nemotron-H never ties: the embedding written twice
+    if tied and kind == "nemotron_h":  # Nemotron-H never ties: the embedding written twice
         yield Rule("word_embedding.weight", (f"{prefix}.embeddings.weight", "lm_head.weight"),
                    lambda embedding, head: embedding, lambda x: (x, x))
     else:
@@ -345,7 +344,7 @@ def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule
     names and lays it out."""
     kind = kind or hf_kind(config)
     if kind in ("nemotron_h", "mamba2"):
-        return list(_nemotron_rules(config))
+        return list(_nemotron_rules(config, kind))
     if kind == "granitemoehybrid":
         return list(_granite_rules(config))
     return list(_gpt2_rules(config) if kind == "gpt2" else _decoder_rules(config, kind))

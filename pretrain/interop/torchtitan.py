@@ -166,7 +166,8 @@ def import_torchtitan(folder: str, output: str, **given) -> str:
 def export_torchtitan(source, config: GPTConfig, folder: str, spelling: str = "0.3") -> None:
     """Write the model ``source`` (a ``reshard.PieceSource``) holds as a torchtitan Llama step folder with
     ``spelling``'s keys ("0.3": ``qkv_linear`` and ``lm_head``; "0.2": ``wq`` and ``output``)."""
-    if not (config.swiglu and config.normalization == "RMSNorm" and config.position_embedding == "rope"
+    if not (not config.hybrid_layer_pattern and config.swiglu and config.normalization == "RMSNorm"
+            and config.position_embedding == "rope"
             and config.disable_bias_linear and config.untie_embeddings_and_output_weights
             and not config.num_experts and not config.multi_latent_attention):
         raise ValueError("--to torchtitan writes torchtitan's Llama: RMSNorm, SwiGLU, rotary, no biases, "

@@ -35,7 +35,7 @@ def validate_context(config: Config, topology: Topology) -> None:
     if par.sequence_parallel and local % topology.tp:
         raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp}: each rank's "
                           f"{local} tokens must divide by --tensor-model-parallel-size {topology.tp}")
-    if "a2a" in kinds:
+    if "a2a" in kinds and model.has_attention:
         heads, groups = model.num_attention_heads // topology.tp, model.query_groups // topology.tp
         if heads % cp or groups % cp:
             raise ConfigError(f"--cp-comm-type a2a gives each cp rank heads of its own: the {heads} query "

@@ -85,3 +85,19 @@ def test_planner_drops_what_does_not_fit_before_timing_it(capsys):
     every = json.loads(capsys.readouterr().out)
     assert 0 < len(fitting) < len(every)
     assert fitting == [entry for entry in every if entry["total_bytes"] <= 300 * 2**20]
+
+
+def test_planner_takes_a_hybrid_pattern_of_any_length(capsys):
+    """The pattern sets the layers (no --num-layers needed) and the search cuts them (its | set aside, said);
+    an all-Mamba pattern, which has no attention heads, searches tp too."""
+    common = ["--world-size", "4", "--memory-per-device", "80GiB", "--hidden-size", "256", "--seq-length",
+              "256", "--global-batch-size", "8", "--mamba-head-dim", "32", "--mamba-num-groups", "4"]
+    plan_main([*common, "--hybrid-layer-pattern", "M-M-*-|M-M-*-", "--num-attention-heads", "4", "--json",
+               "--pipeline-model-parallel-size", "2"])
+    printed = capsys.readouterr().out
+    assert "priced without its |" in printed
+    layouts = json.loads(printed[printed.index("["):])
+    assert layouts and {entry["pp"] for entry in layouts} == {2}
+    plan_main([*common, "--hybrid-layer-pattern", "MMMM", "--num-attention-heads", "1", "--json",
+               "--tensor-model-parallel-size", "2"])
+    assert {entry["tp"] for entry in json.loads(capsys.readouterr().out)} == {2}

@@ -118,3 +118,15 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
 def test_bad_hybrid_settings_name_the_flag(flags, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _validated(flags, world)
+
+
+def test_a_pattern_without_attention_checks_no_heads():
+    """An all-Mamba model (an imported Mamba2 says one attention head) splits over tp by its groups alone."""
+    from models.config import GPTConfig
+
+    config = GPTConfig(hybrid_layer_pattern="MM-", hidden_size=64, num_attention_heads=1, vocab_size=100,
+                       mamba_head_dim=16, mamba_num_groups=2)
+    assert not config.has_attention and GPTConfig(hybrid_layer_pattern="M*").has_attention
+    config.validate(2)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 4 does not divide --mamba-num-groups"):
+        config.validate(4)

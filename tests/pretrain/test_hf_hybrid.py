@@ -44,7 +44,39 @@ NEMOTRON = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 100, "n
     ({"model_type": "granitemoehybrid", "residual_multiplier": 0.2}, "granitemoehybrid with "
      "residual_multiplier=0.2: only 1.0 maps"),
     ({"model_type": "mamba2", "use_bias": True}, "mamba2 with use_bias=True: only False maps"),
+    ({"model_type": "granitemoehybrid", "hidden_size": 32, "vocab_size": 100, "num_attention_heads": 4,
+      "shared_intermediate_size": 0, "rms_norm_eps": 1e-5, "num_hidden_layers": 2},
+     "granitemoehybrid with shared_intermediate_size=0: a shared MLP of no width"),
 ])
 def test_what_does_not_map_is_refused_by_its_key(hf, message):
     with pytest.raises(HFMappingError, match=re.escape(message)):
         config_from_hf(hf)
+
+
+def test_what_the_families_cannot_hold_is_named_and_megatron_hybrids_are_refused(tmp_path):
+    """A tied all-Mamba model exports as Mamba2 (its output layer the embedding); learned positions, a
+    Granite-less pattern name their flags; Megatron's checkpoints of a hybrid, in or out, are refused in one
+    line (not built yet) rather than misread."""
+    import argparse
+
+    from models.config import GPTConfig
+    from pretrain.checkpoint.errors import CheckpointError
+    from pretrain.checkpoint.foreign.megatron_args import config_of
+    from pretrain.checkpoint.foreign.megatron_export import write_megatron
+    from pretrain.interop.hf_config import hf_kind
+    from pretrain.interop.hf_names import rules
+
+    mamba = dict(hidden_size=32, num_attention_heads=1, vocab_size=100, mamba_head_dim=16,
+                 mamba_num_groups=2, mamba_state_dim=8, normalization="RMSNorm",
+                 position_embedding_type="none", disable_bias_linear=True)
+    tied = GPTConfig(hybrid_layer_pattern="MMM", **mamba)
+    assert hf_kind(tied) == "mamba2" and "lm_head.weight" not in {t for r in rules(tied) for t in r.theirs}
+    learned = GPTConfig(hybrid_layer_pattern="MMM",
+                        **{**mamba, "position_embedding_type": "learned_absolute"})
+    with pytest.raises(HFMappingError, match="--position-embedding-type learned_absolute"):
+        hf_kind(learned)
+    with pytest.raises(ValueError, match="--to megatron: Megatron HybridModel checkpoints"):
+        write_megatron(None, tied, {}, str(tmp_path), "torch")
+    with pytest.raises(CheckpointError, match="saved with --hybrid-override-pattern 'M\\*M-': Megatron "
+                                              "HybridModel checkpoints are not read yet"):
+        config_of(argparse.Namespace(hybrid_override_pattern="M*M-", num_layers=4, vocab_size=100), "DIR")

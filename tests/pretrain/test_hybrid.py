@@ -35,8 +35,9 @@ LAYOUTS = {
     "Muon (out_proj orthogonalized; in_proj, conv and vectors AdamW): tp2 + SP, ZeRO-1": (
         HYBRID + MUON + TP2 + ["--zero-stage", "1"], "muon"),
     "documents: cp2 x tp2 + SP": (HYBRID + DOCUMENTS + CP2 + TP2, "documents"),
-    "documents: dp2 x pp2, ZeRO-3": (CUT + DOCUMENTS + ["--pipeline-model-parallel-size", "2"] + ZERO3,
-                                     "documents"),
+    "documents: dp2 x pp2, ZeRO-3, mixers recomputed": (
+        CUT + DOCUMENTS + ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective",
+                           "--recompute-modules", "mamba"] + ZERO3, "documents"),
 }
 
 

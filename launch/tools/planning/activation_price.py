@@ -117,7 +117,8 @@ def layer_elements(config: GPTConfig, layout: Layout, entry: str | None = None) 
     (``layout.recompute_modules``): ``core_attn`` gains nothing (the fused attention keeps no s^2 matrix,
     the checkpoint keeps q, k, v instead); ``mlp`` (``moe``, ``mamba``) keeps its input instead of its
     activations (its norm's output is the kept input); ``layernorm`` drops each pre-norm's output that a
-    linear keeps (h, or h / t under sequence parallelism) unless its sublayer is recomputed whole. A MoE
+    linear keeps (h, or h / t under sequence parallelism) unless ``layer_parts.RECOMPUTED_WHOLE`` says the
+    recompute keeps it. A MoE
     layer keeps instead of the MLP's, per token of this rank (1 / t of them under sequence parallelism), on
     average: the k rows each routed token becomes at its experts, etp copies of each (h each), their
     activations as the MLP's of width f' (4 f' or 2 f' a row, split over etp), the k returned rows the

@@ -8,5 +8,6 @@ SUBLAYERS = {"*": ("attention",), "+": ("attention",), "-": ("mlp",), "E": ("moe
              "*-": ("attention", "mlp"), "*E": ("attention", "moe"), "+-": ("attention", "mlp"),
              "+E": ("attention", "moe")}
 
-# the --recompute-modules name that recomputes a sublayer whole (its checkpoint keeps its pre-norm's output)
-RECOMPUTED_WHOLE = {"mlp": "mlp", "mamba": "mamba"}
+# the --recompute-modules name under which "layernorm" keeps a sublayer's pre-norm output (its checkpoint's
+# input): a dense MLP's or a MoE layer's with "mlp" (as measured), a Mamba-2 mixer's with "mamba"
+RECOMPUTED_WHOLE = {"mlp": "mlp", "moe": "mlp", "mamba": "mamba"}

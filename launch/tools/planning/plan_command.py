@@ -243,6 +243,13 @@ def main(argv: list[str] | None = None) -> None:
              **{key: getattr(parallel, name) if name in restricts else None for key, name in LAYOUT_KEYS},
              "etp": parallel.expert_tensor_parallel_size, "vp": parallel.virtual_pipeline_size}
     try:  # the model's own rules at tp 1 and the experts' at the ep asked for, before any layout is tried
+        for note in config.model.resolve_pattern("num_layers" in config.given):
+            print(note)
+        pattern = config.model.parsed_pattern()
+        if pattern is not None and pattern.cut:  # the search chooses the pipeline cut itself
+            print(f"--hybrid-layer-pattern {pattern.text!r}: priced without its | (the layouts searched cut "
+                  "the layers themselves)")
+            config.model.hybrid_layer_pattern = pattern.uncut
         config.model.validate()
         config.model.validate_moe(config.model.num_layers, config.model.ffn_size,
                                   parallel.expert_tensor_parallel_size or 1,
@@ -304,7 +311,8 @@ def _report(config, args, plans: list, links) -> None:
                            "step_seconds": p.step_seconds} for p in plans], indent=1))
         return
     params = num_parameters(config.model)
-    print(f"GPT of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
+    model = f"hybrid {config.model.hybrid_layer_pattern!r}" if config.model.hybrid_layer_pattern else "GPT"
+    print(f"{model} of {params / 1e9:.2f}B parameters on {args.world_size} devices ({args.gpus_per_node} "
           "per node, "
           f"{args.memory_per_device} each): {len(plans)} best layouts that fit")
     print(kv_cache_line(config.model, compute_bytes))

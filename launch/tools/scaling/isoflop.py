@@ -11,6 +11,7 @@ or, for hybrid models, from a ``--hybrid-layer-pattern`` repeated ``layers`` tim
 keeps its proportions of Mamba-2, attention and MLP layers::
 
     sizes: {layers: [1, 2, 4], width_per_layer: 64, head_dim: 16, pattern: "M-M*-"}   # "M-M*-" x L
+    common: {mamba_head_dim: 16, mamba_num_groups: 1, mamba_state_dim: 16}  # Mamba shapes that fit 64
 
 The FLOPs are the project's own count (``FLOPS_FORMULA``), the same as the metrics' TFLOP/s.
 """

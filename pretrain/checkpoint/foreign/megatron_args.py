@@ -86,6 +86,11 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
         if getattr(args, name, None) not in (None, False, 0, "") and "pipeline" not in what:
             raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} ({what}), which this "
                                   "stack does not build; refused")
+    for name in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+        if getattr(args, name, None):
+            raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} {getattr(args, name)!r}: "
+                                  "Megatron HybridModel checkpoints are not read yet (its Hugging Face "
+                                  "export is: pretrain.convert --from-hf)")
     config = {name: value for name in GPTConfig.__dataclass_fields__
               if isinstance(value := getattr(args, name, None), _PLAIN) and value is not None
               or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)}

@@ -84,6 +84,9 @@ def _as_megatron(part: torch.Tensor) -> torch.Tensor:
     return part.reshape(-1, part.shape[-1]) if part.ndim == 3 else part
 
 
+HYBRID_CHECKPOINTS = "Megatron HybridModel checkpoints (a --hybrid-layer-pattern model's) are not written yet"
+
+
 def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ckpt_format: str,
                    tp: int = 1, pp: int = 1, ep: int = 1, with_optimizer: bool = False,
                    tokenizer=None) -> str:
@@ -94,6 +97,8 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     copied into the iteration folder and named in the args. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
+    if config.hybrid_layer_pattern:
+        raise ValueError(f"--to megatron: {HYBRID_CHECKPOINTS}; convert with --to hf or --to consolidated")
     if with_optimizer:
         _check_optimizer_export(source, config, manifest, ckpt_format)
     if config.multi_latent_attention and (not config.rotary_interleaved
