@@ -85,6 +85,13 @@ class HybridConfig:
         pattern = self.parsed_pattern()
         return len(pattern.layers) if pattern is not None else 2 * self.num_layers
 
+    def validate_sequence_layers(self, tp: int, cp: int) -> None:
+        """ValueError naming the flags where this model's Mamba-2 layers (if any) cannot split over
+        tp x cp."""
+        pattern = self.parsed_pattern()
+        if pattern is not None and "M" in pattern.layers:
+            self.validate_mamba(tp, cp)
+
     def validate_hybrid(self, tp: int = 1) -> None:
         """ValueError naming the flag for a pattern this build cannot make (or cannot make at this tp)."""
         pattern = self.parsed_pattern()
@@ -107,5 +114,4 @@ class HybridConfig:
         if self.norm_placement != "pre":
             raise ValueError(f"--norm-placement {self.norm_placement}: a pattern's layers each have one "
                              "norm before their sublayer (pre); drop the flag or the pattern")
-        if "M" in pattern.layers:
-            self.validate_mamba(tp)
+        self.validate_sequence_layers(tp, 1)

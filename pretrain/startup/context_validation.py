@@ -20,11 +20,10 @@ def validate_context(config: Config, topology: Topology) -> None:
                           f"(--num-layers {model.num_layers})")
     if cp == 1:
         return
-    if "M" in model.layer_types():
-        try:
-            model.validate_mamba(topology.tp, cp)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    try:
+        model.validate_sequence_layers(topology.tp, cp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if model.softmax_type != "vanilla":
         raise ConfigError(f"--softmax-type {model.softmax_type} with --context-parallel-size {cp}: attention "
                           "sinks are not implemented under context parallelism; use cp 1")

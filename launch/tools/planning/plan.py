@@ -193,6 +193,10 @@ def candidate_layouts(config: GPTConfig, world_size: int, gpus_per_node: int, gl
             if not cuts:
                 continue
             for c in _context_sizes(config, t * p, world_size, cp):
+                try:
+                    config.validate_sequence_layers(t, c)
+                except ValueError:  # a Mamba-2 mixer's heads and groups over tp x cp
+                    continue
                 d = world_size // (t * p * c)
                 for e in _expert_sizes(config, t * c * d, etp or t, ep):
                     grid = Layout(t, p, d, 0, sequence_parallel=t > 1, cp=c, ep=e,
