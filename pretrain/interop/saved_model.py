@@ -110,7 +110,8 @@ def describe(checkpoint: str, manifest: dict) -> list[str]:
              f"{'untied' if config.untie_embeddings_and_output_weights else 'tied'}"
              + (", no biases" if config.disable_bias_linear else ", biases")
              + (f", {config.num_experts} experts" if config.num_experts else "")
-             + (", latent attention" if config.multi_latent_attention else "")]
+             + (", latent attention" if config.multi_latent_attention else "")
+             + (f", layers {config.uncut_pattern!r}" if config.hybrid_layer_pattern else "")]
     if manifest.get("kind") == "megatron":
         held = manifest["megatron"]["optimizer"]
         lines.append("optimizer states: " + MEGATRON_STATES.get(held, f"{held} (not read here: resume with "

@@ -19,6 +19,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tests.pretrain.megatron_hybrid_oracle import MAMBA_FIELDS, hybrid_chunk, install_mamba_stand_ins
+
 HIDDEN, HEADS, LAYERS, FFN, VOCAB, SEQ = 32, 4, 4, 48, 64, 16
 ITERATION, CONSUMED = 7, 56
 SCHEDULER = {"max_lr": 3e-4, "lr_warmup_steps": 16, "num_steps": CONSUMED, "lr_decay_style": "cosine",
@@ -45,6 +47,16 @@ LATENT = {"multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16,
           "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0, "qk_layernorm": True,
           "group_query_attention": False, "num_query_groups": HEADS}
 ARCHITECTURES["deepseek"] = {**ARCHITECTURES["llama"], **MOE, **LATENT}
+# and a HybridModel (Nemotron-H's class): Mamba-2, attention, MLP and expert layers by the pattern of
+# megatron-core 0.16's --hybrid-override-pattern, Llama's otherwise
+HYBRID = {"hybrid_override_pattern": "M*M-ME", "mamba_state_dim": 16, "mamba_head_dim": 8,
+          "mamba_num_groups": 2, "is_hybrid_model": True,
+          **{key: value for key, value in MOE.items() if "shared_expert" not in key}}
+ARCHITECTURES["hybrid"] = {**ARCHITECTURES["llama"], **HYBRID}
+
+
+def _layers(arch: dict) -> int:
+    return len(arch.get("hybrid_override_pattern", "")) or LAYERS
 
 
 def megatron_args(architecture: str, tp: int, pp: int, world_size: int, ep: int = 1) -> argparse.Namespace:
@@ -55,7 +67,7 @@ def megatron_args(architecture: str, tp: int, pp: int, world_size: int, ep: int 
 
     arch = ARCHITECTURES[architecture]
     return argparse.Namespace(
-        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        num_layers=_layers(arch), hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         kv_channels=HIDDEN // HEADS, seq_length=SEQ, max_position_embeddings=SEQ, rotary_base=10000,
         rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False,
         apply_layernorm_1p=False,
@@ -79,28 +91,37 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    arch = ARCHITECTURES[architecture]
+    hybrid = "hybrid_override_pattern" in arch
+    if hybrid:
+        install_mamba_stand_ins()
     _cuda_on_cpu()
     virtual_size = vp if vp > 1 else None
     parallel_state.destroy_model_parallel()  # (a world builds one model after another)
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual_size,
                                              expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True)
-    arch = ARCHITECTURES[architecture]
     latent = {key: arch[key] for key in LATENT if key in arch and key not in ("group_query_attention",
                                                                            "num_query_groups")}
+    mamba = {key: arch[key] for key in (*MAMBA_FIELDS, "is_hybrid_model") if key in arch}
     config = (MLATransformerConfig if latent else TransformerConfig)(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+        num_layers=_layers(arch), hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         num_query_groups=arch["num_query_groups"], normalization=arch["normalization"],
         gated_linear_unit=arch["swiglu"], activation_func=F.silu if arch["swiglu"] else F.gelu,
         add_bias_linear=arch["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size,
-        expert_model_parallel_size=ep, **_moe_config(arch), **latent)
+        expert_model_parallel_size=ep, **_moe_config(arch), **latent, **mamba)
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
     chunks = []
     for stage in range(vp):
         virtual = {"vp_stage": stage} if vp > 1 else {}
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **virtual)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **virtual)
+        if hybrid:  # (0.16.1's hybrid stack has no virtual stages)
+            chunks.append(_perturbed(hybrid_chunk(config, arch, vocab, SEQ, first, last), seed))
+            continue
         spec = get_gpt_layer_local_spec(num_experts=arch.get("num_experts"), moe_grouped_gemm=False,
                                         normalization=arch["normalization"],
                                         multi_latent_attention=bool(latent),
@@ -109,20 +130,26 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
             spec.submodules.self_attention.submodules.core_attention = _CausalAttention
         chunk = GPTModel(config, spec,
                          vocab_size=vocab, max_sequence_length=SEQ,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **virtual),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **virtual),
+                         pre_process=first, post_process=last,
                          position_embedding_type=arch["position_embedding_type"],
                          share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"],
                          **virtual)
-        # norms and biases away from their initial 1 and 0, so a misplaced one shows (the same draw on
-        # every tp rank: a norm's weight is replicated over tp)
-        draw = torch.Generator().manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank())
-        with torch.no_grad():
-            for name, param in chunk.named_parameters():
-                if param.ndim == 1:
-                    param.add_(0.1 * torch.randn(param.shape, generator=draw))
-        chunks.append(chunk)
+        chunks.append(_perturbed(chunk, seed))
     return chunks
+
+
+def _perturbed(chunk, seed: int):
+    """``chunk`` with its norms and biases (and a Mamba mixer's per-head vectors) away from their
+    initial values, so a misplaced one shows (the same draw on every tp rank: a norm's weight is
+    replicated over tp)."""
+    from megatron.core import parallel_state
+
+    draw = torch.Generator().manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank())
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn(param.shape, generator=draw))
+    return chunk
 
 
 class _CausalAttention(torch.nn.Module):

@@ -53,10 +53,10 @@ def test_what_does_not_map_is_refused_by_its_key(hf, message):
         config_from_hf(hf)
 
 
-def test_what_the_families_cannot_hold_is_named_and_megatron_hybrids_are_refused(tmp_path):
+def test_what_the_families_cannot_hold_is_named_and_megatrons_hybrid_args_read(tmp_path):
     """A tied all-Mamba model exports as Mamba2 (its output layer the embedding); learned positions, a
-    Granite-less pattern name their flags; Megatron's checkpoints of a hybrid, in or out, are refused in one
-    line (not built yet) rather than misread."""
+    Granite-less pattern name their flags; Megatron's hybrid args give the pattern (0.16's flag, cuts
+    dropped) or name what is wrong with it, and its optimizer states are refused on export in one line."""
     import argparse
 
     from models.config import GPTConfig
@@ -75,8 +75,13 @@ def test_what_the_families_cannot_hold_is_named_and_megatron_hybrids_are_refused
                         **{**mamba, "position_embedding_type": "learned_absolute"})
     with pytest.raises(HFMappingError, match="--position-embedding-type learned_absolute"):
         hf_kind(learned)
-    with pytest.raises(ValueError, match="--to megatron: Megatron HybridModel checkpoints"):
-        write_megatron(None, tied, {}, str(tmp_path), "torch")
-    with pytest.raises(CheckpointError, match="saved with --hybrid-override-pattern 'M\\*M-': Megatron "
-                                              "HybridModel checkpoints are not read yet"):
-        config_of(argparse.Namespace(hybrid_override_pattern="M*M-", num_layers=4, vocab_size=100), "DIR")
+    with pytest.raises(ValueError, match="--with-optimizer-states: a HybridModel's optimizer states are not "
+                                         "written yet"):
+        write_megatron(None, tied, {}, str(tmp_path), "torch", with_optimizer=True)
+    # Megatron-LM 0.16's deprecated pattern flag, its stages' cuts dropped: the model whatever the layout
+    saved = config_of(argparse.Namespace(hybrid_override_pattern="M*|M-", num_layers=4, vocab_size=100),
+                      "DIR")
+    assert (saved["hybrid_layer_pattern"], saved["num_layers"]) == ("M*M-", 4)
+    with pytest.raises(CheckpointError, match="DIR: --hybrid-layer-pattern 'M\\*X': 'X' is not a layer "
+                                              "symbol"):
+        config_of(argparse.Namespace(hybrid_layer_pattern="M*X", num_layers=3, vocab_size=100), "DIR")

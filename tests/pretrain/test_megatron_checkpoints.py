@@ -13,6 +13,7 @@ Hostile and broken checkpoints are refused in one line before any process group 
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -40,7 +41,7 @@ def megatron_checkpoints(tmp_path_factory):
     # the Llama class in virtual stages: model0, model1 in each legacy file
     models = [(architecture, layout, str(tmp_path_factory.mktemp(f"megatron-{architecture}")))
               for architecture, layout in (("gpt", (2, 2, 1, 1)), ("llama", (2, 2, 2, 1)),
-                                           ("deepseek", (2, 1, 1, 2)))]
+                                           ("deepseek", (2, 1, 1, 2)), ("hybrid", (2, 2, 1, 1)))]
     run_world(4, save_megatron, models, timeout_s=300)
     logits = run_world(1, megatron_logits, [(architecture, os.path.join(out, "torch_dist"))
                                             for architecture, _, out in models], PROMPTS)[0]
@@ -98,10 +99,13 @@ def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_lo
     saved = str(tmp_path / "ours")  # the Llama-class model after one more iteration at tp2 x pp2 ZeRO-3
     directories.sort(key=lambda entry: entry[0] == "llama")  # (the last one trains and saves)
     for world_size, (name, layout) in layouts.items():
-        # (the experts at ep2 beside dp2; at tp2 they route each tp rank's share: --sequence-parallel)
+        # (the experts at ep2 beside dp2; at tp2 they route each tp rank's share: --sequence-parallel; the
+        # hybrid's pipeline cut where its pattern says)
         experts = ["--expert-model-parallel-size", "2"] if world_size == 2 else ["--sequence-parallel"]
+        own = {"deepseek": experts, "hybrid": experts + (["--hybrid-layer-pattern", "M*M|-ME"]
+                                                         if world_size == 4 else [])}
         results = run_world(world_size, _loaded_logits,
-                            [(entry[2], experts if entry[0] == "deepseek" else []) for entry in directories],
+                            [(entry[2], own.get(entry[0], [])) for entry in directories],
                             layout,
                             saved if world_size == 4 else None, timeout_s=300)[0]
         for (architecture, kind, _, theirs), (logits, iteration, consumed) in zip(directories, results):
@@ -109,13 +113,15 @@ def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_lo
             for ours, reference in zip(logits, theirs):
                 assert_within(_relative(ours, reference[-1]), f"{architecture} {kind} at {name}: logits",
                               INTEROP_RTOL)
-    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8, and the DeepSeek-class one, as Megatron-LM's
-    # legacy files (tp1 x pp1, loaded with load_state_dict(strict=True)) and torch_dist
+    # and back: our tp2 x pp2 ZeRO-3 checkpoint of iteration 8, the DeepSeek-class one and the hybrid, as
+    # Megatron-LM's legacy files (tp1 x pp1, loaded with load_state_dict(strict=True)) and torch_dist
     # (dist_checkpointing.load), megatron-core's logits ours; cut at tp2 x pp2 (tp2 x ep2), each reads back
     # here with the same logits
-    deepseek = os.path.join(megatron_checkpoints["deepseek"][0], "torch")
+    deepseek, hybrid = (os.path.join(megatron_checkpoints[name][0], "torch")
+                        for name in ("deepseek", "hybrid"))
     sources = {"llama": (saved, ITERATION + 1, CONSUMED + 8, ["--target-pipeline-parallel-size", "2"]),
-               "deepseek": (deepseek, ITERATION, CONSUMED, ["--target-expert-parallel-size", "2"])}
+               "deepseek": (deepseek, ITERATION, CONSUMED, ["--target-expert-parallel-size", "2"]),
+               "hybrid": (hybrid, ITERATION, CONSUMED, ["--target-pipeline-parallel-size", "2"])}
     exported, expected = [], {}
     for architecture, (source, _, _, cut_flags) in sources.items():
         model = load_model(source)
@@ -213,3 +219,57 @@ class _Exploit:
 
     def __reduce__(self):
         return os.system, (f"touch {self.witness}",)
+
+
+def test_megatron_lm_mains_hybrid_spellings_load_and_what_it_cannot_be_is_refused(megatron_checkpoints,
+                                                                                  tmp_path, capsys):
+    """The hybrid's legacy files as Megatron-LM main writes them: the pattern's ``|`` places the stages
+    (here ``M*|M-ME``, uneven: layer 2 moves to the second stage and the layers there renumber), the
+    convolution's tensors are direct mixer parameters (``conv1d_weight``), the args keep
+    ``hybrid_layer_pattern``; megatron-core's logits still. A pattern of multi-token-prediction depths,
+    and layers allotted by ratios alone, are refused by name."""
+    out, theirs = megatron_checkpoints["hybrid"]
+    iteration = f"iter_{ITERATION:07d}"
+    main = _copy(os.path.join(out, "torch"), tmp_path / "main")
+    for tp in range(2):
+        paths = [os.path.join(main, iteration, f"mp_rank_{tp:02d}_{pp:03d}", "model_optim_rng.pt")
+                 for pp in range(2)]
+        first, second = (torch.load(path, weights_only=False) for path in paths)
+        moved = {key: value for key, value in first["model"].items() if key.startswith("decoder.layers.2.")}
+        first["model"] = {key: value for key, value in first["model"].items() if key not in moved}
+        renumbered = {}
+        for key, value in [*((k.replace("layers.2.", "layers.0.", 1), v) for k, v in moved.items()),
+                           *((_shifted(key), value) for key, value in second["model"].items())]:
+            renumbered[key.replace("mixer.conv1d.weight", "mixer.conv1d_weight")
+                       .replace("mixer.conv1d.bias", "mixer.conv1d_bias")] = value
+        second["model"] = renumbered
+        for state, path in zip((first, second), paths):
+            state["args"].hybrid_layer_pattern, state["args"].hybrid_override_pattern = "M*|M-ME", None
+            torch.save(state, path)
+    convert(["--load", main, "--list"])
+    listing = capsys.readouterr().out
+    assert "Megatron-LM (torch, tp2 x pp2)" in listing and "layers 'M*M-ME'" in listing, listing
+    model = load_model(main)
+    for prompt, reference in zip(PROMPTS, theirs):
+        assert_within(_relative(model(torch.tensor([prompt]))[0], reference), "main's hybrid files: logits",
+                      INTEROP_RTOL)
+
+    for change, pattern in (({"hybrid_layer_pattern": "M*M-ME/*-"},
+                             r"multi-token prediction \(the depths after /\) is not built"),
+                            ({"hybrid_override_pattern": None, "hybrid_attention_ratio": 0.25},
+                             r"saved with --hybrid-attention-ratio and no layer pattern")):
+        broken = _copy(main, tmp_path / f"broken{len(pattern)}")
+        for name in os.listdir(os.path.join(broken, iteration)):
+            path = os.path.join(broken, iteration, name, "model_optim_rng.pt")
+            state = torch.load(path, weights_only=False)
+            vars(state["args"]).update({"hybrid_layer_pattern": None, **change})
+            torch.save(state, path)
+        with pytest.raises((CheckpointError, ValueError), match=pattern) as caught:
+            load_model(broken)
+        assert "\n" not in str(caught.value)
+
+
+def _shifted(key: str) -> str:
+    """A second-stage legacy key one layer later (its stage now starts a layer earlier)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.+)", key)
+    return f"decoder.layers.{int(match.group(1)) + 1}.{match.group(2)}" if match else key

@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from models.config import GPTConfig
+from models.hybrid.pattern import ParsedPattern, parse_pattern
 from models.moe.config import parse_layer_freq
 from pretrain.checkpoint.errors import CheckpointError
 
@@ -41,10 +42,15 @@ class MegatronLayout:
     ep: int
     etp: int
     num_layers: int
+    # a hybrid pattern's pipeline segments (its ``|``): each model chunk's layers, chunk v x pp + p the
+    # one of virtual stage v of pipeline rank p; empty for an even split
+    chunk_layers: tuple[int, ...] = ()
 
     def layer_offset(self, pp_rank: int, vp_stage: int) -> int:
         """The first model layer of virtual stage ``vp_stage`` of pipeline rank ``pp_rank`` (Megatron's
-        ``get_transformer_layer_offset`` for an even split)."""
+        ``get_transformer_layer_offset`` for an even split, the pattern's segments for a cut one)."""
+        if self.chunk_layers:
+            return sum(self.chunk_layers[:vp_stage * self.pp + pp_rank])
         per_chunk = self.num_layers // (self.pp * self.vp)
         return vp_stage * (self.num_layers // self.vp) + pp_rank * per_chunk
 
@@ -67,10 +73,20 @@ def layout_of(args: argparse.Namespace, where: str) -> MegatronLayout:
                                   "re-save it with an even split (Megatron's tools/checkpoint) first")
     tp = int(_arg(args, "tensor_model_parallel_size", 1))
     pp = int(_arg(args, "pipeline_model_parallel_size", 1))
-    layers = int(args.num_layers)
+    pattern = _pattern(args, where)
+    layers = len(pattern.layers) if pattern is not None else int(args.num_layers)
     vp = _arg(args, "virtual_pipeline_model_parallel_size")
     if vp is None and _arg(args, "num_layers_per_virtual_pipeline_stage"):
         vp = layers // pp // int(args.num_layers_per_virtual_pipeline_stage)
+    if pattern is not None and pattern.cut:  # (Megatron-LM main: the pattern's segments are the stages)
+        segments = len(pattern.segments)
+        if segments % pp or vp is not None and segments != pp * int(vp):
+            raise CheckpointError(f"{where}: its --hybrid-layer-pattern's {segments} segments are not "
+                                  f"{pp} pipeline stages x {vp or 'some'} virtual stages; the checkpoint's "
+                                  "args are inconsistent")
+        ep = int(_arg(args, "expert_model_parallel_size", 1))
+        return MegatronLayout(tp, pp, segments // pp, ep, int(_arg(args, "expert_tensor_parallel_size", tp)),
+                              layers, tuple(len(segment) for segment in pattern.segments))
     vp = int(vp or 1)
     if layers % (pp * vp):
         raise CheckpointError(f"{where}: --num-layers {layers} does not divide into {pp} pipeline stages x "
@@ -86,15 +102,14 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
         if getattr(args, name, None) not in (None, False, 0, "") and "pipeline" not in what:
             raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} ({what}), which this "
                                   "stack does not build; refused")
-    for name in ("hybrid_layer_pattern", "hybrid_override_pattern"):
-        if getattr(args, name, None):
-            raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} {getattr(args, name)!r}: "
-                                  "Megatron HybridModel checkpoints are not read yet (its Hugging Face "
-                                  "export is: pretrain.convert --from-hf)")
+    pattern = _pattern(args, where)
     config = {name: value for name in GPTConfig.__dataclass_fields__
               if isinstance(value := getattr(args, name, None), _PLAIN) and value is not None
               or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)}
     config.pop("hf_model_type", None)
+    config.pop("hybrid_override_pattern", None)
+    if pattern is not None:  # (the model whatever the layout: the saved run's cuts are its layout's)
+        config.update(hybrid_layer_pattern=pattern.uncut, num_layers=len(pattern.layers))
     config["disable_bias_linear"] = not _arg(args, "add_bias_linear", True)
     vocabulary = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
     if vocabulary is None:
@@ -115,6 +130,23 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
         config["position_embedding_type"] = ("rope" if _arg(args, "use_rotary_position_embeddings", False)
                                              else "learned_absolute")
     return config
+
+
+def _pattern(args: argparse.Namespace, where: str) -> ParsedPattern | None:
+    """A HybridModel's layer pattern (Megatron-LM main's --hybrid-layer-pattern, or 0.16's
+    --hybrid-override-pattern), None for a GPT; CheckpointError for layers allotted by ratios alone."""
+    text = _arg(args, "hybrid_layer_pattern") or _arg(args, "hybrid_override_pattern")
+    if text is None:
+        for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
+            if _arg(args, name, 0.0):
+                raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} and no layer pattern "
+                                      "(Megatron's ratio allocation): not read; re-save it with "
+                                      "--hybrid-layer-pattern")
+        return None
+    try:
+        return parse_pattern(str(text))
+    except ValueError as error:
+        raise CheckpointError(f"{where}: {error}") from None
 
 
 # Megatron's yarn flags (MLATransformerConfig's defaults where its args hold none) -> ours
@@ -180,6 +212,9 @@ def args_of(config: GPTConfig, layout: MegatronLayout, padded_vocab: int, run: d
     fields.pop("disable_bias_linear")
     if config.num_experts:
         fields["moe_layer_freq"] = parse_layer_freq(config.moe_layer_freq)
+    if config.hybrid_layer_pattern:  # as Megatron-LM main saves a HybridModel's (it converts 0.16's)
+        fields.update(hybrid_layer_pattern=config.uncut_pattern, hybrid_override_pattern=None,
+                      is_hybrid_model=True, mamba_num_heads=config.mamba_heads)
     if config.multi_latent_attention:  # (the latent norms are its --qk-layernorm; see _latent)
         fields.update(rotary_interleaved=False, qk_layernorm=True, rope_type=config.rope_type or "rope")
         if config.rope_scaling == "yarn":

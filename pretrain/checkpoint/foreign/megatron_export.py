@@ -29,12 +29,10 @@ from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.megatron_checkpoint import (TRACKER, is_megatron, iteration_folder,
                                                              legacy_file, tracked_iteration)
+from pretrain.checkpoint.foreign.megatron_mamba import PARTS, split_parts, to_megatron
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, LEGACY_EXPERTS,
-                                                        MLP_EXTRA_STATE_MODULES,
-                                                        SHARED_EXPERT_EXTRA_STATE_MODULES,
-                                                        ROW_SPLIT_DOWN, STACKED_EXPERTS,
-                                                        attention_extra_state_modules, megatron_key,
-                                                        registration_order)
+                                                        ROW_SPLIT_DOWN, STACKED_EXPERTS, extra_state_modules,
+                                                        megatron_key, registration_order)
 from pretrain.checkpoint.foreign.megatron_optimizer import (DISTRIBUTED_OPTIMIZER_FILE,
                                                             distributed_state_dict, gathered_states)
 from pretrain.checkpoint.foreign.megatron_pieces import our_slices
@@ -78,13 +76,10 @@ def _padded(whole: torch.Tensor, table: bool, padded: int) -> torch.Tensor:
     return whole
 
 
-def _as_megatron(part: torch.Tensor) -> torch.Tensor:
-    """One of our tensors (or tp slices) as Megatron keeps it: a gated fc1's [2, f, h] as [2f, h] (the
-    gate's rows, then the up matrix's)."""
-    return part.reshape(-1, part.shape[-1]) if part.ndim == 3 else part
-
-
-HYBRID_CHECKPOINTS = "Megatron HybridModel checkpoints (a --hybrid-layer-pattern model's) are not written yet"
+def _as_megatron(part: torch.Tensor, name: str) -> torch.Tensor:
+    """One of our tensors ``name`` (or tp slices) as Megatron keeps it: a gated fc1's [2, f, h] as [2f, h]
+    (the gate's rows, then the up matrix's)."""
+    return part.reshape(-1, part.shape[-1]) if part.ndim == 3 and name.endswith("fc1.weight") else part
 
 
 def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ckpt_format: str,
@@ -97,8 +92,6 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     copied into the iteration folder and named in the args. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
-    if config.hybrid_layer_pattern:
-        raise ValueError(f"--to megatron: {HYBRID_CHECKPOINTS}; convert with --to hf or --to consolidated")
     if with_optimizer:
         _check_optimizer_export(source, config, manifest, ckpt_format)
     if config.multi_latent_attention and (not config.rotary_interleaved
@@ -113,7 +106,7 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
         raise ValueError(f"--target-expert-parallel-size {ep} does not divide the model's "
                          f"{config.num_experts or 0} experts")
     moe = config.moe_layers(config.num_layers)
-    if ckpt_format == "torch_dist" and any(moe) and not all(moe):
+    if ckpt_format == "torch_dist" and any(moe) and not all(moe) and not config.hybrid_layer_pattern:
         raise ValueError("--to megatron --ckpt-format torch_dist: a model with dense and MoE layers is not "
                          "written yet (megatron-core keys such layers one by one); write --ckpt-format torch")
     layout = MegatronLayout(tp, pp, 1, ep, tp, config.num_layers)
@@ -136,7 +129,8 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
         if ckpt_format == "torch":
             _write_legacy(source, config, layout, slices, padded, common, staging, tied, with_optimizer)
         else:
-            _write_distributed(source, config, slices, padded, common, staging)
+            write = _write_hybrid_distributed if config.hybrid_layer_pattern else _write_distributed
+            write(source, config, slices, padded, common, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -164,9 +158,10 @@ def _check_optimizer_export(source, config: GPTConfig, manifest: dict, ckpt_form
     if ckpt_format != "torch":
         raise ValueError("--to megatron --with-optimizer-states: written as the legacy files' "
                          "distrib_optim.pt (--ckpt-format torch); torch_dist's are not written yet")
-    if config.num_experts:
-        raise ValueError("--to megatron --with-optimizer-states: a mixture of experts' optimizer states "
-                         "(a buffer of their own) are not written yet")
+    if config.num_experts or config.hybrid_layer_pattern:
+        what = "a mixture of experts' (a buffer of their own)" if config.num_experts else "a HybridModel's"
+        raise ValueError(f"--to megatron --with-optimizer-states: {what} optimizer states are not written "
+                         "yet")
     if "exp_avg" not in source.kinds or manifest.get("config", {}).get("optimizer", "adam") != "adam":
         raise ValueError("--to megatron --with-optimizer-states: the checkpoint holds no Adam states (a "
                          "weights-only one, or another optimizer's)")
@@ -182,13 +177,15 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
     rest in every expert rank's; with ``with_optimizer``, each one's ``distrib_optim.pt`` beside it."""
     per_stage = config.num_layers // layout.pp
     per_rank = (config.num_experts or 1) // layout.ep
-    moe = config.moe_layers(config.num_layers)
+    moe, entries = config.moe_layers(config.num_layers), config.layer_types()
+    hybrid = bool(config.hybrid_layer_pattern)
     models = {rank: {} for rank in itertools.product(range(layout.tp), range(layout.pp), range(layout.ep))}
     states: dict[tuple, dict[str, dict]] = {rank: {} for rank in models}
     for name in sorted(slices):
         _, dim, table = slices[name]
-        key, layer, expert = megatron_key(name, fused_norms=False, latent=config.multi_latent_attention)
-        tensor = _padded(source.whole(name), table, padded)
+        key, layer, expert = megatron_key(name, fused_norms=False, latent=config.multi_latent_attention,
+                                          hybrid=hybrid)
+        inner, tensor = key, _padded(source.whole(name), table, padded)
         if key in ROW_SPLIT_DOWN:  # (the local spec's latent down projections: split by rows)
             dim = 0
         ranks = range(layout.ep)
@@ -199,8 +196,9 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
         else:
             stages, ranks = [layer // per_stage], [expert // per_rank]
             key = f"decoder.layers.{layer % per_stage}.{LEGACY_EXPERTS}{expert % per_rank}.{key}"
-        parts = _tp_parts(tensor, dim, layout.tp)
-        moments = {kind: _tp_parts(_padded(source.whole(name, kind), table, padded), dim, layout.tp)
+        parts = _tp_parts(tensor, name, dim, layout.tp)
+        parts = [to_megatron(inner, part, config, layout.tp) for part in parts]  # (a Mamba rank's rows)
+        moments = {kind: _tp_parts(_padded(source.whole(name, kind), table, padded), name, dim, layout.tp)
                    for kind in ("exp_avg", "exp_avg_sq")} if with_optimizer else {}
         for stage, t, e in itertools.product(stages, range(layout.tp), ranks):
             models[t, stage, e][key] = parts[t].clone()
@@ -215,7 +213,7 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
         for layer in range(per_stage):
             prefix = f"decoder.layers.{layer}."
             model.update({f"{prefix}{module}._extra_state": None for module in _extra_state_modules(
-                config, moe[p * per_stage + layer])})
+                config, entries[p * per_stage + layer])})
             if moe[p * per_stage + layer]:
                 model.update({f"{prefix}{LEGACY_EXPERTS}{local}.{module}._extra_state": None
                               for local in range(per_rank) for module in EXPERT_EXTRA_STATE_MODULES})
@@ -234,18 +232,19 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
                        os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_FILE))
 
 
-def _tp_parts(tensor: torch.Tensor, dim: int | None, tp: int) -> list[torch.Tensor]:
-    """``tensor``'s tp slices as Megatron keeps them (the whole on each rank where it is replicated)."""
-    return [_as_megatron(part) for part in tensor.chunk(tp, dim=dim)] if dim is not None else [tensor] * tp
+def _tp_parts(tensor: torch.Tensor, name: str, dim: int | None, tp: int) -> list[torch.Tensor]:
+    """Our ``tensor`` ``name``'s tp slices as Megatron keeps them (the whole on each rank where it is
+    replicated)."""
+    if dim is None:
+        return [tensor] * tp
+    return [_as_megatron(part, name) for part in tensor.chunk(tp, dim=dim)]
 
 
-def _extra_state_modules(config: GPTConfig, moe: bool) -> tuple[str, ...]:
-    """The local spec's modules with an extra state in a layer (its experts' own aside)."""
-    attention = attention_extra_state_modules(config.multi_latent_attention, config.q_lora_rank)
-    if not moe:
-        return attention + MLP_EXTRA_STATE_MODULES
-    shared = SHARED_EXPERT_EXTRA_STATE_MODULES if config.moe_shared_expert_intermediate_size else ()
-    return attention + shared
+def _extra_state_modules(config: GPTConfig, entry: str) -> tuple[str, ...]:
+    """The local spec's modules with an extra state in a layer of layer-list entry ``entry`` (its
+    experts' own aside)."""
+    return extra_state_modules(entry, config.multi_latent_attention, config.q_lora_rank,
+                               bool(config.moe_shared_expert_intermediate_size))
 
 
 def _write_distributed(source, config, slices, padded, common, folder) -> None:
@@ -255,7 +254,7 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
     for name in sorted(slices, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]):
         _, _, table = slices[name]
         key, layer, expert = megatron_key(name, fused_norms=True, latent=config.multi_latent_attention)
-        tensor = _as_megatron(_padded(source.whole(name), table, padded))
+        tensor = _as_megatron(_padded(source.whole(name), table, padded), name)
         if layer is None:
             state[key] = tensor.contiguous()
         elif expert is None:
@@ -266,13 +265,56 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
             rows[layer][expert] = tensor
     state.update({key: torch.stack([torch.stack(row) if isinstance(row, list) else row for row in rows])
                   for key, rows in stacked.items()})
-    moe = bool(experts)
+    entry = config.layer_types()[0]  # (all alike: checked above)
     for layer in range(layers):  # the local spec's empty extra states, which its loader asks for: a
-        for module in _extra_state_modules(config, moe):  # sharded object is stored as its data's list
+        for module in _extra_state_modules(config, entry):  # sharded object is stored as its data's list
             state[f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}"] = [None]
         for expert, module in itertools.product(range(experts), EXPERT_EXTRA_STATE_MODULES):
             state[f"decoder.layers.{STACKED_EXPERTS}{module}._extra_state/shard_{layer}.{expert}_"
                   f"{layers}.{experts}"] = [None]
+    _save_distributed(state, common, folder)
+
+
+def _write_hybrid_distributed(source, config, slices, padded, common, folder) -> None:
+    """A HybridModel's torch_dist: each tensor keyed by its layer (no layer axis; a layer's experts on a
+    first axis), a Mamba mixer's in_proj and convolution saved as their parts (``megatron_mamba.PARTS``),
+    the norms under Transformer Engine's fused names but a mixture of experts' pre-norm (which its spec
+    never fuses)."""
+    state: dict = {}
+    experts, entries = config.num_experts or 0, config.layer_types()
+    stacked: dict[str, list] = {}
+    for name in slices:
+        _, _, table = slices[name]
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        fused = layer is None or entries[layer] != "E"
+        key, layer, expert = megatron_key(name, fused_norms=fused, latent=config.multi_latent_attention,
+                                          hybrid=True)
+        tensor = _as_megatron(_padded(source.whole(name), table, padded), name)
+        if layer is None:
+            state[key] = tensor.contiguous()
+        elif expert is not None:
+            rows = stacked.setdefault(f"decoder.layers.{layer}.{STACKED_EXPERTS}{key}", [None] * experts)
+            rows[expert] = tensor
+        elif key in PARTS:
+            parts = split_parts(key, to_megatron(key, tensor, config, 1), config)
+            state.update({f"decoder.layers.{layer}.{key}.{part}": value.contiguous()
+                          for part, value in parts.items()})
+        else:
+            state[f"decoder.layers.{layer}.{key}"] = tensor.contiguous()
+    state.update({key: torch.stack(rows) for key, rows in stacked.items()})
+    for layer, entry in enumerate(entries):  # the local spec's empty extra states (see _write_distributed)
+        for module in _extra_state_modules(config, entry):
+            state[f"decoder.layers.{layer}.{module}._extra_state/shard_0_1"] = [None]
+        if entry == "E":
+            for expert, module in itertools.product(range(experts), EXPERT_EXTRA_STATE_MODULES):
+                state[f"decoder.layers.{layer}.{STACKED_EXPERTS}{module}._extra_state/shard_{expert}_"
+                      f"{experts}"] = [None]
+    state["output_layer._extra_state/shard_0_1"] = [None]  # (a HybridModel's loader asks for it)
+    _save_distributed(state, common, folder)
+
+
+def _save_distributed(state: dict, common: dict, folder: str) -> None:
+    """torch_dist's files: the Distributed Checkpoint, common.pt and the metadata naming the backend."""
     save_in_one_process(state, folder)
     torch.save(common, os.path.join(folder, "common.pt"))
     with open(os.path.join(folder, "metadata.json"), "w") as handle:

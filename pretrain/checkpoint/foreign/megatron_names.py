@@ -41,6 +41,23 @@ LAYER_KEYS = {
     "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.fc1.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.fc2.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
+    # a hybrid model's Mamba-2 layer (``M``): its pre-norm (the local spec's ``norm``, fused into in_proj
+    # in Transformer Engine's) and its mixer; Megatron-LM main's legacy files name the convolution's
+    # tensors ``conv1d_weight`` / ``conv1d_bias`` (listed first: an export writes megatron-core 0.16's)
+    "norm.weight": "mamba_norm.weight",
+    "norm.bias": "mamba_norm.bias",
+    "mixer.in_proj.layer_norm_weight": "mamba_norm.weight",
+    "mixer.in_proj.layer_norm_bias": "mamba_norm.bias",
+    "mixer.in_proj.weight": "mamba.in_proj.weight",
+    "mixer.conv1d_weight": "mamba.conv1d.weight",
+    "mixer.conv1d_bias": "mamba.conv1d.bias",
+    "mixer.conv1d.weight": "mamba.conv1d.weight",
+    "mixer.conv1d.bias": "mamba.conv1d.bias",
+    "mixer.A_log": "mamba.A_log",
+    "mixer.D": "mamba.D",
+    "mixer.dt_bias": "mamba.dt_bias",
+    "mixer.norm.weight": "mamba.norm.weight",
+    "mixer.out_proj.weight": "mamba.out_proj.weight",
 }
 # latent attention's, within a layer (its latent norms take the dense layer's q/k-norm keys in the local spec,
 # and fuse into the up projections in Transformer Engine's)
@@ -68,6 +85,8 @@ MODEL_KEYS = {
     "embedding.position_embeddings.weight": "position_embedding.weight",
     "decoder.final_layernorm.weight": "final_norm.weight",
     "decoder.final_layernorm.bias": "final_norm.bias",
+    "decoder.final_norm.weight": "final_norm.weight",  # (a HybridModel's)
+    "decoder.final_norm.bias": "final_norm.bias",
     "output_layer.weight": "output_layer.weight",
 }
 LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -80,9 +99,14 @@ STACKED_PREFIX = "decoder.layers."  # torch_dist: one key per layer tensor, the 
 LOCAL_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" not in theirs}
 LOCAL_LATENT_KEYS = {**LOCAL_LAYER_KEYS, **{ours: theirs for theirs, ours in LATENT_LAYER_KEYS.items()
                                             if ".layer_norm_" not in theirs}}
+LOCAL_NORM_MODULES = ("input_layernorm.", "pre_mlp_layernorm.", "norm.")
 FUSED_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
-                    if not theirs.startswith(("input_layernorm.", "pre_mlp_layernorm."))}
-OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()}
+                    if not theirs.startswith(LOCAL_NORM_MODULES)}
+OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()
+                  if not theirs.startswith("decoder.final_norm.")}
+# a HybridModel's (its final norm's name)
+OUR_HYBRID_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()
+                         if not theirs.startswith("decoder.final_layernorm.")}
 # the modules of megatron-core's local spec that keep an (empty) extra state in a state dict: a dense
 # layer's attention (latent attention's: ``attention_extra_state_modules``), a dense MLP, a mixture of
 # experts' shared expert, and each expert's own two (within the expert)
@@ -90,6 +114,20 @@ ATTENTION_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.li
 MLP_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
 SHARED_EXPERT_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_EXTRA_STATE_MODULES = ("linear_fc1", "linear_fc2")
+MAMBA_EXTRA_STATE_MODULES = ("mixer.in_proj", "mixer.out_proj")
+
+
+def extra_state_modules(entry: str, latent: bool, q_lora_rank: int | None, shared_experts: bool
+                        ) -> tuple[str, ...]:
+    """The local spec's modules with an extra state in a layer whose layer-list entry is ``entry`` (a
+    pattern's symbol, or a GPT block's ``*-`` / ``*E``: each of its symbols' sublayers); a mixture of
+    experts' own experts aside."""
+    modules: tuple[str, ...] = ()
+    for symbol in entry:
+        modules += {"M": MAMBA_EXTRA_STATE_MODULES, "-": MLP_EXTRA_STATE_MODULES,
+                    "E": SHARED_EXPERT_EXTRA_STATE_MODULES if shared_experts else ()}.get(
+                        symbol, attention_extra_state_modules(latent, q_lora_rank))
+    return modules
 
 
 def attention_extra_state_modules(latent: bool, q_lora_rank: int | None) -> tuple[str, ...]:
@@ -102,13 +140,16 @@ def attention_extra_state_modules(latent: bool, q_lora_rank: int | None) -> tupl
                  ("linear_proj", *queries, "linear_kv_down_proj", "linear_kv_up_proj"))
 
 
-def megatron_key(ours: str, fused_norms: bool, latent: bool = False) -> tuple[str, int | None, int | None]:
+def megatron_key(ours: str, fused_norms: bool, latent: bool = False, hybrid: bool = False
+                 ) -> tuple[str, int | None, int | None]:
     """Megatron's key of our name ``ours``, its layer (None outside the layers) and expert (None outside
     the experts): within the layer for a layer's tensor (``decoder.layers.{layer}.`` to be prefixed),
     within the expert for an expert's (the format's expert prefix too). A latent-attention model's keys
-    are the local spec's in both formats (its sharded state dict maps no norm)."""
-    if ours in OUR_MODEL_KEYS:
-        return OUR_MODEL_KEYS[ours], None, None
+    are the local spec's in both formats (its sharded state dict maps no norm); ``hybrid``: a
+    HybridModel's (its final norm's name)."""
+    model_keys = OUR_HYBRID_MODEL_KEYS if hybrid else OUR_MODEL_KEYS
+    if ours in model_keys:
+        return model_keys[ours], None, None
     _, layer, inner = ours.split(".", 2)
     if inner.startswith("mlp.experts."):
         _, _, expert, within = inner.split(".", 3)
@@ -125,9 +166,12 @@ LOCAL_MODULE_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_att
                       "self_attention.linear_qkv", "self_attention.q_layernorm", "self_attention.k_layernorm",
                       "self_attention.kv_layernorm", "pre_mlp_layernorm", "mlp.router", "mlp.experts",
                       "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1",
-                      "mlp.shared_experts.linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2")
+                      "mlp.shared_experts.linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2",
+                      # a Mamba-2 layer's: the mixer's own tensors, its modules, then the layer's norm
+                      "mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj", "mixer.conv1d",
+                      "mixer.norm", "mixer.out_proj", "norm.")
 _MODEL_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
-                "decoder.final_layernorm.", "output_layer.")
+                "decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
 
 
 # torch_dist's fused norm names for the local spec's norm modules

@@ -22,6 +22,7 @@ from models.counting import stage_model
 from parallel.param_meta import meta
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
+from pretrain.checkpoint.foreign.megatron_mamba import PARTS, joined_key, to_ours
 from pretrain.checkpoint.foreign.megatron_checkpoint import (READ_OPTIMIZER_STATES, MegatronCheckpoint,
                                                              legacy_file, reopen)
 from pretrain.checkpoint.foreign.megatron_optimizer import (KINDS, MODEL_SPACE_STATES, BucketStates,
@@ -64,6 +65,10 @@ class MegatronPieces(PieceSource):
         self.unread_optimizer: str | None = None  # why its optimizer's states cannot be read, if so
         self.held = checkpoint.optimizer_states()  # (looked up once: a file test or the DCP metadata)
         self.reads_optimizer = self.held in READ_OPTIMIZER_STATES
+        if config.hybrid_layer_pattern and self.reads_optimizer:  # (its weights load)
+            self.unread_optimizer = (f"{checkpoint.folder}: a HybridModel's optimizer states (Mamba "
+                                     "layers' buffers) are not read yet")
+            self.reads_optimizer = False
         # a legacy rank file's optimizer states: its distrib_optim.pt, or the plain optimizer's in it
         self.optimizers: dict[str, DistributedOptimizerStates | PlainOptimizerStates] = {}
         self.buckets: BucketStates | None = None  # torch_dist's dp_reshardable states, where read
@@ -186,14 +191,12 @@ class MegatronPieces(PieceSource):
         """Each torch_dist tensor's pieces: one per layer of a key stacked over the layers (and per expert
         of one whose next axis runs over the experts); a key of one layer (a model whose layers are not
         all alike, as Megatron saves a mixture of experts with --moe-layer-freq) has its own number."""
-        for key in self.folder.tensors:
-            if skipped(key) or not key.startswith(("embedding.", "decoder.", "output_layer.")):
-                continue  # the optimizer's states, rng and other run states
+        for key in self._distributed_keys():
             stacked = key.startswith(STACKED_PREFIX) and not LAYER_KEY.match(key)
             template = self._place(key, stacked=stacked)
             if template is None:
                 continue
-            saved, axes = self.folder.shape(key), template.count("{}")
+            saved, axes = self._distributed_shape(key), template.count("{}")
             one = saved[axes:]
             for index in itertools.product(*(range(size) for size in saved[:axes])):
                 ours = template.format(*index)
@@ -213,6 +216,42 @@ class MegatronPieces(PieceSource):
             self.kinds = ("exp_avg", "exp_avg_sq")
             self.step = self.buckets.step if self.buckets else adam_step(param_groups(self.checkpoint.common),
                                                                           self.checkpoint.folder)
+
+    def _distributed_keys(self) -> list[str]:
+        """The torch_dist keys of the model's tensors, a Mamba mixer's parts (``megatron_mamba.PARTS``)
+        as one key of the whole tensor."""
+        keys = []
+        for key in self.folder.tensors:
+            if skipped(key) or not key.startswith(("embedding.", "decoder.", "output_layer.")):
+                continue  # the optimizer's states, rng and other run states
+            joined = joined_key(key)
+            if joined is None:
+                keys.append(key)
+            elif joined[1] == PARTS[LAYER_KEY.match(joined[0]).group(2)][0]:
+                keys.append(joined[0])
+        return keys
+
+    def _parts(self, key: str) -> list[str]:
+        """The torch_dist keys holding ``key``'s tensor: itself, or a Mamba mixer tensor's parts."""
+        match = LAYER_KEY.match(key)
+        if key in self.folder.tensors or not match or match.group(2) not in PARTS:
+            return [key]
+        parts = [f"{key}.{part}" for part in PARTS[match.group(2)]]
+        for part in parts:
+            if part not in self.folder.tensors:
+                raise CheckpointError(f"{self.checkpoint.folder}: holds no {part} beside the other parts of "
+                                      f"{key}; refused")
+        return parts
+
+    def _distributed_shape(self, key: str) -> tuple[int, ...]:
+        shapes = [self.folder.shape(part) for part in self._parts(key)]
+        return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+    def _read_distributed(self, key: str) -> torch.Tensor:
+        """The whole torch_dist tensor ``key`` (a Mamba mixer's parts joined) in our row order."""
+        tensor = torch.cat([self.folder.read(part) for part in self._parts(key)])
+        match = LAYER_KEY.match(key)
+        return to_ours(match.group(2), tensor, self.config, 1) if match else tensor
 
     def _check_model_space_states(self, key: str, saved: tuple) -> None:
         """The distributed optimizer's model-space states of torch_dist tensor ``key`` (its
@@ -320,10 +359,13 @@ class MegatronPieces(PieceSource):
             if self.checkpoint.format == "torch_dist":  # (fp32 masters where its states passed the check)
                 key, index = piece.where
                 key = f"{MODEL_SPACE_STATES}{KINDS[kind]}.{key}" if self.kinds else key
-                tensor = self._first_axis(key, index[0])[index[1:]] if index else self.folder.read(key)
+                tensor = self._first_axis(key, index[0])[index[1:]] if index else self._read_distributed(key)
             else:
                 path, chunk, key = piece.where
                 tensor = self.files[path][chunk][key]
+                match = LAYER_KEY.match(key)
+                if match:  # (a rank's Mamba in_proj / conv rows are part-major over its own groups)
+                    tensor = to_ours(match.group(2), tensor, self.config, self.checkpoint.layout.tp)
             self._last = ((piece.where, kind), tensor.float().reshape(-1))
         return self._last[1]
 
