@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from models.flags import flag
 from models.hybrid.config import HybridConfig
 from models.latent.config import LatentAttentionConfig
+from models.gdn.config import GatedDeltaConfig
 from models.mamba.config import MambaConfig
 from models.moe.config import MoEConfig
 from models.mup_config import MuPConfig
 
 
 @dataclass
-class GPTConfig(HybridConfig, MambaConfig, MoEConfig, LatentAttentionConfig, MuPConfig):
+class GPTConfig(HybridConfig, MambaConfig, GatedDeltaConfig, MoEConfig, LatentAttentionConfig, MuPConfig):
     """Shape and options of the GPT (or of a hybrid model: ``--hybrid-layer-pattern``). Owns no weights;
     ``validate(tp)`` checks what tp must divide."""
 

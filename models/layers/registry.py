@@ -17,6 +17,7 @@ from torch import nn
 from models.config import GPTConfig
 from models.layers.block import TransformerBlock
 from models.layers.residual import AttentionLayer, MLPLayer
+from models.gdn.layer import GatedDeltaLayer
 from models.mamba.config import CONV_KERNEL
 from models.mamba.layer import MambaLayer
 from parallel.recompute import RECOMPUTE_MODULES
@@ -65,6 +66,15 @@ def mamba_flops(config: GPTConfig) -> float:
     return 2 * CONV_KERNEL * config.mamba_conv_channels + 5 * config.mamba_inner * config.mamba_state_dim
 
 
+def gated_delta_flops(config: GPTConfig) -> float:
+    """A gated delta net layer's forward FLOPs per token beyond its weights: the convolution (2 K per
+    channel) and the delta rule (per value head, on its dk x dv state: the decay, the read S^T k, the
+    write's outer product and the output S^T q: 7 dk dv), whatever the sequence length; its state is
+    fixed, so it leaves no per-token cache."""
+    return (2 * config.linear_conv_kernel_dim * config.gdn_conv_channels
+            + 7 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim)
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """One kind of layer: its entry, Megatron's name for it, the --recompute-modules names it has, and
@@ -80,6 +90,11 @@ class LayerKind:
     experts: bool = False  # a mixture of experts (its parameters are expert-parallel)
     mixing_flops: Callable[[GPTConfig], float] = _no_values
     cache_values: Callable[[GPTConfig], float] = _no_values
+
+
+def _gated_delta(context: LayerContext, layer: int) -> nn.Module:
+    c = context
+    return GatedDeltaLayer(c.config, layer, c.tp, c.seed, c.sequence_parallel, c.rng, c.context)
 
 
 def _attention(context: LayerContext, layer: int) -> nn.Module:
@@ -110,7 +125,8 @@ _ATTENTION = {"mixing_flops": attention_flops, "cache_values": attention_cache_v
 _MOE_MODULES = ("moe", "moe_act", "shared_experts", "layernorm")
 KINDS: dict[str, LayerKind] = {kind.entry: kind for kind in (
     LayerKind("M", "mamba", _mamba, recompute_modules=("mamba", "layernorm"), mixing_flops=mamba_flops),
-    LayerKind("G", "gated delta net", refusal="gated delta net layers are not built yet"),
+    LayerKind("G", "gated delta net", _gated_delta, recompute_modules=("layernorm",),
+              mixing_flops=gated_delta_flops),
     LayerKind("*", "attention", _attention, recompute_modules=_ATTENTION_MODULES, **_ATTENTION),
     LayerKind("+", "latent attention", _attention, recompute_modules=_ATTENTION_MODULES + ("mla_up_proj",),
               **_ATTENTION),

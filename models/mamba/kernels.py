@@ -51,7 +51,8 @@ def _reference(x, dt, A, B, C, chunk, D, documents):
 BACKENDS = {"mamba_ssm": ("mamba_ssm", _mamba_ssm), "fla": ("fla", _fla), "reference": (None, _reference)}
 
 
-def _installed(module: str | None) -> bool:
+def installed(module: str | None) -> bool:
+    """Whether ``module`` (a kernel library; None: the reference) can be imported here."""
     if module is None:
         return True
     try:
@@ -70,7 +71,7 @@ def scan_backend(device: torch.device, documents: bool) -> str:
         return forced
     if device.type == "cuda":
         for name in ("mamba_ssm", "fla"):
-            if _installed(BACKENDS[name][0]) and not (name == "fla" and documents):
+            if installed(BACKENDS[name][0]) and not (name == "fla" and documents):
                 return name
     return "reference"
 

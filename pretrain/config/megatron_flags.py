@@ -104,12 +104,10 @@ IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero
 REFUSED = [
     *_flags("the flex dispatcher (DeepEP, HybridEP) is not built: use --moe-token-dispatcher-type alltoall",
             "--moe-enable-deepep:0", "--moe-flex-dispatcher-backend", off=(None,)),
-    *_flags("this attention variant (gated delta net, linear, sparse indexer, output gate) is not "
-            "supported", "--experimental-attention-variant",
-            "--linear-attention-freq",
-            "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-num-key-heads",
-            "--linear-num-value-heads",
-            "--linear-value-head-dim", "--attention-output-gate:0", "--dsa-indexer-head-dim",
+    *_flags("this attention variant (the GPT path's gated delta net, sparse indexer, output gate) is not "
+            "supported: give gated delta nets as G in --hybrid-layer-pattern",
+            "--experimental-attention-variant",
+            "--linear-attention-freq", "--attention-output-gate:0", "--dsa-indexer-head-dim",
             "--dsa-indexer-n-heads",
             "--dsa-indexer-topk", "--dsa-indexer-loss-coeff", off=(None,)),
     *_flags("multi-token prediction (DeepSeek-V3's extra prediction modules) is not built: drop it (a "

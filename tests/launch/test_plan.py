@@ -85,13 +85,14 @@ LLAMA_LAYOUTS["llama Muon dp4 stage 3 (its matrices' pieces to their owners and 
 LLAMA_LAYOUTS["llama Muon dp2 x tp2 + SP stage 1"] = (
     [*LLAMA, *MUON, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
     Layout(2, 1, 2, 1, sequence_parallel=True, optimizer="muon"))
-MAMBA = ["--hybrid-layer-pattern", "M*M-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
-         "--mamba-state-dim", "16", "--mamba-chunk-size", "8"]
-LLAMA_LAYOUTS["hybrid M*M- dp2 x tp2 + SP stage 1"] = (
+MAMBA = ["--hybrid-layer-pattern", "M*G-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+         "--mamba-state-dim", "16", "--mamba-chunk-size", "8", "--linear-num-key-heads", "2",
+         "--linear-num-value-heads", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "8"]
+LLAMA_LAYOUTS["hybrid M*G- dp2 x tp2 + SP stage 1"] = (
     [*LLAMA, *MAMBA, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
     Layout(2, 1, 2, 1, sequence_parallel=True))
-LLAMA_LAYOUTS["hybrid M*|M- pp2 x cp2 stage 3, the mixers recomputed"] = (
-    [*LLAMA, *MAMBA[:1], "M*|M-", *MAMBA[2:], *_pp(2), "--context-parallel-size", "2", "--zero-stage", "3",
+LLAMA_LAYOUTS["hybrid M*|G- pp2 x cp2 stage 3, the Mamba mixer recomputed"] = (
+    [*LLAMA, *MAMBA[:1], "M*|G-", *MAMBA[2:], *_pp(2), "--context-parallel-size", "2", "--zero-stage", "3",
      "--zero-persistence-threshold", "1000", "--recompute-granularity", "selective", "--recompute-modules",
      "mamba"], Layout(1, 2, 1, 3, cp=2, recompute="selective", recompute_modules=("mamba",)))
 LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
@@ -269,15 +270,17 @@ ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
                      "qk_pos_emb_head_dim": 4, "v_head_dim": 12}}
 
 
-HYBRID = {"hybrid_layer_pattern": "M*-", "normalization": "RMSNorm", "position_embedding_type": "rope",
-          "mamba_head_dim": 16, "mamba_num_groups": 2, "mamba_state_dim": 16, "mamba_chunk_size": 8}
+HYBRID = {"hybrid_layer_pattern": "M*-G", "normalization": "RMSNorm", "position_embedding_type": "rope",
+          "mamba_head_dim": 16, "mamba_num_groups": 2, "mamba_state_dim": 16, "mamba_chunk_size": 8,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 8}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_layers_saved_activations_follow_its_architecture(dtype):
     """The planner's per-layer accounting against the bytes one layer of each kind keeps for backward
     (measured over its forward): the GPT blocks of several architectures, and a hybrid pattern's Mamba-2,
-    attention and MLP layers."""
+    attention, MLP and gated delta net layers."""
     import torch
 
     from models.config import GPTConfig

@@ -73,8 +73,13 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
 
 
 @pytest.mark.parametrize("flags, world, message", [
-    (["--hybrid-layer-pattern", "MG*-"], 1, "--hybrid-layer-pattern 'MG*-': 'G' (gated delta net): gated "
-     "delta net layers are not built yet"),
+    (["--hybrid-layer-pattern", "MG*-", "--linear-num-key-heads", "3", "--linear-num-value-heads", "4"], 1,
+     "--linear-num-value-heads 4 is not a multiple of --linear-num-key-heads 3"),
+    (["--hybrid-layer-pattern", "G*G-", "--tensor-model-parallel-size", "4", "--linear-num-key-heads", "2",
+      "--linear-num-value-heads", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8"], 4,
+     "--tensor-model-parallel-size 4 does not divide --linear-num-key-heads 2"),
+    (["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "4", "--linear-num-key-heads", "2"], 4,
+     "--context-parallel-size 4 does not divide a tensor-parallel rank's 2 key heads"),
     (["--hybrid-layer-pattern", "MD-"], 1, "'D' (DeepSeek sparse attention): DeepSeek sparse attention (its "
      "indexer) is not built: use + (latent attention)"),
     (["--hybrid-layer-pattern", "M*M-/*-"], 1, "--hybrid-layer-pattern 'M*M-/*-': multi-token prediction "

@@ -1,7 +1,7 @@
-"""Hybrid models (--hybrid-layer-pattern with Mamba-2 layers) trained in every layout against one process:
-tp + SP, pp by the pattern's |, interleaved, cp by the head exchange (whole groups, and groups cut into
-head shares), ZeRO 1-3, recompute (full, and the mamba module), --compile, documents; a checkpoint re-cut
-between layouts resumes on the trajectory."""
+"""Hybrid models (--hybrid-layer-pattern with a Mamba-2 and a gated delta net layer) trained in every layout
+against one process: tp + SP, pp by the pattern's |, interleaved, cp by the head exchange (whole groups,
+and Mamba groups cut into head shares), ZeRO 1-3, recompute (full, and the mamba module), --compile,
+documents; a checkpoint re-cut between layouts resumes on the trajectory."""
 
 import pytest
 
@@ -10,9 +10,11 @@ from tests.pretrain.test_trainer import COMPILED, SHORT, _train
 from tests.world import run_world
 
 MAMBA = ["--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16", "--mamba-chunk-size",
-         "8", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu"]
-HYBRID = ["--hybrid-layer-pattern", "M*M-"] + MAMBA + SHORT
-CUT = ["--hybrid-layer-pattern", "M*|M-"] + MAMBA + SHORT
+         "8", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+         "--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "8",
+         "--linear-value-head-dim", "8"]
+HYBRID = ["--hybrid-layer-pattern", "M*G-"] + MAMBA + SHORT
+CUT = ["--hybrid-layer-pattern", "M*|G-"] + MAMBA + SHORT
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
 TP2, CP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--context-parallel-size", "2"]
 ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
@@ -24,15 +26,15 @@ LAYOUTS = {
     "pp2 by the pattern's |, ZeRO-1": (CUT + ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
                                        "hybrid"),
     "pp2 x vp2 (four | segments), interleaved": (
-        ["--hybrid-layer-pattern", "M|*|M|-"] + MAMBA + SHORT + ["--pipeline-model-parallel-size", "2"],
+        ["--hybrid-layer-pattern", "M|*|G|-"] + MAMBA + SHORT + ["--pipeline-model-parallel-size", "2"],
         "hybrid"),
     "cp2 (whole groups per cp rank), mamba recomputed, ZeRO-2": (
         HYBRID + CP2 + ["--recompute-granularity", "selective", "--recompute-modules", "mamba", "layernorm",
                         "--zero-stage", "2"], "hybrid"),
-    "cp4 (each group's heads in two shares)": (HYBRID + ["--context-parallel-size", "4"], "hybrid"),
+    "cp4 (each Mamba group's heads in two shares, one key head per rank)": (HYBRID + ["--context-parallel-size", "4"], "hybrid"),
     "tp2 + SP x cp2, compiled": (HYBRID + TP2 + CP2 + COMPILED, "hybrid"),
     "dp4 ZeRO-3, full recompute": (HYBRID + ZERO3 + ["--recompute-granularity", "full"], "hybrid"),
-    "Muon (out_proj orthogonalized; in_proj, conv and vectors AdamW): tp2 + SP, ZeRO-1": (
+    "Muon (out_projs orthogonalized; in_projs, convs and vectors AdamW): tp2 + SP, ZeRO-1": (
         HYBRID + MUON + TP2 + ["--zero-stage", "1"], "muon"),
     "documents: cp2 x tp2 + SP": (HYBRID + DOCUMENTS + CP2 + TP2, "documents"),
     "documents: dp2 x pp2, ZeRO-3, mixers recomputed": (

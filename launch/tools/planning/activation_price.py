@@ -96,7 +96,8 @@ def weight_pass_elements(config: GPTConfig, layout: Layout, entry: str = "*-") -
 
     parts = {"attention": lambda: h / split + (heads + 2 * groups) * d + heads * d + h,
              "mlp": lambda: mlp(config.ffn_size / t), "moe": moe,
-             "mamba": lambda: h / split + (config.mamba_projection_rows + config.mamba_inner) / t + h}
+             "mamba": lambda: h / split + (config.mamba_projection_rows + config.mamba_inner) / t + h,
+             "gdn": lambda: h / split + (config.gdn_projection_rows + config.gdn_value_width) / t + h}
     return sum(parts[part]() for part in SUBLAYERS[entry])
 
 
@@ -132,7 +133,8 @@ def layer_elements(config: GPTConfig, layout: Layout, entry: str | None = None) 
     parts = {"attention": lambda: _attention_elements(config, t),
              "mlp": lambda: 0 if "mlp" in modules else (4 if config.gated else 2) * f / t,
              "moe": lambda: 0 if "moe" in modules else _moe_elements(config, layout, split),
-             "mamba": lambda: 0 if "mamba" in modules else _mamba_elements(config, layout)}
+             "mamba": lambda: 0 if "mamba" in modules else _mamba_elements(config, layout),
+             "gdn": lambda: _gated_delta_elements(config, layout.tp)}
     elements = 0.0
     for part in SUBLAYERS[entry]:
         norm = 2 * h / split if config.norm_placement != "post" else 0.0
@@ -173,6 +175,18 @@ def _mamba_elements(config: GPTConfig, layout: Layout) -> float:
     inner, heads = config.mamba_inner / t, config.mamba_heads / t
     shared = 2 * groups * config.mamba_state_dim * copies
     return 5 * inner + 2 * shared + 2 * heads + groups
+
+
+def _gated_delta_elements(config: GPTConfig, t: int) -> float:
+    """``layer_elements``' gated delta net per token of this rank (t = tp; its convolution's channels C = 2
+    Hk dk + Hv dv, value width V = Hv dv and Hv value heads per tp rank), as ``models.gdn.mixer`` keeps
+    them: the convolution's input and output (2 C: the delta rule keeps q, k, v as the convolution gave
+    them, and the gates' inputs a and b, 2 Hv, and redoes the norms, the repeat, the gates and its chunks
+    in backward), v made contiguous (V), the rule's output, z and 1 / rms per head for the gated norm (2 V
+    + Hv), and its output, out_proj's input (V). Under context parallelism each rank runs whole sequences of
+    1 / cp of the heads: per token of its own the same counts."""
+    channels, width = config.gdn_conv_channels / t, config.gdn_value_width / t
+    return 2 * channels + 4 * width + 3 * config.linear_num_value_heads / t
 
 
 def _latent_elements(config: GPTConfig, t: int) -> float:

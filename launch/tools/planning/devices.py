@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 
 from launch.tools.planning.layer_parts import RECOMPUTED_WHOLE, SUBLAYERS
 from models.config import GPTConfig
-from models.layers.registry import mamba_flops
+from models.layers.registry import gated_delta_flops, mamba_flops
 
 # bytes one element of the step's optimizer state moves through memory (fused AdamW on fp32 masters:
 # read master, gradient, two moments; write master, two moments; write the 16-bit copy)
@@ -151,15 +151,30 @@ def layer_forward_seconds(config: GPTConfig, tokens: int, tp: int, context: int,
 
 
 def mamba_forward_seconds(config: GPTConfig, tokens: int, tp: int, profile: DeviceProfile) -> float:
-    """A Mamba-2 layer's forward seconds on one rank: its two projections at the rate of their shapes, the
-    scan's recurrence (5 I N FLOPs a token, ``models.layers.registry.mamba_flops``) at the fused kernels'
-    rate, and the element-wise passes (norms, convolution, gate, residual) at the bandwidth."""
+    """A Mamba-2 layer's forward seconds on one rank (``_mixer_seconds``; its scan's recurrence 5 I N FLOPs
+    a token, ``models.layers.registry.mamba_flops``)."""
+    return _mixer_seconds(config, tokens, tp, profile, config.mamba_projection_rows, config.mamba_inner,
+                          config.mamba_conv_channels, mamba_flops(config))
+
+
+def gated_delta_forward_seconds(config: GPTConfig, tokens: int, tp: int, profile: DeviceProfile) -> float:
+    """A gated delta net layer's forward seconds on one rank (``_mixer_seconds``; its delta rule's FLOPs,
+    ``models.layers.registry.gated_delta_flops``)."""
+    return _mixer_seconds(config, tokens, tp, profile, config.gdn_projection_rows, config.gdn_value_width,
+                          config.gdn_conv_channels, gated_delta_flops(config))
+
+
+def _mixer_seconds(config: GPTConfig, tokens: int, tp: int, profile: DeviceProfile, rows: int, width: int,
+                   channels: int, mixing_flops: float) -> float:
+    """A linear-time mixer's forward on one rank: its input projection (``rows``) and output projection
+    (from ``width``) at the rate of their shapes, its recurrence (``mixing_flops`` a token) at the fused
+    kernels' rate, and the element-wise passes (norms, convolution over ``channels``, gate, residual) at
+    the bandwidth."""
     h, element = config.hidden_size, 2
-    inner, rows, channels = (config.mamba_inner // tp, config.mamba_projection_rows // tp,
-                             config.mamba_conv_channels // tp)
-    return (profile.matmul_seconds(tokens, rows, h) + profile.matmul_seconds(tokens, h, inner)
-            + tokens * mamba_flops(config) / tp / profile.attention_flops
-            + (6 * tokens * h + 2 * tokens * (rows + 2 * channels + 3 * inner)) * element
+    rows, width, channels = rows // tp, width // tp, channels // tp
+    return (profile.matmul_seconds(tokens, rows, h) + profile.matmul_seconds(tokens, h, width)
+            + tokens * mixing_flops / tp / profile.attention_flops
+            + (6 * tokens * h + 2 * tokens * (rows + 2 * channels + 3 * width)) * element
             / profile.memory_bandwidth)
 
 
@@ -188,8 +203,9 @@ def compute_seconds(config: GPTConfig, tp: int, cp: int, micro_batch_size: int, 
     tokens = micro_batch_size * config.seq_length // cp
     attention, mlp = layer_forward_seconds(config, tokens, tp, config.seq_length, profile)
     seconds = {"attention": attention, "mlp": mlp, "moe": mlp,
-               "mamba": mamba_forward_seconds(config, tokens, tp, profile)}
-    redone = {"attention", "mlp", "moe", "mamba"} if recompute == "full" else (
+               "mamba": mamba_forward_seconds(config, tokens, tp, profile),
+               "gdn": gated_delta_forward_seconds(config, tokens, tp, profile)}
+    redone = set(seconds) if recompute == "full" else (
         {part for part, name in RECOMPUTED_WHOLE.items() if name in recompute_modules}
         if recompute == "selective" else set())
     per_micro_batch = sum(3 * seconds[part] + (seconds[part] if part in redone else 0.0)

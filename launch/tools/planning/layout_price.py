@@ -246,10 +246,11 @@ def transfers(config: GPTConfig, layout: Layout, micro_batches: int, compute_byt
         forward, backward = context_bytes(config, layout, compute_bytes)
         found.append(ring("p2p", "cp", topology.group_tuples("cp"), gpus_per_node,
                           (forward * forwards + backward) * parts.count("attention") * m))
-    if layout.cp > 1 and "mamba" in parts:  # the Mamba mixers' exchange to head shards and back
-        moved = mamba_exchange_bytes(config, layout, compute_bytes)
-        found.append(ring("all_to_all", "cp", topology.group_tuples("cp"), gpus_per_node,
-                          moved * (forwards + 1) * parts.count("mamba") * m))
+    for part, exchange in HEAD_EXCHANGES.items():  # Mamba's and gated delta nets' to head shards and back
+        if layout.cp > 1 and part in parts:
+            moved = exchange(config, layout, compute_bytes)
+            found.append(ring("all_to_all", "cp", topology.group_tuples("cp"), gpus_per_node,
+                              moved * (forwards + 1) * parts.count(part) * m))
     if layout.pp > 1:  # forward activations and backward gradients: a line, not a ring
         lines = topology.group_tuples("pp")
         crosses = gpus_per_node is not None and any(a // gpus_per_node != b // gpus_per_node
@@ -310,6 +311,19 @@ def mamba_exchange_bytes(config: GPTConfig, layout: Layout, compute_bytes: int) 
     per_token = (2 * config.mamba_inner / t + 2 * groups * config.mamba_state_dim * copies
                  + config.mamba_heads / t)
     return tokens * per_token * compute_bytes * (n - 1) / n
+
+
+def gated_delta_exchange_bytes(config: GPTConfig, layout: Layout, compute_bytes: int) -> float:
+    """Bytes one rank sends over the cp group for one gated delta net's forward (its backward the same), as
+    ``models.gdn.mixer`` sends them: (cp - 1) / cp of its tokens' q, k, v, b and a to their head shards,
+    then of the output back."""
+    n, t = layout.cp, layout.tp
+    tokens = config.seq_length / n * layout.micro_batch_size
+    per_token = (config.gdn_conv_channels + 2 * config.linear_num_value_heads + config.gdn_value_width) / t
+    return tokens * per_token * compute_bytes * (n - 1) / n
+
+
+HEAD_EXCHANGES = {"mamba": mamba_exchange_bytes, "gdn": gated_delta_exchange_bytes}
 
 
 def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:

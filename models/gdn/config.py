@@ -1,0 +1,66 @@
+"""The gated delta net layer's flags (Megatron's names and defaults), a part of
+``models.config.GPTConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.flags import flag
+
+
+@dataclass
+class GatedDeltaConfig:
+    """The shapes of the gated delta net layers (``G`` in ``--hybrid-layer-pattern``): Hk key heads of dk
+    channels (queries alike), Hv value heads of dv channels (each key head serves Hv / Hk of them, as
+    Qwen3-Next's grouped heads), and the short convolution's taps. Owns values only; ``GPTConfig`` calls
+    ``validate_gated_delta`` where the pattern has such a layer."""
+
+    linear_num_key_heads: int = field(default=16, metadata=flag(
+        "gated delta net: key (and query) heads Hk (tp must divide it)"))
+    linear_num_value_heads: int = field(default=32, metadata=flag(
+        "gated delta net: value heads Hv (a multiple of the key heads)"))
+    linear_key_head_dim: int = field(default=128, metadata=flag("gated delta net: channels per key head"))
+    linear_value_head_dim: int = field(default=128, metadata=flag(
+        "gated delta net: channels per value head"))
+    linear_conv_kernel_dim: int = field(default=4, metadata=flag(
+        "gated delta net: taps of the causal convolution over q, k and v"))
+
+    @property
+    def gdn_key_width(self) -> int:
+        """The width of the queries (and of the keys): Hk dk."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_width(self) -> int:
+        """The width of the values (and of the output gate z, and the output): Hv dv."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def gdn_conv_channels(self) -> int:
+        """The channels the convolution runs over: q, k and v (2 Hk dk + Hv dv)."""
+        return 2 * self.gdn_key_width + self.gdn_value_width
+
+    @property
+    def gdn_projection_rows(self) -> int:
+        """The input projection's outputs: q, k, v, z, beta and the decay's input (2 Hk dk + 2 Hv dv +
+        2 Hv)."""
+        return self.gdn_conv_channels + self.gdn_value_width + 2 * self.linear_num_value_heads
+
+    def validate_gated_delta(self, tp: int = 1, cp: int = 1) -> None:
+        """ValueError naming the flag for shapes the layer (at this tp and cp) cannot take."""
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        keys, values = self.linear_num_key_heads, self.linear_num_value_heads
+        if values % keys:
+            raise ValueError(f"--linear-num-value-heads {values} is not a multiple of --linear-num-key-heads "
+                             f"{keys}: each key head serves an equal share of the value heads")
+        if keys % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --linear-num-key-heads "
+                             f"{keys}: each rank holds whole key heads with their value heads; choose a tp "
+                             "that divides it")
+        if cp > 1 and (keys // tp) % cp:
+            raise ValueError(f"--context-parallel-size {cp} does not divide a tensor-parallel rank's "
+                             f"{keys // tp} key heads (--linear-num-key-heads {keys} / "
+                             f"--tensor-model-parallel-size {tp}): each cp rank runs whole key heads")

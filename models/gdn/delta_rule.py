@@ -1,0 +1,93 @@
+"""The gated delta rule, in PyTorch: the chunked (WY) form a layer runs and the token-by-token recurrence it
+equals.
+
+For one value head, with state S in R^{K x V}, q and k L2-normalised (q scaled by ``scale``):
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,        o_t = S_t^T q_t
+
+``q``, ``k`` [b, S, H, K] (already repeated to the value heads), ``v`` [b, S, H, V], ``g`` [b, S, H] (the
+log decay, <= 0), ``beta`` [b, S, H] (in [0, 1]). ``documents`` [b, S] (each token's document): the state
+starts from zero at each document's first token. Computed in fp32 (fp64 for fp64 inputs), returned in
+``v``'s dtype.
+
+In a chunk of C tokens from state S_0, with G_i the decays' cumulative sum: the writes u_i = beta_i (v_i -
+exp(g_i) S_{i-1}^T k_i) solve the unit lower-triangular system (I + A) U = beta (V - exp(G) K S_0), A_ij =
+beta_i exp(G_i - G_j) k_i . k_j (j < i); then O = exp(G) Q S_0 + (Q K^T * exp(G_i - G_j))_{j <= i} U and
+the next state is exp(G_C) S_0 + (exp(G_C - G_j) k_j)^T U. The exponents are differences of fp64
+cumulative sums (an fp32 sum of a chunk's decays loses the small differences between its large terms).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.mamba.ssd_scan import segments
+
+
+def _compute_dtype(v: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(v.dtype, torch.float32)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, scale: float, documents=None) -> torch.Tensor:
+    """The recurrence, one token at a time (the definition the chunked form is tested against)."""
+    b, length, heads, _ = k.shape
+    dtype = _compute_dtype(v)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    runs = segments(documents) if documents is not None else None
+    state = v.new_zeros(b, heads, k.shape[-1], v.shape[-1])
+    out = []
+    for t in range(length):
+        decay = torch.exp(g[:, t])  # [b, H]
+        if runs is not None and t > 0:
+            decay = decay * (runs[:, t] == runs[:, t - 1]).to(dtype)[:, None]
+        state = decay[..., None, None] * state
+        read = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - read))
+        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t] * scale))
+    return torch.stack(out, dim=1)
+
+
+def chunked_delta_rule(q, k, v, g, beta, scale: float, chunk: int = 64, documents=None) -> torch.Tensor:
+    """The recurrence in chunks of ``chunk`` tokens (any length: a ragged tail is padded with beta = 0 and
+    g = 0, which writes and decays nothing)."""
+    b, length, heads, dk = k.shape
+    dtype = _compute_dtype(v)
+    pad = -length % chunk
+    runs = segments(documents) if documents is not None else torch.zeros(b, length, dtype=torch.long,
+                                                                           device=v.device)
+    q, k, v, g, beta = (F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
+    runs = F.pad(runs, (0, pad), value=-1)
+    n = (length + pad) // chunk
+    # [b, H, n, C, .] / [b, H, n, C]
+    q, k, v = (t.reshape(b, n, chunk, heads, -1).permute(0, 3, 1, 2, 4) for t in (q * scale, k, v))
+    g, beta = (t.reshape(b, n, chunk, heads).permute(0, 3, 1, 2) for t in (g, beta))
+    runs = runs.reshape(b, 1, n, chunk)
+    cumulative = g.double().cumsum(-1)  # G_i within each chunk
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    same = (runs[..., :, None] == runs[..., None, :]) & causal  # [b, 1, n, C, C]
+    decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).to(dtype)
+                      .masked_fill(~same, float("-inf")))  # exp(G_i - G_j), j <= i in one document
+    to_start = torch.exp(cumulative.to(dtype))  # exp(G_i)
+    to_end = torch.exp((cumulative[..., -1:] - cumulative).to(dtype))  # exp(G_C - G_j)
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(
+        chunk, dtype=dtype, device=v.device)
+    solved = torch.linalg.solve_triangular(system, torch.cat([beta[..., None] * v,
+                                                              (beta * to_start)[..., None] * k], -1),
+                                           upper=False, unitriangular=True)
+    fresh, carried = solved.split([v.shape[-1], dk], dim=-1)  # U = fresh - carried S_0
+    scores = (q @ k.transpose(-1, -2)) * decay
+    state = v.new_zeros(b, heads, dk, v.shape[-1])
+    previous = runs[..., 0, :1].new_full((b, 1, 1), -1)  # the document that the carried state belongs to
+    out = []
+    for c in range(n):
+        kept = (runs[:, :, c] == previous).to(dtype)[..., None]  # [b, 1, C, 1]: tokens the state reaches
+        writes = fresh[:, :, c] - kept * (carried[:, :, c] @ state)
+        out.append(kept * ((to_start[:, :, c, :, None] * q[:, :, c]) @ state) + scores[:, :, c] @ writes)
+        last = runs[:, :, c, -1:]
+        tail = (runs[:, :, c] == last).to(dtype)[..., None]  # tokens of the chunk's last document
+        state = (kept[:, :, -1:] * to_start[:, :, c, -1, None, None] * state
+                 + (tail * to_end[:, :, c, :, None] * k[:, :, c]).transpose(-1, -2) @ writes)
+        previous = last
+    o = torch.stack(out, dim=2).permute(0, 2, 3, 1, 4).reshape(b, n * chunk, heads, -1)
+    return o[:, :length].clone() if pad else o  # (not a view that keeps the padded tail alive)
