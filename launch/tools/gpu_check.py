@@ -153,10 +153,12 @@ def check_moe(size: str, iters: int) -> bool:
 
 
 def check_hybrid(size: str, iters: int) -> bool:
-    """A Nemotron-H-like hybrid (Mamba-2 and MLP layers, one attention layer in eight) against the Llama
-    shape of the same width, in the same run: tokens/s and peak, and the scan backend the mixers use
-    (``models.mamba.kernels``: mamba-ssm's or fla's kernels where installed, else the PyTorch reference)."""
+    """A Nemotron-H-like hybrid (Mamba-2 and MLP layers, one attention layer in eight) and a Qwen3-Next-like
+    one (gated delta nets and MLPs, attention in one layer of four) against the Llama shape of the same
+    width, in the same run: tokens/s and peak, and the kernels the mixers use (``models.mamba.kernels``,
+    ``models.gdn.kernels``: mamba-ssm's or fla's where installed, else the PyTorch references)."""
     from launch.bench.throughput import SIZES, run_system
+    from models.gdn.kernels import delta_rule_backend
     from models.mamba.kernels import scan_backend
 
     layers = SIZES[size]["llama"][0]
@@ -165,19 +167,28 @@ def check_hybrid(size: str, iters: int) -> bool:
     hybrid = ["--hybrid-layer-pattern", pattern, "--mamba-head-dim", str(min(64, width // 4)),
               "--mamba-num-groups", "2" if size == "smoke" else "8",
               "--mamba-state-dim", "16" if size == "smoke" else "128"]
+    heads = 2 if size == "smoke" else 8
+    gated = ["--hybrid-layer-pattern", "".join("*-" if i % 4 == 0 else "G-" for i in range(layers)),
+             "--linear-num-key-heads", str(heads), "--linear-num-value-heads", str(2 * heads),
+             "--linear-key-head-dim", str(min(128, width // heads)),
+             "--linear-value-head-dim", str(min(128, width // heads))]
     system = "ours" if size == "smoke" else "ours-compiled"
     runs = {name: run_system(size, "llama", system, iters, flags)
-            for name, flags in (("llama", []), ("hybrid", hybrid))}
+            for name, flags in (("llama", []), ("hybrid", hybrid), ("gated delta", gated))}
     failed = [f"{name}: {r['error'].splitlines()[-1]}" for name, r in runs.items() if "error" in r]
     if failed:
         print(f"hybrid: FAILED {'; '.join(failed)}", flush=True)
         return False
-    backend = scan_backend(torch.device("cuda" if size != "smoke" else "cpu"), documents=False)
-    llama, mixed = runs["llama"], runs["hybrid"]
-    ratio = mixed["tokens_per_s"] / llama["tokens_per_s"]
-    print(f"hybrid ({system}, {pattern}, scan: {backend}): {mixed['tokens_per_s']:,.0f} tokens/s against "
-          f"the Llama shape's {llama['tokens_per_s']:,.0f} ({ratio:.2f}x), peak "
-          f"{mixed['peak_bytes'] / 2**30:.2f} against {llama['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    device = torch.device("cuda" if size != "smoke" else "cpu")
+    backends = {"hybrid": f"scan: {scan_backend(device, documents=False)}",
+                "gated delta": f"delta rule: {delta_rule_backend(device)}"}
+    llama = runs["llama"]
+    for name, kernel in backends.items():
+        mixed = runs[name]
+        ratio = mixed["tokens_per_s"] / llama["tokens_per_s"]
+        print(f"{name} ({system}, {kernel}): {mixed['tokens_per_s']:,.0f} tokens/s against the Llama "
+              f"shape's {llama['tokens_per_s']:,.0f} ({ratio:.2f}x), peak {mixed['peak_bytes'] / 2**30:.2f} "
+              f"against {llama['peak_bytes'] / 2**30:.2f} GiB", flush=True)
     return True
 
 
@@ -265,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                                      description="One-shot check of a GPU machine: speed against "
                                                  "transformers eager and compiled, document masking, the "
                                                  "profiler and the memory snapshot, ZeRO stages and offload, "
-                                                 "flash attention, fp8, MoE, a Mamba-2 hybrid, the "
-                                                 "device's rates for the planner.")
+                                                 "flash attention, fp8, MoE, Mamba-2 and gated delta net "
+                                                 "hybrids, the device's rates for the planner.")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny models on the CPU: the checks, not the numbers")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),

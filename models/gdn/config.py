@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.flags import flag
+from models.moe.config import parse_layer_freq
+
+VARIANTS = ("gated_delta_net", "gdn")  # Megatron's --experimental-attention-variant names of it
 
 
 @dataclass
@@ -24,6 +27,13 @@ class GatedDeltaConfig:
         "gated delta net: channels per value head"))
     linear_conv_kernel_dim: int = field(default=4, metadata=flag(
         "gated delta net: taps of the causal convolution over q, k and v"))
+    experimental_attention_variant: str | None = field(default=None, metadata=flag(
+        "Megatron's GPT path to gated delta nets: each layer's attention one, but where "
+        "--linear-attention-freq puts softmax attention (the model becomes a --hybrid-layer-pattern)",
+        choices=list(VARIANTS)))
+    linear_attention_freq: str | None = field(default=None, metadata=flag(
+        "with --experimental-attention-variant: N (softmax attention in every N-th layer, gated delta nets "
+        "in the others) or a list per layer, 1 a gated delta net and 0 attention"))
 
     @property
     def gdn_key_width(self) -> int:
@@ -45,6 +55,23 @@ class GatedDeltaConfig:
         """The input projection's outputs: q, k, v, z, beta and the decay's input (2 Hk dk + 2 Hv dv +
         2 Hv)."""
         return self.gdn_conv_channels + self.gdn_value_width + 2 * self.linear_num_value_heads
+
+    def gated_delta_pattern(self, moe: list[bool], attention: str) -> str:
+        """The --hybrid-layer-pattern of Megatron's GPT path with --experimental-attention-variant: layer i
+        a gated delta net (``G``) unless --linear-attention-freq N has (i + 1) % N == 0 (or its list a 0
+        there: ``attention``), then its MLP (``E`` where ``moe`` says a mixture of experts, else ``-``)."""
+        shown = f"--experimental-attention-variant {self.experimental_attention_variant}"
+        if self.linear_attention_freq is None:
+            raise ValueError(f"{shown} needs --linear-attention-freq (N, or a list of 1 and 0 per layer)")
+        freq = parse_layer_freq(self.linear_attention_freq, "--linear-attention-freq")
+        layers = len(moe)
+        linear = ([(i + 1) % freq != 0 for i in range(layers)] if isinstance(freq, int)
+                  else [bool(value) for value in freq])
+        if isinstance(freq, int) and freq < 1 or len(linear) != layers:
+            raise ValueError(f"--linear-attention-freq {self.linear_attention_freq}: give N >= 1 or one "
+                             f"entry per layer (--num-layers {layers})")
+        return "".join(("G" if gated else attention) + ("E" if expert else "-")
+                       for gated, expert in zip(linear, moe))
 
     def validate_gated_delta(self, tp: int = 1, cp: int = 1) -> None:
         """ValueError naming the flag for shapes the layer (at this tp and cp) cannot take."""

@@ -125,17 +125,18 @@ class MoEConfig:
         self.router_options  # noqa: B018  (RouterOptions checks top-k and the groups, naming the flags)
 
 
-def parse_layer_freq(text: str) -> int | list[int]:
-    """--moe-layer-freq: an integer, or Megatron's list expression (lists of integers joined by + and
-    repeated by * an integer, in parentheses) read as a syntax tree: nothing in it is executed."""
+def parse_layer_freq(text: str, flag: str = "--moe-layer-freq") -> int | list[int]:
+    """``flag`` (--moe-layer-freq, --linear-attention-freq): an integer, or Megatron's list expression
+    (lists of integers joined by + and repeated by * an integer, in parentheses) read as a syntax tree:
+    nothing in it is executed."""
     try:
         tree = ast.parse(str(text).strip(), mode="eval").body
         value = _evaluate(tree)
     except (SyntaxError, ValueError, TypeError) as error:
-        raise ValueError(f"--moe-layer-freq {text!r}: give an integer or a list such as ([0]+[1]*3)*2 "
+        raise ValueError(f"{flag} {text!r}: give an integer or a list such as ([0]+[1]*3)*2 "
                          f"({error})") from None
     if not isinstance(value, (int, list)) or isinstance(value, bool):
-        raise ValueError(f"--moe-layer-freq {text!r}: give an integer or a list")
+        raise ValueError(f"{flag} {text!r}: give an integer or a list")
     return value
 
 

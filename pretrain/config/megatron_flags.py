@@ -104,10 +104,8 @@ IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero
 REFUSED = [
     *_flags("the flex dispatcher (DeepEP, HybridEP) is not built: use --moe-token-dispatcher-type alltoall",
             "--moe-enable-deepep:0", "--moe-flex-dispatcher-backend", off=(None,)),
-    *_flags("this attention variant (the GPT path's gated delta net, sparse indexer, output gate) is not "
-            "supported: give gated delta nets as G in --hybrid-layer-pattern",
-            "--experimental-attention-variant",
-            "--linear-attention-freq", "--attention-output-gate:0", "--dsa-indexer-head-dim",
+    *_flags("this attention variant (sparse indexer, output gate) is not supported",
+            "--attention-output-gate:0", "--dsa-indexer-head-dim",
             "--dsa-indexer-n-heads",
             "--dsa-indexer-topk", "--dsa-indexer-loss-coeff", off=(None,)),
     *_flags("multi-token prediction (DeepSeek-V3's extra prediction modules) is not built: drop it (a "
@@ -216,7 +214,8 @@ def resolve_settings(config, pipeline_stages: int) -> None:
     (ValueError naming the flags when two of them disagree)."""
     par, zero, data, train = config.parallel, config.zero, config.data, config.training
     model = config.model
-    config.notes.extend(model.resolve_pattern("num_layers" in config.given))
+    gpt_path = gated_delta_path(config)
+    config.notes.extend(model.resolve_pattern("num_layers" in config.given and not gpt_path))
     if "hybrid_override_pattern" in config.given:  # forwarded: a pattern given, as a checkpoint's load sees
         config.given.add("hybrid_layer_pattern")
     pattern = model.parsed_pattern()
@@ -256,6 +255,29 @@ def resolve_settings(config, pipeline_stages: int) -> None:
                                else "SentencePieceTokenizer")
     if train.train_iters is None and train.train_samples is None:
         train.train_iters = 100
+
+
+def gated_delta_path(config) -> bool:
+    """Megatron's GPT path to gated delta nets (--experimental-attention-variant, --linear-attention-freq)
+    made the --hybrid-layer-pattern it builds, said in a note (its --moe-layer-freq placed the experts);
+    whether it was given."""
+    model = config.model
+    if not model.experimental_attention_variant:
+        return False
+    attention = "+" if model.multi_latent_attention else "*"
+    pattern = model.gated_delta_pattern(model.moe_layers(model.num_layers), attention)
+    if model.hybrid_override_pattern or model.hybrid_layer_pattern not in (None, pattern):
+        raise ValueError(f"--experimental-attention-variant {model.experimental_attention_variant} beside "
+                         "--hybrid-layer-pattern: the variant builds the pattern "
+                         f"{pattern!r}; give one of them")
+    config.notes.append(f"--experimental-attention-variant {model.experimental_attention_variant}: the "
+                        f"layers are --hybrid-layer-pattern {pattern!r}")
+    # the model is the pattern from here on (a checkpoint records it alone; its E placed the experts)
+    model.hybrid_layer_pattern, model.experimental_attention_variant, model.linear_attention_freq = (
+        pattern, None, None)
+    model.moe_layer_freq = "1"
+    config.given.discard("moe_layer_freq")
+    return True
 
 
 _NOT_WITH_A_PATTERN = (("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),

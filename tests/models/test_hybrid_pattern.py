@@ -70,6 +70,15 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
                          "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--position-embedding-type",
                          "rope"])
     assert config.model.multi_latent_attention
+    # Megatron's GPT path to gated delta nets: each layer a gated delta net (attention every 2nd) and its MLP
+    # or experts (--moe-layer-freq), made the pattern that is then the whole model
+    gdn = ["--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+           "--linear-value-head-dim", "8"]
+    config = _validated(["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
+                         "2", "--num-experts", "4", "--moe-layer-freq", "[1,0,0,1]", *gdn])
+    assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("GE*-G-*E", 8)
+    assert config.notes == ["--experimental-attention-variant gated_delta_net: the layers are "
+                            "--hybrid-layer-pattern 'GE*-G-*E'"]
 
 
 @pytest.mark.parametrize("flags, world, message", [
@@ -80,6 +89,12 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
      "--tensor-model-parallel-size 4 does not divide --linear-num-key-heads 2"),
     (["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "4", "--linear-num-key-heads", "2"], 4,
      "--context-parallel-size 4 does not divide a tensor-parallel rank's 2 key heads"),
+    (["--experimental-attention-variant", "gdn"], 1, "--experimental-attention-variant gdn needs "
+     "--linear-attention-freq"),
+    (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "[1,0]"], 1,
+     "--linear-attention-freq [1,0]: give N >= 1 or one entry per layer (--num-layers 4)"),
+    (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--hybrid-layer-pattern",
+      "G*G-"], 1, "--experimental-attention-variant gdn beside --hybrid-layer-pattern: the variant builds"),
     (["--hybrid-layer-pattern", "MD-"], 1, "'D' (DeepSeek sparse attention): DeepSeek sparse attention (its "
      "indexer) is not built: use + (latent attention)"),
     (["--hybrid-layer-pattern", "M*M-/*-"], 1, "--hybrid-layer-pattern 'M*M-/*-': multi-token prediction "

@@ -31,7 +31,8 @@ LAYOUTS = {
     "cp2 (whole groups per cp rank), mamba recomputed, ZeRO-2": (
         HYBRID + CP2 + ["--recompute-granularity", "selective", "--recompute-modules", "mamba", "layernorm",
                         "--zero-stage", "2"], "hybrid"),
-    "cp4 (each Mamba group's heads in two shares, one key head per rank)": (HYBRID + ["--context-parallel-size", "4"], "hybrid"),
+    "cp4 (each Mamba group's heads in two shares, one key head per rank)": (
+        HYBRID + ["--context-parallel-size", "4"], "hybrid"),
     "tp2 + SP x cp2, compiled": (HYBRID + TP2 + CP2 + COMPILED, "hybrid"),
     "dp4 ZeRO-3, full recompute": (HYBRID + ZERO3 + ["--recompute-granularity", "full"], "hybrid"),
     "Muon (out_projs orthogonalized; in_projs, convs and vectors AdamW): tp2 + SP, ZeRO-1": (
