@@ -80,14 +80,16 @@ def chunked_delta_rule(q, k, v, g, beta, scale: float, chunk: int = 64, document
     state = v.new_zeros(b, heads, dk, v.shape[-1])
     previous = runs[..., 0, :1].new_full((b, 1, 1), -1)  # the document that the carried state belongs to
     out = []
-    for c in range(n):
-        kept = (runs[:, :, c] == previous).to(dtype)[..., None]  # [b, 1, C, 1]: tokens the state reaches
-        writes = fresh[:, :, c] - kept * (carried[:, :, c] @ state)
-        out.append(kept * ((to_start[:, :, c, :, None] * q[:, :, c]) @ state) + scores[:, :, c] @ writes)
-        last = runs[:, :, c, -1:]
-        tail = (runs[:, :, c] == last).to(dtype)[..., None]  # tokens of the chunk's last document
-        state = (kept[:, :, -1:] * to_start[:, :, c, -1, None, None] * state
-                 + (tail * to_end[:, :, c, :, None] * k[:, :, c]).transpose(-1, -2) @ writes)
+    # each chunk's slices taken at once (one backward for all, not a zero-filled whole per slice)
+    chunks = zip(*(t.unbind(2) for t in (runs, fresh, carried, to_start, to_end, q, k, scores)))
+    for run, fresh_c, carried_c, start_c, end_c, q_c, k_c, scores_c in chunks:
+        kept = (run == previous).to(dtype)[..., None]  # [b, 1, C, 1]: tokens the state reaches
+        writes = fresh_c - kept * (carried_c @ state)
+        out.append(kept * ((start_c[..., None] * q_c) @ state) + scores_c @ writes)
+        last = run[..., -1:]
+        tail = (run == last).to(dtype)[..., None]  # tokens of the chunk's last document
+        state = (kept[:, :, -1:] * start_c[..., -1, None, None] * state
+                 + (tail * end_c[..., None] * k_c).transpose(-1, -2) @ writes)
         previous = last
     o = torch.stack(out, dim=2).permute(0, 2, 3, 1, 4).reshape(b, n * chunk, heads, -1)
     return o[:, :length].clone() if pad else o  # (not a view that keeps the padded tail alive)

@@ -98,9 +98,10 @@ def chunked_scan(x, dt, A, B, C, chunk: int, D=None, documents=None) -> torch.Te
         ends = F.pad(runs[:, :-1, ..., -1], (0, 0, 0, 0, 1, 0), value=-1)  # the previous chunk's last run
         chunk_decay = chunk_decay * (runs[..., -1] == ends).to(dtype)
     entering, state = [], own.new_zeros(b, groups, per_group, p, n)
-    for c in range(chunks):
+    # each chunk's slices taken at once (one backward for all, not a zero-filled whole per slice)
+    for decay_c, own_c in zip(chunk_decay.unbind(1), own.unbind(1)):
         entering.append(state)
-        state = chunk_decay[:, c, ..., None, None] * state + own[:, c]
+        state = decay_c[..., None, None] * state + own_c
     entering = torch.stack(entering, dim=1)  # [b, c, G, J, P, N]
 
     # what the entering state gives each token: exp(L_t) C_t . S_in(c), within its first document
