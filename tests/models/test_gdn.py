@@ -126,8 +126,13 @@ def _group_major_channels(keys: int, key_dim: int, values: int) -> torch.Tensor:
     return torch.tensor(order)
 
 
-def test_initial_values_follow_megatrons_laws_and_the_parameter_count():
+def test_initial_values_follow_megatrons_laws_and_the_parameter_count(tmp_path):
+    """And what cannot be written yet is refused in one line: a Megatron checkpoint of gated delta nets."""
+    from pretrain.checkpoint.foreign.megatron_export import write_megatron
+
     config = GPTConfig(hybrid_layer_pattern="G*G-", **{**GDN, "hidden_size": 64})
+    with pytest.raises(ValueError, match="--to megatron: gated delta net layers"):
+        write_megatron(None, config, {}, str(tmp_path), "torch")
     model = GPTModel(config, _alone(), seed=0)
     assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
     mixer = model.layers[0].gdn

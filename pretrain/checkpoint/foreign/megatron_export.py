@@ -92,6 +92,9 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     copied into the iteration folder and named in the args. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
+    if "G" in config.layer_types():
+        raise ValueError("--to megatron: gated delta net layers (G) are not written as Megatron checkpoints "
+                         "yet; convert with --to consolidated")
     if with_optimizer:
         _check_optimizer_export(source, config, manifest, ckpt_format)
     if config.multi_latent_attention and (not config.rotary_interleaved
