@@ -65,9 +65,9 @@ class GatedDeltaConfig:
             raise ValueError(f"{shown} needs --linear-attention-freq (N, or a list of 1 and 0 per layer)")
         freq = parse_layer_freq(self.linear_attention_freq, "--linear-attention-freq")
         layers = len(moe)
-        linear = ([(i + 1) % freq != 0 for i in range(layers)] if isinstance(freq, int)
-                  else [bool(value) for value in freq])
-        if isinstance(freq, int) and freq < 1 or len(linear) != layers:
+        linear = ([(i + 1) % freq != 0 for i in range(layers)] if isinstance(freq, int) and freq >= 1
+                  else [bool(value) for value in freq] if isinstance(freq, list) else [])
+        if len(linear) != layers:
             raise ValueError(f"--linear-attention-freq {self.linear_attention_freq}: give N >= 1 or one "
                              f"entry per layer (--num-layers {layers})")
         return "".join(("G" if gated else attention) + ("E" if expert else "-")
@@ -80,6 +80,9 @@ class GatedDeltaConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         keys, values = self.linear_num_key_heads, self.linear_num_value_heads
+        if self.normalization != "RMSNorm":
+            raise ValueError(f"--normalization {self.normalization} with gated delta nets (G): their output "
+                             "norm is built as an RMSNorm only; give --normalization RMSNorm")
         if values % keys:
             raise ValueError(f"--linear-num-value-heads {values} is not a multiple of --linear-num-key-heads "
                              f"{keys}: each key head serves an equal share of the value heads")

@@ -7,8 +7,8 @@ For one value head, with state S in R^{K x V}, q and k L2-normalised (q scaled b
 
 ``q``, ``k`` [b, S, H, K] (already repeated to the value heads), ``v`` [b, S, H, V], ``g`` [b, S, H] (the
 log decay, <= 0), ``beta`` [b, S, H] (in [0, 1]). ``documents`` [b, S] (each token's document): the state
-starts from zero at each document's first token. Computed in fp32 (fp64 for fp64 inputs), returned in
-``v``'s dtype.
+starts from zero at each document's first token. Computed and returned in fp32 (fp64 for fp64 inputs);
+``models.gdn.kernels`` casts back.
 
 In a chunk of C tokens from state S_0, with G_i the decays' cumulative sum: the writes u_i = beta_i (v_i -
 exp(g_i) S_{i-1}^T k_i) solve the unit lower-triangular system (I + A) U = beta (V - exp(G) K S_0), A_ij =

@@ -3,9 +3,9 @@ to the value heads here): flash-linear-attention's ``chunk_gated_delta_rule`` (w
 transformers call; its own L2 norm) where it is installed and the tensors are on a GPU (``pip install
 .[mamba]``), else the PyTorch chunked form (``models.gdn.delta_rule``), which keeps only its inputs for
 backward (q and k as the convolution gave them) and redoes the norms, the repeat and its chunks there.
-Documents go to the kernel as one packed
-sequence cut at every document and batch row (its ``cu_seqlens``). ``DELTA_RULE_BACKEND`` (``reference``,
-``fla``) forces a choice; tests set it.
+fla takes bf16 and fp16 only: an fp32 run on a GPU uses the reference. Documents go to the kernel as one
+packed sequence cut at every document and batch row (its ``cu_seqlens``). ``DELTA_RULE_BACKEND``
+(``reference``, ``fla``) forces a choice.
 """
 
 from __future__ import annotations
@@ -71,14 +71,16 @@ def _reference(q, k, v, a, b, A_log, dt_bias, scale, documents):
 BACKENDS = {"fla": ("fla", _fla), "reference": (None, _reference)}
 
 
-def delta_rule_backend(device: torch.device) -> str:
-    """``DELTA_RULE_BACKEND`` if set, else fla on a GPU where it is installed, else the reference."""
+def delta_rule_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``DELTA_RULE_BACKEND`` if set, else fla on a GPU where it is installed and the tensors are in half
+    precision, else the reference."""
     forced = os.environ.get("DELTA_RULE_BACKEND")
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"DELTA_RULE_BACKEND={forced}: choose from {', '.join(BACKENDS)}")
         return forced
-    return "fla" if device.type == "cuda" and installed("fla") else "reference"
+    half = dtype in (torch.bfloat16, torch.float16)
+    return "fla" if device.type == "cuda" and half and installed("fla") else "reference"
 
 
 @compile_boundary  # a kernel launch, or the reference's own autograd function
@@ -87,5 +89,5 @@ def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, scale: float, documents=None
     before their L2 norm, each key head serving Hv / Hk value heads, and the gates' inputs a and b [b, S,
     Hv] with A_log and dt_bias [Hv], made into g and beta by ``gates``), by the backend
     ``delta_rule_backend`` picks, in ``v``'s dtype."""
-    rule = BACKENDS[delta_rule_backend(v.device)][1]
+    rule = BACKENDS[delta_rule_backend(v.device, v.dtype)][1]
     return rule(q, k, v, a, b, A_log, dt_bias, scale, documents).to(v.dtype)

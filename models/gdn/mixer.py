@@ -11,7 +11,8 @@ The master weights are **group-major**: ``in_proj``'s rows are, key head by key 
 b_j, a_j] (the value-head parts those of its Hv / Hk value heads), the convolution's channels [q_j, k_j,
 v_j], so a contiguous tp slice is whole key heads with their value heads and each rank splits its rows
 without an exchange. ``A_log``, ``dt_bias``, z and the output keep the value heads' natural order, which is
-megatron-core's. Interop permutes Megatron's part-major rows ([q | k | v | z | b | a]) into this order.
+megatron-core's. megatron-core keeps its rows part-major ([q | k | v | z | b | a]), transformers'
+Qwen3-Next q, k, v, z per key head and b, a apart (``tests/models/test_gdn.py`` maps them).
 """
 
 from __future__ import annotations

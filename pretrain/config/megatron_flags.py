@@ -214,7 +214,7 @@ def resolve_settings(config, pipeline_stages: int) -> None:
     (ValueError naming the flags when two of them disagree)."""
     par, zero, data, train = config.parallel, config.zero, config.data, config.training
     model = config.model
-    gpt_path = gated_delta_path(config)
+    gpt_path = gated_delta_path(config, pipeline_stages)
     config.notes.extend(model.resolve_pattern("num_layers" in config.given and not gpt_path))
     if "hybrid_override_pattern" in config.given:  # forwarded: a pattern given, as a checkpoint's load sees
         config.given.add("hybrid_layer_pattern")
@@ -257,13 +257,28 @@ def resolve_settings(config, pipeline_stages: int) -> None:
         train.train_iters = 100
 
 
-def gated_delta_path(config) -> bool:
+_GPT_PATH_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                    "num_layers_per_virtual_pipeline_stage", "virtual_pipeline_size",
+                    "pipeline_model_parallel_layout", "pipeline_layers_per_stage")
+
+
+def gated_delta_path(config, pipeline_stages: int) -> bool:
     """Megatron's GPT path to gated delta nets (--experimental-attention-variant, --linear-attention-freq)
     made the --hybrid-layer-pattern it builds, said in a note (its --moe-layer-freq placed the experts);
-    whether it was given."""
+    whether it was given. Its layers (two pattern layers each) split evenly over the pipeline stages; the
+    flags that cut them otherwise are refused."""
     model = config.model
     if not model.experimental_attention_variant:
         return False
+    shown = f"--experimental-attention-variant {model.experimental_attention_variant}"
+    for name in _GPT_PATH_SPLITS:
+        if name in config.given:
+            raise ValueError(f"--{name.replace('_', '-')} with {shown}: its layers split evenly over the "
+                             "pipeline stages here; drop the flag, or give the layers as "
+                             "--hybrid-layer-pattern with | where the stages are cut")
+    if model.num_layers % pipeline_stages:
+        raise ValueError(f"--pipeline-model-parallel-size {pipeline_stages} does not divide --num-layers "
+                         f"{model.num_layers} with {shown}: each stage holds whole layers")
     attention = "+" if model.multi_latent_attention else "*"
     pattern = model.gated_delta_pattern(model.moe_layers(model.num_layers), attention)
     if model.hybrid_override_pattern or model.hybrid_layer_pattern not in (None, pattern):

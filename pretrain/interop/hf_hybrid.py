@@ -206,6 +206,10 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
                                        "embedding_multiplier": 1.0})
         if config.activation not in ("squared_relu", "gelu"):
             misses.append(f"--{config.activation} (Nemotron-H's MLPs are not gated)")
+        stray = sorted(set(layers) - set("M*-E"))
+        if stray:
+            misses.append(f"--hybrid-layer-pattern {pattern.text!r} (Nemotron-H has no {''.join(stray)} "
+                          "layers)")
         if "E" in layers:
             misses += sigmoid_routing_misses(config)
             if not config.moe_shared_expert_intermediate_size or config.moe_shared_expert_gate:

@@ -73,7 +73,7 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
     # Megatron's GPT path to gated delta nets: each layer a gated delta net (attention every 2nd) and its MLP
     # or experts (--moe-layer-freq), made the pattern that is then the whole model
     gdn = ["--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
-           "--linear-value-head-dim", "8"]
+           "--linear-value-head-dim", "8", "--normalization", "RMSNorm"]
     config = _validated(["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
                          "2", "--num-experts", "4", "--moe-layer-freq", "[1,0,0,1]", *gdn])
     assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("GE*-G-*E", 8)
@@ -82,13 +82,27 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
 
 
 @pytest.mark.parametrize("flags, world, message", [
-    (["--hybrid-layer-pattern", "MG*-", "--linear-num-key-heads", "3", "--linear-num-value-heads", "4"], 1,
+    (["--hybrid-layer-pattern", "MG*-"], 1, "--normalization LayerNorm with gated delta nets (G): their "
+     "output norm is built as an RMSNorm only"),
+    (["--hybrid-layer-pattern", "MG*-", "--linear-num-key-heads", "3", "--linear-num-value-heads", "4",
+      "--normalization", "RMSNorm"], 1,
      "--linear-num-value-heads 4 is not a multiple of --linear-num-key-heads 3"),
     (["--hybrid-layer-pattern", "G*G-", "--tensor-model-parallel-size", "4", "--linear-num-key-heads", "2",
-      "--linear-num-value-heads", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8"], 4,
+      "--linear-num-value-heads", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+      "--normalization", "RMSNorm"], 4,
      "--tensor-model-parallel-size 4 does not divide --linear-num-key-heads 2"),
-    (["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "4", "--linear-num-key-heads", "2"], 4,
+    (["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "4", "--linear-num-key-heads", "2",
+      "--normalization", "RMSNorm"], 4,
      "--context-parallel-size 4 does not divide a tensor-parallel rank's 2 key heads"),
+    (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "0"], 1,
+     "--linear-attention-freq 0: give N >= 1 or one entry per layer"),
+    (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--num-layers", "3",
+      "--pipeline-model-parallel-size", "2"], 2,
+     "--pipeline-model-parallel-size 2 does not divide --num-layers 3 with --experimental-attention-variant"),
+    (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "2",
+      "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"], 2,
+     "--decoder-first-pipeline-num-layers with --experimental-attention-variant gdn: its layers split "
+     "evenly"),
     (["--experimental-attention-variant", "gdn"], 1, "--experimental-attention-variant gdn needs "
      "--linear-attention-freq"),
     (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "[1,0]"], 1,

@@ -140,14 +140,18 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
 
 def _perturbed(chunk, seed: int):
     """``chunk`` with its norms and biases (and a Mamba mixer's per-head vectors) away from their
-    initial values, so a misplaced one shows (the same draw on every tp rank: a norm's weight is
-    replicated over tp)."""
+    initial values, so a misplaced one shows: the same draw on every tp rank for what is replicated over
+    tp (a norm's weight), each rank's own for a tp slice (a Mamba mixer's D, which starts at ones)."""
     from megatron.core import parallel_state
 
-    draw = torch.Generator().manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank())
+    stage = seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
+    replicated = torch.Generator().manual_seed(stage)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    split = torch.Generator().manual_seed(stage + 1000 * (1 + tp_rank))
     with torch.no_grad():
         for name, param in chunk.named_parameters():
             if param.ndim == 1:
+                draw = split if getattr(param, "tensor_model_parallel", False) else replicated
                 param.add_(0.1 * torch.randn(param.shape, generator=draw))
     return chunk
 

@@ -82,6 +82,13 @@ def test_what_the_families_cannot_hold_is_named_and_megatrons_hybrid_args_read(t
     saved = config_of(argparse.Namespace(hybrid_override_pattern="M*|M-", num_layers=4, vocab_size=100),
                       "DIR")
     assert (saved["hybrid_layer_pattern"], saved["num_layers"]) == ("M*M-", 4)
+    # 0.16's MambaModel without a pattern or ratios: all Mamba layers; a G model has no Hugging Face class
+    saved = config_of(argparse.Namespace(is_hybrid_model=True, num_layers=3, vocab_size=100), "DIR")
+    assert saved["hybrid_layer_pattern"] == "MMM"
+    gated = GPTConfig(hybrid_layer_pattern="M*G-", linear_num_key_heads=2, linear_num_value_heads=2,
+                      linear_key_head_dim=8, linear_value_head_dim=16, **mamba)
+    with pytest.raises(HFMappingError, match="Nemotron-H has no G layers"):
+        hf_kind(gated)
     with pytest.raises(CheckpointError, match="DIR: --hybrid-layer-pattern 'M\\*X': 'X' is not a layer "
                                               "symbol"):
         config_of(argparse.Namespace(hybrid_layer_pattern="M*X", num_layers=3, vocab_size=100), "DIR")

@@ -134,7 +134,8 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
 
 def _pattern(args: argparse.Namespace, where: str) -> ParsedPattern | None:
     """A HybridModel's layer pattern (Megatron-LM main's --hybrid-layer-pattern, or 0.16's
-    --hybrid-override-pattern), None for a GPT; CheckpointError for layers allotted by ratios alone."""
+    --hybrid-override-pattern; a MambaModel saved with neither, 0.16's default, is all Mamba layers), None
+    for a GPT; CheckpointError for layers allotted by ratios alone."""
     text = _arg(args, "hybrid_layer_pattern") or _arg(args, "hybrid_override_pattern")
     if text is None:
         for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
@@ -142,7 +143,9 @@ def _pattern(args: argparse.Namespace, where: str) -> ParsedPattern | None:
                 raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} and no layer pattern "
                                       "(Megatron's ratio allocation): not read; re-save it with "
                                       "--hybrid-layer-pattern")
-        return None
+        if not (_arg(args, "is_hybrid_model", False) or "mamba" in str(_arg(args, "spec", "")).lower()):
+            return None
+        text = "M" * int(args.num_layers)
     try:
         return parse_pattern(str(text))
     except ValueError as error:
