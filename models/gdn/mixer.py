@@ -27,6 +27,7 @@ from models.gdn.gated_norm import NormThenGate
 from models.gdn.kernels import gated_delta_rule
 from models.mamba import init
 from models.mamba.conv import recomputed_causal_conv
+from models.mamba.mixer import Held
 from models.norms import build_norm
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel
@@ -34,14 +35,6 @@ from parallel.context.head_exchange import to_heads, to_sequence
 from parallel.param_meta import declare
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, shard_parameter
 from parallel.tensor.weight_init import WeightInit
-
-class _Held(nn.Module):
-    """Holds the convolution's weight under the name megatron-core gives it (``conv1d``)."""
-
-    def __init__(self, weight: nn.Parameter):
-        super().__init__()
-        self.weight = weight
-
 
 def group_widths(config: GPTConfig) -> tuple[int, int, int, int, int, int]:
     """One key head's rows of ``in_proj``: q, k, v, z, b, a (dk, dk, r dv, r dv, r, r; r = Hv / Hk)."""
@@ -72,7 +65,7 @@ class GatedDeltaNet(nn.Module):
                                             sequence_parallel=sequence_parallel)
         declare(self.in_proj.weight, muon=False)  # (fused q, k, v, z, b, a: as Mamba's, to AdamW)
         taps = config.linear_conv_kernel_dim
-        self.conv1d = _Held(shard_parameter(
+        self.conv1d = Held(shard_parameter(
             lambda: init.conv_weight(seed, f"{name}.conv1d.weight", channels, taps), 0, tp))
         declare(self.conv1d.weight, muon=False)
         self.A_log = shard_parameter(lambda: init.a_log(seed, f"{name}.A_log", values), 0, tp)
@@ -94,24 +87,25 @@ class GatedDeltaNet(nn.Module):
         grouped = projected.reshape(b, length, self.groups, -1)
         qkv_width = sum(self.widths[:3])
         qkv, z, gates = grouped.split([qkv_width, self.widths[3], 2 * self.share], dim=-1)
-        rest = torch.cat([qkv, gates], dim=-1)
         cp = context.group if context is not None else None
         if cp is not None:  # to head shards: each cp rank runs whole sequences of its key heads
-            parts = rest.unflatten(2, (cp.size, self.count)).movedim(2, 0).flatten(-2)
-            rest = to_heads(parts, cp).unflatten(-1, (self.count, -1))  # [b, S, count, width]
-        o = self._delta_rule(rest, documents, cp is not None)  # [b, S, count x r, dv]
+            parts = torch.cat([qkv, gates], dim=-1).unflatten(2, (cp.size, self.count)).movedim(2, 0)
+            rest = to_heads(parts.flatten(-2), cp).unflatten(-1, (self.count, -1))  # [b, S, count, width]
+            qkv, gates = rest.split([qkv_width, 2 * self.share], dim=-1)
+        o = self._delta_rule(qkv, gates, documents, cp is not None)  # [b, S, count x r, dv]
         if cp is not None:
             o = to_sequence(o.flatten(2), cp).movedim(0, 2).flatten(2)  # [b, s, Hv / tp x dv]
         gated = self._gated_norm(o.reshape(b, length, -1, self.value_dim), z.contiguous())
         return self.out_proj(gated.flatten(2).transpose(0, 1))
 
-    def _delta_rule(self, rest: torch.Tensor, documents: torch.Tensor | None, shares: bool) -> torch.Tensor:
-        """Convolve q, k, v of the key heads in ``rest`` ([b, S, count, qkv + b + a]: all of this tp rank's,
-        or under context parallelism this cp rank's, with their slices of the convolution, A_log and
-        dt_bias) and run the gated delta rule."""
-        b, length, count = rest.shape[:3]
+    def _delta_rule(self, qkv: torch.Tensor, gates: torch.Tensor, documents: torch.Tensor | None,
+                    shares: bool) -> torch.Tensor:
+        """Convolve q, k, v of the key heads in ``qkv`` ([b, S, count, qkv], their ``gates`` [b, S, count,
+        b + a]: all of this tp rank's, or under context parallelism this cp rank's, with their slices of
+        the convolution, A_log and dt_bias) and run the gated delta rule."""
+        b, length, count = qkv.shape[:3]
         qkv_width = sum(self.widths[:3])
-        qkv, beta, a = rest.split([qkv_width, self.share, self.share], dim=-1)
+        beta, a = gates.split([self.share, self.share], dim=-1)
         weight, A_log, dt_bias = self.conv1d.weight, self.A_log, self.dt_bias
         if shares and count != self.groups:
             weight = weight[self.first * qkv_width:(self.first + count) * qkv_width]

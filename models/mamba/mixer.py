@@ -34,7 +34,7 @@ from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, shar
 from parallel.tensor.weight_init import WeightInit
 
 
-class _Held(nn.Module):
+class Held(nn.Module):
     """Holds a weight (and a bias) under the name megatron-core gives them (``conv1d``, ``norm``)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
@@ -72,14 +72,14 @@ class MambaMixer(nn.Module):
         # Megatron's Muon leaves the fused z, x, B, C, dt projection and the convolution's taps to AdamW
         declare(self.in_proj.weight, muon=False)
         conv = f"{name}.conv1d"
-        self.conv1d = _Held(
+        self.conv1d = Held(
             shard_parameter(lambda: init.conv_weight(seed, f"{conv}.weight", channels, CONV_KERNEL), 0, tp),
             shard_parameter(lambda: init.conv_bias(seed, f"{conv}.bias", channels, CONV_KERNEL), 0, tp))
         declare(self.conv1d.weight, muon=False)
         self.A_log = shard_parameter(lambda: init.a_log(seed, f"{name}.A_log", heads), 0, tp)
         self.D = shard_parameter(lambda: torch.ones(heads), 0, tp)
         self.dt_bias = shard_parameter(lambda: init.dt_bias(seed, f"{name}.dt_bias", heads), 0, tp)
-        self.norm = _Held(shard_parameter(lambda: torch.ones(config.mamba_inner), 0, tp))
+        self.norm = Held(shard_parameter(lambda: torch.ones(config.mamba_inner), 0, tp))
         self.out_proj = RowParallelLinear(config.mamba_inner, h, tp,
                                           WeightInit(seed, f"{name}.out_proj.weight", std)
                                           .scaled_for_residual(config.residual_branches),
