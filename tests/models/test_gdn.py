@@ -22,28 +22,34 @@ def _alone() -> AxisGroup:
     return AxisGroup("tp", (0,), None, CommStats())
 
 
-def _rule_inputs(length: int, dtype: torch.dtype, documents: bool, decay: float, seed: int = 0):
-    """q, k L2-normalised, g as the layer makes it (-A softplus(a + dt_bias), A in [1, 16]), beta in (0, 1);
-    ``decay`` shifts softplus's input (larger: faster forgetting)."""
+def _rule_inputs(length: int, dtype: torch.dtype, documents: bool, decay: float, seed: int = 0,
+                 channels: bool = False):
+    """q, k L2-normalised, g as the layer makes it (-A softplus(a + dt_bias), A in [1, 16]; with
+    ``channels`` one per key channel, as Kimi delta attention's), beta in (0, 1); ``decay`` shifts
+    softplus's input (larger: faster forgetting)."""
     g = torch.Generator().manual_seed(seed)
     b, heads, dk, dv = 2, 3, 8, 6
     q, k = (F.normalize(torch.randn(b, length, heads, dk, generator=g, dtype=dtype), dim=-1) for _ in "qk")
     v = torch.randn(b, length, heads, dv, generator=g, dtype=dtype)
-    A = torch.empty(heads, dtype=dtype).uniform_(1, 16, generator=g)
-    log_decay = -A * F.softplus(torch.randn(b, length, heads, generator=g, dtype=dtype) + decay)
+    gate_shape = (b, length, heads, dk) if channels else (b, length, heads)
+    A = torch.empty(heads, *gate_shape[3:], dtype=dtype).uniform_(1, 16, generator=g)
+    log_decay = -A * F.softplus(torch.randn(gate_shape, generator=g, dtype=dtype) + decay)
     beta = torch.sigmoid(torch.randn(b, length, heads, generator=g, dtype=dtype))
     docs = torch.sort(torch.randint(0, 4, (b, length), generator=g), dim=1).values if documents else None
     return [t.requires_grad_() for t in (q, k, v, log_decay, beta)], docs
 
 
-@pytest.mark.parametrize("length, chunk, documents, decay", [
-    (1, 1, False, -2.0), (5, 64, False, -2.0), (17, 3, True, 1.0), (17, 16, False, -5.0),
-    (130, 64, True, -2.0), (130, 16, False, 1.0)])
-def test_the_chunked_rule_is_the_recurrence_forward_and_backward(length, chunk, documents, decay):
-    """Any chunk size, any length (a ragged last chunk), document resets: the output and the gradients
-    of q, k, v, g and beta within 1e-6 of their scale in fp32, 1e-12 in fp64."""
+@pytest.mark.parametrize("length, chunk, documents, decay, channels", [
+    (1, 1, False, -2.0, False), (5, 64, False, -2.0, False), (17, 3, True, 1.0, False),
+    (17, 16, False, -5.0, False), (130, 64, True, -2.0, False), (130, 16, False, 1.0, False),
+    (1, 1, False, -2.0, True), (17, 3, True, 1.0, True), (40, 16, False, -5.0, True),
+    (130, 16, True, -2.0, True)])
+def test_the_chunked_rule_is_the_recurrence_forward_and_backward(length, chunk, documents, decay, channels):
+    """Any chunk size, any length (a ragged last chunk), document resets, a decay per head (gated delta
+    nets) or per key channel (Kimi delta attention): the output and the gradients of q, k, v, g and beta
+    within 1e-6 of their scale in fp32, 1e-12 in fp64."""
     for dtype, tolerance in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
-        inputs, docs = _rule_inputs(length, dtype, documents, decay, seed=length + chunk)
+        inputs, docs = _rule_inputs(length, dtype, documents, decay, length + chunk, channels)
         want = recurrent_delta_rule(*inputs, 8 ** -0.5, docs)
         got = chunked_delta_rule(*inputs, 8 ** -0.5, chunk, docs)
         grad = torch.randn_like(want)
@@ -56,14 +62,20 @@ def test_the_chunked_rule_is_the_recurrence_forward_and_backward(length, chunk, 
 
 
 def test_the_recurrence_is_transformers_and_documents_reset_the_state():
-    """Our recurrence is transformers' ``torch_recurrent_gated_delta_rule`` (which computes in fp32), and a
-    document's tokens come out as if it were alone."""
+    """Our recurrence is transformers' ``torch_recurrent_gated_delta_rule`` and, with a decay per channel,
+    its Kimi Linear ``recurrent_kimi_delta_attention`` (both compute in fp32), and a document's tokens come
+    out as if it were alone."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
     (q, k, v, g, beta), _ = _rule_inputs(23, torch.float32, False, 0.0)
     ours = recurrent_delta_rule(q, k, v, g, beta, 8 ** -0.5)
     theirs, _ = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None,
                                                  output_final_state=False)
+    assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max()
+    (q, k, v, g, beta), _ = _rule_inputs(23, torch.float32, False, 0.0, channels=True)
+    ours = recurrent_delta_rule(q, k, v, g, beta, 8 ** -0.5)
+    theirs, _ = recurrent_kimi_delta_attention(q, k, v, g, beta, initial_state=None, output_final_state=False)
     assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max()
     (q, k, v, g, beta), _ = _rule_inputs(23, torch.float64, False, 0.0)
     documents = (torch.arange(23) >= 9).long()[None].expand(2, -1)
