@@ -128,8 +128,9 @@ class SelfAttention(AttentionCore):
     """Causal self-attention: a query heads of ``head_dim`` channels sharing G key/value groups.
 
     Owns the fused QKV projection (column-parallel; its rows are ordered group by group, each group
-    holding its a/G query heads, then its key, then its value head, so that a tp slice holds whole
-    groups: Megatron's layout, and head by head q, k, v when G = a), the optional query and key norms
+    holding its a/G query heads, with --attention-output-gate then their a/G gates, then its key, then its
+    value head, so that a tp slice holds whole groups: Megatron's layout, and head by head q, k, v when G =
+    a), the optional query and key norms
     (per head, or over the whole projection, split across tp like the heads), and the output projection
     (row-parallel), and with --softmax-type learnable its heads' sink logits (``sinks``, split by head as
     the queries are). Its layer's window, scale and soft-capping (``ScoreOptions``) decide which keys a
@@ -147,11 +148,13 @@ class SelfAttention(AttentionCore):
         self.heads_per_rank = heads // tp.size
         self.rotary_interleaved = config.rotary_interleaved
         bias = not config.disable_bias_linear
-        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, tp,
+        self.gated = config.attention_output_gate
+        self.qkv = ColumnParallelLinear(h, config.attention_projection_rows, tp,
                                         WeightInit(seed, f"layers.{layer}.attention.qkv.weight", std),
                                         bias=bias or config.add_qkv_bias,
                                         sequence_parallel=sequence_parallel)
-        declare(self.qkv.weight, fused_rows=(self.queries_per_group * d, d, d))
+        query_rows = self.queries_per_group * d
+        declare(self.qkv.weight, fused_rows=(query_rows, *(query_rows,) * self.gated, d, d))
         self.q_norm = self.k_norm = None
         if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # a rank holds its heads' part
             self.q_norm = build_split_norm(config, heads * d, tp)
@@ -182,15 +185,20 @@ class SelfAttention(AttentionCore):
         if not bool((top > threshold).any()):
             return {}
         eta = torch.clamp(threshold / top, max=1.0).view(-1, 1, 1).cpu()
-        factors = torch.ones(self.groups_per_rank, self.queries_per_group + 2, self.head_dim)
+        factors = torch.ones(self.groups_per_rank, self.heads_in_group, self.head_dim)  # (gates untouched)
         factors[:, :self.queries_per_group] = eta.pow(alpha)
-        factors[:, self.queries_per_group] = eta.pow(1 - alpha).view(-1, 1)
+        factors[:, -2] = eta.pow(1 - alpha).view(-1, 1)
         return {self.qkv.weight: factors.reshape(-1)}
 
+    @property
+    def heads_in_group(self) -> int:
+        """Head-sized row blocks of one group in the fused projection: queries, gates, key, value."""
+        return self.queries_per_group * (2 if self.gated else 1) + 2
+
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, groups_per_rank * (queries_per_group + 2) * d]
+        qkv = self.qkv(x)  # [s, b, groups_per_rank * heads_in_group * d]
         s, b = qkv.shape[:2]
-        grouped = qkv.view(s, b, self.groups_per_rank, self.queries_per_group + 2, self.head_dim)
+        grouped = qkv.view(s, b, self.groups_per_rank, self.heads_in_group, self.head_dim)
         q = grouped[:, :, :, :self.queries_per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
         k, v = grouped[:, :, :, -2], grouped[:, :, :, -1]
         if self.q_norm is not None:
@@ -201,5 +209,8 @@ class SelfAttention(AttentionCore):
             q = apply_rotary(q, *rotary, self.rotary_interleaved)
             k = apply_rotary(k, *rotary, self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
-        context = self.attended(q, k, v, inputs)
-        return self.proj(context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim))
+        context = self.attended(q, k, v, inputs).permute(2, 0, 1, 3)  # [s, b, heads, d]
+        if self.gated:  # each head's output times sigmoid of its gate
+            gate = grouped[:, :, :, self.queries_per_group:-2].reshape(context.shape)
+            context = context * torch.sigmoid(gate)
+        return self.proj(context.reshape(s, b, self.heads_per_rank * self.head_dim))

@@ -101,6 +101,9 @@ class GPTConfig(HybridConfig, MambaConfig, GatedDeltaConfig, MoEConfig, LatentAt
         choices=["pre", "sandwich", "post"]))
     qk_layernorm: bool = field(default=False,
                                metadata=flag("normalise queries and keys before attention"))
+    attention_output_gate: bool = field(default=False, metadata=flag(
+        "gate each query head's output by sigmoid of a gate from the query projection (Qwen3-Next): the "
+        "fused projection holds each group's query heads, then their gates, then its key and value"))
     qk_layernorm_scope: str = field(default="head", metadata=flag(
         "--qk-layernorm over each head's channels, one weight shared by the heads (Qwen3, Gemma 3), or over "
         "the whole query / key projection, one weight per channel (OLMo 2; RMSNorm only)",
@@ -158,6 +161,13 @@ class GPTConfig(HybridConfig, MambaConfig, GatedDeltaConfig, MoEConfig, LatentAt
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_projection_rows(self) -> int:
+        """Rows of the fused query/key/value projection: each query head's channels (twice with
+        --attention-output-gate: its gate's), each key/value group's key and value."""
+        gated = 2 if self.attention_output_gate else 1
+        return (gated * self.num_attention_heads + 2 * self.query_groups) * self.head_dim
 
     @property
     def query_groups(self) -> int:

@@ -29,11 +29,11 @@ class ParamMeta:
     padding (dropped by checkpoints and exports); ``expert``: a weight of one expert of a mixture of experts,
     held by the ranks of its expert-parallel place and replicated over the expert data-parallel group (ZeRO
     reduces and shards it there; its tp split and sequence-parallel sum are over the expert tp group);
-    ``fused_rows``: the rows are query groups, each of these many rows of q, k and v in turn (a fused QKV
-    weight: Muon orthogonalizes each part on its own); ``muon``: whether Muon steps it (None: by its shape,
-    a matrix; False for a fused projection of unlike parts or a convolution's taps, as Megatron's Muon
-    leaves them to AdamW); ``init_fn``: rebuilds the initial value (a model made on the meta device is
-    materialised from it). Never holds tensors or groups.
+    ``fused_rows``: the rows are query groups, each of these many rows of q (and its gate), k and v in
+    turn (a fused QKV weight: Muon orthogonalizes each part on its own); ``muon``: whether Muon steps it
+    (None: by its shape, a matrix; False for a fused projection of unlike parts or a convolution's taps,
+    as Megatron's Muon leaves them to AdamW); ``init_fn``: rebuilds the initial value (a model made on the
+    meta device is materialised from it). Never holds tensors or groups.
     """
 
     tensor_parallel: bool = False

@@ -73,6 +73,7 @@ class LatentAttentionConfig:
                              "positions: add --position-embedding-type rope")
         conflicts = {"--group-query-attention": self.group_query_attention,
                      "--qk-layernorm": self.qk_layernorm,
+                     "--attention-output-gate": self.attention_output_gate,
                      "--kv-channels": self.kv_channels is not None,
                      "--rotary-percent": self.rotary_percent != 1.0,
                      "--attn-logit-softcapping": self.attn_logit_softcapping is not None}

@@ -104,8 +104,7 @@ IMPLIED = {"--use-megatron-fsdp": ("zero_stage", 3), "--use-torch-fsdp2": ("zero
 REFUSED = [
     *_flags("the flex dispatcher (DeepEP, HybridEP) is not built: use --moe-token-dispatcher-type alltoall",
             "--moe-enable-deepep:0", "--moe-flex-dispatcher-backend", off=(None,)),
-    *_flags("this attention variant (sparse indexer, output gate) is not supported",
-            "--attention-output-gate:0", "--dsa-indexer-head-dim",
+    *_flags("this attention variant (DeepSeek's sparse indexer) is not supported", "--dsa-indexer-head-dim",
             "--dsa-indexer-n-heads",
             "--dsa-indexer-topk", "--dsa-indexer-loss-coeff", off=(None,)),
     *_flags("multi-token prediction (DeepSeek-V3's extra prediction modules) is not built: drop it (a "

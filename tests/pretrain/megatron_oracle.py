@@ -47,10 +47,10 @@ LATENT = {"multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16,
           "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0, "qk_layernorm": True,
           "group_query_attention": False, "num_query_groups": HEADS}
 ARCHITECTURES["deepseek"] = {**ARCHITECTURES["llama"], **MOE, **LATENT}
-# and a HybridModel (Nemotron-H's class): Mamba-2, attention, MLP and expert layers by the pattern of
-# megatron-core 0.16's --hybrid-override-pattern, Llama's otherwise
+# and a HybridModel (Nemotron-H's class): Mamba-2, attention (with Qwen3-Next's output gate), MLP and expert
+# layers by the pattern of megatron-core 0.16's --hybrid-override-pattern, Llama's otherwise
 HYBRID = {"hybrid_override_pattern": "M*M-ME", "mamba_state_dim": 16, "mamba_head_dim": 8,
-          "mamba_num_groups": 2, "is_hybrid_model": True,
+          "mamba_num_groups": 2, "is_hybrid_model": True, "attention_output_gate": True,
           **{key: value for key, value in MOE.items() if "shared_expert" not in key}}
 ARCHITECTURES["hybrid"] = {**ARCHITECTURES["llama"], **HYBRID}
 
@@ -111,7 +111,8 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
         add_bias_linear=arch["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size,
-        expert_model_parallel_size=ep, **_moe_config(arch), **latent, **mamba)
+        expert_model_parallel_size=ep, attention_output_gate=arch.get("attention_output_gate", False),
+        **_moe_config(arch), **latent, **mamba)
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
     chunks = []

@@ -1,7 +1,8 @@
-"""Hybrid models (--hybrid-layer-pattern with a Mamba-2 and a gated delta net layer) trained in every layout
-against one process: tp + SP, pp by the pattern's |, interleaved, cp by the head exchange (whole groups,
-and Mamba groups cut into head shares), ZeRO 1-3, recompute (full, and the mamba module), --compile,
-documents; a checkpoint re-cut between layouts resumes on the trajectory."""
+"""Hybrid models (--hybrid-layer-pattern with a Mamba-2 and a gated delta net layer; attention with its
+output gate, as Qwen3-Next's) trained in every layout against one process: tp + SP, pp by the pattern's |,
+interleaved, cp by the head exchange (whole groups, and Mamba groups cut into head shares), ZeRO 1-3,
+recompute (full, and the mamba module), --compile, documents; a checkpoint re-cut between layouts resumes on
+the trajectory."""
 
 import pytest
 
@@ -12,7 +13,7 @@ from tests.world import run_world
 MAMBA = ["--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16", "--mamba-chunk-size",
          "8", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "8",
-         "--linear-value-head-dim", "8"]
+         "--linear-value-head-dim", "8", "--attention-output-gate"]
 HYBRID = ["--hybrid-layer-pattern", "M*G-"] + MAMBA + SHORT
 CUT = ["--hybrid-layer-pattern", "M*|G-"] + MAMBA + SHORT
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]

@@ -81,7 +81,7 @@ def weight_pass_elements(config: GPTConfig, layout: Layout, entry: str = "*-") -
     priced as the attention of its heads' widths. Norm and bias gradients are left out (vectors), and so are
     the output layer's and the embedding's (``activation_bytes`` adds them on their stages)."""
     t, h = layout.tp, config.hidden_size
-    heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
+    heads, d = config.num_attention_heads / t, config.head_dim
     split = t if layout.sequence_parallel else 1
     gate = 2 if config.gated else 1
 
@@ -94,7 +94,7 @@ def weight_pass_elements(config: GPTConfig, layout: Layout, entry: str = "*-") -
         routed = config.moe_router_topk * mlp(width, h) / split  # the experts' rows are whole
         return routed + (mlp(shared / t) if shared else 0.0)
 
-    parts = {"attention": lambda: h / split + (heads + 2 * groups) * d + heads * d + h,
+    parts = {"attention": lambda: h / split + config.attention_projection_rows / t + heads * d + h,
              "mlp": lambda: mlp(config.ffn_size / t), "moe": moe,
              "mamba": lambda: h / split + (config.mamba_projection_rows + config.mamba_inner) / t + h,
              "gdn": lambda: h / split + (config.gdn_projection_rows + config.gdn_value_width) / t + h}
@@ -149,7 +149,9 @@ def _attention_elements(config: GPTConfig, t: int) -> float:
     heads, groups, d = config.num_attention_heads / t, config.query_groups / t, config.head_dim
     if config.multi_latent_attention:
         return _latent_elements(config, t)
-    attention = (heads + 2 * groups) * d + heads * d
+    attention = config.attention_projection_rows / t + heads * d
+    if config.attention_output_gate:  # the gate's sigmoid and the gated output (the projection's input)
+        attention += 2 * heads * d
     rotary, normed = config.position_embedding == "rope", config.qk_layernorm
     query_copy = heads * d if groups < heads else 0
     if normed:  # the norms keep their inputs (the query copy; keys are views) and make new queries, keys

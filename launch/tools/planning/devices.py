@@ -135,12 +135,12 @@ def layer_forward_seconds(config: GPTConfig, tokens: int, tp: int, context: int,
     rate of their shapes, the attention kernel at its rate, the element-wise passes (norms, residuals,
     biases, activation: each element read and written) at the bandwidth."""
     h, d, f = config.hidden_size, config.head_dim, config.ffn_size
-    heads, groups = config.num_attention_heads, config.query_groups
+    heads = config.num_attention_heads
     element = 2  # 16-bit activations
     if config.multi_latent_attention:
         attention = _latent_seconds(config, tokens, tp, context, profile)
     else:
-        attention = (profile.matmul_seconds(tokens, (heads + 2 * groups) * d // tp, h)
+        attention = (profile.matmul_seconds(tokens, config.attention_projection_rows // tp, h)
                      + profile.matmul_seconds(tokens, h, heads * d // tp)
                      + 4 * tokens * context * heads * d / tp / profile.attention_flops)
     attention += 6 * tokens * h * element / profile.memory_bandwidth
