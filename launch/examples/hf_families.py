@@ -6,7 +6,7 @@ an explicit head_dim, biases, query/key norms, soft-capping, fused projections.
     make_model(family, vocab_size, hidden_size=32, window=4, bos=None, eos=None) -> a transformers model
 
 ``FAMILIES`` lists the dense ones, ``MOE_FAMILIES`` the mixtures of experts, ``HYBRID_FAMILIES`` the
-Mamba-2 hybrids; ``launch/finetune_job.sh --family NAME`` and the interop tests use them.
+hybrids (Mamba-2, gated delta nets); ``launch/finetune_job.sh --family NAME`` and the interop tests use them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3
             "phi3", "olmo2", "gpt2")
 # top-2 of 4 experts each
 MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")
-# Mamba-2 hybrids: Nemotron-H (M * - E, sigmoid-routed experts), Mamba2, Granite 4.0-H (with experts and
-# without)
-HYBRID_FAMILIES = ("nemotron-h", "mamba2", "granite-4.0-h", "granite-4.0-h-dense")
+# hybrids: Nemotron-H (M * - E, sigmoid-routed experts), Mamba2, Granite 4.0-H (with experts and without),
+# Qwen3-Next (gated delta nets, gated attention, experts with a gated shared one)
+HYBRID_FAMILIES = ("nemotron-h", "mamba2", "granite-4.0-h", "granite-4.0-h-dense", "qwen3-next")
 ALL_FAMILIES = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 
 
@@ -121,6 +121,15 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
             attention_multiplier=(hidden // heads) ** -0.5,
             embedding_multiplier=1.5, position_embedding_type="rope",
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=experts == 0)
+    if family == "qwen3-next":  # G E * - G E: the middle layer's MLP dense; partial rotary; grouped heads
+        return transformers.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=hidden // heads,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_only_layers=[1],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=hidden // 4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            tie_word_embeddings=False)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def _group_major(parts: list[int], groups: int) -> torch.Tensor:
+def group_major(parts: list[int], groups: int) -> torch.Tensor:
     """For part-major rows of ``parts`` (each part's total rows, split evenly over ``groups``), the
-    part-major row of each group-major row."""
+    part-major row of each group-major row (a gated delta net's key heads are its groups)."""
     starts = torch.tensor([0] + parts[:-1]).cumsum(0).tolist()
     order = []
     for group in range(groups):
@@ -26,12 +26,12 @@ def _group_major(parts: list[int], groups: int) -> torch.Tensor:
 def group_major_rows(inner: int, groups: int, state: int, heads: int) -> torch.Tensor:
     """``in_proj``: the part-major row of each of our rows (z, x: ``inner``; B, C: ``groups x state``; dt:
     ``heads``)."""
-    return _group_major([inner, inner, groups * state, groups * state, heads], groups)
+    return group_major([inner, inner, groups * state, groups * state, heads], groups)
 
 
 def group_major_channels(inner: int, groups: int, state: int) -> torch.Tensor:
     """The convolution (weight rows and bias): the part-major channel of each of ours (x, B, C)."""
-    return _group_major([inner, groups * state, groups * state], groups)
+    return group_major([inner, groups * state, groups * state], groups)
 
 
 def to_group_major(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

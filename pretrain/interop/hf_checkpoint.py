@@ -28,7 +28,8 @@ from data.tokenizers.base import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE
 from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_durably
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
 from pretrain.interop.mxfp4 import dequantize_mxfp4, quantized_pairs
-from pretrain.interop.hf_names import expert_bias_names, export_plan, import_plan
+from pretrain.interop.hf_names import expert_bias_names
+from pretrain.interop.hf_tensor_plan import export_plan, import_plan
 
 # every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

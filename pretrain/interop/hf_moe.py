@@ -55,10 +55,15 @@ MOE_FAMILIES = {
     # its sinks, activation and biases: ``hf_gpt_oss``
     "gpt_oss": MoEFamily("num_local_experts", "intermediate_size", "mlp", ("gate_up_proj", "", "down_proj"),
                          router="router", stacked=True),
+    # Qwen3-Next's: Qwen2-MoE's gated shared expert, renormalised top-k by default (its layers:
+    # ``hf_qwen3_next``)
+    "qwen3_next": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN,
+                            shared="shared_expert", sparse_layers=True, normalised=True),
 }
 
 
-def _moe_layers(hf: dict, layers: int) -> list[int]:
+def moe_layers_of(hf: dict, layers: int) -> list[int]:
+    """Qwen's MoE layers (1) and dense ones (0), by ``decoder_sparse_step`` and ``mlp_only_layers``."""
     step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
     return [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
 
@@ -76,7 +81,7 @@ def moe_from_hf(hf: dict, kind: str) -> dict:
               "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef") or 0.0)
               if hf.get("output_router_logits") else 0.0}
     if family.sparse_layers:
-        fields["moe_layer_freq"] = str(_moe_layers(hf, hf["num_hidden_layers"]))
+        fields["moe_layer_freq"] = str(moe_layers_of(hf, hf["num_hidden_layers"]))
     if family.shared and hf.get("shared_expert_intermediate_size"):
         fields.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
                       moe_shared_expert_gate=True)

@@ -1,4 +1,5 @@
-"""Each of our parameters as Hugging Face names it, for every family ``hf_config`` maps, both ways.
+"""Each of our parameters as Hugging Face names it, for GPT-2 and the decoder families ``hf_config`` maps,
+both ways (the hybrid families': ``hf_hybrid_names``; the dispatch: ``hf_tensor_plan``).
 
 One table of ``Rule``s per model: our tensor, the Hugging Face tensors it is made of, how to join them
 into ours (import) and split ours back into them (export), so that the two directions cannot disagree.
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from models.config import GPTConfig
-from models.mamba.layout import group_major_channels, group_major_rows, to_group_major, to_part_major
 from pretrain.interop.hf_config import hf_kind
 from pretrain.interop.hf_moe import GATE_UP_DOWN, MOE_FAMILIES
 
@@ -49,7 +49,7 @@ class StackedRule:
     stack: Callable[..., torch.Tensor]
 
 
-def _same(ours: str, theirs: str) -> Rule:
+def same(ours: str, theirs: str) -> Rule:
     return Rule(ours, (theirs,), lambda x: x, lambda x: (x,))
 
 
@@ -80,15 +80,15 @@ def _qkv_rows(config: GPTConfig, fused: torch.Tensor) -> torch.Tensor:
     return qkv_from(config, *fused.split([q_rows, kv_rows, kv_rows]))
 
 
-def _norm(config: GPTConfig, ours: str, theirs: str, offsets: bool) -> Rule:
+def norm_rule(config: GPTConfig, ours: str, theirs: str, offsets: bool) -> Rule:
     """A norm weight; ``offsets``: the family stores it as an offset from 1 (Gemma)."""
     shift = (1.0 if config.apply_layernorm_1p else 0.0) - (1.0 if offsets else 0.0)  # theirs = ours + shift
     if shift == 0:
-        return _same(ours, theirs)
+        return same(ours, theirs)
     return Rule(ours, (theirs,), lambda x: x - shift, lambda x: (x + shift,))
 
 
-def _gpt2_rules(config: GPTConfig) -> Iterator[Rule]:
+def gpt2_rules(config: GPTConfig) -> Iterator[Rule]:
     def joined_qkv(weight):  # [h, 3h] (q | k | v columns) or a bias [3h]
         return qkv_from(config, *(weight.t() if weight.dim() == 2 else weight).chunk(3, dim=0))
 
@@ -96,13 +96,14 @@ def _gpt2_rules(config: GPTConfig) -> Iterator[Rule]:
         joined = torch.cat(qkv_to(config, ours), dim=0)
         return (joined.t() if joined.dim() == 2 else joined,)
 
-    yield _same("word_embedding.weight", "transformer.wte.weight")
-    yield _same("position_embedding.weight", "transformer.wpe.weight")
+    yield same("word_embedding.weight", "transformer.wte.weight")
+    yield same("position_embedding.weight", "transformer.wpe.weight")
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}", f"transformer.h.{i}"
         for kind in ("weight", "bias"):
-            linear = _transposed if kind == "weight" else _same
-            norm = (lambda mine, hf_name: _norm(config, mine, hf_name, False)) if kind == "weight" else _same
+            linear = _transposed if kind == "weight" else same
+            norm = ((lambda mine, hf_name: norm_rule(config, mine, hf_name, False)) if kind == "weight"
+                    else same)
             yield norm(f"{ours}.attention_norm.{kind}", f"{theirs}.ln_1.{kind}")
             yield Rule(f"{ours}.attention.qkv.{kind}", (f"{theirs}.attn.c_attn.{kind}",), joined_qkv,
                        split_qkv)
@@ -110,37 +111,38 @@ def _gpt2_rules(config: GPTConfig) -> Iterator[Rule]:
             yield norm(f"{ours}.mlp_norm.{kind}", f"{theirs}.ln_2.{kind}")
             yield linear(f"{ours}.mlp.fc1.{kind}", f"{theirs}.mlp.c_fc.{kind}")
             yield linear(f"{ours}.mlp.fc2.{kind}", f"{theirs}.mlp.c_proj.{kind}")
-    yield _norm(config, "final_norm.weight", "transformer.ln_f.weight", False)
-    yield _same("final_norm.bias", "transformer.ln_f.bias")
+    yield norm_rule(config, "final_norm.weight", "transformer.ln_f.weight", False)
+    yield same("final_norm.bias", "transformer.ln_f.bias")
     if config.untie_embeddings_and_output_weights:
-        yield _same("output_layer.weight", "lm_head.weight")
+        yield same("output_layer.weight", "lm_head.weight")
 
 
-def _gated(ours: str, theirs: str, names: tuple[str, str, str]) -> Iterator[Rule]:
+def gated_mlp(ours: str, theirs: str, names: tuple[str, str, str]) -> Iterator[Rule]:
     """A gated MLP: our fc1 [2, f, h] is their gate and up stacked, our fc2 their down."""
     gate, up, down = names
     yield Rule(f"{ours}.fc1.weight", (f"{theirs}.{gate}.weight", f"{theirs}.{up}.weight"),
                lambda g, u: torch.stack([g, u]), lambda x: (x[0], x[1]))
-    yield _same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
+    yield same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
 
 
-def _moe_rules(config: GPTConfig, kind: str, ours: str, theirs: str) -> Iterator[Rule]:
+def moe_rules(config: GPTConfig, kind: str, ours: str, theirs: str) -> Iterator[Rule]:
     """A MoE layer: the router, every expert (ours by its index in the layer), Qwen2-MoE's shared expert
     and its gate (``hf_moe.MOE_FAMILIES`` says where the family keeps them)."""
     family = MOE_FAMILIES[kind]
     block = f"{theirs}.{family.prefix}"
-    yield _same(f"{ours}.mlp.router.weight", f"{block}.{family.router}.weight")
+    yield same(f"{ours}.mlp.router.weight", f"{block}.{family.router}.weight")
     if not config.disable_bias_linear:
-        yield _same(f"{ours}.mlp.router.bias", f"{block}.{family.router}.bias")
+        yield same(f"{ours}.mlp.router.bias", f"{block}.{family.router}.bias")
     if family.stacked:
         yield from _stacked_experts(config, f"{ours}.mlp.experts", f"{block}.experts")
     else:
         for expert in range(config.num_experts):
-            yield from _gated(f"{ours}.mlp.experts.{expert}", f"{block}.experts.{expert}", family.projections)
+            yield from gated_mlp(f"{ours}.mlp.experts.{expert}", f"{block}.experts.{expert}",
+                                 family.projections)
     if config.moe_shared_expert_intermediate_size:
-        yield from _gated(f"{ours}.mlp.shared_experts", f"{block}.{family.shared}", GATE_UP_DOWN)
+        yield from gated_mlp(f"{ours}.mlp.shared_experts", f"{block}.{family.shared}", GATE_UP_DOWN)
     if config.moe_shared_expert_gate:
-        yield _same(f"{ours}.mlp.shared_gate.weight", f"{block}.shared_expert_gate.weight")
+        yield same(f"{ours}.mlp.shared_gate.weight", f"{block}.shared_expert_gate.weight")
 
 
 def _interleaved(parts: torch.Tensor) -> torch.Tensor:
@@ -176,7 +178,7 @@ def _latent_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
     [qk | rope] and [qk | v], the key/value latent then the shared rotary key)."""
     parts = ("q_proj",) if config.q_lora_rank is None else ("q_down", "q_latent_norm", "q_up")
     for part in (*parts, "kv_down", "kv_latent_norm", "kv_up"):
-        yield _same(f"{ours}.attention.{part}.weight", f"{theirs}.self_attn.{LATENT[part]}.weight")
+        yield same(f"{ours}.attention.{part}.weight", f"{theirs}.self_attn.{LATENT[part]}.weight")
 
 
 def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, str]:
@@ -194,14 +196,14 @@ def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, s
             for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
 
 
-def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
+def decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
     offsets, fused = kind.startswith("gemma"), kind == "phi3"
     moe = config.moe_layers(config.num_layers)
-    yield _same("word_embedding.weight", "model.embed_tokens.weight")
+    yield same("word_embedding.weight", "model.embed_tokens.weight")
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         for mine, hf_name in NORMS[config.norm_placement]:
-            yield _norm(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
+            yield norm_rule(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
         attention = f"{theirs}.self_attn"
         if config.multi_latent_attention:
             yield from _latent_rules(config, ours, theirs)
@@ -215,156 +217,21 @@ def _decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
                            lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
         if config.qk_layernorm:
             for p in "qk":
-                yield _norm(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
+                yield norm_rule(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
                             offsets)
-        yield _same(f"{ours}.attention.proj.weight", f"{attention}.o_proj.weight")
+        yield same(f"{ours}.attention.proj.weight", f"{attention}.o_proj.weight")
         if not config.disable_bias_linear:
-            yield _same(f"{ours}.attention.proj.bias", f"{attention}.o_proj.bias")
+            yield same(f"{ours}.attention.proj.bias", f"{attention}.o_proj.bias")
         if config.softmax_type == "learnable":
-            yield _same(f"{ours}.attention.sinks", f"{attention}.sinks")
+            yield same(f"{ours}.attention.sinks", f"{attention}.sinks")
         if moe[i]:
-            yield from _moe_rules(config, kind, ours, theirs)
+            yield from moe_rules(config, kind, ours, theirs)
         elif fused:
             yield Rule(f"{ours}.mlp.fc1.weight", (f"{theirs}.mlp.gate_up_proj.weight",),
                        lambda w: torch.stack(w.chunk(2)), lambda x: (x.flatten(0, 1),))
-            yield _same(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")
+            yield same(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")
         else:
-            yield from _gated(f"{ours}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
-    yield _norm(config, "final_norm.weight", "model.norm.weight", offsets)
+            yield from gated_mlp(f"{ours}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
+    yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets)
     if config.untie_embeddings_and_output_weights:
-        yield _same("output_layer.weight", "lm_head.weight")
-
-
-def _mamba_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
-    """A Mamba-2 mixer: its fused in_proj rows and convolution channels part-major there, group-major here
-    (``models.mamba.layout``); the rest as they are."""
-    inner, groups, state = config.mamba_inner, config.mamba_num_groups, config.mamba_state_dim
-    for name, order in (("in_proj.weight", group_major_rows(inner, groups, state, config.mamba_heads)),
-                        ("conv1d.weight", group_major_channels(inner, groups, state)),
-                        ("conv1d.bias", group_major_channels(inner, groups, state))):
-        yield Rule(f"{ours}.{name}", (f"{theirs}.{name}",), lambda t, order=order: to_group_major(t, order),
-                   lambda x, order=order: (to_part_major(x, order),))
-    for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight"):
-        yield _same(f"{ours}.{name}", f"{theirs}.{name}")
-
-
-def _attention_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
-    """Separate q, k, v and o projections without biases (the hybrid families')."""
-    yield Rule(f"{ours}.qkv.weight", tuple(f"{theirs}.{p}_proj.weight" for p in "qkv"),
-               lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
-    yield _same(f"{ours}.proj.weight", f"{theirs}.o_proj.weight")
-
-
-def _plain(ours: str, theirs: str, up: str, down: str) -> Iterator[Rule]:
-    yield _same(f"{ours}.fc1.weight", f"{theirs}.{up}.weight")
-    yield _same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
-
-
-NORM_OF = {"M": "mamba_norm", "*": "attention_norm", "-": "mlp_norm", "E": "mlp_norm"}
-
-
-def _nemotron_moe(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
-    yield _same(f"{ours}.mlp.router.weight", f"{theirs}.gate.weight")
-    for expert in range(config.num_experts):
-        yield from _plain(f"{ours}.mlp.experts.{expert}", f"{theirs}.experts.{expert}", "up_proj",
-                          "down_proj")
-    yield from _plain(f"{ours}.mlp.shared_experts", f"{theirs}.shared_experts", "up_proj", "down_proj")
-
-
-# each layer-registry symbol's tensors in Nemotron-H / Mamba2 (our layer, their mixer); a test holds the
-# tables to the registry
-NEMOTRON_LAYERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{ours}.mamba", theirs),
-                   "*": lambda config, ours, theirs: _attention_rules(config, f"{ours}.attention", theirs),
-                   "-": lambda config, ours, theirs: _plain(f"{ours}.mlp", theirs, "up_proj", "down_proj"),
-                   "E": _nemotron_moe}
-
-
-def _nemotron_rules(config: GPTConfig, kind: str, prefix: str = "backbone") -> Iterator[Rule]:
-    """Nemotron-H (and, all its layers Mamba-2, Mamba2): one norm and one mixer per layer, as written to
-    disk (``backbone.``, each expert apart); its output layer always a tensor of its own."""
-    tied = not config.untie_embeddings_and_output_weights
-    if tied and kind == "nemotron_h":  # Nemotron-H never ties: the embedding written twice
-        yield Rule("word_embedding.weight", (f"{prefix}.embeddings.weight", "lm_head.weight"),
-                   lambda embedding, head: embedding, lambda x: (x, x))
-    else:
-        yield _same("word_embedding.weight", f"{prefix}.embeddings.weight")
-    for i, symbol in enumerate(config.layer_types()):
-        ours, theirs = f"layers.{i}", f"{prefix}.layers.{i}"
-        yield _same(f"{ours}.{NORM_OF[symbol]}.weight", f"{theirs}.norm.weight")
-        yield from NEMOTRON_LAYERS[symbol](config, ours, f"{theirs}.mixer")
-    yield _same("final_norm.weight", f"{prefix}.norm_f.weight")
-    if not tied:
-        yield _same("output_layer.weight", "lm_head.weight")
-
-
-def _granite_gated(ours: str, theirs: str) -> Iterator[Rule]:
-    """Granite's gated MLP: input_linear's rows the gate then the up part (our fc1 stacked [2, f, h])."""
-    yield Rule(f"{ours}.fc1.weight", (f"{theirs}.input_linear.weight",), lambda w: torch.stack(w.chunk(2)),
-               lambda x: (x.flatten(0, 1),))
-    yield _same(f"{ours}.fc2.weight", f"{theirs}.output_linear.weight")
-
-
-# a Granite layer's mixer symbols (its feed-forward part: the shared MLP alone for -, beside experts for E)
-GRANITE_MIXERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{ours}.mamba", f"{theirs}.mamba"),
-                  "*": lambda config, ours, theirs: _attention_rules(config, f"{ours}.attention",
-                                                                     f"{theirs}.self_attn")}
-
-
-def _granite_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
-    """Granite 4.0-H: HF layer l is our layers 2l (its mixer, Mamba-2 or attention) and 2l + 1 (its
-    feed-forward part: the shared MLP alone, or experts beside it), experts stacked as IBM writes them."""
-    yield _same("word_embedding.weight", "model.embed_tokens.weight")
-    layers = config.layer_types()
-
-    for hf_layer in range(len(layers) // 2):
-        mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
-        theirs = f"model.layers.{hf_layer}"
-        yield _same(f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight", f"{theirs}.input_layernorm.weight")
-        yield from GRANITE_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
-        yield _same(f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight")
-        if layers[feed] == "-":
-            yield from _granite_gated(f"layers.{feed}.mlp", f"{theirs}.shared_mlp")
-            continue
-        moe = f"{theirs}.block_sparse_moe"
-        yield _same(f"layers.{feed}.mlp.router.weight", f"{moe}.router.layer.weight")
-        each = [f"layers.{feed}.mlp.experts.{e}" for e in range(config.num_experts)]
-        yield StackedRule(tuple(f"{e}.fc1.weight" for e in each), f"{moe}.input_linear.weight",
-                          lambda t, e: torch.stack(t[e].chunk(2)),
-                          lambda *xs: torch.stack([x.flatten(0, 1) for x in xs]))
-        yield StackedRule(tuple(f"{e}.fc2.weight" for e in each), f"{moe}.output_linear.weight",
-                          lambda t, e: t[e], lambda *xs: torch.stack(xs))
-        yield from _granite_gated(f"layers.{feed}.mlp.shared_experts", f"{theirs}.shared_mlp")
-    yield _same("final_norm.weight", "model.norm.weight")
-    if config.untie_embeddings_and_output_weights:
-        yield _same("output_layer.weight", "lm_head.weight")
-
-
-def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule]:
-    """Every parameter of ours as the Hugging Face ``kind`` (default: the one that expresses ``config``)
-    names and lays it out."""
-    kind = kind or hf_kind(config)
-    if kind in ("nemotron_h", "mamba2"):
-        return list(_nemotron_rules(config, kind))
-    if kind == "granitemoehybrid":
-        return list(_granite_rules(config))
-    return list(_gpt2_rules(config) if kind == "gpt2" else _decoder_rules(config, kind))
-
-
-def import_plan(config: GPTConfig) -> Iterator[tuple[str, list[str], Callable[..., torch.Tensor]]]:
-    """(our name, the Hugging Face tensors it is made of, how) for every parameter of ours."""
-    for rule in rules(config, config.hf_model_type):
-        if isinstance(rule, StackedRule):
-            for expert, ours in enumerate(rule.ours):
-                yield ours, [rule.theirs], lambda t, rule=rule, expert=expert: rule.take(t, expert)
-        else:
-            yield rule.ours, list(rule.theirs), rule.join
-
-
-def export_plan(config: GPTConfig) -> Iterator[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
-    """(Hugging Face name, our parameters it comes from, how) for every tensor of the Hugging Face model."""
-    for rule in rules(config):
-        if isinstance(rule, StackedRule):
-            yield rule.theirs, rule.ours, rule.stack
-            continue
-        for index, theirs in enumerate(rule.theirs):
-            yield theirs, (rule.ours,), lambda x, rule=rule, index=index: rule.split(x)[index]
+        yield same("output_layer.weight", "lm_head.weight")

@@ -215,7 +215,7 @@ def test_mixture_of_experts_multimodal_and_unknown_configs_are_refused_naming_th
     for change, message in [
             ({"model_type": "granitemoe", "num_local_experts": 8},
              "model_type 'granitemoe' with num_local_experts=8: this mixture-of-experts family is not mapped "
-             "(mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss are)"),
+             "(mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss, qwen3_next are)"),
             ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}},
              "model_type 'deepseek_v3' with quantization_config.quant_method='fp8': quantized weights are "
              "not supported"),

@@ -1,6 +1,7 @@
-"""The Mamba-2 hybrid families against transformers' own code (its PyTorch path on the CPU): Nemotron-H
-(Mamba-2, attention, relu2 MLP and sigmoid-routed experts with a shared one), Mamba2, Granite 4.0-H with
-experts and without; and the keys that do not map, refused by name."""
+"""The hybrid families against transformers' own code (its PyTorch path on the CPU): Nemotron-H (Mamba-2,
+attention, relu2 MLP and sigmoid-routed experts with a shared one), Mamba2, Granite 4.0-H with experts and
+without, Qwen3-Next (gated delta nets, gated attention, experts beside a gated shared one); and the keys
+that do not map, refused by name."""
 
 import re
 
@@ -44,6 +45,11 @@ NEMOTRON = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 100, "n
     ({"model_type": "granitemoehybrid", "residual_multiplier": 0.2}, "granitemoehybrid with "
      "residual_multiplier=0.2: only 1.0 maps"),
     ({"model_type": "mamba2", "use_bias": True}, "mamba2 with use_bias=True: only False maps"),
+    ({"model_type": "qwen3_next", "attention_bias": True},
+     "qwen3_next with attention_bias=True: only False maps"),
+    ({"model_type": "qwen3_next", "num_hidden_layers": 2,
+      "layer_types": ["linear_attention", "sliding_attention"]},
+     "qwen3_next with layer_types=['linear_attention', 'sliding_attention']: each must be one of"),
     ({"model_type": "granitemoehybrid", "hidden_size": 32, "vocab_size": 100, "num_attention_heads": 4,
       "shared_intermediate_size": 0, "rms_norm_eps": 1e-5, "num_hidden_layers": 2},
      "granitemoehybrid with shared_intermediate_size=0: a shared MLP of no width"),
@@ -64,7 +70,7 @@ def test_what_the_families_cannot_hold_is_named_and_megatrons_hybrid_args_read(t
     from pretrain.checkpoint.foreign.megatron_args import config_of
     from pretrain.checkpoint.foreign.megatron_export import write_megatron
     from pretrain.interop.hf_config import hf_kind
-    from pretrain.interop.hf_names import rules
+    from pretrain.interop.hf_tensor_plan import rules
 
     mamba = dict(hidden_size=32, num_attention_heads=1, vocab_size=100, mamba_head_dim=16,
                  mamba_num_groups=2, mamba_state_dim=8, normalization="RMSNorm",

@@ -1,0 +1,204 @@
+"""Each of our parameters as the Hugging Face hybrid families name them (``hf_hybrid`` maps their configs):
+Nemotron-H and Mamba2 (one norm and one mixer per layer), Granite 4.0-H and Qwen3-Next (a mixer then a
+feed-forward part per layer: two of our layers each).
+
+Mamba-2's fused in_proj rows and convolution channels are part-major there, group-major here
+(``models.mamba.layout``). Qwen3-Next's gated delta net keeps its q, k, v, z and b, a projections key head
+by key head (our rows, joined per key head) and its convolution's channels part-major [q | k | v]; its
+attention's q_proj holds each head's query then its output gate (ours: each group's queries, then their
+gates); its norms are offsets from 1 (``--apply-layernorm-1p``) except the delta net's output norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from models.config import GPTConfig
+from models.mamba.layout import (group_major, group_major_channels, group_major_rows, to_group_major,
+                                 to_part_major)
+from pretrain.interop.hf_moe import GATE_UP_DOWN
+from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, moe_rules, norm_rule, qkv_from, qkv_to,
+                                      same)
+
+
+def _mamba_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """A Mamba-2 mixer: its fused in_proj rows and convolution channels part-major there, group-major here
+    (``models.mamba.layout``); the rest as they are."""
+    inner, groups, state = config.mamba_inner, config.mamba_num_groups, config.mamba_state_dim
+    for name, order in (("in_proj.weight", group_major_rows(inner, groups, state, config.mamba_heads)),
+                        ("conv1d.weight", group_major_channels(inner, groups, state)),
+                        ("conv1d.bias", group_major_channels(inner, groups, state))):
+        yield Rule(f"{ours}.{name}", (f"{theirs}.{name}",), lambda t, order=order: to_group_major(t, order),
+                   lambda x, order=order: (to_part_major(x, order),))
+    for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight"):
+        yield same(f"{ours}.{name}", f"{theirs}.{name}")
+
+
+def _attention_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Separate q, k, v and o projections without biases (the hybrid families')."""
+    yield Rule(f"{ours}.qkv.weight", tuple(f"{theirs}.{p}_proj.weight" for p in "qkv"),
+               lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
+    yield same(f"{ours}.proj.weight", f"{theirs}.o_proj.weight")
+
+
+def _plain(ours: str, theirs: str, up: str, down: str) -> Iterator[Rule]:
+    yield same(f"{ours}.fc1.weight", f"{theirs}.{up}.weight")
+    yield same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
+
+
+NORM_OF = {"M": "mamba_norm", "G": "gdn_norm", "*": "attention_norm", "-": "mlp_norm",
+           "E": "mlp_norm"}
+
+
+def _nemotron_moe(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    yield same(f"{ours}.mlp.router.weight", f"{theirs}.gate.weight")
+    for expert in range(config.num_experts):
+        yield from _plain(f"{ours}.mlp.experts.{expert}", f"{theirs}.experts.{expert}", "up_proj",
+                          "down_proj")
+    yield from _plain(f"{ours}.mlp.shared_experts", f"{theirs}.shared_experts", "up_proj", "down_proj")
+
+
+# each layer-registry symbol's tensors in Nemotron-H / Mamba2 (our layer, their mixer); a test holds the
+# tables to the registry
+NEMOTRON_LAYERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{ours}.mamba", theirs),
+                   "*": lambda config, ours, theirs: _attention_rules(config, f"{ours}.attention", theirs),
+                   "-": lambda config, ours, theirs: _plain(f"{ours}.mlp", theirs, "up_proj", "down_proj"),
+                   "E": _nemotron_moe}
+
+
+def nemotron_rules(config: GPTConfig, kind: str, prefix: str = "backbone") -> Iterator[Rule]:
+    """Nemotron-H (and, all its layers Mamba-2, Mamba2): one norm and one mixer per layer, as written to
+    disk (``backbone.``, each expert apart); its output layer always a tensor of its own."""
+    tied = not config.untie_embeddings_and_output_weights
+    if tied and kind == "nemotron_h":  # Nemotron-H never ties: the embedding written twice
+        yield Rule("word_embedding.weight", (f"{prefix}.embeddings.weight", "lm_head.weight"),
+                   lambda embedding, head: embedding, lambda x: (x, x))
+    else:
+        yield same("word_embedding.weight", f"{prefix}.embeddings.weight")
+    for i, symbol in enumerate(config.layer_types()):
+        ours, theirs = f"layers.{i}", f"{prefix}.layers.{i}"
+        yield same(f"{ours}.{NORM_OF[symbol]}.weight", f"{theirs}.norm.weight")
+        yield from NEMOTRON_LAYERS[symbol](config, ours, f"{theirs}.mixer")
+    yield same("final_norm.weight", f"{prefix}.norm_f.weight")
+    if not tied:
+        yield same("output_layer.weight", "lm_head.weight")
+
+
+def _granite_gated(ours: str, theirs: str) -> Iterator[Rule]:
+    """Granite's gated MLP: input_linear's rows the gate then the up part (our fc1 stacked [2, f, h])."""
+    yield Rule(f"{ours}.fc1.weight", (f"{theirs}.input_linear.weight",), lambda w: torch.stack(w.chunk(2)),
+               lambda x: (x.flatten(0, 1),))
+    yield same(f"{ours}.fc2.weight", f"{theirs}.output_linear.weight")
+
+
+# a Granite layer's mixer symbols (its feed-forward part: the shared MLP alone for -, beside experts for E)
+GRANITE_MIXERS = {"M": lambda config, ours, theirs: _mamba_rules(config, f"{ours}.mamba", f"{theirs}.mamba"),
+                  "*": lambda config, ours, theirs: _attention_rules(config, f"{ours}.attention",
+                                                                     f"{theirs}.self_attn")}
+
+
+def granite_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
+    """Granite 4.0-H: HF layer l is our layers 2l (its mixer, Mamba-2 or attention) and 2l + 1 (its
+    feed-forward part: the shared MLP alone, or experts beside it), experts stacked as IBM writes them."""
+    yield same("word_embedding.weight", "model.embed_tokens.weight")
+    layers = config.layer_types()
+
+    for hf_layer in range(len(layers) // 2):
+        mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
+        theirs = f"model.layers.{hf_layer}"
+        yield same(f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight", f"{theirs}.input_layernorm.weight")
+        yield from GRANITE_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
+        yield same(f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight")
+        if layers[feed] == "-":
+            yield from _granite_gated(f"layers.{feed}.mlp", f"{theirs}.shared_mlp")
+            continue
+        moe = f"{theirs}.block_sparse_moe"
+        yield same(f"layers.{feed}.mlp.router.weight", f"{moe}.router.layer.weight")
+        each = [f"layers.{feed}.mlp.experts.{e}" for e in range(config.num_experts)]
+        yield StackedRule(tuple(f"{e}.fc1.weight" for e in each), f"{moe}.input_linear.weight",
+                          lambda t, e: torch.stack(t[e].chunk(2)),
+                          lambda *xs: torch.stack([x.flatten(0, 1) for x in xs]))
+        yield StackedRule(tuple(f"{e}.fc2.weight" for e in each), f"{moe}.output_linear.weight",
+                          lambda t, e: t[e], lambda *xs: torch.stack(xs))
+        yield from _granite_gated(f"layers.{feed}.mlp.shared_experts", f"{theirs}.shared_mlp")
+    yield same("final_norm.weight", "model.norm.weight")
+    if config.untie_embeddings_and_output_weights:
+        yield same("output_layer.weight", "lm_head.weight")
+
+
+def _gdn_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Qwen3-Next's gated delta net: in_proj_qkvz and in_proj_ba, each [rows of one key head] x Hk, joined
+    key head by key head into our in_proj; the convolution's channels [q | k | v] made group-major."""
+    keys, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
+    width = 2 * key_dim + 2 * config.gdn_value_width // keys  # q, k, v, z of one key head
+
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grouped = x.unflatten(0, (keys, -1))
+        return grouped[:, :width].flatten(0, 1), grouped[:, width:].flatten(0, 1)
+
+    yield Rule(f"{ours}.in_proj.weight", (f"{theirs}.in_proj_qkvz.weight", f"{theirs}.in_proj_ba.weight"),
+               lambda qkvz, ba: torch.cat([qkvz.unflatten(0, (keys, -1)), ba.unflatten(0, (keys, -1))],
+                                          dim=1).flatten(0, 1), split)
+    order = group_major([keys * key_dim, keys * key_dim, config.gdn_value_width], keys)
+    yield Rule(f"{ours}.conv1d.weight", (f"{theirs}.conv1d.weight",), lambda t: to_group_major(t, order),
+               lambda x: (to_part_major(x, order),))
+    for name in ("A_log", "dt_bias", "out_proj.weight"):
+        yield same(f"{ours}.{name}", f"{theirs}.{name}")
+    yield norm_rule(config, f"{ours}.out_norm.weight", f"{theirs}.norm.weight", offsets=False)
+
+
+def _gated_queries(config: GPTConfig, q_proj: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's q_proj, head by head [query, gate] -> each group's queries then their gates."""
+    heads = q_proj.reshape(config.query_groups, -1, 2, config.head_dim, *q_proj.shape[1:])
+    return heads.transpose(1, 2).reshape(-1, *q_proj.shape[1:])
+
+
+def _per_head(config: GPTConfig, queries: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_gated_queries``."""
+    grouped = queries.reshape(config.query_groups, 2, -1, config.head_dim, *queries.shape[1:])
+    return grouped.transpose(1, 2).reshape(-1, *queries.shape[1:])
+
+
+def _gated_attention_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Qwen3-Next's attention: q_proj with the output gate, k, v, o and per-head q, k norms (offsets)."""
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = qkv_to(config, x)
+        return _per_head(config, q), k, v
+
+    yield Rule(f"{ours}.qkv.weight", tuple(f"{theirs}.{p}_proj.weight" for p in "qkv"),
+               lambda q, k, v: qkv_from(config, _gated_queries(config, q), k, v), split)
+    yield same(f"{ours}.proj.weight", f"{theirs}.o_proj.weight")
+    for p in "qk":
+        yield norm_rule(config, f"{ours}.{p}_norm.weight", f"{theirs}.{p}_norm.weight", offsets=True)
+
+
+# a Qwen3-Next layer's mixer symbols (its feed-forward part: an MLP for -, experts and a gated shared one
+# for E)
+QWEN3_NEXT_MIXERS = {"G": lambda config, ours, theirs: _gdn_rules(config, f"{ours}.gdn",
+                                                                  f"{theirs}.linear_attn"),
+                     "*": lambda config, ours, theirs: _gated_attention_rules(config, f"{ours}.attention",
+                                                                              f"{theirs}.self_attn")}
+
+
+def qwen3_next_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
+    """Qwen3-Next: HF layer l is our layers 2l (its mixer, a gated delta net or gated attention) and 2l + 1
+    (its MLP or experts); every norm but the delta nets' output norms stored as an offset from 1."""
+    yield same("word_embedding.weight", "model.embed_tokens.weight")
+    layers = config.layer_types()
+    for hf_layer in range(len(layers) // 2):
+        mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
+        theirs = f"model.layers.{hf_layer}"
+        yield norm_rule(config, f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight",
+                        f"{theirs}.input_layernorm.weight", offsets=True)
+        yield from QWEN3_NEXT_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
+        yield norm_rule(config, f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight",
+                        offsets=True)
+        if layers[feed] == "-":
+            yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
+        else:
+            yield from moe_rules(config, "qwen3_next", f"layers.{feed}", theirs)
+    yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets=True)
+    if config.untie_embeddings_and_output_weights:
+        yield same("output_layer.weight", "lm_head.weight")

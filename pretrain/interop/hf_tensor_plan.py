@@ -1,0 +1,47 @@
+"""What an import and an export move, tensor by tensor: the rules of ``hf_names`` (GPT-2 and the decoder
+families) and ``hf_hybrid_names`` (the hybrid families) for the model's Hugging Face family, as our name ->
+their tensors and back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from models.config import GPTConfig
+from pretrain.interop.hf_config import hf_kind
+from pretrain.interop.hf_hybrid_names import granite_rules, nemotron_rules, qwen3_next_rules
+from pretrain.interop.hf_names import Rule, StackedRule, decoder_rules, gpt2_rules
+
+
+def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule]:
+    """Every parameter of ours as the Hugging Face ``kind`` (default: the one that expresses ``config``)
+    names and lays it out."""
+    kind = kind or hf_kind(config)
+    if kind in ("nemotron_h", "mamba2"):
+        return list(nemotron_rules(config, kind))
+    if kind == "granitemoehybrid":
+        return list(granite_rules(config))
+    if kind == "qwen3_next":
+        return list(qwen3_next_rules(config))
+    return list(gpt2_rules(config) if kind == "gpt2" else decoder_rules(config, kind))
+
+
+def import_plan(config: GPTConfig) -> Iterator[tuple[str, list[str], Callable[..., torch.Tensor]]]:
+    """(our name, the Hugging Face tensors it is made of, how) for every parameter of ours."""
+    for rule in rules(config, config.hf_model_type):
+        if isinstance(rule, StackedRule):
+            for expert, ours in enumerate(rule.ours):
+                yield ours, [rule.theirs], lambda t, rule=rule, expert=expert: rule.take(t, expert)
+        else:
+            yield rule.ours, list(rule.theirs), rule.join
+
+
+def export_plan(config: GPTConfig) -> Iterator[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
+    """(Hugging Face name, our parameters it comes from, how) for every tensor of the Hugging Face model."""
+    for rule in rules(config):
+        if isinstance(rule, StackedRule):
+            yield rule.theirs, rule.ours, rule.stack
+            continue
+        for index, theirs in enumerate(rule.theirs):
+            yield theirs, (rule.ours,), lambda x, rule=rule, index=index: rule.split(x)[index]
