@@ -15,8 +15,10 @@ VARIANTS = ("gated_delta_net", "gdn")  # Megatron's --experimental-attention-var
 class GatedDeltaConfig:
     """The shapes of the gated delta net layers (``G`` in ``--hybrid-layer-pattern``): Hk key heads of dk
     channels (queries alike), Hv value heads of dv channels (each key head serves Hv / Hk of them, as
-    Qwen3-Next's grouped heads), and the short convolution's taps. Owns values only; ``GPTConfig`` calls
-    ``validate_gated_delta`` where the pattern has such a layer."""
+    Qwen3-Next's grouped heads), and the short convolution's taps; Kimi delta attention (``K``) has Hv
+    heads of dv channels for its q, k and v alike (Kimi Linear's one head count and width). Owns values
+    only; ``GPTConfig`` calls ``validate_gated_delta`` / ``validate_kimi_delta`` where the pattern has such
+    a layer."""
 
     linear_num_key_heads: int = field(default=16, metadata=flag(
         "gated delta net: key (and query) heads Hk (tp must divide it)"))
@@ -56,6 +58,22 @@ class GatedDeltaConfig:
         2 Hv)."""
         return self.gdn_conv_channels + self.gdn_value_width + 2 * self.linear_num_value_heads
 
+    @property
+    def kda_conv_channels(self) -> int:
+        """Kimi delta attention's convolution channels: q, k and v of its H = Hv heads of d = dv (3 H d)."""
+        return 3 * self.gdn_value_width
+
+    @property
+    def kda_projection_rows(self) -> int:
+        """Kimi delta attention's input projection: q, k, v and beta's input per head (H (3 d + 1))."""
+        return self.kda_conv_channels + self.linear_num_value_heads
+
+    @property
+    def kda_exchanged_width(self) -> int:
+        """What each token of a Kimi delta attention sends to its heads' cp rank: q, k, v, b and the decay's
+        input (H (4 d + 1))."""
+        return self.kda_projection_rows + self.gdn_value_width
+
     def gated_delta_pattern(self, moe: list[bool], attention: str) -> str:
         """The --hybrid-layer-pattern of Megatron's GPT path with --experimental-attention-variant: layer i
         a gated delta net (``G``) unless --linear-attention-freq N has (i + 1) % N == 0 (or its list a 0
@@ -72,6 +90,24 @@ class GatedDeltaConfig:
                              f"entry per layer (--num-layers {layers})")
         return "".join(("G" if gated else attention) + ("E" if expert else "-")
                        for gated, expert in zip(linear, moe))
+
+    def validate_kimi_delta(self, tp: int = 1, cp: int = 1) -> None:
+        """ValueError naming the flag for Kimi delta attention (``K``) shapes: its heads are the
+        --linear-num-value-heads, each of --linear-value-head-dim channels for q, k and v alike."""
+        heads = self.linear_num_value_heads
+        for name in ("linear_num_value_heads", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.normalization != "RMSNorm":
+            raise ValueError(f"--normalization {self.normalization} with Kimi delta attention (K): its "
+                             "output norm is built as an RMSNorm only; give --normalization RMSNorm")
+        if heads % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --linear-num-value-heads "
+                             f"{heads} (Kimi delta attention's heads): each rank holds whole heads")
+        if cp > 1 and (heads // tp) % cp:
+            raise ValueError(f"--context-parallel-size {cp} does not divide a tensor-parallel rank's "
+                             f"{heads // tp} Kimi delta attention heads (--linear-num-value-heads {heads} / "
+                             f"--tensor-model-parallel-size {tp}): each cp rank runs whole heads")
 
     def validate_gated_delta(self, tp: int = 1, cp: int = 1) -> None:
         """ValueError naming the flag for shapes the layer (at this tp and cp) cannot take."""

@@ -41,21 +41,25 @@ def gates(a, b, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     return g, torch.sigmoid(b.float())
 
 
-def _fla(q, k, v, a, b, A_log, dt_bias, scale, documents):
-    rule = importlib.import_module("fla.ops.gated_delta_rule")
-    g, beta = gates(a, b, A_log, dt_bias)
-    share = v.shape[2] // q.shape[2]
-    q, k = (t.repeat_interleave(share, dim=2) for t in (q, k))
+def fla_rule(rule, q, k, v, g, beta, scale: float, documents) -> torch.Tensor:
+    """o of fla's ``rule`` (``chunk_gated_delta_rule``, ``chunk_kda``) on [b, S, ...] tensors, its own L2
+    norm of q and k; with ``documents`` one packed sequence cut at every document and batch row."""
     if documents is None:
-        return rule.chunk_gated_delta_rule(q, k, v, g, beta.to(v.dtype), scale=scale,
-                                           use_qk_l2norm_in_kernel=True)[0]
+        return rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True)[0]
     rows, length = documents.shape
     starts = F.pad(segments(documents).diff(dim=1) != 0, (1, 0), value=True).reshape(-1)
     cuts = torch.cat([starts.nonzero().flatten(), starts.new_tensor([rows * length], dtype=torch.long)])
-    packed = (t.reshape(1, rows * length, *t.shape[2:]) for t in (q, k, v, g, beta.to(v.dtype)))
-    o = rule.chunk_gated_delta_rule(*packed, scale=scale, cu_seqlens=cuts.to(torch.int32),
-                                    use_qk_l2norm_in_kernel=True)[0]
+    packed = (t.reshape(1, rows * length, *t.shape[2:]) for t in (q, k, v, g, beta))
+    o = rule(*packed, scale=scale, cu_seqlens=cuts.to(torch.int32), use_qk_l2norm_in_kernel=True)[0]
     return o.reshape(rows, length, *o.shape[2:])
+
+
+def _fla(q, k, v, a, b, A_log, dt_bias, scale, documents):
+    g, beta = gates(a, b, A_log, dt_bias)
+    share = v.shape[2] // q.shape[2]
+    q, k = (t.repeat_interleave(share, dim=2) for t in (q, k))
+    rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    return fla_rule(rule, q, k, v, g, beta.to(v.dtype), scale, documents)
 
 
 def _rule_of(q, k, v, a, b, A_log, dt_bias, scale, documents):

@@ -86,13 +86,15 @@ class HybridConfig:
         return len(pattern.layers) if pattern is not None else 2 * self.num_layers
 
     def validate_sequence_layers(self, tp: int, cp: int) -> None:
-        """ValueError naming the flags where this model's Mamba-2 or gated delta net layers (if any)
-        cannot split over tp x cp."""
+        """ValueError naming the flags where this model's Mamba-2, gated delta net or Kimi delta attention
+        layers (if any) cannot split over tp x cp."""
         pattern = self.parsed_pattern()
         if pattern is not None and "M" in pattern.layers:
             self.validate_mamba(tp, cp)
         if pattern is not None and "G" in pattern.layers:
             self.validate_gated_delta(tp, cp)
+        if pattern is not None and "K" in pattern.layers:
+            self.validate_kimi_delta(tp, cp)
 
     def validate_hybrid(self, tp: int = 1) -> None:
         """ValueError naming the flag for a pattern this build cannot make (or cannot make at this tp)."""

@@ -2,8 +2,9 @@
 ``hybrid_layer_allocation`` parses it; no torch here.
 
 A pattern is ``main ('/' mtp)*`` and ``main`` is ``segment ('|' segment)*``. Each layer symbol is one
-layer with its own pre-norm and residual: ``M`` Mamba-2, ``G`` gated delta net, ``*`` attention, ``D``
-DeepSeek sparse attention, ``+`` latent attention, ``-`` MLP, ``E`` mixture of experts. ``|`` cuts the
+layer with its own pre-norm and residual: ``M`` Mamba-2, ``G`` gated delta net, ``K`` Kimi delta
+attention (this build's symbol: Megatron-LM has no such layer), ``*`` attention, ``D`` DeepSeek sparse
+attention, ``+`` latent attention, ``-`` MLP, ``E`` mixture of experts. ``|`` cuts the
 main part into pipeline segments (virtual stages in a micro-batch's path); every part after a ``/`` is
 one multi-token-prediction depth, all of them alike. Neither ``|`` nor ``/`` is a layer.
 Which symbols this build can construct is the layer registry's business (``models.layers.registry``).
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SYMBOLS = {"M": "Mamba-2", "G": "gated delta net", "*": "attention", "D": "DeepSeek sparse attention",
-           "+": "latent attention", "-": "MLP", "E": "mixture of experts"}
+SYMBOLS = {"M": "Mamba-2", "G": "gated delta net", "K": "Kimi delta attention", "*": "attention",
+           "D": "DeepSeek sparse attention", "+": "latent attention", "-": "MLP", "E": "mixture of experts"}
 PIPE, MTP = "|", "/"
 ATTENTION_KINDS = ("*", "D", "+")  # one kind of attention per model
 

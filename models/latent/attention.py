@@ -22,9 +22,8 @@ from models.config import GPTConfig
 from models.norms import build_norm
 from models.rotary import apply_rotary
 from parallel.comm import AxisGroup
-from parallel.param_meta import declare
-from parallel.tensor.layers import (LinearWeights, RowParallelLinear, deferring_linear, shard_parameter,
-                                    with_init)
+from parallel.tensor.layers import (LinearWeights, RowParallelLinear, deferring_linear, replicated_linear,
+                                    shard_parameter)
 from parallel.tensor.mappings import copy_to_tensor_parallel, gather_from_sequence_parallel
 from parallel.tensor.random import RNGTracker
 from parallel.tensor.weight_grad import WeightGradStore
@@ -61,11 +60,7 @@ class LatentAttention(AttentionCore):
 
         def replicated(part: str, rows: int) -> LinearWeights:
             init = WeightInit(seed, f"{name}.{part}.weight", std)
-            weight = declare(with_init(torch.nn.Parameter(init.full((rows, h))),
-                                       lambda: init.full((rows, h))), sequence_parallel=self.split)
-            return LinearWeights(weight, declare(with_init(torch.nn.Parameter(torch.zeros(rows)),
-                                                           lambda: torch.zeros(rows)),
-                                                 sequence_parallel=self.split) if bias else None)
+            return replicated_linear(init, rows, h, self.split, bias)
 
         def by_head(part: str, rows: int, columns: int) -> LinearWeights:
             init = WeightInit(seed, f"{name}.{part}.weight", std)

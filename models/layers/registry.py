@@ -18,6 +18,7 @@ from models.config import GPTConfig
 from models.layers.block import TransformerBlock
 from models.layers.residual import AttentionLayer, MLPLayer
 from models.gdn.layer import GatedDeltaLayer
+from models.kda.layer import KimiDeltaLayer
 from models.mamba.config import CONV_KERNEL
 from models.mamba.layer import MambaLayer
 from parallel.recompute import RECOMPUTE_MODULES
@@ -75,6 +76,14 @@ def gated_delta_flops(config: GPTConfig) -> float:
             + 7 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim)
 
 
+def kimi_delta_flops(config: GPTConfig) -> float:
+    """A Kimi delta attention layer's forward FLOPs per token beyond its weights: the convolution over q,
+    k, v and the rule as a gated delta net's (7 d d per head: its decay per channel scales the state as
+    the scalar one does)."""
+    return (2 * config.linear_conv_kernel_dim * config.kda_conv_channels
+            + 7 * config.linear_num_value_heads * config.linear_value_head_dim ** 2)
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """One kind of layer: its entry, Megatron's name for it, the --recompute-modules names it has, and
@@ -95,6 +104,11 @@ class LayerKind:
 def _gated_delta(context: LayerContext, layer: int) -> nn.Module:
     c = context
     return GatedDeltaLayer(c.config, layer, c.tp, c.seed, c.sequence_parallel, c.rng, c.context)
+
+
+def _kimi_delta(context: LayerContext, layer: int) -> nn.Module:
+    c = context
+    return KimiDeltaLayer(c.config, layer, c.tp, c.seed, c.sequence_parallel, c.rng, c.context)
 
 
 def _attention(context: LayerContext, layer: int) -> nn.Module:
@@ -127,6 +141,8 @@ KINDS: dict[str, LayerKind] = {kind.entry: kind for kind in (
     LayerKind("M", "mamba", _mamba, recompute_modules=("mamba", "layernorm"), mixing_flops=mamba_flops),
     LayerKind("G", "gated delta net", _gated_delta, recompute_modules=("layernorm",),
               mixing_flops=gated_delta_flops),
+    LayerKind("K", "kimi delta attention", _kimi_delta, recompute_modules=("layernorm",),
+              mixing_flops=kimi_delta_flops),
     LayerKind("*", "attention", _attention, recompute_modules=_ATTENTION_MODULES, **_ATTENTION),
     LayerKind("+", "latent attention", _attention, recompute_modules=_ATTENTION_MODULES + ("mla_up_proj",),
               **_ATTENTION),

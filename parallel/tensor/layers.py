@@ -102,6 +102,17 @@ class LinearWeights(nn.Module):
         self.weight, self.bias = weight, bias
 
 
+def replicated_linear(init: WeightInit, rows: int, columns: int, sequence_parallel: bool,
+                      bias: bool = False) -> LinearWeights:
+    """A linear map held whole by every tp rank (a low-rank down projection whose output the ranks' heads
+    share): its gradient partial under sequence parallelism (each rank's tokens), declared so."""
+    weight = declare(with_init(nn.Parameter(init.full((rows, columns))), lambda: init.full((rows, columns))),
+                     sequence_parallel=sequence_parallel)
+    bias_vector = declare(with_init(nn.Parameter(torch.zeros(rows)), lambda: torch.zeros(rows)),
+                          sequence_parallel=sequence_parallel) if bias else None
+    return LinearWeights(weight, bias_vector)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: each rank computes out/tp columns of Y.
 

@@ -85,16 +85,17 @@ LLAMA_LAYOUTS["llama Muon dp4 stage 3 (its matrices' pieces to their owners and 
 LLAMA_LAYOUTS["llama Muon dp2 x tp2 + SP stage 1"] = (
     [*LLAMA, *MUON, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
     Layout(2, 1, 2, 1, sequence_parallel=True, optimizer="muon"))
-MAMBA = ["--hybrid-layer-pattern", "M*G-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
-         "--mamba-state-dim", "16", "--mamba-chunk-size", "8", "--linear-num-key-heads", "2",
-         "--linear-num-value-heads", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "8"]
-LLAMA_LAYOUTS["hybrid M*G- dp2 x tp2 + SP stage 1"] = (
+MAMBA = ["--hybrid-layer-pattern", "M*GK-", "--mamba-head-dim", "16",
+         "--mamba-num-groups", "2", "--mamba-state-dim", "16", "--mamba-chunk-size", "8",
+         "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+         "--linear-value-head-dim", "8"]
+LLAMA_LAYOUTS["hybrid M*GK- dp2 x tp2 + SP stage 1"] = (
     [*LLAMA, *MAMBA, *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
     Layout(2, 1, 2, 1, sequence_parallel=True))
-LLAMA_LAYOUTS["hybrid M*|G- pp2 x cp2 stage 3, the Mamba mixer recomputed"] = (
-    [*LLAMA, *MAMBA[:1], "M*|G-", *MAMBA[2:], *_pp(2), "--context-parallel-size", "2", "--zero-stage", "3",
+LLAMA_LAYOUTS["hybrid M*|GK- pp2 x cp2 stage 3, the Mamba mixer recomputed"] = (
+    [*LLAMA, *MAMBA[:1], "M*|GK-", *MAMBA[2:], *_pp(2), "--context-parallel-size", "2", "--zero-stage", "3",
      "--zero-persistence-threshold", "1000", "--recompute-granularity", "selective", "--recompute-modules",
-     "mamba"], Layout(1, 2, 1, 3, cp=2, recompute="selective", recompute_modules=("mamba",)))
+     "mamba"], Layout(1, 2, 1, 3, cp=2, recompute="selective", recompute_modules=("mamba",), split=(2, 3)))
 LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
     [*LLAMA, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
     Layout(1, 1, 4, 0, recompute="selective", recompute_modules=("mlp",)))
@@ -114,6 +115,7 @@ def test_planner_matches_measured_model_states_and_activations(stdlib_corpus, tm
                  for line in (tmp_path / f"{i}.jsonl").read_text().splitlines()][-1]["per_rank"]
         config = parse_config(TINY + flags)
         config.model.vocab_size = 512  # the corpus tokenizer's
+        config.model.resolve_pattern()  # (a pattern's layer count, as the trainer's validation makes it)
         layout = Layout(layout.tp, layout.pp, layout.dp, layout.zero_stage, layout.recompute, 2,
                         sequence_parallel=layout.sequence_parallel, split=layout.split,
                         zero=layout.zero, cp=layout.cp, recompute_modules=layout.recompute_modules,
@@ -275,7 +277,7 @@ ARCHITECTURES = {"gpt-3": {}, "rope": {"position_embedding_type": "rope"},
                      "qk_pos_emb_head_dim": 4, "v_head_dim": 12}}
 
 
-HYBRID = {"hybrid_layer_pattern": "M*-G", "normalization": "RMSNorm", "position_embedding_type": "rope",
+HYBRID = {"hybrid_layer_pattern": "M*-GK", "normalization": "RMSNorm", "position_embedding_type": "rope",
           "mamba_head_dim": 16, "mamba_num_groups": 2, "mamba_state_dim": 16, "mamba_chunk_size": 8,
           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
           "linear_value_head_dim": 8}
@@ -285,7 +287,7 @@ HYBRID = {"hybrid_layer_pattern": "M*-G", "normalization": "RMSNorm", "position_
 def test_one_layers_saved_activations_follow_its_architecture(dtype):
     """The planner's per-layer accounting against the bytes one layer of each kind keeps for backward
     (measured over its forward): the GPT blocks of several architectures, and a hybrid pattern's Mamba-2,
-    attention, MLP and gated delta net layers."""
+    attention, MLP, gated delta net and Kimi delta attention layers."""
     import torch
 
     from models.config import GPTConfig

@@ -32,7 +32,8 @@ def test_pipe_and_mtp_parts():
 
 
 @pytest.mark.parametrize("pattern, message", [
-    ("M*x-", "'x' is not a layer symbol; the symbols are M (Mamba-2), G (gated delta net), * (attention)"),
+    ("M*x-", "'x' is not a layer symbol; the symbols are M (Mamba-2), G (gated delta net), K (Kimi delta "
+     "attention), * (attention)"),
     ("M* ", "' ' is not a layer symbol"),
     ("M*/M|-", "a multi-token-prediction depth (after /) holds no pipeline cut"),
     ("M*/M-/-M", "its multi-token-prediction depths ['M-', '-M'] differ"),
@@ -94,6 +95,13 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
     (["--hybrid-layer-pattern", "G*G-", "--context-parallel-size", "4", "--linear-num-key-heads", "2",
       "--normalization", "RMSNorm"], 4,
      "--context-parallel-size 4 does not divide a tensor-parallel rank's 2 key heads"),
+    (["--hybrid-layer-pattern", "K*K-"], 1, "--normalization LayerNorm with Kimi delta attention (K)"),
+    (["--hybrid-layer-pattern", "K*K-", "--tensor-model-parallel-size", "4", "--linear-num-value-heads", "6",
+      "--normalization", "RMSNorm"], 4,
+     "--tensor-model-parallel-size 4 does not divide --linear-num-value-heads 6 (Kimi delta attention's"),
+    (["--hybrid-layer-pattern", "K*K-", "--context-parallel-size", "4", "--linear-num-value-heads", "2",
+      "--normalization", "RMSNorm"], 4,
+     "--context-parallel-size 4 does not divide a tensor-parallel rank's 2 Kimi delta attention heads"),
     (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "0"], 1,
      "--linear-attention-freq 0: give N >= 1 or one entry per layer"),
     (["--experimental-attention-variant", "gdn", "--linear-attention-freq", "2", "--num-layers", "3",

@@ -1,8 +1,8 @@
-"""Hybrid models (--hybrid-layer-pattern with a Mamba-2 and a gated delta net layer; attention with its
-output gate, as Qwen3-Next's) trained in every layout against one process: tp + SP, pp by the pattern's |,
-interleaved, cp by the head exchange (whole groups, and Mamba groups cut into head shares), ZeRO 1-3,
-recompute (full, and the mamba module), --compile, documents; a checkpoint re-cut between layouts resumes on
-the trajectory."""
+"""Hybrid models (--hybrid-layer-pattern with a Mamba-2, a gated delta net and a Kimi delta attention
+layer; attention with its output gate, as Qwen3-Next's) trained in every layout against one process: tp +
+SP, pp by the pattern's |, interleaved, cp by the head exchange (whole groups, and Mamba groups cut into
+head shares), ZeRO 1-3, recompute (full, and the mamba module), --compile, documents; a checkpoint re-cut
+between layouts resumes on the trajectory."""
 
 import pytest
 
@@ -14,8 +14,8 @@ MAMBA = ["--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim
          "8", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "8",
          "--linear-value-head-dim", "8", "--attention-output-gate"]
-HYBRID = ["--hybrid-layer-pattern", "M*G-"] + MAMBA + SHORT
-CUT = ["--hybrid-layer-pattern", "M*|G-"] + MAMBA + SHORT
+HYBRID = ["--hybrid-layer-pattern", "M*GK-"] + MAMBA + SHORT
+CUT = ["--hybrid-layer-pattern", "M*|GK-"] + MAMBA + SHORT
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
 TP2, CP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--context-parallel-size", "2"]
 ZERO3 = ["--zero-stage", "3", "--zero-persistence-threshold", "0"]
@@ -27,7 +27,7 @@ LAYOUTS = {
     "pp2 by the pattern's |, ZeRO-1": (CUT + ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
                                        "hybrid"),
     "pp2 x vp2 (four | segments), interleaved": (
-        ["--hybrid-layer-pattern", "M|*|G|-"] + MAMBA + SHORT + ["--pipeline-model-parallel-size", "2"],
+        ["--hybrid-layer-pattern", "M|*|GK|-"] + MAMBA + SHORT + ["--pipeline-model-parallel-size", "2"],
         "hybrid"),
     "cp2 (whole groups per cp rank), mamba recomputed, ZeRO-2": (
         HYBRID + CP2 + ["--recompute-granularity", "selective", "--recompute-modules", "mamba", "layernorm",
@@ -57,7 +57,7 @@ def test_hybrid_layouts_reproduce_one_process_and_a_checkpoint_recuts(stdlib_cor
     saved = str(tmp_path / "tp2")
     resumes = [HYBRID + TP2 + ["--train-iters", "3", "--save", saved],
                CUT + ["--pipeline-model-parallel-size", "2", "--load", saved],
-               MAMBA + SHORT + CP2 + ZERO3 + ["--load", saved]]
+               MAMBA + SHORT + CP2 + ZERO3 + ["--num-layers", "5", "--load", saved]]  # (the pattern's count)
     results = run_world(4, _train, [flags for flags, _ in LAYOUTS.values()] + resumes, stdlib_corpus,
                         timeout_s=600)[-1]
     for (name, (_, reference)), result in zip(LAYOUTS.items(), results):

@@ -97,7 +97,8 @@ def weight_pass_elements(config: GPTConfig, layout: Layout, entry: str = "*-") -
     parts = {"attention": lambda: h / split + config.attention_projection_rows / t + heads * d + h,
              "mlp": lambda: mlp(config.ffn_size / t), "moe": moe,
              "mamba": lambda: h / split + (config.mamba_projection_rows + config.mamba_inner) / t + h,
-             "gdn": lambda: h / split + (config.gdn_projection_rows + config.gdn_value_width) / t + h}
+             "gdn": lambda: h / split + (config.gdn_projection_rows + config.gdn_value_width) / t + h,
+             "kda": lambda: h / split + (config.kda_projection_rows + config.gdn_value_width) / t + h}
     return sum(parts[part]() for part in SUBLAYERS[entry])
 
 
@@ -134,7 +135,8 @@ def layer_elements(config: GPTConfig, layout: Layout, entry: str | None = None) 
              "mlp": lambda: 0 if "mlp" in modules else (4 if config.gated else 2) * f / t,
              "moe": lambda: 0 if "moe" in modules else _moe_elements(config, layout, split),
              "mamba": lambda: 0 if "mamba" in modules else _mamba_elements(config, layout),
-             "gdn": lambda: _gated_delta_elements(config, layout.tp)}
+             "gdn": lambda: _gated_delta_elements(config, layout.tp),
+             "kda": lambda: _kimi_delta_elements(config, layout.tp)}
     elements = 0.0
     for part in SUBLAYERS[entry]:
         norm = 2 * h / split if config.norm_placement != "post" else 0.0
@@ -189,6 +191,17 @@ def _gated_delta_elements(config: GPTConfig, t: int) -> float:
     1 / cp of the heads: per token of its own the same counts."""
     channels, width = config.gdn_conv_channels / t, config.gdn_value_width / t
     return 2 * channels + 4 * width + 3 * config.linear_num_value_heads / t
+
+
+def _kimi_delta_elements(config: GPTConfig, t: int) -> float:
+    """``layer_elements``' Kimi delta attention per token of this rank (t = tp; H heads of d channels, C =
+    3 H d, V = H d), as ``models.kda.mixer`` keeps them: the decay's and the gate's latents (2 d, whole on
+    every rank), q, k, v, b and the decay's input joined per head (the exchanged width), the convolution's
+    input and output (2 C), and as for gated delta nets the rule's output, the gate and 1 / rms per head,
+    and out_proj's input (3 V + H)."""
+    heads = config.linear_num_value_heads / t
+    return (2 * config.linear_value_head_dim + config.kda_exchanged_width / t
+            + 2 * config.kda_conv_channels / t + 3 * config.gdn_value_width / t + heads)
 
 
 def _latent_elements(config: GPTConfig, t: int) -> float:

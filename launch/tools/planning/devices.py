@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 
 from launch.tools.planning.layer_parts import RECOMPUTED_WHOLE, SUBLAYERS
 from models.config import GPTConfig
-from models.layers.registry import gated_delta_flops, mamba_flops
+from models.layers.registry import gated_delta_flops, kimi_delta_flops, mamba_flops
 
 # bytes one element of the step's optimizer state moves through memory (fused AdamW on fp32 masters:
 # read master, gradient, two moments; write master, two moments; write the 16-bit copy)
@@ -164,6 +164,14 @@ def gated_delta_forward_seconds(config: GPTConfig, tokens: int, tp: int, profile
                           config.gdn_conv_channels, gated_delta_flops(config))
 
 
+def kimi_delta_forward_seconds(config: GPTConfig, tokens: int, tp: int, profile: DeviceProfile) -> float:
+    """A Kimi delta attention layer's forward seconds on one rank (``_mixer_seconds``, the rule's FLOPs as
+    a gated delta net's; its low-rank decay and gate projections, d / h of the input projection's
+    products each, left out)."""
+    return _mixer_seconds(config, tokens, tp, profile, config.kda_projection_rows, config.gdn_value_width,
+                          config.kda_conv_channels, kimi_delta_flops(config))
+
+
 def _mixer_seconds(config: GPTConfig, tokens: int, tp: int, profile: DeviceProfile, rows: int, width: int,
                    channels: int, mixing_flops: float) -> float:
     """A linear-time mixer's forward on one rank: its input projection (``rows``) and output projection
@@ -204,7 +212,8 @@ def compute_seconds(config: GPTConfig, tp: int, cp: int, micro_batch_size: int, 
     attention, mlp = layer_forward_seconds(config, tokens, tp, config.seq_length, profile)
     seconds = {"attention": attention, "mlp": mlp, "moe": mlp,
                "mamba": mamba_forward_seconds(config, tokens, tp, profile),
-               "gdn": gated_delta_forward_seconds(config, tokens, tp, profile)}
+               "gdn": gated_delta_forward_seconds(config, tokens, tp, profile),
+               "kda": kimi_delta_forward_seconds(config, tokens, tp, profile)}
     redone = set(seconds) if recompute == "full" else (
         {part for part, name in RECOMPUTED_WHOLE.items() if name in recompute_modules}
         if recompute == "selective" else set())

@@ -5,7 +5,7 @@ cannot go unpriced."""
 from __future__ import annotations
 
 SUBLAYERS = {"*": ("attention",), "+": ("attention",), "-": ("mlp",), "E": ("moe",), "M": ("mamba",),
-             "G": ("gdn",),
+             "G": ("gdn",), "K": ("kda",),
              "*-": ("attention", "mlp"), "*E": ("attention", "moe"), "+-": ("attention", "mlp"),
              "+E": ("attention", "moe")}
 

@@ -323,7 +323,18 @@ def gated_delta_exchange_bytes(config: GPTConfig, layout: Layout, compute_bytes:
     return tokens * per_token * compute_bytes * (n - 1) / n
 
 
-HEAD_EXCHANGES = {"mamba": mamba_exchange_bytes, "gdn": gated_delta_exchange_bytes}
+def kimi_delta_exchange_bytes(config: GPTConfig, layout: Layout, compute_bytes: int) -> float:
+    """Bytes one rank sends over the cp group for one Kimi delta attention's forward (its backward the
+    same), as ``models.kda.mixer`` sends them: (cp - 1) / cp of its tokens' q, k, v, b and the decay's
+    input to their head shards, then of the output back."""
+    n, t = layout.cp, layout.tp
+    tokens = config.seq_length / n * layout.micro_batch_size
+    per_token = (config.kda_exchanged_width + config.gdn_value_width) / t
+    return tokens * per_token * compute_bytes * (n - 1) / n
+
+
+HEAD_EXCHANGES = {"mamba": mamba_exchange_bytes, "gdn": gated_delta_exchange_bytes,
+                  "kda": kimi_delta_exchange_bytes}
 
 
 def sent_by_axis(found: list[Transfer], crossing: bool = False) -> dict[str, float]:

@@ -95,6 +95,9 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     if "G" in config.layer_types():
         raise ValueError("--to megatron: gated delta net layers (G) are not written as Megatron checkpoints "
                          "yet; convert with --to consolidated")
+    if "K" in config.layer_types():
+        raise ValueError("--to megatron: Megatron-LM has no Kimi delta attention layer (K); convert with "
+                         "--to consolidated")
     if with_optimizer:
         _check_optimizer_export(source, config, manifest, ckpt_format)
     if config.multi_latent_attention and (not config.rotary_interleaved
