@@ -18,8 +18,10 @@ FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3
 # top-2 of 4 experts each
 MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")
 # hybrids: Nemotron-H (M * - E, sigmoid-routed experts), Mamba2, Granite 4.0-H (with experts and without),
-# Qwen3-Next (gated delta nets, gated attention, experts with a gated shared one)
-HYBRID_FAMILIES = ("nemotron-h", "mamba2", "granite-4.0-h", "granite-4.0-h-dense", "qwen3-next")
+# Qwen3-Next (gated delta nets, gated attention, experts with a gated shared one), Kimi Linear (Kimi delta
+# attention, latent attention without positions, sigmoid-routed experts)
+HYBRID_FAMILIES = ("nemotron-h", "mamba2", "granite-4.0-h", "granite-4.0-h-dense", "qwen3-next",
+                   "kimi-linear")
 ALL_FAMILIES = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 
 
@@ -130,6 +132,14 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             tie_word_embeddings=False)
+    if family == "kimi-linear":  # K - + E K E: the first layer's MLP dense; grouped sigmoid routing
+        return transformers.KimiLinearConfig(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": heads}, rms_norm_eps=1e-6,
+            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+            num_experts=4, num_experts_per_token=2, moe_intermediate_size=hidden // 2, num_shared_experts=1,
+            num_expert_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+            linear_attn_config={"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 4,
+                                "kda_layers": [1, 3], "full_attn_layers": [2]}, tie_word_embeddings=False)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -68,9 +68,10 @@ class LatentAttentionConfig:
         if self.qk_pos_emb_head_dim % 2:
             raise ValueError(f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim}: rotary positions turn pairs "
                              "of channels; give an even number")
-        if self.position_embedding != "rope":
+        if self.position_embedding not in ("rope", "none"):
             raise ValueError("--multi-latent-attention turns its --qk-pos-emb-head-dim channels by rotary "
-                             "positions: add --position-embedding-type rope")
+                             "positions (or, with none, leaves them as they are: Kimi Linear's NoPE): add "
+                             "--position-embedding-type rope or none")
         conflicts = {"--group-query-attention": self.group_query_attention,
                      "--qk-layernorm": self.qk_layernorm,
                      "--attention-output-gate": self.attention_output_gate,

@@ -8,6 +8,8 @@
 - ``mamba2``: Mamba-2 layers only.
 - ``qwen3_next`` (Qwen3-Next): gated delta nets and gated attention, each then an MLP or experts
   (``hf_qwen3_next``).
+- ``kimi_linear`` (Kimi Linear): Kimi delta attention and latent attention without positions, each then
+  an MLP or sigmoid-routed experts (``hf_kimi_linear``).
 - ``granitemoehybrid`` (Granite 4.0-H): each layer a mixer (Mamba-2 or attention) then a feed-forward part
   (a gated MLP alone, or experts routed by softmax top-k plus that MLP as the shared expert), so our pattern
   alternates ``M``/``*`` with ``-`` (no experts) or ``E``; attention scaled by ``attention_multiplier``,
@@ -29,11 +31,14 @@ from pretrain.interop.hf_deepseek import (sigmoid_routing_from_hf, sigmoid_routi
                                           sigmoid_routing_to_hf)
 from pretrain.interop.hf_moe import unexpressed
 from pretrain.interop.hf_positions import HFMappingError
+from pretrain.interop.hf_kimi_linear import KIND as KIMI, kimi_linear_from_hf, kimi_linear_misses, \
+    kimi_linear_to_hf
 from pretrain.interop.hf_qwen3_next import KIND, qwen3_next_from_hf, qwen3_next_misses, qwen3_next_to_hf
 
 # (the order an export tries them in: an all-Mamba model is a Mamba2 first)
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                 "granitemoehybrid": "GraniteMoeHybridForCausalLM", KIND: "Qwen3NextForCausalLM"}
+                 "granitemoehybrid": "GraniteMoeHybridForCausalLM", KIND: "Qwen3NextForCausalLM",
+                 KIMI: "KimiLinearForCausalLM"}
 NEMOTRON_BLOCKS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
                    "moe": "E"}
 GRANITE_MIXERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*"}
@@ -92,7 +97,8 @@ def hybrid_from_hf(hf: dict) -> GPTConfig:
     if kind in NOT_HYBRID:
         raise HFMappingError(f"model_type {kind!r}: {NOT_HYBRID[kind]} does not map onto a hybrid pattern")
     fields = {"nemotron_h": _nemotron_from_hf, "mamba2": _mamba2_from_hf,
-              "granitemoehybrid": _granite_from_hf, KIND: qwen3_next_from_hf}[kind](hf)
+              "granitemoehybrid": _granite_from_hf, KIND: qwen3_next_from_hf,
+              KIMI: kimi_linear_from_hf}[kind](hf)
     return GPTConfig(**fields)
 
 
@@ -188,8 +194,8 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
     if pattern is None:
         return ["--hybrid-layer-pattern (a GPT's blocks are no hybrid family's layers)"]
     layers = pattern.layers
-    if kind == KIND:
-        return qwen3_next_misses(config, layers, pattern.text)
+    if kind in (KIND, KIMI):
+        return {KIND: qwen3_next_misses, KIMI: kimi_linear_misses}[kind](config, layers, pattern.text)
     wanted = {"normalization": "RMSNorm", "layernorm_epsilon": NORM_EPSILON, "disable_bias_linear": True,
               "add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "softmax_type": "vanilla",
               "multi_latent_attention": False, "use_mup": False, "attn_logit_softcapping": None,
@@ -248,8 +254,8 @@ def hybrid_to_hf(config: GPTConfig, kind: str, special: dict) -> dict:
     hf = {"model_type": kind, "architectures": [ARCHITECTURES[kind]], "vocab_size": config.vocab_size,
           "hidden_size": config.hidden_size, "torch_dtype": "float32", "use_cache": True,
           "tie_word_embeddings": not config.untie_embeddings_and_output_weights, **special}
-    if kind == KIND:
-        return {**hf, **qwen3_next_to_hf(config, layers)}
+    if kind in (KIND, KIMI):
+        return {**hf, **{KIND: qwen3_next_to_hf, KIMI: kimi_linear_to_hf}[kind](config, layers)}
     heads, head_dim, state, groups = (config.mamba_heads, config.mamba_head_dim, config.mamba_state_dim,
                                       config.mamba_num_groups)
     if kind == "mamba2":

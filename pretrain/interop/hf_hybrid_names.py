@@ -1,12 +1,13 @@
 """Each of our parameters as the Hugging Face hybrid families name them (``hf_hybrid`` maps their configs):
-Nemotron-H and Mamba2 (one norm and one mixer per layer), Granite 4.0-H and Qwen3-Next (a mixer then a
-feed-forward part per layer: two of our layers each).
+Nemotron-H and Mamba2 (one norm and one mixer per layer), Granite 4.0-H, Qwen3-Next and Kimi Linear (a
+mixer then a feed-forward part per layer: two of our layers each).
 
 Mamba-2's fused in_proj rows and convolution channels are part-major there, group-major here
 (``models.mamba.layout``). Qwen3-Next's gated delta net keeps its q, k, v, z and b, a projections key head
 by key head (our rows, joined per key head) and its convolution's channels part-major [q | k | v]; its
 attention's q_proj holds each head's query then its output gate (ours: each group's queries, then their
-gates); its norms are offsets from 1 (``--apply-layernorm-1p``) except the delta net's output norm.
+gates); its norms are offsets from 1 (``--apply-layernorm-1p``) except the delta net's output norm. Kimi
+Linear's delta attention keeps q, k, v, b and their three convolutions apart (ours: joined head by head).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from models.config import GPTConfig
 from models.mamba.layout import (group_major, group_major_channels, group_major_rows, to_group_major,
                                  to_part_major)
 from pretrain.interop.hf_moe import GATE_UP_DOWN
-from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, moe_rules, norm_rule, qkv_from, qkv_to,
-                                      same)
+from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, latent_rules, moe_rules, norm_rule,
+                                      qkv_from, qkv_to, same)
 
 
 def _mamba_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
@@ -48,8 +49,8 @@ def _plain(ours: str, theirs: str, up: str, down: str) -> Iterator[Rule]:
     yield same(f"{ours}.fc2.weight", f"{theirs}.{down}.weight")
 
 
-NORM_OF = {"M": "mamba_norm", "G": "gdn_norm", "*": "attention_norm", "-": "mlp_norm",
-           "E": "mlp_norm"}
+NORM_OF = {"M": "mamba_norm", "G": "gdn_norm", "K": "kda_norm", "*": "attention_norm",
+           "+": "attention_norm", "-": "mlp_norm", "E": "mlp_norm"}
 
 
 def _nemotron_moe(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
@@ -200,5 +201,64 @@ def qwen3_next_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
         else:
             yield from moe_rules(config, "qwen3_next", f"layers.{feed}", theirs)
     yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets=True)
+    if config.untie_embeddings_and_output_weights:
+        yield same("output_layer.weight", "lm_head.weight")
+
+
+def _kimi_delta_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Kimi Linear's delta attention: q, k, v and b projections joined head by head into our in_proj, its
+    three convolutions into our head-major one, the low-rank decay and gate projections, A_log [1, 1, H,
+    1] as ours [H]."""
+    heads = config.linear_num_value_heads
+
+    def joined(*parts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.unflatten(0, (heads, -1)) for part in parts], dim=1).flatten(0, 1)
+
+    def parted(widths: list[int]):
+        return lambda x: tuple(part.flatten(0, 1)
+                               for part in x.unflatten(0, (heads, -1)).split(widths, dim=1))
+
+    d = config.linear_value_head_dim
+    yield Rule(f"{ours}.in_proj.weight", tuple(f"{theirs}.{p}_proj.weight" for p in "qkvb"), joined,
+               parted([d, d, d, 1]))
+    yield Rule(f"{ours}.conv1d.weight", tuple(f"{theirs}.{p}_conv1d.weight" for p in "qkv"), joined,
+               parted([d, d, d]))
+    for mine, hf_name in (("f_down", "f_a_proj"), ("f_up", "f_b_proj"), ("g_down", "g_a_proj"),
+                          ("g_up", "g_b_proj"), ("out_proj", "o_proj")):
+        yield same(f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight")
+    yield Rule(f"{ours}.A_log", (f"{theirs}.A_log",), lambda t: t.reshape(-1),
+               lambda x: (x.reshape(1, 1, -1, 1),))
+    yield same(f"{ours}.dt_bias", f"{theirs}.dt_bias")
+    yield same(f"{ours}.out_norm.weight", f"{theirs}.o_norm.weight")
+
+
+def _kimi_latent_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """Kimi Linear's latent attention: DeepSeek-V3's names (``theirs`` is its layer)."""
+    yield from latent_rules(config, ours, theirs)
+    yield same(f"{ours}.attention.proj.weight", f"{theirs}.self_attn.o_proj.weight")
+
+
+# a Kimi Linear layer's mixer symbols (its feed-forward part: an MLP for -, experts for E)
+KIMI_MIXERS = {"K": lambda config, ours, theirs: _kimi_delta_rules(config, f"{ours}.kda",
+                                                                  f"{theirs}.self_attn"),
+               "+": _kimi_latent_rules}
+
+
+def kimi_linear_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
+    """Kimi Linear: HF layer l is our layers 2l (its mixer, Kimi delta attention or latent attention) and
+    2l + 1 (its MLP or experts, both written under ``block_sparse_moe``)."""
+    yield same("word_embedding.weight", "model.embed_tokens.weight")
+    layers = config.layer_types()
+    for hf_layer in range(len(layers) // 2):
+        mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
+        theirs = f"model.layers.{hf_layer}"
+        yield same(f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight", f"{theirs}.input_layernorm.weight")
+        yield from KIMI_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
+        yield same(f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight")
+        if layers[feed] == "-":
+            yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.block_sparse_moe", GATE_UP_DOWN)
+        else:
+            yield from moe_rules(config, "kimi_linear", f"layers.{feed}", theirs)
+    yield same("final_norm.weight", "model.norm.weight")
     if config.untie_embeddings_and_output_weights:
         yield same("output_layer.weight", "lm_head.weight")

@@ -59,6 +59,9 @@ MOE_FAMILIES = {
     # ``hf_qwen3_next``)
     "qwen3_next": MoEFamily("num_experts", "moe_intermediate_size", "mlp", GATE_UP_DOWN,
                             shared="shared_expert", sparse_layers=True, normalised=True),
+    # Kimi Linear's: Mixtral's names, DeepSeek-V3's routing and shared experts (``hf_kimi_linear``)
+    "kimi_linear": MoEFamily("num_experts", "moe_intermediate_size", "block_sparse_moe", ("w1", "w3", "w2"),
+                             shared="shared_experts"),
 }
 
 

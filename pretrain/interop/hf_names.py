@@ -173,7 +173,7 @@ LATENT = {"q_proj": "q_proj", "q_down": "q_a_proj", "q_latent_norm": "q_a_layern
           "kv_down": "kv_a_proj_with_mqa", "kv_latent_norm": "kv_a_layernorm", "kv_up": "kv_b_proj"}
 
 
-def _latent_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+def latent_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
     """Latent attention's projections and norms (DeepSeek-V3's names; the same layouts: each head's rows
     [qk | rope] and [qk | v], the key/value latent then the shared rotary key)."""
     parts = ("q_proj",) if config.q_lora_rank is None else ("q_down", "q_latent_norm", "q_up")
@@ -192,7 +192,8 @@ def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, s
     if kind not in MOE_FAMILIES or not config.moe_router_enable_expert_bias:
         return {}
     family = MOE_FAMILIES[kind]
-    return {i: f"model.layers.{i}.{family.prefix}.{family.router}.e_score_correction_bias"
+    paired = 2 if kind == "kimi_linear" else 1  # (a Kimi Linear layer is two of ours: mixer, then MoE)
+    return {i: f"model.layers.{i // paired}.{family.prefix}.{family.router}.e_score_correction_bias"
             for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
 
 
@@ -206,7 +207,7 @@ def decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
             yield norm_rule(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
         attention = f"{theirs}.self_attn"
         if config.multi_latent_attention:
-            yield from _latent_rules(config, ours, theirs)
+            yield from latent_rules(config, ours, theirs)
         elif fused:
             yield Rule(f"{ours}.attention.qkv.weight", (f"{attention}.qkv_proj.weight",),
                        lambda w: _qkv_rows(config, w), lambda x: (torch.cat(qkv_to(config, x)),))

@@ -10,7 +10,8 @@ import torch
 
 from models.config import GPTConfig
 from pretrain.interop.hf_config import hf_kind
-from pretrain.interop.hf_hybrid_names import granite_rules, nemotron_rules, qwen3_next_rules
+from pretrain.interop.hf_hybrid_names import (granite_rules, kimi_linear_rules, nemotron_rules,
+                                             qwen3_next_rules)
 from pretrain.interop.hf_names import Rule, StackedRule, decoder_rules, gpt2_rules
 
 
@@ -24,6 +25,8 @@ def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule
         return list(granite_rules(config))
     if kind == "qwen3_next":
         return list(qwen3_next_rules(config))
+    if kind == "kimi_linear":
+        return list(kimi_linear_rules(config))
     return list(gpt2_rules(config) if kind == "gpt2" else decoder_rules(config, kind))
 
 
