@@ -153,10 +153,11 @@ def check_moe(size: str, iters: int) -> bool:
 
 
 def check_hybrid(size: str, iters: int) -> bool:
-    """A Nemotron-H-like hybrid (Mamba-2 and MLP layers, one attention layer in eight) and a Qwen3-Next-like
-    one (gated delta nets and MLPs, attention in one layer of four) against the Llama shape of the same
-    width, in the same run: tokens/s and peak, and the kernels the mixers use (``models.mamba.kernels``,
-    ``models.gdn.kernels``: mamba-ssm's or fla's where installed, else the PyTorch references)."""
+    """A Nemotron-H-like hybrid (Mamba-2 and MLP layers, one attention layer in eight), a Qwen3-Next-like
+    one (gated delta nets and MLPs, attention in one layer of four) and a Kimi-Linear-like one (Kimi delta
+    attention in their place) against the Llama shape of the same width, in the same run: tokens/s and
+    peak, and the kernels the mixers use (``models.mamba.kernels``, ``models.gdn.kernels``,
+    ``models.kda.kernels``: mamba-ssm's or fla's where installed, else the PyTorch references)."""
     from launch.bench.throughput import SIZES, run_system
     from models.gdn.kernels import delta_rule_backend
     from models.mamba.kernels import scan_backend
@@ -172,16 +173,20 @@ def check_hybrid(size: str, iters: int) -> bool:
              "--linear-num-key-heads", str(heads), "--linear-num-value-heads", str(2 * heads),
              "--linear-key-head-dim", str(min(128, width // heads)),
              "--linear-value-head-dim", str(min(128, width // heads))]
+    kimi = ["--hybrid-layer-pattern", "".join("*-" if i % 4 == 0 else "K-" for i in range(layers)),
+            *gated[4:6], *gated[8:]]  # (Kimi delta attention: the value heads and width)
     system = "ours" if size == "smoke" else "ours-compiled"
     runs = {name: run_system(size, "llama", system, iters, flags)
-            for name, flags in (("llama", []), ("hybrid", hybrid), ("gated delta", gated))}
+            for name, flags in (("llama", []), ("hybrid", hybrid), ("gated delta", gated),
+                                ("kimi delta", kimi))}
     failed = [f"{name}: {r['error'].splitlines()[-1]}" for name, r in runs.items() if "error" in r]
     if failed:
         print(f"hybrid: FAILED {'; '.join(failed)}", flush=True)
         return False
     device = torch.device("cuda" if size != "smoke" else "cpu")
     backends = {"hybrid": f"scan: {scan_backend(device, documents=False)}",
-                "gated delta": f"delta rule: {delta_rule_backend(device)}"}
+                "gated delta": f"delta rule: {delta_rule_backend(device)}",
+                "kimi delta": f"delta rule (per channel): {delta_rule_backend(device)}"}
     llama = runs["llama"]
     for name, kernel in backends.items():
         mixed = runs[name]
