@@ -3,7 +3,7 @@ Mamba-2 and gated delta net layers against transformers' NemotronH and Qwen3-Nex
 paths), each measurement in a process of its own:
 
     python -m launch.bench.hybrid [--lengths 1024 2048 4096 8192] [--repeats 3]
-    [--rows layer model gdn-layer gdn-model] [--output runs/bench/hybrid.md]
+    [--rows layer model gdn-layer gdn-model kda-layer] [--output runs/bench/hybrid.md]
 
 ``layer`` rows: one Mamba-2 layer (pre-norm, mixer, residual) on the same shapes and weights' shapes, ours
 (``models.mamba.layer``: the chunked scan keeping only its inputs and redoing its chunks in backward, the
@@ -13,8 +13,10 @@ for backward (saved-tensor hooks). ``model`` rows: our hybrid of the pattern (Ma
 layer in eight) against our GPT of the same width whose MLP width is set for the same parameters: step
 time (forward, loss, backward) and saved bytes at each length. ``gdn-layer`` and ``gdn-model`` rows: the same
 for a gated delta net (``models.gdn.layer`` against a pre-norm, transformers' ``Qwen3NextGatedDeltaNet`` and
-the residual) and a 3:1 hybrid of them (``G-G-G-*-``, Qwen3-Next's proportion). The two systems of a row
-alternate, process by process; one thread each.
+the residual) and a 3:1 hybrid of them (``G-G-G-*-``, Qwen3-Next's proportion). ``kda-layer`` rows: our
+Kimi delta attention layer (the value heads and width) against transformers' Kimi Linear
+``KimiLinearDeltaAttention`` with its pre-norm and the residual. The two systems of a row alternate,
+process by process; one thread each.
 """
 
 from __future__ import annotations
@@ -115,6 +117,45 @@ def _gdn_layer_worker(system: str, length: int, shape: dict, warmup: int = 1, st
     return _timed(forward, warmup, steps, SavedActivationMeter)
 
 
+def _kda_layer_worker(system: str, length: int, shape: dict, warmup: int = 1, steps: int = 3) -> dict:
+    import torch
+
+    from parallel.saved_activations import SavedActivationMeter
+
+    torch.manual_seed(0)
+    h, heads, width = shape["hidden"], shape["value_heads"], shape["value_dim"]
+    if system == "ours":
+        from models.config import GPTConfig
+        from models.kda.layer import KimiDeltaLayer
+        from parallel.comm import AxisGroup, CommStats
+        from parallel.tensor.random import model_parallel_tracker
+
+        config = GPTConfig(hybrid_layer_pattern="K", hidden_size=h, num_attention_heads=4, seq_length=length,
+                           vocab_size=100, normalization="RMSNorm", hidden_dropout=0.0,
+                           linear_num_value_heads=heads, linear_value_head_dim=width)
+        layer = KimiDeltaLayer(config, 0, AxisGroup("tp", (0,), None, CommStats()), 0, False,
+                               model_parallel_tracker(0, 0))
+        x = torch.randn(length, 1, h, requires_grad=True)
+
+        def forward():
+            return layer(x)
+    else:
+        from transformers import KimiLinearConfig
+        from transformers.models.kimi_linear.modeling_kimi_linear import (KimiLinearDeltaAttention,
+                                                                           KimiLinearRMSNorm)
+
+        config = KimiLinearConfig(hidden_size=h, num_hidden_layers=1, vocab_size=100, pad_token_id=0,
+                                  bos_token_id=0, eos_token_id=1, linear_attn_config={
+                                      "num_heads": heads, "head_dim": width, "short_conv_kernel_size": 4,
+                                      "kda_layers": [1], "full_attn_layers": []})
+        mixer, norm = KimiLinearDeltaAttention(config, 0).train(), KimiLinearRMSNorm(h)
+        x = torch.randn(1, length, h, requires_grad=True)
+
+        def forward():  # its decoder layer's pre-norm, mixer and residual
+            return x + mixer(norm(x))
+    return _timed(forward, warmup, steps, SavedActivationMeter)
+
+
 def _model_worker(system: str, length: int, shape: dict, warmup: int = 1, steps: int = 3) -> dict:
     import torch
 
@@ -187,7 +228,8 @@ def _timed(forward, warmup: int, steps: int, meter_class) -> dict:
 ROWS = {"layer": (("ours", "transformers"), _layer_worker),
         "model": (("hybrid", "transformer"), _model_worker),
         "gdn-layer": (("ours", "transformers"), _gdn_layer_worker),
-        "gdn-model": (("hybrid", "transformer"), _model_worker)}
+        "gdn-model": (("hybrid", "transformer"), _model_worker),
+        "kda-layer": (("ours", "transformers"), _kda_layer_worker)}
 
 
 def _run(kind: str, system: str, length: int, shape: dict) -> dict:

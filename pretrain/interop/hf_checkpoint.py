@@ -29,7 +29,7 @@ from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_dur
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
 from pretrain.interop.mxfp4 import dequantize_mxfp4, quantized_pairs
 from pretrain.interop.hf_names import expert_bias_names
-from pretrain.interop.hf_tensor_plan import export_plan, import_plan
+from pretrain.interop.hf_tensor_plan import export_plan, import_plan, stored_name
 
 # every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -38,11 +38,12 @@ IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # 
 
 
 class _HFTensors:
-    """The tensors of a Hugging Face model directory, single-file or sharded, opened lazily; with
-    ``mxfp4`` its quantized tensors (``X_blocks`` and ``X_scales``) read as ``X`` dequantized. The last
+    """The tensors of a Hugging Face model directory, single-file or sharded, opened lazily, named as
+    ``rename`` says (the family's rules' names); with ``mxfp4`` its quantized tensors (``X_blocks`` and
+    ``X_scales``) read as ``X`` dequantized. The last
     tensor read is kept (a layer's stacked experts are read once for all of them)."""
 
-    def __init__(self, directory: str, mxfp4: bool = False):
+    def __init__(self, directory: str, mxfp4: bool = False, rename=None):
         from safetensors import safe_open
 
         index = os.path.join(directory, "model.safetensors.index.json")
@@ -58,6 +59,9 @@ class _HFTensors:
             raise CheckpointError(f"--from-hf {directory}: no model.safetensors or "
                                   "model.safetensors.index.json "
                                   "(save the model with save_pretrained(safe_serialization=True))")
+        rename = rename or (lambda name: name)  # (the files' names -> the rules' names)
+        self.stored = {rename(name): name for name in self.where}
+        self.where = {rename(name): path for name, path in self.where.items()}
         self._open = {}
         self._safe_open = safe_open
         self.quantized = quantized_pairs(self.where) if mxfp4 else {}
@@ -86,7 +90,7 @@ class _HFTensors:
         path = self.where[name]
         if path not in self._open:
             self._open = {path: self._safe_open(path, "pt")}  # one shard open at a time
-        return self._open[path].get_tensor(name)
+        return self._open[path].get_tensor(self.stored[name])
 
 
 def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -118,7 +122,8 @@ class HFModel:
             raise CheckpointError(f"--from-hf {hf_dir}: {error}") from None
         self.directory = hf_dir
         quantization = self.hf.get("quantization_config") or {}
-        self.tensors = _HFTensors(hf_dir, mxfp4=quantization.get("quant_method") == "mxfp4")
+        self.tensors = _HFTensors(hf_dir, mxfp4=quantization.get("quant_method") == "mxfp4",
+                                  rename=stored_name(self.config.hf_model_type))
         self.expected = expected_shapes(self.config)
         self.plan = list(import_plan(self.config))
         self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)

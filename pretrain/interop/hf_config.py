@@ -77,7 +77,7 @@ FAMILIES = {family.model_type: family for family in (
 )}
 DECODER = {"position_embedding": "rope", "normalization": "RMSNorm", "disable_bias_linear": True,
            "rotary_interleaved": False, "multi_latent_attention": False, "softmax_type": "vanilla",
-           "glu_linear_offset": 0.0, "use_mup": False}
+           "glu_linear_offset": 0.0, "use_mup": False, "attention_output_gate": False}
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_vision_tower",
                    "image_token_index", "image_token_id")
@@ -194,6 +194,7 @@ def _gpt2_misses(config: GPTConfig) -> list[str]:
               "--kv-channels": (config.head_dim, config.hidden_size // config.num_attention_heads),
               "--disable-bias-linear": (config.disable_bias_linear, False),
               "--qk-layernorm": (config.qk_layernorm, False), "--add-qkv-bias": (config.add_qkv_bias, False),
+              "--attention-output-gate": (config.attention_output_gate, False),
               "--norm-placement": (config.norm_placement, "pre"), "--window-size": (config.window_size, None),
               "--multi-latent-attention": (config.multi_latent_attention, False),
               "--softmax-type": (config.softmax_type, "vanilla"), "--use-mup": (config.use_mup, False),

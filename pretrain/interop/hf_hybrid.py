@@ -200,6 +200,7 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
               "add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "softmax_type": "vanilla",
               "multi_latent_attention": False, "use_mup": False, "attn_logit_softcapping": None,
               "final_logit_softcapping": None, "apply_layernorm_1p": False, "glu_linear_offset": 0.0,
+              "attention_output_gate": False,
               "activation_func_clamp_value": None}
     misses = unexpressed(config, wanted)
     if config.position_embedding == "learned_absolute":

@@ -12,6 +12,7 @@ Linear's delta attention keeps q, k, v, b and their three convolutions apart (ou
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -246,7 +247,8 @@ KIMI_MIXERS = {"K": lambda config, ours, theirs: _kimi_delta_rules(config, f"{ou
 
 def kimi_linear_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
     """Kimi Linear: HF layer l is our layers 2l (its mixer, Kimi delta attention or latent attention) and
-    2l + 1 (its MLP or experts, both written under ``block_sparse_moe``)."""
+    2l + 1 (its MLP, ``mlp``, or experts, ``block_sparse_moe``, as Moonshot's checkpoints name them;
+    ``kimi_stored_name`` reads transformers' own saves, which put the MLP under ``block_sparse_moe``)."""
     yield same("word_embedding.weight", "model.embed_tokens.weight")
     layers = config.layer_types()
     for hf_layer in range(len(layers) // 2):
@@ -256,9 +258,18 @@ def kimi_linear_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
         yield from KIMI_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
         yield same(f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight")
         if layers[feed] == "-":
-            yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.block_sparse_moe", GATE_UP_DOWN)
+            yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
         else:
             yield from moe_rules(config, "kimi_linear", f"layers.{feed}", theirs)
     yield same("final_norm.weight", "model.norm.weight")
     if config.untie_embeddings_and_output_weights:
         yield same("output_layer.weight", "lm_head.weight")
+
+
+_KIMI_DENSE = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def kimi_stored_name(name: str) -> str:
+    """A Kimi Linear tensor's name as ``kimi_linear_rules`` has it: transformers saves a dense layer's MLP
+    under ``block_sparse_moe`` (its load-time renaming reversed), Moonshot's checkpoints under ``mlp``."""
+    return _KIMI_DENSE.sub(r"\1.mlp.\2.weight", name)

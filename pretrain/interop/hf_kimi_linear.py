@@ -28,6 +28,16 @@ FIXED = {"normalization": "RMSNorm", "apply_layernorm_1p": False, "disable_bias_
          "layernorm_epsilon": LATENT_EPS, "moe_shared_expert_gate": False}
 
 
+# transformers' KimiLinearConfig defaults, for the keys a config.json may leave out
+DEFAULTS = {"num_experts": 256, "num_experts_per_token": 8, "num_expert_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 2.446, "moe_renormalize": True, "num_shared_experts": 1,
+            "moe_intermediate_size": 1024, "intermediate_size": 9216, "rms_norm_eps": 1e-5,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "model_max_length": 1048576, "num_attention_heads": 32, "num_hidden_layers": 27}
+
+
 def _types(hf: dict) -> tuple[list[str], list[str]]:
     """(each layer's mixer type, each layer's MLP type) as transformers derives them."""
     layers = hf["num_hidden_layers"]
@@ -45,11 +55,15 @@ def _types(hf: dict) -> tuple[list[str], list[str]]:
 
 
 def kimi_linear_from_hf(hf: dict) -> dict:
-    """Our GPTConfig fields for a Kimi Linear config.json."""
+    """Our GPTConfig fields for a Kimi Linear config.json (a key it leaves out: transformers' default)."""
+    aliases = {"num_experts_per_tok": "num_experts_per_token", "n_group": "num_expert_group",
+               "norm_topk_prob": "moe_renormalize", "n_shared_experts": "num_shared_experts",
+               "max_position_embeddings": "model_max_length"}  # (its attribute map)
+    hf = {**DEFAULTS, **{aliases.get(key, key): value for key, value in hf.items()}}
     for key, wanted in {"attention_bias": False, "hidden_act": "silu", "pretraining_tp": 1}.items():
         if hf.get(key) not in (None, wanted):
             raise HFMappingError(f"{KIND} with {key}={hf[key]}: only {wanted} maps")
-    eps = hf.get("rms_norm_eps", 1e-5)
+    eps = hf["rms_norm_eps"]
     if eps != LATENT_EPS:
         raise HFMappingError(f"{KIND} with rms_norm_eps={eps}: transformers' latent norms keep {LATENT_EPS}, "
                              "ours take the model's one epsilon; only equal ones map")
@@ -61,32 +75,29 @@ def kimi_linear_from_hf(hf: dict) -> dict:
     pattern = "".join(MIXERS[m] + ("E" if f == "sparse" else "-") for m, f in zip(mixers, feeds))
     linear = hf.get("linear_attn_config") or {}
     heads = hf["num_attention_heads"]
-    longest = hf.get("model_max_length") or hf.get("max_position_embeddings") or 4096
+    longest = hf["model_max_length"]
     fields = {"hidden_size": hf["hidden_size"], "vocab_size": hf["vocab_size"], "hf_model_type": KIND,
               "hybrid_layer_pattern": pattern, "num_layers": len(pattern), "normalization": "RMSNorm",
               "layernorm_epsilon": eps, "disable_bias_linear": True, "swiglu": True,
               "ffn_hidden_size": hf["intermediate_size"], "num_attention_heads": heads,
               "multi_latent_attention": True, "position_embedding_type": "none",
-              "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf["kv_lora_rank"],
+              "q_lora_rank": hf["q_lora_rank"], "kv_lora_rank": hf["kv_lora_rank"],
               "qk_head_dim": hf["qk_nope_head_dim"], "qk_pos_emb_head_dim": hf["qk_rope_head_dim"],
               "v_head_dim": hf["v_head_dim"],
-              "linear_num_value_heads": linear.get("num_heads", hf.get("linear_num_heads")),
-              "linear_value_head_dim": linear.get("head_dim", hf.get("linear_head_dim")),
-              "linear_conv_kernel_dim": linear.get("short_conv_kernel_size",
-                                                   hf.get("linear_conv_kernel_dim", 4)),
+              "linear_num_value_heads": linear.get("num_heads", hf["linear_num_heads"]),
+              "linear_value_head_dim": linear.get("head_dim", hf["linear_head_dim"]),
+              "linear_conv_kernel_dim": linear.get("short_conv_kernel_size", hf["linear_conv_kernel_dim"]),
               "attention_dropout": float(hf.get("attention_dropout") or 0.0), "hidden_dropout": 0.0,
               "seq_length": min(longest, 4096), "max_position_embeddings": longest,
               "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False)}
     if sparse:
-        shared = hf.get("num_shared_experts", hf.get("n_shared_experts", 1))
+        shared = hf["num_shared_experts"]
         if not shared:
             raise HFMappingError(f"{KIND} with num_shared_experts={shared}: its MoE layers map with shared "
                                  "experts only")
-        routing = {"num_experts_per_tok": hf.get("num_experts_per_token", hf.get("num_experts_per_tok")),
-                   "n_group": hf.get("num_expert_group", hf.get("n_group")),
-                   "topk_group": hf.get("topk_group"),
-                   "norm_topk_prob": hf.get("moe_renormalize", hf.get("norm_topk_prob", True)),
-                   "routed_scaling_factor": hf.get("routed_scaling_factor")}
+        routing = {"num_experts_per_tok": hf["num_experts_per_token"], "n_group": hf["num_expert_group"],
+                   "topk_group": hf["topk_group"], "norm_topk_prob": hf["moe_renormalize"],
+                   "routed_scaling_factor": hf["routed_scaling_factor"]}
         fields.update(num_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
                       moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared,
                       **sigmoid_routing_from_hf(routing, KIND))

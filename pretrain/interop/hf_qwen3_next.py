@@ -29,6 +29,15 @@ FIXED = {"normalization": "RMSNorm", "apply_layernorm_1p": True, "disable_bias_l
          "norm_placement": "pre"}
 
 
+# transformers' Qwen3NextConfig defaults, for the keys a config.json may leave out
+DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
+            "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+            "intermediate_size": 5632, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "num_hidden_layers": 48, "partial_rotary_factor": 0.25}
+
+
 def _refuse(hf: dict, keys: dict) -> None:
     for key, wanted in keys.items():
         if hf.get(key) not in (None, wanted):
@@ -36,7 +45,8 @@ def _refuse(hf: dict, keys: dict) -> None:
 
 
 def qwen3_next_from_hf(hf: dict) -> dict:
-    """Our GPTConfig fields for a Qwen3-Next config.json."""
+    """Our GPTConfig fields for a Qwen3-Next config.json (a key it leaves out: transformers' default)."""
+    hf = {**DEFAULTS, **{key: value for key, value in hf.items() if value is not None}}
     _refuse(hf, {"attention_bias": False, "hidden_act": "silu"})
     layers = hf["num_hidden_layers"]
     interval = hf.get("full_attention_interval") or 4
@@ -53,23 +63,23 @@ def qwen3_next_from_hf(hf: dict) -> dict:
     sparse = moe_layers_of(hf, layers) if moe else [0] * layers
     pattern = "".join(MIXERS[t] + "-E"[sparse[i]] for i, t in enumerate(types))
     heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    longest = hf.get("max_position_embeddings") or 4096
+    groups = hf["num_key_value_heads"]
+    longest = hf["max_position_embeddings"]
     return {"hidden_size": hf["hidden_size"], "vocab_size": hf["vocab_size"], "hf_model_type": KIND,
             "hybrid_layer_pattern": pattern, "num_layers": len(pattern), "normalization": "RMSNorm",
-            "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6), "apply_layernorm_1p": True,
+            "layernorm_epsilon": hf["rms_norm_eps"], "apply_layernorm_1p": True,
             "disable_bias_linear": True, "swiglu": True, "ffn_hidden_size": hf["intermediate_size"],
             "num_attention_heads": heads, "group_query_attention": groups != heads,
             "num_query_groups": groups if groups != heads else None,
-            "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads, "qk_layernorm": True,
+            "kv_channels": hf["head_dim"], "qk_layernorm": True,
             "attention_output_gate": True, "position_embedding_type": "rope",
-            **rotary({"partial_rotary_factor": 0.25, **hf}, KIND),  # (transformers' default)
+            **rotary(hf, KIND),
             "attention_dropout": float(hf.get("attention_dropout") or 0.0), "hidden_dropout": 0.0,
             "linear_num_key_heads": hf["linear_num_key_heads"],
             "linear_num_value_heads": hf["linear_num_value_heads"],
             "linear_key_head_dim": hf["linear_key_head_dim"],
             "linear_value_head_dim": hf["linear_value_head_dim"],
-            "linear_conv_kernel_dim": hf.get("linear_conv_kernel_dim", 4),
+            "linear_conv_kernel_dim": hf["linear_conv_kernel_dim"],
             "seq_length": min(longest, 4096), "max_position_embeddings": longest,
             "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False), **moe}
 

@@ -10,8 +10,8 @@ import torch
 
 from models.config import GPTConfig
 from pretrain.interop.hf_config import hf_kind
-from pretrain.interop.hf_hybrid_names import (granite_rules, kimi_linear_rules, nemotron_rules,
-                                             qwen3_next_rules)
+from pretrain.interop.hf_hybrid_names import (granite_rules, kimi_linear_rules, kimi_stored_name,
+                                             nemotron_rules, qwen3_next_rules)
 from pretrain.interop.hf_names import Rule, StackedRule, decoder_rules, gpt2_rules
 
 
@@ -48,3 +48,9 @@ def export_plan(config: GPTConfig) -> Iterator[tuple[str, tuple[str, ...], Calla
             continue
         for index, theirs in enumerate(rule.theirs):
             yield theirs, (rule.ours,), lambda x, rule=rule, index=index: rule.split(x)[index]
+
+
+def stored_name(kind: str | None) -> Callable[[str], str]:
+    """Where a family's files may name a tensor otherwise than its rules do: the rules' name for each name
+    in the files (Kimi Linear's dense MLPs as transformers saves them; every other family as it is)."""
+    return kimi_stored_name if kind == "kimi_linear" else (lambda name: name)

@@ -46,8 +46,8 @@ NEMOTRON = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 100, "n
     ({"model_type": "granitemoehybrid", "residual_multiplier": 0.2}, "granitemoehybrid with "
      "residual_multiplier=0.2: only 1.0 maps"),
     ({"model_type": "mamba2", "use_bias": True}, "mamba2 with use_bias=True: only False maps"),
-    ({"model_type": "kimi_linear", "rms_norm_eps": 1e-5}, "kimi_linear with rms_norm_eps=1e-05: transformers' "
-     "latent norms keep 1e-06"),
+    ({"model_type": "kimi_linear", "rms_norm_eps": 1e-5},
+     "kimi_linear with rms_norm_eps=1e-05: transformers' latent norms keep 1e-06"),
     ({"model_type": "kimi_linear", "hidden_act": "gelu"}, "kimi_linear with hidden_act=gelu: only silu maps"),
     ({"model_type": "qwen3_next", "attention_bias": True},
      "qwen3_next with attention_bias=True: only False maps"),
@@ -102,3 +102,13 @@ def test_what_the_families_cannot_hold_is_named_and_megatrons_hybrid_args_read(t
     with pytest.raises(CheckpointError, match="DIR: --hybrid-layer-pattern 'M\\*X': 'X' is not a layer "
                                               "symbol"):
         config_of(argparse.Namespace(hybrid_layer_pattern="M*X", num_layers=3, vocab_size=100), "DIR")
+    # a Llama with Qwen3-Next's output gate has no Hugging Face class (its gates would land in q_proj);
+    # latent attention without positions (Kimi Linear's) is no Megatron model, which always rotates
+    llama = dict(hidden_size=32, num_attention_heads=4, vocab_size=100, normalization="RMSNorm",
+                 swiglu=True, position_embedding_type="rope", disable_bias_linear=True)
+    with pytest.raises(HFMappingError, match="--attention-output-gate True"):
+        hf_kind(GPTConfig(attention_output_gate=True, **llama))
+    nope = GPTConfig(**{**llama, "position_embedding_type": "none"}, multi_latent_attention=True,
+                     kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    with pytest.raises(ValueError, match="megatron-core's latent attention always rotates"):
+        write_megatron(None, nope, {}, str(tmp_path), "torch")

@@ -128,8 +128,7 @@ def recompute_cost(config: GPTConfig, layout: Layout) -> float:
         return 1.0
     h, f = config.hidden_size, config.ffn_size
     mlp = (3 if config.gated else 2) * h * f
-    attention = h * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim \
-        + config.num_attention_heads * config.head_dim * h
+    attention = h * config.attention_projection_rows + config.num_attention_heads * config.head_dim * h
     return 1 + mlp / (mlp + attention) / 3
 
 

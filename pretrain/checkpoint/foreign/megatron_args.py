@@ -162,7 +162,8 @@ YARN = {"rotary_scaling_factor": ("rope_scaling_factor", 40.0),
 def _latent(args: argparse.Namespace, config: dict, where: str) -> None:
     """Latent attention's fields: Megatron takes its rotary dims apart (evens, then odds) before rotating
     them, as our --rotary-interleaved does; its --qk-layernorm are the latent norms, which ours always has;
-    its rotary is yarn unless --rope-type rope says otherwise."""
+    its rotary is yarn unless --rope-type rope says otherwise, and it always rotates (the model is rope
+    whatever --position-embedding-type says)."""
     if _arg(args, "rotary_interleaved", False):
         raise CheckpointError(f"{where}: latent attention saved with --rotary-interleaved, which Megatron "
                               "applies after taking the dims apart; this stack does not build that")
@@ -173,7 +174,9 @@ def _latent(args: argparse.Namespace, config: dict, where: str) -> None:
     if not _arg(args, "qk_layernorm", False):
         raise CheckpointError(f"{where}: latent attention without --qk-layernorm (no latent norms): not "
                               "built here")
-    config.update(rotary_interleaved=True, qk_layernorm=False, group_query_attention=False)
+    # (megatron-core's latent attention rotates by --rope-type whatever --position-embedding-type says)
+    config.update(rotary_interleaved=True, qk_layernorm=False, group_query_attention=False,
+                  position_embedding_type="rope")
     for name in ("kv_channels", "num_query_groups"):  # (Megatron's args keep them; latent heads have none)
         config.pop(name, None)
 

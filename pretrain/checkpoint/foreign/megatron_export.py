@@ -100,6 +100,10 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
                          "--to consolidated")
     if with_optimizer:
         _check_optimizer_export(source, config, manifest, ckpt_format)
+    if config.multi_latent_attention and config.position_embedding != "rope":
+        raise ValueError("--to megatron: megatron-core's latent attention always rotates its rotary dims; "
+                         "this model's latent attention has no positions (NoPE): convert with --to "
+                         "consolidated")
     if config.multi_latent_attention and (not config.rotary_interleaved
                                           or config.rope_scaling not in ("none", "yarn")):
         raise ValueError("--to megatron: latent attention is written with rotary positions taken apart as "
