@@ -184,26 +184,33 @@ QWEN3_NEXT_MIXERS = {"G": lambda config, ours, theirs: _gdn_rules(config, f"{our
                                                                               f"{theirs}.self_attn")}
 
 
-def qwen3_next_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
-    """Qwen3-Next: HF layer l is our layers 2l (its mixer, a gated delta net or gated attention) and 2l + 1
-    (its MLP or experts); every norm but the delta nets' output norms stored as an offset from 1."""
+def _mixer_then_feed_rules(config: GPTConfig, kind: str, mixers: dict,
+                           offsets: bool) -> Iterator[Rule | StackedRule]:
+    """A family whose HF layer l is our layers 2l (its mixer, by ``mixers``) and 2l + 1 (its MLP or
+    experts, ``kind``'s MoE names); ``offsets``: its norms stored as offsets from 1."""
     yield same("word_embedding.weight", "model.embed_tokens.weight")
     layers = config.layer_types()
     for hf_layer in range(len(layers) // 2):
         mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
         theirs = f"model.layers.{hf_layer}"
         yield norm_rule(config, f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight",
-                        f"{theirs}.input_layernorm.weight", offsets=True)
-        yield from QWEN3_NEXT_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
+                        f"{theirs}.input_layernorm.weight", offsets)
+        yield from mixers[layers[mixer]](config, f"layers.{mixer}", theirs)
         yield norm_rule(config, f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight",
-                        offsets=True)
+                        offsets)
         if layers[feed] == "-":
             yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
         else:
-            yield from moe_rules(config, "qwen3_next", f"layers.{feed}", theirs)
-    yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets=True)
+            yield from moe_rules(config, kind, f"layers.{feed}", theirs)
+    yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets)
     if config.untie_embeddings_and_output_weights:
         yield same("output_layer.weight", "lm_head.weight")
+
+
+def qwen3_next_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
+    """Qwen3-Next: HF layer l is our layers 2l (its mixer, a gated delta net or gated attention) and 2l + 1
+    (its MLP or experts); every norm but the delta nets' output norms stored as an offset from 1."""
+    return _mixer_then_feed_rules(config, "qwen3_next", QWEN3_NEXT_MIXERS, offsets=True)
 
 
 def _kimi_delta_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
@@ -248,22 +255,9 @@ KIMI_MIXERS = {"K": lambda config, ours, theirs: _kimi_delta_rules(config, f"{ou
 def kimi_linear_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
     """Kimi Linear: HF layer l is our layers 2l (its mixer, Kimi delta attention or latent attention) and
     2l + 1 (its MLP, ``mlp``, or experts, ``block_sparse_moe``, as Moonshot's checkpoints name them;
-    ``kimi_stored_name`` reads transformers' own saves, which put the MLP under ``block_sparse_moe``)."""
-    yield same("word_embedding.weight", "model.embed_tokens.weight")
-    layers = config.layer_types()
-    for hf_layer in range(len(layers) // 2):
-        mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
-        theirs = f"model.layers.{hf_layer}"
-        yield same(f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight", f"{theirs}.input_layernorm.weight")
-        yield from KIMI_MIXERS[layers[mixer]](config, f"layers.{mixer}", theirs)
-        yield same(f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight")
-        if layers[feed] == "-":
-            yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
-        else:
-            yield from moe_rules(config, "kimi_linear", f"layers.{feed}", theirs)
-    yield same("final_norm.weight", "model.norm.weight")
-    if config.untie_embeddings_and_output_weights:
-        yield same("output_layer.weight", "lm_head.weight")
+    ``kimi_stored_name`` reads transformers' own saves, which put the MLP under ``block_sparse_moe``); plain
+    norm weights."""
+    return _mixer_then_feed_rules(config, "kimi_linear", KIMI_MIXERS, offsets=False)
 
 
 _KIMI_DENSE = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight")
