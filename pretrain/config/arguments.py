@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import dataclasses
+import functools
 import types
 import typing
 
@@ -25,7 +26,14 @@ class ConfigError(ValueError):
 
 def _field_type(f: dataclasses.Field) -> tuple[type, bool, bool]:
     """(base type, optional?, list?) of a field annotation such as ``int | None`` or ``list[str] | None``."""
-    hints = typing.get_type_hints(type("_", (), {"__annotations__": {"x": f.type}}))["x"]
+    return _annotation_type(f.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _annotation_type(annotation: str) -> tuple[type, bool, bool]:
+    """``_field_type`` of one annotation string: evaluated once a process (a few dozen distinct strings
+    among hundreds of fields; evaluating each field's cost most of a parse)."""
+    hints = typing.get_type_hints(type("_", (), {"__annotations__": {"x": annotation}}))["x"]
     args = typing.get_args(hints)
     optional = type(None) in args
     if isinstance(hints, types.UnionType) or typing.get_origin(hints) is typing.Union:

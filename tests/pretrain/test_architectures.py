@@ -17,7 +17,7 @@ from pretrain.interop.convert import main as convert
 from pretrain.startup.validation import validate
 from tests.data.bpe_files import write_gpt2_files
 from tests.parity import assert_trajectory_close
-from tests.pretrain.test_trainer import COMPILED, TINY, _pp, _tp, _train
+from tests.pretrain.test_trainer import COMPILED, SHORT, TINY, _pp, _short, _tp, _train
 from tests.world import run_world
 
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
@@ -47,11 +47,12 @@ def test_llama_class_model_reproduces_the_single_process_run_in_every_layout(std
     # compiled where --compile must keep working (issue 49): interleaved stages, ZeRO-3's gathers around the
     # compiled layers under full recompute with the optimizer on the CPU, tp2 + SP (eager: the same layouts
     # in test_trainer, and the interleaved run below)
-    two = run_world(2, _train, [LLAMA + _tp(2), LLAMA + _tp(2, "--sequence-parallel"), LLAMA + _pp(2),
-                                LLAMA + interleaved + COMPILED,
-                                LLAMA + _tp(2, "--zero-stage", "2", "--recompute-granularity", "selective"),
-                                LLAMA + recompute_offload + COMPILED,
-                                LLAMA + _tp(2, "--sequence-parallel", *COMPILED)], stdlib_corpus)
+    two = run_world(2, _train, _short([LLAMA + _tp(2), LLAMA + _tp(2, "--sequence-parallel"), LLAMA + _pp(2),
+                                       LLAMA + interleaved + COMPILED,
+                                       LLAMA + _tp(2, "--zero-stage", "2", "--recompute-granularity",
+                                                   "selective"),
+                                       LLAMA + recompute_offload + COMPILED,
+                                       LLAMA + _tp(2, "--sequence-parallel", *COMPILED)]), stdlib_corpus)
     _assert_follows(two, (losses, norms), "tp2 / tp2+SP / pp2 / compiled pp2 interleaved / tp2 ZeRO-2 "
                                           "selective / "
                                           "compiled dp2 ZeRO-3 full recompute, optimizer on the CPU / "
@@ -63,7 +64,7 @@ def test_llama_class_model_reproduces_the_single_process_run_in_every_layout(std
               stdlib_corpus)
     grid = LLAMA + _pp(2) + _tp(2, "--sequence-parallel") + ["--zero-stage", "3",
                                                              "--zero-persistence-threshold", "0"]
-    straight, resumed = zip(*run_world(8, _train, [grid, grid + ["--load", saved]],
+    straight, resumed = zip(*run_world(8, _train, [SHORT + grid, grid + ["--load", saved]],
                                        stdlib_corpus, timeout_s=400))
     _assert_follows([[run] for run in straight], (losses, norms), "dp2 x tp2 x pp2 ZeRO-3")
     _assert_follows([[run] for run in resumed], (losses, norms), "re-cut to dp2 x tp2 x pp2 ZeRO-3", start=5)

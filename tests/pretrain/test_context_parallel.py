@@ -85,15 +85,16 @@ def test_document_masking_reproduces_one_process_with_context_and_pipeline_paral
     assert all(abs(a - b) > 1e-3 for a, b in zip(plain, masked))  # the masks change every step's loss
     layouts = {"cp2 x tp2 SP": _cp(2) + _tp(2, "--sequence-parallel"), "pp2": _pp(2),
                "cp2 a2a x pp2": _cp(2, "a2a") + _pp(2), "cp4 allgather": _cp(4, "allgather")}
-    runs = run_world(4, _train, [DOCUMENTS + flags for flags in layouts.values()]
-                     + [LLAMA + DOCUMENTS + _cp(2) + _tp(2)], short_documents, timeout_s=600)
-    compiled = run_world(2, _train, [LLAMA + DOCUMENTS + _cp(2) + COMPILED], short_documents)
+    runs = run_world(4, _train, _short([DOCUMENTS + flags for flags in layouts.values()]
+                                       + [LLAMA + DOCUMENTS + _cp(2) + _tp(2)]), short_documents,
+                     timeout_s=600)
+    compiled = run_world(2, _train, _short([LLAMA + DOCUMENTS + _cp(2) + COMPILED]), short_documents)
     runs = [four + two for four, two in zip(runs, 2 * compiled)]
     references = [masked] * len(layouts) + [llama, llama]
     names = [*layouts, "llama cp2 x tp2", "llama cp2 compiled"]
     for rank_results in runs:
         for (losses, *_, unexpected), reference, name in zip(rank_results, references, names):
-            assert_trajectory_close(losses, reference, f"documents {name}: loss")
+            assert_trajectory_close(losses, reference[:len(losses)], f"documents {name}: loss")
             assert not unexpected, unexpected  # a compiled layer's graphs break at communication only
 
 
