@@ -8,6 +8,8 @@ softplus(dt + dt_bias) and the skip D, gated by SiLU(z); no norm when ``rmsnorm_
 megatron-core calls it), ``mamba_chunk_scan_combined`` and the gated RMSNorm; the scan and convolution
 are this stack's kernels (``models.mamba``, tested against the recurrence). Decode kernels raise. The
 rest (projections, the part-major splits, the grouped norm, the layers and their keys) is megatron-core's.
+Its GatedDeltaNet runs with ``deterministic_mode`` (its own PyTorch delta rule and convolution) beside a
+stand-in of flash-linear-attention's l2norm.
 0.16.1 ships no hybrid spec without Transformer Engine: ``hybrid_spec`` is its local twin (the norms keyed
 under TE's fused names in torch_dist, as the TE spec saves them), and the stack's final norm, a TE norm
 whatever the spec, is swapped for megatron-core's torch norm.
@@ -21,8 +23,10 @@ import types
 import torch
 import torch.nn.functional as F
 
-# megatron-core's MambaMixer fields (Megatron-LM's --mamba-* flags)
+# megatron-core's MambaMixer fields (Megatron-LM's --mamba-* flags) and GatedDeltaNet's (--linear-*)
 MAMBA_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+GDN_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 def install_mamba_stand_ins() -> None:
@@ -115,6 +119,16 @@ def install_mamba_stand_ins() -> None:
     module("megatron.core.inference.contexts.attention_context.triton.tensor_ops",
            tensor_get_slice_after=decode_only, tensor_masked_update=decode_only, tensor_merge=decode_only)
 
+    def l2norm(x, eps=1e-6):  # flash-linear-attention's: x / sqrt(sum x^2 + eps) over the last dim
+        return (x.float() * torch.rsqrt(x.float().square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+    # (GatedDeltaNet imports both together; with deterministic_mode it runs its own PyTorch delta rule)
+    module("fla")
+    module("fla.modules")
+    module("fla.modules.l2norm", l2norm=l2norm)
+    module("fla.ops")
+    module("fla.ops.gated_delta_rule", chunk_gated_delta_rule=decode_only)
+
 
 def hybrid_spec(num_experts: int | None):
     """The hybrid stack's spec with megatron-core's local modules (0.16.1 ships only Transformer Engine's
@@ -158,16 +172,63 @@ def hybrid_spec(num_experts: int | None):
             mlp_bda=get_bias_dropout_add))))
 
 
+def _layer_norm_linear():
+    """Transformer Engine's ``LayerNormColumnParallelLinear`` (RMSNorm) on megatron-core's local linear:
+    the norm's weight is the linear's parameter ``layer_norm_weight`` (so keyed in both formats), applied
+    to its input first."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class LayerNormColumnParallelLinear(ColumnParallelLinear):
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            if config.normalization != "RMSNorm":
+                raise NotImplementedError("stand-in: RMSNorm only")
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size))
+            self.eps, self.centred = config.layernorm_epsilon, config.layernorm_zero_centered_gamma
+
+        def forward(self, x, *args, **kwargs):
+            scale = self.layer_norm_weight + 1 if self.centred else self.layer_norm_weight
+            normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * scale
+            return super().forward(normed, *args, **kwargs)
+
+    return LayerNormColumnParallelLinear
+
+
+def gdn_layer_spec():
+    """Megatron-LM main's ``G`` layer (its hybrid stack's ``gdn_layer``): a TransformerLayer whose
+    self_attention is megatron-core's GatedDeltaNet, its pre-norm fused into in_proj, no MLP."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=_layer_norm_linear(), out_norm=WrappedTorchNorm, out_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add))
+
+
 def hybrid_chunk(config, arch: dict, vocab: int, sequence: int, pre_process: bool, post_process: bool):
     """megatron-core's MambaModel of ``config`` (a TransformerConfig with the Mamba fields) and the
-    pattern ``arch`` names (its hybrid_override_pattern), this pipeline rank's stage of it."""
+    pattern ``arch`` names (its hybrid_override_pattern), this pipeline rank's stage of it. 0.16.1's stack
+    knows no ``G``: it is built as attention there, and that layer replaced by Megatron-LM main's
+    ``gdn_layer`` (which its stack calls as it calls attention layers)."""
     from megatron.core.models.mamba.mamba_model import MambaModel
     from megatron.core.ssm import mamba_block
+    from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     mamba_block.TENorm = WrappedTorchNorm  # (the stack's final norm is TE's whatever the spec)
-    return MambaModel(config, hybrid_spec(arch.get("num_experts")), vocab_size=vocab,
-                      max_sequence_length=sequence, hybrid_override_pattern=arch["hybrid_override_pattern"],
-                      pre_process=pre_process, post_process=post_process,
-                      position_embedding_type=arch["position_embedding_type"],
-                      share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"])
+    pattern = arch["hybrid_override_pattern"]
+    model = MambaModel(config, hybrid_spec(arch.get("num_experts")), vocab_size=vocab,
+                       max_sequence_length=sequence, hybrid_override_pattern=pattern.replace("G", "*"),
+                       pre_process=pre_process, post_process=post_process,
+                       position_embedding_type=arch["position_embedding_type"],
+                       share_embeddings_and_output_weights=not arch["untie_embeddings_and_output_weights"])
+    layers = model.decoder.layers
+    for index, layer in enumerate(layers):
+        if pattern[layer.layer_number - 1] == "G":  # (layer_number: global, from 1; a TransformerLayer
+            layers[index] = build_module(gdn_layer_spec(), config=config, layer_number=index + 1)  # adds
+    return model  # its stage's offset itself)

@@ -19,7 +19,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tests.pretrain.megatron_hybrid_oracle import MAMBA_FIELDS, hybrid_chunk, install_mamba_stand_ins
+from tests.pretrain.megatron_hybrid_oracle import (GDN_FIELDS, MAMBA_FIELDS, hybrid_chunk,
+                                                   install_mamba_stand_ins)
 
 HIDDEN, HEADS, LAYERS, FFN, VOCAB, SEQ = 32, 4, 4, 48, 64, 16
 ITERATION, CONSUMED = 7, 56
@@ -47,10 +48,13 @@ LATENT = {"multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16,
           "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0, "qk_layernorm": True,
           "group_query_attention": False, "num_query_groups": HEADS}
 ARCHITECTURES["deepseek"] = {**ARCHITECTURES["llama"], **MOE, **LATENT}
-# and a HybridModel (Nemotron-H's class): Mamba-2, attention (with Qwen3-Next's output gate), MLP and expert
-# layers by the pattern of megatron-core 0.16's --hybrid-override-pattern, Llama's otherwise
-HYBRID = {"hybrid_override_pattern": "M*M-ME", "mamba_state_dim": 16, "mamba_head_dim": 8,
+# and a HybridModel (Nemotron-H's class): Mamba-2, attention (with Qwen3-Next's output gate), a gated delta
+# net (grouped heads, as Qwen3-Next's; 2 key heads per tp rank), MLP and expert layers by the pattern of
+# megatron-core 0.16's --hybrid-override-pattern, Llama's otherwise
+HYBRID = {"hybrid_override_pattern": "M*G-ME", "mamba_state_dim": 16, "mamba_head_dim": 8,
           "mamba_num_groups": 2, "is_hybrid_model": True, "attention_output_gate": True,
+          "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 4,
+          "linear_value_head_dim": 4, "linear_conv_kernel_dim": 4,
           **{key: value for key, value in MOE.items() if "shared_expert" not in key}}
 ARCHITECTURES["hybrid"] = {**ARCHITECTURES["llama"], **HYBRID}
 
@@ -103,7 +107,9 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
     initialize_rng_tracker(inference_rng_tracker=True)
     latent = {key: arch[key] for key in LATENT if key in arch and key not in ("group_query_attention",
                                                                            "num_query_groups")}
-    mamba = {key: arch[key] for key in (*MAMBA_FIELDS, "is_hybrid_model") if key in arch}
+    mamba = {key: arch[key] for key in (*MAMBA_FIELDS, *GDN_FIELDS, "is_hybrid_model") if key in arch}
+    if hybrid:  # (its GatedDeltaNet runs its own PyTorch delta rule)
+        mamba["deterministic_mode"] = True
     config = (MLATransformerConfig if latent else TransformerConfig)(
         num_layers=_layers(arch), hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         num_query_groups=arch["num_query_groups"], normalization=arch["normalization"],

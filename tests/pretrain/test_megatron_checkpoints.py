@@ -104,7 +104,7 @@ def test_both_formats_load_in_any_layout_and_ours_go_back_with_megatron_cores_lo
         # (the experts at ep2 beside dp2; at tp2 they route each tp rank's share: --sequence-parallel; the
         # hybrid's pipeline cut where its pattern says)
         experts = ["--expert-model-parallel-size", "2"] if world_size == 2 else ["--sequence-parallel"]
-        own = {"deepseek": experts, "hybrid": experts + (["--hybrid-layer-pattern", "M*M|-ME"]
+        own = {"deepseek": experts, "hybrid": experts + (["--hybrid-layer-pattern", "M*G|-ME"]
                                                          if world_size == 4 else [])}
         results = run_world(world_size, _loaded_logits,
                             [(entry[2], own.get(entry[0], [])) for entry in chosen],
@@ -227,10 +227,11 @@ class _Exploit:
 def test_megatron_lm_mains_hybrid_spellings_load_and_what_it_cannot_be_is_refused(megatron_checkpoints,
                                                                                   tmp_path, capsys):
     """The hybrid's legacy files as Megatron-LM main writes them: the pattern's ``|`` places the stages
-    (here ``M*|M-ME``, uneven: layer 2 moves to the second stage and the layers there renumber), the
+    (here ``M*|G-ME``, uneven: layer 2 moves to the second stage and the layers there renumber), the
     convolution's tensors are direct mixer parameters (``conv1d_weight``), the args keep
     ``hybrid_layer_pattern``; megatron-core's logits still. A pattern of multi-token-prediction depths,
-    and layers allotted by ratios alone, are refused by name."""
+    layers allotted by ratios alone and Megatron's GPT path to gated delta nets (a mixer and its MLP in
+    one layer) are refused by name."""
     out, theirs = megatron_checkpoints["hybrid"]
     iteration = f"iter_{ITERATION:07d}"
     main = _copy(os.path.join(out, "torch"), tmp_path / "main")
@@ -247,20 +248,24 @@ def test_megatron_lm_mains_hybrid_spellings_load_and_what_it_cannot_be_is_refuse
                        .replace("mixer.conv1d.bias", "mixer.conv1d_bias")] = value
         second["model"] = renumbered
         for state, path in zip((first, second), paths):
-            state["args"].hybrid_layer_pattern, state["args"].hybrid_override_pattern = "M*|M-ME", None
+            state["args"].hybrid_layer_pattern, state["args"].hybrid_override_pattern = "M*|G-ME", None
             torch.save(state, path)
     convert(["--load", main, "--list"])
     listing = capsys.readouterr().out
-    assert "Megatron-LM (torch, tp2 x pp2)" in listing and "layers 'M*M-ME'" in listing, listing
+    assert "Megatron-LM (torch, tp2 x pp2)" in listing and "layers 'M*G-ME'" in listing, listing
     model = load_model(main)
     for prompt, reference in zip(PROMPTS, theirs):
         assert_within(_relative(model(torch.tensor([prompt]))[0], reference), "main's hybrid files: logits",
                       INTEROP_RTOL)
 
-    for change, pattern in (({"hybrid_layer_pattern": "M*M-ME/*-"},
+    for change, pattern in (({"hybrid_layer_pattern": "M*G-ME/*-"},
                              r"multi-token prediction \(the depths after /\) is not built"),
                             ({"hybrid_override_pattern": None, "hybrid_attention_ratio": 0.25},
-                             r"saved with --hybrid-attention-ratio and no layer pattern")):
+                             r"saved with --hybrid-attention-ratio and no layer pattern"),
+                            ({"experimental_attention_variant": "gated_delta_net",
+                              "linear_attention_freq": 4},
+                             r"saved by Megatron's GPT path with --experimental-attention-variant "
+                             r"gated_delta_net \(a mixer and its MLP in each layer\): not read yet")):
         broken = _copy(main, tmp_path / f"broken{len(pattern)}")
         for name in os.listdir(os.path.join(broken, iteration)):
             path = os.path.join(broken, iteration, name, "model_optim_rng.pt")

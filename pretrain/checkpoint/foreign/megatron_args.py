@@ -102,6 +102,11 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
         if getattr(args, name, None) not in (None, False, 0, "") and "pipeline" not in what:
             raise CheckpointError(f"{where}: saved with --{name.replace('_', '-')} ({what}), which this "
                                   "stack does not build; refused")
+    variant = _arg(args, "experimental_attention_variant")
+    if variant:
+        raise CheckpointError(f"{where}: saved by Megatron's GPT path with --experimental-attention-variant "
+                              f"{variant} (a mixer and its MLP in each layer): not read yet; a HybridModel's "
+                              "(--hybrid-layer-pattern) checkpoint of the same layers is")
     pattern = _pattern(args, where)
     config = {name: value for name in GPTConfig.__dataclass_fields__
               if isinstance(value := getattr(args, name, None), _PLAIN) and value is not None

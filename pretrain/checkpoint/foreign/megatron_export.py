@@ -29,7 +29,7 @@ from pretrain.checkpoint.foreign.megatron_args import MegatronLayout, args_of
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.megatron_checkpoint import (TRACKER, is_megatron, iteration_folder,
                                                              legacy_file, tracked_iteration)
-from pretrain.checkpoint.foreign.megatron_mamba import PARTS, split_parts, to_megatron
+from pretrain.checkpoint.foreign.megatron_parts import PARTS, split_parts, to_megatron
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, LEGACY_EXPERTS,
                                                         ROW_SPLIT_DOWN, STACKED_EXPERTS, extra_state_modules,
                                                         megatron_key, registration_order)
@@ -92,9 +92,6 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     copied into the iteration folder and named in the args. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
-    if "G" in config.layer_types():
-        raise ValueError("--to megatron: gated delta net layers (G) are not written as Megatron checkpoints "
-                         "yet; convert with --to consolidated")
     if "K" in config.layer_types():
         raise ValueError("--to megatron: Megatron-LM has no Kimi delta attention layer (K); convert with "
                          "--to consolidated")
@@ -210,7 +207,7 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
             stages, ranks = [layer // per_stage], [expert // per_rank]
             key = f"decoder.layers.{layer % per_stage}.{LEGACY_EXPERTS}{expert % per_rank}.{key}"
         parts = _tp_parts(tensor, name, dim, layout.tp)
-        parts = [to_megatron(inner, part, config, layout.tp) for part in parts]  # (a Mamba rank's rows)
+        parts = [to_megatron(inner, part, config, layout.tp) for part in parts]  # (a mixer rank's rows)
         moments = {kind: _tp_parts(_padded(source.whole(name, kind), table, padded), name, dim, layout.tp)
                    for kind in ("exp_avg", "exp_avg_sq")} if with_optimizer else {}
         for stage, t, e in itertools.product(stages, range(layout.tp), ranks):
@@ -290,7 +287,7 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
 
 def _write_hybrid_distributed(source, config, slices, padded, common, folder) -> None:
     """A HybridModel's torch_dist: each tensor keyed by its layer (no layer axis; a layer's experts on a
-    first axis), a Mamba mixer's in_proj and convolution saved as their parts (``megatron_mamba.PARTS``),
+    first axis), a mixer's in_proj and convolution saved as their parts (``megatron_parts.PARTS``),
     the norms under Transformer Engine's fused names but a mixture of experts' pre-norm (which its spec
     never fuses)."""
     state: dict = {}

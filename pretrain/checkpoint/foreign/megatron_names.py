@@ -58,6 +58,17 @@ LAYER_KEYS = {
     "mixer.dt_bias": "mamba.dt_bias",
     "mixer.norm.weight": "mamba.norm.weight",
     "mixer.out_proj.weight": "mamba.out_proj.weight",
+    # a hybrid model's gated delta net layer (``G``, Megatron-LM main's: a TransformerLayer whose
+    # self_attention is a GatedDeltaNet, its pre-norm fused into in_proj: Megatron builds it with
+    # Transformer Engine only, so both formats use the fused name)
+    "self_attention.in_proj.layer_norm_weight": "gdn_norm.weight",
+    "self_attention.in_proj.layer_norm_bias": "gdn_norm.bias",
+    "self_attention.in_proj.weight": "gdn.in_proj.weight",
+    "self_attention.conv1d.weight": "gdn.conv1d.weight",
+    "self_attention.A_log": "gdn.A_log",
+    "self_attention.dt_bias": "gdn.dt_bias",
+    "self_attention.out_norm.weight": "gdn.out_norm.weight",
+    "self_attention.out_proj.weight": "gdn.out_proj.weight",
 }
 # latent attention's, within a layer (its latent norms take the dense layer's q/k-norm keys in the local spec,
 # and fuse into the up projections in Transformer Engine's)
@@ -96,12 +107,14 @@ STACKED_PREFIX = "decoder.layers."  # torch_dist: one key per layer tensor, the 
 
 # ours -> Megatron's: the local spec's norm names (legacy files) or the fused ones (torch_dist, whatever
 # the spec: megatron-core's own sharded state dict maps the local names onto them)
-LOCAL_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" not in theirs}
-LOCAL_LATENT_KEYS = {**LOCAL_LAYER_KEYS, **{ours: theirs for theirs, ours in LATENT_LAYER_KEYS.items()
-                                            if ".layer_norm_" not in theirs}}
 LOCAL_NORM_MODULES = ("input_layernorm.", "pre_mlp_layernorm.", "norm.")
 FUSED_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
                     if not theirs.startswith(LOCAL_NORM_MODULES)}
+# (the fused name where a layer has no other: a gated delta net's norm)
+LOCAL_LAYER_KEYS = {**FUSED_LAYER_KEYS,
+                    **{ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" not in theirs}}
+LOCAL_LATENT_KEYS = {**LOCAL_LAYER_KEYS, **{ours: theirs for theirs, ours in LATENT_LAYER_KEYS.items()
+                                            if ".layer_norm_" not in theirs}}
 OUR_MODEL_KEYS = {ours: theirs for theirs, ours in MODEL_KEYS.items()
                   if not theirs.startswith("decoder.final_norm.")}
 # a HybridModel's (its final norm's name)
@@ -115,6 +128,7 @@ MLP_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
 SHARED_EXPERT_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_EXTRA_STATE_MODULES = ("linear_fc1", "linear_fc2")
 MAMBA_EXTRA_STATE_MODULES = ("mixer.in_proj", "mixer.out_proj")
+GDN_EXTRA_STATE_MODULES = ("self_attention.in_proj", "self_attention.out_proj")
 
 
 def extra_state_modules(entry: str, latent: bool, q_lora_rank: int | None, shared_experts: bool
@@ -124,7 +138,8 @@ def extra_state_modules(entry: str, latent: bool, q_lora_rank: int | None, share
     experts' own experts aside."""
     modules: tuple[str, ...] = ()
     for symbol in entry:
-        modules += {"M": MAMBA_EXTRA_STATE_MODULES, "-": MLP_EXTRA_STATE_MODULES,
+        modules += {"M": MAMBA_EXTRA_STATE_MODULES, "G": GDN_EXTRA_STATE_MODULES,
+                    "-": MLP_EXTRA_STATE_MODULES,
                     "E": SHARED_EXPERT_EXTRA_STATE_MODULES if shared_experts else ()}.get(
                         symbol, attention_extra_state_modules(latent, q_lora_rank))
     return modules
@@ -169,7 +184,10 @@ LOCAL_MODULE_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_att
                       "mlp.shared_experts.linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2",
                       # a Mamba-2 layer's: the mixer's own tensors, its modules, then the layer's norm
                       "mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj", "mixer.conv1d",
-                      "mixer.norm", "mixer.out_proj", "norm.")
+                      "mixer.norm", "mixer.out_proj", "norm.",
+                      # a gated delta net's (its own tensors, then its modules; its norm fused into in_proj)
+                      "self_attention.dt_bias", "self_attention.A_log", "self_attention.in_proj",
+                      "self_attention.conv1d", "self_attention.out_norm", "self_attention.out_proj")
 _MODEL_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
                 "decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
 

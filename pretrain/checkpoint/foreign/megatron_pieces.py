@@ -22,7 +22,7 @@ from models.counting import stage_model
 from parallel.param_meta import meta
 from pretrain.checkpoint.errors import CheckpointError
 from pretrain.checkpoint.foreign.dcp_folder import DCPFolder
-from pretrain.checkpoint.foreign.megatron_mamba import PARTS, joined_key, to_ours
+from pretrain.checkpoint.foreign.megatron_parts import PARTS, joined_key, to_ours
 from pretrain.checkpoint.foreign.megatron_checkpoint import (READ_OPTIMIZER_STATES, MegatronCheckpoint,
                                                              legacy_file, reopen)
 from pretrain.checkpoint.foreign.megatron_optimizer import (KINDS, MODEL_SPACE_STATES, BucketStates,
@@ -66,8 +66,8 @@ class MegatronPieces(PieceSource):
         self.held = checkpoint.optimizer_states()  # (looked up once: a file test or the DCP metadata)
         self.reads_optimizer = self.held in READ_OPTIMIZER_STATES
         if config.hybrid_layer_pattern and self.reads_optimizer:  # (its weights load)
-            self.unread_optimizer = (f"{checkpoint.folder}: a HybridModel's optimizer states (Mamba "
-                                     "layers' buffers) are not read yet")
+            self.unread_optimizer = (f"{checkpoint.folder}: a HybridModel's optimizer states (its "
+                                     "mixers' buffers) are not read yet")
             self.reads_optimizer = False
         # a legacy rank file's optimizer states: its distrib_optim.pt, or the plain optimizer's in it
         self.optimizers: dict[str, DistributedOptimizerStates | PlainOptimizerStates] = {}
@@ -218,7 +218,7 @@ class MegatronPieces(PieceSource):
                                                                           self.checkpoint.folder)
 
     def _distributed_keys(self) -> list[str]:
-        """The torch_dist keys of the model's tensors, a Mamba mixer's parts (``megatron_mamba.PARTS``)
+        """The torch_dist keys of the model's tensors, a mixer's part-major parts (``megatron_parts.PARTS``)
         as one key of the whole tensor."""
         keys = []
         for key in self.folder.tensors:
@@ -232,7 +232,7 @@ class MegatronPieces(PieceSource):
         return keys
 
     def _parts(self, key: str) -> list[str]:
-        """The torch_dist keys holding ``key``'s tensor: itself, or a Mamba mixer tensor's parts."""
+        """The torch_dist keys holding ``key``'s tensor: itself, or a mixer tensor's parts."""
         match = LAYER_KEY.match(key)
         if key in self.folder.tensors or not match or match.group(2) not in PARTS:
             return [key]
@@ -248,7 +248,7 @@ class MegatronPieces(PieceSource):
         return (sum(shape[0] for shape in shapes), *shapes[0][1:])
 
     def _read_distributed(self, key: str) -> torch.Tensor:
-        """The whole torch_dist tensor ``key`` (a Mamba mixer's parts joined) in our row order."""
+        """The whole torch_dist tensor ``key`` (a mixer's parts joined) in our row order."""
         tensor = torch.cat([self.folder.read(part) for part in self._parts(key)])
         match = LAYER_KEY.match(key)
         return to_ours(match.group(2), tensor, self.config, 1) if match else tensor
@@ -364,7 +364,7 @@ class MegatronPieces(PieceSource):
                 path, chunk, key = piece.where
                 tensor = self.files[path][chunk][key]
                 match = LAYER_KEY.match(key)
-                if match:  # (a rank's Mamba in_proj / conv rows are part-major over its own groups)
+                if match:  # (a rank's mixer in_proj / conv rows are part-major over its own groups)
                     tensor = to_ours(match.group(2), tensor, self.config, self.checkpoint.layout.tp)
             self._last = ((piece.where, kind), tensor.float().reshape(-1))
         return self._last[1]
