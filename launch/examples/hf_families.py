@@ -19,9 +19,10 @@ FAMILIES = ("llama3.1", "llama3.2", "mistral", "mistral-nemo", "qwen2.5", "qwen3
 MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss")
 # hybrids: Nemotron-H (M * - E, sigmoid-routed experts), Mamba2, Granite 4.0-H (with experts and without),
 # Qwen3-Next (gated delta nets, gated attention, experts with a gated shared one), Kimi Linear (Kimi delta
-# attention, latent attention without positions, sigmoid-routed experts)
+# attention, latent attention without positions, sigmoid-routed experts), OLMo hybrid (gated delta nets
+# with beta up to 2, post-norm attention without positions)
 HYBRID_FAMILIES = ("nemotron-h", "mamba2", "granite-4.0-h", "granite-4.0-h-dense", "qwen3-next",
-                   "kimi-linear")
+                   "kimi-linear", "olmo-hybrid")
 ALL_FAMILIES = FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
 
 
@@ -140,6 +141,12 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
             num_expert_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
             linear_attn_config={"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 4,
                                 "kda_layers": [1, 3], "full_attn_layers": [2]}, tie_word_embeddings=False)
+    if family == "olmo-hybrid":  # G - * - G -: NoPE as released; beta up to 2; grouped heads
+        return transformers.OlmoHybridConfig(
+            **{**common, "num_hidden_layers": 3}, rms_norm_eps=1e-6, rope_parameters=None,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=hidden // 4,
+            linear_allow_neg_eigval=True, tie_word_embeddings=False)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers,
                                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -29,6 +29,12 @@ class GatedDeltaConfig:
         "gated delta net: channels per value head"))
     linear_conv_kernel_dim: int = field(default=4, metadata=flag(
         "gated delta net: taps of the causal convolution over q, k and v"))
+    linear_allow_neg_eigval: bool = field(default=False, metadata=flag(
+        "gated delta net: beta = 2 sigmoid(b), in (0, 2), so the state's transition may have negative "
+        "eigenvalues (the OLMo hybrid's linear_allow_neg_eigval)"))
+    linear_output_norm_epsilon: float | None = field(default=None, metadata=flag(
+        "gated delta net: its output norm's epsilon (default: --norm-epsilon, as megatron-core's; the OLMo "
+        "hybrid's is 1e-5 whatever its other norms take)"))
     experimental_attention_variant: str | None = field(default=None, metadata=flag(
         "Megatron's GPT path to gated delta nets: each layer's attention one, but where "
         "--linear-attention-freq puts softmax attention (the model becomes a --hybrid-layer-pattern)",
@@ -57,6 +63,13 @@ class GatedDeltaConfig:
         """The input projection's outputs: q, k, v, z, beta and the decay's input (2 Hk dk + 2 Hv dv +
         2 Hv)."""
         return self.gdn_conv_channels + self.gdn_value_width + 2 * self.linear_num_value_heads
+
+    @property
+    def gdn_projection_parts(self) -> dict[str, int]:
+        """The input projection's parts as megatron-core (and OLMo hybrid's separate projections) order them,
+        each part's rows key head by key head: query, key, value, z, beta and the decay's input alpha."""
+        keys, values, heads = self.gdn_key_width, self.gdn_value_width, self.linear_num_value_heads
+        return {"query": keys, "key": keys, "value": values, "z": values, "beta": heads, "alpha": heads}
 
     @property
     def kda_conv_channels(self) -> int:

@@ -34,11 +34,12 @@ def l2_normalised(x: torch.Tensor) -> torch.Tensor:
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + L2_EPSILON)
 
 
-def gates(a, b, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log decay g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = sigmoid(b) of each
-    value head, in fp32."""
+def gates(a, b, A_log, dt_bias, beta_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log decay g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = beta_scale x
+    sigmoid(b) of each value head, in fp32."""
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b.float())
+    beta = torch.sigmoid(b.float())
+    return g, beta * beta_scale if beta_scale != 1.0 else beta
 
 
 def fla_rule(rule, q, k, v, g, beta, scale: float, documents) -> torch.Tensor:
@@ -54,22 +55,22 @@ def fla_rule(rule, q, k, v, g, beta, scale: float, documents) -> torch.Tensor:
     return o.reshape(rows, length, *o.shape[2:])
 
 
-def _fla(q, k, v, a, b, A_log, dt_bias, scale, documents):
-    g, beta = gates(a, b, A_log, dt_bias)
+def _fla(q, k, v, a, b, A_log, dt_bias, scale, documents, beta_scale):
+    g, beta = gates(a, b, A_log, dt_bias, beta_scale)
     share = v.shape[2] // q.shape[2]
     q, k = (t.repeat_interleave(share, dim=2) for t in (q, k))
     rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
     return fla_rule(rule, q, k, v, g, beta.to(v.dtype), scale, documents)
 
 
-def _rule_of(q, k, v, a, b, A_log, dt_bias, scale, documents):
+def _rule_of(q, k, v, a, b, A_log, dt_bias, scale, documents, beta_scale):
     share = v.shape[2] // q.shape[2]
     q, k = (l2_normalised(t).repeat_interleave(share, dim=2) for t in (q, k))
-    return chunked_delta_rule(q, k, v, *gates(a, b, A_log, dt_bias), scale, CHUNK, documents)
+    return chunked_delta_rule(q, k, v, *gates(a, b, A_log, dt_bias, beta_scale), scale, CHUNK, documents)
 
 
-def _reference(q, k, v, a, b, A_log, dt_bias, scale, documents):
-    return Recomputed.apply(_rule_of, (scale, documents), q, k, v, a, b, A_log, dt_bias)
+def _reference(q, k, v, a, b, A_log, dt_bias, scale, documents, beta_scale):
+    return Recomputed.apply(_rule_of, (scale, documents, beta_scale), q, k, v, a, b, A_log, dt_bias)
 
 
 BACKENDS = {"fla": ("fla", _fla), "reference": (None, _reference)}
@@ -88,10 +89,12 @@ def delta_rule_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16
 
 
 @compile_boundary  # a kernel launch, or the reference's own autograd function
-def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, scale: float, documents=None) -> torch.Tensor:
+def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, scale: float, documents=None,
+                     beta_scale: float = 1.0) -> torch.Tensor:
     """o of the gated delta rule (``models.gdn.delta_rule`` for the shapes; here q and k [b, S, Hk, dk]
     before their L2 norm, each key head serving Hv / Hk value heads, and the gates' inputs a and b [b, S,
     Hv] with A_log and dt_bias [Hv], made into g and beta by ``gates``), by the backend
-    ``delta_rule_backend`` picks, in ``v``'s dtype."""
+    ``delta_rule_backend`` picks, in ``v``'s dtype; ``beta_scale`` 2 lets beta reach 2
+    (--linear-allow-neg-eigval)."""
     rule = BACKENDS[delta_rule_backend(v.device, v.dtype)][1]
-    return rule(q, k, v, a, b, A_log, dt_bias, scale, documents).to(v.dtype)
+    return rule(q, k, v, a, b, A_log, dt_bias, scale, documents, beta_scale).to(v.dtype)

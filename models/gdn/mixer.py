@@ -2,10 +2,10 @@
 
 x [s, b, h] -> ``in_proj`` (column-parallel) -> q, k, v, the output gate z, beta and the decay's input a; a
 causal depthwise convolution with SiLU over q, k and v; q and k L2-normalised and repeated to the value
-heads (each key head serves Hv / Hk of them); g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b);
-the gated delta rule (``models.gdn.kernels``); RMSNorm over each value head's channels (one weight for
-all heads: always an RMSNorm, as megatron-core's hybrid spec and Qwen3-Next have it) times SiLU(z);
-``out_proj`` (row-parallel).
+heads (each key head serves Hv / Hk of them); g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+(2 sigmoid(b) with --linear-allow-neg-eigval); the gated delta rule (``models.gdn.kernels``); RMSNorm over
+each value head's channels (one weight for all heads: always an RMSNorm, as megatron-core's hybrid spec and
+Qwen3-Next have it; its epsilon --linear-output-norm-epsilon) times SiLU(z); ``out_proj`` (row-parallel).
 
 The master weights are **group-major**: ``in_proj``'s rows are, key head by key head, [q_j, k_j, v_j, z_j,
 b_j, a_j] (the value-head parts those of its Hv / Hk value heads), the convolution's channels [q_j, k_j,
@@ -71,7 +71,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = shard_parameter(lambda: init.a_log(seed, f"{name}.A_log", values), 0, tp)
         self.dt_bias = shard_parameter(lambda: torch.ones(values), 0, tp)
         # (an RMSNorm whatever --normalization says; each rank normalises its heads: the gradient summed)
-        self.out_norm = build_norm(replace(config, normalization="RMSNorm"), self.value_dim, tp.size > 1)
+        epsilon = config.linear_output_norm_epsilon or config.layernorm_epsilon
+        self.out_norm = build_norm(replace(config, normalization="RMSNorm", layernorm_epsilon=epsilon),
+                                   self.value_dim, tp.size > 1)
+        self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         self.out_proj = RowParallelLinear(config.gdn_value_width, h, tp,
                                           WeightInit(seed, f"{name}.out_proj.weight", std)
                                           .scaled_for_residual(config.residual_branches),
@@ -115,7 +118,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = convolved.split(self.widths[:3], dim=-1)  # (the rule normalises q, k and repeats them)
         v = v.reshape(b, length, count * self.share, self.value_dim)
         a, beta = (t.reshape(b, length, -1) for t in (a, beta))
-        return gated_delta_rule(q, k, v, a, beta, A_log, dt_bias, self.key_dim ** -0.5, documents)
+        return gated_delta_rule(q, k, v, a, beta, A_log, dt_bias, self.key_dim ** -0.5, documents,
+                                self.beta_scale)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each value head's output (o [b, s, Hv / tp, dv]) times SiLU(z) (z [b, s, Hk / tp,

@@ -23,6 +23,9 @@ class HybridConfig:
         "--pipeline-model-parallel-size); sets --num-layers, e.g. 'M-M*-|M-M*-'"))
     hybrid_override_pattern: str | None = field(default=None, metadata=flag(
         "Megatron's deprecated spelling of --hybrid-layer-pattern"))
+    post_norm_layers: list[int] | None = field(default=None, metadata=flag(
+        "a pattern's layers (0-based) whose norm sits after their sublayer, on the residual branch: x + "
+        "norm(f(x)) (the OLMo hybrid's attention layers and their MLPs, as OLMo 2's); the others pre-norm"))
 
     def parsed_pattern(self) -> ParsedPattern | None:
         return parse_pattern(self.hybrid_layer_pattern) if self.hybrid_layer_pattern else None
@@ -100,6 +103,9 @@ class HybridConfig:
         """ValueError naming the flag for a pattern this build cannot make (or cannot make at this tp)."""
         pattern = self.parsed_pattern()
         if pattern is None:
+            if self.post_norm_layers:
+                raise ValueError("--post-norm-layers places the norms of a --hybrid-layer-pattern's layers; "
+                                 "a GPT's blocks take --norm-placement")
             return
         shown = f"--hybrid-layer-pattern {pattern.text!r}"
         if pattern.depths:
@@ -117,5 +123,10 @@ class HybridConfig:
                              "put E where experts should be, or drop --num-experts")
         if self.norm_placement != "pre":
             raise ValueError(f"--norm-placement {self.norm_placement}: a pattern's layers each have one "
-                             "norm before their sublayer (pre); drop the flag or the pattern")
+                             "norm, before their sublayer (or after it: --post-norm-layers); drop the flag "
+                             "or the pattern")
+        post = self.post_norm_layers or []
+        if any(not 0 <= layer < len(pattern.layers) for layer in post) or len(set(post)) != len(post):
+            raise ValueError(f"--post-norm-layers {' '.join(map(str, post))}: give distinct layers of "
+                             f"{shown}, 0 to {len(pattern.layers) - 1}")
         self.validate_sequence_layers(tp, 1)

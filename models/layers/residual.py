@@ -1,4 +1,5 @@
-"""A layer of the residual stream: x + dropout(sublayer(norm(x))), and the two kinds a pattern's
+"""A layer of the residual stream: x + dropout(sublayer(norm(x))) (or, listed in --post-norm-layers, x +
+dropout(norm(sublayer(x)))), and the two kinds a pattern's
 attention (``*``, ``+``) and MLP (``-``, ``E``) symbols build.
 
 ``ResidualLayer`` owns what every layer kind shares: its global index, the residual dropout (drawn from
@@ -41,6 +42,7 @@ class ResidualLayer(nn.Module):
         self.dropout = dropout(config.hidden_dropout)
         self.fork_for_dropout = sequence_parallel and tp.size > 1 and config.hidden_dropout > 0
         self.norm_runner = None  # how a pre-norm and its sublayer run when the norm is recomputed
+        self.post_norm = layer in (config.post_norm_layers or ())  # x + norm(f(x)), not x + f(norm(x))
 
     def attention_windows(self) -> set:
         """The attention windows (keys a query sees; None: the whole past) of this layer's attention."""
@@ -62,7 +64,9 @@ class ResidualLayer(nn.Module):
         return out
 
     def _branch(self, x: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:
-        """x + dropout(sublayer(norm(x)))."""
+        """x + dropout(sublayer(norm(x))), or with ``post_norm`` x + dropout(norm(sublayer(x)))."""
+        if self.post_norm:
+            return x + self._residual_dropout(norm(sublayer(x)))
         return x + self._residual_dropout(self._normed(norm, x, sublayer))
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@
   (``hf_qwen3_next``).
 - ``kimi_linear`` (Kimi Linear): Kimi delta attention and latent attention without positions, each then
   an MLP or sigmoid-routed experts (``hf_kimi_linear``).
+- ``olmo_hybrid`` (OLMo hybrid): gated delta nets (pre-norm) and post-norm attention, each then an MLP
+  (``hf_olmo_hybrid``).
 - ``granitemoehybrid`` (Granite 4.0-H): each layer a mixer (Mamba-2 or attention) then a feed-forward part
   (a gated MLP alone, or experts routed by softmax top-k plus that MLP as the shared expert), so our pattern
   alternates ``M``/``*`` with ``-`` (no experts) or ``E``; attention scaled by ``attention_multiplier``,
@@ -30,15 +32,23 @@ from models.mamba.config import CONV_KERNEL, NORM_EPSILON
 from pretrain.interop.hf_deepseek import (sigmoid_routing_from_hf, sigmoid_routing_misses,
                                           sigmoid_routing_to_hf)
 from pretrain.interop.hf_moe import unexpressed
-from pretrain.interop.hf_positions import HFMappingError
+from pretrain.interop.hf_positions import HFMappingError, refuse_other_values
 from pretrain.interop.hf_kimi_linear import KIND as KIMI, kimi_linear_from_hf, kimi_linear_misses, \
     kimi_linear_to_hf
+from pretrain.interop.hf_olmo_hybrid import KIND as OLMO, olmo_hybrid_from_hf, olmo_hybrid_misses, \
+    olmo_hybrid_to_hf
 from pretrain.interop.hf_qwen3_next import KIND, qwen3_next_from_hf, qwen3_next_misses, qwen3_next_to_hf
 
 # (the order an export tries them in: an all-Mamba model is a Mamba2 first)
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                  "granitemoehybrid": "GraniteMoeHybridForCausalLM", KIND: "Qwen3NextForCausalLM",
-                 KIMI: "KimiLinearForCausalLM"}
+                 KIMI: "KimiLinearForCausalLM", OLMO: "OlmoHybridForCausalLM"}
+# the mixer-then-MLP families' own modules: config in, what they cannot hold, config out
+PAIRED = {KIND: (qwen3_next_from_hf, qwen3_next_misses, qwen3_next_to_hf),
+          KIMI: (kimi_linear_from_hf, kimi_linear_misses, kimi_linear_to_hf),
+          OLMO: (olmo_hybrid_from_hf, olmo_hybrid_misses, olmo_hybrid_to_hf)}
+# OLMo hybrid's parts, which no other family has
+OLMO_ONLY = {"post_norm_layers": None, "linear_allow_neg_eigval": False, "linear_output_norm_epsilon": None}
 NEMOTRON_BLOCKS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
                    "moe": "E"}
 GRANITE_MIXERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*"}
@@ -46,14 +56,6 @@ ACTIVATIONS = {"relu2": {"squared_relu": True}, "gelu": {}, "gelu_pytorch_tanh":
 NOT_HYBRID = {"falcon_h1": "attention and Mamba-2 side by side in one layer (mamba_d_ssm)",
               "jamba": "Mamba-1 layers (mamba_dt_rank)", "bamba": "not mapped (its config keys differ)",
               "zamba2": "shared attention blocks", "mamba": "Mamba-1 layers"}
-
-
-def _refuse(hf: dict, kind: str, keys: dict) -> None:
-    """HFMappingError for the first ``key: wanted`` that ``hf`` sets otherwise (a value the key defaults to
-    when absent is fine)."""
-    for key, wanted in keys.items():
-        if key in hf and hf[key] is not None and hf[key] != wanted:
-            raise HFMappingError(f"{kind} with {key}={hf[key]}: only {wanted} maps")
 
 
 def _limit_is_open(hf: dict, kind: str) -> None:
@@ -66,7 +68,7 @@ def _limit_is_open(hf: dict, kind: str) -> None:
 
 def _mamba_fields(hf: dict, kind: str, heads: str, head_dim: str, state: str, groups: str, chunk: str,
                   conv: str) -> dict:
-    _refuse(hf, kind, {conv: CONV_KERNEL})
+    refuse_other_values(hf, kind, {conv: CONV_KERNEL})
     _limit_is_open(hf, kind)
     return {"mamba_num_heads": hf[heads], "mamba_head_dim": hf[head_dim], "mamba_state_dim": hf[state],
             "mamba_num_groups": hf[groups], "mamba_chunk_size": hf.get(chunk) or 128}
@@ -97,14 +99,14 @@ def hybrid_from_hf(hf: dict) -> GPTConfig:
     if kind in NOT_HYBRID:
         raise HFMappingError(f"model_type {kind!r}: {NOT_HYBRID[kind]} does not map onto a hybrid pattern")
     fields = {"nemotron_h": _nemotron_from_hf, "mamba2": _mamba2_from_hf,
-              "granitemoehybrid": _granite_from_hf, KIND: qwen3_next_from_hf,
-              KIMI: kimi_linear_from_hf}[kind](hf)
+              "granitemoehybrid": _granite_from_hf,
+              **{family: functions[0] for family, functions in PAIRED.items()}}[kind](hf)
     return GPTConfig(**fields)
 
 
 def _nemotron_from_hf(hf: dict) -> dict:
     kind = "nemotron_h"
-    _refuse(hf, kind, {"use_bias": False, "mlp_bias": False, "use_conv_bias": True,
+    refuse_other_values(hf, kind, {"use_bias": False, "mlp_bias": False, "use_conv_bias": True,
                        "mamba_hidden_act": "silu", "moe_latent_size": None})
     blocks = hf.get("layers_block_type")
     pattern = (hf.get("hybrid_override_pattern") if blocks is None
@@ -131,7 +133,7 @@ def _nemotron_from_hf(hf: dict) -> dict:
 
 def _mamba2_from_hf(hf: dict) -> dict:
     kind = "mamba2"
-    _refuse(hf, kind, {"use_bias": False, "use_conv_bias": True, "hidden_act": "silu"})
+    refuse_other_values(hf, kind, {"use_bias": False, "use_conv_bias": True, "hidden_act": "silu"})
     if hf["num_heads"] * hf["head_dim"] != hf.get("expand", 2) * hf["hidden_size"]:
         raise HFMappingError(f"{kind} with num_heads={hf['num_heads']}, head_dim={hf['head_dim']}: their "
                              "product must be expand x hidden_size")
@@ -146,7 +148,7 @@ def _mamba2_from_hf(hf: dict) -> dict:
 
 def _granite_from_hf(hf: dict) -> dict:
     kind = "granitemoehybrid"
-    _refuse(hf, kind, {"mamba_proj_bias": False, "mamba_conv_bias": True, "attention_bias": False,
+    refuse_other_values(hf, kind, {"mamba_proj_bias": False, "mamba_conv_bias": True, "attention_bias": False,
                        "hidden_act": "silu", "residual_multiplier": 1.0, "logits_scaling": 1.0})
     heads = hf["num_attention_heads"]
     types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
@@ -194,15 +196,16 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
     if pattern is None:
         return ["--hybrid-layer-pattern (a GPT's blocks are no hybrid family's layers)"]
     layers = pattern.layers
-    if kind in (KIND, KIMI):
-        return {KIND: qwen3_next_misses, KIMI: kimi_linear_misses}[kind](config, layers, pattern.text)
+    others = unexpressed(config, OLMO_ONLY) if kind != OLMO else []
+    if kind in PAIRED:
+        return others + PAIRED[kind][1](config, layers, pattern.text)
     wanted = {"normalization": "RMSNorm", "layernorm_epsilon": NORM_EPSILON, "disable_bias_linear": True,
               "add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "softmax_type": "vanilla",
               "multi_latent_attention": False, "use_mup": False, "attn_logit_softcapping": None,
               "final_logit_softcapping": None, "apply_layernorm_1p": False, "glu_linear_offset": 0.0,
               "attention_output_gate": False,
               "activation_func_clamp_value": None}
-    misses = unexpressed(config, wanted)
+    misses = others + unexpressed(config, wanted)
     if config.position_embedding == "learned_absolute":
         misses.append("--position-embedding-type learned_absolute (no hybrid family learns positions)")
     if kind != "nemotron_h" and config.mamba_inner % config.hidden_size:
@@ -255,8 +258,8 @@ def hybrid_to_hf(config: GPTConfig, kind: str, special: dict) -> dict:
     hf = {"model_type": kind, "architectures": [ARCHITECTURES[kind]], "vocab_size": config.vocab_size,
           "hidden_size": config.hidden_size, "torch_dtype": "float32", "use_cache": True,
           "tie_word_embeddings": not config.untie_embeddings_and_output_weights, **special}
-    if kind in (KIND, KIMI):
-        return {**hf, **{KIND: qwen3_next_to_hf, KIMI: kimi_linear_to_hf}[kind](config, layers)}
+    if kind in PAIRED:
+        return {**hf, **PAIRED[kind][2](config, layers)}
     heads, head_dim, state, groups = (config.mamba_heads, config.mamba_head_dim, config.mamba_state_dim,
                                       config.mamba_num_groups)
     if kind == "mamba2":

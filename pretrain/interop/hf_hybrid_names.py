@@ -1,6 +1,6 @@
 """Each of our parameters as the Hugging Face hybrid families name them (``hf_hybrid`` maps their configs):
-Nemotron-H and Mamba2 (one norm and one mixer per layer), Granite 4.0-H, Qwen3-Next and Kimi Linear (a
-mixer then a feed-forward part per layer: two of our layers each).
+Nemotron-H and Mamba2 (one norm and one mixer per layer), Granite 4.0-H, Qwen3-Next, OLMo hybrid and Kimi
+Linear (a mixer then a feed-forward part per layer: two of our layers each).
 
 Mamba-2's fused in_proj rows and convolution channels are part-major there, group-major here
 (``models.mamba.layout``). Qwen3-Next's gated delta net keeps its q, k, v, z and b, a projections key head
@@ -184,20 +184,24 @@ QWEN3_NEXT_MIXERS = {"G": lambda config, ours, theirs: _gdn_rules(config, f"{our
                                                                               f"{theirs}.self_attn")}
 
 
-def _mixer_then_feed_rules(config: GPTConfig, kind: str, mixers: dict,
-                           offsets: bool) -> Iterator[Rule | StackedRule]:
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")  # a layer's norm before its mixer, its MLP
+
+
+def _mixer_then_feed_rules(config: GPTConfig, kind: str, mixers: dict, offsets: bool,
+                           norms: dict | None = None) -> Iterator[Rule | StackedRule]:
     """A family whose HF layer l is our layers 2l (its mixer, by ``mixers``) and 2l + 1 (its MLP or
-    experts, ``kind``'s MoE names); ``offsets``: its norms stored as offsets from 1."""
+    experts, ``kind``'s MoE names); ``offsets``: its norms stored as offsets from 1; ``norms``: the HF
+    names of the mixer's and the MLP's norm by mixer symbol (default ``PRE_NORMS``)."""
     yield same("word_embedding.weight", "model.embed_tokens.weight")
     layers = config.layer_types()
     for hf_layer in range(len(layers) // 2):
         mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
         theirs = f"model.layers.{hf_layer}"
+        mixer_norm, feed_norm = (norms or {}).get(layers[mixer], PRE_NORMS)
         yield norm_rule(config, f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight",
-                        f"{theirs}.input_layernorm.weight", offsets)
+                        f"{theirs}.{mixer_norm}.weight", offsets)
         yield from mixers[layers[mixer]](config, f"layers.{mixer}", theirs)
-        yield norm_rule(config, f"layers.{feed}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight",
-                        offsets)
+        yield norm_rule(config, f"layers.{feed}.mlp_norm.weight", f"{theirs}.{feed_norm}.weight", offsets)
         if layers[feed] == "-":
             yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
         else:
@@ -211,6 +215,52 @@ def qwen3_next_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
     """Qwen3-Next: HF layer l is our layers 2l (its mixer, a gated delta net or gated attention) and 2l + 1
     (its MLP or experts); every norm but the delta nets' output norms stored as an offset from 1."""
     return _mixer_then_feed_rules(config, "qwen3_next", QWEN3_NEXT_MIXERS, offsets=True)
+
+
+def _olmo_gdn_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """OLMo hybrid's gated delta net: q, k, v, g (our z), b and a projections apart, part-major as
+    megatron-core's fused rows are (``gdn_projection_parts``), made key-head-major; its three convolutions
+    (q, k, v) likewise; its gated output norm ``o_norm``."""
+    keys, parts = config.linear_num_key_heads, list(config.gdn_projection_parts.values())
+
+    def joined(order: torch.Tensor):
+        return lambda *t: to_group_major(torch.cat(t), order)
+
+    def parted(order: torch.Tensor, widths: list[int]):
+        return lambda x: to_part_major(x, order).split(widths)
+
+    for name, hf_names, widths in (("in_proj", [f"{p}_proj" for p in "qkvgba"], parts),
+                                   ("conv1d", [f"{p}_conv1d" for p in "qkv"], parts[:3])):
+        order = group_major(widths, keys)
+        yield Rule(f"{ours}.{name}.weight", tuple(f"{theirs}.{hf_name}.weight" for hf_name in hf_names),
+                   joined(order), parted(order, widths))
+    for mine, hf_name in (("A_log", "A_log"), ("dt_bias", "dt_bias"), ("out_proj.weight", "o_proj.weight")):
+        yield same(f"{ours}.{mine}", f"{theirs}.{hf_name}")
+    yield norm_rule(config, f"{ours}.out_norm.weight", f"{theirs}.o_norm.weight", offsets=False)
+
+
+def _olmo_attention_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """OLMo hybrid's attention: separate q, k, v, o and OLMo 2's norms over the whole q and k projections."""
+    yield from _attention_rules(config, f"{ours}.attention", f"{theirs}.self_attn")
+    for p in "qk":
+        yield norm_rule(config, f"{ours}.attention.{p}_norm.weight", f"{theirs}.self_attn.{p}_norm.weight",
+                        offsets=False)
+
+
+# an OLMo hybrid layer's mixer symbols, and the names its checkpoints give its norms (transformers renames
+# them as it loads: attention_layer_norm is its input_layernorm, feedforward_layer_norm its
+# post_attention_layernorm): the attention layers post-norm (after the attention, after the MLP), the
+# delta nets' pre-norm
+OLMO_MIXERS = {"G": lambda config, ours, theirs: _olmo_gdn_rules(config, f"{ours}.gdn",
+                                                                 f"{theirs}.linear_attn"),
+               "*": _olmo_attention_rules}
+OLMO_NORMS = {"G": ("attention_layer_norm", "feedforward_layer_norm"),
+              "*": ("feedforward_layer_norm", "post_feedforward_layernorm")}
+
+
+def olmo_hybrid_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
+    """OLMo hybrid: HF layer l is our layers 2l (a gated delta net or attention) and 2l + 1 (its MLP)."""
+    return _mixer_then_feed_rules(config, "olmo_hybrid", OLMO_MIXERS, offsets=False, norms=OLMO_NORMS)
 
 
 def _kimi_delta_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:

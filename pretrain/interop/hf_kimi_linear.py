@@ -16,7 +16,7 @@ from models.config import GPTConfig
 from pretrain.interop.hf_deepseek import LATENT_EPS, sigmoid_routing_from_hf, sigmoid_routing_misses, \
     sigmoid_routing_to_hf
 from pretrain.interop.hf_moe import unexpressed
-from pretrain.interop.hf_positions import HFMappingError
+from pretrain.interop.hf_positions import HFMappingError, refuse_other_values
 
 KIND = "kimi_linear"
 MIXERS = {"linear_attention": "K", "full_attention": "+"}
@@ -60,9 +60,7 @@ def kimi_linear_from_hf(hf: dict) -> dict:
                "norm_topk_prob": "moe_renormalize", "n_shared_experts": "num_shared_experts",
                "max_position_embeddings": "model_max_length"}  # (its attribute map)
     hf = {**DEFAULTS, **{aliases.get(key, key): value for key, value in hf.items()}}
-    for key, wanted in {"attention_bias": False, "hidden_act": "silu", "pretraining_tp": 1}.items():
-        if hf.get(key) not in (None, wanted):
-            raise HFMappingError(f"{KIND} with {key}={hf[key]}: only {wanted} maps")
+    refuse_other_values(hf, KIND, {"attention_bias": False, "hidden_act": "silu", "pretraining_tp": 1})
     eps = hf["rms_norm_eps"]
     if eps != LATENT_EPS:
         raise HFMappingError(f"{KIND} with rms_norm_eps={eps}: transformers' latent norms keep {LATENT_EPS}, "

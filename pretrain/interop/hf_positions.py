@@ -12,6 +12,14 @@ class HFMappingError(ValueError):
     """A Hugging Face model or one of ours that the other side cannot express exactly; names why."""
 
 
+def refuse_other_values(hf: dict, kind: str, keys: dict) -> None:
+    """HFMappingError for the first ``key: wanted`` that config ``hf`` of family ``kind`` sets otherwise (a
+    key left out or None takes the value that maps)."""
+    for key, wanted in keys.items():
+        if hf.get(key) is not None and hf[key] != wanted:
+            raise HFMappingError(f"{kind} with {key}={hf[key]}: only {wanted} maps")
+
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 

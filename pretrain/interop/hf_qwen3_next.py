@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from models.config import GPTConfig
 from pretrain.interop.hf_moe import moe_from_hf, moe_layers_of, moe_misses, moe_to_hf, unexpressed
-from pretrain.interop.hf_positions import HFMappingError, rope_parameters, rotary
+from pretrain.interop.hf_positions import HFMappingError, refuse_other_values, rope_parameters, rotary
 
 KIND = "qwen3_next"
 MIXERS = {"linear_attention": "G", "full_attention": "*"}
@@ -38,16 +38,10 @@ DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_
             "num_hidden_layers": 48, "partial_rotary_factor": 0.25}
 
 
-def _refuse(hf: dict, keys: dict) -> None:
-    for key, wanted in keys.items():
-        if hf.get(key) not in (None, wanted):
-            raise HFMappingError(f"{KIND} with {key}={hf[key]}: only {wanted} maps")
-
-
 def qwen3_next_from_hf(hf: dict) -> dict:
     """Our GPTConfig fields for a Qwen3-Next config.json (a key it leaves out: transformers' default)."""
     hf = {**DEFAULTS, **{key: value for key, value in hf.items() if value is not None}}
-    _refuse(hf, {"attention_bias": False, "hidden_act": "silu"})
+    refuse_other_values(hf, KIND, {"attention_bias": False, "hidden_act": "silu"})
     layers = hf["num_hidden_layers"]
     interval = hf.get("full_attention_interval") or 4
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"

@@ -11,7 +11,7 @@ import torch
 from models.config import GPTConfig
 from pretrain.interop.hf_config import hf_kind
 from pretrain.interop.hf_hybrid_names import (granite_rules, kimi_linear_rules, kimi_stored_name,
-                                             nemotron_rules, qwen3_next_rules)
+                                             nemotron_rules, olmo_hybrid_rules, qwen3_next_rules)
 from pretrain.interop.hf_names import Rule, StackedRule, decoder_rules, gpt2_rules
 
 
@@ -27,6 +27,8 @@ def rules(config: GPTConfig, kind: str | None = None) -> list[Rule | StackedRule
         return list(qwen3_next_rules(config))
     if kind == "kimi_linear":
         return list(kimi_linear_rules(config))
+    if kind == "olmo_hybrid":
+        return list(olmo_hybrid_rules(config))
     return list(gpt2_rules(config) if kind == "gpt2" else decoder_rules(config, kind))
 
 

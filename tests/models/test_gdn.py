@@ -139,12 +139,16 @@ def _group_major_channels(keys: int, key_dim: int, values: int) -> torch.Tensor:
 
 
 def test_initial_values_follow_megatrons_laws_and_the_parameter_count(tmp_path):
-    """And what cannot be written yet is refused in one line: a Megatron checkpoint of gated delta nets."""
+    """And what Megatron has no layer of is refused in one line: a Megatron checkpoint of OLMo hybrid's gated
+    delta nets (beta up to 2) and post-norm layers."""
     from pretrain.checkpoint.foreign.megatron_export import write_megatron
 
     config = GPTConfig(hybrid_layer_pattern="G*G-", **{**GDN, "hidden_size": 64})
-    with pytest.raises(ValueError, match="--to megatron: gated delta net layers"):
-        write_megatron(None, config, {}, str(tmp_path), "torch")
+    olmo = GPTConfig(hybrid_layer_pattern="G*G-", post_norm_layers=[1], linear_allow_neg_eigval=True,
+                     **{**GDN, "hidden_size": 64})
+    with pytest.raises(ValueError, match="--to megatron: this model has --post-norm-layers, "
+                                         r"--linear-allow-neg-eigval \(OLMo hybrid's\)"):
+        write_megatron(None, olmo, {}, str(tmp_path), "torch")
     model = GPTModel(config, _alone(), seed=0)
     assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
     mixer = model.layers[0].gdn

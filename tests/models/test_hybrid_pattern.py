@@ -143,7 +143,12 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
     (["--hybrid-layer-pattern", "M*M-", "--hybrid-override-pattern", "M*M-"], 1,
      "--hybrid-override-pattern and --hybrid-layer-pattern are one setting"),
     (["--hybrid-layer-pattern", "M*M-", "--norm-placement", "sandwich"], 1,
-     "--norm-placement sandwich: a pattern's layers each have one norm before their sublayer"),
+     "--norm-placement sandwich: a pattern's layers each have one norm, before their sublayer (or after it: "
+     "--post-norm-layers)"),
+    (["--hybrid-layer-pattern", "M*M-", "--post-norm-layers", "1", "4"], 1,
+     "--post-norm-layers 1 4: give distinct layers of --hybrid-layer-pattern 'M*M-', 0 to 3"),
+    (["--post-norm-layers", "1"], 1, "--post-norm-layers places the norms of a --hybrid-layer-pattern's "
+     "layers; a GPT's blocks take --norm-placement"),
     (["--hybrid-layer-pattern", "M*M-", "--tensor-model-parallel-size", "4"], 4,
      "--tensor-model-parallel-size 4 does not divide --mamba-num-groups 2"),
     (["--hybrid-layer-pattern", "M*M-", "--mamba-num-heads", "3"], 1,

@@ -1,8 +1,9 @@
 """The hybrid families against transformers' own code (its PyTorch path on the CPU): Nemotron-H (Mamba-2,
 attention, relu2 MLP and sigmoid-routed experts with a shared one), Mamba2, Granite 4.0-H with experts and
 without, Qwen3-Next (gated delta nets, gated attention, experts beside a gated shared one), Kimi Linear
-(Kimi delta attention, latent attention without positions, sigmoid-routed experts); and the keys that do
-not map, refused by name."""
+(Kimi delta attention, latent attention without positions, sigmoid-routed experts), OLMo hybrid (gated
+delta nets with beta up to 2, post-norm attention without positions); and the keys that do not map,
+refused by name."""
 
 import re
 
@@ -49,6 +50,9 @@ NEMOTRON = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 100, "n
     ({"model_type": "kimi_linear", "rms_norm_eps": 1e-5},
      "kimi_linear with rms_norm_eps=1e-05: transformers' latent norms keep 1e-06"),
     ({"model_type": "kimi_linear", "hidden_act": "gelu"}, "kimi_linear with hidden_act=gelu: only silu maps"),
+    ({"model_type": "olmo_hybrid", "hidden_act": "gelu"}, "olmo_hybrid with hidden_act=gelu: only silu maps"),
+    ({"model_type": "olmo_hybrid", "num_hidden_layers": 2, "layer_types": ["linear_attention", "mamba"]},
+     "olmo_hybrid with layer_types=['linear_attention', 'mamba']: each must be one of"),
     ({"model_type": "qwen3_next", "attention_bias": True},
      "qwen3_next with attention_bias=True: only False maps"),
     ({"model_type": "qwen3_next", "num_hidden_layers": 2,

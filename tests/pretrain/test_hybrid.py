@@ -1,5 +1,6 @@
 """Hybrid models (--hybrid-layer-pattern with a Mamba-2, a gated delta net and a Kimi delta attention
-layer; attention with its output gate, as Qwen3-Next's) trained in every layout against one process: tp +
+layer; attention with its output gate, as Qwen3-Next's; the attention layer and the MLP post-norm, the
+delta net's beta up to 2, as OLMo hybrid's) trained in every layout against one process: tp +
 SP, pp by the pattern's |, interleaved, cp by the head exchange (whole groups, and Mamba groups cut into
 head shares), ZeRO 1-3, recompute (full, and the mamba module), --compile, documents; a checkpoint re-cut
 between layouts resumes on the trajectory."""
@@ -13,7 +14,10 @@ from tests.world import run_world
 MAMBA = ["--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16", "--mamba-chunk-size",
          "8", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "8",
-         "--linear-value-head-dim", "8", "--attention-output-gate"]
+         "--linear-value-head-dim", "8", "--attention-output-gate",
+         # OLMo hybrid's parts: the attention layer and the MLP post-norm, beta up to 2, the delta net's
+         # output norm of an epsilon of its own
+         "--post-norm-layers", "1", "4", "--linear-allow-neg-eigval", "--linear-output-norm-epsilon", "1e-5"]
 HYBRID = ["--hybrid-layer-pattern", "M*GK-"] + MAMBA + SHORT
 CUT = ["--hybrid-layer-pattern", "M*|GK-"] + MAMBA + SHORT
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]

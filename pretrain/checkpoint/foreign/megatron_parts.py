@@ -26,15 +26,10 @@ def _mamba_rows(config: GPTConfig) -> dict[str, int]:
     return {"z": inner, "x": inner, "B": bc, "C": bc, "dt": config.mamba_heads}
 
 
-def _gdn_rows(config: GPTConfig) -> dict[str, int]:
-    keys, values, heads = config.gdn_key_width, config.gdn_value_width, config.linear_num_value_heads
-    return {"query": keys, "key": keys, "value": values, "z": values, "beta": heads, "alpha": heads}
-
-
 # each part-major tensor (Megatron's key within a layer): torch_dist's names of its parts, their whole
 # rows and the groups they are laid out by
 _MAMBA = (_mamba_rows, lambda config: config.mamba_num_groups)
-_GDN = (_gdn_rows, lambda config: config.linear_num_key_heads)
+_GDN = (lambda config: config.gdn_projection_parts, lambda config: config.linear_num_key_heads)
 PARTS = {"mixer.in_proj.weight": ("z", "x", "B", "C", "dt"), "mixer.conv1d.weight": ("x", "B", "C"),
          "mixer.conv1d.bias": ("x", "B", "C"),
          "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
