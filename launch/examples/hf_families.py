@@ -133,9 +133,10 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             tie_word_embeddings=False)
-    if family == "kimi-linear":  # K - + E K E: the first layer's MLP dense; grouped sigmoid routing
+    if family == "kimi-linear":  # K - + E K E: the first layer's MLP dense; grouped sigmoid routing; its
+        # norms' epsilon 1e-5 (Kimi-Linear-48B's) beside the latent norms' 1e-6
         return transformers.KimiLinearConfig(
-            **{**common, "num_hidden_layers": 3, "num_key_value_heads": heads}, rms_norm_eps=1e-6,
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": heads}, rms_norm_eps=1e-5,
             q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
             num_experts=4, num_experts_per_token=2, moe_intermediate_size=hidden // 2, num_shared_experts=1,
             num_expert_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,

@@ -14,6 +14,8 @@ projection row-parallel. The rotary parts turn by --qk-pos-emb-head-dim channels
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -68,15 +70,17 @@ class LatentAttention(AttentionCore):
                                  shard_parameter(lambda: torch.zeros(rows), 0, tp) if bias else None)
 
         query_rows = heads * (self.nope + self.rope)
+        latent_norms = replace(config, layernorm_epsilon=config.latent_norm_epsilon
+                               or config.layernorm_epsilon)  # (--latent-norm-epsilon, else the model's)
         if self.q_rank is None:
             self.q_down = self.q_latent_norm = None
             self.q_proj = by_head("q_proj", query_rows, h)
         else:
             self.q_down = replicated("q_down", self.q_rank)
-            self.q_latent_norm = build_norm(config, self.q_rank, partial_gradient=tp.size > 1)
+            self.q_latent_norm = build_norm(latent_norms, self.q_rank, partial_gradient=tp.size > 1)
             self.q_up = by_head("q_up", query_rows, self.q_rank)
         self.kv_down = replicated("kv_down", self.kv_rank + self.rope)
-        self.kv_latent_norm = build_norm(config, self.kv_rank, partial_gradient=tp.size > 1)
+        self.kv_latent_norm = build_norm(latent_norms, self.kv_rank, partial_gradient=tp.size > 1)
         self.kv_up = by_head("kv_up", heads * (self.nope + self.value), self.kv_rank)
         self.up_runner = None  # how the part after the latents runs when it is recomputed
         self.proj = RowParallelLinear(heads * self.value, h, tp,

@@ -29,6 +29,9 @@ class LatentAttentionConfig:
         "--multi-latent-attention: each head's rotary query / key channels (the key's shared by the heads)"))
     v_head_dim: int = field(default=128, metadata=flag(
         "--multi-latent-attention: each head's value channels"))
+    latent_norm_epsilon: float | None = field(default=None, metadata=flag(
+        "--multi-latent-attention: the latent norms' epsilon (default: --norm-epsilon, as Megatron's; "
+        "transformers' DeepSeek-V3 and Kimi Linear keep 1e-6 whatever rms_norm_eps says)"))
     rope_type: str | None = field(default=None, metadata=flag(
         "Megatron's rotary kind: rope, or yarn (the same as --rope-scaling-type yarn; its factor, mscale "
         "and mscale-all-dim are --rotary-scaling-factor, --mscale, --mscale-all-dim)",
@@ -57,10 +60,13 @@ class LatentAttentionConfig:
     def validate_latent(self, tp: int) -> None:
         """Raise ValueError naming the flag for a latent attention the model cannot take."""
         if not self.multi_latent_attention:
-            if self.q_lora_rank is not None:
-                raise ValueError("--q-lora-rank shapes multi-head latent attention: add "
-                                 "--multi-latent-attention")
+            for name in ("q_lora_rank", "latent_norm_epsilon"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} shapes multi-head latent attention: add "
+                                     "--multi-latent-attention")
             return
+        if self.latent_norm_epsilon is not None and self.latent_norm_epsilon <= 0:
+            raise ValueError(f"--latent-norm-epsilon must be > 0, got {self.latent_norm_epsilon}")
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
             value = getattr(self, name)
             if value is not None and value < 1:

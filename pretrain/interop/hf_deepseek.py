@@ -20,14 +20,24 @@ KIND = "deepseek_v3"
 LATENT_EPS = 1e-6  # transformers' latent norms keep their default epsilon whatever rms_norm_eps says
 
 
+def latent_norm_fields(rms_norm_eps: float) -> dict:
+    """Our latent norms' epsilon where transformers' (``LATENT_EPS``, whatever ``rms_norm_eps`` says) is not
+    the model's."""
+    return {} if rms_norm_eps == LATENT_EPS else {"latent_norm_epsilon": LATENT_EPS}
+
+
+def latent_norm_misses(config: GPTConfig) -> list[str]:
+    """The latent norms' epsilon where it is not transformers' ``LATENT_EPS``."""
+    eps = config.latent_norm_epsilon or config.layernorm_epsilon
+    return [] if eps == LATENT_EPS else [f"--latent-norm-epsilon {eps} (transformers' latent norms keep "
+                                         f"{LATENT_EPS})"]
+
+
 def deepseek_from_hf(hf: dict) -> dict:
     """Our fields for DeepSeek-V3's latent attention and routing (MoEMappingError naming a key that does not
     map)."""
     if hf.get("pretraining_tp", 1) != 1:
         raise MoEMappingError(f"{KIND} with pretraining_tp={hf['pretraining_tp']}: only 1 maps")
-    if hf.get("rms_norm_eps", LATENT_EPS) != LATENT_EPS:
-        raise MoEMappingError(f"{KIND} with rms_norm_eps={hf['rms_norm_eps']}: its latent norms keep "
-                              f"{LATENT_EPS}, the layers' must equal it to map")
     layers = hf["num_hidden_layers"]
     fields = {"multi_latent_attention": True, "q_lora_rank": hf.get("q_lora_rank"),
               "kv_lora_rank": hf["kv_lora_rank"], "qk_head_dim": hf["qk_nope_head_dim"],
@@ -36,7 +46,7 @@ def deepseek_from_hf(hf: dict) -> dict:
               "group_query_attention": False, "num_query_groups": None,
               "num_experts": hf["n_routed_experts"], "moe_ffn_hidden_size": hf["moe_intermediate_size"],
               "moe_layer_freq": str([int(i >= hf.get("first_k_dense_replace", 0)) for i in range(layers)]),
-              **sigmoid_routing_from_hf(hf, KIND)}
+              **sigmoid_routing_from_hf(hf, KIND), **latent_norm_fields(hf.get("rms_norm_eps", LATENT_EPS))}
     if hf.get("n_shared_experts"):
         fields["moe_shared_expert_intermediate_size"] = hf["moe_intermediate_size"] * hf["n_shared_experts"]
     return fields
@@ -102,8 +112,7 @@ def deepseek_misses(config: GPTConfig) -> list[str]:
     misses = []
     if not config.multi_latent_attention:
         misses.append("--multi-latent-attention (DeepSeek-V3's attention is latent)")
-    if config.layernorm_epsilon != LATENT_EPS:
-        misses.append(f"--norm-epsilon {config.layernorm_epsilon} (its latent norms keep {LATENT_EPS})")
+    misses += latent_norm_misses(config)
     if not config.num_experts:
         return misses + ["--num-experts (DeepSeek-V3 is a mixture of experts)"]
     pattern = config.moe_layers(config.num_layers)

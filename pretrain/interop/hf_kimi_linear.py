@@ -6,15 +6,15 @@ Each Kimi Linear layer is a mixer then a feed-forward part: our pattern alternat
 (``full_attention``: latent attention without positions, NoPE, its key/value latent normed) with ``-`` (a
 SwiGLU MLP: the first ``first_k_dense_replace`` layers) or ``E`` (DeepSeek-V3's sigmoid routing with the
 score-correction bias and group-limited top-k, times ``routed_scaling_factor``, beside ungated shared
-experts). Norms are plain RMSNorms of ``rms_norm_eps``; transformers' latent norms keep 1e-6 whatever it
-says, so a model maps where the two agree.
+experts). Norms are plain RMSNorms of ``rms_norm_eps`` but the latent norms, which keep 1e-6 whatever it
+says (``--latent-norm-epsilon``).
 """
 
 from __future__ import annotations
 
 from models.config import GPTConfig
-from pretrain.interop.hf_deepseek import LATENT_EPS, sigmoid_routing_from_hf, sigmoid_routing_misses, \
-    sigmoid_routing_to_hf
+from pretrain.interop.hf_deepseek import (latent_norm_fields, latent_norm_misses, sigmoid_routing_from_hf,
+                                          sigmoid_routing_misses, sigmoid_routing_to_hf)
 from pretrain.interop.hf_moe import unexpressed
 from pretrain.interop.hf_positions import HFMappingError, refuse_other_values
 
@@ -25,7 +25,7 @@ FIXED = {"normalization": "RMSNorm", "apply_layernorm_1p": False, "disable_bias_
          "softmax_scale": None, "window_size": None, "softmax_type": "vanilla", "use_mup": False,
          "attn_logit_softcapping": None, "final_logit_softcapping": None, "embedding_multiplier": 1.0,
          "glu_linear_offset": 0.0, "activation_func_clamp_value": None, "norm_placement": "pre",
-         "layernorm_epsilon": LATENT_EPS, "moe_shared_expert_gate": False}
+         "moe_shared_expert_gate": False}
 
 
 # transformers' KimiLinearConfig defaults, for the keys a config.json may leave out
@@ -62,9 +62,6 @@ def kimi_linear_from_hf(hf: dict) -> dict:
     hf = {**DEFAULTS, **{aliases.get(key, key): value for key, value in hf.items()}}
     refuse_other_values(hf, KIND, {"attention_bias": False, "hidden_act": "silu", "pretraining_tp": 1})
     eps = hf["rms_norm_eps"]
-    if eps != LATENT_EPS:
-        raise HFMappingError(f"{KIND} with rms_norm_eps={eps}: transformers' latent norms keep {LATENT_EPS}, "
-                             "ours take the model's one epsilon; only equal ones map")
     mixers, feeds = _types(hf)
     if any(t not in MIXERS for t in mixers) or any(t not in ("dense", "sparse") for t in feeds):
         raise HFMappingError(f"{KIND} with layer_types={mixers}, mlp_layer_types={feeds}: each must be one "
@@ -76,7 +73,8 @@ def kimi_linear_from_hf(hf: dict) -> dict:
     longest = hf["model_max_length"]
     fields = {"hidden_size": hf["hidden_size"], "vocab_size": hf["vocab_size"], "hf_model_type": KIND,
               "hybrid_layer_pattern": pattern, "num_layers": len(pattern), "normalization": "RMSNorm",
-              "layernorm_epsilon": eps, "disable_bias_linear": True, "swiglu": True,
+              "layernorm_epsilon": eps, **latent_norm_fields(eps), "disable_bias_linear": True,
+              "swiglu": True,
               "ffn_hidden_size": hf["intermediate_size"], "num_attention_heads": heads,
               "multi_latent_attention": True, "position_embedding_type": "none",
               "q_lora_rank": hf["q_lora_rank"], "kv_lora_rank": hf["kv_lora_rank"],
@@ -104,7 +102,7 @@ def kimi_linear_from_hf(hf: dict) -> dict:
 
 def kimi_linear_misses(config: GPTConfig, layers: list[str], text: str) -> list[str]:
     """The flags of ``config`` (pattern ``layers``, written ``text``) that Kimi Linear cannot express."""
-    misses = unexpressed(config, FIXED)
+    misses = unexpressed(config, FIXED) + latent_norm_misses(config)
     pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
     if any(len(p) < 2 or p[0] not in "K+" or p[1] not in "-E" for p in pairs):
         misses.append(f"--hybrid-layer-pattern {text!r} (Kimi Linear's layers are a mixer, K or +, then - or "

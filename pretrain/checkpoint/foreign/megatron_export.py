@@ -92,13 +92,15 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
     copied into the iteration folder and named in the args. Returns the iteration folder."""
     if ckpt_format not in FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
-    olmo = [flag for flag, used in (("--post-norm-layers", config.post_norm_layers),
-                                    ("--linear-allow-neg-eigval", config.linear_allow_neg_eigval),
-                                    ("--linear-output-norm-epsilon", config.linear_output_norm_epsilon
-                                     not in (None, config.layernorm_epsilon))) if used]
-    if olmo:
-        raise ValueError(f"--to megatron: this model has {', '.join(olmo)} (OLMo hybrid's), which "
-                         "megatron-core builds no layer of; convert with --to hf or --to consolidated")
+    unbuilt = [flag for flag, used in (("--post-norm-layers", config.post_norm_layers),
+                                       ("--linear-allow-neg-eigval", config.linear_allow_neg_eigval),
+                                       ("--linear-output-norm-epsilon", config.linear_output_norm_epsilon
+                                        not in (None, config.layernorm_epsilon)),
+                                       ("--latent-norm-epsilon", config.latent_norm_epsilon
+                                        not in (None, config.layernorm_epsilon))) if used]
+    if unbuilt:  # (OLMo hybrid's parts; transformers' latent norms)
+        raise ValueError(f"--to megatron: this model has {', '.join(unbuilt)}, which megatron-core builds no "
+                         "layer with; convert with --to hf or --to consolidated")
     if "K" in config.layer_types():
         raise ValueError("--to megatron: Megatron-LM has no Kimi delta attention layer (K); convert with "
                          "--to consolidated")
