@@ -9,12 +9,14 @@ from models.hybrid.config import HybridConfig
 from models.latent.config import LatentAttentionConfig
 from models.gdn.config import GatedDeltaConfig
 from models.mamba.config import MambaConfig
+from models.mtp.config import MTPConfig
 from models.moe.config import MoEConfig
 from models.mup_config import MuPConfig
 
 
 @dataclass
-class GPTConfig(HybridConfig, MambaConfig, GatedDeltaConfig, MoEConfig, LatentAttentionConfig, MuPConfig):
+class GPTConfig(HybridConfig, MambaConfig, GatedDeltaConfig, MoEConfig, LatentAttentionConfig, MuPConfig,
+                MTPConfig):
     """Shape and options of the GPT (or of a hybrid model: ``--hybrid-layer-pattern``). Owns no weights;
     ``validate(tp)`` checks what tp must divide."""
 
@@ -264,6 +266,7 @@ class GPTConfig(HybridConfig, MambaConfig, GatedDeltaConfig, MoEConfig, LatentAt
         self.validate_mup()
         self.validate_hybrid(tp)
         self.validate_moe(self.num_layers, self.ffn_size)
+        self.validate_mtp()
         if self.ffn_size < 1:
             raise ValueError(f"--ffn-hidden-size is {self.ffn_size} (with --swiglu it defaults to 8h/3 "
                              "rounded down to "

@@ -19,6 +19,7 @@ from models.config import GPTConfig
 from models.layers.registry import LayerContext, build_layer, check_buildable
 from models.layers.residual import dropout
 from models.moe.balancing import LoadBalancing
+from models.mtp.depth import MTPDepth, shifted
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
 from parallel.comm import AxisGroup
@@ -92,6 +93,11 @@ class GPTModel(nn.Module):
                     declare(self.output_layer.weight, tied_embedding=True, tied_copy=True)
         if self.tied and pre_process and not post_process:
             declare(self.word_embedding.weight, tied_embedding=True)
+        if post_process and config.mtp_depths:  # (one stage: the depths borrow its embedding)
+            entry = entries[-1]  # a layer of the main model's kind
+            self.mtp = nn.ModuleList(MTPDepth(config, depth, tp, seed, sequence_parallel,
+                                              build_layer(entry, built_with, config.num_layers + depth))
+                                     for depth in range(config.mtp_depths))
 
     def recompute_layers_with(self, runner) -> None:
         """Run the layers through ``runner(x, inputs)`` (full recompute; activation checkpointing)."""
@@ -124,7 +130,10 @@ class GPTModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, [s, b, padded_vocab / tp], times muP's output
         multiplier, soft-capped with --final-logit-softcapping."""
-        x = self.final_norm(hidden)
+        return self._output(self.final_norm(hidden))
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer on normed hidden states ``x`` (the last layer's, or a prediction depth's)."""
         if self.tied and self.pre_process:
             logits = vocab_parallel_logits(x, self.word_embedding.weight, self.tp, self.sequence_parallel)
         else:
@@ -171,12 +180,32 @@ class GPTModel(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, inputs)
-        return x if not self.post_process else self.head(x, labels)
+        if not self.post_process:
+            return x
+        if labels is None or not self.config.mtp_depths:
+            return self.head(x, labels)
+        return self._with_predictions(self.final_norm(x), tokens, position_ids, labels, inputs)
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The last stage's end: per-token loss [b, s] with ``labels``, else the logits slice [s, b, v/tp]."""
         logits = self.logits(hidden)
         if labels is None:
             return logits
+        return self._loss(logits, labels)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.config.vocab_size).t()
+
+    def _with_predictions(self, normed: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+                          labels: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """Per-token losses [1 + D, b, s]: the language model's, then depth k's at each position i against
+        the token k + 1 after it (``labels`` shifted by k; its last k positions hold a zero-label loss that
+        the caller masks: ``shifted(loss_mask, k)``)."""
+        losses, hidden = [self._loss(self._output(normed), labels)], normed
+        for shift, depth in enumerate(self.mtp, start=1):
+            embedded = self.embed(shifted(tokens, shift), shifted(position_ids, shift))
+            hidden = depth(hidden, embedded, inputs)
+            losses.append(self._loss(self._output(hidden), shifted(labels, shift)))
+        return torch.stack(losses)
+
 

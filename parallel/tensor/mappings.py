@@ -8,6 +8,8 @@ Each is a pair of conjugate collectives over the tensor-parallel group (forward 
     gather_from_sequence_parallel  all-gather / reduce-scatter along dim 0 (input of an fp8 column-parallel
                                    layer under sequence parallelism)
     reduce_scatter_to_sequence_parallel  reduce-scatter / all-gather along dim 0
+    gather_from_tensor_parallel    all-gather / keep my chunk along the last dim (a column-parallel
+                                   output made whole: multi-token prediction's eh_proj)
 
 All communication goes through ``parallel.comm``; at tp = 1 every function is the identity. Under
 ``torch.compile`` each is a ``compile_boundary``.
@@ -82,3 +84,15 @@ gather_from_sequence_parallel = _conjugate("gather_from_sequence_parallel", all_
                                            reduce_scatter_dim0)
 reduce_scatter_to_sequence_parallel = _conjugate("reduce_scatter_to_sequence_parallel", reduce_scatter_dim0,
                                                  all_gather_dim0)
+
+
+def _gather_last(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    return all_gather_dim0(x.movedim(-1, 0).contiguous(), group).movedim(0, -1).contiguous()
+
+
+def _my_chunk_last(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    return x.chunk(group.size, dim=-1)[group.rank].contiguous()
+
+
+# a column-parallel output made whole on every rank (its gradient: each rank's own columns)
+gather_from_tensor_parallel = _conjugate("gather_from_tensor_parallel", _gather_last, _my_chunk_last)

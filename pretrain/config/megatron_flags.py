@@ -107,9 +107,8 @@ REFUSED = [
     *_flags("this attention variant (DeepSeek's sparse indexer) is not supported", "--dsa-indexer-head-dim",
             "--dsa-indexer-n-heads",
             "--dsa-indexer-topk", "--dsa-indexer-loss-coeff", off=(None,)),
-    *_flags("multi-token prediction (DeepSeek-V3's extra prediction modules) is not built: drop it (a "
-            "checkpoint's MTP layers are refused on import)", "--mtp-num-layers", "--mtp-loss-scaling-factor",
-            "--mtp-use-repeated-layer:0", off=(None, "0")),
+    *_flags("one layer per multi-token prediction depth is built (--mtp-num-layers); a layer repeated over "
+            "the depths is not", "--mtp-use-repeated-layer:0", off=(None,)),
     *_flags("ranks are laid out in Megatron's default order (tp, dp, pp) only", "--use-tp-pp-dp-mapping:0"),
     *_flags("Megatron's older placement of hybrid layers by ratios: give the layers as "
             "--hybrid-layer-pattern (e.g. 'M-M*-')", "--hybrid-attention-ratio", "--hybrid-mlp-ratio",

@@ -241,6 +241,9 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
 def hf_kind(config: GPTConfig) -> str:
     """The Hugging Face ``model_type`` that expresses ``config`` exactly: the one it was imported from
     (``hf_model_type``), else the first that can; HFMappingError naming the flags that stand in the way."""
+    if config.mtp_depths:
+        raise HFMappingError(f"--mtp-num-layers {config.mtp_depths}: multi-token prediction layers are not "
+                             "written to Hugging Face checkpoints yet; convert with --to consolidated")
     if config.hf_model_type is not None:
         misses = (_gpt2_misses(config) if config.hf_model_type == "gpt2"
                   else hybrid_misses(config, config.hf_model_type) if config.hf_model_type in HYBRIDS

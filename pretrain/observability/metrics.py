@@ -125,8 +125,10 @@ class MetricsWriter:
         if console:
             peak = max((r["peak_mem_bytes"] for r in record.get("per_rank", [])), default=0)
             norm = f" | params norm {record['params_norm']:.3f}" if "params_norm" in record else ""
-            console_line(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr "
-                         f"{record['lr']:.3e} | "
+            depths = "".join(f" | {key} {value:.4f}" for key, value in record.items()
+                             if key.startswith("mtp_") and key.endswith(" loss"))  # Megatron's names
+            console_line(f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f}{depths} | "
+                         f"lr {record['lr']:.3e} | "
                          f"grad norm {record['grad_norm']:.3f}{norm} | batch {record['batch_size']} | "
                          f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_rank'] * 1000:.2f} "
                          "GFLOP/s/rank | "

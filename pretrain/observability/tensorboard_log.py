@@ -27,6 +27,9 @@ class TensorboardLog:
             value = record.get(key)
             if isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
                 self.writer.add_scalar(tag, value, step)
+        for key, value in record.items():  # Megatron's names of the prediction depths' losses
+            if key.startswith("mtp_") and key.endswith(" loss"):
+                self.writer.add_scalar(key, value, step)
         ranks = record.get("per_rank", [])
         if ranks:
             self.writer.add_scalar("memory/peak-bytes", max(r["peak_mem_bytes"] for r in ranks), step)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from models.generate import gather_vocab_logits
+from models.mtp.depth import shifted
 from parallel import comm
 from parallel.context import shard_sequence
 from parallel.pipeline.executor import PipelineExecutor, StepStats
@@ -92,6 +93,8 @@ class PipelineRunner:
         # each chunk's parameters in reverse, the order a whole backward hands their gradients on
         self._backward_order = [list(chunk.parameters())[::-1] for chunk in chunks]
         self._programs: dict[tuple[int, bool], list[Action | Exchange]] = {}
+        # each prediction depth's loss in the last step, summed over its micro-batches' means / their count
+        self.mtp_losses = torch.zeros(model.mtp_depths, dtype=torch.float64, device=device)
 
     def program(self, num_micro_batches: int, train: bool = True) -> list[Action | Exchange]:
         """This stage's actions and exchanges for a step (forwards only when not ``train``)."""
@@ -157,13 +160,11 @@ class PipelineRunner:
                 out = model(batch["tokens"] if model.pre_process else None, positions,
                             labels=batch["labels"] if model.post_process else None, hidden=received,
                             documents=batch.get("documents") if batch is not None else None)
-            if model.post_process:
-                if weight is not None:  # this micro-batch's share of the global token mean
-                    return (out.float() * batch["loss_mask"]).sum() * weight[0]
-                if shares is not None:  # this cp rank's share of the micro-batch's mean
-                    return (out.float() * batch["loss_mask"]).sum() * shares[index]
-                return masked_mean(out, batch["loss_mask"]) / num_micro_batches
-            return out
+            if not model.post_process:
+                return out
+            if out.dim() == 3:  # the language model's per-token loss, then the prediction depths'
+                return self._with_depths(out, batch["loss_mask"], weight, num_micro_batches)
+            return self._micro_batch_loss(out, batch["loss_mask"], weight, shares, index, num_micro_batches)
 
         def backward_step(chunk: int, index: int, output: torch.Tensor, grad: torch.Tensor | None,
                           hidden: torch.Tensor | None, last: bool) -> torch.Tensor | None:
@@ -185,9 +186,42 @@ class PipelineRunner:
                 self.weight_grads.weight_pass((chunk, index))
             self.meter.release(("W", chunk, index))
 
+        self.mtp_losses.zero_()
         stats = self.executor.run(self.program(num_micro_batches, train), forward_step, backward_step,
                                   weight_step, train=train)
         return self._loss_from_last_stage(stats.losses), stats
+
+    @staticmethod
+    def _micro_batch_loss(out: torch.Tensor, loss_mask: torch.Tensor, weight: torch.Tensor | None,
+                          shares: torch.Tensor | None, index: int, num_micro_batches: int) -> torch.Tensor:
+        """A micro-batch's term of the step's loss from per-token losses ``out`` [b, s]."""
+        if weight is not None:  # this micro-batch's share of the global token mean
+            return (out.float() * loss_mask).sum() * weight[0]
+        if shares is not None:  # this cp rank's share of the micro-batch's mean
+            return (out.float() * loss_mask).sum() * shares[index]
+        return masked_mean(out, loss_mask) / num_micro_batches
+
+    def _with_depths(self, out: torch.Tensor, loss_mask: torch.Tensor, weight: torch.Tensor | None,
+                     num_micro_batches: int) -> torch.Tensor:
+        """The language model's term from ``out[0]``, the prediction depths' (``out[k]`` against the loss
+        mask shifted by k) joined to it as Megatron's MTPLossAutoScaler joins them: each depth's masked
+        mean times --mtp-loss-scaling-factor / D adds its gradient, not its value (the reported loss is the
+        language model's, bit for bit). Under --calculate-per-token-loss each depth's sum is scaled by the
+        micro-batch's loss tokens over its own, as Megatron's. Each depth's mean is kept for the metrics."""
+        main = self._micro_batch_loss(out[0], loss_mask, weight, None, 0, num_micro_batches)
+        model = self.config.model
+        scale = model.mtp_loss_scaling_factor / model.mtp_depths
+        extra = torch.zeros((), device=out.device)
+        for depth in range(1, out.shape[0]):
+            mask = shifted(loss_mask, depth)
+            mean = masked_mean(out[depth], mask)
+            self.mtp_losses[depth - 1] += mean.detach().double() / num_micro_batches
+            if weight is not None:
+                tokens = loss_mask.sum() / mask.sum().clamp(min=1.0)
+                extra = extra + scale * (out[depth].float() * mask).sum() * tokens * weight[0]
+            else:
+                extra = extra + scale * mean / num_micro_batches
+        return main + (extra - extra.detach())
 
     def _per_token_weight(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
         """dp / (loss tokens of the whole global batch), on the last stage: after the data-parallel mean

@@ -31,10 +31,10 @@ from pretrain.training.qk_clip import QKClip
 from pretrain.training.param_scheduler import build_param_scheduler
 from pretrain.config.megatron_flags import describe_ignored
 from pretrain.observability.moe_metrics import moe_metrics
+from pretrain.observability.mtp_metrics import mtp_metrics
 from pretrain.observability.profiling import StepProfiler
-from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank,
-                                            model_state_table, peak_flops,
-                              peak_memory_bytes, print_rank0, reset_peak_memory)
+from pretrain.observability.metrics import (MetricsWriter, comm_table, gather_per_rank, model_state_table,
+                                            peak_flops, peak_memory_bytes, print_rank0, reset_peak_memory)
 from pretrain.training.build import (build_compile, build_fp8, build_groups, build_model, build_optimizer,
                                      build_recompute, compute_dtype, zero_options)
 from pretrain.training.non_finite_steps import NonFiniteSteps
@@ -118,8 +118,7 @@ class Trainer:
         self.step_check = NonFiniteSteps(config, self.groups, device)
         # the default stream (dropout outside tensor-parallel regions: equal over tp and dp, not over stages
         # or cp ranks, which hold other tokens) is seeded after the model is built: building on the meta
-        # device (ZeRO-3) draws nothing from it, building in place (stages 0-2) does, and the masks must
-        # not depend on the ZeRO stage
+        # device (ZeRO-3) draws nothing, building in place (stages 0-2) does; masks never follow the stage
         torch.manual_seed(train.seed + 100 * self.groups.pp_rank + 7919 * self.groups.cp_rank)
         self._load_checkpoint()
 
@@ -254,6 +253,7 @@ class Trainer:
         if self.config.logging.log_params_norm:
             record["params_norm"] = self.optimizer.parameter_norm()
         model = self.config.model
+        record.update(mtp_metrics(self.runner.mtp_losses, self.groups))  # (none without the depths)
         if model.num_experts:
             record.update(moe_metrics(self.model, self.groups, model.moe_layers(model.num_layers),
                                       model.num_experts, batch_size // self.schedule.per_step, self.device))

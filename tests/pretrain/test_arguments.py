@@ -231,7 +231,8 @@ def test_launch_torchrun_passes_its_restarts_to_torchrun_and_refuses_a_negative_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token prediction .* is not built"),
+    (["--mtp-use-repeated-layer"], "--mtp-use-repeated-layer: one layer per multi-token prediction depth is "
+     "built"),
     (["--num-experts", "8", "--moe-enable-deepep"],
      "--moe-enable-deepep: the flex dispatcher \\(DeepEP, HybridEP\\) is not built"),
     (["--prompts", "hello"], "--prompts hello: an option of Megatron's inference scripts"),

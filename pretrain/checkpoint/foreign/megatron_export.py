@@ -98,6 +98,9 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
                                         not in (None, config.layernorm_epsilon)),
                                        ("--latent-norm-epsilon", config.latent_norm_epsilon
                                         not in (None, config.layernorm_epsilon))) if used]
+    if config.mtp_depths:
+        raise ValueError(f"--to megatron: --mtp-num-layers {config.mtp_depths}: multi-token prediction "
+                         "layers are not written to Megatron checkpoints yet; convert with --to consolidated")
     if unbuilt:  # (OLMo hybrid's parts; transformers' latent norms)
         raise ValueError(f"--to megatron: this model has {', '.join(unbuilt)}, which megatron-core builds no "
                          "layer with; convert with --to hf or --to consolidated")

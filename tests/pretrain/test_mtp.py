@@ -1,0 +1,65 @@
+"""Multi-token prediction (--mtp-num-layers): the depths train beside the language model and log their
+losses as Megatron names them; tp2 + SP and dp2 ZeRO-1/3 (and the per-token loss) follow one process; a
+dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
+what is not built yet is refused by name."""
+
+import json
+import re
+
+import pytest
+
+from pretrain.config.arguments import ConfigError, parse_config
+from pretrain.startup.validation import validate
+from tests.parity import assert_trajectory_close
+from tests.pretrain.test_trainer import SHORT, TINY, _train
+from tests.world import run_world
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", *SHORT]
+PER_TOKEN = ["--calculate-per-token-loss"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+def _follows(got, want, what, start=0):
+    for name, g, w in zip(("loss", "grad norm"), got[:2], want[:2]):
+        assert_trajectory_close(g, w[start:start + len(g)], f"{what}: {name}")
+
+
+@pytest.mark.parity
+def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus, tmp_path):
+    metrics, saved = tmp_path / "metrics.jsonl", str(tmp_path / "dp2")
+    plain, off, mtp, per_token = run_world(1, _train, [SHORT, SHORT + ["--mtp-num-layers", "0"],
+                                                       MTP + ["--metrics-file", str(metrics)],
+                                                       MTP + PER_TOKEN], stdlib_corpus)[0]
+    assert off[:3] == plain[:3]  # no depths: the model without them, bit for bit
+    assert mtp[1] != plain[1]  # the depths' gradients join the language model's
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    depths = [[line[f"mtp_{depth} loss"] for line in lines] for depth in (1, 2)]
+    assert all(len(losses) >= 2 and losses[-1] < losses[0] for losses in depths), depths  # they learn
+    layouts = {"tp2 + SP": (MTP + TP2, mtp),
+               "dp2 ZeRO-1, per-token loss": (MTP + PER_TOKEN + ["--zero-stage", "1"], per_token),
+               "dp2 ZeRO-3": (MTP + ["--zero-stage", "3", "--zero-persistence-threshold", "0"], mtp)}
+    results = run_world(2, _train, [flags for flags, _ in layouts.values()]
+                        + [MTP + ["--zero-stage", "3", "--train-iters", "3", "--save", saved]], stdlib_corpus)
+    for rank_results in results:
+        for (name, (_, reference)), result in zip(layouts.items(), rank_results):
+            _follows(result, reference, name)
+    resumed, = run_world(1, _train, [MTP + ["--load", saved]], stdlib_corpus)[0]
+    _follows(resumed, mtp, "saved at dp2 ZeRO-3, resumed at dp1", start=3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
+     "--mtp-num-layers 1 with --pipeline-model-parallel-size 2: multi-token prediction is built for one "
+     "pipeline stage"),
+    (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
+    (["--mtp-num-layers", "1", "--reset-attention-mask"], "the depths' shifted tokens would cross documents"),
+    (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
+    (["--mtp-num-layers", "1", "--num-experts", "4"], "multi-token prediction layers of experts are not "
+     "built yet"),
+    (["--mtp-num-layers", "1", "--hybrid-layer-pattern", "*-*-", "--normalization", "RMSNorm"],
+     "a hybrid's depths (the pattern's part after /) are not built yet"),
+    (["--mtp-use-repeated-layer"], "a layer repeated over the depths is not"),
+])
+def test_what_is_not_built_yet_is_refused_by_name(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(parse_config(TINY + ["--mock-data"] + flags), 2)
