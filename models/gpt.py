@@ -28,7 +28,7 @@ from parallel.experts import ExpertGroups
 from parallel.param_meta import declare
 from parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor.layers import (VocabParallelEmbedding, VocabParallelOutput, vocab_parallel_logits,
-                                    with_init)
+                                    vocab_parallel_lookup, with_init)
 from parallel.tensor.mappings import scatter_to_sequence_parallel
 from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.tensor.weight_init import WeightInit
@@ -72,7 +72,7 @@ class GPTModel(nn.Module):
                 self.position_embedding = nn.Embedding(config.max_positions, h,  # no throw-away draw
                                                        _weight=positions.full((config.max_positions, h)))
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
-            self.embedding_dropout = dropout(config.hidden_dropout)
+        self.embedding_dropout = dropout(config.hidden_dropout)  # (the prediction depths' embeddings too)
         self.frequencies = RotaryFrequencies(config)
         self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
@@ -93,7 +93,8 @@ class GPTModel(nn.Module):
                     declare(self.output_layer.weight, tied_embedding=True, tied_copy=True)
         if self.tied and pre_process and not post_process:
             declare(self.word_embedding.weight, tied_embedding=True)
-        if post_process and config.mtp_depths:  # (one stage: the depths borrow its embedding)
+        if post_process and config.mtp_depths:  # (the depths borrow the embedding: a last stage of its own
+            # looks their tokens up in its copy of the tied embedding)
             entry = entries[-1]  # a layer of the main model's kind
             self.mtp = nn.ModuleList(MTPDepth(config, depth, tp, seed, sequence_parallel,
                                               build_layer(entry, built_with, config.num_layers + depth))
@@ -116,8 +117,11 @@ class GPTModel(nn.Module):
         return names
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under sequence parallelism)."""
-        x = self.word_embedding(tokens.t())
+        """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under sequence parallelism); on a last
+        pipeline stage (the prediction depths') from its copy of the tied embedding."""
+        table = self.word_embedding if self.pre_process else self.output_layer
+        x = (table(tokens.t()) if self.pre_process else
+             vocab_parallel_lookup(tokens.t(), table.weight, self.tp, table.weight_grads))
         if self.config.embedding_multiplier != 1.0:  # rounded to the activations' dtype first, as Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, device=x.device).to(x.dtype)
         if self.config.use_mup and self.config.mup_embedding_mult != 1.0:

@@ -253,25 +253,32 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.weight = vocab_parallel_table(vocab_size, padded_vocab_size, hidden_size, group, init, dtype)
-        rows = self.weight.shape[0]
-        self.vocab_start, self.vocab_end = group.rank * rows, (group.rank + 1) * rows
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.group.size == 1:
-            rows, outside = tokens, None
-        else:
-            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
-            rows = (tokens - self.vocab_start).masked_fill(outside, 0)
-        if self.weight_grads is not None:
-            out = _lookup(rows, self.weight, outside, self.weight_grads, self.weight_grads.anchor)
-        else:
-            out = F.embedding(rows, self.weight)
-            out = out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel(out, self.group)
+        return vocab_parallel_lookup(tokens, self.weight, self.group, self.weight_grads)
 
     def deferred_weights(self) -> list[nn.Parameter]:
         """The table, whose gradient a split backward defers (``weight_grads``)."""
         return [self.weight]
+
+
+def vocab_parallel_lookup(tokens: torch.Tensor, weight_shard: torch.Tensor, group: AxisGroup,
+                          store: WeightGradStore | None = None) -> torch.Tensor:
+    """The embeddings of ``tokens`` from a table split by vocabulary range over ``group`` (this rank's rows
+    ``weight_shard``): each rank looks up its range, zeros the rest, and the parts are summed over the
+    group. ``store``: a split backward defers the table's gradient there."""
+    if group.size == 1:
+        rows, outside = tokens, None
+    else:
+        start = group.rank * weight_shard.shape[0]
+        outside = (tokens < start) | (tokens >= start + weight_shard.shape[0])
+        rows = (tokens - start).masked_fill(outside, 0)
+    if store is not None:
+        out = _lookup(rows, weight_shard, outside, store, store.anchor)
+    else:
+        out = F.embedding(rows, weight_shard)
+        out = out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tensor_parallel(out, group)
 
 
 class VocabParallelOutput(nn.Module):

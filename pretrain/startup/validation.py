@@ -15,6 +15,7 @@ from pretrain.checkpoint.selection import resume_point, resumed_state
 from pretrain.startup.checkpoint_architecture import BATCH, apply_checkpoint_args, made_with
 from pretrain.startup.context_validation import validate_context
 from pretrain.startup.expert_validation import validate_experts
+from pretrain.startup.mtp_validation import validate_mtp
 from pretrain.startup.optimizer_validation import validate_optimizer
 from pretrain.config.megatron_flags import resolve_settings
 from parallel.pipeline.partition import validate_partition
@@ -49,7 +50,7 @@ def validate(config: Config, world_size: int) -> Topology:
                           f"--tensor-model-parallel-size {topology.tp}")
     validate_context(config, topology)
     _validate_pipeline(config, topology)
-    _validate_mtp(config, topology)
+    validate_mtp(config, topology)
     validate_experts(config, topology)
     validate_optimizer(config)
     recompute = config.recompute
@@ -103,22 +104,6 @@ def validate(config: Config, world_size: int) -> Topology:
     _validate_data(config)
     _validate_zero(config, topology)  # after the data: the vocabulary sizes the swap files
     return topology
-
-
-def _validate_mtp(config: Config, topology: Topology) -> None:
-    """Multi-token prediction's layouts so far: its depths on a one-stage pipeline (they borrow the first
-    stage's embedding), whole sequences (no context parallelism) and no document resets."""
-    depths = config.model.mtp_depths
-    if not depths:
-        return
-    for flag, size in (("--pipeline-model-parallel-size", topology.pp), ("--context-parallel-size",
-                                                                          topology.cp)):
-        if size > 1:
-            raise ConfigError(f"--mtp-num-layers {depths} with {flag} {size}: multi-token prediction is "
-                              "built for one pipeline stage and whole sequences so far; use 1")
-    if config.data.reset_attention_mask or config.data.reset_position_ids:
-        raise ConfigError(f"--mtp-num-layers {depths} with --reset-attention-mask / --reset-position-ids: "
-                          "the depths' shifted tokens would cross documents; drop one")
 
 
 def _validate_profiling(config: Config) -> None:

@@ -157,7 +157,8 @@ class PipelineRunner:
             batch = micro_batch(index) if reads else None
             positions = batch["position_ids"] if batch is not None else self._positions()
             with self.meter.recording((chunk, index)) if train and measure else contextlib.nullcontext():
-                out = model(batch["tokens"] if model.pre_process else None, positions,
+                tokens = model.pre_process or model.post_process and model.config.mtp_depths  # (the depths'
+                out = model(batch["tokens"] if tokens else None, positions,  # embeddings need them)
                             labels=batch["labels"] if model.post_process else None, hidden=received,
                             documents=batch.get("documents") if batch is not None else None)
             if not model.post_process:

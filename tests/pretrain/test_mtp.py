@@ -1,5 +1,5 @@
 """Multi-token prediction (--mtp-num-layers): the depths train beside the language model and log their
-losses as Megatron names them; tp2 + SP and dp2 ZeRO-1/3 (and the per-token loss) follow one process; a
+losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process; a
 dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
 what is not built yet is refused by name."""
 
@@ -14,7 +14,8 @@ from tests.parity import assert_trajectory_close
 from tests.pretrain.test_trainer import SHORT, TINY, _train
 from tests.world import run_world
 
-MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", *SHORT]
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
+       *SHORT]
 PER_TOKEN = ["--calculate-per-token-loss"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
@@ -37,7 +38,9 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     assert all(len(losses) >= 2 and losses[-1] < losses[0] for losses in depths), depths  # they learn
     layouts = {"tp2 + SP": (MTP + TP2, mtp),
                "dp2 ZeRO-1, per-token loss": (MTP + PER_TOKEN + ["--zero-stage", "1"], per_token),
-               "dp2 ZeRO-3": (MTP + ["--zero-stage", "3", "--zero-persistence-threshold", "0"], mtp)}
+               "dp2 ZeRO-3": (MTP + ["--zero-stage", "3", "--zero-persistence-threshold", "0"], mtp),
+               "pp2 (the depths on the last stage, embedding with its copy of the tied embedding)": (
+                   MTP + ["--pipeline-model-parallel-size", "2"], mtp)}
     results = run_world(2, _train, [flags for flags, _ in layouts.values()]
                         + [MTP + ["--zero-stage", "3", "--train-iters", "3", "--save", saved]], stdlib_corpus)
     for rank_results in results:
@@ -48,9 +51,10 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
-     "--mtp-num-layers 1 with --pipeline-model-parallel-size 2: multi-token prediction is built for one "
-     "pipeline stage"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope",
+      "--untie-embeddings-and-output-weights"],
+     "--mtp-num-layers 1 with --pipeline-model-parallel-size 2: the last stage's depths embed their tokens "
+     "with its copy of the tied embedding"),
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
     (["--mtp-num-layers", "1", "--reset-attention-mask"], "the depths' shifted tokens would cross documents"),
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),

@@ -1,0 +1,29 @@
+"""Multi-token prediction's rules, checked before any process group exists."""
+
+from __future__ import annotations
+
+from parallel.pipeline.schedules import SPLIT_SCHEDULES, V_SCHEDULES
+from parallel.topology import Topology
+from pretrain.config.arguments import ConfigError
+from pretrain.config.schema import Config
+
+
+def validate_mtp(config: Config, topology: Topology) -> None:
+    """Multi-token prediction's layouts so far: whole sequences (no context parallelism), no document
+    resets, and over pipeline stages a tied embedding (the last stage's copy embeds the depths' tokens)."""
+    depths, model, par = config.model.mtp_depths, config.model, config.parallel
+    if not depths:
+        return
+    if topology.cp > 1:
+        raise ConfigError(f"--mtp-num-layers {depths} with --context-parallel-size {topology.cp}: the "
+                          "depths' shifted tokens cross the cp ranks' shares (not built yet); use cp 1")
+    if topology.pp > 1 and (model.untie_embeddings_and_output_weights
+                            or model.position_embedding == "learned_absolute"
+                            or par.pipeline_schedule in V_SCHEDULES + SPLIT_SCHEDULES):
+        raise ConfigError(f"--mtp-num-layers {depths} with --pipeline-model-parallel-size {topology.pp}: the "
+                          "last stage's depths embed their tokens with its copy of the tied embedding (so "
+                          "not with --untie-embeddings-and-output-weights or learned positions yet), under "
+                          "1F1B or interleaved schedules")
+    if config.data.reset_attention_mask or config.data.reset_position_ids:
+        raise ConfigError(f"--mtp-num-layers {depths} with --reset-attention-mask / --reset-position-ids: "
+                          "the depths' shifted tokens would cross documents; drop one")
