@@ -176,7 +176,12 @@ def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...]
                if isinstance(module, (ColumnParallelLinear, RowParallelLinear))) \
         - sum(module.weight.numel() for block in chunk.layers for module in block.modules()
               if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
-    return tuple(layers), 2.0 * (head + output.numel())
+    # the prediction depths (their eh_proj and layer counted in ``head``): the output layer once more each,
+    # their layers' latent projections and sequence mixing
+    depths = list(getattr(chunk, "mtp", None) or ())
+    mixing = len(depths) * float(kind_of(config.layer_types()[-1]).mixing_flops(config))
+    head += sum(_latent_matmuls(depth) for depth in depths) + len(depths) * output.numel()
+    return tuple(layers), 2.0 * (head + output.numel()) + mixing
 
 
 def _latent_matmuls(model: nn.Module) -> int:

@@ -59,6 +59,10 @@ def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: in
             # logits under bf16 / fp16, from which backward recomputes the softmax; the fp32 softmax in fp32)
             if loss:
                 kept += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
+                # each prediction depth: its norms' inputs (the embedding's, the hidden state's), eh_proj's
+                # joined input (2h), its layer (one of the last layer's kind), its final norm and logits
+                kept += config.mtp_depths * ((6 * sbh / split + kept_of[entries[-1]]) * compute_bytes
+                                             + s * b * vocabulary * compute_bytes)
             saved.append(kept)
             waiting = 0.0
             if split_backward:  # also the output layer's input and logits' gradient, the embedding's
