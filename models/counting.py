@@ -179,7 +179,8 @@ def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...]
     # the prediction depths (their eh_proj and layer counted in ``head``): the output layer once more each,
     # their layers' latent projections and sequence mixing
     depths = list(getattr(chunk, "mtp", None) or ())
-    mixing = len(depths) * float(kind_of(config.layer_types()[-1]).mixing_flops(config))
+    mixing = len(depths) * sum(float(kind_of(entry).mixing_flops(config))
+                               for entry in config.mtp_layer_types())
     head += sum(_latent_matmuls(depth) for depth in depths) + len(depths) * output.numel()
     return tuple(layers), 2.0 * (head + output.numel()) + mixing
 

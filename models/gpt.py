@@ -95,10 +95,10 @@ class GPTModel(nn.Module):
             declare(self.word_embedding.weight, tied_embedding=True)
         if post_process and config.mtp_depths:  # (the depths borrow the embedding: a last stage of its own
             # looks their tokens up in its copy of the tied embedding)
-            entry = entries[-1]  # a layer of the main model's kind
-            self.mtp = nn.ModuleList(MTPDepth(config, depth, tp, seed, sequence_parallel,
-                                              build_layer(entry, built_with, config.num_layers + depth))
-                                     for depth in range(config.mtp_depths))
+            kinds = config.mtp_layer_types()  # each layer numbered past the model's, depth by depth
+            self.mtp = nn.ModuleList(MTPDepth(config, depth, tp, seed, sequence_parallel, [
+                build_layer(entry, built_with, config.num_layers + depth * len(kinds) + j)
+                for j, entry in enumerate(kinds)]) for depth in range(config.mtp_depths))
 
     def recompute_layers_with(self, runner) -> None:
         """Run the layers through ``runner(x, inputs)`` (full recompute; activation checkpointing)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.flags import flag
-from models.hybrid.pattern import ATTENTION_KINDS, MTP, ParsedPattern, parse_pattern
+from models.hybrid.pattern import ATTENTION_KINDS, ParsedPattern, parse_pattern
 
 DEPRECATED_PATTERN = "--hybrid-override-pattern is deprecated. Use --hybrid-layer-pattern instead."
 
@@ -108,9 +108,6 @@ class HybridConfig:
                                  "a GPT's blocks take --norm-placement")
             return
         shown = f"--hybrid-layer-pattern {pattern.text!r}"
-        if pattern.depths:
-            raise ValueError(f"{shown}: multi-token prediction (the depths after {MTP}) is not built yet: "
-                             f"drop them")
         if self.num_layers != len(pattern.layers):
             raise ValueError(f"{shown} has {len(pattern.layers)} layers, --num-layers says "
                              f"{self.num_layers}: "

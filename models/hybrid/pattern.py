@@ -65,6 +65,6 @@ def parse_pattern(text: str, flag: str = "--hybrid-layer-pattern") -> ParsedPatt
         raise ValueError(f"{shown}: the main part (before any {MTP}) holds no layer")
     kinds = [kind for kind in ATTENTION_KINDS if kind in layers + mtp]
     if "*" in kinds and len(kinds) > 1:
-        raise ValueError(f"{shown}: '*' (attention) beside {' and '.join(repr(k) for k in kinds[1:])} "
-                         "(latent attention): a model has one kind of attention")
+        others = " and ".join(f"{k!r} ({SYMBOLS[k]})" for k in kinds[1:])
+        raise ValueError(f"{shown}: '*' (attention) beside {others}: a model has one kind of attention")
     return ParsedPattern(text, layers, tuple(main.split(PIPE)), mtp, len(depths) if mtp else 0)

@@ -21,18 +21,29 @@ class MTPConfig:
 
     @property
     def mtp_depths(self) -> int:
-        """The multi-token prediction depths (0: none)."""
-        return self.mtp_num_layers or 0
+        """The multi-token prediction depths (0: none): a hybrid pattern's parts after ``/``, else
+        --mtp-num-layers."""
+        pattern = self.parsed_pattern()
+        return pattern.depths if pattern is not None else self.mtp_num_layers or 0
+
+    def mtp_layer_types(self) -> list[str]:
+        """Each depth's layers' entries in the layer registry: a hybrid pattern's part after ``/``, else one
+        layer of the main model's last kind."""
+        pattern = self.parsed_pattern()
+        return list(pattern.mtp) if pattern is not None else self.layer_types()[-1:]
 
     def validate_mtp(self) -> None:
         """ValueError naming the flag for multi-token prediction this build cannot make."""
         if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
             raise ValueError(f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}")
+        pattern = self.parsed_pattern()
+        if pattern is not None and self.mtp_num_layers and self.mtp_num_layers != pattern.depths:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} beside --hybrid-layer-pattern "
+                             f"{pattern.text!r} ({pattern.depths} depths after /): a hybrid's depths are the "
+                             "pattern's parts after /, each of the same layers (e.g. 'M*M-/*-/*-'); drop the "
+                             "flag")
         if not self.mtp_depths:
             return
-        if self.hybrid_layer_pattern:
-            raise ValueError(f"--mtp-num-layers with --hybrid-layer-pattern {self.hybrid_layer_pattern!r}: a "
-                             "hybrid's depths (the pattern's part after /) are not built yet; drop one")
         if self.num_experts:
             raise ValueError("--mtp-num-layers with --num-experts: multi-token prediction layers of experts "
                              "are not built yet; drop one")

@@ -3,7 +3,8 @@
 Depth k sees, at each position i, the previous depth's hidden state (the main model's after its final
 norm, for k = 1) and the embedding of the token k after i: each normed (``hnorm``, ``enorm``), joined
 [embedding, hidden], projected back to the hidden size (``eh_proj``, column-parallel as Megatron's, its
-output gathered over tp), through one layer of the main model's kind and a final norm. The model's output
+output gathered over tp), through its layers (one of the main model's kind; a hybrid pattern's part after
+``/``) and a final norm. The model's output
 layer turns the result into the logits of the token k + 1 after i.
 """
 
@@ -23,12 +24,13 @@ from parallel.tensor.weight_init import WeightInit
 
 class MTPDepth(nn.Module):
     """Owns its norms (``enorm``, ``hnorm``, ``final_norm``), ``eh_proj`` [h / tp, 2h] (its columns the
-    embedding's, then the hidden state's) and ``layer`` (built by the caller from the layer registry).
+    embedding's, then the hidden state's) and ``layers`` (built by the caller from the layer registry: one
+    of the main model's kind, or a hybrid pattern's part after ``/``).
     Borrows the embedding and the output layer from its model; communicates over tp only (eh_proj's
     gather and sequence parallelism's scatter, and its layer's own)."""
 
     def __init__(self, config: GPTConfig, depth: int, tp: AxisGroup, seed: int, sequence_parallel: bool,
-                 layer: nn.Module):
+                 layers: list[nn.Module]):
         super().__init__()
         h = config.hidden_size
         self.tp, self.sequence_parallel = tp, sequence_parallel and tp.size > 1
@@ -37,7 +39,7 @@ class MTPDepth(nn.Module):
         self.eh_proj = ColumnParallelLinear(2 * h, h, tp, WeightInit(seed, f"mtp.{depth}.eh_proj.weight",
                                                                      config.init_method_std),
                                             bias=False, sequence_parallel=sequence_parallel)
-        self.layer = layer
+        self.layers = nn.ModuleList(layers)
         self.final_norm = build_norm(config, h, sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
@@ -47,7 +49,9 @@ class MTPDepth(nn.Module):
         x = gather_from_tensor_parallel(self.eh_proj(joined), self.tp)  # [s, b, h], whole on every rank
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
-        return self.final_norm(self.layer(x, inputs))
+        for layer in self.layers:
+            x = layer(x, inputs)
+        return self.final_norm(x)
 
 
 def shifted(tensor: torch.Tensor, shift: int) -> torch.Tensor:

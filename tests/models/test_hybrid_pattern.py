@@ -119,8 +119,10 @@ def test_a_run_takes_its_layers_and_pipeline_cut_from_the_pattern():
       "G*G-"], 1, "--experimental-attention-variant gdn beside --hybrid-layer-pattern: the variant builds"),
     (["--hybrid-layer-pattern", "MD-"], 1, "'D' (DeepSeek sparse attention): DeepSeek sparse attention (its "
      "indexer) is not built: use + (latent attention)"),
-    (["--hybrid-layer-pattern", "M*M-/*-"], 1, "--hybrid-layer-pattern 'M*M-/*-': multi-token prediction "
-     "(the depths after /) is not built yet"),
+    (["--hybrid-layer-pattern", "M*M-/*-", "--mtp-num-layers", "2"], 1, "--mtp-num-layers 2 beside "
+     "--hybrid-layer-pattern 'M*M-/*-' (1 depths after /): a hybrid's depths are the pattern's parts "
+     "after /"),
+    (["--hybrid-layer-pattern", "M-M-/D-"], 1, "'D' (DeepSeek sparse attention): DeepSeek sparse attention"),
     (["--hybrid-layer-pattern", "M*Mq"], 1, "'q' is not a layer symbol"),
     (["--hybrid-layer-pattern", "M*|M-|M-", "--pipeline-model-parallel-size", "2"], 2,
      "--hybrid-layer-pattern 'M*|M-|M-' has 3 pipeline segments, not a multiple of "

@@ -1,5 +1,6 @@
 """Multi-token prediction (--mtp-num-layers): the depths train beside the language model and log their
-losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process; a
+losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process, and
+a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP; a
 dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
 what is not built yet is refused by name."""
 
@@ -17,6 +18,10 @@ from tests.world import run_world
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
        *SHORT]
 PER_TOKEN = ["--calculate-per-token-loss"]
+# a hybrid's depth: the pattern's part after / (attention, then an MLP)
+HYBRID = ["--hybrid-layer-pattern", "M*M-/*-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+          "--mamba-state-dim", "16", "--mamba-chunk-size", "8", "--normalization", "RMSNorm",
+          "--position-embedding-type", "rope", "--swiglu", *SHORT]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
@@ -28,9 +33,9 @@ def _follows(got, want, what, start=0):
 @pytest.mark.parity
 def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus, tmp_path):
     metrics, saved = tmp_path / "metrics.jsonl", str(tmp_path / "dp2")
-    plain, off, mtp, per_token = run_world(1, _train, [SHORT, SHORT + ["--mtp-num-layers", "0"],
-                                                       MTP + ["--metrics-file", str(metrics)],
-                                                       MTP + PER_TOKEN], stdlib_corpus)[0]
+    plain, off, mtp, per_token, hybrid = run_world(1, _train, [SHORT, SHORT + ["--mtp-num-layers", "0"],
+                                                               MTP + ["--metrics-file", str(metrics)],
+                                                               MTP + PER_TOKEN, HYBRID], stdlib_corpus)[0]
     assert off[:3] == plain[:3]  # no depths: the model without them, bit for bit
     assert mtp[1] != plain[1]  # the depths' gradients join the language model's
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -40,7 +45,8 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
                "dp2 ZeRO-1, per-token loss": (MTP + PER_TOKEN + ["--zero-stage", "1"], per_token),
                "dp2 ZeRO-3": (MTP + ["--zero-stage", "3", "--zero-persistence-threshold", "0"], mtp),
                "pp2 (the depths on the last stage, embedding with its copy of the tied embedding)": (
-                   MTP + ["--pipeline-model-parallel-size", "2"], mtp)}
+                   MTP + ["--pipeline-model-parallel-size", "2"], mtp),
+               "hybrid M*M-/*-: tp2 + SP": (HYBRID + TP2, hybrid)}
     results = run_world(2, _train, [flags for flags, _ in layouts.values()]
                         + [MTP + ["--zero-stage", "3", "--train-iters", "3", "--save", saved]], stdlib_corpus)
     for rank_results in results:
@@ -60,8 +66,6 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
     (["--mtp-num-layers", "1", "--num-experts", "4"], "multi-token prediction layers of experts are not "
      "built yet"),
-    (["--mtp-num-layers", "1", "--hybrid-layer-pattern", "*-*-", "--normalization", "RMSNorm"],
-     "a hybrid's depths (the pattern's part after /) are not built yet"),
     (["--mtp-use-repeated-layer"], "a layer repeated over the depths is not"),
 ])
 def test_what_is_not_built_yet_is_refused_by_name(flags, message):

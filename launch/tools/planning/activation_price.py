@@ -46,7 +46,8 @@ def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: in
     entries = config.layer_types()
     split_backward = layout.schedule in SPLIT_SCHEDULES
     kept_of = {entry: (sbh / split if layout.recompute == "full" else layer_elements(config, layout, entry))
-               for entry in set(entries)}
+               for entry in set(entries + config.mtp_layer_types())}
+    depth_layers = sum(kept_of[entry] for entry in config.mtp_layer_types())
     pass_of = {entry: weight_pass_elements(config, layout, entry) if split_backward else 0.0
                for entry in set(entries)}
     peaks = []
@@ -60,8 +61,8 @@ def _stage_activation_bytes(config: GPTConfig, layout: Layout, micro_batches: in
             if loss:
                 kept += 2 * sbh / split * compute_bytes + s * b * vocabulary * compute_bytes
                 # each prediction depth: its norms' inputs (the embedding's, the hidden state's), eh_proj's
-                # joined input (2h), its layer (one of the last layer's kind), its final norm and logits
-                kept += config.mtp_depths * ((6 * sbh / split + kept_of[entries[-1]]) * compute_bytes
+                # joined input (2h), its layers, its final norm and logits
+                kept += config.mtp_depths * ((6 * sbh / split + depth_layers) * compute_bytes
                                              + s * b * vocabulary * compute_bytes)
             saved.append(kept)
             waiting = 0.0

@@ -108,6 +108,10 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
                               f"{variant} (a mixer and its MLP in each layer): not read yet; a HybridModel's "
                               "(--hybrid-layer-pattern) checkpoint of the same layers is")
     pattern = _pattern(args, where)
+    if pattern is not None and pattern.depths:
+        raise CheckpointError(f"{where}: its --hybrid-layer-pattern {pattern.text!r} has multi-token "
+                              "prediction depths (after /): Megatron checkpoints with them are not read yet; "
+                              "refused")
     config = {name: value for name in GPTConfig.__dataclass_fields__
               if isinstance(value := getattr(args, name, None), _PLAIN) and value is not None
               or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)}
