@@ -25,17 +25,20 @@ def gather_vocab_logits(shard: torch.Tensor, model: GPTModel) -> torch.Tensor:
     return gathered[:model.config.vocab_size]
 
 
+def padded_ids(tokens: list[int], model: GPTModel) -> torch.Tensor:
+    """[1, s] ids on the model's device, padded with zeros to a multiple of tp under sequence parallelism
+    (causal: the padding changes nothing before it)."""
+    pad = -len(tokens) % model.tp.size if model.sequence_parallel else 0
+    return torch.tensor([tokens + [0] * pad], dtype=torch.long, device=next(model.parameters()).device)
+
+
 def single_stage_logits(model: GPTModel) -> NextTokenLogits:
     """Next-token logits of a model holding every layer (pre- and post-process on this rank)."""
     def logits(tokens: list[int]) -> torch.Tensor:
-        device = next(model.parameters()).device
-        length = len(tokens)
-        # causal: padding changes nothing before it
-        pad = -length % model.tp.size if model.sequence_parallel else 0
-        ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
-        positions = torch.arange(length + pad, device=device).unsqueeze(0)
+        ids = padded_ids(tokens, model)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         with torch.no_grad():
-            return gather_vocab_logits(model(ids, positions, whole_sequence=True)[length - 1, 0], model)
+            return gather_vocab_logits(model(ids, positions, whole_sequence=True)[len(tokens) - 1, 0], model)
     return logits
 
 

@@ -134,9 +134,9 @@ class GPTModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, [s, b, padded_vocab / tp], times muP's output
         multiplier, soft-capped with --final-logit-softcapping."""
-        return self._output(self.final_norm(hidden))
+        return self.output_logits(self.final_norm(hidden))
 
-    def _output(self, x: torch.Tensor) -> torch.Tensor:
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer on normed hidden states ``x`` (the last layer's, or a prediction depth's)."""
         if self.tied and self.pre_process:
             logits = vocab_parallel_logits(x, self.word_embedding.weight, self.tp, self.sequence_parallel)
@@ -160,6 +160,18 @@ class GPTModel(nn.Module):
             tables["rotary_local"] = rotary_tables(self.config, position_ids, dtype, local)
         return tables
 
+    def layer_inputs(self, position_ids: torch.Tensor, dtype: torch.dtype,
+                     documents: torch.Tensor | None = None, whole_sequence: bool = False) -> LayerInputs:
+        """What every layer takes besides the hidden state (``forward``'s arguments of those names)."""
+        context = None if whole_sequence else self.context
+        blocks = None
+        windows = set().union(*(layer.attention_windows() for layer in self.layers))
+        if documents is not None and context is None and windows and DocumentBlocks.usable(
+                documents.device, self.config.attn_logit_softcapping, self.config.attention_dropout):
+            blocks = DocumentBlocks(documents, windows)
+        return LayerInputs(documents=documents, context=context, document_blocks=blocks,
+                           **self._rotary(position_ids, dtype, whole_sequence))
+
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, documents: torch.Tensor | None = None,
@@ -171,14 +183,7 @@ class GPTModel(nn.Module):
         Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits slice
         [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        context = None if whole_sequence else self.context
-        blocks = None
-        windows = set().union(*(layer.attention_windows() for layer in self.layers))
-        if documents is not None and context is None and windows and DocumentBlocks.usable(
-                documents.device, self.config.attn_logit_softcapping, self.config.attention_dropout):
-            blocks = DocumentBlocks(documents, windows)
-        inputs = LayerInputs(documents=documents, context=context, document_blocks=blocks,
-                             **self._rotary(position_ids, x.dtype, whole_sequence))
+        inputs = self.layer_inputs(position_ids, x.dtype, documents, whole_sequence)
         if self.layer_runner is not None:
             x = self.layer_runner(x, inputs)
         else:
@@ -205,11 +210,11 @@ class GPTModel(nn.Module):
         """Per-token losses [1 + D, b, s]: the language model's, then depth k's at each position i against
         the token k + 1 after it (``labels`` shifted by k; its last k positions hold a zero-label loss that
         the caller masks: ``shifted(loss_mask, k)``)."""
-        losses, hidden = [self._loss(self._output(normed), labels)], normed
+        losses, hidden = [self._loss(self.output_logits(normed), labels)], normed
         for shift, depth in enumerate(self.mtp, start=1):
             embedded = self.embed(shifted(tokens, shift), shifted(position_ids, shift))
             hidden = depth(hidden, embedded, inputs)
-            losses.append(self._loss(self._output(hidden), shifted(labels, shift)))
+            losses.append(self._loss(self.output_logits(hidden), shifted(labels, shift)))
         return torch.stack(losses)
 
 

@@ -2,13 +2,17 @@
 losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process, and
 a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP; a
 dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
-what is not built yet is refused by name."""
+greedy speculative decoding with the depths' drafts is greedy decoding; what is not built yet is refused by
+name."""
 
 import json
 import re
 
 import pytest
 
+from models.generate import generate, single_stage_logits
+from models.mtp.speculative import speculative_greedy
+from pretrain import load_model
 from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
 from tests.parity import assert_trajectory_close
@@ -32,10 +36,10 @@ def _follows(got, want, what, start=0):
 
 @pytest.mark.parity
 def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus, tmp_path):
-    metrics, saved = tmp_path / "metrics.jsonl", str(tmp_path / "dp2")
-    plain, off, mtp, per_token, hybrid = run_world(1, _train, [SHORT, SHORT + ["--mtp-num-layers", "0"],
-                                                               MTP + ["--metrics-file", str(metrics)],
-                                                               MTP + PER_TOKEN, HYBRID], stdlib_corpus)[0]
+    metrics, saved, trained = tmp_path / "metrics.jsonl", str(tmp_path / "dp2"), str(tmp_path / "trained")
+    references = [SHORT, SHORT + ["--mtp-num-layers", "0"],
+                  MTP + ["--metrics-file", str(metrics), "--save", trained], MTP + PER_TOKEN, HYBRID]
+    plain, off, mtp, per_token, hybrid = run_world(1, _train, references, stdlib_corpus)[0]
     assert off[:3] == plain[:3]  # no depths: the model without them, bit for bit
     assert mtp[1] != plain[1]  # the depths' gradients join the language model's
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -54,6 +58,16 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
             _follows(result, reference, name)
     resumed, = run_world(1, _train, [MTP + ["--load", saved]], stdlib_corpus)[0]
     _follows(resumed, mtp, "saved at dp2 ZeRO-3, resumed at dp1", start=3)
+    # the depths' drafts, verified by the main model: greedy decoding's text, token for token
+    model = load_model(trained).gpt.eval()
+    accepted = proposed = 0
+    for prompt in ([5, 17, 2, 9, 40, 3, 11, 60], [1, 2, 3], list(range(100, 120))):
+        greedy = generate(single_stage_logits(model), prompt, 12, window=64)
+        drafted, took, offered = speculative_greedy(model, prompt, 12)
+        assert drafted == greedy, (prompt, drafted, greedy)
+        accepted, proposed = accepted + took, proposed + offered
+    assert proposed > 0
+    print(f"accepted drafts: {accepted} of {proposed} ({accepted / proposed:.0%})")
 
 
 @pytest.mark.parametrize("flags, message", [
