@@ -160,29 +160,34 @@ def forward_flops_parts(config: GPTConfig) -> tuple[tuple[tuple[float, float], .
 def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...], float]:
     config = thawed_config(frozen)
     chunk = _stage_model(frozen, 1, 1, 0, 1, False, None)[0]
-    layers = []
-    for entry, block in zip(config.layer_types(), chunk.layers):
-        matmul = sum(module.weight.numel() for module in block.modules()
-                     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
-        for layer in block.modules():  # a token's active expert weights: the router, k experts, the gate
-            if isinstance(layer, MoELayer):
-                experts = list(layer.experts.children())
-                per_expert = sum(e.fc1.weight.numel() + e.fc2.weight.numel() for e in experts) / len(experts)
-                gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
-                matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
-        layers.append((2.0 * (matmul + _latent_matmuls(block)), float(kind_of(entry).mixing_flops(config))))
+    layers = [(2.0 * _active_matmuls(block), float(kind_of(entry).mixing_flops(config)))
+              for entry, block in zip(config.layer_types(), chunk.layers)]
     output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
+    depths = list(getattr(chunk, "mtp", None) or ())  # the prediction depths, with the head on its stage
     head = sum(module.weight.numel() for module in chunk.modules()
                if isinstance(module, (ColumnParallelLinear, RowParallelLinear))) \
-        - sum(module.weight.numel() for block in chunk.layers for module in block.modules()
+        - sum(module.weight.numel() for block in [*chunk.layers, *depths] for module in block.modules()
               if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
-    # the prediction depths (their eh_proj and layer counted in ``head``): the output layer once more each,
-    # their layers' latent projections and sequence mixing
-    depths = list(getattr(chunk, "mtp", None) or ())
+    # each depth: eh_proj and its layers' products, the output layer once more, its layers' sequence mixing
+    head += sum(_active_matmuls(depth) for depth in depths) + len(depths) * output.numel()
     mixing = len(depths) * sum(float(kind_of(entry).mixing_flops(config))
                                for entry in config.mtp_layer_types())
-    head += sum(_latent_matmuls(depth) for depth in depths) + len(depths) * output.numel()
     return tuple(layers), 2.0 * (head + output.numel()) + mixing
+
+
+def _active_matmuls(block: nn.Module) -> float:
+    """The weights of ``block``'s products a token passes through: its parallel linear layers, latent
+    attention's projections, and in a mixture of experts the router, k experts and the shared expert's gate
+    (its shared expert's layers are among the linear ones)."""
+    matmul = sum(module.weight.numel() for module in block.modules()
+                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+    for layer in block.modules():
+        if isinstance(layer, MoELayer):
+            experts = list(layer.experts.children())
+            per_expert = sum(e.fc1.weight.numel() + e.fc2.weight.numel() for e in experts) / len(experts)
+            gate = layer.shared_gate.weight.numel() if layer.shared_gate is not None else 0
+            matmul += layer.router.weight.numel() + layer.options.topk * per_expert + gate
+    return matmul + _latent_matmuls(block)
 
 
 def _latent_matmuls(model: nn.Module) -> int:

@@ -33,9 +33,8 @@ class TransformerBlock(ResidualLayer):
         self.attention = build_attention(config, layer, tp, seed, sequence_parallel, rng)
         self.attention_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
         self.mlp_norm = build_norm(config, h, sequence_parallel) if before else nn.Identity()
-        moe = layer < config.num_layers and config.moe_layers(config.num_layers)[layer]  # (past them: a
-        self.mlp = build_mlp(config, layer, tp, seed, sequence_parallel, experts, balancing,  # dense MTP
-                             moe)  # depth's layer; depths of experts are refused)
+        self.mlp = build_mlp(config, layer, tp, seed, sequence_parallel, experts, balancing,
+                             config.moe_layers_with_depths()[layer])  # (past the model's: the depths')
         self.mlp_post_norm = build_norm(config, h, sequence_parallel) if after else nn.Identity()
 
     def attention_windows(self) -> set:

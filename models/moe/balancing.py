@@ -45,9 +45,10 @@ class LoadBalancing:
     @staticmethod
     def for_model(config) -> "LoadBalancing":
         """The balancing of a rank's MoE layers of a model of ``config`` (a ``GPTConfig``: its layers,
-        experts, and the expert biases' rate with --moe-router-enable-expert-bias)."""
+        experts, and the expert biases' rate with --moe-router-enable-expert-bias); the prediction depths'
+        layers are numbered past the model's."""
         rate = config.moe_router_bias_update_rate if config.moe_router_enable_expert_bias else None
-        return LoadBalancing(config.num_layers, config.num_experts or 0, rate)
+        return LoadBalancing(config.num_layers + len(config.mtp_moe_layers()), config.num_experts or 0, rate)
 
     def __init__(self, num_layers: int = 0, num_experts: int = 0, bias_rate: float | None = None) -> None:
         self.gradient_scale = 1.0

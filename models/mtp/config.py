@@ -32,6 +32,14 @@ class MTPConfig:
         pattern = self.parsed_pattern()
         return list(pattern.mtp) if pattern is not None else self.layer_types()[-1:]
 
+    def mtp_moe_layers(self) -> list[bool]:
+        """Which of the depths' layers (numbered past the model's, depth by depth) are mixtures of experts."""
+        return ["E" in entry for entry in self.mtp_layer_types()] * self.mtp_depths
+
+    def moe_layers_with_depths(self) -> list[bool]:
+        """``moe_layers`` of the model's layers, then of the depths' (as ``LoadBalancing`` numbers them)."""
+        return self.moe_layers(self.num_layers) + self.mtp_moe_layers()
+
     def validate_mtp(self) -> None:
         """ValueError naming the flag for multi-token prediction this build cannot make."""
         if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
@@ -44,8 +52,5 @@ class MTPConfig:
                              "flag")
         if not self.mtp_depths:
             return
-        if self.num_experts:
-            raise ValueError("--mtp-num-layers with --num-experts: multi-token prediction layers of experts "
-                             "are not built yet; drop one")
         if not self.mtp_loss_scaling_factor >= 0:
             raise ValueError(f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")

@@ -255,7 +255,7 @@ class Trainer:
         model = self.config.model
         record.update(mtp_metrics(self.runner.mtp_losses, self.groups))  # (none without the depths)
         if model.num_experts:
-            record.update(moe_metrics(self.model, self.groups, model.moe_layers(model.num_layers),
+            record.update(moe_metrics(self.model, self.groups, model.moe_layers_with_depths(),
                                       model.num_experts, batch_size // self.schedule.per_step, self.device))
         return record
 

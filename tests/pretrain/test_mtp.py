@@ -1,6 +1,7 @@
 """Multi-token prediction (--mtp-num-layers): the depths train beside the language model and log their
 losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process, and
-a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP; a
+a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP, and experts in every layer and
+depth at ep2; a
 dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
 greedy speculative decoding with the depths' drafts is greedy decoding; what is not built yet is refused by
 name."""
@@ -22,6 +23,10 @@ from tests.world import run_world
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
        *SHORT]
 PER_TOKEN = ["--calculate-per-token-loss"]
+# every layer a mixture of experts, the depths' too (DeepSeek-V3's MTP layers are), with the expert biases
+EXPERTS = MTP + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                 "--moe-aux-loss-coeff", "1e-2", "--moe-router-enable-expert-bias",
+                 "--moe-router-score-function", "sigmoid", "--moe-token-dispatcher-type", "alltoall"]
 # a hybrid's depth: the pattern's part after / (attention, then an MLP)
 HYBRID = ["--hybrid-layer-pattern", "M*M-/*-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
           "--mamba-state-dim", "16", "--mamba-chunk-size", "8", "--normalization", "RMSNorm",
@@ -37,9 +42,9 @@ def _follows(got, want, what, start=0):
 @pytest.mark.parity
 def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus, tmp_path):
     metrics, saved, trained = tmp_path / "metrics.jsonl", str(tmp_path / "dp2"), str(tmp_path / "trained")
-    references = [SHORT, SHORT + ["--mtp-num-layers", "0"],
-                  MTP + ["--metrics-file", str(metrics), "--save", trained], MTP + PER_TOKEN, HYBRID]
-    plain, off, mtp, per_token, hybrid = run_world(1, _train, references, stdlib_corpus)[0]
+    logged = ["--metrics-file", str(metrics), "--save", trained]
+    references = [SHORT, SHORT + ["--mtp-num-layers", "0"], MTP + logged, MTP + PER_TOKEN, HYBRID, EXPERTS]
+    plain, off, mtp, per_token, hybrid, experts = run_world(1, _train, references, stdlib_corpus)[0]
     assert off[:3] == plain[:3]  # no depths: the model without them, bit for bit
     assert mtp[1] != plain[1]  # the depths' gradients join the language model's
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -50,7 +55,9 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
                "dp2 ZeRO-3": (MTP + ["--zero-stage", "3", "--zero-persistence-threshold", "0"], mtp),
                "pp2 (the depths on the last stage, embedding with its copy of the tied embedding)": (
                    MTP + ["--pipeline-model-parallel-size", "2"], mtp),
-               "hybrid M*M-/*-: tp2 + SP": (HYBRID + TP2, hybrid)}
+               "hybrid M*M-/*-: tp2 + SP": (HYBRID + TP2, hybrid),
+               "experts in every layer and depth: ep2": (EXPERTS + ["--expert-model-parallel-size", "2"],
+                                                         experts)}
     results = run_world(2, _train, [flags for flags, _ in layouts.values()]
                         + [MTP + ["--zero-stage", "3", "--train-iters", "3", "--save", saved]], stdlib_corpus)
     for rank_results in results:
@@ -78,8 +85,6 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
     (["--mtp-num-layers", "1", "--reset-attention-mask"], "the depths' shifted tokens would cross documents"),
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
-    (["--mtp-num-layers", "1", "--num-experts", "4"], "multi-token prediction layers of experts are not "
-     "built yet"),
     (["--mtp-use-repeated-layer"], "a layer repeated over the depths is not"),
 ])
 def test_what_is_not_built_yet_is_refused_by_name(flags, message):
