@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +37,8 @@ from pretrain.interop.hf_tensor_plan import export_plan, import_plan, stored_nam
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", CHAT_TEMPLATE_FILE)
 IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers some exports keep
+# DeepSeek-V3's MTP layers keep copies of the embedding and the output layer (read from the model's own)
+MTP_COPIES = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
 
 
 class _HFTensors:
@@ -124,13 +128,18 @@ class HFModel:
         quantization = self.hf.get("quantization_config") or {}
         self.tensors = _HFTensors(hf_dir, mxfp4=quantization.get("quant_method") == "mxfp4",
                                   rename=stored_name(self.config.hf_model_type))
-        self.expected = expected_shapes(self.config)
         self.plan = list(import_plan(self.config))
+        depths = {name for _, theirs, _ in self.plan for name in theirs if name.endswith(".eh_proj.weight")}
+        if depths and not depths & set(self.tensors.names()):  # transformers' own saves leave them out
+            self.config = replace(self.config, mtp_num_layers=None)
+            self.plan = list(import_plan(self.config))
+        self.expected = expected_shapes(self.config)
         self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)
         used = {name for _, theirs, _ in self.plan for name in theirs} | set(self.bias_names.values())
         tied = not self.config.untie_embeddings_and_output_weights
         unused = sorted(name for name in self.tensors.names() if name not in used
-                        and not name.endswith(IGNORED_BUFFERS) and not (name == "lm_head.weight" and tied))
+                        and not name.endswith(IGNORED_BUFFERS) and not (name == "lm_head.weight" and tied)
+                        and not MTP_COPIES.search(name))
         if unused:
             raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: "
                                   f"{', '.join(unused[:5])}"
@@ -153,7 +162,7 @@ class HFModel:
         score-correction biases; dense layers' rows zero), else none."""
         if not self.bias_names:
             return {}
-        table = torch.zeros(self.config.num_layers, self.config.num_experts)
+        table = torch.zeros(len(self.config.moe_layers_with_depths()), self.config.num_experts)
         for layer, name in self.bias_names.items():
             bias = self.tensors.get(name).float()
             if tuple(bias.shape) != (self.config.num_experts,):

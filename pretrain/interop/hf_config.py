@@ -198,6 +198,7 @@ def _gpt2_misses(config: GPTConfig) -> list[str]:
               "--norm-placement": (config.norm_placement, "pre"), "--window-size": (config.window_size, None),
               "--multi-latent-attention": (config.multi_latent_attention, False),
               "--softmax-type": (config.softmax_type, "vanilla"), "--use-mup": (config.use_mup, False),
+              "--mtp-num-layers": (config.mtp_depths, 0),
               **{f"--{name.replace('_', '-')}": (getattr(config, name), value)
                  for name, value in EXTRAS.items()}}
     return [f"{flag} {value}" for flag, (value, want) in wanted.items() if value != want] + moe_misses(config,
@@ -224,6 +225,9 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
         wanted["embedding_multiplier"] = config.hidden_size ** 0.5
     misses = [_miss(name, getattr(config, name), value) for name, value in wanted.items()
               if getattr(config, name) != value]
+    if config.mtp_depths and family.model_type != DEEPSEEK:
+        misses.append(f"--mtp-num-layers {config.mtp_depths} (multi-token prediction layers: DeepSeek-V3's "
+                      "are mapped)")
     misses += {DEEPSEEK: deepseek_misses, GPT_OSS: gpt_oss_misses}.get(
         family.model_type, lambda c: moe_misses(c, family.model_type))(config)
     window, types = hf_windows(config)
@@ -241,9 +245,6 @@ def _misses(config: GPTConfig, family: Family) -> list[str]:
 def hf_kind(config: GPTConfig) -> str:
     """The Hugging Face ``model_type`` that expresses ``config`` exactly: the one it was imported from
     (``hf_model_type``), else the first that can; HFMappingError naming the flags that stand in the way."""
-    if config.mtp_depths:
-        raise HFMappingError(f"--mtp-num-layers {config.mtp_depths}: multi-token prediction layers are not "
-                             "written to Hugging Face checkpoints yet; convert with --to consolidated")
     if config.hf_model_type is not None:
         misses = (_gpt2_misses(config) if config.hf_model_type == "gpt2"
                   else hybrid_misses(config, config.hf_model_type) if config.hf_model_type in HYBRIDS

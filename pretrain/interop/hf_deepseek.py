@@ -7,8 +7,8 @@ transformers' router is Megatron's sigmoid router exactly when the top-k weights
 (``norm_topk_prob``, DeepSeek-V3's setting) and a group is scored by its best ``topk / topk_group``
 experts (transformers sums each group's best two: DeepSeek-V3's 8 / 4). The score-correction bias is
 our expert-bias table (``--moe-router-enable-expert-bias``), a run state of the checkpoint rather than
-a weight. Multi-token-prediction layers (``num_nextn_predict_layers``) are not built: their tensors, where a
-checkpoint has them, are refused by name on import.
+a weight. Its multi-token-prediction layers (``num_nextn_predict_layers``) are our prediction depths
+(``model.layers.{N + k}``: enorm, hnorm, eh_proj, a decoder layer of experts, ``shared_head.norm``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def deepseek_from_hf(hf: dict) -> dict:
               "group_query_attention": False, "num_query_groups": None,
               "num_experts": hf["n_routed_experts"], "moe_ffn_hidden_size": hf["moe_intermediate_size"],
               "moe_layer_freq": str([int(i >= hf.get("first_k_dense_replace", 0)) for i in range(layers)]),
-              **sigmoid_routing_from_hf(hf, KIND), **latent_norm_fields(hf.get("rms_norm_eps", LATENT_EPS))}
+              **sigmoid_routing_from_hf(hf, KIND), **latent_norm_fields(hf.get("rms_norm_eps", LATENT_EPS)),
+              # its MTP layers (transformers' default: one; ``HFModel`` drops them where the files hold none)
+              "mtp_num_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or None}
     if hf.get("n_shared_experts"):
         fields["moe_shared_expert_intermediate_size"] = hf["moe_intermediate_size"] * hf["n_shared_experts"]
     return fields
@@ -104,7 +106,7 @@ def deepseek_to_hf(config: GPTConfig) -> dict:
             "moe_intermediate_size": width,
             "n_shared_experts": (config.moe_shared_expert_intermediate_size or 0) // width,
             "first_k_dense_replace": pattern.index(True) if any(pattern) else 0,
-            "num_nextn_predict_layers": 0, "num_mtp_layers": 0, **sigmoid_routing_to_hf(config)}
+            "num_nextn_predict_layers": config.mtp_depths, **sigmoid_routing_to_hf(config)}
 
 
 def deepseek_misses(config: GPTConfig) -> list[str]:

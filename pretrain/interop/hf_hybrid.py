@@ -197,6 +197,8 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
         return ["--hybrid-layer-pattern (a GPT's blocks are no hybrid family's layers)"]
     layers = pattern.layers
     others = unexpressed(config, OLMO_ONLY) if kind != OLMO else []
+    if pattern.depths:  # (Qwen3-Next's and Nemotron-H's mtp.* are not mapped yet)
+        others.append(f"--hybrid-layer-pattern {pattern.text!r} (its multi-token prediction depths)")
     if kind in PAIRED:
         return others + PAIRED[kind][1](config, layers, pattern.text)
     wanted = {"normalization": "RMSNorm", "layernorm_epsilon": NORM_EPSILON, "disable_bias_linear": True,

@@ -194,45 +194,57 @@ def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, s
     family = MOE_FAMILIES[kind]
     paired = 2 if kind == "kimi_linear" else 1  # (a Kimi Linear layer is two of ours: mixer, then MoE)
     return {i: f"model.layers.{i // paired}.{family.prefix}.{family.router}.e_score_correction_bias"
-            for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
+            for i, moe in enumerate(config.moe_layers_with_depths()) if moe}  # (DeepSeek's MTP layers' too)
 
 
 def decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
-    offsets, fused = kind.startswith("gemma"), kind == "phi3"
-    moe = config.moe_layers(config.num_layers)
+    offsets = kind.startswith("gemma")
+    moe = config.moe_layers_with_depths()
     yield same("word_embedding.weight", "model.embed_tokens.weight")
     for i in range(config.num_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        for mine, hf_name in NORMS[config.norm_placement]:
+        yield from _decoder_layer_rules(config, kind, f"layers.{i}", f"model.layers.{i}", moe[i])
+    for depth in range(config.mtp_depths):  # DeepSeek-V3's MTP layers: numbered past the model's there too
+        ours, theirs = f"mtp.{depth}", f"model.layers.{config.num_layers + depth}"
+        for mine, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_norm", "shared_head.norm")):
             yield norm_rule(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
-        attention = f"{theirs}.self_attn"
-        if config.multi_latent_attention:
-            yield from latent_rules(config, ours, theirs)
-        elif fused:
-            yield Rule(f"{ours}.attention.qkv.weight", (f"{attention}.qkv_proj.weight",),
-                       lambda w: _qkv_rows(config, w), lambda x: (torch.cat(qkv_to(config, x)),))
-        for part in ("weight", "bias") if not fused and not config.multi_latent_attention else ():
-            if part == "weight" or config.add_qkv_bias or not config.disable_bias_linear:
-                yield Rule(f"{ours}.attention.qkv.{part}",
-                           tuple(f"{attention}.{p}_proj.{part}" for p in "qkv"),
-                           lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
-        if config.qk_layernorm:
-            for p in "qk":
-                yield norm_rule(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
-                            offsets)
-        yield same(f"{ours}.attention.proj.weight", f"{attention}.o_proj.weight")
-        if not config.disable_bias_linear:
-            yield same(f"{ours}.attention.proj.bias", f"{attention}.o_proj.bias")
-        if config.softmax_type == "learnable":
-            yield same(f"{ours}.attention.sinks", f"{attention}.sinks")
-        if moe[i]:
-            yield from moe_rules(config, kind, ours, theirs)
-        elif fused:
-            yield Rule(f"{ours}.mlp.fc1.weight", (f"{theirs}.mlp.gate_up_proj.weight",),
-                       lambda w: torch.stack(w.chunk(2)), lambda x: (x.flatten(0, 1),))
-            yield same(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")
-        else:
-            yield from gated_mlp(f"{ours}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
+        yield same(f"{ours}.eh_proj.weight", f"{theirs}.eh_proj.weight")
+        yield from _decoder_layer_rules(config, kind, f"{ours}.layers.0", theirs,
+                                        moe[config.num_layers + depth])
     yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets)
     if config.untie_embeddings_and_output_weights:
         yield same("output_layer.weight", "lm_head.weight")
+
+
+def _decoder_layer_rules(config: GPTConfig, kind: str, ours: str, theirs: str, moe: bool) -> Iterator[Rule]:
+    """One decoder layer's tensors (our block ``ours``, their layer ``theirs``)."""
+    offsets, fused = kind.startswith("gemma"), kind == "phi3"
+    for mine, hf_name in NORMS[config.norm_placement]:
+        yield norm_rule(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
+    attention = f"{theirs}.self_attn"
+    if config.multi_latent_attention:
+        yield from latent_rules(config, ours, theirs)
+    elif fused:
+        yield Rule(f"{ours}.attention.qkv.weight", (f"{attention}.qkv_proj.weight",),
+                   lambda w: _qkv_rows(config, w), lambda x: (torch.cat(qkv_to(config, x)),))
+    for part in ("weight", "bias") if not fused and not config.multi_latent_attention else ():
+        if part == "weight" or config.add_qkv_bias or not config.disable_bias_linear:
+            yield Rule(f"{ours}.attention.qkv.{part}",
+                       tuple(f"{attention}.{p}_proj.{part}" for p in "qkv"),
+                       lambda q, k, v: qkv_from(config, q, k, v), lambda x: qkv_to(config, x))
+    if config.qk_layernorm:
+        for p in "qk":
+            yield norm_rule(config, f"{ours}.attention.{p}_norm.weight", f"{attention}.{p}_norm.weight",
+                        offsets)
+    yield same(f"{ours}.attention.proj.weight", f"{attention}.o_proj.weight")
+    if not config.disable_bias_linear:
+        yield same(f"{ours}.attention.proj.bias", f"{attention}.o_proj.bias")
+    if config.softmax_type == "learnable":
+        yield same(f"{ours}.attention.sinks", f"{attention}.sinks")
+    if moe:
+        yield from moe_rules(config, kind, ours, theirs)
+    elif fused:
+        yield Rule(f"{ours}.mlp.fc1.weight", (f"{theirs}.mlp.gate_up_proj.weight",),
+                   lambda w: torch.stack(w.chunk(2)), lambda x: (x.flatten(0, 1),))
+        yield same(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight")
+    else:
+        yield from gated_mlp(f"{ours}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)

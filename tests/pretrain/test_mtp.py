@@ -90,3 +90,76 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
 def test_what_is_not_built_yet_is_refused_by_name(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(parse_config(TINY + ["--mock-data"] + flags), 2)
+
+
+def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_path):
+    """A tiny DeepSeek-V3 with one MTP layer (its weights under ``model.layers.{N}``, as DeepSeek's release
+    keeps them): ``load_model`` gives the main logits of transformers' model and the MTP layer's of
+    transformers' ``MtpModel`` built on it, within the interop bound; the export is the same tensors bit
+    for bit (the MTP layer's included)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from launch.examples.hf_families import make_model
+    from pretrain.interop.convert import main as convert
+    from tests.pretrain.test_hf_families import INTEROP_RTOL, _relative
+
+    main = make_model("deepseek-v3", 96, bos=0, eos=1).eval()
+    depth = transformers.modeling_layers.MtpModel(main, 1).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in depth.parameters():  # (transformers' generic MtpModel leaves the experts unset)
+            if not torch.isfinite(param).all():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        for module in (main, depth):
+            for param in module.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+        for name, buffer in [*main.named_buffers(), *depth.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.1)
+    directory = str(tmp_path / "deepseek")
+    main.save_pretrained(directory)
+    tensors = load_file(f"{directory}/model.safetensors")
+    layer = f"model.layers.{main.config.num_hidden_layers}"
+    renamed = {"layers.0.mtp_block.": f"{layer}.", "layers.0.post_norm.": f"{layer}.shared_head.norm.",
+               "layers.0.": f"{layer}."}
+    for name, tensor in depth.state_dict().items():
+        if not name.startswith("layers."):
+            continue
+        prefix = next(p for p in renamed if name.startswith(p))
+        saved = renamed[prefix] + name[len(prefix):]
+        if saved.endswith("experts.gate_up_proj"):  # its experts as the checkpoint holds them, one by one
+            for expert in range(tensor.shape[0]):
+                gate, up = tensor[expert].chunk(2, dim=0)
+                tensors[f"{saved[:-len('gate_up_proj')]}{expert}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{saved[:-len('gate_up_proj')]}{expert}.up_proj.weight"] = up.contiguous()
+        elif saved.endswith("experts.down_proj"):
+            for expert in range(tensor.shape[0]):
+                tensors[f"{saved[:-len('down_proj')]}{expert}.down_proj.weight"] = tensor[expert].contiguous()
+        else:
+            tensors[saved] = tensor.contiguous()
+    save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    ids = torch.tensor([[5, 17, 2, 9, 40, 3, 11, 60, 7, 1]])
+    ahead = torch.cat([ids[:, 1:], torch.tensor([[23]])], dim=1)  # the tokens one ahead (a last one given)
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        hidden = main.model(ids).last_hidden_state
+        theirs = (main.lm_head(hidden), depth._project_to_logits(
+            depth.forward_layer(0, hidden, positions, None, input_ids=ahead)))
+        ours = load_model(directory).gpt
+        x = ours.embed(ids, positions)
+        inputs = ours.layer_inputs(positions, x.dtype, whole_sequence=True)
+        for block in ours.layers:
+            x = block(x, inputs)
+        normed = ours.final_norm(x)
+        predicted = ours.mtp[0](normed, ours.embed(ahead, positions + 1), inputs)
+        got = (ours.output_logits(normed), ours.output_logits(predicted))
+    for what, mine, reference in zip(("main", "MTP layer"), got, theirs):
+        assert _relative(mine[:, 0, :96], reference[0]) <= INTEROP_RTOL, what
+    checkpoint, exported = str(tmp_path / "ours"), str(tmp_path / "exported")
+    convert(["--from-hf", directory, "--output", checkpoint])
+    convert(["--load", checkpoint, "--to", "hf", "--output", exported])
+    again = load_file(f"{exported}/model.safetensors")
+    assert again.keys() == tensors.keys()
+    assert all(torch.equal(again[name], tensors[name]) for name in tensors)
