@@ -93,8 +93,15 @@ class GPTModel(nn.Module):
                     declare(self.output_layer.weight, tied_embedding=True, tied_copy=True)
         if self.tied and pre_process and not post_process:
             declare(self.word_embedding.weight, tied_embedding=True)
+        if post_process and config.mtp_depths and not pre_process and not self.tied:
+            # the depths' embedding on a last stage of its own, untied: a copy of the first stage's, their
+            # gradients summed as a tied embedding's are
+            self.mtp_embedding = VocabParallelEmbedding(config.vocab_size, padded, h, tp, word_init)
+            declare(self.mtp_embedding.weight, tied_embedding=True, tied_copy=True)
+        if pre_process and not post_process and config.mtp_depths and not self.tied:
+            declare(self.word_embedding.weight, tied_embedding=True)
         if post_process and config.mtp_depths:  # (the depths borrow the embedding: a last stage of its own
-            # looks their tokens up in its copy of the tied embedding)
+            # looks their tokens up in its copy, the tied embedding's or ``mtp_embedding``)
             kinds = config.mtp_layer_types()  # each layer numbered past the model's, depth by depth
             self.mtp = nn.ModuleList(MTPDepth(config, depth, tp, seed, sequence_parallel, [
                 build_layer(entry, built_with, config.num_layers + depth * len(kinds) + j)
@@ -106,22 +113,24 @@ class GPTModel(nn.Module):
 
     def global_parameter_names(self) -> dict[nn.Parameter, str]:
         """Each parameter's name in the whole GPT, the same in every layout: block indices are global,
-        and the last stage's copy of the tied embedding is named as the embedding."""
+        and the last stage's copy of the embedding (tied, or the prediction depths') is named as it."""
         names = {}
         for name, param in self.named_parameters():
             parts = name.split(".")
             if parts[0] == "layers":
                 parts[1] = str(self.layer_indices[int(parts[1])])
-            tied_copy = self.tied and name == "output_layer.weight"
+            tied_copy = self.tied and name == "output_layer.weight" or name == "mtp_embedding.weight"
             names[param] = "word_embedding.weight" if tied_copy else ".".join(parts)
         return names
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> hidden [s, b, h] (sequence-sharded under sequence parallelism); on a last
-        pipeline stage (the prediction depths') from its copy of the tied embedding."""
-        table = self.word_embedding if self.pre_process else self.output_layer
-        x = (table(tokens.t()) if self.pre_process else
-             vocab_parallel_lookup(tokens.t(), table.weight, self.tp, table.weight_grads))
+        pipeline stage (the prediction depths') from its copy of the embedding."""
+        if self.pre_process or not self.tied:
+            x = (self.word_embedding if self.pre_process else self.mtp_embedding)(tokens.t())
+        else:  # (the last stage's copy of the tied embedding is its output layer)
+            output = self.output_layer
+            x = vocab_parallel_lookup(tokens.t(), output.weight, self.tp, output.weight_grads)
         if self.config.embedding_multiplier != 1.0:  # rounded to the activations' dtype first, as Gemma does
             x = x * torch.tensor(self.config.embedding_multiplier, device=x.device).to(x.dtype)
         if self.config.use_mup and self.config.mup_embedding_mult != 1.0:

@@ -10,20 +10,20 @@ from pretrain.config.schema import Config
 
 def validate_mtp(config: Config, topology: Topology) -> None:
     """Multi-token prediction's layouts so far: whole sequences (no context parallelism), no document
-    resets, and over pipeline stages a tied embedding (the last stage's copy embeds the depths' tokens)."""
+    resets, and over pipeline stages no learned positions (the last stage's copy of the embedding embeds the
+    depths' tokens) and no zero-bubble schedule."""
     depths, model, par = config.model.mtp_depths, config.model, config.parallel
     if not depths:
         return
     if topology.cp > 1:
         raise ConfigError(f"--mtp-num-layers {depths} with --context-parallel-size {topology.cp}: the "
                           "depths' shifted tokens cross the cp ranks' shares (not built yet); use cp 1")
-    if topology.pp > 1 and (model.untie_embeddings_and_output_weights
-                            or model.position_embedding == "learned_absolute"
+    if topology.pp > 1 and (model.position_embedding == "learned_absolute"
                             or par.pipeline_schedule in V_SCHEDULES + SPLIT_SCHEDULES):
         raise ConfigError(f"--mtp-num-layers {depths} with --pipeline-model-parallel-size {topology.pp}: the "
-                          "last stage's depths embed their tokens with its copy of the tied embedding (so "
-                          "not with --untie-embeddings-and-output-weights or learned positions yet), under "
-                          "1F1B or interleaved schedules")
+                          "last stage's depths embed their tokens with its copy of the embedding (not its "
+                          "learned positions, which the first stage holds), under 1F1B or interleaved "
+                          "schedules")
     if config.data.reset_attention_mask or config.data.reset_position_ids:
         raise ConfigError(f"--mtp-num-layers {depths} with --reset-attention-mask / --reset-position-ids: "
                           "the depths' shifted tokens would cross documents; drop one")

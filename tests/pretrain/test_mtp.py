@@ -1,7 +1,7 @@
 """Multi-token prediction (--mtp-num-layers): the depths train beside the language model and log their
 losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process, and
 a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP, and experts in every layer and
-depth at ep2; a
+depth (untied) at ep2 and pp2; a
 dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
 greedy speculative decoding with the depths' drafts is greedy decoding; what is not built yet is refused by
 name."""
@@ -26,7 +26,8 @@ PER_TOKEN = ["--calculate-per-token-loss"]
 # every layer a mixture of experts, the depths' too (DeepSeek-V3's MTP layers are), with the expert biases
 EXPERTS = MTP + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
                  "--moe-aux-loss-coeff", "1e-2", "--moe-router-enable-expert-bias",
-                 "--moe-router-score-function", "sigmoid", "--moe-token-dispatcher-type", "alltoall"]
+                 "--moe-router-score-function", "sigmoid", "--moe-token-dispatcher-type", "alltoall",
+                 "--untie-embeddings-and-output-weights"]
 # a hybrid's depth: the pattern's part after / (attention, then an MLP)
 HYBRID = ["--hybrid-layer-pattern", "M*M-/*-", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
           "--mamba-state-dim", "16", "--mamba-chunk-size", "8", "--normalization", "RMSNorm",
@@ -57,7 +58,9 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
                    MTP + ["--pipeline-model-parallel-size", "2"], mtp),
                "hybrid M*M-/*-: tp2 + SP": (HYBRID + TP2, hybrid),
                "experts in every layer and depth: ep2": (EXPERTS + ["--expert-model-parallel-size", "2"],
-                                                         experts)}
+                                                         experts),
+               "experts, untied: pp2 (the last stage's depths embed with a copy of the first's embedding)": (
+                   EXPERTS + ["--pipeline-model-parallel-size", "2"], experts)}
     results = run_world(2, _train, [flags for flags, _ in layouts.values()]
                         + [MTP + ["--zero-stage", "3", "--train-iters", "3", "--save", saved]], stdlib_corpus)
     for rank_results in results:
@@ -78,10 +81,9 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope",
-      "--untie-embeddings-and-output-weights"],
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
      "--mtp-num-layers 1 with --pipeline-model-parallel-size 2: the last stage's depths embed their tokens "
-     "with its copy of the tied embedding"),
+     "with its copy of the embedding (not its learned positions"),
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
     (["--mtp-num-layers", "1", "--reset-attention-mask"], "the depths' shifted tokens would cross documents"),
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
