@@ -9,8 +9,8 @@ from pretrain.config.schema import Config
 
 
 def validate_mtp(config: Config, topology: Topology) -> None:
-    """Multi-token prediction's layouts so far: whole sequences (no context parallelism), no document
-    resets, and over pipeline stages no learned positions (the last stage's copy of the embedding embeds the
+    """Multi-token prediction's layouts so far: whole sequences (no context parallelism), and over pipeline
+    stages no learned positions (the last stage's copy of the embedding embeds the
     depths' tokens) and no zero-bubble schedule."""
     depths, model, par = config.model.mtp_depths, config.model, config.parallel
     if not depths:
@@ -24,6 +24,3 @@ def validate_mtp(config: Config, topology: Topology) -> None:
                           "last stage's depths embed their tokens with its copy of the embedding (not its "
                           "learned positions, which the first stage holds), under 1F1B or interleaved "
                           "schedules")
-    if config.data.reset_attention_mask or config.data.reset_position_ids:
-        raise ConfigError(f"--mtp-num-layers {depths} with --reset-attention-mask / --reset-position-ids: "
-                          "the depths' shifted tokens would cross documents; drop one")

@@ -164,7 +164,8 @@ class PipelineRunner:
             if not model.post_process:
                 return out
             if out.dim() == 3:  # the language model's per-token loss, then the prediction depths'
-                return self._with_depths(out, batch["loss_mask"], weight, num_micro_batches)
+                return self._with_depths(out, batch["loss_mask"], weight, num_micro_batches,
+                                         batch.get("documents"))
             return self._micro_batch_loss(out, batch["loss_mask"], weight, shares, index, num_micro_batches)
 
         def backward_step(chunk: int, index: int, output: torch.Tensor, grad: torch.Tensor | None,
@@ -203,18 +204,22 @@ class PipelineRunner:
         return masked_mean(out, loss_mask) / num_micro_batches
 
     def _with_depths(self, out: torch.Tensor, loss_mask: torch.Tensor, weight: torch.Tensor | None,
-                     num_micro_batches: int) -> torch.Tensor:
+                     num_micro_batches: int, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The language model's term from ``out[0]``, the prediction depths' (``out[k]`` against the loss
         mask shifted by k) joined to it as Megatron's MTPLossAutoScaler joins them: each depth's masked
         mean times --mtp-loss-scaling-factor / D adds its gradient, not its value (the reported loss is the
         language model's, bit for bit). Under --calculate-per-token-loss each depth's sum is scaled by the
-        micro-batch's loss tokens over its own, as Megatron's. Each depth's mean is kept for the metrics."""
+        micro-batch's loss tokens over its own, as Megatron's. With ``documents`` a depth's positions whose
+        target lies in the next document are masked (Megatron's roll within packed sequences). Each depth's
+        mean is kept for the metrics."""
         main = self._micro_batch_loss(out[0], loss_mask, weight, None, 0, num_micro_batches)
         model = self.config.model
         scale = model.mtp_loss_scaling_factor / model.mtp_depths
         extra = torch.zeros((), device=out.device)
         for depth in range(1, out.shape[0]):
             mask = shifted(loss_mask, depth)
+            if documents is not None:
+                mask = mask * (shifted(documents, depth) == documents)
             mean = masked_mean(out[depth], mask)
             self.mtp_losses[depth - 1] += mean.detach().double() / num_micro_batches
             if weight is not None:

@@ -1,8 +1,5 @@
 """Context parallelism in training: every layout it composes with reproduces one process's trajectory."""
 
-import subprocess
-import sys
-
 import pytest
 
 from tests.parity import assert_trajectory_close
@@ -54,25 +51,6 @@ def test_context_parallel_layouts_reproduce_the_single_process_run(references, s
              "llama cp2 x dp2 ZeRO-3": _cp(2, "a2a", "--zero-stage", "3")}
     _assert_all_follow(run_world(4, _train, _short(LLAMA + flags for flags in llama.values()),
                                  stdlib_corpus, timeout_s=600), references["llama"], list(llama))
-
-
-@pytest.fixture(scope="module")
-def short_documents(stdlib_corpus, tmp_path_factory):
-    """(data prefix, tokenizer model) of short documents, several ending inside each 32-token sequence."""
-    import random
-
-    from tests.data.synthetic import WORDS, write_jsonl
-
-    _, tokenizer = stdlib_corpus
-    directory = tmp_path_factory.mktemp("short_documents")
-    rng = random.Random(0)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) for _ in range(1500)]
-    corpus = write_jsonl(directory / "short.jsonl", texts)
-    subprocess.run([sys.executable, "-m", "data.preprocess", "--input", corpus, "--output-prefix",
-                    str(directory / "short"), "--tokenizer-type", "SentencePieceTokenizer",
-                    "--tokenizer-model", tokenizer, "--append-eod"],
-                   check=True, capture_output=True, text=True)
-    return str(directory / "short_text_document"), tokenizer
 
 
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]

@@ -17,6 +17,7 @@ from pretrain import load_model
 from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
 from tests.parity import assert_trajectory_close
+from tests.pretrain.test_context_parallel import DOCUMENTS
 from tests.pretrain.test_trainer import SHORT, TINY, _train
 from tests.world import run_world
 
@@ -80,12 +81,22 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     print(f"accepted drafts: {accepted} of {proposed} ({accepted / proposed:.0%})")
 
 
+@pytest.mark.parity
+def test_the_depths_stay_within_documents(short_documents):
+    """With --reset-attention-mask a depth's target in the next document is masked (Megatron's roll within
+    packed sequences): tp2 + SP and dp2 follow one process."""
+    flags = MTP + DOCUMENTS + ["--eod-mask-loss"]
+    (reference, *_), = run_world(1, _train, [flags], short_documents)[0]
+    for rank_results in run_world(2, _train, [flags + TP2, flags + ["--zero-stage", "2"]], short_documents):
+        for result, name in zip(rank_results, ("documents: tp2 + SP", "documents: dp2 ZeRO-2")):
+            assert_trajectory_close(result[0], reference, f"{name}: loss")
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
      "--mtp-num-layers 1 with --pipeline-model-parallel-size 2: the last stage's depths embed their tokens "
      "with its copy of the embedding (not its learned positions"),
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
-    (["--mtp-num-layers", "1", "--reset-attention-mask"], "the depths' shifted tokens would cross documents"),
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
     (["--mtp-use-repeated-layer"], "a layer repeated over the depths is not"),
 ])
