@@ -189,7 +189,8 @@ class GPTModel(nn.Module):
         stage, with their ``position_ids`` [b, s]; under context parallelism this cp rank's share of each
         sequence (``parallel.context.shard_sequence``) unless ``whole_sequence`` (sampling). ``documents``
         [b, S]: each token's document over the whole sequence; attention then stays within documents.
-        Output: per-token loss [b, s] on the last stage when ``labels`` are given, the logits slice
+        Output: per-token loss [b, s] on the last stage when ``labels`` are given ([1 + D, b, s] with D
+        prediction depths: ``_with_predictions``), the logits slice
         [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         inputs = self.layer_inputs(position_ids, x.dtype, documents, whole_sequence)

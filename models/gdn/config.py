@@ -65,6 +65,12 @@ class GatedDeltaConfig:
         return self.gdn_conv_channels + self.gdn_value_width + 2 * self.linear_num_value_heads
 
     @property
+    def gdn_output_norm_epsilon(self) -> float:
+        """The output norm's epsilon in effect: --linear-output-norm-epsilon, else --norm-epsilon."""
+        return (self.layernorm_epsilon if self.linear_output_norm_epsilon is None
+                else self.linear_output_norm_epsilon)
+
+    @property
     def gdn_projection_parts(self) -> dict[str, int]:
         """The input projection's parts as megatron-core (and OLMo hybrid's separate projections) order them,
         each part's rows key head by key head: query, key, value, z, beta and the decay's input alpha."""
@@ -129,6 +135,9 @@ class GatedDeltaConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         keys, values = self.linear_num_key_heads, self.linear_num_value_heads
+        if self.linear_output_norm_epsilon is not None and not self.linear_output_norm_epsilon > 0:
+            raise ValueError("--linear-output-norm-epsilon must be > 0, got "
+                             f"{self.linear_output_norm_epsilon}")
         if self.normalization != "RMSNorm":
             raise ValueError(f"--normalization {self.normalization} with gated delta nets (G): their output "
                              "norm is built as an RMSNorm only; give --normalization RMSNorm")

@@ -71,8 +71,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = shard_parameter(lambda: init.a_log(seed, f"{name}.A_log", values), 0, tp)
         self.dt_bias = shard_parameter(lambda: torch.ones(values), 0, tp)
         # (an RMSNorm whatever --normalization says; each rank normalises its heads: the gradient summed)
-        epsilon = config.linear_output_norm_epsilon or config.layernorm_epsilon
-        self.out_norm = build_norm(replace(config, normalization="RMSNorm", layernorm_epsilon=epsilon),
+        self.out_norm = build_norm(replace(config, normalization="RMSNorm",
+                                           layernorm_epsilon=config.gdn_output_norm_epsilon),
                                    self.value_dim, tp.size > 1)
         self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         self.out_proj = RowParallelLinear(config.gdn_value_width, h, tp,

@@ -102,6 +102,12 @@ class HybridConfig:
     def validate_hybrid(self, tp: int = 1) -> None:
         """ValueError naming the flag for a pattern this build cannot make (or cannot make at this tp)."""
         pattern = self.parsed_pattern()
+        gdn_only = [flag for flag, used in (("--linear-allow-neg-eigval", self.linear_allow_neg_eigval),
+                                            ("--linear-output-norm-epsilon",
+                                             self.linear_output_norm_epsilon is not None)) if used]
+        if gdn_only and (pattern is None or "G" not in pattern.layers + pattern.mtp):
+            raise ValueError(f"{', '.join(gdn_only)}: shape gated delta nets (G), which this model has none "
+                             "of; drop it")
         if pattern is None:
             if self.post_norm_layers:
                 raise ValueError("--post-norm-layers places the norms of a --hybrid-layer-pattern's layers; "

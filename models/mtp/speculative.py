@@ -42,7 +42,14 @@ def propose(model: GPTModel, tokens: list[int]) -> list[int]:
 @torch.no_grad()
 def speculative_greedy(model: GPTModel, prompt: list[int], max_new_tokens: int) -> tuple[list[int], int, int]:
     """Continue ``prompt`` by ``max_new_tokens`` greedy tokens of ``model`` (one that holds every layer and
-    its prediction depths); returns (the new ids, drafts accepted, drafts proposed)."""
+    its prediction depths); returns (the new ids, drafts accepted, drafts proposed). ValueError where the
+    sequence and its drafts would outgrow the model's learned positions (greedy decoding's window is not
+    slid)."""
+    longest = len(prompt) + max_new_tokens + model.config.mtp_depths + 1
+    if model.config.position_embedding == "learned_absolute" and longest > model.config.max_positions:
+        raise ValueError(f"a prompt of {len(prompt)} tokens, {max_new_tokens} new and "
+                         f"{model.config.mtp_depths} drafts need {longest} positions; the model has "
+                         f"{model.config.max_positions}")
     ids, accepted, proposed = list(prompt), 0, 0
     while len(ids) - len(prompt) < max_new_tokens:
         first, *drafts = propose(model, ids)

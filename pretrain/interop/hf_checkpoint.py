@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import replace
@@ -31,14 +30,12 @@ from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_dur
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
 from pretrain.interop.mxfp4 import dequantize_mxfp4, quantized_pairs
 from pretrain.interop.hf_names import expert_bias_names
-from pretrain.interop.hf_tensor_plan import export_plan, import_plan, stored_name
+from pretrain.interop.hf_tensor_plan import copies_of, export_plan, import_plan, stored_name
 
 # every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", CHAT_TEMPLATE_FILE)
 IGNORED_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers some exports keep
-# DeepSeek-V3's MTP layers keep copies of the embedding and the output layer (read from the model's own)
-MTP_COPIES = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
 
 
 class _HFTensors:
@@ -139,7 +136,7 @@ class HFModel:
         tied = not self.config.untie_embeddings_and_output_weights
         unused = sorted(name for name in self.tensors.names() if name not in used
                         and not name.endswith(IGNORED_BUFFERS) and not (name == "lm_head.weight" and tied)
-                        and not MTP_COPIES.search(name))
+                        and name not in copies_of(self.config))
         if unused:
             raise CheckpointError(f"--from-hf {hf_dir}: tensors with no place in the model: "
                                   f"{', '.join(unused[:5])}"

@@ -48,7 +48,7 @@ PAIRED = {KIND: (qwen3_next_from_hf, qwen3_next_misses, qwen3_next_to_hf),
           KIMI: (kimi_linear_from_hf, kimi_linear_misses, kimi_linear_to_hf),
           OLMO: (olmo_hybrid_from_hf, olmo_hybrid_misses, olmo_hybrid_to_hf)}
 # OLMo hybrid's parts, which no other family has
-OLMO_ONLY = {"post_norm_layers": None, "linear_allow_neg_eigval": False, "linear_output_norm_epsilon": None}
+OLMO_ONLY = {"post_norm_layers": None, "linear_allow_neg_eigval": False}
 NEMOTRON_BLOCKS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
                    "moe": "E"}
 GRANITE_MIXERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*"}
@@ -197,6 +197,8 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
         return ["--hybrid-layer-pattern (a GPT's blocks are no hybrid family's layers)"]
     layers = pattern.layers
     others = unexpressed(config, OLMO_ONLY) if kind != OLMO else []
+    if kind != OLMO and config.gdn_output_norm_epsilon != config.layernorm_epsilon:
+        others.append(f"--linear-output-norm-epsilon {config.linear_output_norm_epsilon} (OLMo hybrid's)")
     if pattern.depths:  # (Qwen3-Next's and Nemotron-H's mtp.* are not mapped yet)
         others.append(f"--hybrid-layer-pattern {pattern.text!r} (its multi-token prediction depths)")
     if kind in PAIRED:

@@ -14,7 +14,7 @@ weights as offsets from 1, like ``--apply-layernorm-1p``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,12 +30,14 @@ NORMS = {"pre": (PRE, ("mlp_norm", "post_attention_layernorm")), "sandwich": (PR
 
 @dataclass(frozen=True)
 class Rule:
-    """Our tensor ``ours`` is ``join(*theirs)``; ``split(ours)`` gives ``theirs`` back, in order."""
+    """Our tensor ``ours`` is ``join(*theirs)``; ``split(ours)`` gives ``theirs`` back, in order.
+    ``copy``: ``theirs`` is a copy the family keeps of a tensor another rule reads (written, never read)."""
 
     ours: str
     theirs: tuple[str, ...]
     join: Callable[..., torch.Tensor]
     split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,11 @@ def decoder_rules(config: GPTConfig, kind: str) -> Iterator[Rule]:
         for mine, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_norm", "shared_head.norm")):
             yield norm_rule(config, f"{ours}.{mine}.weight", f"{theirs}.{hf_name}.weight", offsets)
         yield same(f"{ours}.eh_proj.weight", f"{theirs}.eh_proj.weight")
+        # (DeepSeek's release keeps the embedding and the head in each MTP layer too; vLLM reads them there)
+        yield replace(same("word_embedding.weight", f"{theirs}.embed_tokens.weight"), copy=True)
+        head = ("output_layer.weight" if config.untie_embeddings_and_output_weights
+                else "word_embedding.weight")
+        yield replace(same(head, f"{theirs}.shared_head.head.weight"), copy=True)
         yield from _decoder_layer_rules(config, kind, f"{ours}.layers.0", theirs,
                                         moe[config.num_layers + depth])
     yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets)

@@ -25,7 +25,7 @@ FIXED = {"normalization": "RMSNorm", "apply_layernorm_1p": False, "disable_bias_
          "softmax_type": "vanilla", "softmax_scale": None, "multi_latent_attention": False, "use_mup": False,
          "attn_logit_softcapping": None, "final_logit_softcapping": None, "embedding_multiplier": 1.0,
          "glu_linear_offset": 0.0, "activation_func_clamp_value": None, "norm_placement": "pre",
-         "linear_output_norm_epsilon": OUTPUT_NORM_EPSILON, "rope_scaling": "none", "rotary_percent": 1.0}
+         "rope_scaling": "none", "rotary_percent": 1.0}
 
 # transformers' OlmoHybridConfig defaults, for the keys a config.json may leave out (the linear heads and
 # widths derive from the others as its __post_init__ derives them)
@@ -79,6 +79,9 @@ def _post_layers(layers: list[str]) -> list[int]:
 def olmo_hybrid_misses(config: GPTConfig, layers: list[str], text: str) -> list[str]:
     """The flags of ``config`` (pattern ``layers``, written ``text``) that OLMo hybrid cannot express."""
     misses = unexpressed(config, FIXED)
+    if config.gdn_output_norm_epsilon != OUTPUT_NORM_EPSILON:
+        misses.append(f"--linear-output-norm-epsilon {config.gdn_output_norm_epsilon} (OLMo hybrid's is "
+                      f"{OUTPUT_NORM_EPSILON})")
     pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
     if any(len(p) < 2 or p[0] not in "G*" or p[1] != "-" for p in pairs):
         misses.append(f"--hybrid-layer-pattern {text!r} (OLMo hybrid's layers are a mixer, G or *, then - "

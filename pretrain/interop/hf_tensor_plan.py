@@ -38,8 +38,15 @@ def import_plan(config: GPTConfig) -> Iterator[tuple[str, list[str], Callable[..
         if isinstance(rule, StackedRule):
             for expert, ours in enumerate(rule.ours):
                 yield ours, [rule.theirs], lambda t, rule=rule, expert=expert: rule.take(t, expert)
-        else:
+        elif not rule.copy:  # (a family's copies of a tensor are written, never read)
             yield rule.ours, list(rule.theirs), rule.join
+
+
+def copies_of(config: GPTConfig) -> set[str]:
+    """The Hugging Face tensors that are copies of others (DeepSeek-V3's MTP layers' embedding and head):
+    an import reads the original; an export writes both."""
+    return {name for rule in rules(config, config.hf_model_type) if isinstance(rule, Rule) and rule.copy
+            for name in rule.theirs}
 
 
 def export_plan(config: GPTConfig) -> Iterator[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:

@@ -170,7 +170,7 @@ def export_torchtitan(source, config: GPTConfig, folder: str, spelling: str = "0
             and config.position_embedding == "rope"
             and config.disable_bias_linear and config.untie_embeddings_and_output_weights
             and not config.num_experts and not config.multi_latent_attention
-            and not config.attention_output_gate):
+            and not config.attention_output_gate and not config.mtp_depths):
         raise ValueError("--to torchtitan writes torchtitan's Llama: RMSNorm, SwiGLU, rotary, no biases, "
                          "untied embeddings, dense layers; this model is another")
     (wq, wk, wv), output = ATTENTION[0 if spelling == "0.3" else 1], OUTPUT[0 if spelling == "0.3" else 1]

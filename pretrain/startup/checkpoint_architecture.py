@@ -24,7 +24,8 @@ from pretrain.checkpoint.selection import checkpoint_to_load, step_to_load
 from pretrain.config.schema import Config
 
 # what the run may set freely whatever it loads: init, padding
-NOT_ARCHITECTURE = {"init_method_std", "make_vocab_size_divisible_by"}
+NOT_ARCHITECTURE = {"init_method_std", "make_vocab_size_divisible_by",
+                    "mtp_loss_scaling_factor"}  # (the depths' loss weight: DeepSeek-V3 lowered it mid-run)
 # taken from the checkpoint when not given (an imported Llama trains without dropout), never refused
 INHERITED = {"seq_length", "hidden_dropout", "attention_dropout",
              # how MoE layers compute and balance, not what they are

@@ -15,6 +15,12 @@ def validate_mtp(config: Config, topology: Topology) -> None:
     depths, model, par = config.model.mtp_depths, config.model, config.parallel
     if not depths:
         return
+    for flag, used in (("--qk-clip / --log-max-attention-logit", config.optimizer.qk_clip
+                        or config.optimizer.log_max_attention_logit),
+                       ("--window-size", model.window_size is not None)):
+        if used:
+            raise ConfigError(f"--mtp-num-layers {depths} with {flag}: its per-layer settings do not cover "
+                              "the depths' layers yet; drop one")
     if topology.cp > 1:
         raise ConfigError(f"--mtp-num-layers {depths} with --context-parallel-size {topology.cp}: the "
                           "depths' shifted tokens cross the cp ranks' shares (not built yet); use cp 1")

@@ -22,7 +22,8 @@ from parallel.muon import Muon
 from parallel.param_meta import meta
 from pretrain.config.schema import OptimizerConfig
 
-EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight")
+# (``mtp_embedding``: a last stage's copy of the embedding for the prediction depths, stepped as it is)
+EMBEDDING_OR_OUTPUT = ("word_embedding.weight", "output_layer.weight", "mtp_embedding.weight")
 NOT_MUON = (*EMBEDDING_OR_OUTPUT, "position_embedding.weight")  # matrices that take AdamW under Muon
 
 

@@ -50,6 +50,19 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+class _GradientJoined(torch.autograd.Function):
+    """``main``'s value; backward gives ``extra`` the gradient ``main`` gets (megatron-core's
+    MTPLossAutoScaler: the depths' losses train without entering the reported loss)."""
+
+    @staticmethod
+    def forward(ctx, main: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return main.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad
+
+
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     return (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
@@ -95,6 +108,7 @@ class PipelineRunner:
         self._programs: dict[tuple[int, bool], list[Action | Exchange]] = {}
         # each prediction depth's loss in the last step, summed over its micro-batches' means / their count
         self.mtp_losses = torch.zeros(model.mtp_depths, dtype=torch.float64, device=device)
+        self._training = True  # whether the step running trains (its depths' losses are then kept)
 
     def program(self, num_micro_batches: int, train: bool = True) -> list[Action | Exchange]:
         """This stage's actions and exchanges for a step (forwards only when not ``train``)."""
@@ -188,7 +202,9 @@ class PipelineRunner:
                 self.weight_grads.weight_pass((chunk, index))
             self.meter.release(("W", chunk, index))
 
-        self.mtp_losses.zero_()
+        if train:  # (an evaluation leaves the last step's for its metrics)
+            self.mtp_losses.zero_()
+        self._training = train
         stats = self.executor.run(self.program(num_micro_batches, train), forward_step, backward_step,
                                   weight_step, train=train)
         return self._loss_from_last_stage(stats.losses), stats
@@ -208,10 +224,10 @@ class PipelineRunner:
         """The language model's term from ``out[0]``, the prediction depths' (``out[k]`` against the loss
         mask shifted by k) joined to it as Megatron's MTPLossAutoScaler joins them: each depth's masked
         mean times --mtp-loss-scaling-factor / D adds its gradient, not its value (the reported loss is the
-        language model's, bit for bit). Under --calculate-per-token-loss each depth's sum is scaled by the
-        micro-batch's loss tokens over its own, as Megatron's. With ``documents`` a depth's positions whose
-        target lies in the next document are masked (Megatron's roll within packed sequences). Each depth's
-        mean is kept for the metrics."""
+        language model's, bit for bit, whatever the depths' losses are). Under --calculate-per-token-loss
+        each depth's sum is scaled by the micro-batch's loss tokens over its own, as Megatron's. With
+        ``documents`` a depth's positions whose target lies in the next document are masked (Megatron's roll
+        within packed sequences). Each depth's mean is kept for the metrics (a training step's only)."""
         main = self._micro_batch_loss(out[0], loss_mask, weight, None, 0, num_micro_batches)
         model = self.config.model
         scale = model.mtp_loss_scaling_factor / model.mtp_depths
@@ -221,13 +237,14 @@ class PipelineRunner:
             if documents is not None:
                 mask = mask * (shifted(documents, depth) == documents)
             mean = masked_mean(out[depth], mask)
-            self.mtp_losses[depth - 1] += mean.detach().double() / num_micro_batches
+            if self._training:
+                self.mtp_losses[depth - 1] += mean.detach().double() / num_micro_batches
             if weight is not None:
                 tokens = loss_mask.sum() / mask.sum().clamp(min=1.0)
                 extra = extra + scale * (out[depth].float() * mask).sum() * tokens * weight[0]
             else:
                 extra = extra + scale * mean / num_micro_batches
-        return main + (extra - extra.detach())
+        return _GradientJoined.apply(main, extra)
 
     def _per_token_weight(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
         """dp / (loss tokens of the whole global batch), on the last stage: after the data-parallel mean

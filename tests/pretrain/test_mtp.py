@@ -99,6 +99,9 @@ def test_the_depths_stay_within_documents(short_documents):
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
     (["--mtp-use-repeated-layer"], "a layer repeated over the depths is not"),
+    (["--mtp-num-layers", "1", "--qk-clip", "--optimizer", "muon"], "--mtp-num-layers 1 with --qk-clip / "
+     "--log-max-attention-logit: its per-layer settings do not cover the depths' layers yet"),
+    (["--mtp-num-layers", "1", "--window-size", "7", "0"], "with --window-size: its per-layer settings"),
 ])
 def test_what_is_not_built_yet_is_refused_by_name(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -106,10 +109,10 @@ def test_what_is_not_built_yet_is_refused_by_name(flags, message):
 
 
 def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_path):
-    """A tiny DeepSeek-V3 with one MTP layer (its weights under ``model.layers.{N}``, as DeepSeek's release
-    keeps them): ``load_model`` gives the main logits of transformers' model and the MTP layer's of
-    transformers' ``MtpModel`` built on it, within the interop bound; the export is the same tensors bit
-    for bit (the MTP layer's included)."""
+    """A tiny DeepSeek-V3 with one MTP layer (its weights under ``model.layers.{N}``, with the embedding and
+    head copies, as DeepSeek's release keeps them): ``load_model`` gives the main logits of transformers'
+    model and the MTP layer's of transformers' ``MtpModel`` built on it, within the interop bound; the
+    export is the same tensors bit for bit (the MTP layer's and its copies included)."""
     transformers = pytest.importorskip("transformers")
     import torch
     from safetensors.torch import load_file, save_file
@@ -152,6 +155,9 @@ def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_pa
                 tensors[f"{saved[:-len('down_proj')]}{expert}.down_proj.weight"] = tensor[expert].contiguous()
         else:
             tensors[saved] = tensor.contiguous()
+    # (and the release's copies of the embedding and the head in the MTP layer)
+    tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
     ids = torch.tensor([[5, 17, 2, 9, 40, 3, 11, 60, 7, 1]])
     ahead = torch.cat([ids[:, 1:], torch.tensor([[23]])], dim=1)  # the tokens one ahead (a last one given)

@@ -19,7 +19,7 @@ from pretrain.checkpoint.errors import CheckpointError
 
 _PLAIN = (bool, int, float, str, type(None))
 # flags of a Megatron model this stack does not build: refused by name
-UNSUPPORTED = {"mtp_num_layers": "multi-token prediction layers",
+UNSUPPORTED = {"mtp_num_layers": "multi-token prediction layers, whose Megatron keys are not read yet",
                "heterogeneous_layers_config_path": "a heterogeneous layer config",
                "heterogeneous_layers_config_encoded_json": "a heterogeneous layer config",
                "num_layers_in_first_pipeline_stage": "an uneven pipeline split",

@@ -94,8 +94,8 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
     unbuilt = [flag for flag, used in (("--post-norm-layers", config.post_norm_layers),
                                        ("--linear-allow-neg-eigval", config.linear_allow_neg_eigval),
-                                       ("--linear-output-norm-epsilon", config.linear_output_norm_epsilon
-                                        not in (None, config.layernorm_epsilon)),
+                                       ("--linear-output-norm-epsilon",
+                                        config.gdn_output_norm_epsilon != config.layernorm_epsilon),
                                        ("--latent-norm-epsilon", config.latent_norm_epsilon
                                         not in (None, config.layernorm_epsilon))) if used]
     if config.mtp_depths:
