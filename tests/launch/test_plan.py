@@ -96,8 +96,9 @@ LLAMA_LAYOUTS["hybrid M*|GK- pp2 x cp2 stage 3, the Mamba mixer recomputed"] = (
     [*LLAMA, *MAMBA[:1], "M*|GK-", *MAMBA[2:], *_pp(2), "--context-parallel-size", "2", "--zero-stage", "3",
      "--zero-persistence-threshold", "1000", "--recompute-granularity", "selective", "--recompute-modules",
      "mamba"], Layout(1, 2, 1, 3, cp=2, recompute="selective", recompute_modules=("mamba",), split=(2, 3)))
-LLAMA_LAYOUTS["llama with 2 prediction depths, dp2 x tp2 + SP stage 1"] = (
-    [*LLAMA, "--mtp-num-layers", "2", *_tp(2, "--sequence-parallel"), "--zero-stage", "1"],
+LLAMA_LAYOUTS["llama with 2 prediction depths, dp2 x tp2 + SP stage 1"] = (  # (no windows: not with depths)
+    [*LLAMA[:LLAMA.index("--window-size")], "--mtp-num-layers", "2", *_tp(2, "--sequence-parallel"),
+     "--zero-stage", "1"],
     Layout(2, 1, 2, 1, sequence_parallel=True))
 LLAMA_LAYOUTS["llama dp4 stage 0, the MLPs recomputed"] = (
     [*LLAMA, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
