@@ -79,10 +79,6 @@ LAYOUTS = {
         DENSE_FIRST + EP2 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + ZERO3 + ALLTOALL,
         "dense first"),
     "experts in layer 0 only: pp4 1F1B, ZeRO-3": (MOE_FIRST + PP4 + ZERO3, "MoE first"),
-    "experts in layer 0 only: pp4 ZB-H1, ZeRO-1": (MOE_FIRST + PP4 + ["--pipeline-schedule", "zb-h1"] + ZERO1,
-                                                   "MoE first"),
-    "experts in layer 0 only: pp4 ZBV, ZeRO-3": (MOE_FIRST + PP4 + ["--pipeline-schedule", "zbv"] + ZERO3,
-                                                 "MoE first"),
     "experts in layer 0 only: pp4 interleaved, ZeRO-1": (
         MOE_FIRST + PP4 + ["--num-layers-per-virtual-pipeline-stage", "1"] + ZERO1, "MoE first"),
     "ep2 x cp2": (MOE + EP2 + ["--context-parallel-size", "2"] + ALLTOALL, "dropless"),
