@@ -57,7 +57,6 @@ def test_hybrid_layouts_reproduce_one_process_and_a_checkpoint_recuts(stdlib_cor
     hybrid, documents, muon = run_world(1, _train, [HYBRID, HYBRID + DOCUMENTS, HYBRID + MUON],
                                         stdlib_corpus)[0]
     references = {"hybrid": hybrid, "documents": documents, "muon": muon}
-    assert documents[0] != hybrid[0]  # the state and convolution reset at document starts
     saved = str(tmp_path / "tp2")
     resumes = [HYBRID + TP2 + ["--train-iters", "3", "--save", saved],
                CUT + ["--pipeline-model-parallel-size", "2", "--load", saved],
