@@ -91,15 +91,13 @@ class GPTModel(nn.Module):
                                                         sequence_parallel=sequence_parallel)
                 if self.tied:  # summed with the first stage's gradient, counted once (on the first stage)
                     declare(self.output_layer.weight, tied_embedding=True, tied_copy=True)
-        if self.tied and pre_process and not post_process:
-            declare(self.word_embedding.weight, tied_embedding=True)
+        if pre_process and not post_process and (self.tied or config.mtp_depths):  # (the last stage's
+            declare(self.word_embedding.weight, tied_embedding=True)  # copy: output layer, mtp_embedding)
         if post_process and config.mtp_depths and not pre_process and not self.tied:
             # the depths' embedding on a last stage of its own, untied: a copy of the first stage's, their
             # gradients summed as a tied embedding's are
             self.mtp_embedding = VocabParallelEmbedding(config.vocab_size, padded, h, tp, word_init)
             declare(self.mtp_embedding.weight, tied_embedding=True, tied_copy=True)
-        if pre_process and not post_process and config.mtp_depths and not self.tied:
-            declare(self.word_embedding.weight, tied_embedding=True)
         if post_process and config.mtp_depths:  # (the depths borrow the embedding: a last stage of its own
             # looks their tokens up in its copy, the tied embedding's or ``mtp_embedding``)
             kinds = config.mtp_layer_types()  # each layer numbered past the model's, depth by depth
