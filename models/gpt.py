@@ -190,18 +190,32 @@ class GPTModel(nn.Module):
         Output: per-token loss [b, s] on the last stage when ``labels`` are given ([1 + D, b, s] with D
         prediction depths: ``_with_predictions``), the logits slice
         [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
-        x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        inputs = self.layer_inputs(position_ids, x.dtype, documents, whole_sequence)
-        if self.layer_runner is not None:
-            x = self.layer_runner(x, inputs)
-        else:
-            for layer in self.layers:
-                x = layer(x, inputs)
+        x, inputs = self.hidden_states(tokens, position_ids, hidden, documents, whole_sequence)
         if not self.post_process:
             return x
         if labels is None or not self.config.mtp_depths:
             return self.head(x, labels)
         return self._with_predictions(self.final_norm(x), tokens, position_ids, labels, inputs)
+
+    def hidden_states(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
+                      hidden: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                      whole_sequence: bool = False) -> tuple[torch.Tensor, LayerInputs]:
+        """This part's layers run (``forward``'s arguments): their output [s, b, h], not normed, and the
+        inputs they took (which the prediction depths' layers take too)."""
+        x = self.embed(tokens, position_ids) if self.pre_process else hidden
+        inputs = self.layer_inputs(position_ids, x.dtype, documents, whole_sequence)
+        if self.layer_runner is not None:
+            return self.layer_runner(x, inputs), inputs
+        for layer in self.layers:
+            x = layer(x, inputs)
+        return x, inputs
+
+    def depth_state(self, depth: int, hidden: torch.Tensor, ahead: torch.Tensor,
+                    ahead_positions: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """Prediction depth ``depth``'s (1..D) normed hidden state [s, b, h], from the previous depth's
+        (the main model's normed output for depth 1) and the tokens ``depth`` positions ahead [b, s] with
+        their positions: its logits through ``output_logits`` predict the tokens ``depth`` + 1 ahead."""
+        return self.mtp[depth - 1](hidden, self.embed(ahead, ahead_positions), inputs)
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The last stage's end: per-token loss [b, s] with ``labels``, else the logits slice [s, b, v/tp]."""
@@ -219,9 +233,9 @@ class GPTModel(nn.Module):
         the token k + 1 after it (``labels`` shifted by k; its last k positions hold a zero-label loss that
         the caller masks: ``shifted(loss_mask, k)``)."""
         losses, hidden = [self._loss(self.output_logits(normed), labels)], normed
-        for shift, depth in enumerate(self.mtp, start=1):
-            embedded = self.embed(shifted(tokens, shift), shifted(position_ids, shift))
-            hidden = depth(hidden, embedded, inputs)
+        for shift in range(1, self.config.mtp_depths + 1):
+            hidden = self.depth_state(shift, hidden, shifted(tokens, shift), shifted(position_ids, shift),
+                                      inputs)
             losses.append(self._loss(self.output_logits(hidden), shifted(labels, shift)))
         return torch.stack(losses)
 

@@ -25,16 +25,12 @@ def propose(model: GPTModel, tokens: list[int]) -> list[int]:
     depth k runs over the sequence with the tokens k ahead (the known ones, then the choices before it)."""
     ids = padded_ids(tokens, model)
     length, last = ids.shape[1], len(tokens) - 1
-    x = model.embed(ids, _positions(length, ids.device))
-    inputs = model.layer_inputs(_positions(length, ids.device), x.dtype, whole_sequence=True)
-    for layer in model.layers:
-        x = layer(x, inputs)
+    x, inputs = model.hidden_states(ids, _positions(length, ids.device), whole_sequence=True)
     hidden = model.final_norm(x)
     chosen = [_greedy(model.output_logits(hidden), last, model)]
-    for shift, depth in enumerate(model.mtp, start=1):
-        ahead = (tokens + chosen)[shift:shift + len(tokens)]
-        embedded = model.embed(padded_ids(ahead, model), _positions(length, ids.device, shift))
-        hidden = depth(hidden, embedded, inputs)
+    for shift in range(1, model.config.mtp_depths + 1):
+        ahead = padded_ids((tokens + chosen)[shift:shift + len(tokens)], model)
+        hidden = model.depth_state(shift, hidden, ahead, _positions(length, ids.device, shift), inputs)
         chosen.append(_greedy(model.output_logits(hidden), last, model))
     return chosen
 

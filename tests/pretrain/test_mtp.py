@@ -167,12 +167,9 @@ def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_pa
         theirs = (main.lm_head(hidden), depth._project_to_logits(
             depth.forward_layer(0, hidden, positions, None, input_ids=ahead)))
         ours = load_model(directory).gpt
-        x = ours.embed(ids, positions)
-        inputs = ours.layer_inputs(positions, x.dtype, whole_sequence=True)
-        for block in ours.layers:
-            x = block(x, inputs)
+        x, inputs = ours.hidden_states(ids, positions, whole_sequence=True)
         normed = ours.final_norm(x)
-        predicted = ours.mtp[0](normed, ours.embed(ahead, positions + 1), inputs)
+        predicted = ours.depth_state(1, normed, ahead, positions + 1, inputs)
         got = (ours.output_logits(normed), ours.output_logits(predicted))
     for what, mine, reference in zip(("main", "MTP layer"), got, theirs):
         assert _relative(mine[:, 0, :96], reference[0]) <= INTEROP_RTOL, what
