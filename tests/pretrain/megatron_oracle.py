@@ -48,6 +48,9 @@ LATENT = {"multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 16,
           "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0, "qk_layernorm": True,
           "group_query_attention": False, "num_query_groups": HEADS}
 ARCHITECTURES["deepseek"] = {**ARCHITECTURES["llama"], **MOE, **LATENT}
+# with DeepSeek-V3's multi-token prediction: one depth (its layer the last layer's kind: latent attention and
+# experts)
+ARCHITECTURES["deepseek"].update(mtp_num_layers=1, mtp_loss_scaling_factor=0.1)
 # and a HybridModel (Nemotron-H's class): Mamba-2, attention (with Qwen3-Next's output gate), a gated delta
 # net (grouped heads, as Qwen3-Next's; 2 key heads per tp rank), MLP and expert layers by the pattern of
 # megatron-core 0.16's --hybrid-override-pattern, Llama's otherwise
@@ -90,7 +93,7 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
     """This rank's model chunks (one per virtual stage) of megatron-core's GPTModel at tp x pp (x vp), its
     experts (if any) at ``ep``."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -118,7 +121,7 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_size,
         expert_model_parallel_size=ep, attention_output_gate=arch.get("attention_output_gate", False),
-        **_moe_config(arch), **latent, **mamba)
+        mtp_num_layers=arch.get("mtp_num_layers"), **_moe_config(arch), **latent, **mamba)
     torch.manual_seed(seed + 10 * parallel_state.get_pipeline_model_parallel_rank()
                       + parallel_state.get_tensor_model_parallel_rank())
     chunks = []
@@ -135,7 +138,11 @@ def megatron_model(architecture: str, tp: int, pp: int, seed: int, vocab: int = 
                                         qk_layernorm=arch.get("qk_layernorm", False))
         if latent:  # (its local DotProductAttention takes no separate key and value widths)
             spec.submodules.self_attention.submodules.core_attention = _CausalAttention
-        chunk = GPTModel(config, spec,
+        depths = {}
+        if config.mtp_num_layers:  # (None where this stage builds no depth)
+            depths["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                                              vp_stage=stage)
+        chunk = GPTModel(config, spec, **depths,
                          vocab_size=vocab, max_sequence_length=SEQ,
                          pre_process=first, post_process=last,
                          position_embedding_type=arch["position_embedding_type"],
@@ -281,8 +288,8 @@ def stop_writer_manager() -> None:
 def megatron_logits(rank: int, world_size: int, models: list[tuple[str, str]],
                     tokens: list[list[int]]) -> list[list[torch.Tensor]]:
     """In a world of one, for each of ``models`` (architecture, torch_dist directory): megatron-core's
-    model at tp1 x pp1 loaded from it by ``dist_checkpointing.load``, and its logits [sequence,
-    vocabulary] of each of ``tokens``."""
+    model at tp1 x pp1 loaded from it by ``dist_checkpointing.load``, and its logits [1 + depths,
+    sequence, vocabulary] of each of ``tokens`` (``_logits``)."""
     from megatron.core import dist_checkpointing
 
     out = []
@@ -300,13 +307,28 @@ def causal_mask(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _logits(model, tokens: list[list[int]]) -> list[torch.Tensor]:
-    """megatron-core's model's logits of each sequence, its causal mask given (its default asks CUDA)."""
+    """megatron-core's model's logits of each sequence, its causal mask given (its default asks CUDA):
+    [1 + D, sequence, VOCAB], the language model's, then each of its D prediction depths' (which its
+    forward turns into losses alone: their hidden states are taken from the depths' block as it returns
+    them, and put through its output layer)."""
     model.eval()
     out = []
     with torch.no_grad():
         for sequence in tokens:
-            out.append(model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
-                             attention_mask=causal_mask(torch.tensor([sequence])))[0, :, :VOCAB])
+            ids, positions = torch.tensor([sequence]), torch.arange(len(sequence))[None]
+            depths = getattr(model, "mtp", None)
+            if depths is None:
+                out.append(model(ids, positions, attention_mask=causal_mask(ids))[None, 0, :, :VOCAB])
+                continue
+            returned = []
+            hook = depths.register_forward_hook(lambda module, inputs, output: returned.append(output))
+            model(ids, positions, attention_mask=causal_mask(ids), labels=ids)
+            hook.remove()
+            weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                      else None)
+            states = returned[0].chunk(1 + model.config.mtp_num_layers, dim=0)
+            out.append(torch.stack([model.output_layer(state, weight=weight)[0][:, 0, :VOCAB]
+                                    for state in states]))
     return out
 
 

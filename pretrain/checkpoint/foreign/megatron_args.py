@@ -3,8 +3,8 @@ the run's position and schedule.
 
 Megatron's flags and ours share their names (``pretrain.config``), so a field of the model config is taken
 from the arg of its name; the few that differ are translated here (``--add-bias-linear``, the vocabulary,
-``--norm-epsilon``). A model Megatron can express and this stack cannot (multi-token prediction, a
-heterogeneous layer config) is refused by the flag that made it. Holds no tensor.
+``--norm-epsilon``). A model Megatron can express and this stack cannot (a hybrid's multi-token
+prediction depths, a heterogeneous layer config) is refused by the flag that made it. Holds no tensor.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from pretrain.checkpoint.errors import CheckpointError
 
 _PLAIN = (bool, int, float, str, type(None))
 # flags of a Megatron model this stack does not build: refused by name
-UNSUPPORTED = {"mtp_num_layers": "multi-token prediction layers, whose Megatron keys are not read yet",
-               "heterogeneous_layers_config_path": "a heterogeneous layer config",
+UNSUPPORTED = {"heterogeneous_layers_config_path": "a heterogeneous layer config",
                "heterogeneous_layers_config_encoded_json": "a heterogeneous layer config",
                "num_layers_in_first_pipeline_stage": "an uneven pipeline split",
                "num_layers_in_last_pipeline_stage": "an uneven pipeline split",
@@ -108,10 +107,10 @@ def config_of(args: argparse.Namespace, where: str) -> dict:
                               f"{variant} (a mixer and its MLP in each layer): not read yet; a HybridModel's "
                               "(--hybrid-layer-pattern) checkpoint of the same layers is")
     pattern = _pattern(args, where)
-    if pattern is not None and pattern.depths:
+    if pattern is not None and (pattern.depths or _arg(args, "mtp_num_layers")):
         raise CheckpointError(f"{where}: its --hybrid-layer-pattern {pattern.text!r} has multi-token "
-                              "prediction depths (after /): Megatron checkpoints with them are not read yet; "
-                              "refused")
+                              "prediction depths (after /): a hybrid's are not read yet (no megatron-core "
+                              "release builds them to check against); refused")
     config = {name: value for name in GPTConfig.__dataclass_fields__
               if isinstance(value := getattr(args, name, None), _PLAIN) and value is not None
               or isinstance(value, list) and all(isinstance(item, _PLAIN) for item in value)}

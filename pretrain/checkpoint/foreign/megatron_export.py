@@ -31,8 +31,9 @@ from pretrain.checkpoint.foreign.megatron_checkpoint import (TRACKER, is_megatro
                                                              legacy_file, tracked_iteration)
 from pretrain.checkpoint.foreign.megatron_parts import PARTS, split_parts, to_megatron
 from pretrain.checkpoint.foreign.megatron_names import (EXPERT_EXTRA_STATE_MODULES, LEGACY_EXPERTS,
-                                                        ROW_SPLIT_DOWN, STACKED_EXPERTS, extra_state_modules,
-                                                        megatron_key, registration_order)
+                                                        MTP_EXTRA_STATE_MODULES, ROW_SPLIT_DOWN,
+                                                        STACKED_EXPERTS, extra_state_modules, megatron_key,
+                                                        mtp_layer_prefix, registration_order)
 from pretrain.checkpoint.foreign.megatron_optimizer import (DISTRIBUTED_OPTIMIZER_FILE,
                                                             distributed_state_dict, gathered_states)
 from pretrain.checkpoint.foreign.megatron_pieces import our_slices
@@ -98,9 +99,10 @@ def write_megatron(source, config: GPTConfig, manifest: dict, directory: str, ck
                                         config.gdn_output_norm_epsilon != config.layernorm_epsilon),
                                        ("--latent-norm-epsilon", config.latent_norm_epsilon
                                         not in (None, config.layernorm_epsilon))) if used]
-    if config.mtp_depths:
-        raise ValueError(f"--to megatron: --mtp-num-layers {config.mtp_depths}: multi-token prediction "
-                         "layers are not written to Megatron checkpoints yet; convert with --to consolidated")
+    if config.mtp_depths and config.hybrid_layer_pattern:
+        raise ValueError(f"--to megatron: a hybrid's multi-token prediction depths ({config.uncut_pattern!r} "
+                         "after /) are not written yet (no megatron-core release builds them to check "
+                         "against); convert with --to consolidated")
     if unbuilt:  # (OLMo hybrid's parts; transformers' latent norms)
         raise ValueError(f"--to megatron: this model has {', '.join(unbuilt)}, which megatron-core builds no "
                          "layer with; convert with --to hf or --to consolidated")
@@ -180,8 +182,9 @@ def _check_optimizer_export(source, config: GPTConfig, manifest: dict, ckpt_form
     if ckpt_format != "torch":
         raise ValueError("--to megatron --with-optimizer-states: written as the legacy files' "
                          "distrib_optim.pt (--ckpt-format torch); torch_dist's are not written yet")
-    if config.num_experts or config.hybrid_layer_pattern:
-        what = "a mixture of experts' (a buffer of their own)" if config.num_experts else "a HybridModel's"
+    if config.num_experts or config.hybrid_layer_pattern or config.mtp_depths:
+        what = ("a mixture of experts' (a buffer of their own)" if config.num_experts else
+                "a HybridModel's" if config.hybrid_layer_pattern else "multi-token prediction depths'")
         raise ValueError(f"--to megatron --with-optimizer-states: {what} optimizer states are not written "
                          "yet")
     if "exp_avg" not in source.kinds or manifest.get("config", {}).get("optimizer", "adam") != "adam":
@@ -208,11 +211,15 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
         key, layer, expert = megatron_key(name, fused_norms=False, latent=config.multi_latent_attention,
                                           hybrid=hybrid)
         inner, tensor = key, _padded(source.whole(name), table, padded)
-        if key in ROW_SPLIT_DOWN:  # (the local spec's latent down projections: split by rows)
+        if key.endswith(ROW_SPLIT_DOWN):  # (the local spec's latent down projections: split by rows)
             dim = 0
         ranks = range(layout.ep)
-        if layer is None:
-            stages = [0] if key.startswith("embedding.") else [layout.pp - 1]
+        if layer is None and expert is not None:  # a prediction depth's expert (the depths: the last stage)
+            stages, ranks = [layout.pp - 1], [expert // per_rank]
+            key = f"{mtp_layer_prefix(name)}{LEGACY_EXPERTS}{expert % per_rank}.{key}"
+        elif layer is None:  # (the depths' stage keeps a copy of the embedding, as Megatron's)
+            stages = ([0, layout.pp - 1][:1 + bool(config.mtp_depths)] if key.startswith("embedding.")
+                      else [layout.pp - 1])
         elif expert is None:
             stages, key = [layer // per_stage], f"decoder.layers.{layer % per_stage}.{key}"
         else:
@@ -241,6 +248,11 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
                               for local in range(per_rank) for module in EXPERT_EXTRA_STATE_MODULES})
         if p == layout.pp - 1:
             model["output_layer._extra_state"] = None
+            modules, expert_layers = _mtp_extra_state_modules(config)
+            model.update({f"{module}._extra_state": None for module in modules})
+            model.update({f"{layer}{LEGACY_EXPERTS}{local}.{module}._extra_state": None
+                          for layer in expert_layers for local in range(per_rank)
+                          for module in EXPERT_EXTRA_STATE_MODULES})
         path = legacy_file(folder, layout, t, p, e)
         os.makedirs(os.path.dirname(path))
         model = dict(sorted(model.items(), key=lambda item: registration_order(item[0])))  # as Megatron's
@@ -262,6 +274,19 @@ def _tp_parts(tensor: torch.Tensor, name: str, dim: int | None, tp: int) -> list
     return [_as_megatron(part, name) for part in tensor.chunk(tp, dim=dim)]
 
 
+def _mtp_extra_state_modules(config: GPTConfig) -> tuple[list[str], list[str]]:
+    """The prediction depths' modules with an extra state in the local spec (their eh_proj and their
+    layer's), and the prefixes of the layers whose experts have theirs (a mixture of experts' layer)."""
+    modules, expert_layers = [], []
+    for depth in range(config.mtp_depths):
+        entry = config.mtp_layer_types()[0]
+        layer = f"mtp.layers.{depth}.transformer_layer."
+        modules += [f"mtp.layers.{depth}.{module}" for module in MTP_EXTRA_STATE_MODULES]
+        modules += [layer + module for module in _extra_state_modules(config, entry)]
+        expert_layers += [layer] if "E" in entry else []
+    return modules, expert_layers
+
+
 def _extra_state_modules(config: GPTConfig, entry: str) -> tuple[str, ...]:
     """The local spec's modules with an extra state in a layer of layer-list entry ``entry`` (its
     experts' own aside)."""
@@ -277,7 +302,10 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
         _, _, table = slices[name]
         key, layer, expert = megatron_key(name, fused_norms=True, latent=config.multi_latent_attention)
         tensor = _as_megatron(_padded(source.whole(name), table, padded), name)
-        if layer is None:
+        if layer is None and expert is not None:  # a prediction depth's expert: its layer's on one axis
+            rows = stacked.setdefault(f"{mtp_layer_prefix(name)}{STACKED_EXPERTS}{key}", [None] * experts)
+            rows[expert] = tensor
+        elif layer is None:
             state[key] = tensor.contiguous()
         elif expert is None:
             stacked.setdefault(f"decoder.layers.{key}", [None] * layers)[layer] = tensor
@@ -294,6 +322,11 @@ def _write_distributed(source, config, slices, padded, common, folder) -> None:
         for expert, module in itertools.product(range(experts), EXPERT_EXTRA_STATE_MODULES):
             state[f"decoder.layers.{STACKED_EXPERTS}{module}._extra_state/shard_{layer}.{expert}_"
                   f"{layers}.{experts}"] = [None]
+    modules, expert_layers = _mtp_extra_state_modules(config)  # (a depth's: one layer, no layer axis)
+    state.update({f"{module}._extra_state/shard_0_1": [None] for module in modules})
+    state.update({f"{layer}{STACKED_EXPERTS}{module}._extra_state/shard_{expert}_{experts}": [None]
+                  for layer in expert_layers for expert in range(experts)
+                  for module in EXPERT_EXTRA_STATE_MODULES})
     _save_distributed(state, common, folder)
 
 

@@ -101,6 +101,16 @@ MODEL_KEYS = {
     "output_layer.weight": "output_layer.weight",
 }
 LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a multi-token prediction depth (megatron-core's MultiTokenPredictionLayer ``mtp.layers.{k}.``): its own
+# tensors, and its transformer layer (``transformer_layer.``; Megatron-LM main's legacy files name the module
+# ``mtp_model_layer.``, its torch_dist keys keep the older name)
+MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+MTP_DEPTH_KEYS = {"enorm.weight": "enorm.weight", "enorm.bias": "enorm.bias", "hnorm.weight": "hnorm.weight",
+                  "hnorm.bias": "hnorm.bias", "eh_proj.weight": "eh_proj.weight",
+                  "final_layernorm.weight": "final_norm.weight", "final_layernorm.bias": "final_norm.bias"}
+OUR_MTP_DEPTH_KEYS = {ours: theirs for theirs, ours in MTP_DEPTH_KEYS.items()}
+MTP_LAYER_MODULES = ("transformer_layer.", "mtp_model_layer.")
+MTP_EXTRA_STATE_MODULES = ("eh_proj",)
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 STACKED_PREFIX = "decoder.layers."  # torch_dist: one key per layer tensor, the layers along a first axis
 
@@ -165,12 +175,31 @@ def megatron_key(ours: str, fused_norms: bool, latent: bool = False, hybrid: boo
     model_keys = OUR_HYBRID_MODEL_KEYS if hybrid else OUR_MODEL_KEYS
     if ours in model_keys:
         return model_keys[ours], None, None
+    if ours.startswith("mtp."):
+        return _mtp_key(ours, fused_norms, latent)
     _, layer, inner = ours.split(".", 2)
     if inner.startswith("mlp.experts."):
         _, _, expert, within = inner.split(".", 3)
         return OUR_EXPERT_KEYS[within], int(layer), int(expert)
     keys = LOCAL_LATENT_KEYS if latent else FUSED_LAYER_KEYS if fused_norms else LOCAL_LAYER_KEYS
     return keys[inner], int(layer), None
+
+
+def _mtp_key(ours: str, fused_norms: bool, latent: bool) -> tuple[str, None, int | None]:
+    """Megatron's whole key of a prediction depth's tensor ``ours`` (``mtp.{k}.``; its one layer's under
+    ``transformer_layer.``, an expert's with the format's expert prefix to be put after that), with no
+    layer: depths sit outside the decoder's layers."""
+    _, depth, inner = ours.split(".", 2)
+    prefix = f"mtp.layers.{depth}."
+    if inner in OUR_MTP_DEPTH_KEYS:
+        return prefix + OUR_MTP_DEPTH_KEYS[inner], None, None
+    key, _, expert = megatron_key("layers.0." + inner.split(".", 2)[2], fused_norms, latent)
+    return (mtp_layer_prefix(ours) + key if expert is None else key), None, expert
+
+
+def mtp_layer_prefix(ours: str) -> str:
+    """Megatron's prefix of the transformer layer of the prediction depth our name ``ours`` is in."""
+    return f"mtp.layers.{ours.split('.', 2)[1]}.transformer_layer."
 
 
 # the order megatron-core's local spec registers a layer's modules in (its parameters', and so its
@@ -189,7 +218,8 @@ LOCAL_MODULE_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_att
                       "self_attention.dt_bias", "self_attention.A_log", "self_attention.in_proj",
                       "self_attention.conv1d", "self_attention.out_norm", "self_attention.out_proj")
 _MODEL_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
-                "decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
+                "decoder.final_layernorm.", "decoder.final_norm.", "mtp.", "output_layer.")
+_MTP_ORDER = ("enorm.", "hnorm.", "eh_proj.", MTP_LAYER_MODULES, "final_layernorm.")
 
 
 # torch_dist's fused norm names for the local spec's norm modules
@@ -207,6 +237,11 @@ def registration_order(key: str, local_spec: bool = True) -> tuple:
     last = key.rsplit(".", 1)[-1]
     within = _WITHIN_MODULE.index(last) if last in _WITHIN_MODULE else 2
     match = LAYER_KEY.match(key)
+    depth = MTP_KEY.match(key)
+    if depth:  # (a depth's own modules, its layer's keys in the order above)
+        inner = depth.group(2)
+        return model, int(depth.group(1)), next(number for number, names in enumerate(_MTP_ORDER)
+                                                if inner.startswith(names)), inner
     if not match:
         return model, 0, 0, within
     inner = match.group(2)
@@ -237,6 +272,14 @@ def ours_of(key: str, layer_offset: int = 0, expert_offset: int = 0, latent: boo
         layer = int(match.group(1)) + layer_offset
         inner = _within_layer(key, match.group(2), expert_offset, latent)
         return f"layers.{layer}.{inner}"
+    match = MTP_KEY.match(key)
+    if match:
+        depth, inner = match.groups()
+        if inner in MTP_DEPTH_KEYS:
+            return f"mtp.{depth}.{MTP_DEPTH_KEYS[inner]}"
+        module = next((module for module in MTP_LAYER_MODULES if inner.startswith(module)), None)
+        if module is not None:
+            return f"mtp.{depth}.layers.0.{_within_layer(key, inner[len(module):], expert_offset, latent)}"
     raise UnknownKey(key)
 
 

@@ -65,9 +65,10 @@ class MegatronPieces(PieceSource):
         self.unread_optimizer: str | None = None  # why its optimizer's states cannot be read, if so
         self.held = checkpoint.optimizer_states()  # (looked up once: a file test or the DCP metadata)
         self.reads_optimizer = self.held in READ_OPTIMIZER_STATES
-        if config.hybrid_layer_pattern and self.reads_optimizer:  # (its weights load)
-            self.unread_optimizer = (f"{checkpoint.folder}: a HybridModel's optimizer states (its "
-                                     "mixers' buffers) are not read yet")
+        if (config.hybrid_layer_pattern or config.mtp_depths) and self.reads_optimizer:  # (its weights load)
+            what = ("a HybridModel's optimizer states (its mixers' buffers)" if config.hybrid_layer_pattern
+                    else "the optimizer states of a model with multi-token prediction depths")
+            self.unread_optimizer = f"{checkpoint.folder}: {what} are not read yet"
             self.reads_optimizer = False
         # a legacy rank file's optimizer states: its distrib_optim.pt, or the plain optimizer's in it
         self.optimizers: dict[str, DistributedOptimizerStates | PlainOptimizerStates] = {}
@@ -132,6 +133,8 @@ class MegatronPieces(PieceSource):
                 if skipped(key) or not isinstance(tensor, torch.Tensor) or (
                         experts_only and LEGACY_EXPERTS not in key):
                     continue
+                if key.startswith("embedding.") and (pp, vp) != (0, 0):
+                    continue  # the prediction depths' stage's copy of the first stage's embedding
                 name = self._place(key, layout.layer_offset(pp, vp), expert_offset=expert_offset)
                 if name is None or name not in slices:
                     if name is not None:
@@ -222,7 +225,7 @@ class MegatronPieces(PieceSource):
         as one key of the whole tensor."""
         keys = []
         for key in self.folder.tensors:
-            if skipped(key) or not key.startswith(("embedding.", "decoder.", "output_layer.")):
+            if skipped(key) or not key.startswith(("embedding.", "decoder.", "mtp.", "output_layer.")):
                 continue  # the optimizer's states, rng and other run states
             joined = joined_key(key)
             if joined is None:
