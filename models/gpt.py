@@ -19,7 +19,7 @@ from models.config import GPTConfig
 from models.layers.registry import LayerContext, build_layer, check_buildable
 from models.layers.residual import dropout
 from models.moe.balancing import LoadBalancing
-from models.mtp.depth import MTPDepth, shifted
+from models.mtp.depth import MTPDepth
 from models.norms import build_norm
 from models.rotary import RotaryFrequencies, rotary_tables
 from parallel.comm import AxisGroup
@@ -182,20 +182,24 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, documents: torch.Tensor | None = None,
-                whole_sequence: bool = False) -> torch.Tensor:
+                whole_sequence: bool = False, ahead: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Run this part. Input: ``tokens`` [b, s] on the first stage, else ``hidden`` from the previous
         stage, with their ``position_ids`` [b, s]; under context parallelism this cp rank's share of each
         sequence (``parallel.context.shard_sequence``) unless ``whole_sequence`` (sampling). ``documents``
         [b, S]: each token's document over the whole sequence; attention then stays within documents.
         Output: per-token loss [b, s] on the last stage when ``labels`` are given ([1 + D, b, s] with D
-        prediction depths: ``_with_predictions``), the logits slice
+        prediction depths, whose tokens, positions and labels ``ahead`` gives: ``mtp.depth.depth_batch``'s
+        ``mtp_tokens``, ``mtp_position_ids``, ``mtp_labels``, cut as the input is), the logits slice
         [s, b, v/tp] on the last stage without labels, else the hidden state for the next stage."""
         x, inputs = self.hidden_states(tokens, position_ids, hidden, documents, whole_sequence)
         if not self.post_process:
             return x
         if labels is None or not self.config.mtp_depths:
             return self.head(x, labels)
-        return self._with_predictions(self.final_norm(x), tokens, position_ids, labels, inputs)
+        if ahead is None:
+            raise ValueError("labels for a model with prediction depths come with their tokens ahead "
+                             "(``ahead``: models.mtp.depth.depth_batch)")
+        return self._with_predictions(self.final_norm(x), labels, ahead, inputs)
 
     def hidden_states(self, tokens: torch.Tensor | None, position_ids: torch.Tensor,
                       hidden: torch.Tensor | None = None, documents: torch.Tensor | None = None,
@@ -227,16 +231,13 @@ class GPTModel(nn.Module):
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.config.vocab_size).t()
 
-    def _with_predictions(self, normed: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
-                          labels: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+    def _with_predictions(self, normed: torch.Tensor, labels: torch.Tensor, ahead: tuple[torch.Tensor, ...],
+                          inputs: LayerInputs) -> torch.Tensor:
         """Per-token losses [1 + D, b, s]: the language model's, then depth k's at each position i against
-        the token k + 1 after it (``labels`` shifted by k; its last k positions hold a zero-label loss that
-        the caller masks: ``shifted(loss_mask, k)``)."""
+        the token k + 1 after it (``ahead``: the tokens, positions and labels each depth reads [D, b, s];
+        the last k positions of a sequence hold a zero-label loss that the caller masks)."""
         losses, hidden = [self._loss(self.output_logits(normed), labels)], normed
-        for shift in range(1, self.config.mtp_depths + 1):
-            hidden = self.depth_state(shift, hidden, shifted(tokens, shift), shifted(position_ids, shift),
-                                      inputs)
-            losses.append(self._loss(self.output_logits(hidden), shifted(labels, shift)))
+        for depth, (tokens, positions, targets) in enumerate(zip(*ahead), start=1):
+            hidden = self.depth_state(depth, hidden, tokens, positions, inputs)
+            losses.append(self._loss(self.output_logits(hidden), targets))
         return torch.stack(losses)
-
-

@@ -59,3 +59,19 @@ def shifted(tensor: torch.Tensor, shift: int) -> torch.Tensor:
     tokens, positions, labels and loss mask of depth ``shift``."""
     tail = tensor.new_zeros(tensor.shape[0], min(shift, tensor.shape[1]))
     return torch.cat([tensor[:, shift:], tail], dim=1)
+
+
+def depth_batch(batch: dict, depths: int) -> dict:
+    """What the prediction depths read of a micro-batch of whole sequences (``tokens``, ``position_ids``,
+    ``labels``, ``loss_mask`` [b, S]; ``documents`` where attention keeps to documents): each as
+    ``mtp_<key>`` [D, b, S], depth k's shifted by k (Megatron's roll), the loss mask also cleared where
+    the target lies in the next document (its roll within packed sequences). Taken before a
+    context-parallel cut, so a cp rank's share of them needs no exchange with its neighbours (Megatron
+    swaps the shares' edges)."""
+    out = {f"mtp_{key}": torch.stack([shifted(batch[key], k) for k in range(1, depths + 1)])
+           for key in ("tokens", "position_ids", "labels", "loss_mask")}
+    documents = batch.get("documents")
+    if documents is not None:
+        same = torch.stack([shifted(documents, k) == documents for k in range(1, depths + 1)])
+        out["mtp_loss_mask"] = out["mtp_loss_mask"] * same
+    return out

@@ -9,9 +9,8 @@ from pretrain.config.schema import Config
 
 
 def validate_mtp(config: Config, topology: Topology) -> None:
-    """Multi-token prediction's layouts so far: whole sequences (no context parallelism), and over pipeline
-    stages no learned positions (the last stage's copy of the embedding embeds the
-    depths' tokens) and no zero-bubble schedule."""
+    """Multi-token prediction's layouts so far: over pipeline stages no learned positions (the last
+    stage's copy of the embedding embeds the depths' tokens) and no zero-bubble schedule."""
     depths, model, par = config.model.mtp_depths, config.model, config.parallel
     if not depths:
         return
@@ -21,9 +20,6 @@ def validate_mtp(config: Config, topology: Topology) -> None:
         if used:
             raise ConfigError(f"--mtp-num-layers {depths} with {flag}: its per-layer settings do not cover "
                               "the depths' layers yet; drop one")
-    if topology.cp > 1:
-        raise ConfigError(f"--mtp-num-layers {depths} with --context-parallel-size {topology.cp}: the "
-                          "depths' shifted tokens cross the cp ranks' shares (not built yet); use cp 1")
     if topology.pp > 1 and (model.position_embedding == "learned_absolute"
                             or par.pipeline_schedule in V_SCHEDULES + SPLIT_SCHEDULES):
         raise ConfigError(f"--mtp-num-layers {depths} with --pipeline-model-parallel-size {topology.pp}: the "

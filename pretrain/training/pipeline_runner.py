@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from models.generate import gather_vocab_logits
-from models.mtp.depth import shifted
+from models.mtp.depth import depth_batch
 from parallel import comm
 from parallel.context import shard_sequence
 from parallel.pipeline.executor import PipelineExecutor, StepStats
@@ -137,9 +137,14 @@ class PipelineRunner:
         return self.groups.is_first_stage or self.groups.is_last_stage or self.every_stage_reads
 
     def _cut(self, batch: dict) -> dict:
-        """This cp rank's share of a micro-batch: every [b, S] tensor but the documents, which attention
-        reads whole (they are the only tokens' metadata a rank needs for keys it does not hold)."""
-        return {key: value if key == "documents" else shard_sequence(value, self.cp, self.cp_rank)
+        """This cp rank's share of a micro-batch: every [b, S] tensor (and the prediction depths' [D, b, S],
+        taken from the whole sequences first: ``depth_batch``) but the documents, which attention reads
+        whole (they are the only tokens' metadata a rank needs for keys it does not hold)."""
+        depths = self.config.model.mtp_depths
+        if depths and self.groups.is_last_stage:
+            batch = {**batch, **depth_batch(batch, depths)}
+        return {key: value if key == "documents" else shard_sequence(value, self.cp, self.cp_rank,
+                                                                       dim=value.dim() - 1)
                 for key, value in batch.items()}
 
     def run(self, batches: Iterator[dict] | None, num_micro_batches: int,
@@ -158,7 +163,9 @@ class PipelineRunner:
             return loaded[index]
 
         weight = self._per_token_weight(micro_batch, num_micro_batches) if self.per_token_loss else None
-        shares = self._sequence_shares(micro_batch, num_micro_batches) if weight is None else None
+        counts = self._token_counts(micro_batch, num_micro_batches)
+        shares = (self.cp / counts.clamp(min=1.0) / num_micro_batches).float() \
+            if counts is not None and self.cp > 1 and weight is None else None
         balancing = self.chunks[0].balancing  # the rank's MoE layers', shared by its chunks
         if balancing is not None and train:  # the balancing losses train as a micro-batch's loss, cp-averaged
             balancing.reset()  # what the step's layers record, for its metrics
@@ -171,16 +178,17 @@ class PipelineRunner:
             batch = micro_batch(index) if reads else None
             positions = batch["position_ids"] if batch is not None else self._positions()
             with self.meter.recording((chunk, index)) if train and measure else contextlib.nullcontext():
-                tokens = model.pre_process or model.post_process and model.config.mtp_depths  # (the depths'
-                out = model(batch["tokens"] if tokens else None, positions,  # embeddings need them)
+                ahead = (batch["mtp_tokens"], batch["mtp_position_ids"], batch["mtp_labels"]) \
+                    if model.post_process and model.config.mtp_depths else None
+                out = model(batch["tokens"] if model.pre_process else None, positions,
                             labels=batch["labels"] if model.post_process else None, hidden=received,
-                            documents=batch.get("documents") if batch is not None else None)
+                            documents=batch.get("documents") if batch is not None else None, ahead=ahead)
             if not model.post_process:
                 return out
             if out.dim() == 3:  # the language model's per-token loss, then the prediction depths'
-                return self._with_depths(out, batch["loss_mask"], weight, num_micro_batches,
-                                         batch.get("documents"))
-            return self._micro_batch_loss(out, batch["loss_mask"], weight, shares, index, num_micro_batches)
+                return self._with_depths(out, batch, weight, counts, shares, index, num_micro_batches)
+            return self._micro_batch_loss(out, batch["loss_mask"], weight, None if shares is None else
+                                          shares[:, 0], index, num_micro_batches)
 
         def backward_step(chunk: int, index: int, output: torch.Tensor, grad: torch.Tensor | None,
                           hidden: torch.Tensor | None, last: bool) -> torch.Tensor | None:
@@ -219,31 +227,33 @@ class PipelineRunner:
             return (out.float() * loss_mask).sum() * shares[index]
         return masked_mean(out, loss_mask) / num_micro_batches
 
-    def _with_depths(self, out: torch.Tensor, loss_mask: torch.Tensor, weight: torch.Tensor | None,
-                     num_micro_batches: int, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """The language model's term from ``out[0]``, the prediction depths' (``out[k]`` against the loss
-        mask shifted by k) joined to it as Megatron's MTPLossAutoScaler joins them: each depth's masked
-        mean times --mtp-loss-scaling-factor / D adds its gradient, not its value (the reported loss is the
-        language model's, bit for bit, whatever the depths' losses are). Under --calculate-per-token-loss
-        each depth's sum is scaled by the micro-batch's loss tokens over its own, as Megatron's. With
-        ``documents`` a depth's positions whose target lies in the next document are masked (Megatron's roll
-        within packed sequences). Each depth's mean is kept for the metrics (a training step's only)."""
-        main = self._micro_batch_loss(out[0], loss_mask, weight, None, 0, num_micro_batches)
+    def _with_depths(self, out: torch.Tensor, batch: dict, weight: torch.Tensor | None, counts: torch.Tensor,
+                     shares: torch.Tensor | None, index: int, num_micro_batches: int) -> torch.Tensor:
+        """The language model's term from ``out[0]``, the prediction depths' (``out[k]`` against
+        ``batch["mtp_loss_mask"][k - 1]``: the loss mask shifted by k, the next document's targets masked)
+        joined to it as Megatron's MTPLossAutoScaler joins them: each depth's masked mean (under context
+        parallelism this cp rank's share of the whole sequences', as the language model's) times
+        --mtp-loss-scaling-factor / D adds its gradient, not its value (the reported loss is the language
+        model's, bit for bit, whatever the depths' losses are). Under --calculate-per-token-loss each depth's
+        sum is scaled by the micro-batch's loss tokens over its own (``counts``: whole sequences), as
+        Megatron's. Each depth's mean is kept for the metrics (a training step's only; a cp rank keeps its
+        share)."""
+        main = self._micro_batch_loss(out[0], batch["loss_mask"], weight, None if shares is None else
+                                      shares[:, 0], index, num_micro_batches)
         model = self.config.model
         scale = model.mtp_loss_scaling_factor / model.mtp_depths
         extra = torch.zeros((), device=out.device)
         for depth in range(1, out.shape[0]):
-            mask = shifted(loss_mask, depth)
-            if documents is not None:
-                mask = mask * (shifted(documents, depth) == documents)
-            mean = masked_mean(out[depth], mask)
+            mask, tokens = batch["mtp_loss_mask"][depth - 1], counts[index, depth].clamp(min=1.0)
+            summed = (out[depth].float() * mask).sum()
             if self._training:
-                self.mtp_losses[depth - 1] += mean.detach().double() / num_micro_batches
+                self.mtp_losses[depth - 1] += summed.detach().double() / tokens / num_micro_batches
             if weight is not None:
-                tokens = loss_mask.sum() / mask.sum().clamp(min=1.0)
-                extra = extra + scale * (out[depth].float() * mask).sum() * tokens * weight[0]
+                extra = extra + scale * summed * (counts[index, 0] / tokens).float() * weight[0]
             else:
-                extra = extra + scale * mean / num_micro_batches
+                share = None if shares is None else shares[:, depth]
+                extra = extra + scale * self._micro_batch_loss(out[depth], mask, None, share, index,
+                                                               num_micro_batches)
         return _GradientJoined.apply(main, extra)
 
     def _per_token_weight(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
@@ -258,16 +268,22 @@ class PipelineRunner:
         comm.all_reduce(tokens, self.groups.dp_cp)  # gradients are averaged over dp x cp
         return (self.groups.dp_cp.size / tokens.clamp(min=1.0)).float()
 
-    def _sequence_shares(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
-        """Under context parallelism, on the last stage: cp / (micro-batch i's loss tokens over the whole
-        sequences) / micro-batches, so that this rank's loss sum times it, averaged over cp (as gradients
-        are), is micro-batch i's mean over every token. One all-reduce of the counts per step."""
-        if self.cp == 1 or not self.groups.is_last_stage:
+    def _token_counts(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
+        """On the last stage, under context parallelism or with prediction depths: [micro-batches, 1 + D],
+        each micro-batch's loss tokens over its whole sequences (summed over cp: one all-reduce of the
+        counts per step), the language model's, then each depth's."""
+        depths = self.config.model.mtp_depths
+        if not self.groups.is_last_stage or (self.cp == 1 and not depths):
             return None
-        tokens = torch.stack([micro_batch(i)["loss_mask"].sum(dtype=torch.float64)
-                              for i in range(num_micro_batches)])
-        comm.all_reduce(tokens, self.groups.cp)
-        return (self.cp / tokens.clamp(min=1.0) / num_micro_batches).float()
+        counts = []
+        for i in range(num_micro_batches):
+            batch = micro_batch(i)
+            depth_counts = [batch["mtp_loss_mask"].sum(dim=(1, 2), dtype=torch.float64)] if depths else []
+            counts.append(torch.cat([batch["loss_mask"].sum(dtype=torch.float64).reshape(1), *depth_counts]))
+        counts = torch.stack(counts)
+        if self.cp > 1:
+            comm.all_reduce(counts, self.groups.cp)
+        return counts
 
     def _positions(self) -> torch.Tensor:
         """A middle stage's positions (it reads no data): 0..S-1, this cp rank's cut of them."""
