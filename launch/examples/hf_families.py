@@ -156,8 +156,9 @@ def _config(family: str, vocab: int, hidden: int, window: int, special: dict):
 
 
 def make_model(family: str, vocab_size: int, hidden_size: int = 32, window: int = 4, bos: int | None = None,
-               eos: int | None = None, seed: int = 0):
-    """A random ``family`` model from transformers' own classes (AutoModelForCausalLM.from_config)."""
+               eos: int | None = None, seed: int = 0, **overrides):
+    """A random ``family`` model from transformers' own classes (AutoModelForCausalLM.from_config);
+    ``overrides``: config attributes set over the family's."""
     import torch
     preload_torchao()  # transformers imports it
     import transformers
@@ -166,4 +167,6 @@ def make_model(family: str, vocab_size: int, hidden_size: int = 32, window: int 
                if value is not None}
     torch.manual_seed(seed)
     config = _config(family, vocab_size, hidden_size, window, special)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     return transformers.AutoModelForCausalLM.from_config(config)

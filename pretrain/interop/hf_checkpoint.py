@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 
@@ -126,9 +125,9 @@ class HFModel:
         self.tensors = _HFTensors(hf_dir, mxfp4=quantization.get("quant_method") == "mxfp4",
                                   rename=stored_name(self.config.hf_model_type))
         self.plan = list(import_plan(self.config))
-        depths = {name for _, theirs, _ in self.plan for name in theirs if name.endswith(".eh_proj.weight")}
+        depths = {name for ours, theirs, _ in self.plan if ours.startswith("mtp.") for name in theirs}
         if depths and not depths & set(self.tensors.names()):  # transformers' own saves leave them out
-            self.config = replace(self.config, mtp_num_layers=None)
+            self.config = self.config.without_depths()
             self.plan = list(import_plan(self.config))
         self.expected = expected_shapes(self.config)
         self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)

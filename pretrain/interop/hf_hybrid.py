@@ -199,7 +199,7 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
     others = unexpressed(config, OLMO_ONLY) if kind != OLMO else []
     if kind != OLMO and config.gdn_output_norm_epsilon != config.layernorm_epsilon:
         others.append(f"--linear-output-norm-epsilon {config.linear_output_norm_epsilon} (OLMo hybrid's)")
-    if pattern.depths:  # (Qwen3-Next's and Nemotron-H's mtp.* are not mapped yet)
+    if pattern.depths and kind != KIND:  # (Qwen3-Next maps its own; Nemotron-H's mtp.* are not mapped yet)
         others.append(f"--hybrid-layer-pattern {pattern.text!r} (its multi-token prediction depths)")
     if kind in PAIRED:
         return others + PAIRED[kind][1](config, layers, pattern.text)

@@ -196,25 +196,44 @@ def _mixer_then_feed_rules(config: GPTConfig, kind: str, mixers: dict, offsets: 
     layers = config.layer_types()
     for hf_layer in range(len(layers) // 2):
         mixer, feed = 2 * hf_layer, 2 * hf_layer + 1
-        theirs = f"model.layers.{hf_layer}"
-        mixer_norm, feed_norm = (norms or {}).get(layers[mixer], PRE_NORMS)
-        yield norm_rule(config, f"layers.{mixer}.{NORM_OF[layers[mixer]]}.weight",
-                        f"{theirs}.{mixer_norm}.weight", offsets)
-        yield from mixers[layers[mixer]](config, f"layers.{mixer}", theirs)
-        yield norm_rule(config, f"layers.{feed}.mlp_norm.weight", f"{theirs}.{feed_norm}.weight", offsets)
-        if layers[feed] == "-":
-            yield from gated_mlp(f"layers.{feed}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
-        else:
-            yield from moe_rules(config, kind, f"layers.{feed}", theirs)
+        yield from _paired_layer_rules(config, kind, mixers, offsets, norms, layers[mixer:feed + 1],
+                                       (f"layers.{mixer}", f"layers.{feed}"), f"model.layers.{hf_layer}")
     yield norm_rule(config, "final_norm.weight", "model.norm.weight", offsets)
     if config.untie_embeddings_and_output_weights:
         yield same("output_layer.weight", "lm_head.weight")
 
 
+def _paired_layer_rules(config: GPTConfig, kind: str, mixers: dict, offsets: bool, norms: dict | None,
+                        symbols: list[str], ours: tuple[str, str], theirs: str
+                        ) -> Iterator[Rule | StackedRule]:
+    """One HF layer ``theirs`` of a mixer-then-feed family: our layers ``ours`` (its mixer and its MLP or
+    experts, of layer-list ``symbols``)."""
+    mixer_norm, feed_norm = (norms or {}).get(symbols[0], PRE_NORMS)
+    yield norm_rule(config, f"{ours[0]}.{NORM_OF[symbols[0]]}.weight", f"{theirs}.{mixer_norm}.weight",
+                    offsets)
+    yield from mixers[symbols[0]](config, ours[0], theirs)
+    yield norm_rule(config, f"{ours[1]}.mlp_norm.weight", f"{theirs}.{feed_norm}.weight", offsets)
+    if symbols[1] == "-":
+        yield from gated_mlp(f"{ours[1]}.mlp", f"{theirs}.mlp", GATE_UP_DOWN)
+    else:
+        yield from moe_rules(config, kind, ours[1], theirs)
+
+
 def qwen3_next_rules(config: GPTConfig) -> Iterator[Rule | StackedRule]:
     """Qwen3-Next: HF layer l is our layers 2l (its mixer, a gated delta net or gated attention) and 2l + 1
-    (its MLP or experts); every norm but the delta nets' output norms stored as an offset from 1."""
-    return _mixer_then_feed_rules(config, "qwen3_next", QWEN3_NEXT_MIXERS, offsets=True)
+    (its MLP or experts); every norm but the delta nets' output norms stored as an offset from 1. Its MTP
+    layer (``mtp.``: ``fc`` our eh_proj, its ``pre_fc_norm_embedding`` / ``_hidden`` our enorm / hnorm,
+    ``layers.0`` one HF layer, ``norm`` our final norm) is our one depth."""
+    yield from _mixer_then_feed_rules(config, "qwen3_next", QWEN3_NEXT_MIXERS, offsets=True)
+    if not config.mtp_depths:
+        return
+    for mine, hf_name in (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"),
+                          ("final_norm", "norm")):
+        yield norm_rule(config, f"mtp.0.{mine}.weight", f"mtp.{hf_name}.weight", offsets=True)
+    yield same("mtp.0.eh_proj.weight", "mtp.fc.weight")
+    yield from _paired_layer_rules(config, "qwen3_next", QWEN3_NEXT_MIXERS, True, None,
+                                   config.mtp_layer_types(), ("mtp.0.layers.0", "mtp.0.layers.1"),
+                                   "mtp.layers.0")
 
 
 def _olmo_gdn_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:

@@ -7,7 +7,8 @@ norms and a sigmoid output gate from the query projection, rotary on the first `
 of each head's channels) with ``-`` (a SwiGLU MLP, its ``mlp_only_layers`` or sparse step) or ``E``
 (softmax top-k experts beside a sigmoid-gated shared expert). Every norm is an RMSNorm of weight 1 + w
 (``--apply-layernorm-1p``) of one epsilon, the delta net's output norm included (megatron-core's, which
-transformers stores as the plain weight).
+transformers stores as the plain weight). Its one multi-token prediction layer (``mtp.*``) is our depth
+``/*E`` (or ``/*-``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pretrain.interop.hf_positions import HFMappingError, refuse_other_values, r
 
 KIND = "qwen3_next"
 MIXERS = {"linear_attention": "G", "full_attention": "*"}
+DEPTH_KEYS = ("mtp_num_hidden_layers", "num_mtp_layers", "num_nextn_predict_layers")  # its MTP layers'
+
 # what Qwen3-Next fixes, as our fields
 FIXED = {"normalization": "RMSNorm", "apply_layernorm_1p": True, "disable_bias_linear": True,
          "add_qkv_bias": False, "qk_layernorm": True, "qk_layernorm_scope": "head",
@@ -55,12 +58,12 @@ def qwen3_next_from_hf(hf: dict) -> dict:
                              "width does not map")
     moe.pop("moe_layer_freq", None)  # (the pattern's E places them)
     sparse = moe_layers_of(hf, layers) if moe else [0] * layers
-    pattern = "".join(MIXERS[t] + "-E"[sparse[i]] for i, t in enumerate(types))
+    pattern = "".join(MIXERS[t] + "-E"[sparse[i]] for i, t in enumerate(types)) + _depth_part(hf, sparse)
     heads = hf["num_attention_heads"]
     groups = hf["num_key_value_heads"]
     longest = hf["max_position_embeddings"]
     return {"hidden_size": hf["hidden_size"], "vocab_size": hf["vocab_size"], "hf_model_type": KIND,
-            "hybrid_layer_pattern": pattern, "num_layers": len(pattern), "normalization": "RMSNorm",
+            "hybrid_layer_pattern": pattern, "num_layers": 2 * layers, "normalization": "RMSNorm",
             "layernorm_epsilon": hf["rms_norm_eps"], "apply_layernorm_1p": True,
             "disable_bias_linear": True, "swiglu": True, "ffn_hidden_size": hf["intermediate_size"],
             "num_attention_heads": heads, "group_query_attention": groups != heads,
@@ -78,6 +81,20 @@ def qwen3_next_from_hf(hf: dict) -> dict:
             "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False), **moe}
 
 
+def _depth_part(hf: dict, sparse: list[int]) -> str:
+    """The pattern's part after / of Qwen3-Next's multi-token prediction layer (``mtp_num_hidden_layers``,
+    or transformers' ``num_mtp_layers``): full attention, then experts or an MLP by the rule of layer 0 (its
+    index there), as vLLM's and transformers' MTP layers build it."""
+    depths = next((hf[key] for key in DEPTH_KEYS if hf.get(key)), 0)
+    if depths > 1:
+        raise HFMappingError(f"{KIND} with {depths} MTP layers: they share one fc and its norms there, ours "
+                             "have a projection per depth; only 1 maps")
+    if depths and hf.get("mtp_use_dedicated_embeddings"):
+        raise HFMappingError(f"{KIND} with mtp_use_dedicated_embeddings=true: an MTP embedding of its own "
+                             "does not map (ours is the model's)")
+    return f"/*{'-E'[sparse[0]]}" if depths else ""
+
+
 def qwen3_next_misses(config: GPTConfig, layers: list[str], text: str) -> list[str]:
     """The flags of ``config`` (pattern ``layers``, written ``text``) that Qwen3-Next cannot express."""
     misses = unexpressed(config, FIXED)
@@ -87,6 +104,10 @@ def qwen3_next_misses(config: GPTConfig, layers: list[str], text: str) -> list[s
                       "or E each)")
     if config.activation != "swiglu":
         misses.append(f"--{config.activation} (Qwen3-Next's MLPs are SwiGLU)")
+    depth = config.mtp_layer_types()
+    if config.mtp_depths and (config.mtp_depths > 1 or depth != ["*", layers[1]]):
+        misses.append(f"--hybrid-layer-pattern {text!r} (Qwen3-Next has one MTP layer: attention, then the "
+                      f"feed-forward kind of its layer 0, /*{layers[1]})")
     if "E" in layers:
         misses += moe_misses(config, KIND)
         if not config.moe_shared_expert_intermediate_size:
@@ -115,4 +136,6 @@ def qwen3_next_to_hf(config: GPTConfig, layers: list[str]) -> dict:
     if "E" in feeds:
         hf.update(moe_to_hf(config, KIND),
                   mlp_only_layers=[layer for layer, symbol in enumerate(feeds) if symbol != "E"])
+    if config.mtp_depths:  # (the release's key, and transformers' that its MtpModel.from_pretrained reads)
+        hf.update(mtp_num_hidden_layers=1, num_mtp_layers=1, mtp_layer_types=["full_attention"])
     return hf

@@ -1,10 +1,9 @@
 """Multi-token prediction (--mtp-num-layers): the depths train beside the language model and log their
-losses as Megatron names them; tp2 + SP, pp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one process, and
-a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP, and experts in every layer and
-depth (untied) at ep2 and pp2; a
-dp2 checkpoint resumes at dp1 on the trajectory; --mtp-num-layers 0 is the model without it, bit for bit;
-greedy speculative decoding with the depths' drafts is greedy decoding; what is not built yet is refused by
-name."""
+losses as Megatron names them; tp2 + SP, pp2, cp2 and dp2 ZeRO-1/3 (and the per-token loss) follow one
+process, and so do a hybrid whose depth is its pattern's part after / (M*M-/*-) at tp2 + SP, experts in
+every layer and depth (untied) at ep2 and pp2, and documents at cp2; a dp2 checkpoint resumes at dp1 on
+the trajectory; --mtp-num-layers 0 is the model without it, bit for bit; greedy speculative decoding with
+the depths' drafts is greedy decoding; what is not built yet is refused by name."""
 
 import json
 import re
@@ -34,6 +33,7 @@ HYBRID = ["--hybrid-layer-pattern", "M*M-/*-", "--mamba-head-dim", "16", "--mamb
           "--mamba-state-dim", "16", "--mamba-chunk-size", "8", "--normalization", "RMSNorm",
           "--position-embedding-type", "rope", "--swiglu", *SHORT]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2"]
 
 
 def _follows(got, want, what, start=0):
@@ -54,6 +54,8 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     assert all(len(losses) >= 2 and losses[-1] < losses[0] for losses in depths), depths  # they learn
     layouts = {"tp2 + SP": (MTP + TP2, mtp),
                "dp2 ZeRO-1, per-token loss": (MTP + PER_TOKEN + ["--zero-stage", "1"], per_token),
+               "cp2, per-token loss (each depth's shifted tokens taken before the cut)": (
+                   MTP + PER_TOKEN + CP2, per_token),
                "pp2 (the depths on the last stage, embedding with its copy of the tied embedding)": (
                    MTP + ["--pipeline-model-parallel-size", "2"], mtp),
                "hybrid M*M-/*-: tp2 + SP": (HYBRID + TP2, hybrid),
@@ -85,18 +87,18 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
 @pytest.mark.parity
 def test_the_depths_stay_within_documents(short_documents):
     """With --reset-attention-mask a depth's target in the next document is masked (Megatron's roll within
-    packed sequences): tp2 + SP follows one process."""
+    packed sequences): cp2 follows one process (each rank's share of the whole sequences' masks, and of
+    each depth's mean)."""
     flags = MTP + DOCUMENTS + ["--eod-mask-loss"]
     (reference, *_), = run_world(1, _train, [flags], short_documents)[0]
-    for (result, *_), in run_world(2, _train, [flags + TP2], short_documents):
-        assert_trajectory_close(result, reference, "documents: tp2 + SP: loss")
+    for (result, *_), in run_world(2, _train, [flags + CP2], short_documents):
+        assert_trajectory_close(result, reference, "documents: cp2: loss")
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
      "--mtp-num-layers 1 with --pipeline-model-parallel-size 2: the last stage's depths embed their tokens "
      "with its copy of the embedding (not its learned positions"),
-    (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "with --context-parallel-size 2"),
     (["--mtp-num-layers", "-1"], "--mtp-num-layers must be >= 0, got -1"),
     (["--mtp-use-repeated-layer"], "a layer repeated over the depths is not"),
     (["--mtp-num-layers", "1", "--qk-clip", "--optimizer", "muon"], "--mtp-num-layers 1 with --qk-clip / "
@@ -108,20 +110,19 @@ def test_what_is_not_built_yet_is_refused_by_name(flags, message):
         validate(parse_config(TINY + ["--mock-data"] + flags), 2)
 
 
-def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_path):
-    """A tiny DeepSeek-V3 with one MTP layer (its weights under ``model.layers.{N}``, with the embedding and
-    head copies, as DeepSeek's release keeps them): ``load_model`` gives the main logits of transformers'
-    model and the MTP layer's of transformers' ``MtpModel`` built on it, within the interop bound; the
-    export is the same tensors bit for bit (the MTP layer's and its copies included)."""
-    transformers = pytest.importorskip("transformers")
+def _with_mtp_layer(tmp_path, family: str, renamed, **overrides):
+    """A tiny transformers ``family`` model and transformers' generic ``MtpModel`` of one layer on it, both
+    perturbed, saved as the family's release keeps them: the main model by ``save_pretrained``, the MTP
+    layer's tensors renamed by ``renamed(main)`` (MtpModel's prefix -> the release's), each expert apart.
+    Returns
+    (main, MTP model, directory, the saved tensors)."""
     import torch
+    import transformers
     from safetensors.torch import load_file, save_file
 
     from launch.examples.hf_families import make_model
-    from pretrain.interop.convert import main as convert
-    from tests.pretrain.test_hf_families import INTEROP_RTOL, _relative
 
-    main = make_model("deepseek-v3", 96, bos=0, eos=1).eval()
+    main = make_model(family, 96, bos=0, eos=1, **overrides).eval()
     depth = transformers.modeling_layers.MtpModel(main, 1).eval()
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -134,16 +135,13 @@ def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_pa
         for name, buffer in [*main.named_buffers(), *depth.named_buffers()]:
             if name.endswith("e_score_correction_bias"):
                 buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.1)
-    directory = str(tmp_path / "deepseek")
+    directory = str(tmp_path / family)
     main.save_pretrained(directory)
-    tensors = load_file(f"{directory}/model.safetensors")
-    layer = f"model.layers.{main.config.num_hidden_layers}"
-    renamed = {"layers.0.mtp_block.": f"{layer}.", "layers.0.post_norm.": f"{layer}.shared_head.norm.",
-               "layers.0.": f"{layer}."}
+    tensors, renamed = load_file(f"{directory}/model.safetensors"), renamed(main)
     for name, tensor in depth.state_dict().items():
-        if not name.startswith("layers."):
+        prefix = next((p for p in renamed if name.startswith(p)), None)
+        if prefix is None:
             continue
-        prefix = next(p for p in renamed if name.startswith(p))
         saved = renamed[prefix] + name[len(prefix):]
         if saved.endswith("experts.gate_up_proj"):  # its experts as the checkpoint holds them, one by one
             for expert in range(tensor.shape[0]):
@@ -155,27 +153,103 @@ def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_pa
                 tensors[f"{saved[:-len('down_proj')]}{expert}.down_proj.weight"] = tensor[expert].contiguous()
         else:
             tensors[saved] = tensor.contiguous()
-    # (and the release's copies of the embedding and the head in the MTP layer)
-    tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    return main, depth, directory, tensors
+
+
+@pytest.fixture(scope="module")
+def mtp_prompt():
+    import torch
+
     ids = torch.tensor([[5, 17, 2, 9, 40, 3, 11, 60, 7, 1]])
     ahead = torch.cat([ids[:, 1:], torch.tensor([[23]])], dim=1)  # the tokens one ahead (a last one given)
-    positions = torch.arange(ids.shape[1])[None]
+    return ids, ahead, torch.arange(ids.shape[1])[None]
+
+
+def _logits_of(mtp_prompt, main, depth, ours) -> tuple[tuple, tuple]:
+    """(theirs, ours): the main logits and the MTP layer's of transformers' ``main`` and ``depth`` (an
+    MtpModel), and of our ``ours`` (a GPTModel), on the prompt."""
+    import torch
+
+    ids, ahead, positions = mtp_prompt
     with torch.no_grad():
         hidden = main.model(ids).last_hidden_state
         theirs = (main.lm_head(hidden), depth._project_to_logits(
             depth.forward_layer(0, hidden, positions, None, input_ids=ahead)))
-        ours = load_model(directory).gpt
         x, inputs = ours.hidden_states(ids, positions, whole_sequence=True)
         normed = ours.final_norm(x)
         predicted = ours.depth_state(1, normed, ahead, positions + 1, inputs)
-        got = (ours.output_logits(normed), ours.output_logits(predicted))
-    for what, mine, reference in zip(("main", "MTP layer"), got, theirs):
-        assert _relative(mine[:, 0, :96], reference[0]) <= INTEROP_RTOL, what
+        return theirs, (ours.output_logits(normed)[:, 0, :96], ours.output_logits(predicted)[:, 0, :96])
+
+
+def _round_trip(tmp_path, directory: str, tensors: dict) -> str:
+    """The directory imported and exported again: the same tensors bit for bit. Returns the export."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pretrain.interop.convert import main as convert
+
     checkpoint, exported = str(tmp_path / "ours"), str(tmp_path / "exported")
     convert(["--from-hf", directory, "--output", checkpoint])
     convert(["--load", checkpoint, "--to", "hf", "--output", exported])
     again = load_file(f"{exported}/model.safetensors")
     assert again.keys() == tensors.keys()
     assert all(torch.equal(again[name], tensors[name]) for name in tensors)
+    return exported
+
+
+def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_path, mtp_prompt):
+    """A tiny DeepSeek-V3 with one MTP layer (its weights under ``model.layers.{N}``, with the embedding and
+    head copies, as DeepSeek's release keeps them): ``load_model`` gives the main logits of transformers'
+    model and the MTP layer's of transformers' ``MtpModel`` built on it, within the interop bound; the
+    export is the same tensors bit for bit (the MTP layer's and its copies included)."""
+    pytest.importorskip("transformers")
+    from tests.pretrain.test_hf_families import INTEROP_RTOL, _relative
+
+    def renamed(main):
+        layer = f"model.layers.{main.config.num_hidden_layers}"
+        return {"layers.0.mtp_block.": f"{layer}.", "layers.0.post_norm.": f"{layer}.shared_head.norm.",
+                "layers.0.": f"{layer}."}
+
+    main, depth, directory, tensors = _with_mtp_layer(tmp_path, "deepseek-v3", renamed)
+    layer = f"model.layers.{main.config.num_hidden_layers}"
+    # (and the release's copies of the embedding and the head in the MTP layer)
+    tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    from safetensors.torch import save_file
+    save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    theirs, ours = _logits_of(mtp_prompt, main, depth, load_model(directory).gpt)
+    for what, mine, reference in zip(("main", "MTP layer"), ours, theirs):
+        assert _relative(mine, reference[0]) <= INTEROP_RTOL, what
+    _round_trip(tmp_path, directory, tensors)
+
+
+def test_qwen3_nexts_mtp_layer_gives_transformers_logits_and_its_loader_reads_ours(tmp_path, mtp_prompt):
+    """A tiny Qwen3-Next (its last layer full attention, as the release's) with its MTP layer under
+    ``mtp.`` as Qwen's release keeps it (``fc``, ``pre_fc_norm_embedding`` / ``_hidden``, ``layers.0``,
+    ``norm``): ``load_model`` gives transformers' main logits and its ``MtpModel``'s; the export is the
+    same tensors bit for bit, and transformers' own ``MtpModel.from_pretrained`` reads it with our MTP
+    logits."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tests.pretrain.test_hf_families import INTEROP_RTOL, _relative
+
+    renamed = {"layers.0.enorm.": "mtp.pre_fc_norm_embedding.", "layers.0.hnorm.": "mtp.pre_fc_norm_hidden.",
+               "layers.0.eh_proj.": "mtp.fc.", "layers.0.post_norm.": "mtp.norm.",
+               "layers.0.mtp_block.": "mtp.layers.0."}
+    last_full = ["linear_attention", "linear_attention", "full_attention"]
+    main, depth, directory, tensors = _with_mtp_layer(tmp_path, "qwen3-next", lambda main: renamed,
+                                                      layer_types=last_full, num_mtp_layers=1,
+                                                      mtp_layer_types=["full_attention"])
+    model = load_model(directory).gpt
+    assert model.config.hybrid_layer_pattern == "GEG-*E/*E"
+    theirs, ours = _logits_of(mtp_prompt, main, depth, model)
+    for what, mine, reference in zip(("main", "MTP layer"), ours, theirs):
+        assert _relative(mine, reference[0]) <= INTEROP_RTOL, what
+    exported = _round_trip(tmp_path, directory, tensors)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    their_reading = transformers.modeling_layers.MtpModel.from_pretrained(reread).eval()
+    again, _ = _logits_of(mtp_prompt, reread, their_reading, model)
+    assert _relative(ours[1], again[1][0]) <= INTEROP_RTOL
+    assert not torch.equal(their_reading.layers[0].enorm.weight, their_reading.layers[0].hnorm.weight)
