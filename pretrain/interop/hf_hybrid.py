@@ -53,6 +53,7 @@ NEMOTRON_BLOCKS = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
                    "moe": "E"}
 GRANITE_MIXERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*"}
 ACTIVATIONS = {"relu2": {"squared_relu": True}, "gelu": {}, "gelu_pytorch_tanh": {"openai_gelu": True}}
+MTP_BLOCKS = "*E"  # Nemotron-H's MTP blocks: attention, experts
 NOT_HYBRID = {"falcon_h1": "attention and Mamba-2 side by side in one layer (mamba_d_ssm)",
               "jamba": "Mamba-1 layers (mamba_dt_rank)", "bamba": "not mapped (its config keys differ)",
               "zamba2": "shared attention blocks", "mamba": "Mamba-1 layers"}
@@ -114,6 +115,7 @@ def _nemotron_from_hf(hf: dict) -> dict:
     if not pattern or "?" in pattern:
         raise HFMappingError(f"{kind} with layers_block_type={blocks}: each must be one of "
                              f"{', '.join(NEMOTRON_BLOCKS)}")
+    main, pattern = pattern, pattern + _nemotron_depths(hf, kind)
     activation = hf.get("mlp_hidden_act", "relu2")
     if activation not in ACTIVATIONS:
         raise HFMappingError(f"{kind} with mlp_hidden_act={activation!r}: its MLPs are not gated; "
@@ -121,14 +123,30 @@ def _nemotron_from_hf(hf: dict) -> dict:
     fields = {**_common(hf, kind, "layer_norm_epsilon"), **_attention(hf, hf["num_attention_heads"]),
               **_mamba_fields(hf, kind, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
                               "chunk_size", "conv_kernel"),
-              "hybrid_layer_pattern": pattern, "num_layers": len(pattern), "position_embedding_type": "none",
+              "hybrid_layer_pattern": pattern, "num_layers": len(main), "position_embedding_type": "none",
               "ffn_hidden_size": hf["intermediate_size"], "untie_embeddings_and_output_weights": True,
               **ACTIVATIONS[activation]}
-    if "E" in pattern:
+    if "E" in pattern:  # (its layers' or its MTP blocks')
         fields.update(num_experts=hf["n_routed_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
                       moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size")
                       or hf["intermediate_size"], **sigmoid_routing_from_hf(hf, kind))
     return fields
+
+
+def _nemotron_depths(hf: dict, kind: str) -> str:
+    """The pattern's parts after / of Nemotron-H's multi-token prediction (``num_nextn_predict_layers``
+    steps, each of the blocks ``mtp_layers_block_type`` lists, or its older ``mtp_hybrid_override_pattern``;
+    transformers' default attention then experts); vLLM builds attention and expert blocks there only."""
+    depths = hf.get("num_nextn_predict_layers") or 0
+    if not depths:
+        return ""
+    blocks = hf.get("mtp_layers_block_type")
+    part = ("".join(NEMOTRON_BLOCKS.get(block, "?") for block in blocks) if blocks is not None
+            else hf.get("mtp_hybrid_override_pattern") or "*E")
+    if not part or set(part) - set(MTP_BLOCKS):
+        raise HFMappingError(f"{kind} with mtp_layers_block_type={blocks or part!r}: its MTP blocks map as "
+                             f"{', '.join(MTP_BLOCKS)} only")
+    return f"/{part}" * depths
 
 
 def _mamba2_from_hf(hf: dict) -> dict:
@@ -199,7 +217,7 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
     others = unexpressed(config, OLMO_ONLY) if kind != OLMO else []
     if kind != OLMO and config.gdn_output_norm_epsilon != config.layernorm_epsilon:
         others.append(f"--linear-output-norm-epsilon {config.linear_output_norm_epsilon} (OLMo hybrid's)")
-    if pattern.depths and kind != KIND:  # (Qwen3-Next maps its own; Nemotron-H's mtp.* are not mapped yet)
+    if pattern.depths and kind not in (KIND, "nemotron_h"):  # (Qwen3-Next's and Nemotron-H's map)
         others.append(f"--hybrid-layer-pattern {pattern.text!r} (its multi-token prediction depths)")
     if kind in PAIRED:
         return others + PAIRED[kind][1](config, layers, pattern.text)
@@ -229,7 +247,10 @@ def hybrid_misses(config: GPTConfig, kind: str) -> list[str]:
         if stray:
             misses.append(f"--hybrid-layer-pattern {pattern.text!r} (Nemotron-H has no {''.join(stray)} "
                           "layers)")
-        if "E" in layers:
+        if set(pattern.mtp) - set(MTP_BLOCKS):
+            misses.append(f"--hybrid-layer-pattern {pattern.text!r} (Nemotron-H's MTP blocks are "
+                          f"{' or '.join(MTP_BLOCKS)})")
+        if "E" in layers or "E" in pattern.mtp:
             misses += sigmoid_routing_misses(config)
             if not config.moe_shared_expert_intermediate_size or config.moe_shared_expert_gate:
                 misses.append("--moe-shared-expert-intermediate-size (Nemotron-H's MoE layers have one "
@@ -286,7 +307,10 @@ def hybrid_to_hf(config: GPTConfig, kind: str, special: dict) -> dict:
                   conv_kernel=CONV_KERNEL, chunk_size=config.mamba_chunk_size, use_bias=False, mlp_bias=False,
                   use_conv_bias=True, mamba_hidden_act="silu", layer_norm_epsilon=config.layernorm_epsilon,
                   tie_word_embeddings=False)  # its output layer is always a tensor of its own
-        if "E" in layers:
+        if config.mtp_depths:
+            hf.update(num_nextn_predict_layers=config.mtp_depths,
+                      mtp_layers_block_type=[names[symbol] for symbol in config.mtp_layer_types()])
+        if "E" in layers or "E" in config.mtp_layer_types():
             hf.update(n_routed_experts=config.num_experts,
                       moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_size,
                       moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,

@@ -21,8 +21,8 @@ from models.config import GPTConfig
 from models.mamba.layout import (group_major, group_major_channels, group_major_rows, to_group_major,
                                  to_part_major)
 from pretrain.interop.hf_moe import GATE_UP_DOWN
-from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, latent_rules, moe_rules, norm_rule,
-                                      qkv_from, qkv_to, same)
+from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, latent_rules, moe_rules,
+                                      nemotron_depth_blocks, norm_rule, qkv_from, qkv_to, same)
 
 
 def _mamba_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
@@ -80,12 +80,31 @@ def nemotron_rules(config: GPTConfig, kind: str, prefix: str = "backbone") -> It
     else:
         yield same("word_embedding.weight", f"{prefix}.embeddings.weight")
     for i, symbol in enumerate(config.layer_types()):
-        ours, theirs = f"layers.{i}", f"{prefix}.layers.{i}"
-        yield same(f"{ours}.{NORM_OF[symbol]}.weight", f"{theirs}.norm.weight")
-        yield from NEMOTRON_LAYERS[symbol](config, ours, f"{theirs}.mixer")
+        yield from _nemotron_block(config, symbol, f"layers.{i}", f"{prefix}.layers.{i}")
     yield same("final_norm.weight", f"{prefix}.norm_f.weight")
     if not tied:
         yield same("output_layer.weight", "lm_head.weight")
+    yield from _nemotron_depth_rules(config)
+
+
+def _nemotron_block(config: GPTConfig, symbol: str, ours: str, theirs: str) -> Iterator[Rule]:
+    yield same(f"{ours}.{NORM_OF[symbol]}.weight", f"{theirs}.norm.weight")
+    yield from NEMOTRON_LAYERS[symbol](config, ours, f"{theirs}.mixer")
+
+
+def _nemotron_depth_rules(config: GPTConfig) -> Iterator[Rule]:
+    """Nemotron-H's multi-token prediction: each step's blocks under ``mtp.layers`` (norm and mixer, as the
+    model's), its first block holding enorm, hnorm and eh_proj, its last the final norm
+    (``final_layernorm``)."""
+    blocks = config.mtp_layer_types()
+    for depth, block, theirs in nemotron_depth_blocks(config):
+        ours = f"mtp.{depth}"
+        if block == 0:
+            for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+                yield same(f"{ours}.{name}", f"{theirs}.{name}")
+        yield from _nemotron_block(config, blocks[block], f"{ours}.layers.{block}", theirs)
+        if block == len(blocks) - 1:
+            yield same(f"{ours}.final_norm.weight", f"{theirs}.final_layernorm.weight")
 
 
 def _granite_gated(ours: str, theirs: str) -> Iterator[Rule]:

@@ -183,14 +183,25 @@ def latent_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
         yield same(f"{ours}.attention.{part}.weight", f"{theirs}.self_attn.{LATENT[part]}.weight")
 
 
+def nemotron_depth_blocks(config: GPTConfig) -> Iterator[tuple[int, int, str]]:
+    """(depth, its block, Nemotron-H's name of it) of each prediction depth's block: the steps' blocks
+    numbered in one run under ``mtp.layers`` (vLLM's NemotronH MTP), depth by depth."""
+    blocks = config.mtp_layer_types()
+    for depth in range(config.mtp_depths):
+        for block in range(len(blocks)):
+            yield depth, block, f"mtp.layers.{depth * len(blocks) + block}"
+
+
 def expert_bias_names(config: GPTConfig, kind: str | None = None) -> dict[int, str]:
     """Layer -> the Hugging Face tensor holding its expert biases (DeepSeek-V3's score-correction bias),
     for the MoE layers of a model with --moe-router-enable-expert-bias; our side keeps them as the
     checkpoint's expert-bias table (a run state), not as parameters."""
     kind = kind or hf_kind(config)
-    if kind == "nemotron_h" and config.moe_router_enable_expert_bias:
-        return {i: f"backbone.layers.{i}.mixer.gate.e_score_correction_bias"
-                for i, moe in enumerate(config.moe_layers(config.num_layers)) if moe}
+    if kind == "nemotron_h" and config.moe_router_enable_expert_bias:  # (its MTP blocks' numbered past)
+        blocks = [f"backbone.layers.{i}" for i in range(config.num_layers)] + [
+            theirs for _, _, theirs in nemotron_depth_blocks(config)]
+        return {i: f"{block}.mixer.gate.e_score_correction_bias"
+                for i, (block, moe) in enumerate(zip(blocks, config.moe_layers_with_depths())) if moe}
     if kind not in MOE_FAMILIES or not config.moe_router_enable_expert_bias:
         return {}
     family = MOE_FAMILIES[kind]

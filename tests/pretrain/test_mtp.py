@@ -166,20 +166,27 @@ def mtp_prompt():
     return ids, ahead, torch.arange(ids.shape[1])[None]
 
 
-def _logits_of(mtp_prompt, main, depth, ours) -> tuple[tuple, tuple]:
-    """(theirs, ours): the main logits and the MTP layer's of transformers' ``main`` and ``depth`` (an
-    MtpModel), and of our ``ours`` (a GPTModel), on the prompt."""
+def _logits_of(mtp_prompt, main, depth) -> tuple:
+    """The main logits and the MTP layer's of transformers' ``main`` and ``depth`` (an MtpModel on it)."""
     import torch
 
     ids, ahead, positions = mtp_prompt
     with torch.no_grad():
         hidden = main.model(ids).last_hidden_state
-        theirs = (main.lm_head(hidden), depth._project_to_logits(
-            depth.forward_layer(0, hidden, positions, None, input_ids=ahead)))
+        return main.lm_head(hidden), depth._project_to_logits(
+            depth.forward_layer(0, hidden, positions, None, input_ids=ahead))
+
+
+def _our_logits(mtp_prompt, ours) -> tuple:
+    """The main logits and the first depth's of our ``ours`` (a GPTModel) [s, 96]."""
+    import torch
+
+    ids, ahead, positions = mtp_prompt
+    with torch.no_grad():
         x, inputs = ours.hidden_states(ids, positions, whole_sequence=True)
         normed = ours.final_norm(x)
         predicted = ours.depth_state(1, normed, ahead, positions + 1, inputs)
-        return theirs, (ours.output_logits(normed)[:, 0, :96], ours.output_logits(predicted)[:, 0, :96])
+        return ours.output_logits(normed)[:, 0, :96], ours.output_logits(predicted)[:, 0, :96]
 
 
 def _round_trip(tmp_path, directory: str, tensors: dict) -> str:
@@ -218,7 +225,7 @@ def test_deepseek_v3s_mtp_layer_gives_transformers_logits_and_round_trips(tmp_pa
     tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     from safetensors.torch import save_file
     save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
-    theirs, ours = _logits_of(mtp_prompt, main, depth, load_model(directory).gpt)
+    theirs, ours = _logits_of(mtp_prompt, main, depth), _our_logits(mtp_prompt, load_model(directory).gpt)
     for what, mine, reference in zip(("main", "MTP layer"), ours, theirs):
         assert _relative(mine, reference[0]) <= INTEROP_RTOL, what
     _round_trip(tmp_path, directory, tensors)
@@ -244,12 +251,72 @@ def test_qwen3_nexts_mtp_layer_gives_transformers_logits_and_its_loader_reads_ou
                                                       mtp_layer_types=["full_attention"])
     model = load_model(directory).gpt
     assert model.config.hybrid_layer_pattern == "GEG-*E/*E"
-    theirs, ours = _logits_of(mtp_prompt, main, depth, model)
+    theirs, ours = _logits_of(mtp_prompt, main, depth), _our_logits(mtp_prompt, model)
     for what, mine, reference in zip(("main", "MTP layer"), ours, theirs):
         assert _relative(mine, reference[0]) <= INTEROP_RTOL, what
     exported = _round_trip(tmp_path, directory, tensors)
     reread = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     their_reading = transformers.modeling_layers.MtpModel.from_pretrained(reread).eval()
-    again, _ = _logits_of(mtp_prompt, reread, their_reading, model)
+    again = _logits_of(mtp_prompt, reread, their_reading)
     assert _relative(ours[1], again[1][0]) <= INTEROP_RTOL
     assert not torch.equal(their_reading.layers[0].enorm.weight, their_reading.layers[0].hnorm.weight)
+
+
+def test_nemotron_hs_mtp_blocks_give_transformers_blocks_logits_and_round_trip(tmp_path, mtp_prompt):
+    """Nemotron-H's multi-token prediction (Nemotron 3's: transformers keeps its config, vLLM builds it): one
+    step of an attention block and an expert block under ``mtp.layers.0`` / ``.1``, the first holding
+    enorm, hnorm and eh_proj, the last ``final_layernorm``. Made of transformers' own Nemotron-H blocks and
+    norms, joined as vLLM's NemotronHMultiTokenPredictor joins them: ``load_model`` gives their MTP logits
+    and the main model's; the export is the same tensors bit for bit."""
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock, NemotronHRMSNorm
+
+    from launch.examples.hf_families import make_model
+    from tests.pretrain.test_hf_families import INTEROP_RTOL, _relative
+
+    main = make_model("nemotron-h", 96, bos=0, eos=1, num_nextn_predict_layers=1,
+                      mtp_layers_block_type=["full_attention", "moe"]).eval()
+    config, width = main.config, main.config.hidden_size
+    blocks = torch.nn.ModuleList(NemotronHBlock(config, config.layers_block_type.index(kind))
+                                 for kind in ("full_attention", "moe"))
+    norms = torch.nn.ModuleDict({name: NemotronHRMSNorm(width, eps=config.layer_norm_epsilon)
+                                 for name in ("enorm", "hnorm", "final_layernorm")})
+    eh_proj = torch.nn.Linear(2 * width, width, bias=False)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in (main, blocks, norms, eh_proj):
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                if ".experts." in name:  # (transformers leaves fused experts as torch.empty made them)
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    directory = str(tmp_path / "nemotron-h")
+    main.save_pretrained(directory)
+    tensors = load_file(f"{directory}/model.safetensors")
+    for number, block in enumerate(blocks):
+        for name, tensor in block.state_dict().items():
+            if name.startswith("mixer.experts."):  # each expert apart, as the release keeps them
+                for expert in range(tensor.shape[0]):
+                    tensors[f"mtp.layers.{number}.mixer.experts.{expert}.{name.split('.')[-1]}.weight"] = \
+                        tensor[expert].contiguous()
+            else:
+                tensors[f"mtp.layers.{number}.{name}"] = tensor.contiguous()
+    tensors.update({"mtp.layers.0.enorm.weight": norms["enorm"].weight.detach().clone(),
+                    "mtp.layers.0.hnorm.weight": norms["hnorm"].weight.detach().clone(),
+                    "mtp.layers.0.eh_proj.weight": eh_proj.weight.detach().clone(),
+                    "mtp.layers.1.final_layernorm.weight": norms["final_layernorm"].weight.detach().clone()})
+    save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    ids, ahead, _ = mtp_prompt
+    model = load_model(directory).gpt
+    assert model.config.hybrid_layer_pattern == "M*M-E/*E"
+    with torch.no_grad():
+        hidden = main.model(ids).last_hidden_state
+        x = eh_proj(torch.cat([norms["enorm"](main.model.embeddings(ahead)), norms["hnorm"](hidden)], dim=-1))
+        for block in blocks:
+            x = block(x)
+        theirs = (main.lm_head(hidden), main.lm_head(norms["final_layernorm"](x)))
+
+    for what, mine, reference in zip(("main", "MTP blocks"), _our_logits(mtp_prompt, model), theirs):
+        assert _relative(mine, reference[0]) <= INTEROP_RTOL, what
+    _round_trip(tmp_path, directory, tensors)
