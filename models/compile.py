@@ -1,5 +1,5 @@
-"""``--compile``: each transformer layer compiled on its own (as torchtitan compiles per block), and the
-loss head (final norm, output layer, cross entropy) too.
+"""``--compile``: each transformer layer compiled on its own (as torchtitan compiles per block), the
+prediction depths' layers too, and the loss head (final norm, output layer, cross entropy).
 
 Only a layer's ``forward`` is compiled, never its ``__call__``: module hooks (ZeRO-3's gathers and
 frees, the pipeline's and recompute's runners around layers) stay eager, and the parameters stay the
@@ -21,9 +21,9 @@ from torch import nn
 
 
 def compile_layers(chunks: nn.ModuleList, backend: str = "inductor") -> None:
-    """Compile the forward of every transformer layer of ``chunks`` (``GPTModel``s) and of the last chunk's
-    loss head with ``backend`` (torch.compile's: inductor, aot_eager, ...). Compilation happens at the first
-    call, per shape; the layers share their compiled code."""
+    """Compile the forward of every transformer layer of ``chunks`` (``GPTModel``s; their prediction depths'
+    too) and of the last chunk's loss head with ``backend`` (torch.compile's: inductor, aot_eager, ...).
+    Compilation happens at the first call, per shape; the layers share their compiled code."""
     # a model's layers differ in what guards check (windowed or global attention, grad mode under full
     # recompute): room for each variant, so that no layer falls back to eager for want of a cache entry
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -34,7 +34,7 @@ def compile_layers(chunks: nn.ModuleList, backend: str = "inductor") -> None:
 
         inductor.cpp.simdlen = 1
     for chunk in chunks:
-        for layer in chunk.layers:
+        for layer in [*chunk.layers, *(layer for depth in chunk.mtp for layer in depth.layers)]:
             layer.forward = torch.compile(layer.forward, backend=backend)
         if chunk.post_process:
             chunk.head = torch.compile(chunk.head, backend=backend)

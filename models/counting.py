@@ -163,7 +163,7 @@ def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...]
     layers = [(2.0 * _active_matmuls(block), float(kind_of(entry).mixing_flops(config)))
               for entry, block in zip(config.layer_types(), chunk.layers)]
     output = chunk.word_embedding.weight if chunk.tied else chunk.output_layer.weight
-    depths = list(getattr(chunk, "mtp", None) or ())  # the prediction depths, with the head on its stage
+    depths = list(chunk.mtp)  # the prediction depths, with the head on its stage
     head = sum(module.weight.numel() for module in chunk.modules()
                if isinstance(module, (ColumnParallelLinear, RowParallelLinear))) \
         - sum(module.weight.numel() for block in [*chunk.layers, *depths] for module in block.modules()

@@ -98,10 +98,11 @@ class GPTModel(nn.Module):
             # gradients summed as a tied embedding's are
             self.mtp_embedding = VocabParallelEmbedding(config.vocab_size, padded, h, tp, word_init)
             declare(self.mtp_embedding.weight, tied_embedding=True, tied_copy=True)
+        self.mtp = nn.ModuleList()  # the prediction depths, on the last stage (none elsewhere)
         if post_process and config.mtp_depths:  # (the depths borrow the embedding: a last stage of its own
             # looks their tokens up in its copy, the tied embedding's or ``mtp_embedding``)
             kinds = config.mtp_layer_types()  # each layer numbered past the model's, depth by depth
-            self.mtp = nn.ModuleList(MTPDepth(config, depth, tp, seed, sequence_parallel, [
+            self.mtp.extend(MTPDepth(config, depth, tp, seed, sequence_parallel, [
                 build_layer(entry, built_with, config.num_layers + depth * len(kinds) + j)
                 for j, entry in enumerate(kinds)]) for depth in range(config.mtp_depths))
 

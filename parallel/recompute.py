@@ -146,21 +146,23 @@ class RecomputePolicy:
 
 def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGroup,
                     pool: BufferPool | None = None) -> None:
-    """Install ``policy`` on every model chunk (a ``GPTModel``); checkpoints are kept in ``pool``'s slots
-    (a pool of their own when None)."""
+    """Install ``policy`` on every model chunk (a ``GPTModel``, its prediction depths' layers as its own);
+    checkpoints are kept in ``pool``'s slots (a pool of their own when None)."""
     if policy.granularity is None:
         return
     pool = pool or BufferPool()
     for chunk in chunks:
+        depths = list(chunk.mtp)  # (the prediction depths' layers, each depth's run as the chunk's)
         if policy.granularity == "selective":  # q, k, v are already split by heads: nothing to partition
             store = CheckpointStore(pool, offload=policy.offload)
-            for layer in chunk.layers:  # each layer installs the runners on the modules it has
+            for layer in [*chunk.layers, *(layer for depth in depths for layer in depth.layers)]:
                 layer.recompute_selectively(policy.modules, _selective_runner(chunk.rng, store),
-                                            DroppedOutput())
+                                            DroppedOutput())  # (each installs them where it has them)
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
-            chunk.recompute_layers_with(_full_runner(chunk, policy,
-                                                     CheckpointStore(pool, partition, policy.offload)))
+            store = CheckpointStore(pool, partition, policy.offload)
+            for part in [chunk, *depths]:
+                part.recompute_layers_with(_full_runner(list(part.layers), chunk.rng, policy, store))
 
 
 def _selective_runner(tracker: RNGTracker, store: CheckpointStore):
@@ -218,8 +220,8 @@ class DroppedOutput:
         out.register_hook(rebuild)
 
 
-def _full_runner(chunk: nn.Module, policy: RecomputePolicy, store: CheckpointStore):
-    layers = list(chunk.layers)
+def _full_runner(layers: list[nn.Module], tracker: RNGTracker, policy: RecomputePolicy,
+                 store: CheckpointStore):
     n = len(layers) if policy.num_layers is None else max(1, min(policy.num_layers, len(layers)))
     if policy.method == "uniform":  # groups of n consecutive layers, each group one checkpoint
         spans = [(layers[i:i + n], True) for i in range(0, len(layers), n)]
@@ -229,7 +231,7 @@ def _full_runner(chunk: nn.Module, policy: RecomputePolicy, store: CheckpointSto
     def run(x, inputs):
         for span, recompute in spans:
             if recompute:
-                x = checkpoint(_sequence(span), (x,), inputs, tracker=chunk.rng, store=store)
+                x = checkpoint(_sequence(span), (x,), inputs, tracker=tracker, store=store)
             else:
                 x = _sequence(span)(x, inputs)
         return x

@@ -41,6 +41,11 @@ class MTPDepth(nn.Module):
                                             bias=False, sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(layers)
         self.final_norm = build_norm(config, h, sequence_parallel)
+        self.layer_runner = None  # how its layers run when they are recomputed (``recompute_layers_with``)
+
+    def recompute_layers_with(self, runner) -> None:
+        """Run the layers through ``runner(x, inputs)`` (full recompute, as the model's own layers)."""
+        self.layer_runner = runner
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """hidden, embedded [s, b, h] (sequence-sharded under sequence parallelism) -> this depth's hidden
@@ -49,6 +54,8 @@ class MTPDepth(nn.Module):
         x = gather_from_tensor_parallel(self.eh_proj(joined), self.tp)  # [s, b, h], whole on every rank
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
+        if self.layer_runner is not None:
+            return self.final_norm(self.layer_runner(x, inputs))
         for layer in self.layers:
             x = layer(x, inputs)
         return self.final_norm(x)

@@ -7,6 +7,7 @@ import torch
 
 from models.config import GPTConfig
 from models.gpt import GPTModel
+from models.mtp.depth import depth_batch
 from parallel.buffer_pool import BufferPool
 from parallel.recompute import RecomputePolicy, apply_recompute
 from parallel.process_groups import create_process_groups
@@ -22,6 +23,9 @@ POLICIES = [RecomputePolicy("full"), RecomputePolicy("full", 2, "uniform"),
             RecomputePolicy("selective", partition=True)]
 
 
+# a model with two prediction depths: their layers recomputed as the model's (checkpointed per depth, or
+# selectively); the exactness under dropout shows each depth's recompute replays its own random draws
+MTP_POLICIES = [RecomputePolicy("full", 1, "uniform"), RecomputePolicy("selective")]
 # DeepSeek-V3's parts at a small size: latent attention, a dense first layer, then routed experts with a
 # shared one; its selective modules beside the dense ones'
 MOE_LATENT = dict(num_layers=3, num_experts=4, moe_layer_freq="[0,1,1]", moe_ffn_hidden_size=32,
@@ -34,15 +38,25 @@ MOE_LATENT_POLICIES = [*(RecomputePolicy("selective", modules=(name,))
                                                              "moe"))]
 
 
-def _loss_and_grads(tp, policy, dropout, meter=None, **shape):
+def _loss_and_grads(tp, policy, dropout, meter=None, depths_kept=False, **shape):
+    """(loss, gradients) of a tiny GPT under ``policy``; ``depths_kept``: its prediction depths' layers
+    then run without it."""
     config = GPTConfig(**{**dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                                  vocab_size=128, hidden_dropout=dropout, attention_dropout=dropout), **shape})
     model = GPTModel(config, tp, seed=0)
     apply_recompute(torch.nn.ModuleList([model]), policy, tp)
+    for depth in model.mtp if depths_kept else ():
+        depth.recompute_layers_with(None)
     torch.manual_seed(5)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(16).expand(2, 16)
+    ahead = None
+    if config.mtp_depths:
+        depths = depth_batch({"tokens": tokens, "position_ids": positions, "labels": tokens,
+                              "loss_mask": torch.ones(2, 16)}, config.mtp_depths)
+        ahead = (depths["mtp_tokens"], depths["mtp_position_ids"], depths["mtp_labels"])
     with meter.recording() if meter is not None else contextlib.nullcontext():
-        loss = model(tokens, torch.arange(16).expand(2, 16), labels=tokens).mean()
+        loss = model(tokens, positions, labels=tokens, ahead=ahead).mean()
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
@@ -71,19 +85,26 @@ def _recompute_is_exact(rank, world_size):
                       for policy, errors in zip(POLICIES, _worst(tp, POLICIES, dropout))})
         worst.update({(dropout, f"MoE + latent: {policy}"): errors for policy, errors in
                       zip(MOE_LATENT_POLICIES, _worst(alone, MOE_LATENT_POLICIES, dropout, **MOE_LATENT))})
+        worst.update({(dropout, f"MTP depths: {policy}"): errors for policy, errors in
+                      zip(MTP_POLICIES, _worst(tp, MTP_POLICIES, dropout, mtp_num_layers=2))})
+    meters = [SavedActivationMeter(), SavedActivationMeter()]  # full recompute, and it less the depths'
+    for meter, kept in zip(meters, (False, True)):
+        _loss_and_grads(tp, MTP_POLICIES[0], 0.0, meter, depths_kept=kept, mtp_num_layers=2)
+    worst[0.0, "depths' layers recomputed"] = (0.0, 0.0, meters[0].peak_bytes / meters[1].peak_bytes)
     return worst
 
 
 @pytest.mark.parity
 def test_every_policy_reproduces_the_run_without_recompute_dropout_included():
-    """Every policy (and every module Megatron's --recompute-modules names, on a model that has them all)
-    gives the loss and gradients of the run without recompute; mla_up_proj, moe_act and shared_experts each
-    keep fewer activation bytes."""
+    """Every policy (and every module Megatron's --recompute-modules names, on a model that has them all;
+    and on a model with prediction depths) gives the loss and gradients of the run without recompute;
+    mla_up_proj, moe_act and shared_experts each keep fewer activation bytes, and full recompute keeps fewer
+    with the depths' layers recomputed than without."""
     for worst in run_world(2, _recompute_is_exact):
         for (dropout, policy), (loss_error, grad_error, kept) in worst.items():
             assert_within(loss_error, f"recompute loss, dropout {dropout}, {policy}", ONE_STEP_RTOL)
             assert_within(grad_error, f"recompute gradients, dropout {dropout}, {policy}", ONE_STEP_RTOL)
-            if policy.startswith("MoE"):  # each module keeps less (measured: 0.79, 0.87, 0.93, 0.57)
+            if policy.startswith(("MoE", "depths' layers")):  # (MoE: 0.79, 0.87, 0.93, 0.57 measured)
                 assert kept < 1, (policy, kept)
 
 

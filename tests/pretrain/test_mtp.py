@@ -17,7 +17,7 @@ from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_context_parallel import DOCUMENTS
-from tests.pretrain.test_trainer import SHORT, TINY, _train
+from tests.pretrain.test_trainer import COMPILED, SHORT, TINY, _train
 from tests.world import run_world
 
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
@@ -53,6 +53,9 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     depths = [[line[f"mtp_{depth} loss"] for line in lines] for depth in (1, 2)]
     assert all(len(losses) >= 2 and losses[-1] < losses[0] for losses in depths), depths  # they learn
     layouts = {"tp2 + SP": (MTP + TP2, mtp),
+               "tp2 + SP compiled, full recompute (the depths' layers compiled and recomputed too)": (
+                   MTP + TP2 + COMPILED + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                           "--recompute-num-layers", "1"], mtp),
                "dp2 ZeRO-1, per-token loss": (MTP + PER_TOKEN + ["--zero-stage", "1"], per_token),
                "cp2, per-token loss (each depth's shifted tokens taken before the cut)": (
                    MTP + PER_TOKEN + CP2, per_token),
