@@ -42,7 +42,7 @@ def _follows(got, want, what, start=0):
 
 
 @pytest.mark.parity
-def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus, tmp_path):
+def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus, tmp_path, capsys):
     metrics, saved, trained = tmp_path / "metrics.jsonl", str(tmp_path / "dp2"), str(tmp_path / "trained")
     logged = ["--metrics-file", str(metrics), "--save", trained]
     references = [SHORT, SHORT + ["--mtp-num-layers", "0"], MTP + logged, MTP + PER_TOKEN, HYBRID, EXPERTS]
@@ -85,6 +85,11 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
         accepted, proposed = accepted + took, proposed + offered
     assert proposed > 0
     print(f"accepted drafts: {accepted} of {proposed} ({accepted / proposed:.0%})")
+    # and from the command line, on text
+    from launch.tools.draft import main as draft
+    assert draft(["--load", trained, "--prompt", "def ", "--tokens", "12", "--check"]) == 0
+    said = capsys.readouterr().out
+    assert "drafts accepted: " in said and "greedy decoding without drafts: the same tokens" in said, said
 
 
 @pytest.mark.parity
