@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from parallel.pipeline.schedules import SPLIT_SCHEDULES, V_SCHEDULES
 from parallel.topology import Topology
 from pretrain.config.arguments import ConfigError
 from pretrain.config.schema import Config
@@ -10,8 +9,8 @@ from pretrain.config.schema import Config
 
 def validate_mtp(config: Config, topology: Topology) -> None:
     """Multi-token prediction's layouts so far: over pipeline stages no learned positions (the last
-    stage's copy of the embedding embeds the depths' tokens) and no zero-bubble schedule."""
-    depths, model, par = config.model.mtp_depths, config.model, config.parallel
+    stage's copy of the embedding embeds the depths' tokens)."""
+    depths, model = config.model.mtp_depths, config.model
     if not depths:
         return
     for flag, used in (("--qk-clip / --log-max-attention-logit", config.optimizer.qk_clip
@@ -20,9 +19,8 @@ def validate_mtp(config: Config, topology: Topology) -> None:
         if used:
             raise ConfigError(f"--mtp-num-layers {depths} with {flag}: its per-layer settings do not cover "
                               "the depths' layers yet; drop one")
-    if topology.pp > 1 and (model.position_embedding == "learned_absolute"
-                            or par.pipeline_schedule in V_SCHEDULES + SPLIT_SCHEDULES):
+    if topology.pp > 1 and model.position_embedding == "learned_absolute":
         raise ConfigError(f"--mtp-num-layers {depths} with --pipeline-model-parallel-size {topology.pp}: the "
                           "last stage's depths embed their tokens with its copy of the embedding (not its "
-                          "learned positions, which the first stage holds), under 1F1B or interleaved "
-                          "schedules")
+                          "learned positions, which the first stage holds); use --position-embedding-type "
+                          "rope or none")

@@ -65,7 +65,11 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
                "experts in every layer and depth: ep2": (EXPERTS + ["--expert-model-parallel-size", "2"],
                                                          experts),
                "experts, untied: pp2 (the last stage's depths embed with a copy of the first's embedding)": (
-                   EXPERTS + ["--pipeline-model-parallel-size", "2"], experts)}
+                   EXPERTS + ["--pipeline-model-parallel-size", "2"], experts),
+               "pp2 zb-h1 (the depths' weight gradients in the weight pass)": (
+                   MTP + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], mtp),
+               "experts, untied: pp2 zbv (the depths and the first chunk's embedding both on rank 0)": (
+                   EXPERTS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], experts)}
     zero3 = MTP + ["--zero-stage", "3", "--zero-persistence-threshold", "0", "--save", saved,
                    "--save-interval", "3"]  # (and saved at 3 as it goes)
     results = run_world(2, _train, [flags for flags, _ in layouts.values()] + [zero3], stdlib_corpus)
