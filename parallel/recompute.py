@@ -131,8 +131,10 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_
 @dataclass(frozen=True)
 class RecomputePolicy:
     """What to recompute. ``granularity``: None (keep all), "full" or "selective"; ``num_layers``: how
-    many layers of each model chunk (all when None); ``method``: "block" checkpoints each of the first
-    ``num_layers`` layers, "uniform" checkpoints groups of ``num_layers`` consecutive layers as one.
+    many layers of each model chunk, and of each prediction depth's (all when None; megatron-core
+    recomputes a depth whole under "uniform" and not under "block"); ``method``: "block" checkpoints each
+    of the first ``num_layers`` layers, "uniform" checkpoints groups of ``num_layers`` consecutive layers
+    as one.
     ``partition`` / ``offload``: keep 1/tp of each checkpointed input / keep it on the CPU. ``modules``:
     what selective recompute redoes (``RECOMPUTE_MODULES``)."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from models.flags import flag
 
@@ -25,11 +25,6 @@ class MTPConfig:
         --mtp-num-layers."""
         pattern = self.parsed_pattern()
         return pattern.depths if pattern is not None else self.mtp_num_layers or 0
-
-    def without_depths(self):
-        """This config with no prediction depths (a hybrid pattern's parts after / dropped)."""
-        pattern = self.hybrid_layer_pattern
-        return replace(self, mtp_num_layers=None, hybrid_layer_pattern=pattern and pattern.split("/")[0])
 
     def mtp_layer_types(self) -> list[str]:
         """Each depth's layers' entries in the layer registry: a hybrid pattern's part after ``/``, else one

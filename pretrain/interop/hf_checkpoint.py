@@ -29,6 +29,7 @@ from pretrain.checkpoint.catalog import WEIGHTS_FILE, CheckpointError, write_dur
 from pretrain.interop.hf_config import HFMappingError, config_from_hf, config_to_hf
 from pretrain.interop.mxfp4 import dequantize_mxfp4, quantized_pairs
 from pretrain.interop.hf_names import expert_bias_names
+from pretrain.interop.hf_qwen3_next import DEPTH_KEYS
 from pretrain.interop.hf_tensor_plan import copies_of, export_plan, import_plan, stored_name
 
 # every file transformers writes for a tokenizer (its named templates in CHAT_TEMPLATE_DIR beside them)
@@ -126,8 +127,8 @@ class HFModel:
                                   rename=stored_name(self.config.hf_model_type))
         self.plan = list(import_plan(self.config))
         depths = {name for ours, theirs, _ in self.plan if ours.startswith("mtp.") for name in theirs}
-        if depths and not depths & set(self.tensors.names()):  # transformers' own saves leave them out
-            self.config = self.config.without_depths()
+        if depths and not depths & set(self.tensors.names()):  # transformers' own saves leave them out:
+            self.config = config_from_hf({**self.hf, **dict.fromkeys(DEPTH_KEYS, 0)})  # the model alone
             self.plan = list(import_plan(self.config))
         self.expected = expected_shapes(self.config)
         self.bias_names = expert_bias_names(self.config, self.config.hf_model_type)

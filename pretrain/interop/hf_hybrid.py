@@ -140,9 +140,11 @@ def _nemotron_depths(hf: dict, kind: str) -> str:
     depths = hf.get("num_nextn_predict_layers") or 0
     if not depths:
         return ""
-    blocks = hf.get("mtp_layers_block_type")
+    blocks, older = hf.get("mtp_layers_block_type"), hf.get("mtp_hybrid_override_pattern")
+    if older and blocks in (None, ["full_attention", "moe"]):  # (transformers lets it override its default)
+        blocks = None
     part = ("".join(NEMOTRON_BLOCKS.get(block, "?") for block in blocks) if blocks is not None
-            else hf.get("mtp_hybrid_override_pattern") or "*E")
+            else older or "*E")
     if not part or set(part) - set(MTP_BLOCKS):
         raise HFMappingError(f"{kind} with mtp_layers_block_type={blocks or part!r}: its MTP blocks map as "
                              f"{', '.join(MTP_BLOCKS)} only")

@@ -19,7 +19,9 @@ from pretrain.interop.hf_positions import HFMappingError, refuse_other_values, r
 
 KIND = "qwen3_next"
 MIXERS = {"linear_attention": "G", "full_attention": "*"}
-DEPTH_KEYS = ("mtp_num_hidden_layers", "num_mtp_layers", "num_nextn_predict_layers")  # its MTP layers'
+# the keys config.json files count MTP layers by: Qwen's release, transformers' generic one, and DeepSeek-V3's
+# and Nemotron-H's (vLLM's)
+DEPTH_KEYS = ("mtp_num_hidden_layers", "num_mtp_layers", "num_nextn_predict_layers")
 
 # what Qwen3-Next fixes, as our fields
 FIXED = {"normalization": "RMSNorm", "apply_layernorm_1p": True, "disable_bias_linear": True,
@@ -83,8 +85,9 @@ def qwen3_next_from_hf(hf: dict) -> dict:
 
 def _depth_part(hf: dict, sparse: list[int]) -> str:
     """The pattern's part after / of Qwen3-Next's multi-token prediction layer (``mtp_num_hidden_layers``,
-    or transformers' ``num_mtp_layers``): full attention, then experts or an MLP by the rule of layer 0 (its
-    index there), as vLLM's and transformers' MTP layers build it."""
+    or transformers' ``num_mtp_layers``, or vLLM's ``num_nextn_predict_layers``): full attention, then
+    experts or an MLP by the rule of layer 0 (its index there), as vLLM's and transformers' MTP layers
+    build it."""
     depths = next((hf[key] for key in DEPTH_KEYS if hf.get(key)), 0)
     if depths > 1:
         raise HFMappingError(f"{KIND} with {depths} MTP layers: they share one fc and its norms there, ours "

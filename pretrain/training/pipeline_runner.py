@@ -107,6 +107,7 @@ class PipelineRunner:
         self._backward_order = [list(chunk.parameters())[::-1] for chunk in chunks]
         self._programs: dict[tuple[int, bool], list[Action | Exchange]] = {}
         # each prediction depth's loss in the last step, summed over its micro-batches' means / their count
+        # (under context parallelism this rank's share of them)
         self.mtp_losses = torch.zeros(model.mtp_depths, dtype=torch.float64, device=device)
         self._training = True  # whether the step running trains (its depths' losses are then kept)
 
@@ -269,12 +270,13 @@ class PipelineRunner:
         return (self.groups.dp_cp.size / tokens.clamp(min=1.0)).float()
 
     def _token_counts(self, micro_batch, num_micro_batches: int) -> torch.Tensor | None:
-        """On the last stage, under context parallelism or with prediction depths: [micro-batches, 1 + D],
+        """On the last stage, under context parallelism (but with the per-token loss alone) or with
+        prediction depths: [micro-batches, 1 + D],
         each micro-batch's loss tokens over its whole sequences (summed over cp: one all-reduce of the
         counts per step), the language model's, then each depth's."""
         depths = self.config.model.mtp_depths
-        if not self.groups.is_last_stage or (self.cp == 1 and not depths):
-            return None
+        if not self.groups.is_last_stage or not depths and (self.cp == 1 or self.per_token_loss):
+            return None  # (the per-token loss's weight counts its tokens itself)
         counts = []
         for i in range(num_micro_batches):
             batch = micro_batch(i)

@@ -50,8 +50,8 @@ def test_every_launch_module_the_docs_name_exists_and_each_command_runs():
 def test_the_tools_are_split_by_concern_behind_short_command_modules():
     tools = os.path.join(REPOSITORY, "launch", "tools")
     assert sorted(name for name in os.listdir(tools) if name != "__pycache__") == [
-        "__init__.py", "fault_sweep.py", "faults", "gpu_check.py", "planning", "readme_commands.py",
-        "scaling"]
+        "__init__.py", "draft.py", "fault_sweep.py", "faults", "gpu_check.py", "planning",
+        "readme_commands.py", "scaling"]
     concerns = {"planning": {"plan", "plan_command", "layout", "layout_price", "activation_price",
                              "layer_parts", "muon_price", "link_model", "devices", "schedule_price"},
                 "scaling": {"sweep", "isoflop", "scaling_law", "scaling_fits", "scaling_plots", "wsd_study",

@@ -27,6 +27,7 @@ from pretrain.config.arguments import parse_config
 from pretrain.interop.convert import main as convert
 from pretrain.startup.validation import validate
 from tests.parity import ONE_STEP_RTOL, assert_within
+from tests.pretrain.test_mtp import depth_logits
 from tests.pretrain.megatron_oracle import (CONSUMED, ITERATION, VOCAB, megatron_loads, megatron_logits,
                                            save_megatron)
 from tests.world import run_world
@@ -54,20 +55,14 @@ def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
-@torch.no_grad()
 def _logits(model, prompt: list[int]) -> torch.Tensor:
     """A loaded model's logits of ``prompt`` as the oracle gives megatron-core's: [1 + D, sequence,
     VOCAB], the language model's, then each prediction depth's (its input the tokens after, a zero
     after the last, as megatron-core's roll gives them)."""
-    gpt = model.gpt
     ids, positions = torch.tensor([prompt]), torch.arange(len(prompt))[None]
-    x, inputs = gpt.hidden_states(ids, positions, whole_sequence=True)
-    hidden = gpt.final_norm(x)
-    out = [gpt.output_logits(hidden)]
-    for depth in range(1, gpt.config.mtp_depths + 1):
-        hidden = gpt.depth_state(depth, hidden, shifted(ids, depth), shifted(positions, depth), inputs)
-        out.append(gpt.output_logits(hidden))
-    return torch.stack(out)[:, :, 0, :VOCAB]
+    aheads = [(shifted(ids, depth), shifted(positions, depth))
+              for depth in range(1, model.config.mtp_depths + 1)]
+    return depth_logits(model.gpt, ids, positions, aheads, VOCAB)
 
 
 def _flags(directory: str, *layout: str) -> list[str]:

@@ -62,7 +62,6 @@ LAYOUTS = {
         (MOE + TP2 + ["--expert-tensor-parallel-size", "1"] + EP2, "dropless"),
     "ep4 ZeRO-3, grouped product": (MOE + ["--expert-model-parallel-size", "4", "--zero-stage", "3",
                                            "--moe-grouped-gemm"] + ALLTOALL, "dropless"),
-    "ep2 x expert dp 2 ZeRO-1, allgather": (MOE + EP2 + ["--zero-stage", "1"], "dropless"),
     "ep2 x expert dp 2 ZeRO-2, compiled": (MOE + EP2 + ["--zero-stage", "2"] + ALLTOALL + COMPILED,
                                            "dropless"),
     "ep2 x expert dp 2 ZeRO-3, optimizer on the CPU, MoE layers recomputed": (

@@ -17,7 +17,7 @@ from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
 from tests.parity import assert_trajectory_close
 from tests.pretrain.test_context_parallel import DOCUMENTS
-from tests.pretrain.test_trainer import COMPILED, SHORT, TINY, _train
+from tests.pretrain.test_trainer import SHORT, TINY, _train
 from tests.world import run_world
 
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type", "rope",
@@ -53,20 +53,19 @@ def test_the_depths_train_log_their_losses_and_follow_one_process(stdlib_corpus,
     depths = [[line[f"mtp_{depth} loss"] for line in lines] for depth in (1, 2)]
     assert all(len(losses) >= 2 and losses[-1] < losses[0] for losses in depths), depths  # they learn
     layouts = {"tp2 + SP": (MTP + TP2, mtp),
-               "tp2 + SP compiled, full recompute (the depths' layers compiled and recomputed too)": (
-                   MTP + TP2 + COMPILED + ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                                           "--recompute-num-layers", "1"], mtp),
+               "tp2 + SP, full recompute (the depths' layers recomputed too)": (
+                   MTP + TP2 + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1"], mtp),
                "dp2 ZeRO-1, per-token loss": (MTP + PER_TOKEN + ["--zero-stage", "1"], per_token),
                "cp2, per-token loss (each depth's shifted tokens taken before the cut)": (
                    MTP + PER_TOKEN + CP2, per_token),
-               "pp2 (the depths on the last stage, embedding with its copy of the tied embedding)": (
-                   MTP + ["--pipeline-model-parallel-size", "2"], mtp),
                "hybrid M*M-/*-: tp2 + SP": (HYBRID + TP2, hybrid),
                "experts in every layer and depth: ep2": (EXPERTS + ["--expert-model-parallel-size", "2"],
                                                          experts),
                "experts, untied: pp2 (the last stage's depths embed with a copy of the first's embedding)": (
                    EXPERTS + ["--pipeline-model-parallel-size", "2"], experts),
-               "pp2 zb-h1 (the depths' weight gradients in the weight pass)": (
+               "pp2 zb-h1 (the depths on the last stage, embedding with its copy of the tied embedding; "
+               "their weight gradients in the weight pass)": (
                    MTP + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], mtp),
                "experts, untied: pp2 zbv (the depths and the first chunk's embedding both on rank 0)": (
                    EXPERTS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"], experts)}
@@ -189,16 +188,25 @@ def _logits_of(mtp_prompt, main, depth) -> tuple:
             depth.forward_layer(0, hidden, positions, None, input_ids=ahead))
 
 
-def _our_logits(mtp_prompt, ours) -> tuple:
-    """The main logits and the first depth's of our ``ours`` (a GPTModel) [s, 96]."""
+def depth_logits(gpt, ids, positions, aheads: list, vocabulary: int):
+    """[1 + D, s, vocabulary]: the logits of one-process GPTModel ``gpt`` for ``ids`` [1, s] and of each of
+    its depths, depth k reading ``aheads[k - 1]`` (the tokens k ahead and their positions)."""
     import torch
 
-    ids, ahead, positions = mtp_prompt
     with torch.no_grad():
-        x, inputs = ours.hidden_states(ids, positions, whole_sequence=True)
-        normed = ours.final_norm(x)
-        predicted = ours.depth_state(1, normed, ahead, positions + 1, inputs)
-        return ours.output_logits(normed)[:, 0, :96], ours.output_logits(predicted)[:, 0, :96]
+        x, inputs = gpt.hidden_states(ids, positions, whole_sequence=True)
+        hidden = gpt.final_norm(x)
+        out = [gpt.output_logits(hidden)]
+        for depth, (tokens, ahead_positions) in enumerate(aheads, start=1):
+            hidden = gpt.depth_state(depth, hidden, tokens, ahead_positions, inputs)
+            out.append(gpt.output_logits(hidden))
+    return torch.stack(out)[:, :, 0, :vocabulary]
+
+
+def _our_logits(mtp_prompt, ours) -> tuple:
+    """The main logits and the first depth's of our ``ours`` (a GPTModel) [s, 96]."""
+    ids, ahead, positions = mtp_prompt
+    return tuple(depth_logits(ours, ids, positions, [(ahead, positions + 1)], 96))
 
 
 def _round_trip(tmp_path, directory: str, tensors: dict) -> str:

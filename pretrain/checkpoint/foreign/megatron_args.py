@@ -19,7 +19,9 @@ from pretrain.checkpoint.errors import CheckpointError
 
 _PLAIN = (bool, int, float, str, type(None))
 # flags of a Megatron model this stack does not build: refused by name
-UNSUPPORTED = {"heterogeneous_layers_config_path": "a heterogeneous layer config",
+UNSUPPORTED = {"mtp_use_repeated_layer": "one multi-token prediction layer repeated over the depths",
+               "mtp_detach_heads": "multi-token prediction depths detached from each other's gradients",
+               "heterogeneous_layers_config_path": "a heterogeneous layer config",
                "heterogeneous_layers_config_encoded_json": "a heterogeneous layer config",
                "num_layers_in_first_pipeline_stage": "an uneven pipeline split",
                "num_layers_in_last_pipeline_stage": "an uneven pipeline split",

@@ -218,7 +218,7 @@ def _write_legacy(source, config, layout, slices, padded, common, folder, tied, 
             stages, ranks = [layout.pp - 1], [expert // per_rank]
             key = f"{mtp_layer_prefix(name)}{LEGACY_EXPERTS}{expert % per_rank}.{key}"
         elif layer is None:  # (the depths' stage keeps a copy of the embedding, as Megatron's)
-            stages = ([0, layout.pp - 1][:1 + bool(config.mtp_depths)] if key.startswith("embedding.")
+            stages = (sorted({0, layout.pp - 1 if config.mtp_depths else 0}) if key.startswith("embedding.")
                       else [layout.pp - 1])
         elif expert is None:
             stages, key = [layer // per_stage], f"decoder.layers.{layer % per_stage}.{key}"

@@ -236,20 +236,25 @@ def registration_order(key: str, local_spec: bool = True) -> tuple:
     model = next(number for number, prefix in enumerate(_MODEL_ORDER) if key.startswith(prefix))
     last = key.rsplit(".", 1)[-1]
     within = _WITHIN_MODULE.index(last) if last in _WITHIN_MODULE else 2
-    match = LAYER_KEY.match(key)
     depth = MTP_KEY.match(key)
-    if depth:  # (a depth's own modules, its layer's keys in the order above)
+    if depth:  # a depth's own modules in its order, its layer's keys as a decoder layer's
         inner = depth.group(2)
-        return model, int(depth.group(1)), next(number for number, names in enumerate(_MTP_ORDER)
-                                                if inner.startswith(names)), inner
+        part = next(number for number, names in enumerate(_MTP_ORDER) if inner.startswith(names))
+        module = next((module for module in MTP_LAYER_MODULES if inner.startswith(module)), None)
+        return (model, int(depth.group(1)), part,
+                *(_layer_order(inner[len(module):], within, local_spec) if module else (0, within)))
+    match = LAYER_KEY.match(key)
     if not match:
         return model, 0, 0, within
-    inner = match.group(2)
+    return (model, int(match.group(1)), *_layer_order(match.group(2), within, local_spec))
+
+
+def _layer_order(inner: str, within: int, local_spec: bool) -> tuple[int, int]:
+    """(module, within it) of a layer's key ``inner`` in megatron-core's registration order."""
     for fused, local in LOCAL_NORMS.items():
         if local_spec and inner.startswith(fused):
             inner, within = local + inner[len(fused):], 2 + inner.endswith("bias")
-    module = next(number for number, name in enumerate(LOCAL_MODULE_ORDER) if inner.startswith(name))
-    return model, int(match.group(1)), module, within
+    return next(number for number, name in enumerate(LOCAL_MODULE_ORDER) if inner.startswith(name)), within
 
 
 class UnknownKey(ValueError):
