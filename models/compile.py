@@ -34,7 +34,7 @@ def compile_layers(chunks: nn.ModuleList, backend: str = "inductor") -> None:
 
         inductor.cpp.simdlen = 1
     for chunk in chunks:
-        for layer in [*chunk.layers, *(layer for depth in chunk.mtp for layer in depth.layers)]:
+        for layer in chunk.layers_with_depths():
             layer.forward = torch.compile(layer.forward, backend=backend)
         if chunk.post_process:
             chunk.head = torch.compile(chunk.head, backend=backend)

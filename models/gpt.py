@@ -18,6 +18,7 @@ from models.attention import LayerInputs
 from models.config import GPTConfig
 from models.layers.registry import LayerContext, build_layer, check_buildable
 from models.layers.residual import dropout
+from models.layers.stack import LayerStack
 from models.moe.balancing import LoadBalancing
 from models.mtp.depth import MTPDepth
 from models.norms import build_norm
@@ -34,7 +35,7 @@ from parallel.tensor.random import RNGTracker, model_parallel_tracker
 from parallel.tensor.weight_init import WeightInit
 
 
-class GPTModel(nn.Module):
+class GPTModel(LayerStack, nn.Module):
     """One rank's part of a GPT: [embedding] -> blocks ``layer_indices`` -> [final norm, output layer, loss].
 
     Owns the parameters of its part only. Tied (the default), the word embedding is also the output
@@ -74,7 +75,6 @@ class GPTModel(nn.Module):
                 with_init(self.position_embedding.weight, lambda: positions.full((config.max_positions, h)))
         self.embedding_dropout = dropout(config.hidden_dropout)  # (the prediction depths' embeddings too)
         self.frequencies = RotaryFrequencies(config)
-        self.layer_runner = None  # how the layers run when they are recomputed (``recompute_layers_with``)
         self.layer_indices = list(range(config.num_layers)) if layer_indices is None else list(layer_indices)
         # the MoE layers' load balancing (None without experts)
         self.balancing = balancing if balancing is not None or not config.num_experts \
@@ -106,9 +106,9 @@ class GPTModel(nn.Module):
                 build_layer(entry, built_with, config.num_layers + depth * len(kinds) + j)
                 for j, entry in enumerate(kinds)]) for depth in range(config.mtp_depths))
 
-    def recompute_layers_with(self, runner) -> None:
-        """Run the layers through ``runner(x, inputs)`` (full recompute; activation checkpointing)."""
-        self.layer_runner = runner
+    def layers_with_depths(self) -> list[nn.Module]:
+        """This part's layers, then its prediction depths' (what compile and recompute treat alike)."""
+        return [*self.layers, *(layer for depth in self.mtp for layer in depth.layers)]
 
     def global_parameter_names(self) -> dict[nn.Parameter, str]:
         """Each parameter's name in the whole GPT, the same in every layout: block indices are global,
@@ -209,11 +209,7 @@ class GPTModel(nn.Module):
         inputs they took (which the prediction depths' layers take too)."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         inputs = self.layer_inputs(position_ids, x.dtype, documents, whole_sequence)
-        if self.layer_runner is not None:
-            return self.layer_runner(x, inputs), inputs
-        for layer in self.layers:
-            x = layer(x, inputs)
-        return x, inputs
+        return self.run_layers(x, inputs), inputs
 
     def depth_state(self, depth: int, hidden: torch.Tensor, ahead: torch.Tensor,
                     ahead_positions: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:

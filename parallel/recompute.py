@@ -9,7 +9,7 @@ projections, rotary and the core they feed: only the latents are kept), ``layern
 attention and the MLP and ``moe_act`` the experts' activation (their outputs, which the next linear keeps,
 are dropped once it has run and rebuilt before its backward: Megatron's output-discarding checkpoint).
 ``apply_recompute`` installs it on a model's chunks through the model's runner hooks
-(``GPTModel.recompute_layers_with``, ``TransformerBlock.recompute_selectively``), so model code stays a
+(``LayerStack.recompute_layers_with``, ``TransformerBlock.recompute_selectively``), so model code stays a
 plain GPT and this module knows none of its parts.
 
 The recomputation is exact: the random state of the CPU, the GPU and the tensor-parallel tracker is
@@ -154,16 +154,15 @@ def apply_recompute(chunks: nn.ModuleList, policy: RecomputePolicy, tp: AxisGrou
         return
     pool = pool or BufferPool()
     for chunk in chunks:
-        depths = list(chunk.mtp)  # (the prediction depths' layers, each depth's run as the chunk's)
         if policy.granularity == "selective":  # q, k, v are already split by heads: nothing to partition
             store = CheckpointStore(pool, offload=policy.offload)
-            for layer in [*chunk.layers, *(layer for depth in depths for layer in depth.layers)]:
+            for layer in chunk.layers_with_depths():
                 layer.recompute_selectively(policy.modules, _selective_runner(chunk.rng, store),
                                             DroppedOutput())  # (each installs them where it has them)
         else:  # under sequence parallelism the layer input is already a 1/tp sequence shard
             partition = tp if policy.partition and not chunk.sequence_parallel else None
             store = CheckpointStore(pool, partition, policy.offload)
-            for part in [chunk, *depths]:
+            for part in [chunk, *chunk.mtp]:  # (each prediction depth's layers run as the chunk's)
                 part.recompute_layers_with(_full_runner(list(part.layers), chunk.rng, policy, store))
 
 

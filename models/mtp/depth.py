@@ -15,6 +15,7 @@ from torch import nn
 
 from models.attention import LayerInputs
 from models.config import GPTConfig
+from models.layers.stack import LayerStack
 from models.norms import build_norm
 from parallel.comm import AxisGroup
 from parallel.tensor.layers import ColumnParallelLinear
@@ -22,7 +23,7 @@ from parallel.tensor.mappings import gather_from_tensor_parallel, scatter_to_seq
 from parallel.tensor.weight_init import WeightInit
 
 
-class MTPDepth(nn.Module):
+class MTPDepth(LayerStack, nn.Module):
     """Owns its norms (``enorm``, ``hnorm``, ``final_norm``), ``eh_proj`` [h / tp, 2h] (its columns the
     embedding's, then the hidden state's) and ``layers`` (built by the caller from the layer registry: one
     of the main model's kind, or a hybrid pattern's part after ``/``).
@@ -41,11 +42,6 @@ class MTPDepth(nn.Module):
                                             bias=False, sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(layers)
         self.final_norm = build_norm(config, h, sequence_parallel)
-        self.layer_runner = None  # how its layers run when they are recomputed (``recompute_layers_with``)
-
-    def recompute_layers_with(self, runner) -> None:
-        """Run the layers through ``runner(x, inputs)`` (full recompute, as the model's own layers)."""
-        self.layer_runner = runner
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """hidden, embedded [s, b, h] (sequence-sharded under sequence parallelism) -> this depth's hidden
@@ -54,11 +50,7 @@ class MTPDepth(nn.Module):
         x = gather_from_tensor_parallel(self.eh_proj(joined), self.tp)  # [s, b, h], whole on every rank
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)
-        if self.layer_runner is not None:
-            return self.final_norm(self.layer_runner(x, inputs))
-        for layer in self.layers:
-            x = layer(x, inputs)
-        return self.final_norm(x)
+        return self.final_norm(self.run_layers(x, inputs))
 
 
 def shifted(tensor: torch.Tensor, shift: int) -> torch.Tensor:

@@ -278,8 +278,9 @@ def _mtp_extra_state_modules(config: GPTConfig) -> tuple[list[str], list[str]]:
     """The prediction depths' modules with an extra state in the local spec (their eh_proj and their
     layer's), and the prefixes of the layers whose experts have theirs (a mixture of experts' layer)."""
     modules, expert_layers = [], []
+    entries = config.mtp_layer_types()  # (one layer per depth: Megatron's GPT path)
     for depth in range(config.mtp_depths):
-        entry = config.mtp_layer_types()[0]
+        entry = entries[0]
         layer = f"mtp.layers.{depth}.transformer_layer."
         modules += [f"mtp.layers.{depth}.{module}" for module in MTP_EXTRA_STATE_MODULES]
         modules += [layer + module for module in _extra_state_modules(config, entry)]

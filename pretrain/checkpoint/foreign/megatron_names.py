@@ -240,9 +240,9 @@ def registration_order(key: str, local_spec: bool = True) -> tuple:
     if depth:  # a depth's own modules in its order, its layer's keys as a decoder layer's
         inner = depth.group(2)
         part = next(number for number, names in enumerate(_MTP_ORDER) if inner.startswith(names))
-        module = next((module for module in MTP_LAYER_MODULES if inner.startswith(module)), None)
+        within_layer = _in_depth_layer(inner)
         return (model, int(depth.group(1)), part,
-                *(_layer_order(inner[len(module):], within, local_spec) if module else (0, within)))
+                *(_layer_order(within_layer, within, local_spec) if within_layer else (0, within)))
     match = LAYER_KEY.match(key)
     if not match:
         return model, 0, 0, within
@@ -282,10 +282,17 @@ def ours_of(key: str, layer_offset: int = 0, expert_offset: int = 0, latent: boo
         depth, inner = match.groups()
         if inner in MTP_DEPTH_KEYS:
             return f"mtp.{depth}.{MTP_DEPTH_KEYS[inner]}"
-        module = next((module for module in MTP_LAYER_MODULES if inner.startswith(module)), None)
-        if module is not None:
-            return f"mtp.{depth}.layers.0.{_within_layer(key, inner[len(module):], expert_offset, latent)}"
+        within_layer = _in_depth_layer(inner)
+        if within_layer:
+            return f"mtp.{depth}.layers.0.{_within_layer(key, within_layer, expert_offset, latent)}"
     raise UnknownKey(key)
+
+
+def _in_depth_layer(inner: str) -> str | None:
+    """A depth's key ``inner`` (after ``mtp.layers.{k}.``) within its transformer layer, under either of
+    the module's names; None for the depth's own tensors."""
+    module = next((module for module in MTP_LAYER_MODULES if inner.startswith(module)), None)
+    return None if module is None else inner[len(module):]
 
 
 def ours_of_stacked(key: str, latent: bool = False) -> str:
