@@ -12,10 +12,13 @@ from models.gdn.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from models.gdn.mixer import GatedDeltaNet
 from models.gpt import GPTModel
 from parallel.comm import AxisGroup, CommStats
+from tests.models.exact import assert_near
 
 GDN = dict(hidden_size=32, num_attention_heads=4, vocab_size=100, linear_num_key_heads=2,
            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
            normalization="RMSNorm", layernorm_epsilon=1e-6)
+
+PARTS = ("o", "q", "k", "v", "g", "beta")
 
 
 def _alone() -> AxisGroup:
@@ -49,7 +52,7 @@ def test_the_chunked_rule_is_the_recurrence_forward_and_backward(length, chunk, 
     nets) or per key channel (Kimi delta attention): in fp64 the chunked rule's output and its gradients
     of q, k, v, g and beta are the recurrence's within 1e-12 of their scale; in fp32 each rule is within
     1e-6 of that exact value. (fp32 rounding alone puts the recurrence up to 4.5e-7 from it, so two fp32
-    evaluations may differ by twice that: a bound between them would test rounding, not the rule.)"""
+    evaluations may differ by twice that: tests/models/exact.py.)"""
     inputs, docs = _rule_inputs(length, torch.float32, documents, decay, length + chunk, channels)
     exact = [t.detach().double().requires_grad_() for t in inputs]
     grad = torch.randn(2, length, 3, 6, generator=torch.Generator().manual_seed(length * chunk))
@@ -59,14 +62,9 @@ def test_the_chunked_rule_is_the_recurrence_forward_and_backward(length, chunk, 
         return (out, *torch.autograd.grad(out, tensors, grad.to(out.dtype)))
 
     truth = values(recurrent_delta_rule, exact)
-    for name, dtype, got, tolerance in (
-            ("chunked", torch.float64, values(chunked_delta_rule, exact, chunk), 1e-12),
-            ("chunked", torch.float32, values(chunked_delta_rule, inputs, chunk), 1e-6),
-            ("recurrent", torch.float32, values(recurrent_delta_rule, inputs), 1e-6)):
-        for part, mine, theirs in zip(("o", "q", "k", "v", "g", "beta"), got, truth):
-            scale = theirs.abs().max().clamp_min(1e-30)  # (one token's g has no gradient)
-            error = ((mine.double() - theirs).abs().max() / scale).item()
-            assert error <= tolerance, (name, part, dtype, error)
+    assert_near(values(chunked_delta_rule, exact, chunk), truth, 1e-12, PARTS, "chunked fp64")
+    assert_near(values(chunked_delta_rule, inputs, chunk), truth, 1e-6, PARTS, "chunked fp32")
+    assert_near(values(recurrent_delta_rule, inputs), truth, 1e-6, PARTS, "recurrent fp32")
 
 
 def test_the_recurrence_is_transformers_and_documents_reset_the_state():
