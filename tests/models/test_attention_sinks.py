@@ -13,6 +13,7 @@ from parallel.context import ScoreOptions, attend, sequence_mask
 from parallel.tensor.random import RNGTracker
 from pretrain.config.arguments import ConfigError, parse_config
 from pretrain.startup.validation import validate
+from tests.models.exact import assert_near
 from tests.parity import NO_DROPOUT
 
 
@@ -22,12 +23,14 @@ def _alone() -> AxisGroup:
 
 def _eager_with_sinks(q, k, v, scale, mask, sinks):
     """transformers' eager gpt-oss attention: keys and values repeated per query head, the fp32 scores
-    masked, each head's sink appended as one more column, softmaxed, the column dropped."""
+    masked, each head's sink appended as one more column, softmaxed, the column dropped (fp64 inputs: all
+    in fp64)."""
     b, heads, s, _ = q.shape
     repeat = heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = (q @ k.transpose(-1, -2) * scale).float().masked_fill(~mask, float("-inf"))
-    column = sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-1, -2) * scale).to(wide).masked_fill(~mask, float("-inf"))
+    column = sinks.to(wide).view(1, heads, 1, 1).expand(b, heads, s, 1)
     probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
     return probs.to(v.dtype) @ v
 
@@ -46,14 +49,13 @@ def test_sinks_equal_the_eager_reference_forward_and_backward(window, documents,
     scale = d ** -0.5
     out = attend(q, k, v, ScoreOptions(scale, window), mask, sinks=sinks)
     causal = torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s)
-    reference = _eager_with_sinks(q, k, v, scale, causal if mask is None else mask, sinks)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    reference = _eager_with_sinks(*exact[:3], scale, causal if mask is None else mask, exact[3])
     assert out.shape == (b, heads, s, value_width)
-    torch.testing.assert_close(out, reference, rtol=0, atol=1e-6)
     weights = torch.randn(out.shape, generator=generator)
     ours = torch.autograd.grad((out * weights).sum(), (q, k, v, sinks))
-    theirs = torch.autograd.grad((reference * weights).sum(), (q, k, v, sinks))
-    for mine, wanted in zip(ours, theirs):
-        torch.testing.assert_close(mine, wanted, rtol=0, atol=1e-6)
+    theirs = torch.autograd.grad((reference * weights.double()).sum(), exact)
+    assert_near([out, *ours], [reference, *theirs], 1e-6, ("out", "q", "k", "v", "sinks"), "sinks")
 
 
 def test_a_sink_far_below_every_score_is_vanilla_attention():
