@@ -72,13 +72,13 @@ def test_the_recurrence_is_transformers_and_documents_reset_the_state():
     from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
-    for channels, theirs_rule in ((False, torch_recurrent_gated_delta_rule),
-                                  (True, recurrent_kimi_delta_attention)):
+    for channels, theirs_rule, name in ((False, torch_recurrent_gated_delta_rule, "Qwen3-Next"),
+                                        (True, recurrent_kimi_delta_attention, "Kimi Linear")):
         inputs, _ = _rule_inputs(23, torch.float32, False, 0.0, channels=channels)
         with torch.no_grad():
             theirs, _ = theirs_rule(*inputs, initial_state=None, output_final_state=False)
             exact = recurrent_delta_rule(*(t.double() for t in inputs), 8 ** -0.5)
-        assert_near([theirs], [exact], 1e-6, ["o"], theirs_rule.__name__)
+        assert_near([theirs], [exact], 1e-6, ["o"], name)
     (q, k, v, g, beta), _ = _rule_inputs(23, torch.float64, False, 0.0)
     documents = (torch.arange(23) >= 9).long()[None].expand(2, -1)
     reset = chunked_delta_rule(q, k, v, g, beta, 8 ** -0.5, 4, documents)
