@@ -146,18 +146,20 @@ def forward_flops_per_token(config: GPTConfig) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=64)
 def _forward_flops_per_token(frozen: tuple) -> tuple[float, float]:
-    layers, head = _forward_flops_parts(frozen)
-    return sum(matmul for matmul, _ in layers) + head, sum(attention for _, attention in layers)
+    layers, (head, head_mixing) = _forward_flops_parts(frozen)
+    return (sum(matmul for matmul, _ in layers) + head,
+            sum(attention for _, attention in layers) + head_mixing)
 
 
-def forward_flops_parts(config: GPTConfig) -> tuple[tuple[tuple[float, float], ...], float]:
+def forward_flops_parts(config: GPTConfig) -> tuple[tuple[tuple[float, float], ...], tuple[float, float]]:
     """``forward_flops_per_token`` by part: (weight products, sequence mixing) of each layer, and the
-    output layer's products (a pipeline stage costs what its layers and, last, the head cost)."""
+    same pair for the head: the output layer's products and, with prediction depths, theirs and their
+    layers' mixing (a pipeline stage costs what its layers and, last, the head cost)."""
     return _forward_flops_parts(frozen_config(config))
 
 
 @functools.lru_cache(maxsize=64)
-def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...], float]:
+def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...], tuple[float, float]]:
     config = thawed_config(frozen)
     chunk = _stage_model(frozen, 1, 1, 0, 1, False, None)[0]
     layers = [(2.0 * _active_matmuls(block), float(kind_of(entry).mixing_flops(config)))
@@ -172,7 +174,7 @@ def _forward_flops_parts(frozen: tuple) -> tuple[tuple[tuple[float, float], ...]
     head += sum(_active_matmuls(depth) for depth in depths) + len(depths) * output.numel()
     mixing = len(depths) * sum(float(kind_of(entry).mixing_flops(config))
                                for entry in config.mtp_layer_types())
-    return tuple(layers), 2.0 * (head + output.numel()) + mixing
+    return tuple(layers), (2.0 * (head + output.numel()), mixing)
 
 
 def _active_matmuls(block: nn.Module) -> float:

@@ -121,6 +121,25 @@ def test_what_is_not_built_yet_is_refused_by_name(flags, message):
         validate(parse_config(TINY + ["--mock-data"] + flags), 2)
 
 
+def test_the_planner_prices_each_depth_on_the_last_stage_its_mixing_without_a_weight_pass():
+    """A depth costs its projection, its layer and the output layer once more, and its layer's mixing; on
+    the last pipeline stage, whose weight pass (zero-bubble's W) holds products only, as a layer's does."""
+    from launch.tools.planning.schedule_price import stage_costs
+    from models.counting import forward_flops_parts
+
+    flags = TINY + ["--vocab-size", "512", "--position-embedding-type", "rope"]
+    plain, deep = (parse_config(flags + extra).model for extra in ([], ["--mtp-num-layers", "2"]))
+    layers, (head, mixing) = forward_flops_parts(plain)
+    assert forward_flops_parts(deep)[0] == layers and mixing == 0
+    h, output = plain.hidden_size, 512 * plain.hidden_size
+    assert forward_flops_parts(deep)[1] == (head + 2 * (layers[0][0] + 2 * (2 * h * h + output)),
+                                            2 * layers[0][1])
+    (forward, backward, weights), = stage_costs(deep, None, 1)
+    assert weights == sum(m for m, _ in layers) + forward_flops_parts(deep)[1][0]
+    assert forward - weights == sum(a for _, a in layers) + 2 * layers[0][1]
+    assert backward == weights + 2 * (forward - weights)
+
+
 def _with_mtp_layer(tmp_path, family: str, renamed, **overrides):
     """A tiny transformers ``family`` model and transformers' generic ``MtpModel`` of one layer on it, both
     perturbed, saved as the family's release keeps them: the main model by ``save_pretrained``, the MTP

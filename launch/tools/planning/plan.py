@@ -291,7 +291,7 @@ def _balanced_split(frozen: tuple, pp: int, chunks: int, v: bool) -> tuple[int, 
                 continue
             starts = [sum(counts[:stage]) for stage in range(pp)]
             work = [sum(cost[i] for i in range(start, start + count)) for start, count in zip(starts, counts)]
-            work[loss_rank] += head
+            work[loss_rank] += sum(head)
             if best_cost is None or max(work) < best_cost:
                 best, best_cost = counts, max(work)
     if best is None or len(set(best)) == 1:

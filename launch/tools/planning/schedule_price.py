@@ -4,11 +4,12 @@ action.
 
 A virtual stage's forward of a micro-batch costs F = M + A over its layers (M: their weight products, A:
 the attention scores and weighted sum, ``models.counting.forward_flops_parts``), the last one's also the
-output layer's products; the input-gradient pass B = M + 2 A (plus F under full recompute, which rebuilds
-the forward inside it), the weight pass W = M; a backward that is not split costs B + W. So an uneven cut
-(``parallel.pipeline.partition``) is laid out with what each of its stages does. A (chunk, micro-batch)
-holds its saved activations from its forward to its backward and, split, what its weight pass needs (the
-products' operands and the other parameters' gradients) from B to W. The timeline is exact for these
+output layer's products (and the prediction depths' products and mixing); the input-gradient pass
+B = M + 2 A (plus F under full recompute, which rebuilds the forward inside it), the weight pass W = M; a
+backward that is not split costs B + W. So an uneven cut (``parallel.pipeline.partition``) is laid out
+with what each of its stages does. A (chunk, micro-batch) holds its saved activations from its forward
+to its backward and, split, what its weight pass needs (the products' operands and the other parameters'
+gradients) from B to W. The timeline is exact for these
 costs; how close they are to a device's is the benchmark's to say (``launch.bench.pipeline``). A stage's
 idle time and its peak no longer change once the steady state repeats, so a step of more than ``4 pp``
 micro-batches is laid out with ``4 pp`` and each stage's busy time extended.
@@ -46,8 +47,9 @@ def _stage_costs(frozen: tuple, recompute: str | None, pp: int, chunks: int,
     stages, found = pp * chunks, []
     for virtual in range(stages):
         indices = chunk_layers(config.num_layers, stages, virtual, 0, 1, split)
-        matmul = sum(layers[i][0] for i in indices) + (head if virtual == stages - 1 else 0.0)
-        attention = sum(layers[i][1] for i in indices)
+        last = virtual == stages - 1
+        matmul = sum(layers[i][0] for i in indices) + (head[0] if last else 0.0)
+        attention = sum(layers[i][1] for i in indices) + (head[1] if last else 0.0)
         forward = matmul + attention
         found.append((forward, matmul + 2 * attention + (forward if recompute == "full" else 0.0), matmul))
     return tuple(found)
