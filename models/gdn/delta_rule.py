@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.mamba.ssd_scan import segments
+from models.linear_mixing.documents import segments
 
 
 def _compute_dtype(v: torch.Tensor) -> torch.dtype:

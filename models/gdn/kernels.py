@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from models.gdn.delta_rule import chunked_delta_rule
-from models.mamba.kernels import installed
-from models.mamba.recomputed import Recomputed
-from models.mamba.ssd_scan import segments
+from models.linear_mixing.documents import segments
+from models.linear_mixing.libraries import installed
+from models.linear_mixing.recomputed import Recomputed
 from parallel.comm import compile_boundary
 
 CHUNK = 64  # megatron-core's and the kernel's chunk

@@ -25,9 +25,9 @@ from torch import nn
 from models.config import GPTConfig
 from models.gdn.gated_norm import NormThenGate
 from models.gdn.kernels import gated_delta_rule
-from models.mamba import init
-from models.mamba.conv import recomputed_causal_conv
-from models.mamba.mixer import Held
+from models.linear_mixing import init
+from models.linear_mixing.conv import recomputed_causal_conv
+from models.linear_mixing.held import Held
 from models.norms import build_norm
 from parallel.comm import AxisGroup
 from parallel.context import ContextParallel

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from models.gdn.delta_rule import chunked_delta_rule
 from models.gdn.kernels import delta_rule_backend, fla_rule, l2_normalised
-from models.mamba.recomputed import Recomputed
+from models.linear_mixing.recomputed import Recomputed
 from parallel.comm import compile_boundary
 
 # the reference's chunk: its pairwise decays are [chunk, chunk, dk] per chunk and head (exact, not lean)

@@ -15,13 +15,14 @@ GPU kernels, tried in order (``pip install .[mamba]`` installs the second; the f
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 
 import torch
 
-from models.mamba.recomputed import Recomputed
-from models.mamba.ssd_scan import chunked_scan, segments
+from models.linear_mixing.documents import segments
+from models.linear_mixing.libraries import installed
+from models.linear_mixing.recomputed import Recomputed
+from models.mamba.ssd_scan import chunked_scan
 from parallel.comm import compile_boundary
 
 
@@ -49,16 +50,6 @@ def _reference(x, dt, A, B, C, chunk, D, documents):
 
 
 BACKENDS = {"mamba_ssm": ("mamba_ssm", _mamba_ssm), "fla": ("fla", _fla), "reference": (None, _reference)}
-
-
-def installed(module: str | None) -> bool:
-    """Whether ``module`` (a kernel library; None: the reference) can be imported here."""
-    if module is None:
-        return True
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def scan_backend(device: torch.device, documents: bool) -> str:

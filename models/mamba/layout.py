@@ -3,24 +3,14 @@
 Ours is group-major (``models.mamba.mixer``): ``in_proj`` rows group by group [z_g, x_g, B_g, C_g, dt_g],
 the convolution's channels [x_g, B_g, C_g]. megatron-core and Hugging Face keep them part-major: [z | x |
 B | C | dt] over all groups (and [x | B | C]), each part's rows group by group. Interop permutes with
-``group_major_rows`` / ``group_major_channels``: ours = theirs[order], theirs[order] = ours.
+``group_major_rows`` / ``group_major_channels`` (orders for ``models.linear_mixing.layout``'s maps).
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def group_major(parts: list[int], groups: int) -> torch.Tensor:
-    """For part-major rows of ``parts`` (each part's total rows, split evenly over ``groups``), the
-    part-major row of each group-major row (a gated delta net's key heads are its groups)."""
-    starts = torch.tensor([0] + parts[:-1]).cumsum(0).tolist()
-    order = []
-    for group in range(groups):
-        for start, rows in zip(starts, parts):
-            share = rows // groups
-            order.extend(range(start + group * share, start + (group + 1) * share))
-    return torch.tensor(order)
+from models.linear_mixing.layout import group_major
 
 
 def group_major_rows(inner: int, groups: int, state: int, heads: int) -> torch.Tensor:
@@ -32,18 +22,6 @@ def group_major_rows(inner: int, groups: int, state: int, heads: int) -> torch.T
 def group_major_channels(inner: int, groups: int, state: int) -> torch.Tensor:
     """The convolution (weight rows and bias): the part-major channel of each of ours (x, B, C)."""
     return group_major([inner, groups * state, groups * state], groups)
-
-
-def to_group_major(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Part-major rows -> ours."""
-    return tensor[order]
-
-
-def to_part_major(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Our rows -> part-major."""
-    out = torch.empty_like(tensor)
-    out[order] = tensor
-    return out
 
 
 def virtual_groups(groups: int, heads: int, head_dim: int, state: int, split: int, first: int,

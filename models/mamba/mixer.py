@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import GPTConfig
-from models.mamba import init
+from models.linear_mixing import init
 from models.mamba.config import CONV_KERNEL, NORM_EPSILON
-from models.mamba.conv import recomputed_causal_conv
+from models.linear_mixing.conv import recomputed_causal_conv
+from models.linear_mixing.held import Held
 from models.mamba.gated_norm import GatedRMSNorm
 from models.mamba.layout import virtual_groups
 from models.mamba.kernels import ssd_scan
@@ -32,14 +33,6 @@ from parallel.context.head_exchange import to_heads, to_sequence
 from parallel.param_meta import declare
 from parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, shard_parameter
 from parallel.tensor.weight_init import WeightInit
-
-
-class Held(nn.Module):
-    """Holds a weight (and a bias) under the name megatron-core gives them (``conv1d``, ``norm``)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
 
 
 def group_rows(config: GPTConfig) -> tuple[int, int, int, int, int]:

@@ -15,13 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def segments(documents: torch.Tensor) -> torch.Tensor:
-    """[b, S] -> a run index per token, rising by one at every document boundary (so two tokens are in
-    one document exactly when their run indices are equal, whatever ids the documents have)."""
-    starts = torch.ones_like(documents, dtype=torch.long)
-    starts[:, 1:] = (documents[:, 1:] != documents[:, :-1]).long()
-    return starts.cumsum(1)
+from models.linear_mixing.documents import segments
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

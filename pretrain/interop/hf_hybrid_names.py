@@ -3,12 +3,11 @@ Nemotron-H and Mamba2 (one norm and one mixer per layer), Granite 4.0-H, Qwen3-N
 Linear (a mixer then a feed-forward part per layer: two of our layers each).
 
 Mamba-2's fused in_proj rows and convolution channels are part-major there, group-major here
-(``models.mamba.layout``). Qwen3-Next's gated delta net keeps its q, k, v, z and b, a projections key head
-by key head (our rows, joined per key head) and its convolution's channels part-major [q | k | v]; its
+(``models.linear_mixing.layout``). Qwen3-Next's gated delta net keeps its q, k, v, z and b, a projections key
+head by key head (our rows, joined per key head) and its convolution's channels part-major [q | k | v]; its
 attention's q_proj holds each head's query then its output gate (ours: each group's queries, then their
 gates); its norms are offsets from 1 (``--apply-layernorm-1p``) except the delta net's output norm. Kimi
-Linear's delta attention keeps q, k, v, b and their three convolutions apart (ours: joined head by head).
-"""
+Linear's delta attention keeps q, k, v, b and their three convolutions apart (ours: joined head by head)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from collections.abc import Iterator
 import torch
 
 from models.config import GPTConfig
-from models.mamba.layout import (group_major, group_major_channels, group_major_rows, to_group_major,
-                                 to_part_major)
+from models.linear_mixing.layout import group_major, to_group_major, to_part_major
+from models.mamba.layout import group_major_channels, group_major_rows
 from pretrain.interop.hf_moe import GATE_UP_DOWN
 from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, latent_rules, moe_rules,
                                       nemotron_depth_blocks, norm_rule, qkv_from, qkv_to, same)
@@ -27,7 +26,7 @@ from pretrain.interop.hf_names import (Rule, StackedRule, gated_mlp, latent_rule
 
 def _mamba_rules(config: GPTConfig, ours: str, theirs: str) -> Iterator[Rule]:
     """A Mamba-2 mixer: its fused in_proj rows and convolution channels part-major there, group-major here
-    (``models.mamba.layout``); the rest as they are."""
+    (``models.linear_mixing.layout``); the rest as they are."""
     inner, groups, state = config.mamba_inner, config.mamba_num_groups, config.mamba_state_dim
     for name, order in (("in_proj.weight", group_major_rows(inner, groups, state, config.mamba_heads)),
                         ("conv1d.weight", group_major_channels(inner, groups, state)),

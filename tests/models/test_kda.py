@@ -10,7 +10,7 @@ from models.config import GPTConfig
 from models.counting import num_parameters
 from models.gpt import GPTModel
 from models.kda.mixer import KimiDeltaAttention
-from models.mamba.layout import group_major
+from models.linear_mixing.layout import group_major
 from parallel.comm import AxisGroup, CommStats
 
 HEADS, WIDTH = 4, 8

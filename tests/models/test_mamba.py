@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from models.config import GPTConfig
 from models.counting import num_parameters
 from models.gpt import GPTModel
-from models.mamba.conv import causal_conv
-from models.mamba.layout import group_major_channels, group_major_rows, to_group_major, to_part_major
+from models.linear_mixing.conv import causal_conv
+from models.linear_mixing.layout import to_group_major, to_part_major
+from models.mamba.layout import group_major_channels, group_major_rows
 from models.mamba.mixer import MambaMixer
 from models.mamba.ssd_scan import chunked_scan, recurrent_scan
 from parallel.comm import AxisGroup, CommStats

@@ -33,7 +33,7 @@ def install_mamba_stand_ins() -> None:
     """``sys.modules`` entries for the kernel modules megatron-core's mixer imports."""
     if "mamba_ssm" in sys.modules:
         return
-    from models.mamba.conv import causal_conv
+    from models.linear_mixing.conv import causal_conv
     from models.mamba.ssd_scan import chunked_scan
 
     def dt_of(dt, dt_bias, softplus, limit):

@@ -3,12 +3,12 @@
 megatron-core keeps a Mamba-2 mixer's ``in_proj`` rows [z | x | B | C | dt] and its convolution's
 channels [x | B | C], a gated delta net's ``in_proj`` rows [q | k | v | z | beta | alpha] and its
 convolution's [q | k | v]: each part's rows group by group (a Mamba group, a gated delta net's key head
-with its value heads). Ours are group-major (``models.mamba.layout``), so a contiguous tp slice is whole
-groups. A legacy rank file holds each tp rank's slice part-major over that rank's own groups, so its rows
-become our rank slice by the permutation of one rank's sizes. torch_dist saves each part under a key of
-its own (``mixer.in_proj.weight.z`` .. ``.dt``, ``self_attention.in_proj.weight.query`` .. ``.alpha``),
-each the whole part split over tp: joined in order they are the global part-major tensor. Holds no tensor
-of its own.
+with its value heads). Ours are group-major (``models.linear_mixing.layout``), so a contiguous tp slice
+is whole groups. A legacy rank file holds each tp rank's slice part-major over that rank's own groups, so
+its rows become our rank slice by the permutation of one rank's sizes. torch_dist saves each part under
+a key of its own (``mixer.in_proj.weight.z`` .. ``.dt``, ``self_attention.in_proj.weight.query`` ..
+``.alpha``), each the whole part split over tp: joined in order they are the global part-major tensor.
+Holds no tensor of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from models.config import GPTConfig
-from models.mamba.layout import group_major, to_group_major, to_part_major
+from models.linear_mixing.layout import group_major, to_group_major, to_part_major
 
 
 def _mamba_rows(config: GPTConfig) -> dict[str, int]:

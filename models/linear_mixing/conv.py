@@ -1,14 +1,14 @@
-"""Mamba-2's short causal convolution: each channel convolved with its own K taps over the past K - 1
-tokens and itself, plus a bias, then SiLU; with ``documents``, taps never reach into an earlier
-document (megatron-core's ``seq_idx``)."""
+"""The linear-time mixers' short causal convolution (Mamba-2's, and the delta nets' on q, k, v): each
+channel convolved with its own K taps over the past K - 1 tokens and itself, plus a bias, then SiLU; with
+``documents``, taps never reach into an earlier document (megatron-core's ``seq_idx``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from models.mamba.recomputed import Recomputed
-from models.mamba.ssd_scan import segments
+from models.linear_mixing.documents import segments
+from models.linear_mixing.recomputed import Recomputed
 from parallel.comm import compile_boundary
 
 

@@ -1,5 +1,6 @@
-"""megatron-core's initial values of a Mamba-2 layer's own parameters, drawn in full (the master) from a
-``WeightInit`` seed per name, as every weight here is: the same numbers in every layout.
+"""megatron-core's initial values of a linear-time mixer's own parameters (Mamba-2's laws, which the
+delta nets take too), drawn in full (the master) from a ``WeightInit`` seed per name, as every weight
+here is: the same numbers in every layout.
 
 - the convolution: weight and bias U(-1/sqrt(K), 1/sqrt(K)) (PyTorch's Conv1d default);
 - ``dt_bias``: dt = exp(U(ln dt_min, ln dt_max)) floored at 1e-4, stored as its inverse softplus, so
