@@ -1,12 +1,13 @@
-"""megatron-core's initial values of a linear-time mixer's own parameters (Mamba-2's laws, which the
-delta nets take too), drawn in full (the master) from a ``WeightInit`` seed per name, as every weight
-here is: the same numbers in every layout.
+"""megatron-core's initial values of a linear-time mixer's own parameters (Mamba-2's laws; the delta
+nets draw their convolution's weight and A_log from them), drawn in full (the master) from a
+``WeightInit`` seed per name, as every weight here is: the same numbers in every layout.
 
 - the convolution: weight and bias U(-1/sqrt(K), 1/sqrt(K)) (PyTorch's Conv1d default);
 - ``dt_bias``: dt = exp(U(ln dt_min, ln dt_max)) floored at 1e-4, stored as its inverse softplus, so
   that softplus(dt_bias) starts between dt_min and dt_max;
 - ``A_log``: ln A with A ~ U[1, 16] (the decay per head is exp(-dt A));
-- ``D`` and the gated norm's weight: ones.
+(Mamba's ``D`` and gated norm weight, and the delta nets' ``dt_bias``, start at ones: their mixers
+make them.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two row orders of a Mamba-2 mixer's fused weights, and the map between them.
+"""The two row orders of a Mamba-2 mixer's fused weights.
 
 Ours is group-major (``models.mamba.mixer``): ``in_proj`` rows group by group [z_g, x_g, B_g, C_g, dt_g],
 the convolution's channels [x_g, B_g, C_g]. megatron-core and Hugging Face keep them part-major: [z | x |

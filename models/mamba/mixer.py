@@ -21,9 +21,9 @@ from torch import nn
 
 from models.config import GPTConfig
 from models.linear_mixing import init
-from models.mamba.config import CONV_KERNEL, NORM_EPSILON
 from models.linear_mixing.conv import recomputed_causal_conv
 from models.linear_mixing.held import Held
+from models.mamba.config import CONV_KERNEL, NORM_EPSILON
 from models.mamba.gated_norm import GatedRMSNorm
 from models.mamba.layout import virtual_groups
 from models.mamba.kernels import ssd_scan
