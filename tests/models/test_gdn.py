@@ -12,7 +12,7 @@ from models.gdn.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from models.gdn.mixer import GatedDeltaNet
 from models.gpt import GPTModel
 from parallel.comm import AxisGroup, CommStats
-from tests.models.exact import assert_near
+from tests.models.exact import assert_near, with_gradients
 
 GDN = dict(hidden_size=32, num_attention_heads=4, vocab_size=100, linear_num_key_heads=2,
            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
@@ -57,8 +57,7 @@ def test_the_chunked_rule_is_the_recurrence_forward_and_backward(length, chunk, 
     grad = torch.randn(2, length, 3, 6, generator=torch.Generator().manual_seed(length * chunk))
 
     def values(rule, tensors, *chunking):
-        out = rule(*tensors, 8 ** -0.5, *chunking, docs)
-        return (out, *torch.autograd.grad(out, tensors, grad.to(out.dtype)))
+        return with_gradients(rule(*tensors, 8 ** -0.5, *chunking, docs), tensors, grad)
 
     truth = values(recurrent_delta_rule, exact)
     assert_near(values(chunked_delta_rule, exact, chunk), truth, 1e-12, PARTS, "chunked fp64")

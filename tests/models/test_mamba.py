@@ -17,7 +17,7 @@ from models.mamba.layout import group_major_channels, group_major_rows
 from models.mamba.mixer import MambaMixer
 from models.mamba.ssd_scan import chunked_scan, recurrent_scan
 from parallel.comm import AxisGroup, CommStats
-from tests.models.exact import assert_near
+from tests.models.exact import assert_near, with_gradients
 from tests.parity import NO_DROPOUT
 
 
@@ -52,7 +52,7 @@ def test_chunked_scan_equals_the_recurrence_forward_and_backward(length, chunk, 
         x, dt, A, B, C, D = tensors
         out = (recurrent_scan(x, dt, A, B, C, D, docs) if chunking is None
                else chunked_scan(x, dt, A, B, C, chunking, D, docs))
-        return [out, *torch.autograd.grad((out * upstream.to(out.dtype)).sum(), tensors)]
+        return with_gradients(out, tensors, upstream)
 
     names = ("y", "dx", "ddt", "dA", "dB", "dC", "dD")
     truth = values(exact)

@@ -130,12 +130,13 @@ def test_the_planner_prices_each_depth_on_the_last_stage_its_mixing_without_a_we
     flags = TINY + ["--vocab-size", "512", "--position-embedding-type", "rope"]
     plain, deep = (parse_config(flags + extra).model for extra in ([], ["--mtp-num-layers", "2"]))
     layers, (head, mixing) = forward_flops_parts(plain)
-    assert forward_flops_parts(deep)[0] == layers and mixing == 0
+    deep_layers, (deep_head, deep_mixing) = forward_flops_parts(deep)
+    assert deep_layers == layers and mixing == 0
     h, output = plain.hidden_size, 512 * plain.hidden_size
-    assert forward_flops_parts(deep)[1] == (head + 2 * (layers[0][0] + 2 * (2 * h * h + output)),
-                                            2 * layers[0][1])
+    assert deep_head == head + 2 * (layers[0][0] + 2 * (2 * h * h + output))
+    assert deep_mixing == 2 * layers[0][1]
     (forward, backward, weights), = stage_costs(deep, None, 1)
-    assert weights == sum(m for m, _ in layers) + forward_flops_parts(deep)[1][0]
+    assert weights == sum(m for m, _ in layers) + deep_head
     assert forward - weights == sum(a for _, a in layers) + 2 * layers[0][1]
     assert backward == weights + 2 * (forward - weights)
 

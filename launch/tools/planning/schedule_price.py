@@ -9,10 +9,10 @@ B = M + 2 A (plus F under full recompute, which rebuilds the forward inside it),
 backward that is not split costs B + W. So an uneven cut (``parallel.pipeline.partition``) is laid out
 with what each of its stages does. A (chunk, micro-batch) holds its saved activations from its forward
 to its backward and, split, what its weight pass needs (the products' operands and the other parameters'
-gradients) from B to W. The timeline is exact for these
-costs; how close they are to a device's is the benchmark's to say (``launch.bench.pipeline``). A stage's
-idle time and its peak no longer change once the steady state repeats, so a step of more than ``4 pp``
-micro-batches is laid out with ``4 pp`` and each stage's busy time extended.
+gradients) from B to W. The timeline is exact for these costs; how close they are to a device's is the
+benchmark's to say (``launch.bench.pipeline``). A stage's idle time and its peak no longer change once
+the steady state repeats, so a step of more than ``4 pp`` micro-batches is laid out with ``4 pp`` and
+each stage's busy time extended.
 """
 
 from __future__ import annotations
